@@ -1,0 +1,77 @@
+"""The one configuration of the transport: :class:`TransportConfig`.
+
+Every server and client takes one; the defaults suit a single machine. The wire limits here are
+also the limits ``docs/wire-protocol.md`` promises a peer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from polytinker.errors import ConfigError
+
+_MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """Timeouts, heartbeats, size limits and queue depths of the ZeroMQ transport."""
+
+    request_timeout_s: float | None = 30.0
+    # Default per-call timeout of RpcClient.call; None waits for ever (dead-peer detection still applies).
+    heartbeat_interval_s: float = 1.0
+    # A client pings its server this often; the server answers from its I/O thread, never behind handlers.
+    heartbeat_liveness: int = 3
+    # The peer is dead after this many intervals with nothing received; pending calls fail with PeerDeadError.
+    max_message_bytes: int = 1 << 31
+    # Largest single frame a socket accepts (ZMQ_MAXMSGSIZE; libzmq drops the connection of a peer that
+    # sends a bigger one) and the largest whole message (all frames) a server handles.
+    max_body_bytes: int = 64 * _MIB
+    # Largest msgpack body frame (frame 1); a bigger one gets a `too_large` error reply.
+    max_frames: int = 1024
+    # Most out-of-band buffer frames in one message.
+    max_container_len: int = 1 << 24
+    # Most elements in one msgpack array or map (bounds what a hostile header can make us allocate).
+    inline_max_bytes: int = 1024
+    # Arrays and tensors at most this large travel inside the msgpack body; bigger ones as their own frame.
+    sndhwm: int = 100_000
+    # ZMQ_SNDHWM: messages queued per peer before sends fail (client) or drop (server).
+    rcvhwm: int = 100_000
+    # ZMQ_RCVHWM: messages queued on receive per peer.
+    handler_threads: int = 8
+    # Threads that run a server's handlers, so a slow handler never blocks the socket.
+
+    def __post_init__(self) -> None:
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ConfigError(
+                f"TransportConfig.request_timeout_s must be > 0 or None (no timeout), got {self.request_timeout_s}"
+            )
+        if self.heartbeat_interval_s <= 0:
+            raise ConfigError(f"TransportConfig.heartbeat_interval_s must be > 0, got {self.heartbeat_interval_s}")
+        if self.heartbeat_liveness < 2:
+            raise ConfigError(
+                f"TransportConfig.heartbeat_liveness must be >= 2 (one missed ping is not a death), "
+                f"got {self.heartbeat_liveness}"
+            )
+        for name in ("max_message_bytes", "max_body_bytes", "max_frames", "max_container_len", "sndhwm", "rcvhwm"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"TransportConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.max_body_bytes > self.max_message_bytes:
+            raise ConfigError(
+                f"TransportConfig.max_body_bytes ({self.max_body_bytes}) must not exceed "
+                f"max_message_bytes ({self.max_message_bytes}); raise max_message_bytes or lower max_body_bytes"
+            )
+        if self.inline_max_bytes < 0:
+            raise ConfigError(f"TransportConfig.inline_max_bytes must be >= 0, got {self.inline_max_bytes}")
+        if self.handler_threads < 1:
+            raise ConfigError(f"TransportConfig.handler_threads must be >= 1, got {self.handler_threads}")
+
+    @property
+    def dead_after_s(self) -> float:
+        """Silence after which the peer counts as dead."""
+        return self.heartbeat_interval_s * self.heartbeat_liveness
+
+
+DEFAULT_CONFIG = TransportConfig()
+
+__all__ = ["DEFAULT_CONFIG", "TransportConfig"]

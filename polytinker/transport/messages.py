@@ -1,0 +1,120 @@
+"""Typed messages: a registry of frozen dataclasses, one per message name.
+
+``@message("sample")`` registers a dataclass under a name. The codec then carries instances of it
+(anywhere in a payload, nested too) as a msgpack ext value holding the name and a map of fields,
+and rebuilds the same type on the other side, so ``__post_init__`` validation runs at the edge.
+
+When a registered name equals an RPC kind, the server also checks that a request of that kind
+carries exactly that type before its handler runs (see ``RpcServer``).
+
+On decode, fields annotated as tuples (``tuple[int, ...]``, ``tuple[X, ...] | None``) get tuples
+back and fields annotated with an ``Enum`` subclass get its member back; everything else arrives
+as the codec gives it (lists for sequences).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import threading
+import types
+import typing
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from polytinker.errors import ConfigError, ProtocolError
+
+T = TypeVar("T")
+
+_lock = threading.Lock()
+_by_name: dict[str, type] = {}
+_by_type: dict[type, str] = {}
+# Per-type field converters, built on first decode (type hints may name classes defined later).
+_converters: dict[type, dict[str, Callable[[Any], Any]]] = {}
+
+
+def register_message(name: str, cls: type) -> None:
+    """Register dataclass ``cls`` under ``name``; a name or a class registers once."""
+    if not name or not isinstance(name, str):
+        raise ConfigError(f"message name must be a non-empty string, got {name!r}")
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        raise ConfigError(f"@message({name!r}) needs a dataclass, got {cls!r}")
+    with _lock:
+        if _by_name.get(name, cls) is not cls:
+            raise ConfigError(f"message name {name!r} is already registered to {_by_name[name].__qualname__}")
+        if _by_type.get(cls, name) != name:
+            raise ConfigError(f"{cls.__qualname__} is already registered as {_by_type[cls]!r}")
+        _by_name[name] = cls
+        _by_type[cls] = name
+
+
+def message(name: str) -> Callable[[type[T]], type[T]]:
+    """Class decorator: ``@message("kind")`` above ``@dataclass(frozen=True)`` registers the class."""
+
+    def deco(cls: type[T]) -> type[T]:
+        register_message(name, cls)
+        return cls
+
+    return deco
+
+
+def message_name(cls: type) -> str | None:
+    """The registered name of ``cls``, or None."""
+    return _by_type.get(cls)
+
+
+def message_type(name: str) -> type | None:
+    """The class registered under ``name``, or None."""
+    return _by_name.get(name)
+
+
+def to_fields(obj: Any) -> dict[str, Any]:
+    """The init fields of a registered dataclass instance, shallow (nested values stay objects)."""
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init}
+
+
+def from_fields(name: str, fields: Any) -> Any:
+    """Rebuild the message registered as ``name``; any mismatch is a ProtocolError."""
+    cls = _by_name.get(name)
+    if cls is None:
+        raise ProtocolError(f"unknown message type {name!r} (not registered with @message on this side)")
+    if not isinstance(fields, dict) or not all(isinstance(k, str) for k in fields):
+        raise ProtocolError(f"message {name!r}: fields must be a map of names to values")
+    conv = _converters.get(cls)
+    if conv is None:
+        conv = _converters[cls] = _build_converters(cls)
+    try:
+        kwargs = {k: (conv[k](v) if k in conv and v is not None else v) for k, v in fields.items()}
+        return cls(**kwargs)
+    except Exception as exc:  # a hostile peer controls every field: any failure is its fault
+        raise ProtocolError(f"message {name!r} does not fit {cls.__qualname__}: {type(exc).__name__}: {exc}") from exc
+
+
+def _build_converters(cls: type) -> dict[str, Callable[[Any], Any]]:
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # unresolvable annotations: fall back to the values as decoded
+        return {}
+    out: dict[str, Callable[[Any], Any]] = {}
+    for f in dataclasses.fields(cls):
+        fn = _converter_for(hints.get(f.name))
+        if fn is not None:
+            out[f.name] = fn
+    return out
+
+
+def _converter_for(hint: Any) -> Callable[[Any], Any] | None:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(options) != 1:
+            return None
+        return _converter_for(options[0])
+    if hint is tuple or origin is tuple:
+        return lambda v: tuple(v) if isinstance(v, list) else v
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return hint
+    return None
+
+
+__all__ = ["from_fields", "message", "message_name", "message_type", "register_message", "to_fields"]
