@@ -99,6 +99,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     n: int = 1
+    ignore_eos: bool = False  # keep sampling past EOS (stop_token_ids still stop): fixed-length benchmarks
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
