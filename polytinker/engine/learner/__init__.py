@@ -1,0 +1,52 @@
+"""Learners: Tinker-style training primitives over one base model.
+
+- ``MultiAdapterLearner``: many LoRA adapters on one frozen base model, each with its own AdamW.
+- ``FullParamLearner``: every weight of one model trains (no adapters).
+- ``make_learner(model, config)``: the one ``config.mode`` asks for.
+- ``ForwardBackwardResult``: loss, per-datum logprobs and metrics of one ``forward_backward``.
+- ``LearnerConfig``, ``AdamParams``, ``LossConfig``: configuration.
+- ``init_distributed``, ``launch_group``, ``DistInfo``: data-parallel groups (gloo on CPU, NCCL on GPU).
+- ``save_checkpoint`` / ``load_checkpoint``: the atomic on-disk state format.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from polytinker.engine.learner._base import ForwardBackwardResult, Learner
+from polytinker.engine.learner.config import AdamParams, LearnerConfig, LossConfig
+from polytinker.engine.learner.distributed import SINGLE, DistInfo, init_distributed, launch_group
+from polytinker.engine.learner.full_param import FULL_SLOT, FullParamLearner
+from polytinker.engine.learner.losses import LOSS_FNS
+from polytinker.engine.learner.multi_adapter import MultiAdapterLearner
+from polytinker.engine.learner.state import load_checkpoint, save_checkpoint
+
+
+def make_learner(
+    model: nn.Module, config: LearnerConfig | None = None, dist: DistInfo = SINGLE, pad_token_id: int = 0
+) -> MultiAdapterLearner | FullParamLearner:
+    """The learner ``config.mode`` names, over ``model`` (moved to ``dist.device``)."""
+    config = config or LearnerConfig()
+    if config.mode == "full":
+        return FullParamLearner(model, config, dist, pad_token_id=pad_token_id)
+    return MultiAdapterLearner(model, config, dist, pad_token_id=pad_token_id)
+
+
+__all__ = [
+    "FULL_SLOT",
+    "LOSS_FNS",
+    "SINGLE",
+    "AdamParams",
+    "DistInfo",
+    "ForwardBackwardResult",
+    "FullParamLearner",
+    "Learner",
+    "LearnerConfig",
+    "LossConfig",
+    "MultiAdapterLearner",
+    "init_distributed",
+    "launch_group",
+    "load_checkpoint",
+    "make_learner",
+    "save_checkpoint",
+]

@@ -1,0 +1,189 @@
+"""What every learner shares: Tinker's primitives over named "slots" of trainable parameters.
+
+A slot is one LoRA adapter (multi-adapter mode) or the whole model (full-parameter mode). Each
+slot has its own AdamW, its own version counter and its own pending-token count. Gradients
+accumulate in the slot's ``.grad`` tensors across ``forward_backward`` calls until ``optim_step``,
+which (in a data-parallel group) sums them over ranks first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from polytinker.engine.learner.config import AdamParams, LearnerConfig, LossConfig
+from polytinker.engine.learner.distributed import SINGLE, DistInfo, all_reduce_sum_, log0
+from polytinker.engine.learner.losses import check_loss_inputs, collate, kl_to_reference, policy_loss, token_logprobs
+from polytinker.engine.types import AdapterName, AdapterRef, Datum, LossFnName
+from polytinker.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ForwardBackwardResult:
+    """What one ``forward_backward`` call returns (the gradients stay in the learner)."""
+
+    loss: float  # summed over weighted tokens of this call (KL term included), on this rank
+    logprobs: list[list[float]]  # per datum, one per target token, under the weights before the step
+    metrics: dict[str, float] = field(default_factory=dict)  # namespaced: loss/..., kl/..., ppo/...
+
+
+@dataclass
+class Slot:
+    """One independently optimised set of parameters."""
+
+    name: AdapterName
+    params: dict[str, nn.Parameter]  # fixed order: the optimizer state is saved by position
+    version: int = 0
+    optimizer: torch.optim.AdamW | None = None
+    pending_tokens: float = 0.0  # weighted tokens accumulated since the last optim_step
+
+    def ref(self) -> AdapterRef:
+        return AdapterRef(self.name, self.version)
+
+    def make_optimizer(self, adam: AdamParams) -> torch.optim.AdamW:
+        if self.optimizer is None:
+            # foreach=False: per-tensor updates keep peak memory low on a CPU and results identical across ranks.
+            self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=adam.learning_rate, foreach=False)
+        for group in self.optimizer.param_groups:
+            group.update(
+                lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps, weight_decay=adam.weight_decay
+            )
+        return self.optimizer
+
+
+class Learner:
+    """Tinker-style training primitives; subclasses say what a slot is and how to select it."""
+
+    def __init__(self, model: nn.Module, config: LearnerConfig, dist: DistInfo = SINGLE, pad_token_id: int = 0):
+        self.config = config
+        self.dist = dist
+        self.pad_token_id = pad_token_id
+        # eval(): no dropout, so K ranks and one process compute the same gradients; autograd still runs.
+        self.base_model = model.to(dist.device).eval()
+
+    # -- subclass hooks -------------------------------------------------------------------------
+    def _module(self) -> nn.Module:
+        return self.base_model
+
+    def _slot(self, adapter: AdapterName | None) -> Slot:
+        raise NotImplementedError
+
+    def _selected(self, adapter: AdapterName | None) -> contextlib.AbstractContextManager[None]:
+        """Context in which the module computes with ``adapter`` (None: the base model)."""
+        raise NotImplementedError
+
+    def _reference(self) -> contextlib.AbstractContextManager[None]:
+        """Context in which the module computes the KL reference (the base model)."""
+        raise NotImplementedError
+
+    # -- primitives -----------------------------------------------------------------------------
+    def forward(self, data: list[Datum], adapter: AdapterName | None = None) -> list[list[float]]:
+        """Per-datum logprobs of the target tokens; no gradient, no state change."""
+        out: list[list[float]] = []
+        for chunk in self._chunks(data):
+            batch = collate(chunk, pad_token_id=self.pad_token_id, device=self.dist.device)
+            with torch.no_grad(), self._selected(adapter):
+                logprobs_BT = self._logprobs(batch.input_ids_BT, batch.attention_mask_BT, batch.targets_BT)
+            out.extend(_unpad(logprobs_BT, batch.lengths_B))
+        return out
+
+    def forward_backward(
+        self,
+        data: list[Datum],
+        loss_fn: LossFnName,
+        adapter: AdapterName | None = None,
+        loss_fn_config: dict[str, float] | None = None,
+    ) -> ForwardBackwardResult:
+        """Compute the loss on ``data`` and add its gradient to ``adapter``'s accumulated gradient."""
+        check_loss_inputs(loss_fn, data)
+        loss_cfg = LossConfig.from_mapping(loss_fn_config)
+        kl_coef = self.config.kl_coef if loss_cfg.kl_coef is None else loss_cfg.kl_coef
+        if kl_coef > 0 and self.config.mode == "full":
+            raise ConfigError("a KL term against the base model needs mode='lora'; set kl_coef=0 in full mode")
+        slot = self._slot(adapter)
+        sums: dict[str, float] = {"loss": 0.0, "tokens": 0.0, "kl": 0.0, "ratio_sum": 0.0, "clipped_tokens": 0.0}
+        logprobs_out: list[list[float]] = []
+        for chunk in self._chunks(data):
+            batch = collate(chunk, pad_token_id=self.pad_token_id, device=self.dist.device)
+            with self._selected(adapter):
+                logprobs_BT = self._logprobs(batch.input_ids_BT, batch.attention_mask_BT, batch.targets_BT)
+                loss, extra = policy_loss(loss_fn, logprobs_BT, batch, loss_cfg)
+                if kl_coef > 0:
+                    with torch.no_grad(), self._reference():
+                        ref_BT = self._logprobs(batch.input_ids_BT, batch.attention_mask_BT, batch.targets_BT)
+                    kl = kl_to_reference(logprobs_BT, ref_BT, batch.weights_BT)
+                    loss = loss + kl_coef * kl
+                    sums["kl"] += float(kl.detach())
+                loss.backward()
+            sums["loss"] += float(loss.detach())
+            sums["tokens"] += float((batch.weights_BT != 0).sum())
+            for key, value in extra.items():
+                sums[key] += value
+            logprobs_out.extend(_unpad(logprobs_BT.detach(), batch.lengths_B))
+        slot.pending_tokens += sums["tokens"]
+        return ForwardBackwardResult(sums["loss"], logprobs_out, _metrics(loss_fn, kl_coef, sums))
+
+    def optim_step(self, adam_params: AdamParams, adapter: AdapterName | None = None) -> AdapterRef:
+        """Apply the accumulated gradient of ``adapter`` (summed over ranks) with its own AdamW."""
+        slot = self._slot(adapter)
+        params = list(slot.params.values())
+        for p in params:
+            if p.grad is None:  # no forward_backward here since the last step: every rank must still reduce
+                p.grad = torch.zeros_like(p)
+        tokens = torch.tensor([slot.pending_tokens], dtype=torch.float64, device=self.dist.device)
+        all_reduce_sum_([p.grad for p in params if p.grad is not None] + [tokens])
+        if self.config.grad_normalization == "per_token":
+            scale = 1.0 / max(float(tokens.item()), 1.0)
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm or math.inf))
+        optimizer = slot.make_optimizer(adam_params)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        slot.pending_tokens = 0.0
+        slot.version += 1
+        self.last_step_metrics = {"optim/grad_norm": grad_norm, "optim/tokens": float(tokens.item())}
+        log0(log, "optim_step %s: grad_norm %.4g over %d tokens", slot.ref(), grad_norm, int(tokens.item()))
+        return slot.ref()
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _chunks(self, data: list[Datum]) -> Iterator[list[Datum]]:
+        if not data:
+            raise ConfigError("a learner call needs at least one Datum")
+        size = self.config.micro_batch_size
+        for start in range(0, len(data), size):
+            yield data[start : start + size]
+
+    def _logprobs(self, input_ids_BT: torch.Tensor, mask_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+        logits_BTV = self._module()(input_ids=input_ids_BT, attention_mask=mask_BT, use_cache=False).logits
+        return token_logprobs(logits_BTV, targets_BT)
+
+
+def _unpad(logprobs_BT: torch.Tensor, lengths_B: list[int]) -> list[list[float]]:
+    rows = logprobs_BT.float().cpu().tolist()
+    return [row[:n] for row, n in zip(rows, lengths_B, strict=True)]
+
+
+def _metrics(loss_fn: str, kl_coef: float, sums: dict[str, float]) -> dict[str, float]:
+    tokens = max(sums["tokens"], 1.0)
+    metrics = {"loss/sum": sums["loss"], "loss/tokens": sums["tokens"], "loss/per_token": sums["loss"] / tokens}
+    if kl_coef > 0:
+        metrics["kl/base"] = sums["kl"] / tokens
+        metrics["kl/coef"] = kl_coef
+    if loss_fn != "cross_entropy":
+        metrics[f"{loss_fn}/ratio_mean"] = sums["ratio_sum"] / tokens
+    if loss_fn == "ppo":
+        metrics["ppo/clip_fraction"] = sums["clipped_tokens"] / tokens
+    return metrics
+
+
+__all__ = ["ForwardBackwardResult", "Learner", "Slot"]

@@ -1,0 +1,119 @@
+"""Configuration of a learner: one frozen dataclass per concern.
+
+- ``LearnerConfig``: the learner itself (LoRA or full parameters, micro-batching, gradient normalisation, KL).
+- ``AdamParams``: the AdamW hyperparameters passed with each ``optim_step`` (as in Tinker).
+- ``LossConfig``: per-call loss settings, parsed from a ``loss_fn_config`` mapping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Literal
+
+from polytinker.errors import ConfigError
+
+LearnerMode = Literal["lora", "full"]
+GradNormalization = Literal["sum", "per_token"]
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    mode: LearnerMode = "lora"
+    # "lora": one base model, many LoRA adapters, each with its own AdamW; the base stays frozen.
+    # "full": every parameter of the model trains with one AdamW; there are no adapters.
+    micro_batch_size: int = 8
+    # Datums per forward/backward pass; a larger call is split so peak memory stays bounded.
+    grad_normalization: GradNormalization = "sum"
+    # "sum": gradients are of the summed per-token loss, as Tinker does; data-parallel ranks sum too.
+    # "per_token": at optim_step the accumulated gradient is divided by the number of weighted tokens
+    # seen since the last step, counted over every forward_backward call and every rank.
+    kl_coef: float = 0.0
+    # Default weight of the KL penalty against the base model (adapter disabled); a call's
+    # loss_fn_config may override it. 0 turns the reference forward off.
+    max_grad_norm: float | None = None
+    # Clip the (reduced, normalised) gradient norm of the stepped parameters before AdamW; None: no clip.
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("lora", "full"):
+            raise ConfigError(f"LearnerConfig.mode must be 'lora' or 'full', got {self.mode!r}")
+        if self.micro_batch_size <= 0:
+            raise ConfigError(f"LearnerConfig.micro_batch_size must be positive, got {self.micro_batch_size}")
+        if self.grad_normalization not in ("sum", "per_token"):
+            raise ConfigError(
+                f"LearnerConfig.grad_normalization must be 'sum' or 'per_token', got {self.grad_normalization!r}"
+            )
+        if self.kl_coef < 0:
+            raise ConfigError(f"LearnerConfig.kl_coef must be >= 0, got {self.kl_coef}")
+        if self.kl_coef > 0 and self.mode == "full":
+            raise ConfigError("LearnerConfig.kl_coef > 0 needs mode='lora' (the reference is the adapter-less base)")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ConfigError(f"LearnerConfig.max_grad_norm must be positive or None, got {self.max_grad_norm}")
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    """AdamW hyperparameters of one optimizer step (Tinker passes them with every step)."""
+
+    learning_rate: float = 1e-4
+    # Step size.
+    beta1: float = 0.9
+    # Decay of the first-moment estimate.
+    beta2: float = 0.95
+    # Decay of the second-moment estimate.
+    eps: float = 1e-12
+    # Added to the denominator for numerical safety (Tinker's default).
+    weight_decay: float = 0.0
+    # Decoupled weight decay (AdamW), applied only to the stepped parameters.
+
+    def __post_init__(self) -> None:
+        if self.learning_rate < 0:
+            raise ConfigError(f"AdamParams.learning_rate must be >= 0, got {self.learning_rate}")
+        for name in ("beta1", "beta2"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ConfigError(f"AdamParams.{name} must be in [0, 1), got {value}")
+        if self.eps <= 0:
+            raise ConfigError(f"AdamParams.eps must be positive, got {self.eps}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"AdamParams.weight_decay must be >= 0, got {self.weight_decay}")
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Per-call loss settings; build one with :meth:`from_mapping` from a ``loss_fn_config``."""
+
+    clip_low_threshold: float = 0.8
+    # ppo: lower bound of the clipped probability ratio (1 - epsilon).
+    clip_high_threshold: float = 1.2
+    # ppo: upper bound of the clipped probability ratio (1 + epsilon).
+    kl_coef: float | None = None
+    # Weight of the KL penalty against the base model; None: the learner's default.
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.clip_low_threshold <= 1.0 <= self.clip_high_threshold:
+            raise ConfigError(
+                "LossConfig needs 0 <= clip_low_threshold <= 1 <= clip_high_threshold, got "
+                f"{self.clip_low_threshold} and {self.clip_high_threshold}"
+            )
+        if self.kl_coef is not None and self.kl_coef < 0:
+            raise ConfigError(f"LossConfig.kl_coef must be >= 0, got {self.kl_coef}")
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, float] | None) -> LossConfig:
+        """Accepts the field names, and ``clip_epsilon`` as shorthand for a symmetric clip."""
+        if not mapping:
+            return cls()
+        values = dict(mapping)
+        if "clip_epsilon" in values:
+            eps = float(values.pop("clip_epsilon"))
+            values.setdefault("clip_low_threshold", 1.0 - eps)
+            values.setdefault("clip_high_threshold", 1.0 + eps)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"unknown loss_fn_config keys {unknown}; known: {sorted(known | {'clip_epsilon'})}")
+        return cls(**{k: float(v) for k, v in values.items()})
+
+
+__all__ = ["AdamParams", "GradNormalization", "LearnerConfig", "LearnerMode", "LossConfig"]

@@ -1,0 +1,90 @@
+"""Full-parameter training of a model with no adapter (``FullParamLearner``).
+
+Every parameter trains with one AdamW. The one slot is addressed as ``adapter=None`` and its
+versions are reported as ``AdapterRef(FULL_SLOT, n)``. A KL term against the base model is
+refused: the reference would need a second copy of the weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from polytinker.engine.learner._base import Learner, Slot
+from polytinker.engine.learner.config import LearnerConfig
+from polytinker.engine.learner.distributed import SINGLE, DistInfo, broadcast_
+from polytinker.engine.learner.state import Checkpoint, load_checkpoint, save_checkpoint
+from polytinker.engine.types import AdapterName, AdapterRef
+from polytinker.errors import ConfigError, NotBuiltError
+
+FULL_SLOT = "full"
+
+
+class FullParamLearner(Learner):
+    """A learner that trains every weight of one model."""
+
+    def __init__(self, model: nn.Module, config: LearnerConfig | None = None, dist: DistInfo = SINGLE, **kw: int):
+        config = config or LearnerConfig(mode="full")
+        if config.mode != "full":
+            raise ConfigError("FullParamLearner needs LearnerConfig(mode='full'); use MultiAdapterLearner for LoRA")
+        super().__init__(model, config, dist, **kw)
+        params = dict(self.base_model.named_parameters())
+        for p in params.values():
+            p.requires_grad_(True)
+        broadcast_(list(params.values()))
+        self._slot_ = Slot(FULL_SLOT, params)
+
+    def _slot(self, adapter: AdapterName | None) -> Slot:
+        if adapter not in (None, FULL_SLOT):
+            raise ConfigError(f"a full-parameter learner has no adapters; pass adapter=None, not {adapter!r}")
+        return self._slot_
+
+    @contextlib.contextmanager
+    def _selected(self, adapter: AdapterName | None) -> Iterator[None]:
+        self._slot(adapter)
+        yield
+
+    def _reference(self) -> contextlib.AbstractContextManager[None]:
+        raise NotBuiltError("a KL reference in full-parameter mode would need a second copy of the model")
+
+    def version(self) -> AdapterRef:
+        return self._slot_.ref()
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """A CPU snapshot of every weight (``state_dict`` keys), e.g. for an engine to reload."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.base_model.state_dict().items()}
+
+    def save_state(self, path: str | os.PathLike[str], adapter: AdapterName | None = None) -> Path:
+        slot = self._slot(adapter)
+        opt_state = slot.optimizer.state_dict() if slot.optimizer is not None else None
+        meta = {"mode": "full", "adapter": FULL_SLOT, "version": slot.version}
+        # Tied weights (embeddings / lm_head) share storage; save each parameter once, by parameter name.
+        return save_checkpoint(path, Checkpoint({k: p.detach() for k, p in slot.params.items()}, opt_state, meta))
+
+    def load_state(self, path: str | os.PathLike[str], adapter: AdapterName | None = None) -> AdapterRef:
+        slot = self._slot(adapter)
+        ckpt = load_checkpoint(path)
+        if ckpt.meta.get("mode") != "full":
+            raise ConfigError(f"{path} holds a {ckpt.meta.get('mode')!r} checkpoint, not full model weights")
+        missing = sorted(set(slot.params) - set(ckpt.tensors))
+        if missing:
+            raise ConfigError(f"{path} lacks parameters {missing[:3]}; was it saved from another model?")
+        with torch.no_grad():
+            for name, p in slot.params.items():
+                p.copy_(ckpt.tensors[name])
+                p.grad = None
+        slot.optimizer = None
+        if ckpt.optimizer_state is not None:
+            slot.optimizer = torch.optim.AdamW(list(slot.params.values()), foreach=False)
+            slot.optimizer.load_state_dict(ckpt.optimizer_state)
+        slot.version = int(ckpt.meta["version"])
+        slot.pending_tokens = 0.0
+        return slot.ref()
+
+
+__all__ = ["FULL_SLOT", "FullParamLearner"]
