@@ -1,0 +1,151 @@
+"""The env registry: versioned ids to lazily imported entry points.
+
+``register("mygame-v0", entry_point="mypkg.games:MyGame", rounds=3)`` records the id; nothing is
+imported until ``make("mygame-v0", rounds=5)`` (keyword overrides win over registered ones).
+Ids end in ``-vN`` so that a changed game gets a new id rather than silently new rules.
+Third-party packages add envs through the entry-point group ``polytinker.envs``: each entry's
+name is the env id and its value the entry point, for example in ``pyproject.toml``::
+
+    [project.entry-points."polytinker.envs"]
+    "mygame-v0" = "mypkg.games:MyGame"
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import logging
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from polytinker.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "polytinker.envs"
+_ID_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_.]*-v\d+$")
+_ENTRY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """One registered env."""
+
+    id: str
+    # "package.module:attr"; attr is a class or a function returning an env.
+    entry_point: str
+    # Keyword arguments passed to the entry point (``make`` overrides them).
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    # Where the registration came from: "builtin", "register()" or the plugin's distribution.
+    source: str = "register()"
+
+    def load(self) -> Callable[..., Any]:
+        return load_entry_point(self.entry_point)
+
+
+_REGISTRY: dict[str, EnvSpec] = {}
+_plugins_loaded = False
+
+
+def load_entry_point(entry_point: str) -> Callable[..., Any]:
+    """Import ``module:attr`` and return the attribute, with errors that say what to fix."""
+    if not _ENTRY_RE.match(entry_point):
+        raise ConfigError(f"entry point {entry_point!r} must look like 'package.module:ClassName'")
+    module_name, attr = entry_point.split(":", 1)
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"cannot import {module_name!r} for entry point {entry_point!r}: {exc}") from exc
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ConfigError(
+                f"module {module_name!r} has no attribute {attr!r} (entry point {entry_point!r})"
+            ) from None
+    if not callable(obj):
+        raise ConfigError(f"entry point {entry_point!r} is not callable")
+    return obj  # type: ignore[no-any-return]
+
+
+def register(id: str, entry_point: str, *, source: str = "register()", **kwargs: Any) -> EnvSpec:
+    """Register an env id. Refuses malformed ids and ids already taken."""
+    if not _ID_RE.match(id):
+        raise ConfigError(f"env id {id!r} must be a name and a version, like 'tictactoe-v0'")
+    if not _ENTRY_RE.match(entry_point):
+        raise ConfigError(f"entry point {entry_point!r} must look like 'package.module:ClassName'")
+    if id in _REGISTRY:
+        prior = _REGISTRY[id]
+        raise ConfigError(
+            f"env id {id!r} is already registered (entry point {prior.entry_point!r}, from {prior.source}); "
+            "register the changed env under a new version, e.g. "
+            f"{id.rsplit('-v', 1)[0]}-v{int(id.rsplit('-v', 1)[1]) + 1}"
+        )
+    spec = EnvSpec(id=id, entry_point=entry_point, kwargs=MappingProxyType(dict(kwargs)), source=source)
+    _REGISTRY[id] = spec
+    return spec
+
+
+def unregister(id: str) -> None:
+    """Remove an id (tests and interactive use)."""
+    _REGISTRY.pop(id, None)
+
+
+def _load_plugins() -> None:
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        source = f"plugin {ep.dist.name if ep.dist else ep.value}"
+        try:
+            register(ep.name, ep.value, source=source)
+        except ConfigError as exc:
+            # One broken plugin must not take the built-in games down with it.
+            log.warning("skipping env plugin %s = %s: %s", ep.name, ep.value, exc)
+
+
+def registry() -> Mapping[str, EnvSpec]:
+    """Every registered env, plugins included, by id."""
+    _load_plugins()
+    return MappingProxyType(_REGISTRY)
+
+
+def spec(id: str) -> EnvSpec:
+    specs = registry()
+    if id not in specs:
+        close = [k for k in specs if k.split("-v")[0] == id.split("-v")[0]]
+        hint = f" Did you mean {', '.join(close)}?" if close else " `polytinker env list` shows the ids."
+        raise ConfigError(f"no env registered as {id!r}.{hint}")
+    return specs[id]
+
+
+def make(id: str, **overrides: Any) -> Any:
+    """A new env instance for a registered id (or a ``module:Class`` entry point)."""
+    if ":" in id:
+        return load_entry_point(id)(**overrides)
+    s = spec(id)
+    return s.load()(**{**s.kwargs, **overrides})
+
+
+_BUILTINS = {
+    "tictactoe-v0": ("polytinker.envs.games.tictactoe:TicTacToeEnv", {}),
+    "connect_four-v0": ("polytinker.envs.games.connect_four:ConnectFourEnv", {}),
+    "kuhn_poker-v0": ("polytinker.envs.games.kuhn_poker:KuhnPokerEnv", {}),
+    "prisoners_dilemma-v0": ("polytinker.envs.games.prisoners_dilemma:PrisonersDilemmaEnv", {}),
+    "signal-v0": ("polytinker.envs.games.signal:SignalEnv", {}),
+    "negotiation-v0": ("polytinker.envs.games.negotiation:NegotiationEnv", {}),
+    "guess_number-v0": ("polytinker.envs.games.guess_number:GuessNumberEnv", {}),
+    "pz_tictactoe-v3": ("polytinker.envs.adapter:pettingzoo_text_env", {"env": "pettingzoo.classic:tictactoe_v3"}),
+    "pz_connect_four-v3": (
+        "polytinker.envs.adapter:pettingzoo_text_env",
+        {"env": "pettingzoo.classic:connect_four_v3"},
+    ),
+}
+for _id, (_entry, _kwargs) in _BUILTINS.items():
+    register(_id, _entry, source="builtin", **_kwargs)
+
+__all__ = ["ENTRY_POINT_GROUP", "EnvSpec", "load_entry_point", "make", "register", "registry", "spec", "unregister"]
