@@ -2,19 +2,36 @@
 
 - ``encode`` / ``decode``: msgpack bodies with arrays and tensors as out-of-band frames.
 - ``message`` / ``register_message``: typed messages (frozen dataclasses) by name.
+- ``RpcServer``, ``RpcClient``, ``AsyncRpcClient``: request/reply and tells over ROUTER/DEALER.
+- ``ServerCurve``, ``ClientCurve``, ``generate_keypair``: CurveZMQ keys and allow-lists.
 - ``TransportConfig``: timeouts, heartbeats, limits and queue depths.
 """
 
 from __future__ import annotations
 
+from polytinker.transport.auth import ClientCurve, ServerCurve, generate_keypair, load_keypair, load_public_keys
 from polytinker.transport.codec import decode, encode
 from polytinker.transport.config import TransportConfig
 from polytinker.transport.messages import message, message_name, message_type, register_message
+from polytinker.transport.protocol import PROTOCOL_VERSION, ErrorCode, MsgType
+from polytinker.transport.rpc import AsyncRpcClient, Handler, RpcClient, RpcServer
 
 __all__ = [
+    "PROTOCOL_VERSION",
+    "AsyncRpcClient",
+    "ClientCurve",
+    "ErrorCode",
+    "Handler",
+    "MsgType",
+    "RpcClient",
+    "RpcServer",
+    "ServerCurve",
     "TransportConfig",
     "decode",
     "encode",
+    "generate_keypair",
+    "load_keypair",
+    "load_public_keys",
     "message",
     "message_name",
     "message_type",

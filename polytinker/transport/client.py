@@ -1,0 +1,340 @@
+"""``RpcClient`` (thread-safe, futures) and ``AsyncRpcClient`` (asyncio) over one DEALER socket.
+
+One I/O thread owns the socket. Callers encode their payload in their own thread and hand the
+frames over through a queue and a wake-up pipe; the I/O thread sends, matches replies to request
+ids, enforces deadlines, pings the server every ``heartbeat_interval_s`` and, after
+``heartbeat_liveness`` intervals of silence, fails the pending calls with PeerDeadError and
+replaces its socket (a restarted server on the same address is then reached again, inproc too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import heapq
+import itertools
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future, InvalidStateError
+from typing import Any
+
+import zmq
+
+from polytinker.errors import PeerDeadError, ProtocolError, RequestTimeout, TransportError
+from polytinker.transport import auth
+from polytinker.transport.codec import decode, encode
+from polytinker.transport.config import DEFAULT_CONFIG, TransportConfig
+from polytinker.transport.protocol import (
+    PING_HEADER,
+    HeaderError,
+    MsgType,
+    error_from_body,
+    pack_header,
+    parse_header,
+)
+from polytinker.transport.server import apply_limits
+
+log = logging.getLogger("polytinker.transport.client")
+_BATCH = 256
+
+
+class _Pending:
+    __slots__ = ("future", "kind", "timeout_s")
+
+    def __init__(self, future: Future[Any], kind: str, timeout_s: float | None) -> None:
+        self.future = future
+        self.kind = kind
+        self.timeout_s = timeout_s
+
+
+def _settle(fut: Future[Any], value: Any = None, exc: BaseException | None = None) -> None:
+    """Resolve ``fut`` unless the caller cancelled it meanwhile."""
+    try:
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(value)
+    except InvalidStateError:
+        pass
+
+
+class RpcClient:
+    """Calls into one ``RpcServer``. Thread-safe: any thread may call, many calls may be in flight."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        config: TransportConfig | None = None,
+        curve: auth.ClientCurve | None = None,
+        context: zmq.Context | None = None,
+    ) -> None:
+        self._address = address
+        self._cfg = config or DEFAULT_CONFIG
+        self._curve = curve
+        self._ctx = context or zmq.Context.instance()
+        self._ids = itertools.count(1)
+        self._ops: collections.deque[tuple[Any, ...]] = collections.deque()
+        self._closed = False
+        self._wake_lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._sock = self._connect()  # here, so a bad address fails in the caller's thread
+        self._thread = threading.Thread(target=self._loop, name=f"polytinker-client {address}", daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def call_async(self, kind: str, payload: Any = None, *, timeout_s: float | None = None) -> Future[Any]:
+        """Send a request; the future resolves to the reply or raises RemoteError, ProtocolError,
+        RequestTimeout or PeerDeadError. ``future.cancel()`` abandons the call (the handler may still run)."""
+        if self._closed:
+            raise TransportError(f"the client of {self._address} is closed")
+        frames = encode(payload, config=self._cfg)
+        fut: Future[Any] = Future()
+        t = self._cfg.request_timeout_s if timeout_s is None else timeout_s
+        self._ops.append((MsgType.REQUEST, next(self._ids), kind, frames, fut, t))
+        self._wake()
+        return fut
+
+    def call(self, kind: str, payload: Any = None, *, timeout_s: float | None = None) -> Any:
+        """Send a request and wait for its reply (see :meth:`call_async` for the errors)."""
+        return self.call_async(kind, payload, timeout_s=timeout_s).result()
+
+    def send_oneway(self, kind: str, payload: Any = None) -> None:
+        """A tell: the server runs the handler and answers nothing, not even on error."""
+        if self._closed:
+            raise TransportError(f"the client of {self._address} is closed")
+        self._ops.append((MsgType.TELL, next(self._ids), kind, encode(payload, config=self._cfg), None, None))
+        self._wake()
+
+    def close(self) -> None:
+        """Fail the pending calls with TransportError and close the socket."""
+        if self._closed:
+            return
+        self._closed = True
+        self._wake()
+        self._thread.join(5.0)
+        with self._wake_lock:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_w = -1
+
+    def __enter__(self) -> RpcClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            if self._wake_w < 0:
+                return
+            try:  # noqa: SIM105 (hot path: suppress() costs a context manager per call)
+                os.write(self._wake_w, b"\0")
+            except BlockingIOError:
+                pass  # the pipe is full: the I/O thread is awake anyway
+
+    def _connect(self) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        apply_limits(sock, self._cfg)
+        if self._curve is not None:
+            sock.curve_secretkey = self._curve.secret_key
+            sock.curve_publickey = self._curve.public_key
+            sock.curve_serverkey = self._curve.server_public_key
+        try:
+            sock.connect(self._address)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise TransportError(f"cannot connect to {self._address}: {exc}") from exc
+        return sock
+
+    # --- I/O thread -------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        state = _LoopState(self._cfg)
+        try:
+            while not self._closed:
+                self._poll_once(state)
+        except Exception:
+            log.exception("client I/O thread of %s failed", self._address)
+        finally:
+            state.fail_all(TransportError(f"the client of {self._address} is closed"))
+            self._sock.close(linger=0)
+
+    def _poll_once(self, st: _LoopState) -> None:
+        poller = st.poller_for(self._sock, self._wake_r)
+        events = dict(poller.poll(st.poll_timeout_ms()))
+        if self._wake_r in events:
+            os.read(self._wake_r, 65536)
+            self._send_queued(st)
+        if self._sock in events:
+            for _ in range(_BATCH):
+                try:
+                    frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                st.last_recv = time.monotonic()
+                st.alive = True
+                self._on_reply(st, frames)
+        now = time.monotonic()
+        if now >= st.next_ping:
+            st.next_ping = now + self._cfg.heartbeat_interval_s
+            try:  # noqa: SIM105
+                self._sock.send(PING_HEADER, zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # queue full towards a silent peer: liveness will tell
+        st.expire(now)
+        if now - st.last_recv > self._cfg.dead_after_s:
+            self._peer_died(st, now)
+
+    def _send_queued(self, st: _LoopState) -> None:
+        ops = self._ops
+        while ops:
+            mtype, rid, kind, frames, fut, timeout_s = ops.popleft()
+            if fut is not None and fut.cancelled():
+                continue  # cancelled before it left
+            try:
+                self._sock.send_multipart([pack_header(mtype, rid, kind), *frames], zmq.NOBLOCK, copy=False)
+            except zmq.ZMQError as exc:
+                if fut is not None:
+                    _settle(fut, exc=TransportError(f"cannot send {kind!r} to {self._address}: {exc}"))
+                continue
+            if fut is not None:
+                st.add(rid, _Pending(fut, kind, timeout_s))
+
+    def _on_reply(self, st: _LoopState, frames: list[zmq.Frame]) -> None:
+        try:
+            mtype, rid, kind = parse_header(frames[0].buffer)
+        except HeaderError as exc:
+            log.warning("dropped a malformed message from %s: %s", self._address, exc)
+            return
+        if mtype == MsgType.PONG:
+            return
+        pending = st.pending.pop(rid, None)
+        if pending is None:
+            if mtype == MsgType.ERROR:  # an error we cannot match (e.g. our header was unreadable)
+                log.warning("error reply from %s for no pending call: %s", self._address, _try_decode(frames[1:]))
+            return
+        try:
+            body = decode(frames[1:], config=self._cfg)
+        except ProtocolError as exc:
+            _settle(pending.future, exc=exc)
+            return
+        if mtype == MsgType.REPLY:
+            _settle(pending.future, body)
+        elif mtype == MsgType.ERROR:
+            _settle(pending.future, exc=error_from_body(body, pending.kind))
+        else:
+            _settle(pending.future, exc=ProtocolError(f"unexpected {MsgType(mtype).name} in reply to {kind!r}"))
+
+    def _peer_died(self, st: _LoopState, now: float) -> None:
+        if st.alive or st.pending:
+            log.warning("%s is silent for %.1f s: failing %d pending calls, reconnecting",
+                        self._address, now - st.last_recv, len(st.pending))  # fmt: skip
+        st.fail_all(PeerDeadError(f"{self._address} did not answer heartbeats for {self._cfg.dead_after_s:.1f} s"))
+        st.alive = False
+        self._sock.close(linger=0)
+        self._sock = self._connect()
+        st.poller = None
+        st.last_recv = now
+
+
+def _try_decode(frames: list[zmq.Frame]) -> Any:
+    try:
+        return decode(frames)
+    except ProtocolError as exc:
+        return exc
+
+
+class _LoopState:
+    """What the client I/O thread tracks: pending calls, their deadlines, heartbeat times."""
+
+    def __init__(self, cfg: TransportConfig) -> None:
+        self.cfg = cfg
+        self.pending: dict[int, _Pending] = {}
+        self.deadlines: list[tuple[float, int]] = []
+        now = time.monotonic()
+        self.last_recv = now
+        self.next_ping = now
+        self.alive = False
+        self.poller: zmq.Poller | None = None
+
+    def poller_for(self, sock: zmq.Socket, wake_r: int) -> zmq.Poller:
+        if self.poller is None:
+            self.poller = zmq.Poller()
+            self.poller.register(sock, zmq.POLLIN)
+            self.poller.register(wake_r, zmq.POLLIN)
+        return self.poller
+
+    def add(self, rid: int, p: _Pending) -> None:
+        self.pending[rid] = p
+        if p.timeout_s is not None:
+            heapq.heappush(self.deadlines, (time.monotonic() + p.timeout_s, rid))
+            if len(self.deadlines) > 2 * len(self.pending) + 1024:  # drop deadlines of answered calls
+                self.deadlines = [d for d in self.deadlines if d[1] in self.pending]
+                heapq.heapify(self.deadlines)
+
+    def poll_timeout_ms(self) -> int:
+        wake_at = min(self.next_ping, self.last_recv + self.cfg.dead_after_s)
+        if self.deadlines:
+            wake_at = min(wake_at, self.deadlines[0][0])
+        return max(0, int((wake_at - time.monotonic()) * 1000) + 1)
+
+    def expire(self, now: float) -> None:
+        dl = self.deadlines
+        while dl and dl[0][0] <= now:
+            _, rid = heapq.heappop(dl)
+            p = self.pending.pop(rid, None)
+            if p is not None:
+                _settle(p.future, exc=RequestTimeout(f"{p.kind!r} got no reply within {p.timeout_s} s"))
+
+    def fail_all(self, exc: Exception) -> None:
+        pending, self.pending, self.deadlines = self.pending, {}, []
+        for p in pending.values():
+            _settle(p.future, exc=exc)
+
+
+class AsyncRpcClient:
+    """The asyncio face of :class:`RpcClient`: the same calls, awaitable. Cancelling the awaiting
+    task abandons the call."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        config: TransportConfig | None = None,
+        curve: auth.ClientCurve | None = None,
+        context: zmq.Context | None = None,
+    ) -> None:
+        self._client = RpcClient(address, config=config, curve=curve, context=context)
+
+    @property
+    def address(self) -> str:
+        return self._client.address
+
+    def call_async(self, kind: str, payload: Any = None, *, timeout_s: float | None = None) -> asyncio.Future[Any]:
+        """An asyncio future of the reply (call from inside a running loop)."""
+        return asyncio.wrap_future(self._client.call_async(kind, payload, timeout_s=timeout_s))
+
+    async def call(self, kind: str, payload: Any = None, *, timeout_s: float | None = None) -> Any:
+        return await self.call_async(kind, payload, timeout_s=timeout_s)
+
+    async def send_oneway(self, kind: str, payload: Any = None) -> None:
+        self._client.send_oneway(kind, payload)
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self._client.close)
+
+    async def __aenter__(self) -> AsyncRpcClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+__all__ = ["AsyncRpcClient", "RpcClient"]

@@ -1,0 +1,14 @@
+"""RPC over ZeroMQ: ``RpcServer`` (ROUTER) and ``RpcClient`` / ``AsyncRpcClient`` (DEALER).
+
+The same API serves ``inproc://``, ``ipc://`` and ``tcp://`` addresses. The wire format is in
+``docs/wire-protocol.md``; the envelope in :mod:`polytinker.transport.protocol`.
+"""
+
+from __future__ import annotations
+
+from polytinker.transport.auth import ClientCurve, ServerCurve
+from polytinker.transport.client import AsyncRpcClient, RpcClient
+from polytinker.transport.config import TransportConfig
+from polytinker.transport.server import Handler, RpcServer
+
+__all__ = ["AsyncRpcClient", "ClientCurve", "Handler", "RpcClient", "RpcServer", "ServerCurve", "TransportConfig"]

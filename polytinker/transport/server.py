@@ -1,0 +1,286 @@
+"""``RpcServer``: a ROUTER socket served by one I/O thread, handlers run in a thread pool.
+
+The I/O thread owns the socket: it reads messages, answers heartbeats itself (so a busy pool
+never makes the server look dead), rejects what it cannot serve with an error reply, and hands
+requests to the pool. Workers decode the payload, run the handler, encode the reply and give the
+frames back to the I/O thread through a queue and a wake-up pipe.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import zmq
+
+from polytinker.errors import ConfigError, ProtocolError, TransportError
+from polytinker.transport import auth
+from polytinker.transport.codec import decode, encode
+from polytinker.transport.config import DEFAULT_CONFIG, TransportConfig
+from polytinker.transport.messages import message_type
+from polytinker.transport.protocol import (
+    PONG_HEADER,
+    ErrorCode,
+    HeaderError,
+    MsgType,
+    RateLimitedLog,
+    error_body,
+    pack_header,
+    parse_header,
+)
+
+log = logging.getLogger("polytinker.transport.server")
+Handler = Callable[[Any], Any]
+_BATCH = 256  # messages read per wake-up before replies are flushed
+
+
+def normalize_address(address: str) -> str:
+    """``tcp://host:0`` means any free port, as ``tcp://host:*`` does for ZeroMQ."""
+    if address.startswith("tcp://") and address.endswith(":0"):
+        return address[:-2] + ":*"
+    return address
+
+
+def apply_limits(sock: zmq.Socket, cfg: TransportConfig) -> None:
+    sock.linger = 0
+    sock.sndhwm = cfg.sndhwm
+    sock.rcvhwm = cfg.rcvhwm
+    sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
+
+
+class RpcServer:
+    """Serve ``handlers`` (kind -> callable taking the decoded payload) on ``address``.
+
+    Without ``curve`` the address must be loopback, ipc or inproc unless ``insecure=True``.
+    ``.address`` is the bound endpoint (``tcp://127.0.0.1:0`` picks a free port)."""
+
+    def __init__(
+        self,
+        address: str,
+        handlers: Mapping[str, Handler],
+        *,
+        config: TransportConfig | None = None,
+        curve: auth.ServerCurve | None = None,
+        insecure: bool = False,
+        context: zmq.Context | None = None,
+    ) -> None:
+        auth.check_bind_address(address, curve, insecure)
+        for kind in handlers:
+            if not isinstance(kind, str) or not kind:
+                raise ConfigError(f"handler kinds must be non-empty strings, got {kind!r}")
+        self._requested = normalize_address(address)
+        self._handlers = dict(handlers)
+        self._cfg = config or DEFAULT_CONFIG
+        self._curve = curve
+        self._ctx = context or zmq.Context.instance()
+        self._address: str | None = None
+        self._sock: zmq.Socket | None = None
+        self._thread: threading.Thread | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._zap_domain: str | None = None
+        self._replies: collections.deque[list[Any]] = collections.deque()
+        self._wake_r, self._wake_w = -1, -1
+        self._wake_lock = threading.Lock()  # workers may still wake us while stop() closes the pipe
+        self._stopping = False
+        self._bad = RateLimitedLog(log)
+
+    @property
+    def address(self) -> str:
+        if self._address is None:
+            raise TransportError("RpcServer.address is known once start() has bound the socket")
+        return self._address
+
+    def start(self) -> RpcServer:
+        if self._thread is not None:
+            return self
+        sock = self._ctx.socket(zmq.ROUTER)
+        apply_limits(sock, self._cfg)
+        if self._curve is not None:
+            sock.curve_server = True
+            sock.curve_secretkey = self._curve.secret_key
+            sock.curve_publickey = self._curve.public_key
+            self._zap_domain = auth.zap_register(self._ctx, self._curve.allowed_clients)
+            sock.zap_domain = self._zap_domain.encode()
+        try:
+            sock.bind(self._requested)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            self._release_zap()
+            raise TransportError(f"cannot bind {self._requested}: {exc}") from exc
+        self._address = sock.last_endpoint.decode()
+        self._sock = sock
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        if self._cfg.handler_threads > 0:
+            self._pool = ThreadPoolExecutor(self._cfg.handler_threads, thread_name_prefix="polytinker-handler")
+        self._thread = threading.Thread(target=self._loop, name=f"polytinker-server {self._address}", daemon=True)
+        self._thread.start()
+        log.debug("serving %s (kinds: %s)", self._address, ", ".join(sorted(self._handlers)))
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop serving; requests still queued are dropped, running handlers finish in the background."""
+        if self._thread is None or self._stopping:
+            return
+        self._stopping = True
+        self._wake()
+        self._thread.join(timeout_s)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._release_zap()
+        with self._wake_lock:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_w = -1
+
+    def __enter__(self) -> RpcServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _release_zap(self) -> None:
+        if self._zap_domain is not None:
+            auth.zap_unregister(self._ctx, self._zap_domain)
+            self._zap_domain = None
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            if self._wake_w < 0:
+                return
+            try:  # noqa: SIM105 (hot path: suppress() costs a context manager per call)
+                os.write(self._wake_w, b"\0")
+            except BlockingIOError:
+                pass  # the pipe is full: the I/O thread is awake anyway
+
+    # --- I/O thread -------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        replies = self._replies
+        try:
+            while not self._stopping:
+                events = dict(poller.poll())
+                if self._wake_r in events:
+                    os.read(self._wake_r, 65536)
+                if sock in events:
+                    for _ in range(_BATCH):
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        try:
+                            self._on_message(frames)
+                        except Exception:  # the server must outlive any one message
+                            log.exception("unexpected error while routing a message; serving on")
+                while replies:
+                    try:
+                        sock.send_multipart(replies.popleft(), zmq.NOBLOCK, copy=False)
+                    except zmq.ZMQError as exc:  # peer gone or its queue full: the reply is lost
+                        log.debug("reply dropped: %s", exc)
+                if replies:
+                    self._wake()
+        finally:
+            sock.close(linger=0)
+
+    def _on_message(self, frames: list[zmq.Frame]) -> None:
+        ident = frames[0]
+        if len(frames) < 2:
+            self._reject(ident, 0, "", HeaderError("empty message: a header frame is required"))
+            return
+        try:
+            mtype, rid, kind = parse_header(frames[1].buffer)
+        except HeaderError as exc:
+            self._reject(ident, 0, "", exc)
+            return
+        if mtype == MsgType.PING:
+            self._replies.append([ident, PONG_HEADER])
+        elif mtype == MsgType.REQUEST or mtype == MsgType.TELL:
+            self._dispatch(ident, mtype, rid, kind, frames[2:])
+        elif mtype != MsgType.CANCEL:  # CANCEL: the handler runs anyway; the client drops the reply
+            self._reject(ident, rid, kind, HeaderError(f"a server does not accept {MsgType(mtype).name} messages"))
+
+    def _dispatch(self, ident: zmq.Frame, mtype: int, rid: int, kind: str, body: list[zmq.Frame]) -> None:
+        reply = mtype == MsgType.REQUEST
+        handler = self._handlers.get(kind)
+        if handler is None:
+            err = HeaderError(f"no handler for kind {kind!r}", ErrorCode.UNKNOWN_KIND)
+            self._reject(ident, rid, kind, err, reply)
+            return
+        cfg = self._cfg
+        if not body:
+            self._reject(ident, rid, kind, HeaderError("a request needs a body frame"), reply)
+            return
+        if len(body) > cfg.max_frames + 1 or len(body[0]) > cfg.max_body_bytes:
+            err = HeaderError(
+                f"body of {len(body[0])} bytes in {len(body)} frames exceeds max_body_bytes="
+                f"{cfg.max_body_bytes} / max_frames={cfg.max_frames}",
+                ErrorCode.TOO_LARGE,
+            )
+            self._reject(ident, rid, kind, err, reply)
+            return
+        if self._pool is None:  # handler_threads=0: run here, on the I/O thread
+            out = self._call(reply, rid, kind, handler, body)
+            if out is not None:
+                self._replies.append([ident, *out])
+        else:
+            self._pool.submit(self._run, ident, reply, rid, kind, handler, body)
+
+    def _reject(self, ident: zmq.Frame, rid: int, kind: str, exc: HeaderError, reply: bool = True) -> None:
+        self._bad("rejected a message (%s): %s", exc.code, exc)
+        if reply:
+            self._replies.append([ident, pack_header(MsgType.ERROR, rid, kind), error_body(exc.code, exc)])
+
+    # --- worker threads ------------------------------------------------------------------------
+
+    def _run(self, ident: zmq.Frame, reply: bool, rid: int, kind: str, handler: Handler, body: list[zmq.Frame]) -> None:
+        out = self._call(reply, rid, kind, handler, body)
+        if out is not None:
+            self._replies.append([ident, *out])
+            self._wake()
+
+    def _call(self, reply: bool, rid: int, kind: str, handler: Handler, body: list[zmq.Frame]) -> list[Any] | None:
+        """Frames of the answer (without the identity), or None for a tell."""
+        try:
+            payload = decode(body, config=self._cfg)
+        except ProtocolError as exc:
+            self._bad("undecodable %s payload: %s", kind, exc)
+            return self._error(reply, rid, kind, ErrorCode.MALFORMED, exc)
+        expected = message_type(kind)
+        if expected is not None and type(payload) is not expected:
+            bad = ProtocolError(f"kind {kind!r} takes a {expected.__qualname__}, got {type(payload).__qualname__}")
+            self._bad("%s", bad)
+            return self._error(reply, rid, kind, ErrorCode.BAD_PAYLOAD, bad)
+        try:
+            result = handler(payload)
+        except Exception as exc:
+            if reply:
+                log.debug("handler %r raised %s: %s", kind, type(exc).__name__, exc)
+            else:
+                log.exception("handler %r raised on a tell (no one to answer)", kind)
+            return self._error(reply, rid, kind, ErrorCode.HANDLER, exc)
+        if not reply:
+            return None
+        try:
+            return [pack_header(MsgType.REPLY, rid, kind), *encode(result, config=self._cfg)]
+        except ProtocolError as exc:
+            log.error("handler %r returned a value that cannot be sent: %s", kind, exc)
+            return self._error(reply, rid, kind, ErrorCode.UNENCODABLE, exc)
+
+    @staticmethod
+    def _error(reply: bool, rid: int, kind: str, code: ErrorCode, exc: BaseException) -> list[Any] | None:
+        if not reply:
+            return None
+        return [pack_header(MsgType.ERROR, rid, kind), error_body(code, exc)]
+
+
+__all__ = ["Handler", "RpcServer"]
