@@ -1,18 +1,71 @@
-"""`polytinker env`: environments (placeholder until the subsystem lands)."""
+"""`polytinker env`: list, check, play and serve text environments."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
-from polytinker.errors import NotBuiltError
+
+def _list(args: argparse.Namespace) -> int:
+    from polytinker.envs.registry import registry
+
+    specs = registry()
+    width = max(len(i) for i in specs)
+    for env_id, spec in sorted(specs.items()):
+        extra = f" {dict(spec.kwargs)}" if spec.kwargs else ""
+        print(f"{env_id:<{width}}  {spec.entry_point}{extra}  [{spec.source}]")
+    return 0
 
 
-def _run(args: argparse.Namespace) -> int:
-    raise NotBuiltError("`polytinker env` is not built yet")
+def _check(args: argparse.Namespace) -> int:
+    from polytinker.envs.checker import check_env, format_findings
+
+    findings = check_env(args.target, seed=args.seed)
+    print(format_findings(args.target, findings))
+    return 0 if all(f.passed for f in findings) else 1
+
+
+def _play(args: argparse.Namespace) -> int:
+    from polytinker.envs.play import play
+
+    result = play(args.env_id, agent=args.agent, opponent=args.opponent, seed=args.seed)
+    return 0 if result is not None else 1
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from polytinker.envs.config import EnvServerConfig
+    from polytinker.envs.remote.server import EnvServer
+
+    config = EnvServerConfig(max_episodes=args.max_episodes, step_timeout_s=args.step_timeout_s)
+    with EnvServer(args.bind, env_ids=args.env_ids, config=config) as server:
+        print(f"serving {', '.join(args.env_ids)} on {server.address} (Ctrl-C stops)", file=sys.stderr, flush=True)
+        server.wait()
+    return 0
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("env", help="environments (not built yet)")
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(func=_run)
+    p = sub.add_parser("env", help="text environments: list, check, play, serve")
+    env_sub = p.add_subparsers(dest="env_command", metavar="ENV_COMMAND", required=True)
+
+    q = env_sub.add_parser("list", help="registered env ids (built-in and plugins)")
+    q.set_defaults(func=_list)
+
+    q = env_sub.add_parser("check", help="run the conformance checks on an env and say what to fix")
+    q.add_argument("target", help="a registered id (tictactoe-v0) or an entry point (package.module:Class)")
+    q.add_argument("--seed", type=int, default=0)
+    q.set_defaults(func=_check)
+
+    q = env_sub.add_parser("play", help="play an env in the terminal against scripted opponents")
+    q.add_argument("env_id")
+    q.add_argument("--agent", default=None, help="the agent you play (default: the first)")
+    q.add_argument("--opponent", default="heuristic", choices=["heuristic", "random"])
+    q.add_argument("--seed", type=int, default=None)
+    q.set_defaults(func=_play)
+
+    q = env_sub.add_parser("serve", help="serve registered envs to remote clients over ZeroMQ")
+    q.add_argument("env_ids", nargs="+", metavar="ID", help="env ids that clients may open")
+    q.add_argument("--bind", default="tcp://127.0.0.1:5599", help="ZeroMQ address to bind (tcp://HOST:PORT)")
+    q.add_argument("--max-episodes", type=int, default=1024)
+    q.add_argument("--step-timeout-s", type=float, default=30.0)
+    q.set_defaults(func=_serve)

@@ -106,6 +106,10 @@ class _TextEnvCore:
         """The agent-visible state as plain data (msgpack-able), for scripted opponents."""
         return {}
 
+    def render_for(self, agent: AgentID) -> str:
+        """The game as ``agent`` sees it now, also after the episode ended (for display)."""
+        return self._render(agent)
+
     def _parse_move(self, agent: AgentID, text: str) -> Any:
         """Text to a move; the default reads one of ``legal_moves``."""
         return parse_choice(text, self.legal_moves(agent))
@@ -175,7 +179,7 @@ class TextAECEnv(_TextEnvCore, AECEnv):
     def __init__(self, config: EnvConfig | None = None, render_mode: str | None = None) -> None:
         AECEnv.__init__(self)
         self._init_core(config, render_mode)
-        self.agents = []
+        self.agents: list[AgentID] = []
 
     # -- game hooks
     def _new_game(self) -> None:

@@ -139,10 +139,10 @@ _BUILTINS = {
     "signal-v0": ("polytinker.envs.games.signal:SignalEnv", {}),
     "negotiation-v0": ("polytinker.envs.games.negotiation:NegotiationEnv", {}),
     "guess_number-v0": ("polytinker.envs.games.guess_number:GuessNumberEnv", {}),
-    "pz_tictactoe-v3": ("polytinker.envs.adapter:pettingzoo_text_env", {"env": "pettingzoo.classic:tictactoe_v3"}),
+    "pz_tictactoe-v3": ("polytinker.envs.adapter:pettingzoo_text_env", {"env": "pettingzoo.classic.tictactoe_v3"}),
     "pz_connect_four-v3": (
         "polytinker.envs.adapter:pettingzoo_text_env",
-        {"env": "pettingzoo.classic:connect_four_v3"},
+        {"env": "pettingzoo.classic.connect_four_v3"},
     ),
 }
 for _id, (_entry, _kwargs) in _BUILTINS.items():

@@ -16,24 +16,34 @@ ROWS, COLS = 6, 7
 MARKS = ("X", "O")
 
 
-def drop(board: list[list[str]], col: int, mark: str) -> list[list[str]]:
-    """A copy of ``board`` with ``mark`` dropped in ``col`` (row 0 is the top)."""
+def drop(board: list[list[str]], col: int, mark: str) -> tuple[list[list[str]], int]:
+    """A copy of ``board`` with ``mark`` dropped in ``col`` (row 0 is the top), and its row."""
     new = [row.copy() for row in board]
     for r in range(ROWS - 1, -1, -1):
         if not new[r][col]:
             new[r][col] = mark
-            return new
+            return new, r
     raise ValueError(f"column {col + 1} is full")
 
 
-def has_four(board: list[list[str]], mark: str) -> bool:
-    for r in range(ROWS):
-        for c in range(COLS):
-            for dr, dc in ((0, 1), (1, 0), (1, 1), (1, -1)):
-                cells = [(r + k * dr, c + k * dc) for k in range(4)]
-                if all(0 <= y < ROWS and 0 <= x < COLS and board[y][x] == mark for y, x in cells):
-                    return True
+def wins_at(board: list[list[str]], row: int, col: int) -> bool:
+    """Whether the piece at (row, col) completes four in a line (only lines through it can)."""
+    mark = board[row][col]
+    for dr, dc in ((0, 1), (1, 0), (1, 1), (1, -1)):
+        run = 1
+        for sign in (1, -1):
+            r, c = row + sign * dr, col + sign * dc
+            while 0 <= r < ROWS and 0 <= c < COLS and board[r][c] == mark:
+                run += 1
+                r, c = r + sign * dr, c + sign * dc
+        if run >= 4:
+            return True
     return False
+
+
+def wins_by_dropping(board: list[list[str]], col: int, mark: str) -> bool:
+    after, row = drop(board, col, mark)
+    return wins_at(after, row, col)
 
 
 class ConnectFourHeuristic(ScriptedPolicy):
@@ -45,7 +55,7 @@ class ConnectFourHeuristic(ScriptedPolicy):
         cols = [int(m) - 1 for m in inp.observation.legal_moves]
         for mark in (me, other):
             for c in cols:
-                if has_four(drop(board, c, mark), mark):
+                if wins_by_dropping(board, c, mark):
                     return str(c + 1)
         safe = [c for c in cols if not self._gives_win(board, c, me, other)] or cols
         best = min(abs(c - COLS // 2) for c in safe)
@@ -53,8 +63,8 @@ class ConnectFourHeuristic(ScriptedPolicy):
 
     @staticmethod
     def _gives_win(board: list[list[str]], col: int, me: str, other: str) -> bool:
-        after = drop(board, col, me)
-        return any(not after[0][c] and has_four(drop(after, c, other), other) for c in range(COLS))
+        after, _ = drop(board, col, me)
+        return any(not after[0][c] and wins_by_dropping(after, c, other) for c in range(COLS))
 
 
 class ConnectFourEnv(TextAECEnv):
@@ -95,9 +105,9 @@ class ConnectFourEnv(TextAECEnv):
 
     def _apply(self, agent: AgentID, move: Any) -> dict[AgentID, float]:
         mark = MARKS[self.possible_agents.index(agent)]
-        self.board = drop(self.board, int(move) - 1, mark)
+        self.board, row = drop(self.board, int(move) - 1, mark)
         self._turn += 1
-        if has_four(self.board, mark):
+        if wins_at(self.board, row, int(move) - 1):
             self._won = mark
             return {a: (1.0 if MARKS[i] == mark else -1.0) for i, a in enumerate(self.possible_agents)}
         return {}

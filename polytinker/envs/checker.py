@@ -1,0 +1,259 @@
+"""Conformance checks for text envs (``polytinker env check``).
+
+``check_env("tictactoe-v0")`` (or ``"mypkg.games:MyGame"``, or a zero-argument factory) runs
+PettingZoo's own API test (``api_test`` or ``parallel_api_test``) and polytinker's checks: text
+observations inside the observation space, instructions for every agent, every listed legal
+move parsed back as legal, an empty action refused, episodes that end under seeded random play,
+the same transcript twice under the same seed, scripted opponents present. Each failure says
+how to fix it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pettingzoo import AECEnv
+from pettingzoo.test import api_test, parallel_api_test
+
+from polytinker.envs.config import CoordinatorConfig
+from polytinker.envs.coordinator import Coordinator
+from polytinker.envs.opponents import ScriptedPolicy, scripted_policy
+from polytinker.envs.registry import make
+from polytinker.envs.types import AgentID, EpisodeResult, InvalidAction, PolicyInput
+
+
+@dataclass(frozen=True)
+class Finding:
+    """The outcome of one check."""
+
+    check: str
+    passed: bool
+    # What went wrong and how to fix it ("" when passed).
+    detail: str = ""
+
+
+def _factory(target: str | Callable[[], Any]) -> Callable[[], Any]:
+    if callable(target):
+        return target
+    return lambda: make(target)
+
+
+def _run(check: str, fn: Callable[[], str], fix: str) -> Finding:
+    try:
+        problem = fn()
+    except AssertionError as exc:
+        problem = f"{exc or 'assertion failed'}"
+    except Exception as exc:
+        problem = f"{type(exc).__name__}: {exc}"
+    if not problem:
+        return Finding(check, True)
+    return Finding(check, False, f"{problem}\n    fix: {fix}")
+
+
+def check_env(target: str | Callable[[], Any], *, seed: int = 0, max_steps: int = 2000) -> list[Finding]:
+    """Run every check; a failed construction stops there."""
+    make_env = _factory(target)
+    try:
+        probe = make_env()
+    except Exception as exc:
+        return [
+            Finding(
+                "construct",
+                False,
+                f"{type(exc).__name__}: {exc}\n    fix: the entry point must build an env with no arguments",
+            )
+        ]
+    findings = [Finding("construct", True)]
+    findings.append(
+        _run(
+            "pettingzoo api test",
+            lambda: _pettingzoo(make_env),
+            "see PettingZoo's AECEnv/ParallelEnv contract; the message names the rule",
+        )
+    )
+    findings.append(
+        _run(
+            "instructions",
+            lambda: _instructions(probe),
+            "define instructions(agent) -> str with the rules and the answer format for each agent",
+        )
+    )
+    findings.append(
+        _run(
+            "text observations",
+            lambda: _text_observations(make_env, seed),
+            "observe(agent) must return {'text': str, 'legal_moves': tuple[str, ...], 'current_player': str}"
+            " inside observation_space(agent)",
+        )
+    )
+    roundtrip: list[str] = []
+    results: list[EpisodeResult] = []
+    findings.append(
+        _run(
+            "seeded random play ends",
+            lambda: _play(make_env, seed, max_steps, roundtrip, results),
+            "the game must end (terminate or truncate every agent) within a bounded number of steps",
+        )
+    )
+    findings.append(
+        _run(
+            "legal moves parse back",
+            lambda: "; ".join(roundtrip[:3]),
+            "parse_action(agent, move) must accept every string that legal_moves(agent) lists",
+        )
+    )
+    findings.append(
+        _run(
+            "empty action refused",
+            lambda: _empty_refused(make_env, seed),
+            "parse_action(agent, '') must return InvalidAction",
+        )
+    )
+    findings.append(
+        _run(
+            "deterministic under a seed",
+            lambda: _determinism(make_env, seed, max_steps),
+            "draw every random choice from the generator seeded in reset(seed) (self._rng),"
+            " never from global random state",
+        )
+    )
+    findings.append(
+        _run(
+            "scripted opponents",
+            lambda: _scripted(probe),
+            "set the class attribute scripted = {'random': ..., 'heuristic': ...} with ScriptedPolicy subclasses",
+        )
+    )
+    note = _heuristic_note(probe)
+    return [*findings, note] if note else findings
+
+
+def _pettingzoo(make_env: Callable[[], Any]) -> str:
+    env = make_env()
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        if isinstance(env, AECEnv):
+            api_test(env, num_cycles=200)
+        else:
+            parallel_api_test(env, num_cycles=200)
+    return ""
+
+
+def _instructions(env: Any) -> str:
+    missing = []
+    for agent in env.possible_agents:
+        text = env.instructions(agent) if hasattr(env, "instructions") else None
+        if not isinstance(text, str) or not text.strip():
+            missing.append(agent)
+    return f"no instructions for {', '.join(missing)}" if missing else ""
+
+
+def _text_observations(make_env: Callable[[], Any], seed: int) -> str:
+    env = make_env()
+    if isinstance(env, AECEnv):
+        env.reset(seed=seed)
+        observations = {a: env.observe(a) for a in env.agents}
+    else:
+        observations, _ = env.reset(seed=seed)
+    for agent, obs in observations.items():
+        if not isinstance(obs, dict) or not isinstance(obs.get("text"), str) or not obs["text"].strip():
+            return f"the observation of {agent} is not a dict with a non-empty 'text': {obs!r:.120}"
+        if not env.observation_space(agent).contains(obs):
+            return f"the observation of {agent} is outside observation_space({agent!r}): {obs!r:.200}"
+    return ""
+
+
+def _policy_for(env_box: list[Any], roundtrip: list[str], seed: int) -> Callable[[AgentID, PolicyInput], str]:
+    """Random play that also checks, at each decision, that the listed legal moves parse back."""
+    scripted: dict[AgentID, ScriptedPolicy] = {}
+
+    def policy(agent: AgentID, inp: PolicyInput) -> str:
+        env = env_box[-1]
+        for move in inp.observation.legal_moves:
+            if isinstance(env.parse_action(agent, move), InvalidAction):
+                roundtrip.append(f"{agent}: legal move {move!r} is refused by parse_action")
+        if agent not in scripted:
+            scripted[agent] = scripted_policy(env, "random", seed + len(scripted))
+        try:
+            return scripted[agent](agent, inp)
+        except Exception:
+            legal = inp.observation.legal_moves
+            return legal[0] if legal else "pass"
+
+    return policy
+
+
+def _episodes(
+    make_env: Callable[[], Any], seed: int, max_steps: int, roundtrip: list[str], n: int
+) -> list[EpisodeResult]:
+    box: list[Any] = []
+
+    def factory() -> Any:
+        box.append(make_env())
+        return box[-1]
+
+    coordinator = Coordinator(CoordinatorConfig(max_concurrent_episodes=1, max_steps_per_episode=max_steps))
+    return [coordinator.run_sync(factory, _policy_for(box, roundtrip, seed), [seed])[0] for _ in range(n)]
+
+
+def _play(
+    make_env: Callable[[], Any], seed: int, max_steps: int, roundtrip: list[str], out: list[EpisodeResult]
+) -> str:
+    result = _episodes(make_env, seed, max_steps, roundtrip, 1)[0]
+    out.append(result)
+    return f"episode aborted: {result.aborted}" if result.aborted else ""
+
+
+def _empty_refused(make_env: Callable[[], Any], seed: int) -> str:
+    env = make_env()
+    env.reset(seed=seed)
+    agent = env.agent_selection if isinstance(env, AECEnv) else env.agents[0]
+    return "" if isinstance(env.parse_action(agent, ""), InvalidAction) else "parse_action accepted an empty action"
+
+
+def _transcript(result: EpisodeResult) -> list[tuple[Any, ...]]:
+    return [
+        (agent, turn.observation.text, turn.action, turn.reward)
+        for agent, traj in sorted(result.trajectories.items())
+        for turn in traj.turns
+    ]
+
+
+def _determinism(make_env: Callable[[], Any], seed: int, max_steps: int) -> str:
+    first, second = _episodes(make_env, seed, max_steps, [], 2)
+    a, b = _transcript(first), _transcript(second)
+    if a == b:
+        return ""
+    at = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return f"two episodes with seed {seed} and the same moves differ at turn {at}"
+
+
+def _scripted(env: Any) -> str:
+    table = getattr(env, "scripted", None) or {}
+    return "" if "random" in table else "no scripted random policy"
+
+
+def _heuristic_note(env: Any) -> Finding | None:
+    if "heuristic" in (getattr(env, "scripted", None) or {}):
+        return None
+    return Finding(
+        "heuristic opponent",
+        True,
+        "warning: no scripted 'heuristic' policy, so evaluation "
+        "against one (and `polytinker env play --opponent heuristic`) falls back to random",
+    )
+
+
+def format_findings(target: str, findings: list[Finding]) -> str:
+    lines = [f"{'ok  ' if f.passed else 'FAIL'} {f.check}" + (f": {f.detail}" if f.detail else "") for f in findings]
+    failed = sum(not f.passed for f in findings)
+    lines.append(f"{target}: {len(findings) - failed} passed, {failed} failed")
+    return "\n".join(lines)
+
+
+__all__ = ["Finding", "check_env", "format_findings"]

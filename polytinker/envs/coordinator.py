@@ -1,0 +1,294 @@
+"""The episode coordinator: drives many episodes at once and records per-agent trajectories.
+
+The interaction protocol, and all a training loop needs to know of envs::
+
+    async def policy(agent_id: AgentID, inp: PolicyInput) -> str | AgentAction: ...
+
+    results = await Coordinator(CoordinatorConfig()).run(lambda: make("tictactoe-v0"), policy, seeds=range(64))
+
+For each decision the coordinator calls ``policy(agent_id, PolicyInput)``. ``PolicyInput`` holds
+the agent's instructions (system prompt), its current ``TextObservation`` (text, legal moves,
+whose turn, info) and the agent's own earlier turns (``history``); ``PolicyInput.to_messages()``
+gives the chat list. The policy answers with the action text, or an ``AgentAction`` whose
+``meta`` (token ids, logprobs, adapter version...) is kept in the ``Turn``. A policy may be
+a coroutine function (awaited, with ``policy_timeout_s``) or a plain function (scripted
+opponents); one policy for all agents, or a mapping from agent id to policy.
+
+- AEC envs: turn-taking, one policy call at a time per episode, for ``env.agent_selection``.
+- Parallel envs: every agent that must act this round is asked at once; the step waits for all
+  (the barrier). ``infos[agent]["needs_action"] == False`` marks an agent whose move is in while
+  another agent retries an invalid one.
+- Invalid actions: the env refuses them (penalty, retries); the coordinator records the refusal
+  (``Turn.invalid_reason``) and asks again with the env's feedback in the observation.
+- A policy that times out sends the empty action, which the env refuses like any invalid one.
+- An env that raises aborts its episode (``EpisodeResult.aborted``); the other episodes go on.
+
+The coordinator knows nothing of models. Envs with ``areset``/``astep`` coroutines (remote envs)
+are awaited, so that many remote episodes overlap on one event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pettingzoo import AECEnv
+
+from polytinker.envs.config import CoordinatorConfig
+from polytinker.envs.types import (
+    AgentAction,
+    AgentID,
+    EpisodeResult,
+    PolicyInput,
+    TextObservation,
+    Trajectory,
+    Turn,
+)
+
+PolicyResult = str | AgentAction
+Policy = Callable[[AgentID, PolicyInput], Awaitable[PolicyResult] | PolicyResult]
+EnvFactory = Callable[[], Any]
+
+
+@dataclass
+class _OpenTurn:
+    observation: TextObservation
+    action: str
+    meta: Mapping[str, Any]
+    timed_out: bool
+    latency_s: float
+    invalid_reason: str | None = None
+    reward: float = 0.0
+
+
+@dataclass
+class _Book:
+    """Per-agent bookkeeping of one episode: closed turns, the open one, reward totals."""
+
+    turns: dict[AgentID, list[Turn]] = field(default_factory=dict)
+    open: dict[AgentID, _OpenTurn] = field(default_factory=dict)
+    totals: dict[AgentID, float] = field(default_factory=dict)
+    done: dict[AgentID, tuple[bool, bool]] = field(default_factory=dict)
+    streak: dict[AgentID, int] = field(default_factory=dict)  # consecutive invalid actions
+
+    def reward(self, agent: AgentID, r: float) -> None:
+        self.totals[agent] = self.totals.get(agent, 0.0) + r
+        if agent in self.open:
+            self.open[agent].reward += r
+
+    def close(self, agent: AgentID) -> None:
+        t = self.open.pop(agent, None)
+        if t is not None:
+            turn = Turn(t.observation, t.action, t.reward, t.invalid_reason, t.timed_out, t.latency_s, t.meta)
+            self.turns.setdefault(agent, []).append(turn)
+
+    def mark_invalid(self, agent: AgentID, info: Mapping[str, Any] | None) -> None:
+        reason = (info or {}).get("invalid_action")
+        if agent in self.open and reason:
+            self.open[agent].invalid_reason = str(reason)
+            self.streak[agent] = self.streak.get(agent, 0) + 1
+        else:
+            self.streak[agent] = 0
+
+    def trajectories(self, agents: Iterable[AgentID]) -> dict[AgentID, Trajectory]:
+        for a in list(self.open):
+            self.close(a)
+        return {
+            a: Trajectory(
+                agent=a,
+                turns=tuple(self.turns.get(a, ())),
+                total_reward=self.totals.get(a, 0.0),
+                terminated=self.done.get(a, (False, False))[0],
+                truncated=self.done.get(a, (False, False))[1],
+            )
+            for a in agents
+        }
+
+
+class _StepLimit(Exception):
+    pass
+
+
+class _PolicyFailed(Exception):
+    """Carries a policy's exception (as ``__cause__``) past the env-failure handler."""
+
+
+class Coordinator:
+    """Runs episodes of text envs against policies; see the module docstring for the protocol."""
+
+    def __init__(self, config: CoordinatorConfig | None = None) -> None:
+        self.config = config or CoordinatorConfig()
+
+    async def run(
+        self,
+        make_env: EnvFactory,
+        policy: Policy | Mapping[AgentID, Policy],
+        seeds: Iterable[int | None],
+        *,
+        env_id: str = "",
+    ) -> list[EpisodeResult]:
+        """One episode per seed, at most ``max_concurrent_episodes`` at once, results in seed order.
+        ``make_env()`` may return an env or an awaitable of one; each episode gets a fresh env."""
+        gate = asyncio.Semaphore(self.config.max_concurrent_episodes)
+
+        async def one(seed: int | None) -> EpisodeResult:
+            async with gate:
+                env = make_env()
+                if inspect.isawaitable(env):
+                    env = await env
+                try:
+                    return await self.run_episode(env, policy, seed=seed, env_id=env_id)
+                finally:
+                    await _maybe_await(getattr(env, "aclose", None) or env.close)
+
+        return list(await asyncio.gather(*(one(s) for s in seeds)))
+
+    def run_sync(self, make_env: EnvFactory, policy: Any, seeds: Iterable[int | None], *, env_id: str = "") -> list:
+        """``run`` from synchronous code (starts and ends its own event loop)."""
+        return asyncio.run(self.run(make_env, policy, seeds, env_id=env_id))
+
+    async def run_episode(
+        self,
+        env: Any,
+        policy: Policy | Mapping[AgentID, Policy],
+        *,
+        seed: int | None = None,
+        env_id: str = "",
+        episode_id: str | None = None,
+    ) -> EpisodeResult:
+        """Play one episode of ``env`` (an AEC or parallel text env) to its end."""
+        episode_id = episode_id or uuid.uuid4().hex[:12]
+        env_id = env_id or str(getattr(env, "metadata", {}).get("name", type(env).__name__))
+        book = _Book()
+        start = time.perf_counter()
+        aborted: str | None = None
+        steps = 0
+        try:
+            drive = self._drive_aec if isinstance(env, AECEnv) else self._drive_parallel
+            steps = await drive(env, policy, book, seed, env_id, episode_id)
+        except _StepLimit as exc:
+            aborted, steps = f"step limit of {self.config.max_steps_per_episode} reached", int(str(exc))
+        except _PolicyFailed as exc:
+            # A policy bug is the caller's to see, not an env failure to paper over.
+            raise exc.__cause__ or exc from None
+        except Exception as exc:
+            # The env (or the link to it) failed: this episode is lost, the others go on.
+            aborted = f"{type(exc).__name__}: {exc}"
+        return EpisodeResult(
+            episode_id=episode_id,
+            env_id=env_id,
+            seed=seed,
+            trajectories=book.trajectories(env.possible_agents),
+            num_steps=steps,
+            wall_s=time.perf_counter() - start,
+            aborted=aborted,
+        )
+
+    # -- one decision
+    async def _decide(
+        self, env: Any, policy: Any, book: _Book, agent: AgentID, obs: TextObservation, ids: tuple[str, str]
+    ) -> str:
+        fn = policy[agent] if isinstance(policy, Mapping) else policy
+        inp = PolicyInput(
+            agent=agent,
+            episode_id=ids[1],
+            env_id=ids[0],
+            instructions=env.instructions(agent),
+            observation=obs,
+            history=tuple(book.turns.get(agent, ())) if self.config.keep_history else (),
+            retry=book.streak.get(agent, 0),
+        )
+        start = time.perf_counter()
+        timed_out = False
+        try:
+            result = fn(agent, inp)
+            if inspect.isawaitable(result):
+                result = await asyncio.wait_for(result, self.config.policy_timeout_s)
+        except TimeoutError:
+            result, timed_out = "", True
+        except Exception as exc:
+            raise _PolicyFailed() from exc
+        if isinstance(result, str):
+            result = AgentAction(result)
+        elif not isinstance(result, AgentAction):
+            bad = TypeError(f"policy for {agent} returned {type(result).__name__}; return str or AgentAction")
+            raise _PolicyFailed() from bad
+        book.close(agent)
+        book.open[agent] = _OpenTurn(obs, result.text, result.meta, timed_out, time.perf_counter() - start)
+        return result.text
+
+    # -- turn-taking
+    async def _drive_aec(
+        self, env: Any, policy: Any, book: _Book, seed: int | None, env_id: str, episode_id: str
+    ) -> int:
+        await _call(env, "reset", seed=seed)
+        steps = 0
+        limit = self.config.max_steps_per_episode
+        while env.agents:
+            if steps >= limit:
+                raise _StepLimit(steps)
+            agent = env.agent_selection
+            raw, reward, terminated, truncated, info = env.last()
+            book.reward(agent, float(reward))
+            if terminated or truncated:
+                book.done[agent] = (bool(terminated), bool(truncated))
+                await _call(env, "step", None)
+                continue
+            obs = TextObservation.from_raw(raw, info)
+            action = await self._decide(env, policy, book, agent, obs, (env_id, episode_id))
+            await _call(env, "step", action)
+            steps += 1
+            book.mark_invalid(agent, env.infos.get(agent))
+        return steps
+
+    # -- simultaneous moves
+    async def _drive_parallel(
+        self, env: Any, policy: Any, book: _Book, seed: int | None, env_id: str, episode_id: str
+    ) -> int:
+        observations, infos = await _call(env, "reset", seed=seed)
+        steps = 0
+        while env.agents:
+            if steps >= self.config.max_steps_per_episode:
+                raise _StepLimit(steps)
+            acting = [a for a in env.agents if infos.get(a, {}).get("needs_action", True)]
+            decisions = [
+                self._decide(
+                    env, policy, book, a, TextObservation.from_raw(observations[a], infos.get(a)), (env_id, episode_id)
+                )
+                for a in acting
+            ]
+            texts = await asyncio.gather(*decisions)  # the barrier: everyone's move before the step
+            actions = dict.fromkeys(env.agents, "")
+            actions.update(zip(acting, texts, strict=True))
+            observations, rewards, terminations, truncations, infos = await _call(env, "step", actions)
+            steps += 1
+            for a, r in rewards.items():
+                book.reward(a, float(r))
+            for a in acting:
+                book.mark_invalid(a, infos.get(a))
+            for a in terminations:
+                if terminations[a] or truncations.get(a, False):
+                    book.done[a] = (bool(terminations[a]), bool(truncations.get(a, False)))
+        return steps
+
+
+async def _call(env: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+    """``env.a<name>`` when the env has it (remote envs), else the plain method."""
+    async_method = getattr(env, "a" + name, None)
+    if async_method is not None:
+        return await async_method(*args, **kwargs)
+    return getattr(env, name)(*args, **kwargs)
+
+
+async def _maybe_await(fn: Callable[[], Any]) -> None:
+    result = fn()
+    if inspect.isawaitable(result):
+        await result
+
+
+__all__ = ["Coordinator", "EnvFactory", "Policy", "PolicyResult"]
