@@ -1,0 +1,236 @@
+"""What is allocated where: memory of engines and learner groups, adapter slots, exclusive groups.
+
+``ClusterState`` answers the questions the policy asks: can this job ever run here (and if not,
+why), where does it fit now, which running jobs would have to stop for it to fit. It never
+over-commits: ``allocate`` raises if a placement does not fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from polytinker.errors import ConfigError
+from polytinker.scheduler.placement import AdapterLoad, AdapterPlacement
+from polytinker.scheduler.types import ClusterSpec, EngineSpec, Job, JobID, LearnerSpec, Placement, ResourceID
+
+_EPS = 1e-9  # memory sums in floats: tolerate rounding, never real over-commit
+
+
+@dataclass
+class _Learner:
+    spec: LearnerSpec
+    free_gb: float
+    jobs: dict[JobID, Job] = field(default_factory=dict)
+    exclusive: JobID | None = None
+
+
+@dataclass
+class _Engine:
+    spec: EngineSpec
+    free_gb: float
+    jobs: dict[JobID, Job] = field(default_factory=dict)
+
+
+def _all(_: ResourceID) -> bool:
+    return True
+
+
+class ClusterState:
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self.learners = {g.group_id: _Learner(g, g.memory_gb) for g in spec.learners}
+        self.engines = {e.engine_id: _Engine(e, e.memory_gb) for e in spec.engines}
+        self.adapters = AdapterPlacement(spec.engines)
+        self.placed: dict[JobID, tuple[Job, Placement]] = {}
+        self.total_learner_gb = sum(g.memory_gb for g in spec.learners)
+        self.total_engine_gb = sum(e.memory_gb for e in spec.engines)
+
+    def impossible(self, job: Job) -> str | None:
+        """Why ``job`` can never run on this cluster even when it is empty; ``None`` if it can."""
+        if job.kind.needs_learner:
+            groups = [g.spec for g in self.learners.values() if g.spec.base_model == job.base_model]
+            if not groups:
+                return f"no learner group serves base model {job.base_model}"
+            biggest = max(g.memory_gb for g in groups)
+            if job.learner_mem_gb > biggest + _EPS:
+                return f"needs {job.learner_mem_gb:g} GB of learner memory; the largest group has {biggest:g} GB"
+        if job.kind.needs_engine:
+            engines = [e.spec for e in self.engines.values() if e.spec.base_model == job.base_model]
+            if not engines:
+                return f"no engine serves base model {job.base_model}"
+            fits = [e for e in engines if e.memory_gb + _EPS >= job.engine_mem_gb]
+            if not fits:
+                biggest = max(e.memory_gb for e in engines)
+                return f"needs {job.engine_mem_gb:g} GB of engine memory; the largest engine has {biggest:g} GB"
+            if job.needs_slot and not any(e.adapter_slots > 0 for e in fits):
+                return f"no engine of {job.base_model} with enough memory has an adapter slot"
+        return None
+
+    # --- fitting ---------------------------------------------------------------------------------
+    def fit(self, job: Job, now_s: float, allowed: Callable[[ResourceID], bool] = _all) -> Placement | None:
+        """Where ``job`` fits now, on resources ``allowed`` says it may use; ``None`` if nowhere."""
+        learner = engine = None
+        if job.kind.needs_learner:
+            learner = self._fit_learner(job, allowed)
+            if learner is None:
+                return None
+        if job.kind.needs_engine:
+            engine = self._fit_engine(job, now_s, allowed)
+            if engine is None:
+                return None
+        return Placement(learner=learner, engine=engine)
+
+    def _fit_learner(self, job: Job, allowed: Callable[[ResourceID], bool]) -> ResourceID | None:
+        best: tuple[int, float, str] | None = None
+        for gid, g in self.learners.items():
+            if g.spec.base_model != job.base_model or not allowed(gid) or g.exclusive is not None:
+                continue
+            if job.kind.exclusive_learner:
+                ok = not g.jobs and g.spec.memory_gb + _EPS >= job.learner_mem_gb
+            else:
+                ok = g.free_gb + _EPS >= job.learner_mem_gb
+            # Spread shared jobs: the group with the fewest jobs takes turns least often.
+            key = (len(g.jobs), -g.free_gb, gid)
+            if ok and (best is None or key < best):
+                best = key
+        return None if best is None else best[2]
+
+    def _fit_engine(self, job: Job, now_s: float, allowed: Callable[[ResourceID], bool]) -> ResourceID | None:
+        candidates = [
+            eid
+            for eid, e in self.engines.items()
+            if e.spec.base_model == job.base_model and allowed(eid) and e.free_gb + _EPS >= job.engine_mem_gb
+        ]
+        return self.adapters.choose_engine(job.adapter if job.needs_slot else None, job.base_model, candidates, now_s)
+
+    # --- allocation ------------------------------------------------------------------------------
+    def allocate(self, job: Job, placement: Placement, now_s: float) -> AdapterLoad | None:
+        """Take the resources; returns the adapter load it needed, if any. Raises if it does not fit."""
+        if job.job_id in self.placed:
+            raise ConfigError(f"job {job.job_id} is already placed")
+        if self.fit(job, now_s, allowed=lambda r: r in placement.resources()) is None:
+            raise ConfigError(f"job {job.job_id} does not fit on {placement.resources()}: ask fit() first")
+        load = None
+        if placement.learner is not None:
+            g = self.learners[placement.learner]
+            g.free_gb -= g.spec.memory_gb if job.kind.exclusive_learner else job.learner_mem_gb
+            g.jobs[job.job_id] = job
+            if job.kind.exclusive_learner:
+                g.exclusive = job.job_id
+        if placement.engine is not None:
+            e = self.engines[placement.engine]
+            e.free_gb -= job.engine_mem_gb
+            e.jobs[job.job_id] = job
+            if job.needs_slot:
+                assert job.adapter is not None
+                load = self.adapters.acquire(placement.engine, job.adapter, now_s)
+        self.placed[job.job_id] = (job, placement)
+        return load
+
+    def release(self, job_id: JobID, now_s: float) -> None:
+        job, placement = self.placed.pop(job_id)
+        if placement.learner is not None:
+            g = self.learners[placement.learner]
+            g.free_gb += g.spec.memory_gb if job.kind.exclusive_learner else job.learner_mem_gb
+            del g.jobs[job_id]
+            if g.exclusive == job_id:
+                g.exclusive = None
+        if placement.engine is not None:
+            e = self.engines[placement.engine]
+            e.free_gb += job.engine_mem_gb
+            del e.jobs[job_id]
+            if job.needs_slot:
+                assert job.adapter is not None
+                self.adapters.release(placement.engine, job.adapter, now_s)
+
+    # --- preemption ------------------------------------------------------------------------------
+    def victims(
+        self,
+        job: Job,
+        preemptible: Callable[[JobID], bool],
+        order: Callable[[Job], tuple[float, ...]],
+    ) -> tuple[Placement, list[JobID]] | None:
+        """The cheapest set of running jobs whose removal lets ``job`` fit, taking victims in ``order``
+        (lowest priority first) and only those ``preemptible`` allows; ``None`` if no such set exists."""
+        learner: tuple[ResourceID | None, list[Job]] = (None, [])
+        engine: tuple[ResourceID | None, list[Job]] = (None, [])
+        if job.kind.needs_learner:
+            opts = [self._learner_victims(job, g, preemptible, order) for g in self.learners.values()]
+            found = [o for o in opts if o is not None]
+            if not found:
+                return None
+            learner = min(found, key=lambda o: (_cost(o[1], order), o[0] or ""))
+        if job.kind.needs_engine:
+            eopts = [self._engine_victims(job, e, preemptible, order) for e in self.engines.values()]
+            efound = [o for o in eopts if o is not None]
+            if not efound:
+                return None
+            engine = min(efound, key=lambda o: (_cost(o[1], order), o[0] or ""))
+        chosen = {j.job_id: j for j in learner[1] + engine[1]}
+        ranked = sorted(chosen.values(), key=order)
+        return Placement(learner=learner[0], engine=engine[0]), [j.job_id for j in ranked]
+
+    def _learner_victims(
+        self, job: Job, g: _Learner, preemptible: Callable[[JobID], bool], order: Callable[[Job], tuple[float, ...]]
+    ) -> tuple[ResourceID, list[Job]] | None:
+        if g.spec.base_model != job.base_model or g.spec.memory_gb + _EPS < job.learner_mem_gb:
+            return None
+        running = sorted(g.jobs.values(), key=order)
+        if job.kind.exclusive_learner or g.exclusive is not None:
+            return (g.spec.group_id, running) if all(preemptible(j.job_id) for j in running) else None
+        return _take_until(
+            g.spec.group_id, g.free_gb, job.learner_mem_gb, running, preemptible, lambda j: j.learner_mem_gb
+        )
+
+    def _engine_victims(
+        self, job: Job, e: _Engine, preemptible: Callable[[JobID], bool], order: Callable[[Job], tuple[float, ...]]
+    ) -> tuple[ResourceID, list[Job]] | None:
+        if e.spec.base_model != job.base_model or e.spec.memory_gb + _EPS < job.engine_mem_gb:
+            return None
+        if job.needs_slot and e.spec.adapter_slots == 0:
+            return None
+        running = sorted(e.jobs.values(), key=order)
+        found = _take_until(
+            e.spec.engine_id, e.free_gb, job.engine_mem_gb, running, preemptible, lambda j: j.engine_mem_gb
+        )
+        if found is None or not job.needs_slot:
+            return found
+        assert job.adapter is not None
+        eid, taken = found
+        if self.adapters.can_host(eid, job.adapter):
+            return found
+        # A slot frees when the last job pinning some adapter stops: add the cheapest such job.
+        for j in running:
+            if j in taken or not preemptible(j.job_id) or not j.needs_slot or j.adapter in self.adapters._user_pinned:
+                continue
+            if sum(1 for k in e.jobs.values() if k.adapter == j.adapter and k not in taken) == 1:
+                return eid, [*taken, j]
+        return None
+
+
+def _take_until(
+    rid: ResourceID,
+    free_gb: float,
+    need_gb: float,
+    running: list[Job],
+    preemptible: Callable[[JobID], bool],
+    mem: Callable[[Job], float],
+) -> tuple[ResourceID, list[Job]] | None:
+    taken: list[Job] = []
+    for j in running:
+        if free_gb + _EPS >= need_gb:
+            break
+        if preemptible(j.job_id):
+            taken.append(j)
+            free_gb += mem(j)
+    return (rid, taken) if free_gb + _EPS >= need_gb else None
+
+
+def _cost(victims: list[Job], order: Callable[[Job], tuple[float, ...]]) -> tuple[object, ...]:
+    # Prefer stopping only the lowest-ranked jobs, then as few as possible.
+    worst: tuple[float, ...] = max((order(j) for j in victims), default=())
+    return (worst, len(victims))
+
+
+__all__ = ["ClusterState"]

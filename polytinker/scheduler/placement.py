@@ -1,0 +1,204 @@
+"""Adapter placement on engines and learner time-slicing choices: pure decisions, no I/O.
+
+``AdapterPlacement`` tracks which LoRA adapters each engine holds and answers where to put or find
+one: only engines of the adapter's base model; a free slot first, spreading load; otherwise the
+least recently used adapter that nothing pins is evicted; a pinned adapter (by a running job or by
+a person) is never evicted. ``route`` sends one sample request to an engine holding the adapter,
+and adds a replica when the adapter is hot.
+
+``next_learner_job`` picks which resident job a shared learner group trains next at a step boundary.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from polytinker.errors import ConfigError
+from polytinker.scheduler.types import AdapterID, BaseModelID, EngineSpec, JobID, ResourceID
+
+
+@dataclass(frozen=True)
+class AdapterLoad:
+    """Where an adapter goes or is served from, and what that costs."""
+
+    engine: ResourceID
+    adapter: AdapterID
+    load: bool  # not resident there yet: the engine must load it
+    evicted: AdapterID | None  # the adapter removed to make room, if any
+    reason: str
+
+
+class _Engine:
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+        self.resident: OrderedDict[AdapterID, float] = OrderedDict()  # LRU first; value: last use time
+        self.pins: Counter[AdapterID] = Counter()  # running jobs using each adapter here
+
+
+class AdapterPlacement:
+    """Adapter slots of all engines. ``hot_requests_per_s`` is the request rate one replica absorbs
+    before ``route`` adds another (up to ``max_replicas``); rates decay with ``half_life_s``."""
+
+    def __init__(
+        self,
+        engines: Iterable[EngineSpec],
+        *,
+        hot_requests_per_s: float = 50.0,
+        max_replicas: int = 4,
+        half_life_s: float = 30.0,
+    ) -> None:
+        if hot_requests_per_s <= 0 or max_replicas < 1 or half_life_s <= 0:
+            raise ConfigError("AdapterPlacement: hot_requests_per_s > 0, max_replicas >= 1, half_life_s > 0")
+        self._engines = {e.engine_id: _Engine(e) for e in engines}
+        self._by_base: dict[BaseModelID, list[ResourceID]] = {}
+        for e in self._engines.values():
+            self._by_base.setdefault(e.spec.base_model, []).append(e.spec.engine_id)
+        self._where: dict[AdapterID, set[ResourceID]] = {}
+        self._user_pinned: set[AdapterID] = set()
+        self._rate: dict[AdapterID, tuple[float, float]] = {}  # adapter -> (rate at time, time)
+        self._hot = hot_requests_per_s
+        self._max_replicas = max_replicas
+        self._decay_per_s = math.log(2) / half_life_s
+
+    # --- queries ---------------------------------------------------------------------------------
+    def engines_of(self, base_model: BaseModelID) -> list[ResourceID]:
+        return list(self._by_base.get(base_model, ()))
+
+    def resident(self, engine_id: ResourceID) -> list[AdapterID]:
+        """Adapters held by the engine, least recently used first."""
+        return list(self._engines[engine_id].resident)
+
+    def holders(self, adapter: AdapterID) -> set[ResourceID]:
+        return set(self._where.get(adapter, ()))
+
+    def is_pinned(self, adapter: AdapterID, engine_id: ResourceID) -> bool:
+        return adapter in self._user_pinned or self._engines[engine_id].pins[adapter] > 0
+
+    def can_host(self, engine_id: ResourceID, adapter: AdapterID) -> bool:
+        """Resident already, a free slot, or an unpinned adapter to evict."""
+        e = self._engines[engine_id]
+        if adapter in e.resident or len(e.resident) < e.spec.adapter_slots:
+            return True
+        return self._lru_victim(e) is not None
+
+    def rate(self, adapter: AdapterID, now_s: float) -> float:
+        value, t = self._rate.get(adapter, (0.0, now_s))
+        return value * math.exp(-self._decay_per_s * max(0.0, now_s - t))
+
+    def engine_load(self, engine_id: ResourceID, now_s: float) -> float:
+        """Request rate the engine serves, each adapter's rate split over its replicas, plus its pins."""
+        e = self._engines[engine_id]
+        rates = sum(self.rate(a, now_s) / len(self._where[a]) for a in e.resident)
+        return rates + sum(e.pins.values())
+
+    # --- changes ---------------------------------------------------------------------------------
+    def pin(self, adapter: AdapterID) -> None:
+        """Keep every resident copy of the adapter: it is never evicted until ``unpin``."""
+        self._user_pinned.add(adapter)
+
+    def unpin(self, adapter: AdapterID) -> None:
+        self._user_pinned.discard(adapter)
+
+    def acquire(self, engine_id: ResourceID, adapter: AdapterID, now_s: float) -> AdapterLoad:
+        """A job starts using the adapter on this engine: load it if needed and pin it while in use."""
+        e = self._engines[engine_id]
+        placed = self._load(e, adapter, now_s)
+        e.pins[adapter] += 1
+        return placed
+
+    def release(self, engine_id: ResourceID, adapter: AdapterID, now_s: float) -> None:
+        """The job is done with it: unpin; the adapter stays resident (warm) until evicted."""
+        e = self._engines[engine_id]
+        if e.pins[adapter] <= 0:
+            raise ConfigError(f"release of {adapter} on {engine_id}, which no job holds")
+        e.pins[adapter] -= 1
+        if adapter in e.resident:
+            e.resident[adapter] = now_s
+            e.resident.move_to_end(adapter)
+
+    def choose_engine(
+        self, adapter: AdapterID | None, base_model: BaseModelID, candidates: Iterable[ResourceID], now_s: float
+    ) -> ResourceID | None:
+        """Best engine among ``candidates`` (already of the right base model and with room) for a job:
+        one holding the adapter (no load), else the least loaded that can host it."""
+        usable = [c for c in candidates if adapter is None or self.can_host(c, adapter)]
+        if not usable:
+            return None
+
+        def key(c: ResourceID) -> tuple[bool, float, str]:
+            warm = adapter is not None and adapter in self._engines[c].resident
+            return (not warm, self.engine_load(c, now_s), c)
+
+        return min(usable, key=key)
+
+    def route(self, adapter: AdapterID, base_model: BaseModelID, now_s: float) -> AdapterLoad | None:
+        """Engine for one sample request with ``adapter``; ``None`` when no engine of the base model can
+        host it (all slots pinned). A hot adapter gets one more replica on the least loaded engine."""
+        self._record_request(adapter, now_s)
+        holders = sorted(self._where.get(adapter, ()))
+        if holders:
+            best = min(holders, key=lambda c: (self.engine_load(c, now_s), c))
+            per_replica = self.rate(adapter, now_s) / len(holders)
+            if per_replica > self._hot and len(holders) < self._max_replicas:
+                others = [c for c in self.engines_of(base_model) if c not in holders and self.can_host(c, adapter)]
+                target = self.choose_engine(adapter, base_model, others, now_s)
+                if target is not None:
+                    placed = self._load(self._engines[target], adapter, now_s)
+                    return AdapterLoad(target, adapter, True, placed.evicted, "hot adapter: added a replica")
+            e = self._engines[best]
+            e.resident[adapter] = now_s
+            e.resident.move_to_end(adapter)
+            return AdapterLoad(best, adapter, False, None, "resident: least loaded holder")
+        target = self.choose_engine(adapter, base_model, self.engines_of(base_model), now_s)
+        if target is None:
+            return None
+        return self._load(self._engines[target], adapter, now_s)
+
+    # --- internals -------------------------------------------------------------------------------
+    def _record_request(self, adapter: AdapterID, now_s: float) -> None:
+        # An exponentially decayed count: its value times the decay rate approximates requests per second.
+        count = self.rate(adapter, now_s) / self._decay_per_s + 1.0
+        self._rate[adapter] = (count * self._decay_per_s, now_s)
+
+    def _lru_victim(self, e: _Engine) -> AdapterID | None:
+        for a in e.resident:  # least recently used first
+            if e.pins[a] == 0 and a not in self._user_pinned:
+                return a
+        return None
+
+    def _load(self, e: _Engine, adapter: AdapterID, now_s: float) -> AdapterLoad:
+        eid = e.spec.engine_id
+        if adapter in e.resident:
+            e.resident[adapter] = now_s
+            e.resident.move_to_end(adapter)
+            return AdapterLoad(eid, adapter, False, None, "already resident")
+        evicted = None
+        if len(e.resident) >= e.spec.adapter_slots:
+            evicted = self._lru_victim(e)
+            if evicted is None:
+                raise ConfigError(f"engine {eid}: every adapter slot is pinned; check can_host first")
+            del e.resident[evicted]
+            self._where[evicted].discard(eid)
+            if not self._where[evicted]:
+                del self._where[evicted]
+        e.resident[adapter] = now_s
+        self._where.setdefault(adapter, set()).add(eid)
+        why = f"evicted least recently used {evicted}" if evicted else "free slot"
+        return AdapterLoad(eid, adapter, True, evicted, why)
+
+
+def next_learner_job(ready: Iterable[tuple[JobID, int, float]]) -> JobID | None:
+    """Which ready job a shared learner group trains next, from (job, priority, last time it trained):
+    the highest priority, then the one that waited longest, so co-located jobs take turns step by step."""
+    best: tuple[int, float, JobID] | None = None
+    for job_id, priority, last_run_s in ready:
+        key = (-priority, last_run_s, job_id)
+        if best is None or key < best:
+            best = key
+    return None if best is None else best[2]
+
+
+__all__ = ["AdapterLoad", "AdapterPlacement", "next_learner_job"]

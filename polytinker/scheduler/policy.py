@@ -1,0 +1,425 @@
+"""The scheduling decision core: what to run, where, and what to stop, with a reason for each.
+
+``SchedulingPolicy`` holds the job table and the cluster's allocations and answers events:
+
+- ``submit(job, now_s)``: admission. Rejected (with the reason) if the job can never fit the
+  cluster's memory; Overloaded (with ``retry_after_s``) if the queue is at its bound; else queued.
+- ``schedule(now_s)``: one scheduling pass; returns START, PREEMPT and RESERVE decisions.
+- ``job_finished``, ``job_stopped`` (a preempted job stopped at a step boundary and its state is
+  saved: it goes back to the queue), ``cancel``.
+
+The policy never does I/O: it returns ``Decision`` records and the caller (the service, or the
+simulator) acts on them and logs them.
+
+``FairSharePolicy`` is ours: strict priorities; weighted fair share across tenants by virtual time
+(each tenant is charged its dominant memory share times the work it starts, divided by its weight;
+the tenant with the least charge goes first); within a tenant and priority the smallest declared
+job first; backfill, so a job that does not fit never stalls one that does; a reservation for a job
+waiting longer than ``starvation_s`` so backfill cannot starve it; preemption of lower-priority jobs
+at step boundaries.
+
+``FifoPolicy`` is the baseline: one queue in arrival order; the head waits until it fits and
+nothing behind it runs (head-of-line blocking); no priorities, no preemption.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from polytinker.errors import ConfigError
+from polytinker.scheduler.cluster import ClusterState
+from polytinker.scheduler.config import SchedulerPolicyConfig
+from polytinker.scheduler.queue import FifoQueue, RetryEstimator, TenantQueue
+from polytinker.scheduler.types import (
+    Accepted,
+    ClusterSpec,
+    Decision,
+    DecisionKind,
+    Job,
+    JobID,
+    JobState,
+    Overloaded,
+    Placement,
+    Rejected,
+    ResourceID,
+    SubmitResult,
+    TenantID,
+)
+
+
+@dataclass
+class _Entry:
+    """The policy's mutable record of one job."""
+
+    job: Job
+    seq: int
+    state: JobState = JobState.QUEUED
+    steps_done: int = 0
+    placement: Placement | None = None
+    started_s: float = 0.0
+    charged: float = 0.0  # fair-share charge taken at the last start
+
+    @property
+    def remaining_work_s(self) -> float:
+        return (self.job.steps - self.steps_done) * self.job.step_work_s
+
+
+class SchedulingPolicy(ABC):
+    """The interface the service and the simulator drive; see the module docstring."""
+
+    name = "policy"
+
+    def __init__(self, cluster: ClusterSpec, config: SchedulerPolicyConfig | None = None) -> None:
+        self.config = config or SchedulerPolicyConfig()
+        self.cluster = ClusterState(cluster)
+        self._entries: dict[JobID, _Entry] = {}
+        self._seq = itertools.count()
+        self._queued_by_tenant: Counter[TenantID] = Counter()
+        self._queued_by_need: Counter[tuple[str, str]] = Counter()  # (base model, "engine"/"learner")
+        self._retry = RetryEstimator(self.config.retry_after_min_s, self.config.retry_after_max_s)
+
+    # --- queries ---------------------------------------------------------------------------------
+    def state(self, job_id: JobID) -> JobState:
+        return self._entries[job_id].state
+
+    def placement(self, job_id: JobID) -> Placement | None:
+        return self._entries[job_id].placement
+
+    def steps_done(self, job_id: JobID) -> int:
+        return self._entries[job_id].steps_done
+
+    @property
+    def queued_count(self) -> int:
+        return self._queued_by_tenant.total()
+
+    def queued_needing(self, base_model: str, resource: str) -> int:
+        """Queued jobs of ``base_model`` that need an ``"engine"`` or a ``"learner"``."""
+        return self._queued_by_need[(base_model, resource)]
+
+    def running(self) -> list[JobID]:
+        return [j for j, e in self._entries.items() if e.state in (JobState.RUNNING, JobState.PREEMPTING)]
+
+    # --- events ----------------------------------------------------------------------------------
+    def submit(self, job: Job, now_s: float) -> SubmitResult:
+        if job.job_id in self._entries:
+            raise ConfigError(f"job id {job.job_id} was already submitted; job ids must be unique")
+        why = self.cluster.impossible(job)
+        if why is not None:
+            return Rejected(Decision(DecisionKind.REJECT, now_s, job.job_id, f"can never run here: {why}", job.tenant))
+        excess = max(
+            self.queued_count + 1 - self.config.max_queued_jobs,
+            self._queued_by_tenant[job.tenant] + 1 - self.config.max_queued_per_tenant,
+        )
+        if excess > 0:
+            retry_s = self._retry.retry_after_s(excess)
+            reason = (
+                f"queue full ({self.queued_count} queued, tenant {job.tenant}: {self._queued_by_tenant[job.tenant]})"
+            )
+            reason += f"; retry after {retry_s:.1f} s"
+            return Overloaded(Decision(DecisionKind.OVERLOADED, now_s, job.job_id, reason, job.tenant), retry_s)
+        entry = _Entry(job, next(self._seq))
+        self._entries[job.job_id] = entry
+        self._enqueue(entry, now_s, new=True)
+        return Accepted(Decision(DecisionKind.ADMIT, now_s, job.job_id, "fits the cluster; queued", job.tenant))
+
+    @abstractmethod
+    def schedule(self, now_s: float) -> list[Decision]:
+        """One scheduling pass: the jobs to start now, the jobs to preempt, the reservations made."""
+
+    def job_finished(self, job_id: JobID, now_s: float) -> Decision:
+        e = self._entries[job_id]
+        if e.state not in (JobState.RUNNING, JobState.PREEMPTING):
+            raise ConfigError(f"job {job_id} finished but it is {e.state}, not running")
+        self.cluster.release(job_id, now_s)
+        e.state, e.steps_done, e.placement = JobState.DONE, e.job.steps, None
+        self._retry.observe_completion(now_s)
+        self._on_gone(e)
+        return Decision(DecisionKind.FINISH, now_s, job_id, "all steps done; resources freed", e.job.tenant)
+
+    def job_stopped(self, job_id: JobID, now_s: float, steps_done: int) -> Decision:
+        """A job told to stop (PREEMPT) finished its step ``steps_done`` and saved its state."""
+        e = self._entries[job_id]
+        if e.state is not JobState.PREEMPTING:
+            raise ConfigError(f"job {job_id} stopped but it was not being preempted (it is {e.state})")
+        if not e.steps_done <= steps_done < e.job.steps:
+            raise ConfigError(f"job {job_id}: steps_done {steps_done} outside [{e.steps_done}, {e.job.steps})")
+        self.cluster.release(job_id, now_s)
+        ran = steps_done - e.steps_done
+        e.steps_done, e.placement = steps_done, None
+        self._on_stopped(e, ran)
+        self._enqueue(e, now_s, new=False)
+        why = f"preempted after step {steps_done}/{e.job.steps}; state saved; back in the queue"
+        return Decision(DecisionKind.REQUEUE, now_s, job_id, why, e.job.tenant)
+
+    def cancel(self, job_id: JobID, now_s: float) -> Decision:
+        e = self._entries[job_id]
+        if e.state is JobState.QUEUED:
+            self._unqueue(e)
+        elif e.state in (JobState.RUNNING, JobState.PREEMPTING):
+            self.cluster.release(job_id, now_s)
+        else:
+            raise ConfigError(f"job {job_id} is {e.state}; only queued or running jobs can be cancelled")
+        e.state, e.placement = JobState.CANCELLED, None
+        self._on_gone(e)
+        return Decision(DecisionKind.CANCEL, now_s, job_id, "cancelled by its tenant", e.job.tenant)
+
+    # --- shared machinery ------------------------------------------------------------------------
+    def _enqueue(self, e: _Entry, now_s: float, *, new: bool) -> None:
+        e.state = JobState.QUEUED
+        self._count_queued(e.job, +1)
+        self._push(e, now_s, new=new)
+
+    def _count_queued(self, job: Job, sign: int) -> None:
+        self._queued_by_tenant[job.tenant] += sign
+        if job.kind.needs_engine:
+            self._queued_by_need[(job.base_model, "engine")] += sign
+        if job.kind.needs_learner:
+            self._queued_by_need[(job.base_model, "learner")] += sign
+
+    def _unqueue(self, e: _Entry) -> None:
+        self._count_queued(e.job, -1)
+        self._pop(e)
+
+    def _start(self, e: _Entry, placement: Placement, now_s: float, reason: str) -> Decision:
+        self._unqueue(e)
+        load = self.cluster.allocate(e.job, placement, now_s)
+        e.state, e.placement, e.started_s = JobState.RUNNING, placement, now_s
+        self._on_started(e)
+        return Decision(
+            DecisionKind.START,
+            now_s,
+            e.job.job_id,
+            reason,
+            e.job.tenant,
+            placement=placement,
+            load_adapter=bool(load and load.load),
+            evicted=load.evicted if load else None,
+        )
+
+    @abstractmethod
+    def _push(self, e: _Entry, now_s: float, *, new: bool) -> None: ...
+
+    @abstractmethod
+    def _pop(self, e: _Entry) -> None: ...
+
+    def _on_started(self, e: _Entry) -> None:
+        """Hook: a job took its resources."""
+        return None
+
+    def _on_stopped(self, e: _Entry, steps_ran: int) -> None:
+        """Hook: a preempted job gave its resources back after ``steps_ran`` steps."""
+        return None
+
+    def _on_gone(self, e: _Entry) -> None:
+        """Hook: a job finished or was cancelled."""
+        return None
+
+
+class FifoPolicy(SchedulingPolicy):
+    """Plain FIFO with head-of-line blocking: the baseline."""
+
+    name = "fifo"
+
+    def __init__(self, cluster: ClusterSpec, config: SchedulerPolicyConfig | None = None) -> None:
+        super().__init__(cluster, config)
+        self._queue = FifoQueue()
+
+    def _push(self, e: _Entry, now_s: float, *, new: bool) -> None:
+        self._queue.push(e.job.job_id, e.seq)
+
+    def _pop(self, e: _Entry) -> None:
+        self._queue.remove(e.job.job_id)
+
+    def schedule(self, now_s: float) -> list[Decision]:
+        decisions = []
+        while (head := self._queue.head()) is not None:
+            e = self._entries[head]
+            placement = self.cluster.fit(e.job, now_s)
+            if placement is None:
+                break  # the head waits, and so does everything behind it
+            decisions.append(self._start(e, placement, now_s, "head of the FIFO queue and it fits"))
+        return decisions
+
+
+class FairSharePolicy(SchedulingPolicy):
+    """Ours: priorities, weighted fair share, backfill, reservations against starvation, preemption."""
+
+    name = "fair_share"
+
+    def __init__(self, cluster: ClusterSpec, config: SchedulerPolicyConfig | None = None) -> None:
+        super().__init__(cluster, config)
+        self._queues: dict[TenantID, TenantQueue] = {}
+        self._vtime: dict[TenantID, float] = {}  # weighted charge so far: lowest goes first
+        self._active: Counter[TenantID] = Counter()  # queued + running jobs per tenant
+        self._reserved: dict[ResourceID, JobID] = {}
+        self._aged: JobID | None = None  # the one starving job holding a reservation
+        self._draining_for: dict[JobID, set[JobID]] = {}  # waiting job -> victims still stopping
+
+    def vtime(self, tenant: TenantID) -> float:
+        return self._vtime.get(tenant, 0.0)
+
+    def reserved(self) -> dict[ResourceID, JobID]:
+        return dict(self._reserved)
+
+    # --- queue hooks -----------------------------------------------------------------------------
+    def _push(self, e: _Entry, now_s: float, *, new: bool) -> None:
+        t = e.job.tenant
+        if new:
+            if self._active[t] == 0:
+                # A tenant coming back from idle starts at the least charge among active tenants: it
+                # gets its fair share from now on, not credit banked while it had nothing to run.
+                active = [self._vtime.get(o, 0.0) for o, n in self._active.items() if n > 0]
+                self._vtime[t] = max(self._vtime.get(t, 0.0), min(active, default=0.0))
+            self._active[t] += 1
+        size = e.remaining_work_s if self.config.order_by_size else 0.0
+        self._queues.setdefault(t, TenantQueue()).push(e.job.job_id, e.job.priority, size, e.seq)
+
+    def _pop(self, e: _Entry) -> None:
+        self._queues[e.job.tenant].remove(e.job.job_id)
+
+    def _charge(self, e: _Entry) -> float:
+        job = e.job
+        share = max(
+            job.learner_mem_gb / self.cluster.total_learner_gb if self.cluster.total_learner_gb else 0.0,
+            job.engine_mem_gb / self.cluster.total_engine_gb if self.cluster.total_engine_gb else 0.0,
+        )
+        return share * e.remaining_work_s / self.config.weight(job.tenant)
+
+    def _on_started(self, e: _Entry) -> None:
+        e.charged = self._charge(e)
+        self._vtime[e.job.tenant] = self.vtime(e.job.tenant) + e.charged
+        self._drop_claims(e.job.job_id)
+
+    def _on_stopped(self, e: _Entry, steps_ran: int) -> None:
+        # Charged for all remaining work at start; give back what it did not get to run.
+        unused = e.charged * (1 - steps_ran / max(1, e.job.steps - e.steps_done + steps_ran))
+        self._vtime[e.job.tenant] = self.vtime(e.job.tenant) - unused
+        for waiting, victims in list(self._draining_for.items()):
+            victims.discard(e.job.job_id)
+            if not victims:
+                del self._draining_for[waiting]
+
+    def _on_gone(self, e: _Entry) -> None:
+        self._active[e.job.tenant] -= 1
+        self._drop_claims(e.job.job_id)
+
+    def _drop_claims(self, job_id: JobID) -> None:
+        """The job started or left: its reservations and pending preemptions lapse."""
+        for rid in [r for r, j in self._reserved.items() if j == job_id]:
+            del self._reserved[rid]
+        if self._aged == job_id:
+            self._aged = None
+        self._draining_for.pop(job_id, None)
+        for victims in self._draining_for.values():
+            victims.discard(job_id)
+
+    # --- the pass --------------------------------------------------------------------------------
+    def schedule(self, now_s: float) -> list[Decision]:
+        decisions = self._reserve_for_starving(now_s)
+        misses = 0
+        for e in self._candidates():
+            placement = self.cluster.fit(e.job, now_s, self._allowed_for(e.job))
+            if placement is not None:
+                decisions.append(self._start(e, placement, now_s, self._start_reason(e, misses)))
+                continue
+            misses += 1
+            if self.config.preemption:
+                decisions += self._preempt_for(e, now_s)
+            if misses >= self.config.backfill_depth:
+                break
+        return decisions
+
+    def _candidates(self) -> Iterator[_Entry]:
+        """Queued jobs in decision order: higher priority first; at one priority, the tenant with the
+        least weighted charge; within a tenant, its queue order. Charges move as jobs start, so the
+        tenant order is re-read after every job taken."""
+        streams = {t: q.ranked() for t, q in self._queues.items() if len(q)}
+        heap = []
+        for t, it in streams.items():
+            first = next(it, None)
+            if first is not None:
+                heap.append((first[0], self.vtime(t), t, first[3]))
+        heapq.heapify(heap)
+        while heap:
+            _, _, t, job_id = heapq.heappop(heap)
+            e = self._entries[job_id]
+            if e.state is JobState.QUEUED:
+                yield e
+            nxt = next(streams[t], None)
+            if nxt is not None:
+                heapq.heappush(heap, (nxt[0], self.vtime(t), t, nxt[3]))
+
+    def _allowed_for(self, job: Job) -> Callable[[ResourceID], bool]:
+        def allowed(rid: ResourceID) -> bool:
+            owner = self._reserved.get(rid)
+            return owner is None or owner == job.job_id or self._entries[owner].job.priority < job.priority
+
+        return allowed
+
+    def _start_reason(self, e: _Entry, misses: int) -> str:
+        t = e.job.tenant
+        why = f"priority {e.job.priority}; tenant {t} has the least weighted charge among waiting tenants "
+        why += f"({self.vtime(t):.4g}, weight {self.config.weight(t):g}); "
+        why += f"{e.remaining_work_s:.4g} s of declared work left"
+        if misses:
+            why += f"; backfilled past {misses} higher-ranked job(s) that do not fit now"
+        return why
+
+    def _preempt_for(self, e: _Entry, now_s: float) -> list[Decision]:
+        job = e.job
+        if job.job_id in self._draining_for:
+            return []  # its victims are still stopping
+
+        def preemptible(jid: JobID) -> bool:
+            v = self._entries[jid]
+            return v.state is JobState.RUNNING and v.job.priority < job.priority
+
+        found = self.cluster.victims(job, preemptible, lambda j: (j.priority, -self._entries[j.job_id].started_s))
+        if found is None or not found[1]:
+            return []
+        placement, victims = found
+        out = []
+        for vid in victims:
+            v = self._entries[vid]
+            v.state = JobState.PREEMPTING
+            why = f"priority {v.job.priority} is the lowest running where {job.job_id} (priority {job.priority}) "
+            why += "fits; stop at the next step boundary and save state"
+            out.append(Decision(DecisionKind.PREEMPT, now_s, vid, why, v.job.tenant, v.placement, True, job.job_id))
+        self._draining_for[job.job_id] = set(victims)
+        out.append(self._reserve(job, placement, now_s, f"{len(victims)} lower-priority job(s) stopping for it"))
+        return out
+
+    def _reserve(self, job: Job, placement: Placement, now_s: float, why: str) -> Decision:
+        for rid in placement.resources():
+            self._reserved[rid] = job.job_id
+        return Decision(DecisionKind.RESERVE, now_s, job.job_id, why, job.tenant, placement, for_job=job.job_id)
+
+    def _reserve_for_starving(self, now_s: float) -> list[Decision]:
+        """EASY-style: the oldest job, once waiting past ``starvation_s``, gets the resources that
+        drain soonest reserved for it, so backfill cannot keep it out forever."""
+        if self._aged is not None:
+            return []
+        heads = [h for q in self._queues.values() if (h := q.oldest()) is not None]
+        if not heads:
+            return []
+        oldest = min(heads)
+        e = self._entries[oldest[1]]
+        if now_s - e.job.arrival_s < self.config.starvation_s:
+            return []
+        if self.cluster.fit(e.job, now_s, self._allowed_for(e.job)) is not None:
+            return []  # it fits: the pass starts it
+
+        def free(jid: JobID) -> bool:
+            return not any(self._reserved.get(r) for r in self.cluster.placed[jid][1].resources())
+
+        found = self.cluster.victims(e.job, free, lambda j: (self._entries[j.job_id].remaining_work_s,))
+        if found is None:
+            return []
+        self._aged = e.job.job_id
+        waited = now_s - e.job.arrival_s
+        return [self._reserve(e.job, found[0], now_s, f"waited {waited:.4g} s (> starvation_s); holding resources")]

@@ -1,0 +1,402 @@
+"""Discrete-event simulation of a cluster of engines and learner groups, driven by a policy.
+
+The simulator replays a trace of jobs through a ``SchedulingPolicy`` (the same decision code the
+scheduler service is to run) and acts out its decisions:
+
+- A step of an RL job samples on its engine for ``sample_s`` and then trains on its learner group
+  for ``step_s``; SFT only trains; inference only samples. Engines serve all their jobs at once
+  (requests from different jobs meet in mixed batches). A learner group trains one job's step at
+  a time: co-located LoRA jobs take turns at step boundaries (``next_learner_job``), and a switch
+  to another job first costs ``optimizer_swap_s`` (its optimizer state moved in, the last one out).
+- A START costs ``adapter_load_s`` when the engine must load the adapter, and ``checkpoint_load_s``
+  when the job resumes from saved state. A PREEMPT is obeyed at the job's next step boundary; the
+  job then holds its resources ``checkpoint_save_s`` longer while its state is saved, and goes back
+  to the queue. An Overloaded submission is retried after the ``retry_after_s`` it was given.
+
+Outputs: per-job completion times (JCT = finish - arrival); utilization: busy resource-time over
+available resource-time, counting for each engine or learner group only the time when some queued
+job needed that kind of resource of that base model (idle capacity then had work it could have been
+given); memory utilization (allocated GB-time over the same periods); the full decision log. There is no
+randomness here: the same trace and policy give the same result.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from polytinker.errors import PolytinkerError
+from polytinker.scheduler.config import SchedulerPolicyConfig, SimulatorConfig
+from polytinker.scheduler.placement import next_learner_job
+from polytinker.scheduler.policy import SchedulingPolicy
+from polytinker.scheduler.types import (
+    ClusterSpec,
+    Decision,
+    DecisionKind,
+    Job,
+    JobID,
+    JobKind,
+    Overloaded,
+    Placement,
+    Rejected,
+    ResourceID,
+)
+
+
+class SimulationError(PolytinkerError, AssertionError):
+    """The simulated cluster reached an impossible state (an over-committed resource, say)."""
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    job_id: JobID
+    tenant: str
+    kind: JobKind
+    priority: int
+    arrival_s: float
+    first_start_s: float | None
+    finish_s: float | None  # None: rejected, or not finished by max_time_s
+    preemptions: int
+    retries: int  # Overloaded answers it got before being queued
+    rejected: str | None  # the reason, if rejected
+
+    @property
+    def jct_s(self) -> float | None:
+        return None if self.finish_s is None else self.finish_s - self.arrival_s
+
+
+@dataclass(frozen=True)
+class SimResult:
+    policy: str
+    outcomes: tuple[JobOutcome, ...]
+    decisions: tuple[Decision, ...]
+    utilization: float  # busy resource-time / resource-time while a queued job needed that kind of resource
+    learner_utilization: float
+    engine_utilization: float
+    memory_utilization: float  # allocated GB-time / GB-time, over the same periods
+    end_s: float
+
+    def jcts_s(self) -> list[float]:
+        return sorted(o.jct_s for o in self.outcomes if o.jct_s is not None)
+
+    def mean_jct_s(self) -> float:
+        jcts = self.jcts_s()
+        return sum(jcts) / len(jcts) if jcts else math.nan
+
+    def percentile_jct_s(self, p: float) -> float:
+        """Nearest-rank percentile, p in [0, 100]."""
+        jcts = self.jcts_s()
+        if not jcts:
+            return math.nan
+        return jcts[min(len(jcts) - 1, max(0, math.ceil(p / 100 * len(jcts)) - 1))]
+
+
+@dataclass
+class _Run:
+    """A job's life in the simulation."""
+
+    job: Job
+    placement: Placement | None = None
+    steps_done: int = 0
+    gen: int = 0  # bumped on each start, so events of an earlier run are ignored
+    stop: bool = False  # PREEMPT received: stop at the next step boundary
+    first_start_s: float | None = None
+    finish_s: float | None = None
+    preemptions: int = 0
+    retries: int = 0
+    rejected: str | None = None
+
+
+@dataclass
+class _Learner:
+    busy: JobID | None = None  # training (or swapping in) this job's step
+    training: bool = False  # False while swapping: not counted as busy
+    last: JobID | None = None  # whose optimizer state is loaded
+    ready: dict[JobID, None] = field(default_factory=dict)  # sampled, waiting to train (insertion order)
+    last_run_s: dict[JobID, float] = field(default_factory=dict)
+
+
+class Simulator:
+    def __init__(
+        self,
+        cluster: ClusterSpec,
+        policy: SchedulingPolicy,
+        config: SimulatorConfig | None = None,
+        *,
+        audit: bool = False,
+    ) -> None:
+        self.cluster, self.policy = cluster, policy
+        self.config = config or SimulatorConfig()
+        self.audit = audit  # check for over-commitment after every event (slower; for tests)
+        self.now_s = 0.0
+        self._events: list[tuple[float, int, str, JobID, int]] = []
+        self._seq = itertools.count()
+        self._runs: dict[JobID, _Run] = {}
+        self._learners = {g.group_id: _Learner() for g in cluster.learners}
+        self._sampling: dict[ResourceID, int] = {e.engine_id: 0 for e in cluster.engines}
+        self._busy_s: dict[ResourceID, float] = dict.fromkeys([*self._learners, *self._sampling], 0.0)
+        self._pending_s = dict.fromkeys(self._busy_s, 0.0)  # per resource: time work for it was queued
+        self._needs = {g.group_id: (g.base_model, "learner") for g in cluster.learners}
+        self._needs.update({e.engine_id: (e.base_model, "engine") for e in cluster.engines})
+        self._capacity_gb = {g.group_id: g.memory_gb for g in cluster.learners}
+        self._capacity_gb.update({e.engine_id: e.memory_gb for e in cluster.engines})
+        self._alloc_gb = dict.fromkeys(self._capacity_gb, 0.0)
+        self._alloc_gb_s = 0.0  # allocated memory x time, while work for the resource was queued
+        self._log: list[Decision] = []
+
+    # --- driver ----------------------------------------------------------------------------------
+    def run(self, trace: Sequence[Job]) -> SimResult:
+        for job in trace:
+            if job.job_id in self._runs:
+                raise SimulationError(f"trace has job id {job.job_id} twice")
+            self._runs[job.job_id] = _Run(job)
+            self._at(job.arrival_s, "arrive", job.job_id, 0)
+        while self._events and self._events[0][0] <= self.config.max_time_s:
+            t = self._events[0][0]
+            self._advance(t)
+            changed = False
+            while self._events and self._events[0][0] == t:
+                _, _, what, job_id, gen = heapq.heappop(self._events)
+                changed |= self._handle(what, job_id, gen)
+            if changed:
+                self._apply(self.policy.schedule(self.now_s))
+            if self.audit:
+                self.check_invariants()
+        return self._result()
+
+    def _at(self, t: float, what: str, job_id: JobID, gen: int) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), what, job_id, gen))
+
+    def _advance(self, t: float) -> None:
+        dt = t - self.now_s
+        if dt > 0 and self.policy.queued_count:
+            # Only time when a queued job could have used the resource counts: idle capacity that no
+            # waiting job can use (another base model, another kind of machine) is not a policy's fault.
+            for rid, (base, kind) in self._needs.items():
+                if not self.policy.queued_needing(base, kind):
+                    continue
+                self._pending_s[rid] += dt
+                self._alloc_gb_s += dt * self._alloc_gb[rid]
+                busy = self._learners[rid].training if kind == "learner" else self._sampling[rid] > 0
+                if busy:
+                    self._busy_s[rid] += dt
+        self.now_s = max(self.now_s, t)
+
+    def _handle(self, what: str, job_id: JobID, gen: int) -> bool:
+        """Act out one event; True if it may let the policy start something."""
+        r = self._runs[job_id]
+        if what == "arrive":
+            return self._submit(r)
+        if gen != r.gen:
+            return False  # an event of an earlier run
+        if what == "setup_done":
+            self._begin_step(r)
+        elif what == "sample_done":
+            self._sample_done(r)
+        elif what == "swap_done":
+            self._swap_done(r)
+        elif what == "train_done":
+            self._train_done(r)
+        elif what == "save_done":
+            self._log.append(self.policy.job_stopped(job_id, self.now_s, r.steps_done))
+            self._hold(r, -1)
+            r.placement, r.stop = None, False
+            r.preemptions += 1
+            return True
+        return r.finish_s is not None
+
+    def _submit(self, r: _Run) -> bool:
+        answer = self.policy.submit(r.job, self.now_s)
+        self._log.append(answer.decision)
+        if isinstance(answer, Rejected):
+            r.rejected = answer.decision.reason
+            return False
+        if isinstance(answer, Overloaded):
+            r.retries += 1
+            self._at(self.now_s + answer.retry_after_s, "arrive", r.job.job_id, 0)
+            return False
+        return True
+
+    def _apply(self, decisions: list[Decision]) -> None:
+        for d in decisions:
+            self._log.append(d)
+            r = self._runs[d.job_id]
+            if d.kind is DecisionKind.START:
+                assert d.placement is not None
+                r.placement, r.stop = d.placement, False
+                self._hold(r, +1)
+                r.gen += 1
+                if r.first_start_s is None:
+                    r.first_start_s = self.now_s
+                setup = self.config.adapter_load_s if d.load_adapter else 0.0
+                setup += self.config.checkpoint_load_s if r.steps_done else 0.0
+                self._at(self.now_s + setup, "setup_done", r.job.job_id, r.gen)
+            elif d.kind is DecisionKind.PREEMPT:
+                r.stop = True
+
+    def _hold(self, r: _Run, sign: int) -> None:
+        assert r.placement is not None
+        if r.placement.learner is not None:
+            whole = r.job.kind.exclusive_learner
+            gb = self._capacity_gb[r.placement.learner] if whole else r.job.learner_mem_gb
+            self._alloc_gb[r.placement.learner] += sign * gb
+        if r.placement.engine is not None:
+            self._alloc_gb[r.placement.engine] += sign * r.job.engine_mem_gb
+
+    # --- a job's step ----------------------------------------------------------------------------
+    def _begin_step(self, r: _Run) -> None:
+        if r.job.kind.needs_engine:
+            assert r.placement is not None and r.placement.engine is not None
+            self._sampling[r.placement.engine] += 1
+            self._at(self.now_s + r.job.sample_s, "sample_done", r.job.job_id, r.gen)
+        else:
+            self._to_learner(r)
+
+    def _sample_done(self, r: _Run) -> None:
+        assert r.placement is not None and r.placement.engine is not None
+        self._sampling[r.placement.engine] -= 1
+        if r.job.kind.needs_learner:
+            self._to_learner(r)
+        else:
+            self._step_done(r)
+
+    def _to_learner(self, r: _Run) -> None:
+        assert r.placement is not None and r.placement.learner is not None
+        g = self._learners[r.placement.learner]
+        g.ready[r.job.job_id] = None
+        self._next_on_learner(r.placement.learner)
+
+    def _next_on_learner(self, gid: ResourceID) -> None:
+        g = self._learners[gid]
+        if g.busy is not None or not g.ready:
+            return
+        prio = {j: self._runs[j].job.priority for j in g.ready}
+        job_id = next_learner_job((j, prio[j], g.last_run_s.get(j, -math.inf)) for j in g.ready)
+        assert job_id is not None
+        del g.ready[job_id]
+        r = self._runs[job_id]
+        g.busy = job_id
+        if g.last is not None and g.last != job_id:
+            g.training = False
+            self._at(self.now_s + self.config.optimizer_swap_s, "swap_done", job_id, r.gen)
+        else:
+            self._swap_done(r)
+
+    def _swap_done(self, r: _Run) -> None:
+        assert r.placement is not None and r.placement.learner is not None
+        g = self._learners[r.placement.learner]
+        g.training, g.last = True, r.job.job_id
+        self._at(self.now_s + r.job.step_s, "train_done", r.job.job_id, r.gen)
+
+    def _train_done(self, r: _Run) -> None:
+        assert r.placement is not None and r.placement.learner is not None
+        gid = r.placement.learner
+        g = self._learners[gid]
+        g.busy, g.training = None, False
+        g.last_run_s[r.job.job_id] = self.now_s
+        self._step_done(r)
+        self._next_on_learner(gid)
+
+    def _step_done(self, r: _Run) -> None:
+        r.steps_done += 1
+        if r.steps_done == r.job.steps:
+            self._finish(r)
+        elif r.stop:
+            # At the step boundary: save state (holding the resources), then hand them back.
+            self._at(self.now_s + self.config.checkpoint_save_s, "save_done", r.job.job_id, r.gen)
+        else:
+            self._begin_step(r)
+
+    def _finish(self, r: _Run) -> None:
+        r.finish_s = self.now_s
+        self._hold(r, -1)
+        if r.placement is not None and r.placement.learner is not None:
+            g = self._learners[r.placement.learner]
+            g.last_run_s.pop(r.job.job_id, None)
+            if g.last == r.job.job_id:
+                g.last = None  # its optimizer state leaves with it: the next job needs no swap out
+        r.placement = None
+        self._log.append(self.policy.job_finished(r.job.job_id, self.now_s))
+
+    # --- checks and results ----------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Recount every resource from the simulator's own view of what runs where."""
+        learner_gb = dict.fromkeys(self._learners, 0.0)
+        engine_gb = {e.engine_id: 0.0 for e in self.cluster.engines}
+        slots: dict[ResourceID, set[str]] = {e.engine_id: set() for e in self.cluster.engines}
+        exclusive: dict[ResourceID, int] = dict.fromkeys(self._learners, 0)
+        sharing: dict[ResourceID, int] = dict.fromkeys(self._learners, 0)
+        for r in self._runs.values():
+            if r.placement is None:
+                continue
+            if r.placement.learner is not None:
+                learner_gb[r.placement.learner] += r.job.learner_mem_gb
+                if r.job.kind.exclusive_learner:
+                    exclusive[r.placement.learner] += 1
+                sharing[r.placement.learner] += 1
+            if r.placement.engine is not None:
+                engine_gb[r.placement.engine] += r.job.engine_mem_gb
+                if r.job.adapter is not None:
+                    slots[r.placement.engine].add(r.job.adapter)
+        for g in self.cluster.learners:
+            if learner_gb[g.group_id] > g.memory_gb + 1e-6:
+                raise SimulationError(f"learner group {g.group_id} over-committed: {learner_gb[g.group_id]} GB")
+            if exclusive[g.group_id] and sharing[g.group_id] > 1:
+                raise SimulationError(f"learner group {g.group_id}: a full-parameter job shares it")
+        for e in self.cluster.engines:
+            if engine_gb[e.engine_id] > e.memory_gb + 1e-6 or len(slots[e.engine_id]) > e.adapter_slots:
+                raise SimulationError(f"engine {e.engine_id} over-committed (memory or adapter slots)")
+
+    def _result(self) -> SimResult:
+        outcomes = tuple(
+            JobOutcome(
+                r.job.job_id,
+                r.job.tenant,
+                r.job.kind,
+                r.job.priority,
+                r.job.arrival_s,
+                r.first_start_s,
+                r.finish_s,
+                r.preemptions,
+                r.retries,
+                r.rejected,
+            )
+            for r in self._runs.values()
+        )
+
+        def util(ids: Sequence[ResourceID]) -> float:
+            avail = sum(self._pending_s[i] for i in ids)
+            return sum(self._busy_s[i] for i in ids) / avail if avail else math.nan
+
+        gb_s = sum(self._capacity_gb[i] * self._pending_s[i] for i in self._capacity_gb)
+
+        learners, engines = list(self._learners), list(self._sampling)
+        return SimResult(
+            policy=self.policy.name,
+            outcomes=outcomes,
+            decisions=tuple(self._log),
+            utilization=util(learners + engines),
+            learner_utilization=util(learners),
+            engine_utilization=util(engines),
+            memory_utilization=self._alloc_gb_s / gb_s if gb_s else math.nan,
+            end_s=self.now_s,
+        )
+
+
+def simulate(
+    trace: Sequence[Job],
+    cluster: ClusterSpec,
+    policy: Callable[[ClusterSpec, SchedulerPolicyConfig | None], SchedulingPolicy],
+    policy_config: SchedulerPolicyConfig | None = None,
+    config: SimulatorConfig | None = None,
+    *,
+    audit: bool = False,
+) -> SimResult:
+    """Replay ``trace`` on ``cluster`` under a fresh ``policy(cluster, policy_config)``."""
+    return Simulator(cluster, policy(cluster, policy_config), config, audit=audit).run(trace)
+
+
+__all__ = ["JobOutcome", "SimResult", "SimulationError", "Simulator", "simulate"]
