@@ -26,10 +26,11 @@ from typing import Any
 
 from polytinker.engine.actors import _actor, _logs, _protocol
 from polytinker.engine.actors._mailbox import MailboxServer
-from polytinker.errors import ActorError
+from polytinker.errors import ActorDeadError, ActorError
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _WATCHDOG_PERIOD_S = 0.5
+_CONCURRENT_THREADS = 8
 
 log = logging.getLogger("polytinker.actor")
 
@@ -37,7 +38,8 @@ log = logging.getLogger("polytinker.actor")
 def _die_with_parent(parent_pid: int) -> None:
     """Never outlive the parent: the kernel's parent-death signal, then a watchdog as a fallback
     (other platforms; or a parent whose spawning thread differs from the one that dies)."""
-    if sys.platform.startswith("linux"):
+    # The variable exists so tests can exercise the watchdog alone.
+    if sys.platform.startswith("linux") and os.environ.get("POLYTINKER_ACTOR_NO_PDEATHSIG") != "1":
         with contextlib.suppress(OSError, AttributeError):
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -62,6 +64,11 @@ def _setup_logging(spec: _protocol.ChildSpec) -> _logs.LogFile:
     return logfile
 
 
+def _extend_sys_path(parent_path: list[str]) -> None:
+    missing = [p for p in parent_path if p not in sys.path]
+    sys.path[:0] = missing
+
+
 def _resolve(target: str) -> type[_actor.Actor]:
     where, _, qualname = target.rpartition(":")
     if not where or not qualname:
@@ -83,24 +90,52 @@ def _resolve(target: str) -> type[_actor.Actor]:
 
 
 class _Runner:
-    """Holds the running actor and turns mailbox messages into handler calls."""
+    """Holds the running actor, its mailboxes, and how it stops.
+
+    The main mailbox runs one handler thread, so messages are handled one at a time and in the
+    order they arrived (actor semantics; a pool of threads racing for a lock would reorder them).
+    Kinds declared ``concurrent=True`` get a second mailbox with several threads.
+    """
 
     def __init__(self, spec: _protocol.ChildSpec, actor: _actor.Actor) -> None:
         self.spec = spec
         self.actor = actor
-        self.failed = threading.Event()
+        self.failed = False
+        self.stopped = False  # on_stop has run (or the actor failed): later messages are refused
+        self.exit_code = _protocol.EXIT_OK
+        self.servers: list[MailboxServer] = []
+        specs = actor.handler_specs()
+        self.concurrent_kinds = sorted(k for k, s in specs.items() if s.concurrent)
+        serial = {k: self._wrap(k) for k, s in specs.items() if not s.concurrent}
+        serial[_protocol.TELL_KIND] = self.tell
+        serial[_protocol.PING_KIND] = lambda _payload: {"name": spec.name, "pid": os.getpid()}
+        serial[_protocol.STOP_KIND] = lambda _payload: self.stop()
+        self.main = MailboxServer(spec.address, serial, threads=1)
+        self.concurrent: MailboxServer | None = None
+        if self.concurrent_kinds:
+            table = {k: self._wrap(k) for k in self.concurrent_kinds}
+            self.concurrent = MailboxServer(_second_address(spec.address), table, threads=_CONCURRENT_THREADS)
 
-    def handlers(self) -> dict[str, Any]:
-        table: dict[str, Any] = {}
-        for kind in self.actor.handler_specs():
-            table[kind] = lambda payload, kind=kind: self.actor.dispatch(kind, payload)
-        table[_protocol.TELL_KIND] = self.tell
-        table[_protocol.PING_KIND] = lambda _payload: {"name": self.spec.name, "pid": os.getpid()}
-        return table
+    def start(self) -> None:
+        for server in (self.main, self.concurrent):
+            if server is not None:
+                server.start()
+                self.servers.append(server)
+
+    def _wrap(self, kind: str) -> Any:
+        def run(payload: Any) -> Any:
+            if self.stopped:
+                raise ActorDeadError(f"actor {self.spec.name!r} is stopping")
+            return self.actor.dispatch(kind, payload)
+
+        return run
 
     def tell(self, message: Any) -> None:
         if not isinstance(message, dict) or not isinstance(message.get("kind"), str):
             log.error("malformed tell dropped: %r", message)
+            return
+        if self.stopped:
+            log.warning("tell %r after stop dropped", message["kind"])
             return
         try:
             self.actor.dispatch(message["kind"], message.get("payload"))
@@ -113,8 +148,28 @@ class _Runner:
             self.actor.on_failure(exc)
         if self.spec.tell_failure == "stop":
             _write_traceback(self.spec, exc)
-            self.failed.set()
+            self.failed = self.stopped = True
+            self.exit_code = _protocol.EXIT_FAILED
             self.actor.stop_self()
+
+    def stop(self) -> None:
+        """Run on_stop once, after the message being handled (the mailbox lock), then let main exit."""
+        with self.actor._mailbox_lock:
+            if not self.stopped:
+                self.stopped = True
+                try:
+                    self.actor.on_stop()
+                except Exception as exc:
+                    _write_traceback(self.spec, exc)
+                    log.error("on_stop failed: %s", exc, exc_info=exc)
+                    self.exit_code = _protocol.EXIT_FAILED
+        self.actor.stop_self()
+
+
+def _second_address(address: str) -> str:
+    if address.startswith("ipc://"):
+        return address[: -len(".sock")] + ".c.sock" if address.endswith(".sock") else address + ".c"
+    return address  # tcp://host:* binds another free port
 
 
 def _write_traceback(spec: _protocol.ChildSpec, exc: BaseException) -> str:
@@ -133,17 +188,17 @@ def _report(fd: int, report: _protocol.ReadyReport) -> None:
         os.close(fd)
 
 
-def _start(spec: _protocol.ChildSpec) -> tuple[_Runner, MailboxServer]:
+def _start(spec: _protocol.ChildSpec) -> _Runner:
     _actor._set_context(_actor.ActorContext(name=spec.name, run_dir=Path(spec.run_dir)))
     actor: _actor.Actor | None = None
     try:
+        _extend_sys_path(spec.sys_path)
         cls = _resolve(spec.target)
         actor = cls(*spec.args, **spec.kwargs)
         actor.on_start()
         runner = _Runner(spec, actor)
-        server = MailboxServer(spec.address, runner.handlers())
-        server.start()
-        return runner, server
+        runner.start()
+        return runner
     except BaseException as exc:
         text = _write_traceback(spec, exc)
         log.error("startup failed: %s: %s", type(exc).__name__, exc, extra={"traceback": text})
@@ -162,40 +217,39 @@ def _start(spec: _protocol.ChildSpec) -> tuple[_Runner, MailboxServer]:
         raise SystemExit(_protocol.EXIT_FAILED) from None
 
 
-def _serve(spec: _protocol.ChildSpec, runner: _Runner, server: MailboxServer) -> int:
+def _serve(spec: _protocol.ChildSpec, runner: _Runner) -> int:
     actor = runner.actor
+    # SIGTERM stops at once (after the current message); a stop message waits for those queued before it.
     signal.signal(signal.SIGTERM, lambda _sig, _frame: actor.stop_self())
-    _report(spec.ready_fd, _protocol.ReadyReport(ok=True, pid=os.getpid(), address=server.address))
-    log.info("ready", extra={"address": server.address})
+    ready = _protocol.ReadyReport(
+        ok=True,
+        pid=os.getpid(),
+        address=runner.main.address,
+        concurrent_address=runner.concurrent.address if runner.concurrent else "",
+        concurrent_kinds=runner.concurrent_kinds,
+    )
+    _report(spec.ready_fd, ready)
+    log.info("ready", extra={"address": ready.address})
     # Wake up now and then so signal handlers run promptly in the main thread.
     while not actor._stop_requested.wait(0.2):
         pass
-    code = _protocol.EXIT_OK
-    if runner.failed.is_set():
-        code = _protocol.EXIT_FAILED
-    else:
-        # The mailbox lock makes the stop wait for the message being handled.
-        with actor._mailbox_lock:
-            try:
-                actor.on_stop()
-            except Exception as exc:
-                _write_traceback(spec, exc)
-                log.error("on_stop failed: %s", exc, exc_info=exc)
-                code = _protocol.EXIT_FAILED
-    with contextlib.suppress(Exception):
-        server.stop()
-    log.info("stopped", extra={"exit_code": code})
-    return code
+    runner.stop()
+    for server in runner.servers:
+        with contextlib.suppress(Exception):
+            server.stop()
+    log.info("stopped", extra={"exit_code": runner.exit_code})
+    return runner.exit_code
 
 
 def main() -> int:
     spec: _protocol.ChildSpec = _protocol.unpack(sys.stdin.buffer.read(), _protocol.ChildSpec)
     _die_with_parent(spec.parent_pid)
+    # Ctrl-C in a terminal reaches the whole process group; the parent decides how its actors stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _setup_logging(spec)
     faulthandler.enable()  # a hard crash (segfault) still leaves a stack on stderr, which the parent logs
     try:
-        runner, server = _start(spec)
-        return _serve(spec, runner, server)
+        return _serve(spec, _start(spec))
     except SystemExit as exc:
         return int(exc.code or 0)
     except BaseException as exc:

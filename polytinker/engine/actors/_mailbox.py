@@ -32,7 +32,6 @@ log = logging.getLogger(__name__)
 
 _POLL_MS = 5  # how often an I/O thread looks at its outgoing queue
 _MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-_WORKERS = 8  # handler threads; the actor's mailbox lock serialises all but concurrent handlers
 
 
 def _pack(obj: Any) -> bytes:
@@ -46,13 +45,13 @@ def _unpack(data: bytes) -> Any:
 class MailboxServer:
     """Serves ``handlers[kind](payload)`` for requests arriving at ``address``."""
 
-    def __init__(self, address: str, handlers: Mapping[str, Callable[[Any], Any]]) -> None:
+    def __init__(self, address: str, handlers: Mapping[str, Callable[[Any], Any]], *, threads: int) -> None:
         self._requested = address
         self._handlers = dict(handlers)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock: zmq.Socket[bytes] | None = None
         self._outbox: queue.SimpleQueue[list[bytes]] = queue.SimpleQueue()
-        self._pool = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="mailbox")
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="mailbox")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.address = ""

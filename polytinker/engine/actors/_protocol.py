@@ -10,7 +10,7 @@ Both are plain msgpack maps: nothing is ever unpickled.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import msgpack
@@ -25,6 +25,7 @@ EXIT_ORPHANED = 3  # the parent died; the watchdog ended the process
 # Mailbox kinds the machinery adds to every actor.
 TELL_KIND = "_pt.tell"  # payload {"kind": str, "payload": Any}: a tell, so a failure has no asker
 PING_KIND = "_pt.ping"  # answers the actor's name and pid
+STOP_KIND = "_pt.stop"  # a graceful stop, queued behind the messages sent before it
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,9 @@ class ChildSpec:
     """Positional arguments of the actor's constructor (msgpack-encodable)."""
     kwargs: dict[str, Any]
     """Keyword arguments of the actor's constructor (msgpack-encodable)."""
+    sys_path: list[str]
+    """The parent's ``sys.path``; entries the child lacks are added, so the classes the parent
+    can import the child can too (multiprocessing's spawn does the same)."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,11 @@ class ReadyReport:
     pid: int
     """The child's pid."""
     address: str = ""
-    """The bound mailbox address (when ok)."""
+    """The bound mailbox address (when ok); it serves messages one at a time, in arrival order."""
+    concurrent_address: str = ""
+    """A second mailbox for the handlers declared ``concurrent=True`` ('' when there are none)."""
+    concurrent_kinds: list[str] = field(default_factory=list)
+    """The kinds served at ``concurrent_address``."""
     error_type: str = ""
     """Qualified type name of the startup exception (when not ok)."""
     error_message: str = ""

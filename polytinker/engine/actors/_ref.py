@@ -14,7 +14,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from polytinker.engine.actors._mailbox import MailboxClient
-from polytinker.engine.actors._protocol import PING_KIND, TELL_KIND
+from polytinker.engine.actors._protocol import PING_KIND, STOP_KIND, TELL_KIND
 from polytinker.engine.actors.config import ActorConfig
 from polytinker.errors import ActorDeadError, RemoteError, RequestTimeout
 
@@ -31,6 +31,7 @@ class ActorRef:
         self._lock = threading.Lock()
         self._child: ChildProcess | None = None
         self._client: MailboxClient | None = None
+        self._concurrent_client: MailboxClient | None = None
         self._pending: set[Future[Any]] = set()
         self._last_exit: int | None = None
         # Why the ref is not usable right now ('' while it is); said in every ActorDeadError.
@@ -87,7 +88,7 @@ class ActorRef:
     def ask_async(self, kind: str, payload: Any = None, *, timeout_s: float | None = None) -> Future[Any]:
         """Like :meth:`ask`, but return a future at once."""
         timeout = self._config.ask_timeout_s if timeout_s is None else timeout_s
-        client, child = self._current()
+        client, child = self._current(kind)
         outer: Future[Any] = Future()
         inner = client.call_async(kind, payload, timeout_s=timeout)
         with self._lock:
@@ -108,13 +109,15 @@ class ActorRef:
         return result
 
     def stop(self, timeout_s: float | None = None) -> int | None:
-        """Stop gracefully (``on_stop`` runs after the current message); SIGKILL after ``timeout_s``
-        (default ``ActorConfig.stop_timeout_s``). Returns the exit code."""
+        """Stop gracefully: a stop message queued behind the messages already sent, then ``on_stop``;
+        SIGKILL if the process is still there after ``timeout_s`` (default
+        ``ActorConfig.stop_timeout_s``). Returns the exit code."""
         self.stop_requested = True
-        child = self._child
+        child, client = self._child, self._client
         if child is None:
             return self._last_exit
-        code = child.stop(self._config.stop_timeout_s if timeout_s is None else timeout_s)
+        request = (lambda: client.send_oneway(STOP_KIND)) if client is not None else None
+        code = child.stop(self._config.stop_timeout_s if timeout_s is None else timeout_s, request)
         self._detach(child, code, "was stopped")
         return code
 
@@ -138,11 +141,14 @@ class ActorRef:
 
     def _attach(self, child: ChildProcess) -> None:
         client = MailboxClient(child.address)
+        concurrent = MailboxClient(child.concurrent_address) if child.concurrent_address else None
         with self._lock:
-            old = self._client
-            self._child, self._client, self._down_reason = child, client, ""
-        if old is not None:
-            old.close()
+            old = (self._client, self._concurrent_client)
+            self._child, self._client, self._concurrent_client = child, client, concurrent
+            self._down_reason = ""
+        for c in old:
+            if c is not None:
+                c.close()
         child.on_exit(lambda c, code: self._detach(c, code, f"exited with code {code}"))
 
     def _detach(self, child: ChildProcess, code: int | None, reason: str) -> None:
@@ -153,13 +159,15 @@ class ActorRef:
             if not self._down_reason:
                 self._down_reason = reason
             self._last_exit = code
-            client, self._client = self._client, None
+            clients = (self._client, self._concurrent_client)
+            self._client = self._concurrent_client = None
             pending, self._pending = list(self._pending), set()
         for fut in pending:
             with contextlib.suppress(Exception):
                 fut.set_exception(self._dead(f"{self._down_reason} before it answered"))
-        if client is not None:
-            client.close()
+        for c in clients:
+            if c is not None:
+                c.close()
 
     def _set_down_reason(self, reason: str) -> None:
         with self._lock:
@@ -169,9 +177,11 @@ class ActorRef:
         pid = self.pid
         return ActorDeadError(f"actor {self._name!r} (pid {pid}) {why or self._down_reason}")
 
-    def _current(self) -> tuple[MailboxClient, ChildProcess]:
+    def _current(self, kind: str = "") -> tuple[MailboxClient, ChildProcess]:
         with self._lock:
             client, child = self._client, self._child
+            if child is not None and kind in child.concurrent_kinds:
+                client = self._concurrent_client
             down = self._down_reason
         if client is None or child is None or down:
             raise self._dead()

@@ -174,6 +174,8 @@ class ChildProcess:
         self.name = name
         self.run_dir = run_dir
         self.address = ""
+        self.concurrent_address = ""
+        self.concurrent_kinds: frozenset[str] = frozenset()
         self.started_at = time.time()
         self._log = log
         self._stderr_tail: collections.deque[str] = collections.deque(maxlen=_STDERR_TAIL_LINES)
@@ -201,9 +203,15 @@ class ChildProcess:
             with contextlib.suppress(ProcessLookupError):
                 self.popen.send_signal(signum)
 
-    def stop(self, timeout_s: float) -> int:
-        """SIGTERM (the child runs ``on_stop``), then SIGKILL if it is not gone within ``timeout_s``."""
-        self.signal(signal.SIGTERM)
+    def stop(self, timeout_s: float, request: Callable[[], None] | None = None) -> int:
+        """Ask the child to stop (``request()``, else SIGTERM; either way it runs ``on_stop``), then
+        SIGKILL it if it is not gone within ``timeout_s``."""
+        try:
+            if request is None:
+                raise OSError("no stop request")
+            request()
+        except Exception:
+            self.signal(signal.SIGTERM)
         code = self.wait(timeout_s)
         if code is None:
             self.signal(signal.SIGKILL)
@@ -232,9 +240,10 @@ class ChildProcess:
     def _exited(self) -> None:
         for t in self._pumps:
             t.join(timeout=1.0)  # the last lines of output belong in the log before anyone reads it
-        if self.address.startswith("ipc://"):
-            with contextlib.suppress(OSError):
-                os.unlink(self.address[len("ipc://") :])
+        for address in (self.address, self.concurrent_address):
+            if address.startswith("ipc://"):
+                with contextlib.suppress(OSError):
+                    os.unlink(address[len("ipc://") :])
         with self._cb_lock:
             self._exit_seen = True
             callbacks, self._callbacks = self._callbacks, []
@@ -284,6 +293,7 @@ def start_child(
         tell_failure=config.tell_failure,
         args=list(args),
         kwargs=dict(kwargs),
+        sys_path=[p for p in sys.path if isinstance(p, str)],
     )
     try:
         data = _protocol.pack(spec)
@@ -308,6 +318,8 @@ def start_child(
     finally:
         os.close(ready_r)
     child.address = report.address
+    child.concurrent_address = report.concurrent_address
+    child.concurrent_kinds = frozenset(report.concurrent_kinds)
     return child
 
 

@@ -1,0 +1,214 @@
+"""Process actors: real child processes, real sockets."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import pytest
+from test_actors_fixtures import Counter, Crashy, FailsOnStart, Overlap, StubbornStop
+
+from polytinker.engine.actors import (
+    EXIT_FAILED,
+    Actor,
+    ActorConfig,
+    RestartPolicy,
+    handler,
+    read_log,
+    spawn,
+)
+from polytinker.errors import ActorDeadError, ActorError, ConfigError, RemoteError, RequestTimeout
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def counter(tmp_path):
+    ref = spawn(Counter, 10, name="counter", run_dir=tmp_path)
+    yield ref
+    ref.kill()
+
+
+def test_ask_and_tell_round_trip(counter):
+    assert counter.alive and counter.pid and counter.name == "counter"
+    assert counter.ask("add", 5) == 15
+    counter.tell("add", 100)  # a tell is queued before the next ask, so the ask sees it
+    assert counter.ask("get") == 115
+    futures = [counter.ask_async("add", 1) for _ in range(20)]
+    results = sorted(f.result(timeout=10) for f in futures)
+    assert results == list(range(116, 136))
+    assert counter.ask("pid") == counter.pid != __import__("os").getpid()
+
+
+def test_handler_error_goes_back_to_the_asker_and_the_actor_keeps_serving(counter):
+    with pytest.raises(RemoteError) as info:
+        counter.ask("fail", "bad input")
+    assert info.value.remote_type == "builtins.ValueError"
+    assert "bad input" in str(info.value)
+    assert "def fail" in info.value.remote_traceback or "in fail" in info.value.remote_traceback
+    with pytest.raises(RemoteError, match="'nope'"):
+        counter.ask("nope")
+    assert counter.ask("add", 1) == 11
+    assert counter.alive
+
+
+def test_message_to_a_stopped_actor_raises_actor_dead_error_naming_it(counter, tmp_path):
+    assert counter.stop() == 0
+    assert not counter.alive and counter.exit_code == 0
+    with pytest.raises(ActorDeadError, match="'counter'"):
+        counter.ask("get")
+    with pytest.raises(ActorDeadError, match="'counter'"):
+        counter.tell("add", 1)
+
+
+def test_graceful_stop_runs_on_stop_after_the_current_message(counter, tmp_path):
+    counter.ask("add", 32)
+    counter.tell("add", 1)
+    assert counter.stop(timeout_s=10) == 0
+    # on_stop ran (it writes the total), after the queued tell was handled.
+    assert (tmp_path / "counter.stopped").read_text() == "43"
+
+
+def test_startup_failure_raises_actor_error_with_the_child_traceback(tmp_path):
+    with pytest.raises(ActorError) as info:
+        spawn(FailsOnStart, name="bad", run_dir=tmp_path)
+    text = str(info.value)
+    assert "cannot reach the thing" in text and "connect_to_missing_thing" in text
+    assert isinstance(info.value.__cause__, RemoteError)
+    assert info.value.__cause__.remote_type == "builtins.RuntimeError"
+    records = read_log(tmp_path, "bad")
+    assert any(r["level"] == "ERROR" and "startup failed" in r["message"] for r in records)
+
+
+def test_unimportable_actor_target_is_reported(tmp_path):
+    with pytest.raises(ActorError, match="no_such_module"):
+        spawn("no_such_module:Thing", name="ghost", run_dir=tmp_path)
+
+
+def test_stop_kills_an_actor_that_ignores_it_after_the_timeout(tmp_path):
+    ref = spawn(StubbornStop, name="stubborn", run_dir=tmp_path)
+    t0 = time.monotonic()
+    assert ref.stop(timeout_s=0.5) == -9
+    assert time.monotonic() - t0 < 5
+    assert ref.exit_code == -9 and not ref.alive
+
+
+def test_handlers_run_one_at_a_time_unless_declared_concurrent(tmp_path):
+    ref = spawn(Overlap, name="overlap", run_dir=tmp_path)
+    try:
+        futures = [ref.ask_async("slow", 0.2), ref.ask_async("slow_table", 0.2), ref.ask_async("slow", 0.2)]
+        time.sleep(0.1)
+        # A concurrent handler answers while a slow one holds the mailbox.
+        assert ref.ask("peek", timeout_s=0.3) == 1
+        assert max(f.result(timeout=10) for f in futures) == 1
+    finally:
+        ref.kill()
+
+
+def test_ask_times_out_and_the_actor_survives(tmp_path):
+    ref = spawn(Overlap, name="slowpoke", run_dir=tmp_path)
+    try:
+        with pytest.raises(RequestTimeout):
+            ref.ask("slow", 1.0, timeout_s=0.2)
+        assert ref.ask("peek") in (0, 1)
+    finally:
+        ref.kill()
+
+
+def test_failed_tell_stops_the_actor_with_its_traceback(tmp_path):
+    ref = spawn(Crashy, name="crashy", run_dir=tmp_path)
+    pid = ref.pid
+    ref.tell("crash", "lost key")
+    deadline = time.monotonic() + 10
+    while ref.alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ref.exit_code == EXIT_FAILED
+    traceback_text = (tmp_path / "actors" / f"crashy.{pid}.traceback").read_text()
+    assert "KeyError" in traceback_text and "lost key" in traceback_text
+    with pytest.raises(ActorDeadError, match="exited with code 1"):
+        ref.ask("ok")
+
+
+def test_failed_tell_with_log_policy_keeps_serving(tmp_path):
+    ref = spawn(Crashy, name="tolerant", run_dir=tmp_path, config=ActorConfig(tell_failure="log"))
+    try:
+        ref.tell("crash", "ignored")
+        assert ref.ask("ok") == "ok"
+        assert any("tell 'crash' failed" in r["message"] for r in read_log(tmp_path, "tolerant"))
+    finally:
+        ref.kill()
+
+
+def test_logs_are_json_lines_with_the_actor_fields_and_captured_output(counter, tmp_path):
+    counter.ask("print", "hello from the child")
+    counter.stop()
+    path = tmp_path / "actors" / "counter.log"
+    assert path.exists()
+    records = read_log(tmp_path, "counter")
+    assert records, "the log is empty"
+    assert all(set(r) == {"time", "level", "actor", "pid", "message", "extra"} for r in records)
+    assert all(r["actor"] == "counter" and r["pid"] == counter.pid for r in records)
+    start = next(r for r in records if r["message"] == "counter starting")
+    assert start["level"] == "INFO" and start["extra"]["start"] == 10
+    out = [r for r in records if r["extra"].get("stream") == "stdout"]
+    err = [r for r in records if r["extra"].get("stream") == "stderr"]
+    assert [r["message"] for r in out] == ["hello from the child"]
+    assert [r["message"] for r in err] == ["err: hello from the child"]
+
+
+def test_actor_handlers_are_collected_and_checked():
+    class Local(Actor):
+        @handler("a")
+        def a(self, p):
+            return p
+
+    assert set(Local.handler_specs()) == {"a"}
+    assert Local().dispatch("a", 3) == 3  # in-process construction works (unit tests of handlers)
+    with pytest.raises(ConfigError, match="two handlers"):
+
+        class Twice(Actor):
+            @handler("x")
+            def one(self, p): ...
+
+            @handler("x")
+            def two(self, p): ...
+
+    with pytest.raises(ConfigError, match="non-empty"):
+        handler("")
+    with pytest.raises(ConfigError, match="defined inside a function"):
+        spawn(Local)
+
+
+@pytest.mark.parametrize(
+    ("make", "fix"),
+    [
+        (lambda: ActorConfig(start_timeout_s=0), "start_timeout_s"),
+        (lambda: ActorConfig(transport="udp"), "'ipc' or 'tcp'"),
+        (lambda: RestartPolicy(max_restarts=-1), "max_restarts"),
+        (lambda: RestartPolicy(backoff_factor=0.5), "backoff_factor"),
+        (lambda: RestartPolicy(backoff_initial_s=5, backoff_max_s=1), "backoff_max_s"),
+    ],
+)
+def test_config_validation_says_how_to_fix(make, fix):
+    with pytest.raises(ConfigError, match=fix):
+        make()
+
+
+def test_bad_names_are_rejected(tmp_path):
+    with pytest.raises(ConfigError, match="file name"):
+        spawn(Counter, name="../escape", run_dir=tmp_path)
+
+
+def test_tcp_transport(tmp_path):
+    ref = spawn(Counter, 1, name="tcp", run_dir=tmp_path, config=ActorConfig(transport="tcp"))
+    try:
+        assert ref.address.startswith("tcp://127.0.0.1:")
+        assert ref.ask("add", 1) == 2
+    finally:
+        assert ref.stop() == 0
+
+
+def test_many_asks_from_threads(counter):
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda _: counter.ask("add", 1), range(200)))
+    assert sorted(results) == list(range(11, 211))
