@@ -248,3 +248,17 @@ def test_full_param_mode_trains_every_weight(tmp_path) -> None:
     assert all(torch.equal(after[k], v) for k, v in snapshot(other.base_model).items())
     with pytest.raises(ConfigError, match="mode='lora'"):
         lrn.forward_backward(data, "ppo", None, {"kl_coef": 0.1})
+
+
+def test_per_token_normalisation_divides_by_weighted_tokens() -> None:
+    data = [make_datum(i) for i in range(3)]  # 6 weighted tokens each
+    norms = {}
+    for mode in ("sum", "per_token"):
+        lrn = MultiAdapterLearner(tiny_model(), LearnerConfig(grad_normalization=mode))  # type: ignore[arg-type]
+        lrn.add_adapter("alice", LORA, seed=1)
+        lrn.forward_backward(data[:1], "cross_entropy", "alice")
+        lrn.forward_backward(data[1:], "cross_entropy", "alice")
+        lrn.optim_step(ADAM, "alice")
+        assert lrn.last_step_metrics["optim/tokens"] == 18.0
+        norms[mode] = lrn.last_step_metrics["optim/grad_norm"]
+    assert norms["per_token"] == pytest.approx(norms["sum"] / 18.0, rel=1e-5)

@@ -131,8 +131,9 @@ def broadcast_(tensors: Sequence[torch.Tensor], src: int = 0) -> None:
     """Make every rank hold rank ``src``'s values (e.g. a freshly initialised adapter)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    for t in tensors:
-        dist.broadcast(t, src=src)
+    with torch.no_grad():  # in place on leaf parameters: autograd must not record it
+        for t in tensors:
+            dist.broadcast(t, src=src)
 
 
 def log0(logger: logging.Logger, msg: str, *args: Any) -> None:

@@ -1,0 +1,267 @@
+"""A data-parallel learner group: K processes, one model replica each; rank 0 leads.
+
+Rank 0 holds a :class:`LearnerGroup`, which has a learner's methods. Each call that touches the
+model is broadcast to every rank over a gloo control group (msgpack bytes, never pickle); every
+rank runs it on its contiguous shard of the datums; ``optim_step`` sums the gradients over the
+ranks before stepping, so K ranks make the same update as one process on the whole batch (losses
+are sums; see ``losses``). Results come back to rank 0 with an all-gather.
+
+Two ways to start one:
+
+- :meth:`LearnerGroup.start` (the runtime): the calling process becomes rank 0 and spawns K-1 followers.
+- ``torchrun`` (or any launcher that sets ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``):
+  every rank calls :func:`run_rank`, which returns the group on rank 0 and serves until
+  ``close()`` on the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import asdict
+from typing import Any
+
+import msgpack
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from polytinker.engine.learner._base import ForwardBackwardResult
+from polytinker.engine.learner.config import AdamParams, LearnerConfig
+from polytinker.engine.learner.distributed import DistInfo, free_port, init_distributed
+from polytinker.engine.learner.full_param import FullParamLearner
+from polytinker.engine.learner.multi_adapter import MultiAdapterLearner
+from polytinker.engine.types import AdapterName, AdapterRef, Datum, LoraConfig, LossFnName
+from polytinker.errors import ConfigError
+
+log = logging.getLogger(__name__)
+AnyLearner = MultiAdapterLearner | FullParamLearner
+
+
+def shard_bounds(n: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Contiguous, as even as possible; the first ``n % world_size`` ranks take one more."""
+    base, extra = divmod(n, world_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+def _datum_to_wire(d: Datum) -> list[Any]:
+    return [d.input_tokens, d.target_tokens_T, d.weights_T, d.advantages_T, d.sampling_logprobs_T]
+
+
+def _send(obj: Any, group: Any) -> None:
+    payload = msgpack.packb(obj)
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    dist.broadcast(size, src=0, group=group)
+    dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0, group=group)
+
+
+def _recv(group: Any) -> Any:
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(size, src=0, group=group)
+    buf = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(buf, src=0, group=group)
+    return msgpack.unpackb(buf.numpy().tobytes())
+
+
+def _gather(obj: Any, group: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order, on every rank."""
+    payload = msgpack.packb(obj)
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([len(payload)], dtype=torch.int64), group=group)
+    longest = max(int(s.item()) for s in sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    bufs = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(bufs, mine, group=group)
+    return [msgpack.unpackb(b[: int(s.item())].numpy().tobytes()) for b, s in zip(bufs, sizes, strict=True)]
+
+
+def _execute(learner: AnyLearner, info: DistInfo, group: Any, op: str, args: dict[str, Any]) -> Any:
+    """Run one broadcast call on this rank; collective, so every rank calls it with the same ``op``."""
+    if op in ("forward", "forward_backward"):
+        data = [Datum(*row) for row in args["data"]]
+        start, end = shard_bounds(len(data), info.rank, info.world_size)
+        mine: dict[str, Any] = {"logprobs": [], "loss": 0.0, "metrics": {}}
+        if end > start and op == "forward":
+            mine["logprobs"] = learner.forward(data[start:end], args["adapter"])
+        elif end > start:
+            r = learner.forward_backward(data[start:end], args["loss_fn"], args["adapter"], args["loss_fn_config"])
+            mine = {"logprobs": r.logprobs, "loss": r.loss, "metrics": r.metrics}
+        return _gather(mine, group)
+    if op == "optim_step":
+        return learner.optim_step(AdamParams(**args["adam"]), args["adapter"])
+    if op == "add_adapter":
+        assert isinstance(learner, MultiAdapterLearner)
+        lora = LoraConfig(**{**args["lora"], "target_modules": tuple(args["lora"]["target_modules"])})
+        return learner.add_adapter(args["name"], lora, args["seed"])
+    if op == "remove_adapter":
+        assert isinstance(learner, MultiAdapterLearner)
+        return learner.remove_adapter(args["name"])
+    if op == "load_state":
+        return learner.load_state(args["path"], args["adapter"])
+    raise ConfigError(f"unknown learner group op {op!r}")
+
+
+def _merge(parts: list[dict[str, Any]]) -> ForwardBackwardResult:
+    """One result from the ranks' shard results: sums add; per-token means re-weight by tokens."""
+    live = [p for p in parts if p["metrics"]]
+    tokens = sum(p["metrics"]["loss/tokens"] for p in live)
+    metrics: dict[str, float] = {}
+    for key in live[0]["metrics"] if live else []:
+        if key in ("loss/sum", "loss/tokens"):
+            metrics[key] = sum(p["metrics"][key] for p in live)
+        elif key == "kl/coef":
+            metrics[key] = live[0]["metrics"][key]
+        else:
+            metrics[key] = sum(p["metrics"][key] * p["metrics"]["loss/tokens"] for p in live) / max(tokens, 1.0)
+    logprobs = [row for p in parts for row in p["logprobs"]]
+    return ForwardBackwardResult(sum(p["loss"] for p in parts), logprobs, metrics)
+
+
+class LearnerGroup:
+    """Rank 0's handle on K learner replicas; in-process calls, collective underneath."""
+
+    def __init__(self, learner: AnyLearner, info: DistInfo, processes: Any = None):
+        self.learner, self.info, self._processes = learner, info, processes
+        self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+
+    @classmethod
+    def start(
+        cls, model_spec: str, world_size: int, config: LearnerConfig | None = None, device: str = "cpu"
+    ) -> LearnerGroup:
+        """Make this process rank 0 of a fresh group of ``world_size`` and spawn the followers."""
+        if dist.is_initialized():
+            raise ConfigError("this process already belongs to a torch.distributed group; start the group elsewhere")
+        config = config or LearnerConfig()
+        addr = f"tcp://127.0.0.1:{free_port()}"
+        ctx = mp.get_context("spawn")
+        procs = [
+            ctx.Process(target=_follower_main, args=(r, world_size, addr, model_spec, config, device), daemon=True)
+            for r in range(1, world_size)
+        ]
+        for p in procs:
+            p.start()
+        learner, info = _build(0, world_size, addr, model_spec, config, device)
+        return cls(learner, info, procs)
+
+    # -- the learner API ------------------------------------------------------------------------
+    def _call(self, op: str, **args: Any) -> Any:
+        if self._group is not None:
+            _send({"op": op, **args}, self._group)
+            return _execute(self.learner, self.info, self._group, op, args)
+        return None
+
+    def add_adapter(self, name: AdapterName, lora: LoraConfig | None = None, seed: int = 0) -> AdapterRef:
+        lora = lora or LoraConfig()
+        if self._group is None:
+            assert isinstance(self.learner, MultiAdapterLearner)
+            return self.learner.add_adapter(name, lora, seed)
+        return self._call("add_adapter", name=name, lora=asdict(lora), seed=seed)  # type: ignore[no-any-return]
+
+    def remove_adapter(self, name: AdapterName) -> None:
+        if self._group is None:
+            assert isinstance(self.learner, MultiAdapterLearner)
+            self.learner.remove_adapter(name)
+        else:
+            self._call("remove_adapter", name=name)
+
+    def forward(self, data: list[Datum], adapter: AdapterName | None = None) -> list[list[float]]:
+        if self._group is None:
+            return self.learner.forward(data, adapter)
+        parts = self._call("forward", data=[_datum_to_wire(d) for d in data], adapter=adapter)
+        return [row for p in parts for row in p["logprobs"]]
+
+    def forward_backward(
+        self,
+        data: list[Datum],
+        loss_fn: LossFnName,
+        adapter: AdapterName | None = None,
+        loss_fn_config: dict[str, float] | None = None,
+    ) -> ForwardBackwardResult:
+        if self._group is None:
+            return self.learner.forward_backward(data, loss_fn, adapter, loss_fn_config)
+        wire = [_datum_to_wire(d) for d in data]
+        parts = self._call(
+            "forward_backward", data=wire, loss_fn=loss_fn, adapter=adapter, loss_fn_config=loss_fn_config
+        )
+        return _merge(parts)
+
+    def optim_step(self, adam_params: AdamParams, adapter: AdapterName | None = None) -> AdapterRef:
+        if self._group is None:
+            return self.learner.optim_step(adam_params, adapter)
+        return self._call("optim_step", adam=asdict(adam_params), adapter=adapter)  # type: ignore[no-any-return]
+
+    def load_state(self, path: str | os.PathLike[str], adapter: AdapterName | None = None) -> AdapterRef:
+        if self._group is None:
+            return self.learner.load_state(path, adapter)  # type: ignore[arg-type]
+        return self._call("load_state", path=str(path), adapter=adapter)  # type: ignore[no-any-return]
+
+    def save_state(self, path: str | os.PathLike[str], adapter: AdapterName | None = None) -> Any:
+        return self.learner.save_state(path, adapter)  # type: ignore[arg-type]  # replicas agree: rank 0 writes
+
+    def export_adapter(self, name: AdapterName) -> Any:
+        assert isinstance(self.learner, MultiAdapterLearner)
+        return self.learner.export_adapter(name)
+
+    def close(self) -> None:
+        """Stop the followers and leave the group."""
+        if self._group is not None:
+            _send({"op": "stop"}, self._group)
+            self._group = None
+        for p in self._processes or []:
+            p.join(timeout=30)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _build(
+    rank: int, world: int, addr: str | None, model_spec: str, config: LearnerConfig, device: str
+) -> tuple[AnyLearner, DistInfo]:
+    from polytinker.engine.learner import make_learner
+    from polytinker.engine.models import load_model
+
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    if addr is not None:
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        dist.init_process_group(backend, init_method=addr, rank=rank, world_size=world)
+        dev = torch.device(f"cuda:{rank}" if device.startswith("cuda") else "cpu")
+        info = DistInfo(rank, world, rank, dev)
+    else:
+        info = init_distributed(device=device)
+    model, tokenizer = load_model(model_spec)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return make_learner(model, config, info, pad_token_id=int(pad)), info
+
+
+def serve(learner: AnyLearner, info: DistInfo, group: Any) -> None:
+    """A follower's loop: run each broadcast call until rank 0 says stop."""
+    while True:
+        msg = _recv(group)
+        op = msg.pop("op")
+        if op == "stop":
+            return
+        _execute(learner, info, group, op, msg)
+
+
+def _follower_main(rank: int, world: int, addr: str, model_spec: str, config: LearnerConfig, device: str) -> None:
+    learner, info = _build(rank, world, addr, model_spec, config, device)
+    try:
+        serve(learner, info, dist.new_group(backend="gloo"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_rank(model_spec: str, config: LearnerConfig | None = None, device: str = "cpu") -> LearnerGroup | None:
+    """Under ``torchrun``: rank 0 gets the group handle; other ranks serve and return None at close."""
+    learner, info = _build(0, 1, None, model_spec, config or LearnerConfig(), device)
+    if info.rank == 0:
+        return LearnerGroup(learner, info)
+    group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+    serve(learner, info, group)
+    dist.destroy_process_group()
+    return None
+
+
+__all__ = ["LearnerGroup", "run_rank", "serve", "shard_bounds"]
