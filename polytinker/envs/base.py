@@ -52,6 +52,24 @@ def parse_choice(text: str, legal: Sequence[str]) -> str | InvalidAction:
     return InvalidAction(f"{shown!r} is not a legal move; answer with one of: {', '.join(legal)}")
 
 
+def text_spaces(agents: Sequence[AgentID], config: EnvConfig) -> tuple[dict[AgentID, Any], dict[AgentID, Any]]:
+    """Observation and action spaces of a text env, one object per agent (built once)."""
+    text = spaces.Text(config.max_observation_chars, min_length=0, charset=TEXT_CHARSET)
+    move = spaces.Text(config.max_action_chars, min_length=1, charset=TEXT_CHARSET)
+    observation_spaces = {
+        a: spaces.Dict(
+            {
+                "text": text,
+                "legal_moves": spaces.Sequence(move, stack=False),
+                "current_player": spaces.Text(64, min_length=0, charset=_AGENT_CHARSET),
+            }
+        )
+        for a in agents
+    }
+    action_spaces = {a: spaces.Text(config.max_action_chars, min_length=0, charset=TEXT_CHARSET) for a in agents}
+    return observation_spaces, action_spaces
+
+
 class _TextEnvCore:
     """What both bases share: config, spaces, instructions, parsing, invalid-action feedback."""
 
@@ -62,22 +80,7 @@ class _TextEnvCore:
     def _init_core(self, config: EnvConfig | None, render_mode: str | None) -> None:
         self.config = config or EnvConfig()
         self.render_mode = render_mode
-        text = spaces.Text(self.config.max_observation_chars, min_length=0, charset=TEXT_CHARSET)
-        move = spaces.Text(self.config.max_action_chars, min_length=1, charset=TEXT_CHARSET)
-        self._obs_spaces = {
-            a: spaces.Dict(
-                {
-                    "text": text,
-                    "legal_moves": spaces.Sequence(move, stack=False),
-                    "current_player": spaces.Text(64, min_length=0, charset=_AGENT_CHARSET),
-                }
-            )
-            for a in self.possible_agents
-        }
-        self._act_spaces = {
-            a: spaces.Text(self.config.max_action_chars, min_length=0, charset=TEXT_CHARSET)
-            for a in self.possible_agents
-        }
+        self._obs_spaces, self._act_spaces = text_spaces(self.possible_agents, self.config)
         self._rng = np.random.default_rng()
         self._retries: dict[AgentID, int] = {}
         self._feedback: dict[AgentID, str] = {}
@@ -338,4 +341,4 @@ class TextParallelEnv(_TextEnvCore, ParallelEnv):
         pass
 
 
-__all__ = ["TEXT_CHARSET", "TextAECEnv", "TextParallelEnv", "parse_choice"]
+__all__ = ["TEXT_CHARSET", "TextAECEnv", "TextParallelEnv", "parse_choice", "text_spaces"]

@@ -1,0 +1,229 @@
+"""``RemoteEnv``: one episode of an env served elsewhere, with the PettingZoo API.
+
+``RemoteEnv(address, env_id)`` opens an episode on the server and returns a
+``RemoteAECEnv`` (an ``AECEnv``) or a ``RemoteParallelEnv`` (a ``ParallelEnv``), as the
+server's env is. Both also have ``areset``/``astep`` coroutines, which the coordinator uses
+so that many remote episodes overlap on one event loop. Clients of one address share one
+transport connection.
+
+A server that dies mid-episode makes the next call fail within ``request_timeout_s`` (or
+sooner, when the transport's heartbeats stop) with ``RequestTimeout``/``PeerDeadError``
+naming the server and the episode; an env that raised on the server arrives as ``EnvError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+from pettingzoo import AECEnv, ParallelEnv
+
+from polytinker.envs.base import text_spaces
+from polytinker.envs.config import EnvConfig, RemoteEnvConfig
+from polytinker.envs.remote import messages as m
+from polytinker.envs.types import AgentID, InvalidAction
+from polytinker.errors import EnvError, PeerDeadError, ProtocolError, RemoteError, RequestTimeout
+from polytinker.transport.rpc import RpcClient
+
+_clients: dict[str, tuple[RpcClient, int]] = {}
+_clients_lock = threading.Lock()
+
+
+def _acquire(address: str) -> RpcClient:
+    with _clients_lock:
+        client, refs = _clients.get(address, (None, 0))
+        if client is None:
+            client = RpcClient(address)
+        _clients[address] = (client, refs + 1)
+        return client
+
+
+def _release(address: str) -> None:
+    with _clients_lock:
+        client, refs = _clients.get(address, (None, 0))
+        if client is None:
+            return
+        if refs <= 1:
+            del _clients[address]
+            client.close()
+        else:
+            _clients[address] = (client, refs - 1)
+
+
+def _translate(exc: BaseException, what: str) -> BaseException:
+    """Transport errors to errors that name the env and say what to check."""
+    if isinstance(exc, RemoteError):
+        if exc.remote_type == "ProtocolError":
+            return ProtocolError(f"{what}: the server refused the request: {exc.args[0]}")
+        return EnvError(f"{what}: {exc.args[0]}")
+    if isinstance(exc, RequestTimeout):
+        return RequestTimeout(f"{what}: no reply in time; is the env server still running? ({exc})")
+    if isinstance(exc, PeerDeadError):
+        return PeerDeadError(f"{what}: the env server stopped answering (dead or unreachable): {exc}")
+    return exc
+
+
+class RemoteEnv:
+    """Opens an episode; ``RemoteEnv(...)`` returns a RemoteAECEnv or a RemoteParallelEnv."""
+
+    address: str
+    env_id: str
+    episode: str
+
+    def __new__(cls, address: str, env_id: str, **kwargs: Any) -> Any:
+        if cls is not RemoteEnv:
+            return super().__new__(cls)
+        config = kwargs.get("config") or RemoteEnvConfig()
+        client = _acquire(address)
+        payload = {"env_id": env_id, "kwargs": kwargs.get("env_kwargs") or {}, "config": kwargs.get("env_config") or {}}
+        try:
+            hello = client.call(m.KIND_OPEN, payload, timeout_s=config.request_timeout_s)
+        except Exception as exc:
+            _release(address)
+            raise _translate(exc, f"opening {env_id} at {address}") from exc
+        sub = RemoteAECEnv if hello["kind"] == "aec" else RemoteParallelEnv
+        env = object.__new__(sub)
+        env._setup(address, env_id, client, hello, config)
+        return env
+
+    def __init__(self, address: str, env_id: str, **kwargs: Any) -> None:
+        # All set up in __new__ (which also runs for the subclass it returns).
+        pass
+
+    def _setup(self, address: str, env_id: str, client: RpcClient, hello: dict, config: RemoteEnvConfig) -> None:
+        self.address, self.env_id, self._client, self._cfg = address, env_id, client, config
+        self.episode = str(hello["episode"])
+        self.possible_agents = list(hello["possible_agents"])
+        self.metadata = {"name": hello.get("name", env_id), "render_modes": [], "remote": address}
+        self._instructions = dict(hello["instructions"])
+        env_config = EnvConfig(
+            max_observation_chars=int(hello["max_observation_chars"]), max_action_chars=int(hello["max_action_chars"])
+        )
+        self._obs_spaces, self._act_spaces = text_spaces(self.possible_agents, env_config)
+        self._closed = False
+
+    # -- calls
+    def _call(self, kind: str, payload: dict[str, Any]) -> Any:
+        try:
+            return self._client.call(kind, payload, timeout_s=self._cfg.request_timeout_s)
+        except Exception as exc:
+            raise _translate(exc, f"{kind} of {self.env_id} episode {self.episode} at {self.address}") from exc
+
+    async def _acall(self, kind: str, payload: dict[str, Any]) -> Any:
+        future = self._client.call_async(kind, payload, timeout_s=self._cfg.request_timeout_s)
+        try:
+            return await asyncio.wrap_future(future)
+        except Exception as exc:
+            raise _translate(exc, f"{kind} of {self.env_id} episode {self.episode} at {self.address}") from exc
+
+    # -- the text-env surface
+    def observation_space(self, agent: AgentID) -> Any:
+        return self._obs_spaces[agent]
+
+    def action_space(self, agent: AgentID) -> Any:
+        return self._act_spaces[agent]
+
+    def instructions(self, agent: AgentID) -> str:
+        return str(self._instructions[agent])
+
+    def parse_action(self, agent: AgentID, text: str) -> str | InvalidAction:
+        reply = self._call(m.KIND_PARSE, {"episode": self.episode, "agent": agent, "text": text})
+        return str(reply["move"]) if reply["valid"] else InvalidAction(str(reply["reason"]))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._client.call(m.KIND_CLOSE, {"episode": self.episode}, timeout_s=self._cfg.request_timeout_s)
+        except Exception:
+            pass  # the server may be gone; the episode dies with it (or expires there)
+        finally:
+            _release(self.address)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._acall(m.KIND_CLOSE, {"episode": self.episode})
+        except Exception:
+            pass
+        finally:
+            _release(self.address)
+
+
+def _obs(raw: dict[str, Any] | None) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    return {"text": raw["text"], "legal_moves": tuple(raw["legal_moves"]), "current_player": raw["current_player"]}
+
+
+class RemoteAECEnv(RemoteEnv, AECEnv):
+    """A remote turn-taking env; state arrives with each reply, ``observe`` of another agent asks."""
+
+    def _apply(self, state: dict[str, Any]) -> None:
+        self.agents = list(state["agents"])
+        self.agent_selection = state["agent_selection"]
+        self.rewards = dict(state["rewards"])
+        self._cumulative_rewards = dict(state["cumulative_rewards"])
+        self.terminations = dict(state["terminations"])
+        self.truncations = dict(state["truncations"])
+        self.infos = {a: dict(i) for a, i in state["infos"].items()}
+        self._observation = (self.agent_selection, _obs(state["observation"]))
+
+    def reset(self, seed: int | None = None, options: dict | None = None) -> None:
+        self._apply(self._call(m.KIND_RESET, {"episode": self.episode, "seed": seed}))
+
+    def step(self, action: Any) -> None:
+        self._apply(self._call(m.KIND_STEP, {"episode": self.episode, "action": action}))
+
+    async def areset(self, seed: int | None = None, options: dict | None = None) -> None:
+        self._apply(await self._acall(m.KIND_RESET, {"episode": self.episode, "seed": seed}))
+
+    async def astep(self, action: Any) -> None:
+        self._apply(await self._acall(m.KIND_STEP, {"episode": self.episode, "action": action}))
+
+    def observe(self, agent: AgentID) -> Any:
+        who, obs = self._observation
+        if agent == who and obs is not None:
+            return obs
+        return _obs(self._call(m.KIND_OBSERVE, {"episode": self.episode, "agent": agent}))
+
+    def render(self) -> str:
+        obs = self.observe(self.agent_selection)
+        return str(obs["text"]) if obs else ""
+
+
+class RemoteParallelEnv(RemoteEnv, ParallelEnv):
+    """A remote simultaneous-move env."""
+
+    def _apply(self, state: dict[str, Any]) -> tuple[dict, dict, dict, dict, dict]:
+        self.agents = list(state["agents"])
+        observations = {a: _obs(o) for a, o in state["observations"].items()}
+        infos = {a: dict(i) for a, i in state["infos"].items()}
+        return observations, dict(state["rewards"]), dict(state["terminations"]), dict(state["truncations"]), infos
+
+    def reset(self, seed: int | None = None, options: dict | None = None) -> tuple[dict, dict]:
+        observations, _, _, _, infos = self._apply(self._call(m.KIND_RESET, {"episode": self.episode, "seed": seed}))
+        return observations, infos
+
+    def step(self, actions: dict[AgentID, Any]) -> tuple[dict, dict, dict, dict, dict]:
+        return self._apply(self._call(m.KIND_STEP, {"episode": self.episode, "actions": _texts(actions)}))
+
+    async def areset(self, seed: int | None = None, options: dict | None = None) -> tuple[dict, dict]:
+        state = await self._acall(m.KIND_RESET, {"episode": self.episode, "seed": seed})
+        observations, _, _, _, infos = self._apply(state)
+        return observations, infos
+
+    async def astep(self, actions: dict[AgentID, Any]) -> tuple[dict, dict, dict, dict, dict]:
+        return self._apply(await self._acall(m.KIND_STEP, {"episode": self.episode, "actions": _texts(actions)}))
+
+
+def _texts(actions: dict[AgentID, Any]) -> dict[AgentID, str]:
+    # The wire carries text; anything else (PettingZoo's checker samples) becomes its str.
+    return {a: v if isinstance(v, str) else str(v) for a, v in actions.items()}
+
+
+__all__ = ["RemoteAECEnv", "RemoteEnv", "RemoteParallelEnv"]

@@ -1,0 +1,282 @@
+"""``EnvServer``: serves registered text envs over ZeroMQ, many episodes at once.
+
+Built on the transport's ``RpcServer`` (one I/O thread, handlers in a pool); the env messages
+are kinds on that envelope (docs/remote-envs.md). Every episode has its own env instance and
+lock, so episodes run concurrently and one episode's calls are serialised. Env calls run on a
+separate executor with ``step_timeout_s``: an env that hangs or raises aborts its episode (the
+client gets an error reply naming the reason) while the server keeps serving the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any
+
+from pettingzoo import AECEnv
+
+from polytinker.envs.config import EnvConfig, EnvServerConfig
+from polytinker.envs.registry import make, registry
+from polytinker.envs.remote import messages as m
+from polytinker.envs.types import InvalidAction
+from polytinker.errors import ConfigError, EnvError, ProtocolError
+from polytinker.transport.config import TransportConfig
+from polytinker.transport.rpc import RpcServer
+
+log = logging.getLogger(__name__)
+_TOMBSTONES = 4096  # aborted episodes remembered, so late requests learn why
+
+
+@dataclass
+class _Episode:
+    env: Any
+    env_id: str
+    aec: bool
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class EnvServer:
+    """Serve ``env_ids`` (default: every registered env) at ``address``."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        env_ids: Iterable[str] | None = None,
+        config: EnvServerConfig | None = None,
+        transport: TransportConfig | None = None,
+        insecure: bool = False,
+    ) -> None:
+        self.config = config or EnvServerConfig()
+        known = registry()
+        self.env_ids = sorted(env_ids) if env_ids is not None else sorted(known)
+        for env_id in self.env_ids:
+            if env_id not in known:
+                raise ConfigError(f"cannot serve {env_id!r}: not registered (see `polytinker env list`)")
+        self._episodes: dict[str, _Episode] = {}
+        self._aborted: OrderedDict[str, str] = OrderedDict()
+        self._lock = threading.Lock()
+        # Env calls run here so that a hung env cannot hold a transport handler thread for ever.
+        self._runner = ThreadPoolExecutor(32, thread_name_prefix="polytinker-env")
+        handlers: dict[str, Callable[[Any], Any]] = {
+            m.KIND_LIST: self._on_list,
+            m.KIND_OPEN: self._on_open,
+            m.KIND_RESET: self._on_reset,
+            m.KIND_STEP: self._on_step,
+            m.KIND_OBSERVE: self._on_observe,
+            m.KIND_PARSE: self._on_parse,
+            m.KIND_CLOSE: self._on_close,
+        }
+        wrapped = {kind: self._typed(kind, fn) for kind, fn in handlers.items()}
+        self._rpc = RpcServer(address, wrapped, config=transport, insecure=insecure)
+        self._stopped = threading.Event()
+
+    @property
+    def address(self) -> str:
+        return self._rpc.address
+
+    @property
+    def num_episodes(self) -> int:
+        return len(self._episodes)
+
+    def start(self) -> EnvServer:
+        self._rpc.start()
+        return self
+
+    def stop(self) -> None:
+        self._rpc.stop()
+        self._runner.shutdown(wait=False, cancel_futures=True)
+        self._stopped.set()
+
+    def wait(self) -> None:
+        """Block until ``stop()`` (or Ctrl-C)."""
+        self._stopped.wait()
+
+    def __enter__(self) -> EnvServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- plumbing
+    @staticmethod
+    def _typed(kind: str, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        def handler(payload: Any) -> Any:
+            return fn(m.parse_request(kind, payload))
+
+        return handler
+
+    def _episode(self, episode: str) -> _Episode:
+        ep = self._episodes.get(episode)
+        if ep is None:
+            if episode in self._aborted:
+                raise EnvError(f"episode {episode} was aborted: {self._aborted[episode]}")
+            raise EnvError(f"no open episode {episode!r} (closed, expired or never opened)")
+        ep.last_used = time.monotonic()
+        return ep
+
+    def _abort(self, episode: str, reason: str) -> EnvError:
+        with self._lock:
+            ep = self._episodes.pop(episode, None)
+            self._aborted[episode] = reason
+            while len(self._aborted) > _TOMBSTONES:
+                self._aborted.popitem(last=False)
+        if ep is not None:
+            try:
+                ep.env.close()
+            except Exception:
+                log.debug("closing aborted episode %s failed", episode, exc_info=True)
+        log.warning("episode %s (%s) aborted: %s", episode, ep.env_id if ep else "?", reason)
+        return EnvError(f"episode {episode} aborted: {reason}")
+
+    def _run(self, episode: str, ep: _Episode, what: str, fn: Callable[[], Any]) -> Any:
+        """Run an env call with the step timeout; a raise or a hang aborts the episode."""
+        future = self._runner.submit(fn)
+        try:
+            return future.result(timeout=self.config.step_timeout_s)
+        except FutureTimeout:
+            raise self._abort(episode, f"{what} took longer than step_timeout_s={self.config.step_timeout_s}") from None
+        except Exception as exc:
+            raise self._abort(episode, f"the env raised in {what}: {type(exc).__name__}: {exc}") from exc
+
+    def _reap_idle(self) -> None:
+        cutoff = time.monotonic() - self.config.idle_episode_s
+        for episode, ep in list(self._episodes.items()):
+            if ep.last_used < cutoff:
+                self._abort(episode, f"idle for more than idle_episode_s={self.config.idle_episode_s}")
+
+    # -- handlers
+    def _on_list(self, req: m.ListRequest) -> dict[str, Any]:
+        return {"env_ids": list(self.env_ids)}
+
+    def _on_open(self, req: m.OpenRequest) -> dict[str, Any]:
+        if req.env_id not in self.env_ids:
+            raise EnvError(f"this server does not serve {req.env_id!r}; it serves: {', '.join(self.env_ids)}")
+        self._reap_idle()
+        if len(self._episodes) >= self.config.max_episodes:
+            raise EnvError(f"the server has max_episodes={self.config.max_episodes} open; close some first")
+        try:
+            env_config = EnvConfig(**req.config)
+        except TypeError as exc:
+            raise ConfigError(f"env.open: bad config field: {exc}") from None
+        env = make(req.env_id, config=env_config, **req.kwargs)
+        episode = uuid.uuid4().hex
+        aec = isinstance(env, AECEnv)
+        with self._lock:
+            self._episodes[episode] = _Episode(env, req.env_id, aec)
+        cfg = getattr(env, "config", env_config)
+        return {
+            "episode": episode,
+            "env_id": req.env_id,
+            "kind": "aec" if aec else "parallel",
+            "name": str(env.metadata.get("name", req.env_id)),
+            "possible_agents": list(env.possible_agents),
+            "instructions": {a: env.instructions(a) for a in env.possible_agents},
+            "max_observation_chars": cfg.max_observation_chars,
+            "max_action_chars": cfg.max_action_chars,
+        }
+
+    def _on_reset(self, req: m.ResetRequest) -> dict[str, Any]:
+        ep = self._episode(req.episode)
+        with ep.lock:
+            if ep.aec:
+                self._run(req.episode, ep, "reset", lambda: ep.env.reset(seed=req.seed))
+                return self._aec_state(req.episode, ep)
+            observations, infos = self._run(req.episode, ep, "reset", lambda: ep.env.reset(seed=req.seed))
+            return self._parallel_state(req.episode, ep, observations, {}, {}, {}, infos)
+
+    def _on_step(self, req: m.StepRequest) -> dict[str, Any]:
+        ep = self._episode(req.episode)
+        limit = self.config.max_action_bytes
+        texts = [req.action] if ep.aec else list((req.actions or {}).values())
+        for text in texts:
+            if text is not None and len(text.encode()) > limit:
+                raise ProtocolError(f"an action of {len(text.encode())} bytes exceeds max_action_bytes={limit}")
+        with ep.lock:
+            if ep.aec:
+                self._run(req.episode, ep, "step", lambda: ep.env.step(req.action))
+                return self._aec_state(req.episode, ep)
+            if req.actions is None:
+                raise ProtocolError("env.step on a parallel env needs 'actions' (agent -> text)")
+            result = self._run(req.episode, ep, "step", lambda: ep.env.step(dict(req.actions or {})))
+            return self._parallel_state(req.episode, ep, *result)
+
+    def _on_observe(self, req: m.ObserveRequest) -> dict[str, Any]:
+        ep = self._episode(req.episode)
+        if not ep.aec:
+            raise EnvError("env.observe is for AEC envs; a parallel env's observations come with reset and step")
+        if req.agent not in ep.env.possible_agents:
+            raise EnvError(f"no agent {req.agent!r} in {ep.env_id}")
+        with ep.lock:
+            obs = self._run(req.episode, ep, "observe", lambda: ep.env.observe(req.agent))
+            return self._checked_obs(req.episode, req.agent, obs)
+
+    def _on_parse(self, req: m.ParseRequest) -> dict[str, Any]:
+        ep = self._episode(req.episode)
+        with ep.lock:
+            move = self._run(req.episode, ep, "parse_action", lambda: ep.env.parse_action(req.agent, req.text))
+        if isinstance(move, InvalidAction):
+            return {"valid": False, "move": "", "reason": move.reason}
+        return {"valid": True, "move": str(move), "reason": ""}
+
+    def _on_close(self, req: m.CloseRequest) -> dict[str, Any]:
+        with self._lock:
+            ep = self._episodes.pop(req.episode, None)
+        if ep is not None:
+            ep.env.close()
+        return {"closed": ep is not None}
+
+    # -- replies
+    def _checked_obs(self, episode: str, agent: str, obs: Any) -> dict[str, Any]:
+        if not isinstance(obs, dict):
+            raise self._abort(episode, f"the observation of {agent} is {type(obs).__name__}, not a text observation")
+        size = len(str(obs.get("text", "")).encode()) + sum(len(x.encode()) for x in obs.get("legal_moves", ()))
+        if size > self.config.max_observation_bytes:
+            raise self._abort(
+                episode,
+                f"the observation of {agent} is {size} bytes, over max_observation_bytes="
+                f"{self.config.max_observation_bytes}",
+            )
+        return {
+            "text": obs["text"],
+            "legal_moves": list(obs.get("legal_moves", ())),
+            "current_player": obs.get("current_player", ""),
+        }
+
+    def _aec_state(self, episode: str, ep: _Episode) -> dict[str, Any]:
+        env = ep.env
+        selected = env.agent_selection if env.agents else ""
+        observation = self._checked_obs(episode, selected, env.observe(selected)) if selected else None
+        return {
+            "agents": list(env.agents),
+            "agent_selection": selected,
+            "rewards": {a: float(r) for a, r in env.rewards.items()},
+            "cumulative_rewards": {a: float(r) for a, r in env._cumulative_rewards.items()},
+            "terminations": {a: bool(v) for a, v in env.terminations.items()},
+            "truncations": {a: bool(v) for a, v in env.truncations.items()},
+            "infos": dict(env.infos),
+            "observation": observation,
+        }
+
+    def _parallel_state(
+        self, episode: str, ep: _Episode, observations: Any, rewards: Any, terms: Any, truncs: Any, infos: Any
+    ) -> dict[str, Any]:
+        return {
+            "agents": list(ep.env.agents),
+            "observations": {a: self._checked_obs(episode, a, o) for a, o in observations.items()},
+            "rewards": {a: float(r) for a, r in rewards.items()},
+            "terminations": {a: bool(v) for a, v in terms.items()},
+            "truncations": {a: bool(v) for a, v in truncs.items()},
+            "infos": dict(infos),
+        }
+
+
+__all__ = ["EnvServer"]
