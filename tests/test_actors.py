@@ -17,7 +17,7 @@ from polytinker.engine.actors import (
     read_log,
     spawn,
 )
-from polytinker.errors import ActorDeadError, ActorError, ConfigError, RemoteError, RequestTimeout
+from polytinker.errors import ActorDeadError, ActorError, ConfigError, ProtocolError, RemoteError, RequestTimeout
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -43,10 +43,10 @@ def test_ask_and_tell_round_trip(counter):
 def test_handler_error_goes_back_to_the_asker_and_the_actor_keeps_serving(counter):
     with pytest.raises(RemoteError) as info:
         counter.ask("fail", "bad input")
-    assert info.value.remote_type == "builtins.ValueError"
+    assert info.value.remote_type == "ValueError"
     assert "bad input" in str(info.value)
     assert "def fail" in info.value.remote_traceback or "in fail" in info.value.remote_traceback
-    with pytest.raises(RemoteError, match="'nope'"):
+    with pytest.raises(ProtocolError, match="'nope'"):  # an unknown kind is rejected by the mailbox
         counter.ask("nope")
     assert counter.ask("add", 1) == 11
     assert counter.alive
@@ -75,7 +75,7 @@ def test_startup_failure_raises_actor_error_with_the_child_traceback(tmp_path):
     text = str(info.value)
     assert "cannot reach the thing" in text and "connect_to_missing_thing" in text
     assert isinstance(info.value.__cause__, RemoteError)
-    assert info.value.__cause__.remote_type == "builtins.RuntimeError"
+    assert info.value.__cause__.remote_type == "RuntimeError"
     records = read_log(tmp_path, "bad")
     assert any(r["level"] == "ERROR" and "startup failed" in r["message"] for r in records)
 

@@ -205,11 +205,10 @@ def _start(spec: _protocol.ChildSpec) -> _Runner:
         if actor is not None:
             with contextlib.suppress(Exception):
                 actor.on_failure(exc)
-        kind = type(exc)
         report = _protocol.ReadyReport(
             ok=False,
             pid=os.getpid(),
-            error_type=f"{kind.__module__}.{kind.__qualname__}",
+            error_type=type(exc).__name__,  # as the transport names remote errors
             error_message=str(exc),
             traceback=text,
         )

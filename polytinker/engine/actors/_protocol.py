@@ -73,7 +73,7 @@ class ReadyReport:
     concurrent_kinds: list[str] = field(default_factory=list)
     """The kinds served at ``concurrent_address``."""
     error_type: str = ""
-    """Qualified type name of the startup exception (when not ok)."""
+    """Type name of the startup exception (when not ok), as RemoteError.remote_type has it."""
     error_message: str = ""
     """``str()`` of the startup exception."""
     traceback: str = ""
