@@ -59,6 +59,7 @@ class AdapterPlacement:
         self._where: dict[AdapterID, set[ResourceID]] = {}
         self._user_pinned: set[AdapterID] = set()
         self._rate: dict[AdapterID, tuple[float, float]] = {}  # adapter -> (rate at time, time)
+        self._engine_rate: dict[ResourceID, tuple[float, float]] = {}  # engine -> (rate at time, time)
         self._hot = hot_requests_per_s
         self._max_replicas = max_replicas
         self._decay_per_s = math.log(2) / half_life_s
@@ -85,14 +86,12 @@ class AdapterPlacement:
         return self._lru_victim(e) is not None
 
     def rate(self, adapter: AdapterID, now_s: float) -> float:
-        value, t = self._rate.get(adapter, (0.0, now_s))
-        return value * math.exp(-self._decay_per_s * max(0.0, now_s - t))
+        """Recent requests per second for ``adapter`` (exponentially decayed)."""
+        return self._decayed(self._rate, adapter, now_s)
 
     def engine_load(self, engine_id: ResourceID, now_s: float) -> float:
-        """Request rate the engine serves, each adapter's rate split over its replicas, plus its pins."""
-        e = self._engines[engine_id]
-        rates = sum(self.rate(a, now_s) / len(self._where[a]) for a in e.resident)
-        return rates + sum(e.pins.values())
+        """Recent requests per second routed to the engine, plus one per running job pinning an adapter there."""
+        return self._decayed(self._engine_rate, engine_id, now_s) + sum(self._engines[engine_id].pins.values())
 
     # --- changes ---------------------------------------------------------------------------------
     def pin(self, adapter: AdapterID) -> None:
@@ -137,7 +136,13 @@ class AdapterPlacement:
     def route(self, adapter: AdapterID, base_model: BaseModelID, now_s: float) -> AdapterLoad | None:
         """Engine for one sample request with ``adapter``; ``None`` when no engine of the base model can
         host it (all slots pinned). A hot adapter gets one more replica on the least loaded engine."""
-        self._record_request(adapter, now_s)
+        self._count(self._rate, adapter, now_s)
+        placed = self._route(adapter, base_model, now_s)
+        if placed is not None:
+            self._count(self._engine_rate, placed.engine, now_s)
+        return placed
+
+    def _route(self, adapter: AdapterID, base_model: BaseModelID, now_s: float) -> AdapterLoad | None:
         holders = sorted(self._where.get(adapter, ()))
         if holders:
             best = min(holders, key=lambda c: (self.engine_load(c, now_s), c))
@@ -158,10 +163,14 @@ class AdapterPlacement:
         return self._load(self._engines[target], adapter, now_s)
 
     # --- internals -------------------------------------------------------------------------------
-    def _record_request(self, adapter: AdapterID, now_s: float) -> None:
-        # An exponentially decayed count: its value times the decay rate approximates requests per second.
-        count = self.rate(adapter, now_s) / self._decay_per_s + 1.0
-        self._rate[adapter] = (count * self._decay_per_s, now_s)
+    def _decayed(self, table: dict[str, tuple[float, float]], key: str, now_s: float) -> float:
+        value, t = table.get(key, (0.0, now_s))
+        return value * math.exp(-self._decay_per_s * max(0.0, now_s - t))
+
+    def _count(self, table: dict[str, tuple[float, float]], key: str, now_s: float) -> None:
+        # An exponentially decayed count of events; times the decay rate it approximates events per second.
+        count = self._decayed(table, key, now_s) / self._decay_per_s + 1.0
+        table[key] = (count * self._decay_per_s, now_s)
 
     def _lru_victim(self, e: _Engine) -> AdapterID | None:
         for a in e.resident:  # least recently used first

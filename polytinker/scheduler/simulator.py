@@ -203,6 +203,7 @@ class Simulator:
         elif what == "save_done":
             self._log.append(self.policy.job_stopped(job_id, self.now_s, r.steps_done))
             self._hold(r, -1)
+            self._leave_learner(r)
             r.placement, r.stop = None, False
             r.preemptions += 1
             return True
@@ -279,7 +280,8 @@ class Simulator:
         del g.ready[job_id]
         r = self._runs[job_id]
         g.busy = job_id
-        if g.last is not None and g.last != job_id:
+        # A switch moves the last job's optimizer state out and this one's back in (a fresh job has none).
+        if g.last != job_id and (g.last is not None or job_id in g.last_run_s):
             g.training = False
             self._at(self.now_s + self.config.optimizer_swap_s, "swap_done", job_id, r.gen)
         else:
@@ -313,13 +315,16 @@ class Simulator:
     def _finish(self, r: _Run) -> None:
         r.finish_s = self.now_s
         self._hold(r, -1)
+        self._leave_learner(r)
+        r.placement = None
+        self._log.append(self.policy.job_finished(r.job.job_id, self.now_s))
+
+    def _leave_learner(self, r: _Run) -> None:
         if r.placement is not None and r.placement.learner is not None:
             g = self._learners[r.placement.learner]
             g.last_run_s.pop(r.job.job_id, None)
             if g.last == r.job.job_id:
-                g.last = None  # its optimizer state leaves with it: the next job needs no swap out
-        r.placement = None
-        self._log.append(self.policy.job_finished(r.job.job_id, self.now_s))
+                g.last = None  # its optimizer state left with it (done, or saved): nothing to swap out
 
     # --- checks and results ----------------------------------------------------------------------
     def check_invariants(self) -> None:

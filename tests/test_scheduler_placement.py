@@ -1,0 +1,149 @@
+"""Adapter placement on engines, cluster accounting, learner time-slicing choice, queue order."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from polytinker.errors import ConfigError
+from polytinker.scheduler import (
+    AdapterPlacement,
+    ClusterSpec,
+    ClusterState,
+    EngineSpec,
+    Job,
+    JobKind,
+    LearnerSpec,
+    Placement,
+    next_learner_job,
+)
+from polytinker.scheduler.queue import TenantQueue, iter_heap
+
+ENGINES = (
+    EngineSpec("a0", "model-a", memory_gb=40.0, adapter_slots=2),
+    EngineSpec("a1", "model-a", memory_gb=40.0, adapter_slots=2),
+    EngineSpec("b0", "model-b", memory_gb=40.0, adapter_slots=2),
+)
+
+
+def test_adapters_stay_on_engines_of_their_base_model():
+    placement = AdapterPlacement(ENGINES)
+    for i in range(20):
+        load = placement.route(f"ad{i}", "model-a", float(i))
+        assert load is not None and load.engine in ("a0", "a1")
+    assert placement.route("x", "model-c", 0.0) is None  # no engine serves that model
+
+
+def test_capacity_and_lru_eviction():
+    placement = AdapterPlacement(ENGINES[:1])
+    assert placement.route("first", "model-a", 1.0).evicted is None
+    assert placement.route("second", "model-a", 2.0).evicted is None
+    placement.route("first", "model-a", 3.0)  # used again: "second" is now least recently used
+    load = placement.route("third", "model-a", 4.0)
+    assert load.load and load.evicted == "second"
+    assert placement.resident("a0") == ["first", "third"]
+    assert len(placement.resident("a0")) <= ENGINES[0].adapter_slots
+
+
+def test_pinned_adapters_are_never_evicted():
+    placement = AdapterPlacement(ENGINES[:1])
+    placement.route("kept", "model-a", 1.0)
+    placement.pin("kept")
+    placement.route("other", "model-a", 2.0)
+    for i in range(5):
+        load = placement.route(f"new{i}", "model-a", 3.0 + i)
+        assert load is not None and load.evicted != "kept"
+    assert "kept" in placement.resident("a0")
+    # A job holding an adapter pins it too; with every slot pinned there is no room.
+    placement.acquire("a0", "busy", 10.0) if placement.can_host("a0", "busy") else None
+    assert placement.route("one-more", "model-a", 11.0) is None
+    with pytest.raises(ConfigError, match="pinned"):
+        placement.acquire("a0", "one-more", 12.0)
+    placement.release("a0", "busy", 13.0)
+    placement.unpin("kept")
+    assert placement.route("one-more", "model-a", 14.0).evicted == "kept"  # least recently used now
+
+
+def test_hot_adapter_gets_replicas_and_load_is_spread():
+    placement = AdapterPlacement(ENGINES, hot_requests_per_s=5.0, max_replicas=2, half_life_s=10.0)
+    engines = [placement.route("hot", "model-a", i * 0.01).engine for i in range(400)]
+    assert placement.holders("hot") == {"a0", "a1"}
+    assert engines.count("a0") > 50 and engines.count("a1") > 50
+    assert "b0" not in engines
+
+
+def test_choose_engine_prefers_a_warm_engine_then_the_least_loaded():
+    placement = AdapterPlacement(ENGINES)
+    placement.acquire("a1", "warm", 0.0)
+    placement.release("a1", "warm", 1.0)
+    assert placement.choose_engine("warm", "model-a", ["a0", "a1"], 2.0) == "a1"
+    placement.acquire("a1", "busy", 2.0)
+    assert placement.choose_engine("cold", "model-a", ["a0", "a1"], 3.0) == "a0"
+
+
+def lora(job_id: str, learner_gb: float, engine_gb: float = 5.0) -> Job:
+    return Job(job_id, "t", JobKind.LORA_RL, "model-a", 0, 3, 1.0, 1.0, learner_gb, engine_gb, adapter=job_id)
+
+
+def test_cluster_state_respects_memory_exclusivity_and_affinity():
+    spec = ClusterSpec(ENGINES, (LearnerSpec("g0", "model-a", 40.0), LearnerSpec("g1", "model-b", 40.0)))
+    state = ClusterState(spec)
+    p = state.fit(lora("j1", 30.0), 0.0)
+    assert p is not None and p.learner == "g0" and p.engine in ("a0", "a1")
+    state.allocate(lora("j1", 30.0), p, 0.0)
+    assert state.fit(lora("j2", 20.0), 0.0) is None  # g0 has 10 GB left; g1 serves model-b
+    full = Job("full", "t", JobKind.FULL_RL, "model-a", 0, 1, 1.0, 1.0, 40.0, 10.0)
+    assert state.fit(full, 0.0) is None  # needs the group to itself
+    with pytest.raises(ConfigError, match="does not fit"):
+        state.allocate(lora("j2", 20.0), Placement("g0", "a0"), 0.0)
+    state.release("j1", 1.0)
+    p_full = state.fit(full, 1.0)
+    assert p_full is not None
+    state.allocate(full, p_full, 1.0)
+    assert state.fit(lora("j3", 1.0), 1.0) is None  # nothing shares a full-parameter job's group
+
+
+def test_victims_are_taken_lowest_rank_first():
+    spec = ClusterSpec((EngineSpec("a0", "model-a", 40.0, 4),), (LearnerSpec("g0", "model-a", 40.0),))
+    state = ClusterState(spec)
+    rank = {"lo": 0, "mid": 1, "hi": 2}
+    for name in rank:
+        job = lora(name, 12.0)
+        state.allocate(job, state.fit(job, 0.0), 0.0)
+    found = state.victims(lora("new", 10.0), lambda j: rank[j] < 2, lambda j: (rank[j.job_id],))
+    assert found is not None and found[1] == ["lo"]
+    found = state.victims(lora("new", 20.0), lambda j: rank[j] < 2, lambda j: (rank[j.job_id],))
+    assert found is not None and found[1] == ["lo", "mid"]
+    assert state.victims(lora("new", 40.0), lambda j: rank[j] < 2, lambda j: (rank[j.job_id],)) is None
+
+
+def test_learner_takes_turns_by_priority_then_longest_wait():
+    assert next_learner_job([("a", 0, 5.0), ("b", 0, 1.0), ("c", 0, 3.0)]) == "b"
+    assert next_learner_job([("a", 0, 5.0), ("b", 1, 9.0)]) == "b"
+    assert next_learner_job([]) is None
+
+
+@given(st.lists(st.integers(-50, 50), max_size=60))
+def test_iter_heap_yields_sorted_order(values):
+    import heapq
+
+    heap = [(v, 0.0, i, str(i)) for i, v in enumerate(values)]
+    heapq.heapify(heap)
+    assert list(iter_heap(heap)) == sorted(heap)
+
+
+@given(st.lists(st.tuples(st.integers(0, 3), st.floats(0, 100), st.booleans()), max_size=80))
+def test_tenant_queue_ranks_live_jobs(items):
+    q = TenantQueue()
+    live = {}
+    for i, (prio, size, remove) in enumerate(items):
+        q.push(f"j{i}", prio, size, i)
+        live[f"j{i}"] = (-prio, size, i)
+        if remove:
+            q.remove(f"j{i}")
+            del live[f"j{i}"]
+    assert [e[3] for e in q.ranked()] == sorted(live, key=live.__getitem__)
+    assert len(q) == len(live)
+    oldest = q.oldest()
+    assert (oldest[1] if oldest else None) == min(live, key=lambda j: live[j][2], default=None)
