@@ -1,1 +1,69 @@
-"""polytinker.envs."""
+"""polytinker.envs: text multi-agent environments on PettingZoo.
+
+- ``TextAECEnv`` / ``TextParallelEnv``: bases of turn-taking and simultaneous-move text games
+  (observations ``{"text", "legal_moves", "current_player"}``, actions are text).
+- ``register`` / ``make`` / ``registry``: versioned ids, lazy entry points, plugins from the
+  ``polytinker.envs`` entry-point group.
+- Built-in games: tictactoe-v0, connect_four-v0, kuhn_poker-v0, prisoners_dilemma-v0 (parallel),
+  signal-v0 (cooperative), negotiation-v0, guess_number-v0 (single agent); pz_tictactoe-v3 and
+  pz_connect_four-v3 through ``PettingZooTextEnv``, the adapter for discrete PettingZoo envs.
+- ``Coordinator``: drives many episodes against ``policy(agent_id, PolicyInput) -> str``.
+- ``EnvServer`` / ``RemoteEnv``: envs in another process or machine over ZeroMQ.
+- ``check_env``: the conformance checks behind ``polytinker env check``.
+
+This package never imports torch: env processes stay light.
+"""
+
+from polytinker.envs.adapter import PettingZooTextEnv, pettingzoo_text_env
+from polytinker.envs.base import TextAECEnv, TextParallelEnv, parse_choice
+from polytinker.envs.checker import Finding, check_env
+from polytinker.envs.config import CoordinatorConfig, EnvConfig, EnvServerConfig, RemoteEnvConfig
+from polytinker.envs.coordinator import Coordinator, Policy
+from polytinker.envs.opponents import RandomPolicy, ScriptedPolicy, scripted_policy
+from polytinker.envs.registry import EnvSpec, make, register, registry
+from polytinker.envs.remote import EnvServer, RemoteAECEnv, RemoteEnv, RemoteParallelEnv
+from polytinker.envs.types import (
+    AgentAction,
+    AgentID,
+    EpisodeResult,
+    InvalidAction,
+    PolicyInput,
+    TextObservation,
+    Trajectory,
+    Turn,
+)
+
+__all__ = [
+    "AgentAction",
+    "AgentID",
+    "Coordinator",
+    "CoordinatorConfig",
+    "EnvConfig",
+    "EnvServer",
+    "EnvServerConfig",
+    "EnvSpec",
+    "EpisodeResult",
+    "Finding",
+    "InvalidAction",
+    "PettingZooTextEnv",
+    "Policy",
+    "PolicyInput",
+    "RandomPolicy",
+    "RemoteAECEnv",
+    "RemoteEnv",
+    "RemoteEnvConfig",
+    "RemoteParallelEnv",
+    "ScriptedPolicy",
+    "TextAECEnv",
+    "TextObservation",
+    "TextParallelEnv",
+    "Trajectory",
+    "Turn",
+    "check_env",
+    "make",
+    "parse_choice",
+    "pettingzoo_text_env",
+    "register",
+    "registry",
+    "scripted_policy",
+]
