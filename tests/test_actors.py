@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
+import numpy as np
 import pytest
 from test_actors_fixtures import Counter, Crashy, FailsOnStart, Overlap, StubbornStop
 
@@ -37,7 +43,7 @@ def test_ask_and_tell_round_trip(counter):
     futures = [counter.ask_async("add", 1) for _ in range(20)]
     results = sorted(f.result(timeout=10) for f in futures)
     assert results == list(range(116, 136))
-    assert counter.ask("pid") == counter.pid != __import__("os").getpid()
+    assert counter.ask("pid") == counter.pid != os.getpid()
 
 
 def test_handler_error_goes_back_to_the_asker_and_the_actor_keeps_serving(counter):
@@ -208,7 +214,36 @@ def test_tcp_transport(tmp_path):
         assert ref.stop() == 0
 
 
+def test_an_actor_dying_mid_call_fails_the_call_with_actor_dead_error(counter):
+    pending = counter.ask_async("sleep", 30)
+    time.sleep(0.2)
+    os.kill(counter.pid, signal.SIGKILL)
+    with pytest.raises(ActorDeadError, match="exited with code -9"):
+        pending.result(timeout=5)
+    assert counter.exit_code == -9
+
+
+def test_arrays_travel_through_the_mailbox(counter):
+    data = np.arange(100_000, dtype=np.float32).reshape(100, 1000)
+    back = counter.ask("echo", {"x": data, "tag": "t"})
+    assert back["tag"] == "t" and back["x"].dtype == np.float32
+    np.testing.assert_array_equal(back["x"], data)
+
+
 def test_many_asks_from_threads(counter):
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda _: counter.ask("add", 1), range(200)))
     assert sorted(results) == list(range(11, 211))
+
+
+def test_the_example_in_the_docs_runs(tmp_path):
+    doc = (Path(__file__).parent.parent / "docs" / "actors.md").read_text()
+    script = tmp_path / "counter.py"
+    script.write_text(doc.split("```python\n", 1)[1].split("```", 1)[0])
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=50)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[:4] == ["15", "16", "remote error: ZeroDivisionError", "0"]
+    assert "'counter'" in lines[4] and "was stopped" in lines[4]
+    assert lines[-2:] == ["2", "1 -9"]
+    assert (tmp_path / "runs" / "actors-demo" / "actors" / "counter.log").exists()

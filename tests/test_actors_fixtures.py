@@ -42,6 +42,14 @@ class Counter(Actor):
     def pid(self, _payload: Any) -> int:
         return os.getpid()
 
+    @handler("echo")
+    def echo(self, payload: Any) -> Any:
+        return payload
+
+    @handler("sleep")
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
     @handler("print")
     def print_(self, text: str) -> None:
         print(text)

@@ -9,6 +9,7 @@ the restart, messages raise ActorDeadError saying the actor is restarting.
 from __future__ import annotations
 
 import contextlib
+import signal
 import threading
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -127,7 +128,8 @@ class ActorRef:
         child = self._child
         if child is None:
             return self._last_exit
-        code = child.stop(0.0) if child.poll() is None else child.poll()
+        child.signal(signal.SIGKILL)
+        code = child.wait(None)
         self._detach(child, code, "was killed")
         return code
 
