@@ -171,6 +171,7 @@ class RpcClient:
         events = dict(poller.poll(st.poll_timeout_ms()))
         if self._wake_r in events:
             os.read(self._wake_r, 65536)
+        if self._wake_r in events or st.backlog:
             self._send_queued(st)
         if self._sock in events:
             for _ in range(_BATCH):
@@ -193,19 +194,36 @@ class RpcClient:
             self._peer_died(st, now)
 
     def _send_queued(self, st: _LoopState) -> None:
+        # Requests that found no peer (EAGAIN: e.g. an inproc server that went away) wait in the
+        # backlog until a peer appears, their deadline passes or the peer is declared dead.
+        backlog = st.backlog
+        while backlog:
+            if not self._send_one(st, backlog[0], retry=True):
+                break
+            backlog.popleft()
         ops = self._ops
         while ops:
-            mtype, rid, kind, frames, fut, timeout_s = ops.popleft()
-            if fut is not None and fut.cancelled():
-                continue  # cancelled before it left
-            try:
-                self._sock.send_multipart([pack_header(mtype, rid, kind), *frames], zmq.NOBLOCK, copy=False)
-            except zmq.ZMQError as exc:
-                if fut is not None:
-                    _settle(fut, exc=TransportError(f"cannot send {kind!r} to {self._address}: {exc}"))
-                continue
-            if fut is not None:
+            op = ops.popleft()
+            if backlog or not self._send_one(st, op, retry=False):
+                backlog.append(op)
+
+    def _send_one(self, st: _LoopState, op: tuple[Any, ...], retry: bool) -> bool:
+        """False when the socket cannot take it now (no peer or queue full)."""
+        mtype, rid, kind, frames, fut, timeout_s = op
+        if fut is not None:
+            if fut.cancelled() or (retry and rid not in st.pending):
+                return True  # cancelled, timed out or failed meanwhile: drop it
+            if not retry:
                 st.add(rid, _Pending(fut, kind, timeout_s))
+        try:
+            self._sock.send_multipart([pack_header(mtype, rid, kind), *frames], zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            st.pending.pop(rid, None)
+            if fut is not None:
+                _settle(fut, exc=TransportError(f"cannot send {kind!r} to {self._address}: {exc}"))
+        return True
 
     def _on_reply(self, st: _LoopState, frames: list[zmq.Frame]) -> None:
         try:
@@ -258,6 +276,7 @@ class _LoopState:
         self.cfg = cfg
         self.pending: dict[int, _Pending] = {}
         self.deadlines: list[tuple[float, int]] = []
+        self.backlog: collections.deque[tuple[Any, ...]] = collections.deque()
         now = time.monotonic()
         self.last_recv = now
         self.next_ping = now
@@ -283,6 +302,8 @@ class _LoopState:
         wake_at = min(self.next_ping, self.last_recv + self.cfg.dead_after_s)
         if self.deadlines:
             wake_at = min(wake_at, self.deadlines[0][0])
+        if self.backlog:
+            wake_at = min(wake_at, time.monotonic() + 0.01)  # retry the requests that found no peer
         return max(0, int((wake_at - time.monotonic()) * 1000) + 1)
 
     def expire(self, now: float) -> None:
@@ -295,6 +316,7 @@ class _LoopState:
 
     def fail_all(self, exc: Exception) -> None:
         pending, self.pending, self.deadlines = self.pending, {}, []
+        self.backlog.clear()
         for p in pending.values():
             _settle(p.future, exc=exc)
 

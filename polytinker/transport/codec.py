@@ -65,8 +65,9 @@ _NP_NAMES.update({np.dtype(name): name for name in _NP_DTYPES})
 Frame = bytes | bytearray | memoryview | zmq.Frame
 
 # torch.frombuffer warns when the buffer is read-only (received frames are); the caller is told
-# in the module docstring instead. The filter only matches warnings raised from this module.
-warnings.filterwarnings("ignore", message="The given buffer is not writable", module=__name__)
+# in the module docstring instead. torch reports it with a file name, not a module, so the filter
+# matches on torch's exact message.
+warnings.filterwarnings("ignore", message="The given buffer is not writable, and PyTorch", category=UserWarning)
 
 
 def encode(obj: Any, *, config: TransportConfig | None = None) -> list[bytes | memoryview]:

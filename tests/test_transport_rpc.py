@@ -1,0 +1,257 @@
+"""RPC over inproc, ipc and tcp: replies, errors, timeouts, cancellation, concurrency, dead peers,
+reconnects. Servers that must die run as real subprocesses and are killed with SIGKILL."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+
+from polytinker.errors import PeerDeadError, ProtocolError, RemoteError, RequestTimeout, TransportError
+from polytinker.transport import AsyncRpcClient, RpcClient, RpcServer, TransportConfig, message
+from polytinker.transport._echo import HANDLERS
+
+FAST = TransportConfig(heartbeat_interval_s=0.1, heartbeat_liveness=3, request_timeout_s=10.0)
+TRANSPORTS = ["inproc", "ipc", "tcp"]
+
+
+def _address(transport: str, tmp_path) -> str:
+    if transport == "inproc":
+        return f"inproc://test-{uuid.uuid4().hex}"
+    if transport == "ipc":
+        return f"ipc://{tmp_path}/rpc.sock"
+    return "tcp://127.0.0.1:0"
+
+
+@pytest.fixture(params=TRANSPORTS)
+def server(request, tmp_path) -> Iterator[RpcServer]:
+    with RpcServer(_address(request.param, tmp_path), HANDLERS, config=FAST) as srv:
+        yield srv
+
+
+@pytest.fixture
+def client(server) -> Iterator[RpcClient]:
+    with RpcClient(server.address, config=FAST) as c:
+        yield c
+
+
+class _ServerProcess:
+    """The reference echo server in a child process (so it can be SIGKILLed)."""
+
+    def __init__(self, address: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "polytinker.transport._echo", address],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line.startswith("READY "), f"echo server did not start: {line!r}"
+        self.address = line.split()[1]
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+
+def test_replies_carry_every_payload_type(client):
+    payload = {"ids": list(range(10)), "x": np.arange(5000, dtype=np.float32), "t": torch.ones(3, 1000).bfloat16()}
+    out = client.call("echo", payload)
+    assert out["ids"] == payload["ids"]
+    assert np.array_equal(out["x"], payload["x"]) and torch.equal(out["t"], payload["t"])
+    assert client.call("echo") is None
+
+
+def test_handler_errors_come_back_named(client):
+    with pytest.raises(RemoteError) as info:
+        client.call("fail", "bad input")
+    assert info.value.remote_type == "ValueError"
+    assert "bad input" in str(info.value) and "ValueError" in info.value.remote_traceback
+    with pytest.raises(ProtocolError, match="unknown_kind"):
+        client.call("no-such-kind", 1)
+    assert client.call("echo", 7) == 7  # the server goes on
+
+
+def test_timeout_then_the_client_still_works(client):
+    t0 = time.monotonic()
+    with pytest.raises(RequestTimeout):
+        client.call("sleep", 2.0, timeout_s=0.2)
+    assert time.monotonic() - t0 < 1.5
+    assert client.call("echo", "after") == "after"
+
+
+def test_a_slow_handler_does_not_block_the_socket(client):
+    slow = client.call_async("sleep", 0.8)
+    t0 = time.monotonic()
+    assert client.call("echo", 1) == 1
+    assert time.monotonic() - t0 < 0.6
+    assert slow.result() == 0.8
+
+
+def test_cancel_abandons_a_call(client):
+    fut = client.call_async("sleep", 0.5)
+    assert fut.cancel()
+    assert fut.cancelled()
+    assert client.call("echo", "next") == "next"
+
+
+def test_thousand_concurrent_requests(client):
+    def burst(offset: int) -> list[int]:
+        futs = [client.call_async("echo", offset + i) for i in range(250)]
+        return [f.result(timeout=30) for f in futs]
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(burst, range(0, 1000, 250)))
+    assert [x for r in results for x in r] == list(range(1000))
+
+
+def test_async_client(server):
+    async def main() -> None:
+        async with AsyncRpcClient(server.address, config=FAST) as c:
+            assert await asyncio.gather(*(c.call("echo", i) for i in range(200))) == list(range(200))
+            with pytest.raises(RemoteError):
+                await c.call("fail", "x")
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(c.call("sleep", 1.0), 0.1)  # cancels the call
+            assert await c.call("echo", "ok") == "ok"
+
+    asyncio.run(main())
+
+
+def test_tells_run_without_a_reply(tmp_path):
+    seen: list[int] = []
+    done = threading.Event()
+
+    def record(x: int) -> None:
+        seen.append(x)
+        if len(seen) == 50:
+            done.set()
+
+    with RpcServer("inproc://test-tell", {"record": record}) as srv, RpcClient(srv.address, config=FAST) as c:
+        for i in range(50):
+            c.send_oneway("record", i)
+        assert done.wait(10)
+        c.send_oneway("no-such-kind", 1)  # an error on a tell is logged, not answered
+    assert sorted(seen) == list(range(50))
+
+
+@message("test.rpc.add")
+@dataclasses.dataclass(frozen=True)
+class AddRequest:
+    a: int
+    b: int
+
+
+def test_typed_kinds_are_checked_at_the_edge():
+    handlers = {"test.rpc.add": lambda req: req.a + req.b}
+    with RpcServer("inproc://test-typed", handlers) as srv, RpcClient(srv.address, config=FAST) as c:
+        assert c.call("test.rpc.add", AddRequest(2, 3)) == 5
+        with pytest.raises(ProtocolError, match="bad_payload"):
+            c.call("test.rpc.add", {"a": 2, "b": 3})
+
+
+def test_handlers_on_the_io_thread():
+    cfg = dataclasses.replace(FAST, handler_threads=0)
+    with RpcServer("inproc://test-inline", HANDLERS, config=cfg) as srv, RpcClient(srv.address, config=FAST) as c:
+        assert [c.call("echo", i) for i in range(100)] == list(range(100))
+        with pytest.raises(RemoteError):
+            c.call("fail", 1)
+
+
+def test_closed_client_refuses_calls(server):
+    c = RpcClient(server.address, config=FAST)
+    c.close()
+    with pytest.raises(TransportError):
+        c.call("echo", 1)
+
+
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+def test_dead_peer_fails_pending_calls(transport, tmp_path):
+    srv = _ServerProcess(_address(transport, tmp_path))
+    try:
+        with RpcClient(srv.address, config=FAST) as c:
+            assert c.call("echo", 1) == 1
+            pending = c.call_async("sleep", 30)
+            time.sleep(0.2)
+            t0 = time.monotonic()
+            srv.kill()
+            with pytest.raises(PeerDeadError):
+                pending.result(timeout=10)
+            assert time.monotonic() - t0 < 2.0  # 3 heartbeats of 0.1 s, plus scheduling slack
+    finally:
+        srv.proc.kill()
+
+
+def test_dead_peer_inproc():
+    srv = RpcServer("inproc://test-dead", HANDLERS, config=FAST).start()
+    with RpcClient(srv.address, config=FAST) as c:
+        assert c.call("echo", 1) == 1
+        pending = c.call_async("sleep", 30)
+        time.sleep(0.1)
+        srv.stop()
+        with pytest.raises(PeerDeadError):
+            pending.result(timeout=10)
+
+
+def _call_until_answered(c: RpcClient, deadline_s: float = 10.0) -> object:
+    end = time.monotonic() + deadline_s
+    while True:
+        try:
+            return c.call("echo", "back", timeout_s=0.5)
+        except (PeerDeadError, RequestTimeout):
+            if time.monotonic() > end:
+                raise
+
+
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+def test_reconnect_to_a_restarted_server(transport, tmp_path):
+    first = _ServerProcess(_address(transport, tmp_path))
+    second = None
+    try:
+        with RpcClient(first.address, config=FAST) as c:
+            assert c.call("echo", 1) == 1
+            first.kill()
+            with pytest.raises((PeerDeadError, RequestTimeout)):
+                c.call("echo", 2, timeout_s=1.0)
+            second = _ServerProcess(first.address)  # the same endpoint, port included
+            assert second.proc.pid != first.proc.pid
+            assert _call_until_answered(c) == "back"
+    finally:
+        first.proc.kill()
+        if second is not None:
+            second.proc.kill()
+
+
+def test_reconnect_inproc():
+    address = f"inproc://test-{uuid.uuid4().hex}"
+    srv = RpcServer(address, HANDLERS, config=FAST).start()
+    with RpcClient(address, config=FAST) as c:
+        assert c.call("echo", 1) == 1
+        srv.stop()
+        with pytest.raises((PeerDeadError, RequestTimeout)):
+            c.call("echo", 2, timeout_s=1.0)
+        with RpcServer(address, HANDLERS, config=FAST):
+            assert _call_until_answered(c) == "back"
+
+
+def test_no_threads_or_fds_leak(tmp_path):
+    before_threads = threading.active_count()
+    before_fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        with RpcServer("tcp://127.0.0.1:0", HANDLERS, config=FAST) as srv, RpcClient(srv.address, config=FAST) as c:
+            assert c.call("echo", 1) == 1
+    time.sleep(0.2)
+    assert threading.active_count() <= before_threads + 1
+    assert len(os.listdir("/proc/self/fd")) <= before_fds + 4
