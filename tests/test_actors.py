@@ -230,6 +230,25 @@ def test_arrays_travel_through_the_mailbox(counter):
     np.testing.assert_array_equal(back["x"], data)
 
 
+def test_the_actor_process_stays_light(counter):
+    # Startup time: the machinery must not pull in torch or transformers for an actor that does not.
+    assert counter.ask("modules", ["torch", "transformers", "polytinker.engine.actors._actor"]) == [
+        "polytinker.engine.actors._actor"
+    ]
+    assert counter.ping() == {"name": "counter", "pid": counter.pid}
+
+
+def test_a_long_run_dir_still_gets_an_ipc_mailbox(tmp_path):
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    ref = spawn(Counter, 2, name="deep", run_dir=deep)
+    try:
+        assert ref.address.startswith("ipc://") and len(ref.address) < 110
+        assert ref.ask("add", 1) == 3
+        assert (deep / "actors" / "deep.log").exists()
+    finally:
+        ref.stop()
+
+
 def test_many_asks_from_threads(counter):
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda _: counter.ask("add", 1), range(200)))

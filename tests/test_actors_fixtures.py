@@ -42,6 +42,10 @@ class Counter(Actor):
     def pid(self, _payload: Any) -> int:
         return os.getpid()
 
+    @handler("modules")
+    def modules(self, names: list[str]) -> list[str]:
+        return [n for n in names if n in sys.modules]
+
     @handler("echo")
     def echo(self, payload: Any) -> Any:
         return payload

@@ -132,3 +132,22 @@ def test_children_die_with_their_parent(tmp_path, pdeathsig):
     finally:
         parent.kill()
         parent.wait()
+
+
+def test_a_parent_that_exits_normally_stops_its_actors_gracefully(tmp_path):
+    script = textwrap.dedent(
+        """
+        import sys
+        from test_actors_fixtures import Counter
+        from polytinker.engine.actors import spawn
+        ref = spawn(Counter, 7, name="left-behind", run_dir=sys.argv[1])
+        print(ref.pid, flush=True)
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 0, out.stderr
+    _wait_for(lambda: _gone(int(out.stdout)), timeout_s=5, what="the actor to stop")
+    assert (tmp_path / "left-behind.stopped").read_text() == "7"  # on_stop ran
