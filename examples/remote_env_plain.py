@@ -190,6 +190,8 @@ def serve(bind: str) -> None:
         ident, *frames = sock.recv_multipart()
         try:
             version, mtype, rid, kind = msgpack.unpackb(frames[0])
+            if version != VERSION:
+                raise ValueError(f"protocol version {version} is not spoken here (this server speaks {VERSION})")
         except Exception as exc:
             sock.send_multipart([ident, msgpack.packb([VERSION, ERROR, 0, ""]), error_body("malformed", exc)])
             continue

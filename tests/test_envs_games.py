@@ -8,11 +8,11 @@ import pytest
 from pettingzoo import AECEnv
 from pettingzoo.test import api_test, parallel_api_test
 
-from polytinker.envs import Coordinator, EnvConfig, InvalidAction, check_env, make, parse_choice, registry
+from polytinker.envs import Coordinator, EnvConfig, InvalidAction, check_env, env_specs, make, parse_choice
 from polytinker.envs.opponents import scripted_policy
 from polytinker.errors import ConfigError
 
-BUILTIN = sorted(registry())
+BUILTIN = sorted(env_specs())
 
 
 @pytest.mark.parametrize("env_id", BUILTIN)
@@ -36,7 +36,9 @@ def test_conformance_checks_pass(env_id):
 
 def _play(env_id, kinds, n=40, seed0=0, **env_kwargs):
     env = make(env_id, **env_kwargs)
-    policies = {a: scripted_policy(env, k, seed=i) for i, (a, k) in enumerate(zip(env.possible_agents, kinds))}
+    policies = {
+        a: scripted_policy(env, k, seed=i) for i, (a, k) in enumerate(zip(env.possible_agents, kinds, strict=True))
+    }
     return Coordinator().run_sync(lambda: make(env_id, **env_kwargs), policies, range(seed0, seed0 + n))
 
 
@@ -112,7 +114,7 @@ def test_invalid_action_forfeit_ends_the_game():
 def test_parallel_env_waits_for_the_agent_that_retries():
     env = make("prisoners_dilemma-v0", rounds=2)
     env.reset(seed=0)
-    obs, rewards, terms, truncs, infos = env.step({"player_0": "cooperate", "player_1": "???"})
+    obs, rewards, _, _, infos = env.step({"player_0": "cooperate", "player_1": "???"})
     assert env.history == [] and rewards["player_1"] < 0
     assert infos["player_0"]["needs_action"] is False and infos["player_1"]["needs_action"] is True
     assert obs["player_0"]["legal_moves"] == ()

@@ -2,7 +2,7 @@
 
 - ``TextAECEnv`` / ``TextParallelEnv``: bases of turn-taking and simultaneous-move text games
   (observations ``{"text", "legal_moves", "current_player"}``, actions are text).
-- ``register`` / ``make`` / ``registry``: versioned ids, lazy entry points, plugins from the
+- ``register`` / ``make`` / ``env_specs``: versioned ids, lazy entry points, plugins from the
   ``polytinker.envs`` entry-point group.
 - Built-in games: tictactoe-v0, connect_four-v0, kuhn_poker-v0, prisoners_dilemma-v0 (parallel),
   signal-v0 (cooperative), negotiation-v0, guess_number-v0 (single agent); pz_tictactoe-v3 and
@@ -20,7 +20,7 @@ from polytinker.envs.checker import Finding, check_env
 from polytinker.envs.config import CoordinatorConfig, EnvConfig, EnvServerConfig, RemoteEnvConfig
 from polytinker.envs.coordinator import Coordinator, Policy
 from polytinker.envs.opponents import RandomPolicy, ScriptedPolicy, scripted_policy
-from polytinker.envs.registry import EnvSpec, make, register, registry
+from polytinker.envs.registry import EnvSpec, env_specs, make, register
 from polytinker.envs.remote import EnvServer, RemoteAECEnv, RemoteEnv, RemoteParallelEnv
 from polytinker.envs.types import (
     AgentAction,
@@ -60,10 +60,10 @@ __all__ = [
     "Trajectory",
     "Turn",
     "check_env",
+    "env_specs",
     "make",
     "parse_choice",
     "pettingzoo_text_env",
     "register",
-    "registry",
     "scripted_policy",
 ]

@@ -8,9 +8,9 @@ from typing import Any
 
 
 def _list(args: argparse.Namespace) -> int:
-    from polytinker.envs.registry import registry
+    from polytinker.envs.registry import env_specs
 
-    specs = registry()
+    specs = env_specs()
     width = max(len(i) for i in specs)
     for env_id, spec in sorted(specs.items()):
         extra = f" {dict(spec.kwargs)}" if spec.kwargs else ""

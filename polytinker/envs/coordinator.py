@@ -194,6 +194,7 @@ class Coordinator:
         self, env: Any, policy: Any, book: _Book, agent: AgentID, obs: TextObservation, ids: tuple[str, str]
     ) -> str:
         fn = policy[agent] if isinstance(policy, Mapping) else policy
+        book.close(agent)  # its previous turn has earned all it will: it goes into the history
         inp = PolicyInput(
             agent=agent,
             episode_id=ids[1],
@@ -218,7 +219,6 @@ class Coordinator:
         elif not isinstance(result, AgentAction):
             bad = TypeError(f"policy for {agent} returned {type(result).__name__}; return str or AgentAction")
             raise _PolicyFailed() from bad
-        book.close(agent)
         book.open[agent] = _OpenTurn(obs, result.text, result.meta, timed_out, time.perf_counter() - start)
         return result.text
 

@@ -108,14 +108,14 @@ def _load_plugins() -> None:
             log.warning("skipping env plugin %s = %s: %s", ep.name, ep.value, exc)
 
 
-def registry() -> Mapping[str, EnvSpec]:
+def env_specs() -> Mapping[str, EnvSpec]:
     """Every registered env, plugins included, by id."""
     _load_plugins()
     return MappingProxyType(_REGISTRY)
 
 
 def spec(id: str) -> EnvSpec:
-    specs = registry()
+    specs = env_specs()
     if id not in specs:
         close = [k for k in specs if k.split("-v")[0] == id.split("-v")[0]]
         hint = f" Did you mean {', '.join(close)}?" if close else " `polytinker env list` shows the ids."
@@ -148,4 +148,4 @@ _BUILTINS = {
 for _id, (_entry, _kwargs) in _BUILTINS.items():
     register(_id, _entry, source="builtin", **_kwargs)
 
-__all__ = ["ENTRY_POINT_GROUP", "EnvSpec", "load_entry_point", "make", "register", "registry", "spec", "unregister"]
+__all__ = ["ENTRY_POINT_GROUP", "EnvSpec", "env_specs", "load_entry_point", "make", "register", "spec", "unregister"]

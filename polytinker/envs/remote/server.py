@@ -23,7 +23,7 @@ from typing import Any
 from pettingzoo import AECEnv
 
 from polytinker.envs.config import EnvConfig, EnvServerConfig
-from polytinker.envs.registry import make, registry
+from polytinker.envs.registry import env_specs, make
 from polytinker.envs.remote import messages as m
 from polytinker.envs.types import InvalidAction
 from polytinker.errors import ConfigError, EnvError, ProtocolError
@@ -56,7 +56,7 @@ class EnvServer:
         insecure: bool = False,
     ) -> None:
         self.config = config or EnvServerConfig()
-        known = registry()
+        known = env_specs()
         self.env_ids = sorted(env_ids) if env_ids is not None else sorted(known)
         for env_id in self.env_ids:
             if env_id not in known:
