@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from polytinker.engine.actors._mailbox import MailboxClient
 from polytinker.engine.actors._protocol import PING_KIND, STOP_KIND, TELL_KIND
 from polytinker.engine.actors.config import ActorConfig
-from polytinker.errors import ActorDeadError, RemoteError, RequestTimeout
+from polytinker.errors import ActorDeadError, RemoteError, RequestTimeout, TransportError
 
 if TYPE_CHECKING:  # _spawn imports this module
     from polytinker.engine.actors._spawn import ChildProcess
@@ -91,7 +91,10 @@ class ActorRef:
         timeout = self._config.ask_timeout_s if timeout_s is None else timeout_s
         client, child = self._current(kind)
         outer: Future[Any] = Future()
-        inner = client.call_async(kind, payload, timeout_s=timeout)
+        try:
+            inner = client.call_async(kind, payload, timeout_s=timeout)
+        except TransportError as exc:  # the client was closed under us: the process just exited
+            raise self._dead() from exc
         with self._lock:
             self._pending.add(outer)
         outer.add_done_callback(self._forget)
@@ -102,7 +105,10 @@ class ActorRef:
         """Send a message without waiting; a handler error is logged by the actor, then handled by
         ``ActorConfig.tell_failure``."""
         client, _child = self._current()
-        client.send_oneway(TELL_KIND, {"kind": kind, "payload": payload})
+        try:
+            client.send_oneway(TELL_KIND, {"kind": kind, "payload": payload})
+        except TransportError as exc:
+            raise self._dead() from exc
 
     def ping(self, *, timeout_s: float | None = None) -> dict[str, Any]:
         """Round trip through the mailbox; answers the actor's name and pid."""

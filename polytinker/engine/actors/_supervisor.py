@@ -214,12 +214,19 @@ class Supervisor:
             self._child_exited(entry, 0, None, str(tb))
             return
         with self._lock:
-            entry.restarts += 1
-            closed = self._closed
+            unwanted = self._closed or ref.stop_requested  # stopped while the new incarnation started
+        if unwanted:
+            child.stop(ref.config.stop_timeout_s)
+            return
+        # Outside the lock: on_exit runs the callback at once if the child already died.
         self._attach(entry, child)
-        self._event(ref.name, "INFO", "child restarted", child.pid, None, "")
-        if closed:
+        with self._lock:
+            entry.restarts += 1
+            unwanted = self._closed or ref.stop_requested
+        if unwanted:
             ref.stop()
+            return
+        self._event(ref.name, "INFO", "child restarted", child.pid, None, "")
 
     def _event(self, actor: str, level: str, message: str, pid: int, code: int | None, tb: str) -> None:
         extra = {"child": actor, "child_pid": pid, "exit_code": code}
