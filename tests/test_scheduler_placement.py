@@ -87,16 +87,23 @@ def lora(job_id: str, learner_gb: float, engine_gb: float = 5.0) -> Job:
 
 
 def test_cluster_state_respects_memory_exclusivity_and_affinity():
-    spec = ClusterSpec(ENGINES, (LearnerSpec("g0", "model-a", 40.0), LearnerSpec("g1", "model-b", 40.0)))
+    g0 = LearnerSpec("g0", "model-a", 40.0, max_jobs=3, host_memory_gb=60.0)
+    spec = ClusterSpec(ENGINES, (g0, LearnerSpec("g1", "model-b", 40.0)))
     state = ClusterState(spec)
     p = state.fit(lora("j1", 30.0), 0.0)
     assert p is not None and p.learner == "g0" and p.engine in ("a0", "a1")
     state.allocate(lora("j1", 30.0), p, 0.0)
-    assert state.fit(lora("j2", 20.0), 0.0) is None  # g0 has 10 GB left; g1 serves model-b
+    assert state.fit(lora("big", 41.0), 0.0) is None  # its working set exceeds g0's memory
+    assert state.fit(lora("j2", 31.0), 0.0) is None  # states of both exceed g0's host memory; g1 serves model-b
+    for name in ("j2", "j3"):
+        state.allocate(lora(name, 10.0), state.fit(lora(name, 10.0), 0.0), 0.0)
+    assert state.fit(lora("j4", 1.0), 0.0) is None  # g0 time-slices at most 3 jobs
+    for name in ("j2", "j3"):
+        state.release(name, 0.5)
     full = Job("full", "t", JobKind.FULL_RL, "model-a", 0, 1, 1.0, 1.0, 40.0, 10.0)
     assert state.fit(full, 0.0) is None  # needs the group to itself
     with pytest.raises(ConfigError, match="does not fit"):
-        state.allocate(lora("j2", 20.0), Placement("g0", "a0"), 0.0)
+        state.allocate(lora("j2", 31.0), Placement("g0", "a0"), 0.0)
     state.release("j1", 1.0)
     p_full = state.fit(full, 1.0)
     assert p_full is not None
@@ -105,7 +112,7 @@ def test_cluster_state_respects_memory_exclusivity_and_affinity():
 
 
 def test_victims_are_taken_lowest_rank_first():
-    spec = ClusterSpec((EngineSpec("a0", "model-a", 40.0, 4),), (LearnerSpec("g0", "model-a", 40.0),))
+    spec = ClusterSpec((EngineSpec("a0", "model-a", 40.0, 4),), (LearnerSpec("g0", "model-a", 40.0, 16, 40.0),))
     state = ClusterState(spec)
     rank = {"lo": 0, "mid": 1, "hi": 2}
     for name in rank:

@@ -29,7 +29,8 @@ from polytinker.scheduler import (
 def one_group(memory_gb: float = 80.0, engines: int = 0) -> ClusterSpec:
     return ClusterSpec(
         tuple(EngineSpec(f"e{i}", "base", memory_gb=40.0, adapter_slots=2) for i in range(engines)),
-        (LearnerSpec("g0", "base", memory_gb=memory_gb),),
+        # Host memory as small as the accelerator's: the sum of shared jobs' states is what binds.
+        (LearnerSpec("g0", "base", memory_gb=memory_gb, host_memory_gb=memory_gb),),
     )
 
 

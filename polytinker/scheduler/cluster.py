@@ -20,7 +20,7 @@ _EPS = 1e-9  # memory sums in floats: tolerate rounding, never real over-commit
 @dataclass
 class _Learner:
     spec: LearnerSpec
-    free_gb: float
+    host_free_gb: float  # for the states of shared jobs
     jobs: dict[JobID, Job] = field(default_factory=dict)
     exclusive: JobID | None = None
 
@@ -39,7 +39,7 @@ def _all(_: ResourceID) -> bool:
 class ClusterState:
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
-        self.learners = {g.group_id: _Learner(g, g.memory_gb) for g in spec.learners}
+        self.learners = {g.group_id: _Learner(g, g.host_memory_gb) for g in spec.learners}
         self.engines = {e.engine_id: _Engine(e, e.memory_gb) for e in spec.engines}
         self.adapters = AdapterPlacement(spec.engines)
         self.placed: dict[JobID, tuple[Job, Placement]] = {}
@@ -86,12 +86,13 @@ class ClusterState:
         for gid, g in self.learners.items():
             if g.spec.base_model != job.base_model or not allowed(gid) or g.exclusive is not None:
                 continue
+            ok = g.spec.memory_gb + _EPS >= job.learner_mem_gb
             if job.kind.exclusive_learner:
-                ok = not g.jobs and g.spec.memory_gb + _EPS >= job.learner_mem_gb
+                ok = ok and not g.jobs
             else:
-                ok = g.free_gb + _EPS >= job.learner_mem_gb
+                ok = ok and len(g.jobs) < g.spec.max_jobs and g.host_free_gb + _EPS >= job.learner_mem_gb
             # Spread shared jobs: the group with the fewest jobs takes turns least often.
-            key = (len(g.jobs), -g.free_gb, gid)
+            key = (len(g.jobs), -g.host_free_gb, gid)
             if ok and (best is None or key < best):
                 best = key
         return None if best is None else best[2]
@@ -114,7 +115,7 @@ class ClusterState:
         load = None
         if placement.learner is not None:
             g = self.learners[placement.learner]
-            g.free_gb -= g.spec.memory_gb if job.kind.exclusive_learner else job.learner_mem_gb
+            g.host_free_gb -= 0.0 if job.kind.exclusive_learner else job.learner_mem_gb
             g.jobs[job.job_id] = job
             if job.kind.exclusive_learner:
                 g.exclusive = job.job_id
@@ -132,7 +133,7 @@ class ClusterState:
         job, placement = self.placed.pop(job_id)
         if placement.learner is not None:
             g = self.learners[placement.learner]
-            g.free_gb += g.spec.memory_gb if job.kind.exclusive_learner else job.learner_mem_gb
+            g.host_free_gb += 0.0 if job.kind.exclusive_learner else job.learner_mem_gb
             del g.jobs[job_id]
             if g.exclusive == job_id:
                 g.exclusive = None
@@ -179,9 +180,12 @@ class ClusterState:
         running = sorted(g.jobs.values(), key=order)
         if job.kind.exclusive_learner or g.exclusive is not None:
             return (g.spec.group_id, running) if all(preemptible(j.job_id) for j in running) else None
-        return _take_until(
-            g.spec.group_id, g.free_gb, job.learner_mem_gb, running, preemptible, lambda j: j.learner_mem_gb
-        )
+
+        def enough(taken: list[Job]) -> bool:
+            host_gb = g.host_free_gb + sum(j.learner_mem_gb for j in taken)
+            return len(g.jobs) - len(taken) < g.spec.max_jobs and host_gb + _EPS >= job.learner_mem_gb
+
+        return _take_until(g.spec.group_id, running, preemptible, enough)
 
     def _engine_victims(
         self, job: Job, e: _Engine, preemptible: Callable[[JobID], bool], order: Callable[[Job], tuple[float, ...]]
@@ -191,9 +195,11 @@ class ClusterState:
         if job.needs_slot and e.spec.adapter_slots == 0:
             return None
         running = sorted(e.jobs.values(), key=order)
-        found = _take_until(
-            e.spec.engine_id, e.free_gb, job.engine_mem_gb, running, preemptible, lambda j: j.engine_mem_gb
-        )
+
+        def enough(taken: list[Job]) -> bool:
+            return e.free_gb + sum(j.engine_mem_gb for j in taken) + _EPS >= job.engine_mem_gb
+
+        found = _take_until(e.spec.engine_id, running, preemptible, enough)
         if found is None or not job.needs_slot:
             return found
         assert job.adapter is not None
@@ -211,20 +217,18 @@ class ClusterState:
 
 def _take_until(
     rid: ResourceID,
-    free_gb: float,
-    need_gb: float,
     running: list[Job],
     preemptible: Callable[[JobID], bool],
-    mem: Callable[[Job], float],
+    enough: Callable[[list[Job]], bool],
 ) -> tuple[ResourceID, list[Job]] | None:
+    """The fewest victims from ``running``, taken in order, that make ``enough`` true; None if none do."""
     taken: list[Job] = []
     for j in running:
-        if free_gb + _EPS >= need_gb:
+        if enough(taken):
             break
         if preemptible(j.job_id):
             taken.append(j)
-            free_gb += mem(j)
-    return (rid, taken) if free_gb + _EPS >= need_gb else None
+    return (rid, taken) if enough(taken) else None
 
 
 def _cost(victims: list[Job], order: Callable[[Job], tuple[float, ...]]) -> tuple[object, ...]:

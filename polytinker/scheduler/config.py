@@ -35,6 +35,10 @@ class SchedulerPolicyConfig:
     preemption: bool = True
     """Whether a waiting job may preempt running jobs of strictly lower priority (at step boundaries)."""
 
+    preempt_checks_per_pass: int = 4
+    """Waiting jobs per pass for which the policy looks for lower-priority jobs to preempt (each look
+    scans the running jobs; a bound keeps one decision cheap with a long queue)."""
+
     order_by_size: bool = True
     """Within one tenant and priority, run the job with the least declared work first (else arrival order)."""
 
@@ -52,6 +56,8 @@ class SchedulerPolicyConfig:
             raise ConfigError("tenant_weights names a tenant twice: give each tenant one weight")
         if any(not (w > 0 and math.isfinite(w)) for _, w in self.tenant_weights) or not self.default_weight > 0:
             raise ConfigError("tenant weights and default_weight must be positive finite numbers")
+        if self.preempt_checks_per_pass < 0:
+            raise ConfigError(f"preempt_checks_per_pass must be >= 0, got {self.preempt_checks_per_pass}")
         if self.backfill_depth <= 0:
             raise ConfigError(f"backfill_depth must be >= 1, got {self.backfill_depth}")
         if not self.starvation_s > 0:

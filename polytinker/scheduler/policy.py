@@ -138,7 +138,7 @@ class SchedulingPolicy(ABC):
         self.cluster.release(job_id, now_s)
         e.state, e.steps_done, e.placement = JobState.DONE, e.job.steps, None
         self._retry.observe_completion(now_s)
-        self._on_gone(e)
+        self._on_gone(e, was_running=True)
         return Decision(DecisionKind.FINISH, now_s, job_id, "all steps done; resources freed", e.job.tenant)
 
     def job_stopped(self, job_id: JobID, now_s: float, steps_done: int) -> Decision:
@@ -158,6 +158,7 @@ class SchedulingPolicy(ABC):
 
     def cancel(self, job_id: JobID, now_s: float) -> Decision:
         e = self._entries[job_id]
+        was_running = e.state in (JobState.RUNNING, JobState.PREEMPTING)
         if e.state is JobState.QUEUED:
             self._unqueue(e)
         elif e.state in (JobState.RUNNING, JobState.PREEMPTING):
@@ -165,7 +166,7 @@ class SchedulingPolicy(ABC):
         else:
             raise ConfigError(f"job {job_id} is {e.state}; only queued or running jobs can be cancelled")
         e.state, e.placement = JobState.CANCELLED, None
-        self._on_gone(e)
+        self._on_gone(e, was_running)
         return Decision(DecisionKind.CANCEL, now_s, job_id, "cancelled by its tenant", e.job.tenant)
 
     # --- shared machinery ------------------------------------------------------------------------
@@ -215,8 +216,8 @@ class SchedulingPolicy(ABC):
         """Hook: a preempted job gave its resources back after ``steps_ran`` steps."""
         return None
 
-    def _on_gone(self, e: _Entry) -> None:
-        """Hook: a job finished or was cancelled."""
+    def _on_gone(self, e: _Entry, was_running: bool) -> None:
+        """Hook: a job finished or was cancelled (``was_running``: it held resources)."""
         return None
 
 
@@ -259,6 +260,7 @@ class FairSharePolicy(SchedulingPolicy):
         self._reserved: dict[ResourceID, JobID] = {}
         self._aged: JobID | None = None  # the one starving job holding a reservation
         self._draining_for: dict[JobID, set[JobID]] = {}  # waiting job -> victims still stopping
+        self._running_prio: Counter[int] = Counter()  # running jobs per priority: is preemption possible?
 
     def vtime(self, tenant: TenantID) -> float:
         return self._vtime.get(tenant, 0.0)
@@ -291,11 +293,13 @@ class FairSharePolicy(SchedulingPolicy):
         return share * e.remaining_work_s / self.config.weight(job.tenant)
 
     def _on_started(self, e: _Entry) -> None:
+        self._running_prio[e.job.priority] += 1
         e.charged = self._charge(e)
         self._vtime[e.job.tenant] = self.vtime(e.job.tenant) + e.charged
         self._drop_claims(e.job.job_id)
 
     def _on_stopped(self, e: _Entry, steps_ran: int) -> None:
+        self._running_prio[e.job.priority] -= 1
         # Charged for all remaining work at start; give back what it did not get to run.
         unused = e.charged * (1 - steps_ran / max(1, e.job.steps - e.steps_done + steps_ran))
         self._vtime[e.job.tenant] = self.vtime(e.job.tenant) - unused
@@ -304,8 +308,10 @@ class FairSharePolicy(SchedulingPolicy):
             if not victims:
                 del self._draining_for[waiting]
 
-    def _on_gone(self, e: _Entry) -> None:
+    def _on_gone(self, e: _Entry, was_running: bool) -> None:
         self._active[e.job.tenant] -= 1
+        if was_running:
+            self._running_prio[e.job.priority] -= 1
         self._drop_claims(e.job.job_id)
 
     def _drop_claims(self, job_id: JobID) -> None:
@@ -322,13 +328,15 @@ class FairSharePolicy(SchedulingPolicy):
     def schedule(self, now_s: float) -> list[Decision]:
         decisions = self._reserve_for_starving(now_s)
         misses = 0
+        checks = self.config.preempt_checks_per_pass if self.config.preemption else 0
         for e in self._candidates():
             placement = self.cluster.fit(e.job, now_s, self._allowed_for(e.job))
             if placement is not None:
                 decisions.append(self._start(e, placement, now_s, self._start_reason(e, misses)))
                 continue
             misses += 1
-            if self.config.preemption:
+            if checks and self._outranks_someone(e.job):
+                checks -= 1
                 decisions += self._preempt_for(e, now_s)
             if misses >= self.config.backfill_depth:
                 break
@@ -369,6 +377,10 @@ class FairSharePolicy(SchedulingPolicy):
         if misses:
             why += f"; backfilled past {misses} higher-ranked job(s) that do not fit now"
         return why
+
+    def _outranks_someone(self, job: Job) -> bool:
+        lowest = min((p for p, n in self._running_prio.items() if n > 0), default=None)
+        return lowest is not None and lowest < job.priority and job.job_id not in self._draining_for
 
     def _preempt_for(self, e: _Entry, now_s: float) -> list[Decision]:
         job = e.job

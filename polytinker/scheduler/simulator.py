@@ -16,7 +16,7 @@ scheduler service is to run) and acts out its decisions:
 Outputs: per-job completion times (JCT = finish - arrival); utilization: busy resource-time over
 available resource-time, counting for each engine or learner group only the time when some queued
 job needed that kind of resource of that base model (idle capacity then had work it could have been
-given); memory utilization (allocated GB-time over the same periods); the full decision log. There is no
+given); the full decision log. There is no
 randomness here: the same trace and policy give the same result.
 """
 
@@ -76,7 +76,6 @@ class SimResult:
     utilization: float  # busy resource-time / resource-time while a queued job needed that kind of resource
     learner_utilization: float
     engine_utilization: float
-    memory_utilization: float  # allocated GB-time / GB-time, over the same periods
     end_s: float
 
     def jcts_s(self) -> list[float]:
@@ -141,10 +140,6 @@ class Simulator:
         self._pending_s = dict.fromkeys(self._busy_s, 0.0)  # per resource: time work for it was queued
         self._needs = {g.group_id: (g.base_model, "learner") for g in cluster.learners}
         self._needs.update({e.engine_id: (e.base_model, "engine") for e in cluster.engines})
-        self._capacity_gb = {g.group_id: g.memory_gb for g in cluster.learners}
-        self._capacity_gb.update({e.engine_id: e.memory_gb for e in cluster.engines})
-        self._alloc_gb = dict.fromkeys(self._capacity_gb, 0.0)
-        self._alloc_gb_s = 0.0  # allocated memory x time, while work for the resource was queued
         self._log: list[Decision] = []
 
     # --- driver ----------------------------------------------------------------------------------
@@ -179,7 +174,6 @@ class Simulator:
                 if not self.policy.queued_needing(base, kind):
                     continue
                 self._pending_s[rid] += dt
-                self._alloc_gb_s += dt * self._alloc_gb[rid]
                 busy = self._learners[rid].training if kind == "learner" else self._sampling[rid] > 0
                 if busy:
                     self._busy_s[rid] += dt
@@ -202,7 +196,6 @@ class Simulator:
             self._train_done(r)
         elif what == "save_done":
             self._log.append(self.policy.job_stopped(job_id, self.now_s, r.steps_done))
-            self._hold(r, -1)
             self._leave_learner(r)
             r.placement, r.stop = None, False
             r.preemptions += 1
@@ -228,7 +221,6 @@ class Simulator:
             if d.kind is DecisionKind.START:
                 assert d.placement is not None
                 r.placement, r.stop = d.placement, False
-                self._hold(r, +1)
                 r.gen += 1
                 if r.first_start_s is None:
                     r.first_start_s = self.now_s
@@ -237,15 +229,6 @@ class Simulator:
                 self._at(self.now_s + setup, "setup_done", r.job.job_id, r.gen)
             elif d.kind is DecisionKind.PREEMPT:
                 r.stop = True
-
-    def _hold(self, r: _Run, sign: int) -> None:
-        assert r.placement is not None
-        if r.placement.learner is not None:
-            whole = r.job.kind.exclusive_learner
-            gb = self._capacity_gb[r.placement.learner] if whole else r.job.learner_mem_gb
-            self._alloc_gb[r.placement.learner] += sign * gb
-        if r.placement.engine is not None:
-            self._alloc_gb[r.placement.engine] += sign * r.job.engine_mem_gb
 
     # --- a job's step ----------------------------------------------------------------------------
     def _begin_step(self, r: _Run) -> None:
@@ -314,7 +297,6 @@ class Simulator:
 
     def _finish(self, r: _Run) -> None:
         r.finish_s = self.now_s
-        self._hold(r, -1)
         self._leave_learner(r)
         r.placement = None
         self._log.append(self.policy.job_finished(r.job.job_id, self.now_s))
@@ -329,30 +311,26 @@ class Simulator:
     # --- checks and results ----------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Recount every resource from the simulator's own view of what runs where."""
-        learner_gb = dict.fromkeys(self._learners, 0.0)
-        engine_gb = {e.engine_id: 0.0 for e in self.cluster.engines}
-        slots: dict[ResourceID, set[str]] = {e.engine_id: set() for e in self.cluster.engines}
-        exclusive: dict[ResourceID, int] = dict.fromkeys(self._learners, 0)
-        sharing: dict[ResourceID, int] = dict.fromkeys(self._learners, 0)
+        on_group: dict[ResourceID, list[Job]] = {g: [] for g in self._learners}
+        on_engine: dict[ResourceID, list[Job]] = {e.engine_id: [] for e in self.cluster.engines}
         for r in self._runs.values():
-            if r.placement is None:
-                continue
-            if r.placement.learner is not None:
-                learner_gb[r.placement.learner] += r.job.learner_mem_gb
-                if r.job.kind.exclusive_learner:
-                    exclusive[r.placement.learner] += 1
-                sharing[r.placement.learner] += 1
-            if r.placement.engine is not None:
-                engine_gb[r.placement.engine] += r.job.engine_mem_gb
-                if r.job.adapter is not None:
-                    slots[r.placement.engine].add(r.job.adapter)
+            if r.placement is not None and r.placement.learner is not None:
+                on_group[r.placement.learner].append(r.job)
+            if r.placement is not None and r.placement.engine is not None:
+                on_engine[r.placement.engine].append(r.job)
         for g in self.cluster.learners:
-            if learner_gb[g.group_id] > g.memory_gb + 1e-6:
-                raise SimulationError(f"learner group {g.group_id} over-committed: {learner_gb[g.group_id]} GB")
-            if exclusive[g.group_id] and sharing[g.group_id] > 1:
+            jobs = on_group[g.group_id]
+            if any(j.kind.exclusive_learner for j in jobs) and len(jobs) > 1:
                 raise SimulationError(f"learner group {g.group_id}: a full-parameter job shares it")
+            shared = [j for j in jobs if not j.kind.exclusive_learner]
+            if len(shared) > g.max_jobs or sum(j.learner_mem_gb for j in shared) > g.host_memory_gb + 1e-6:
+                raise SimulationError(f"learner group {g.group_id} over-committed: {len(shared)} jobs")
+            if any(j.learner_mem_gb > g.memory_gb + 1e-6 for j in jobs):
+                raise SimulationError(f"learner group {g.group_id}: a job's working set exceeds its memory")
         for e in self.cluster.engines:
-            if engine_gb[e.engine_id] > e.memory_gb + 1e-6 or len(slots[e.engine_id]) > e.adapter_slots:
+            jobs = on_engine[e.engine_id]
+            adapters = {j.adapter for j in jobs if j.adapter is not None}
+            if sum(j.engine_mem_gb for j in jobs) > e.memory_gb + 1e-6 or len(adapters) > e.adapter_slots:
                 raise SimulationError(f"engine {e.engine_id} over-committed (memory or adapter slots)")
 
     def _result(self) -> SimResult:
@@ -376,8 +354,6 @@ class Simulator:
             avail = sum(self._pending_s[i] for i in ids)
             return sum(self._busy_s[i] for i in ids) / avail if avail else math.nan
 
-        gb_s = sum(self._capacity_gb[i] * self._pending_s[i] for i in self._capacity_gb)
-
         learners, engines = list(self._learners), list(self._sampling)
         return SimResult(
             policy=self.policy.name,
@@ -386,7 +362,6 @@ class Simulator:
             utilization=util(learners + engines),
             learner_utilization=util(learners),
             engine_utilization=util(engines),
-            memory_utilization=self._alloc_gb_s / gb_s if gb_s else math.nan,
             end_s=self.now_s,
         )
 

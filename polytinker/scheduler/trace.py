@@ -36,7 +36,7 @@ class TraceConfig:
     seed: int = 0
     """Seed of the one random generator every draw comes from."""
 
-    mean_interarrival_s: float = 20.0
+    mean_interarrival_s: float = 45.0
     """Mean gap between arrivals over the whole trace (calm and burst periods together)."""
 
     burst_factor: float = 8.0
@@ -111,8 +111,13 @@ def default_cluster(
 
 
 def _pick(rng: np.random.Generator, table: Sequence[tuple[object, float]]) -> object:
-    p = np.array([w for _, w in table], dtype=float)
-    return table[int(rng.choice(len(table), p=p / p.sum()))][0]
+    total = sum(w for _, w in table)
+    x = rng.random() * total
+    for value, w in table:
+        x -= w
+        if x < 0:
+            return value
+    return table[-1][0]
 
 
 def _arrivals(cfg: TraceConfig, rng: np.random.Generator) -> list[float]:

@@ -122,13 +122,18 @@ class EngineSpec:
 
 @dataclass(frozen=True)
 class LearnerSpec:
+    """A learner group. Shared (LoRA) jobs take turns at step boundaries: only the job training now
+    needs its working set in accelerator memory; the others' optimizer states wait in host memory."""
+
     group_id: ResourceID
     base_model: BaseModelID
-    memory_gb: float  # for adapters, optimizer states and activations of the jobs it hosts
+    memory_gb: float  # accelerator memory beyond the base weights: the working set of the job training
+    max_jobs: int = 16  # jobs time-sliced on the group at once
+    host_memory_gb: float = 512.0  # holds the states of the shared jobs (each counted at its learner_mem_gb)
 
     def __post_init__(self) -> None:
-        if self.memory_gb <= 0:
-            raise ConfigError(f"Learner group {self.group_id}: memory_gb must be > 0")
+        if self.memory_gb <= 0 or self.max_jobs < 1 or self.host_memory_gb <= 0:
+            raise ConfigError(f"Learner group {self.group_id}: memory_gb > 0, max_jobs >= 1, host_memory_gb > 0")
 
 
 @dataclass(frozen=True)

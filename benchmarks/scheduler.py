@@ -1,0 +1,131 @@
+"""Scheduler benchmark: our policy against FIFO with head-of-line blocking, on the same trace.
+
+    python benchmarks/scheduler.py --quick      # under a minute on two CPU cores
+    python benchmarks/scheduler.py              # a longer trace
+    python benchmarks/scheduler.py --trace jobs.jsonl --save-log decisions.jsonl
+
+Prints ``mean_jct_ratio`` and ``p99_jct_ratio`` (ours / FIFO), ``utilization`` (ours), and
+``decision_us_10k`` (median microseconds of one scheduling pass with 10,000 jobs queued), then the
+absolute figures of both policies. The trace and the cluster are described in docs/scheduler.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from polytinker.scheduler import (
+    ClusterSpec,
+    FairSharePolicy,
+    FifoPolicy,
+    Job,
+    JobState,
+    SchedulingPolicy,
+    SimResult,
+    TraceConfig,
+    default_cluster,
+    generate_trace,
+    load_trace,
+    simulate,
+)
+
+
+def offered_load(trace: list[Job], cluster: ClusterSpec) -> float:
+    """Learner-group seconds the trace asks for (a full-parameter job holds its group for whole steps)
+    over learner-group seconds available between the first and last arrival."""
+    span = max(j.arrival_s for j in trace) - min(j.arrival_s for j in trace)
+    demand = sum(j.steps * (j.step_work_s if j.kind.exclusive_learner else j.step_s) for j in trace)
+    return demand / (len(cluster.learners) * span) if span else float("nan")
+
+
+def decision_us(policy_cls: type[SchedulingPolicy], cluster: ClusterSpec, queued: int, reps: int) -> float:
+    """Median time of one scheduling pass with ``queued`` jobs waiting: fill the cluster, queue the
+    rest, then repeatedly finish one running job and time the pass that refills its room."""
+    trace = generate_trace(TraceConfig(n_jobs=queued + 1000, seed=12345, oversized_fraction=0.0))
+    policy = policy_cls(cluster, None)
+    for job in trace[: queued + 200]:
+        policy.submit(job, 0.0)
+    policy.schedule(0.0)
+    times = []
+    for rep in range(reps):
+        running = [j for j in policy.running() if policy.state(j) is JobState.RUNNING]
+        now = 1.0 + rep
+        if running:
+            policy.job_finished(running[rep % len(running)], now)
+        t0 = time.perf_counter()
+        policy.schedule(now)
+        times.append(time.perf_counter() - t0)
+    assert policy.queued_count >= queued - reps, "the queue drained: the measurement would be of a short queue"
+    return statistics.median(times) * 1e6
+
+
+def describe(r: SimResult, wall_s: float) -> dict[str, float | int | str]:
+    return {
+        "policy": r.policy,
+        "finished": len(r.jcts_s()),
+        "rejected": sum(o.rejected is not None for o in r.outcomes),
+        "mean_jct_s": round(r.mean_jct_s(), 1),
+        "p50_jct_s": round(r.percentile_jct_s(50), 1),
+        "p99_jct_s": round(r.percentile_jct_s(99), 1),
+        "utilization": round(r.utilization, 3),
+        "learner_utilization": round(r.learner_utilization, 3),
+        "engine_utilization": round(r.engine_utilization, 3),
+        "preemptions": sum(o.preemptions for o in r.outcomes),
+        "end_s": round(r.end_s, 1),
+        "sim_wall_s": round(wall_s, 2),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="a 1,500-job trace (default 5,000)")
+    p.add_argument("--jobs", type=int, default=None, help="jobs in the generated trace")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trace", type=Path, default=None, help="replay this JSONL trace instead of generating one")
+    p.add_argument("--save-log", type=Path, default=None, help="write our policy's decision log here (JSONL)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
+    args = p.parse_args(argv)
+
+    cluster = default_cluster()
+    n_jobs = args.jobs or (1500 if args.quick else 5000)
+    trace = load_trace(args.trace) if args.trace else generate_trace(TraceConfig(n_jobs=n_jobs, seed=args.seed))
+    results = {}
+    for policy_cls in (FairSharePolicy, FifoPolicy):
+        t0 = time.perf_counter()
+        results[policy_cls.name] = (simulate(trace, cluster, policy_cls), time.perf_counter() - t0)
+    ours, fifo = results["fair_share"][0], results["fifo"][0]
+    figures = {
+        "mean_jct_ratio": round(ours.mean_jct_s() / fifo.mean_jct_s(), 3),
+        "p99_jct_ratio": round(ours.percentile_jct_s(99) / fifo.percentile_jct_s(99), 3),
+        "utilization": round(ours.utilization, 3),
+        "decision_us_10k": round(decision_us(FairSharePolicy, cluster, 10_000, 40 if args.quick else 200), 1),
+        "fifo_decision_us_10k": round(decision_us(FifoPolicy, cluster, 10_000, 40 if args.quick else 200), 1),
+        "jobs": len(trace),
+        "offered_learner_load": round(offered_load(trace, cluster), 3),
+    }
+    absolute = {name: describe(r, wall) for name, (r, wall) in results.items()}
+    if args.save_log:
+        with args.save_log.open("w") as f:
+            for d in ours.decisions:
+                f.write(json.dumps(asdict(d), default=str) + "\n")
+    if args.json:
+        print(json.dumps({**figures, "policies": absolute}))
+        return 0
+    for key, value in figures.items():
+        print(f"{key} {value}")
+    for name, row in absolute.items():
+        print(f"[{name}] " + " ".join(f"{k}={v}" for k, v in row.items() if k != "policy"))
+    print(
+        "targets: mean_jct_ratio <= 0.6: " + ("met" if figures["mean_jct_ratio"] <= 0.6 else "MISSED"),
+        "| utilization >= 0.9: " + ("met" if figures["utilization"] >= 0.9 else "MISSED"),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
