@@ -191,7 +191,7 @@ class Coordinator:
 
     # -- one decision
     async def _decide(
-        self, env: Any, policy: Any, book: _Book, agent: AgentID, obs: TextObservation, ids: tuple[str, str]
+        self, env: Any, policy: Any, book: _Book, agent: AgentID, obs: TextObservation, ids: tuple[str, str, int | None]
     ) -> str:
         fn = policy[agent] if isinstance(policy, Mapping) else policy
         book.close(agent)  # its previous turn has earned all it will: it goes into the history
@@ -203,6 +203,7 @@ class Coordinator:
             observation=obs,
             history=tuple(book.turns.get(agent, ())) if self.config.keep_history else (),
             retry=book.streak.get(agent, 0),
+            seed=ids[2],
         )
         start = time.perf_counter()
         timed_out = False
@@ -240,7 +241,7 @@ class Coordinator:
                 await _call(env, "step", None)
                 continue
             obs = TextObservation.from_raw(raw, info)
-            action = await self._decide(env, policy, book, agent, obs, (env_id, episode_id))
+            action = await self._decide(env, policy, book, agent, obs, (env_id, episode_id, seed))
             await _call(env, "step", action)
             steps += 1
             book.mark_invalid(agent, env.infos.get(agent))
@@ -258,7 +259,12 @@ class Coordinator:
             acting = [a for a in env.agents if infos.get(a, {}).get("needs_action", True)]
             decisions = [
                 self._decide(
-                    env, policy, book, a, TextObservation.from_raw(observations[a], infos.get(a)), (env_id, episode_id)
+                    env,
+                    policy,
+                    book,
+                    a,
+                    TextObservation.from_raw(observations[a], infos.get(a)),
+                    (env_id, episode_id, seed),
                 )
                 for a in acting
             ]

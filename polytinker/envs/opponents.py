@@ -19,9 +19,15 @@ class ScriptedPolicy:
     """Base of scripted policies: seeded, so that evaluations repeat."""
 
     def __init__(self, seed: int | None = None) -> None:
+        self.seed = seed
         self.rng = random.Random(seed)
 
     def __call__(self, agent: AgentID, inp: PolicyInput) -> str:
+        if inp.seed is not None:
+            # Randomness derived from the episode and the decision, not from a stream shared by
+            # every episode: the same seeds give the same games however episodes interleave.
+            key = f"{self.seed}/{inp.seed}/{agent}/{len(inp.history)}/{inp.retry}/{inp.observation.text}"
+            self.rng = random.Random(key)
         return self.act(agent, inp, inp.observation.info.get("view", {}))
 
     def act(self, agent: AgentID, inp: PolicyInput, view: dict[str, Any]) -> str:

@@ -123,6 +123,9 @@ class PolicyInput:
     history: tuple[Turn, ...] = ()
     # How many times in a row this agent's action was just refused (0 on a fresh decision).
     retry: int = 0
+    # The episode's seed (None when unseeded): lets scripted policies draw per-episode randomness,
+    # so that concurrent episodes repeat exactly whatever order they interleave in.
+    seed: int | None = None
 
     def to_messages(self) -> list[dict[str, str]]:
         """``[{"role": "system", ...}, {"role": "user", obs0}, {"role": "assistant", act0}, ...,
