@@ -18,6 +18,7 @@ from polytinker.engine.actors import (
     EXIT_FAILED,
     Actor,
     ActorConfig,
+    ActorStartError,
     RestartPolicy,
     handler,
     read_log,
@@ -76,8 +77,10 @@ def test_graceful_stop_runs_on_stop_after_the_current_message(counter, tmp_path)
 
 
 def test_startup_failure_raises_actor_error_with_the_child_traceback(tmp_path):
-    with pytest.raises(ActorError) as info:
+    with pytest.raises(ActorStartError) as info:
         spawn(FailsOnStart, name="bad", run_dir=tmp_path)
+    assert isinstance(info.value, ActorError) and info.value.exit_code == EXIT_FAILED
+    assert "connect_to_missing_thing" in info.value.child_traceback
     text = str(info.value)
     assert "cannot reach the thing" in text and "connect_to_missing_thing" in text
     assert isinstance(info.value.__cause__, RemoteError)
@@ -102,10 +105,12 @@ def test_stop_kills_an_actor_that_ignores_it_after_the_timeout(tmp_path):
 def test_handlers_run_one_at_a_time_unless_declared_concurrent(tmp_path):
     ref = spawn(Overlap, name="overlap", run_dir=tmp_path)
     try:
-        futures = [ref.ask_async("slow", 0.2), ref.ask_async("slow_table", 0.2), ref.ask_async("slow", 0.2)]
-        time.sleep(0.1)
-        # A concurrent handler answers while a slow one holds the mailbox.
-        assert ref.ask("peek", timeout_s=0.3) == 1
+        futures = [ref.ask_async("slow", 0.5), ref.ask_async("slow_table", 0.5), ref.ask_async("slow", 0.5)]
+        # A concurrent handler answers (within 0.3 s) while a 0.5 s one holds the mailbox; queued
+        # behind the slow ones it could not.
+        deadline = time.monotonic() + 5
+        while ref.ask("peek", timeout_s=0.3) != 1:
+            assert time.monotonic() < deadline, "the concurrent handler never saw a slow one running"
         assert max(f.result(timeout=10) for f in futures) == 1
     finally:
         ref.kill()

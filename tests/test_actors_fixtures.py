@@ -120,7 +120,7 @@ class DiesSoon(Actor):
     """Exits abnormally a moment after it starts, every time: a child a supervisor must give up on."""
 
     def on_start(self) -> None:
-        threading.Timer(0.05, os._exit, (7,)).start()
+        threading.Timer(0.3, os._exit, (7,)).start()
 
 
 class Marker(Actor):

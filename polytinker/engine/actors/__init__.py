@@ -13,7 +13,7 @@ from polytinker.engine.actors._actor import Actor, HandlerSpec, handler
 from polytinker.engine.actors._logs import log_path, read_log
 from polytinker.engine.actors._protocol import EXIT_FAILED, EXIT_OK, EXIT_ORPHANED
 from polytinker.engine.actors._ref import ActorRef
-from polytinker.engine.actors._spawn import default_run_dir, spawn
+from polytinker.engine.actors._spawn import ActorStartError, default_run_dir, spawn
 from polytinker.engine.actors._supervisor import ChildExit, ChildReport, Supervisor
 from polytinker.engine.actors.config import ActorConfig, RestartPolicy
 
@@ -24,6 +24,7 @@ __all__ = [
     "Actor",
     "ActorConfig",
     "ActorRef",
+    "ActorStartError",
     "ChildExit",
     "ChildReport",
     "HandlerSpec",

@@ -47,6 +47,18 @@ _STDERR_TAIL_LINES = 40
 ExitCallback = Callable[["ChildProcess", int], None]
 
 
+class ActorStartError(ActorError):
+    """An actor process failed to start: its ``on_start`` raised, it exited early, or it was too slow."""
+
+    def __init__(self, message: str, *, name: str, pid: int, child_traceback: str = "") -> None:
+        super().__init__(message)
+        self.name = name
+        self.pid = pid
+        self.child_traceback = child_traceback
+        # Filled in once the failed process is gone (negative for a signal).
+        self.exit_code: int | None = None
+
+
 class _Launcher:
     """Runs callables on one daemon thread that lives as long as the process."""
 
@@ -311,9 +323,13 @@ def start_child(
         with popen.stdin:
             popen.stdin.write(data)
         report = _await_ready(child, ready_r, config.start_timeout_s)
-    except BaseException:
-        child.signal(signal.SIGKILL)
-        child.wait(None)
+    except BaseException as exc:
+        # A child that reported its failure exits by itself (code 1); anything else is killed now.
+        if not (isinstance(exc, ActorStartError) and child.wait(2.0) is not None):
+            child.signal(signal.SIGKILL)
+        code = child.wait(None)
+        if isinstance(exc, ActorStartError):
+            exc.exit_code = code
         raise
     finally:
         os.close(ready_r)
@@ -330,9 +346,11 @@ def _await_ready(child: ChildProcess, fd: int, timeout_s: float) -> _protocol.Re
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise ActorError(
+            raise ActorStartError(
                 f"actor {child.name!r} (pid {child.pid}) did not report ready within {timeout_s} s; "
-                "raise ActorConfig.start_timeout_s if its on_start is slow"
+                "raise ActorConfig.start_timeout_s if its on_start is slow",
+                name=child.name,
+                pid=child.pid,
             )
         readable, _, _ = select.select([fd], [], [], min(left, 0.1))
         chunk = os.read(fd, 65536) if readable else None
@@ -342,9 +360,12 @@ def _await_ready(child: ChildProcess, fd: int, timeout_s: float) -> _protocol.Re
                 return _report_to_child(child, _protocol.from_raw(raw, _protocol.ReadyReport))
         elif chunk == b"" or child.poll() is not None:
             code = child.wait(5.0)
-            raise ActorError(
+            raise ActorStartError(
                 f"actor {child.name!r} (pid {child.pid}) exited with code {code} before it was ready; "
-                f"its stderr ended with:\n{child.stderr_tail() or '(nothing)'}"
+                f"its stderr ended with:\n{child.stderr_tail() or '(nothing)'}",
+                name=child.name,
+                pid=child.pid,
+                child_traceback=child.last_traceback(),
             )
 
 
@@ -352,9 +373,12 @@ def _report_to_child(child: ChildProcess, report: _protocol.ReadyReport) -> _pro
     if report.ok:
         return report
     remote = RemoteError(report.error_message, remote_type=report.error_type, remote_traceback=report.traceback)
-    raise ActorError(
+    raise ActorStartError(
         f"actor {child.name!r} failed to start: {report.error_type}: {report.error_message}\n"
-        f"--- traceback in the actor process (pid {report.pid}) ---\n{report.traceback}"
+        f"--- traceback in the actor process (pid {report.pid}) ---\n{report.traceback}",
+        name=child.name,
+        pid=child.pid,
+        child_traceback=report.traceback,
     ) from remote
 
 

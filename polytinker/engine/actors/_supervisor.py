@@ -24,6 +24,7 @@ from typing import Any
 
 from polytinker.engine.actors import _logs, _spawn
 from polytinker.engine.actors._ref import ActorRef
+from polytinker.engine.actors._spawn import ActorStartError
 from polytinker.engine.actors.config import ActorConfig
 from polytinker.errors import ActorError, ConfigError
 
@@ -208,10 +209,12 @@ class Supervisor:
             child = _spawn.start_child(
                 entry.target, entry.args, entry.kwargs, name=ref.name, run_dir=self.run_dir, config=ref.config
             )
-        except Exception as exc:
+        except ActorStartError as exc:
             # A failed restart is one more failure: count it and go round again (or give up).
-            tb = exc.args[0] if isinstance(exc, ActorError) and exc.args else repr(exc)
-            self._child_exited(entry, 0, None, str(tb))
+            self._child_exited(entry, exc.pid, exc.exit_code, exc.child_traceback or str(exc))
+            return
+        except Exception as exc:
+            self._child_exited(entry, 0, None, f"restart failed: {exc!r}")
             return
         with self._lock:
             unwanted = self._closed or ref.stop_requested  # stopped while the new incarnation started
