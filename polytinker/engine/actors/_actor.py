@@ -171,6 +171,7 @@ def _collect_handlers(cls: type[Actor]) -> dict[str, HandlerSpec]:
                 local[kind] = HandlerSpec(kind, attr, concurrent)
         table = vars(klass).get("handler_table", {})
         for kind, method in table.items():
+            handler(kind)  # the same checks as the decorator form
             if not callable(getattr(klass, method, None)):
                 raise ConfigError(
                     f"{klass.__qualname__}.handler_table maps {kind!r} to {method!r}, which is not a method"

@@ -137,6 +137,10 @@ class _Runner:
         if self.stopped:
             log.warning("tell %r after stop dropped", message["kind"])
             return
+        if message["kind"] not in self.actor.handler_specs():
+            # A sender's mistake, not the actor's failure: do not stop for it.
+            log.error("tell of unknown kind %r dropped", message["kind"])
+            return
         try:
             self.actor.dispatch(message["kind"], message.get("payload"))
         except Exception as exc:
@@ -226,6 +230,7 @@ def _serve(spec: _protocol.ChildSpec, runner: _Runner) -> int:
         address=runner.main.address,
         concurrent_address=runner.concurrent.address if runner.concurrent else "",
         concurrent_kinds=runner.concurrent_kinds,
+        kinds=sorted(actor.handler_specs()),
     )
     _report(spec.ready_fd, ready)
     log.info("ready", extra={"address": ready.address})

@@ -72,6 +72,8 @@ class ReadyReport:
     """A second mailbox for the handlers declared ``concurrent=True`` ('' when there are none)."""
     concurrent_kinds: list[str] = field(default_factory=list)
     """The kinds served at ``concurrent_address``."""
+    kinds: list[str] = field(default_factory=list)
+    """Every kind the actor handles, so a ref can refuse an unknown kind before sending it."""
     error_type: str = ""
     """Type name of the startup exception (when not ok), as RemoteError.remote_type has it."""
     error_message: str = ""

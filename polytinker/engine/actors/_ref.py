@@ -14,10 +14,11 @@ import threading
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+from polytinker.engine.actors._actor import RESERVED_PREFIX
 from polytinker.engine.actors._mailbox import MailboxClient
 from polytinker.engine.actors._protocol import PING_KIND, STOP_KIND, TELL_KIND
 from polytinker.engine.actors.config import ActorConfig
-from polytinker.errors import ActorDeadError, RemoteError, RequestTimeout, TransportError
+from polytinker.errors import ActorDeadError, ProtocolError, RemoteError, RequestTimeout, TransportError
 
 if TYPE_CHECKING:  # _spawn imports this module
     from polytinker.engine.actors._spawn import ChildProcess
@@ -90,6 +91,8 @@ class ActorRef:
         """Like :meth:`ask`, but return a future at once."""
         timeout = self._config.ask_timeout_s if timeout_s is None else timeout_s
         client, child = self._current(kind)
+        if not kind.startswith(RESERVED_PREFIX):
+            self._check_kind(child, kind)
         outer: Future[Any] = Future()
         try:
             inner = client.call_async(kind, payload, timeout_s=timeout)
@@ -104,7 +107,8 @@ class ActorRef:
     def tell(self, kind: str, payload: Any = None) -> None:
         """Send a message without waiting; a handler error is logged by the actor, then handled by
         ``ActorConfig.tell_failure``."""
-        client, _child = self._current()
+        client, child = self._current()
+        self._check_kind(child, kind)
         try:
             client.send_oneway(TELL_KIND, {"kind": kind, "payload": payload})
         except TransportError as exc:
@@ -196,6 +200,11 @@ class ActorRef:
         if child.poll() is not None:
             raise self._dead(f"exited with code {child.poll()}")
         return client, child
+
+    def _check_kind(self, child: ChildProcess, kind: str) -> None:
+        if kind not in child.kinds:
+            known = ", ".join(sorted(child.kinds)) or "none"
+            raise ProtocolError(f"actor {self._name!r} has no handler for kind {kind!r} (it handles: {known})")
 
     def _forget(self, fut: Future[Any]) -> None:
         with self._lock:

@@ -188,6 +188,7 @@ class ChildProcess:
         self.address = ""
         self.concurrent_address = ""
         self.concurrent_kinds: frozenset[str] = frozenset()
+        self.kinds: frozenset[str] = frozenset()
         self.started_at = time.time()
         self._log = log
         self._stderr_tail: collections.deque[str] = collections.deque(maxlen=_STDERR_TAIL_LINES)
@@ -336,6 +337,7 @@ def start_child(
     child.address = report.address
     child.concurrent_address = report.concurrent_address
     child.concurrent_kinds = frozenset(report.concurrent_kinds)
+    child.kinds = frozenset(report.kinds)
     return child
 
 
