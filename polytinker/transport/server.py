@@ -220,10 +220,14 @@ class RpcServer:
         if not body:
             self._reject(ident, rid, kind, HeaderError("a request needs a body frame"), reply)
             return
-        if len(body) > cfg.max_frames + 1 or len(body[0]) > cfg.max_body_bytes:
+        if (
+            len(body) > cfg.max_frames + 1
+            or len(body[0]) > cfg.max_body_bytes
+            or (len(body) > 1 and sum(len(f) for f in body) > cfg.max_message_bytes)
+        ):
             err = HeaderError(
-                f"body of {len(body[0])} bytes in {len(body)} frames exceeds max_body_bytes="
-                f"{cfg.max_body_bytes} / max_frames={cfg.max_frames}",
+                f"message of {sum(len(f) for f in body)} bytes in {len(body)} frames exceeds max_body_bytes="
+                f"{cfg.max_body_bytes} / max_frames={cfg.max_frames} / max_message_bytes={cfg.max_message_bytes}",
                 ErrorCode.TOO_LARGE,
             )
             self._reject(ident, rid, kind, err, reply)

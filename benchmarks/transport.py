@@ -1,0 +1,171 @@
+"""Transport benchmark: polytinker RPC against raw pyzmq on the same kind of sockets.
+
+Both servers run in their own subprocess on tcp loopback (ROUTER), the clients here (DEALER):
+
+- round trip of a 100-byte request: ``RpcClient.call("echo", b"x" * 100)`` against a raw
+  DEALER send/recv to a raw ROUTER echo loop; rounds alternate between the two so that load from
+  other processes hits both alike; medians of per-call times.
+- one-way throughput of a 64 MiB float32 tensor: ``call("nbytes", tensor)`` (the server answers
+  with a small int) against a raw ``send(copy=False)`` of the tensor's buffer answered with b"ok".
+- codec: encode+decode of one sample (512 token ids and 512 logprobs, as Python lists the way
+  engines return them) against pickle.dumps+loads of the same object.
+
+``--quick`` finishes in well under a minute on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import zmq
+
+from polytinker.transport import RpcClient, TransportConfig, decode, encode
+
+_RAW_SERVER = """
+import sys, zmq
+sock = zmq.Context.instance().socket(zmq.ROUTER)
+port = sock.bind_to_random_port("tcp://127.0.0.1")
+print(f"READY tcp://127.0.0.1:{port}", flush=True)
+while True:
+    frames = sock.recv_multipart(copy=False)
+    if len(frames[1]) > 1000:  # the throughput test: acknowledge, do not echo 64 MiB back
+        sock.send_multipart([frames[0], b"ok"])
+    else:
+        sock.send_multipart(frames, copy=False)
+"""
+
+
+def _spawn(args: list[str]) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith("READY "):
+        proc.kill()
+        raise RuntimeError(f"server did not start: {line!r}")
+    return proc, line.split()[1]
+
+
+def _time_each(fn: Callable[[], object], n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def bench_roundtrip(ours: RpcClient, raw: zmq.Socket, rounds: int, per_round: int) -> tuple[float, float]:
+    payload = b"x" * 100
+
+    def raw_call() -> None:
+        raw.send(payload)
+        raw.recv()
+
+    def our_call() -> None:
+        ours.call("echo", payload)
+
+    _time_each(raw_call, 200)
+    _time_each(our_call, 200)
+    raw_t: list[float] = []
+    our_t: list[float] = []
+    for _ in range(rounds):
+        raw_t += _time_each(raw_call, per_round)
+        our_t += _time_each(our_call, per_round)
+    return statistics.median(our_t) * 1e6, statistics.median(raw_t) * 1e6
+
+
+def bench_tensor(ours: RpcClient, raw: zmq.Socket, reps: int) -> tuple[float, float]:
+    t = torch.randn(16 << 20)  # 64 MiB of float32
+    nbytes = t.numel() * t.element_size()
+    buf = t.numpy().reshape(-1).view(np.uint8)
+
+    def raw_send() -> None:
+        raw.send(buf, copy=False)
+        raw.recv()
+
+    def our_send() -> None:
+        assert ours.call("nbytes", t, timeout_s=60) == nbytes
+
+    raw_send()
+    our_send()
+    raw_t: list[float] = []
+    our_t: list[float] = []
+    for _ in range(reps):
+        raw_t += _time_each(raw_send, 1)
+        our_t += _time_each(our_send, 1)
+    return nbytes / statistics.median(our_t) / 1e9, nbytes / statistics.median(raw_t) / 1e9
+
+
+def bench_codec(reps: int) -> tuple[float, float, float]:
+    rng = np.random.default_rng(0)
+    sample = {
+        "token_ids": rng.integers(0, 49152, 512).tolist(),
+        "logprobs": (-rng.random(512) * 5).tolist(),
+    }
+    arrays = {"token_ids": np.asarray(sample["token_ids"]), "logprobs": np.asarray(sample["logprobs"])}
+
+    def ours(obj: object) -> None:
+        decode(encode(obj))
+
+    def pickled(obj: object) -> None:
+        pickle.loads(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+    for fn in (ours, pickled):
+        _time_each(lambda fn=fn: fn(sample), 200)  # type: ignore[misc]
+    ours_us = statistics.median(_time_each(lambda: ours(sample), reps)) * 1e6
+    pickle_us = statistics.median(_time_each(lambda: pickled(sample), reps)) * 1e6
+    arrays_us = statistics.median(_time_each(lambda: ours(arrays), reps)) * 1e6
+    return ours_us, pickle_us, arrays_us
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (under a minute)")
+    args = parser.parse_args(argv)
+    rounds, per_round, tensor_reps, codec_reps = (10, 200, 5, 2000) if args.quick else (30, 500, 15, 20000)
+
+    cfg = TransportConfig(request_timeout_s=60.0)
+    raw_proc, raw_addr = _spawn([sys.executable, "-c", _RAW_SERVER])
+    our_proc, our_addr = _spawn([sys.executable, "-m", "polytinker.transport._echo", "tcp://127.0.0.1:0"])
+    inline_proc, inline_addr = _spawn(
+        [sys.executable, "-m", "polytinker.transport._echo", "tcp://127.0.0.1:0", "--handler-threads", "0"]
+    )
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.linger = 0
+    raw.connect(raw_addr)
+    try:
+        with RpcClient(our_addr, config=cfg) as ours, RpcClient(inline_addr, config=cfg) as inline:
+            rt_us, raw_us = bench_roundtrip(ours, raw, rounds, per_round)
+            print(f"rpc_roundtrip_us: {rt_us:.1f}")
+            print(f"raw_roundtrip_us: {raw_us:.1f}")
+            print(f"rpc_roundtrip_ratio: {rt_us / raw_us:.2f}")
+            in_us, raw2_us = bench_roundtrip(inline, raw, max(rounds // 2, 1), per_round)
+            print(f"rpc_roundtrip_inline_us: {in_us:.1f}  (handler_threads=0)")
+            print(f"rpc_roundtrip_inline_ratio: {in_us / raw2_us:.2f}")
+            gbps, raw_gbps = bench_tensor(ours, raw, tensor_reps)
+            print(f"tensor_throughput_gbps: {gbps:.2f}")
+            print(f"raw_tensor_throughput_gbps: {raw_gbps:.2f}")
+            print(f"tensor_throughput_ratio: {gbps / raw_gbps:.2f}")
+        codec_us, pickle_us, arrays_us = bench_codec(codec_reps)
+        print(f"codec_sample_us: {codec_us:.1f}")
+        print(f"pickle_sample_us: {pickle_us:.1f}")
+        print(f"codec_vs_pickle_ratio: {codec_us / pickle_us:.2f}")
+        print(f"codec_sample_numpy_us: {arrays_us:.1f}")
+    finally:
+        raw.close(linger=0)
+        for proc in (raw_proc, our_proc, inline_proc):
+            proc.kill()
+            proc.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
