@@ -91,6 +91,7 @@ def test_adapter_turns_pettingzoo_classic_into_text():
     env = make("pz_tictactoe-v3")
     first, second = env.possible_agents  # PettingZoo names them player_1, player_2
     env.reset(seed=0)
+    assert env.agent_selection == first
     assert env.legal_moves(second) == ()
     env.step("play 4")
     obs = env.observe(second)

@@ -19,6 +19,8 @@ opponents read) and, after a refused action, ``invalid_action`` and ``retries_le
 
 from __future__ import annotations
 
+import copy
+import functools
 import re
 import string
 from collections.abc import Sequence
@@ -52,22 +54,30 @@ def parse_choice(text: str, legal: Sequence[str]) -> str | InvalidAction:
     return InvalidAction(f"{shown!r} is not a legal move; answer with one of: {', '.join(legal)}")
 
 
+@functools.lru_cache(maxsize=64)
+def _space_prototypes(max_observation_chars: int, max_action_chars: int) -> tuple[spaces.Dict, spaces.Text]:
+    # Building a Text space indexes its charset (~0.1 ms); envs are made per episode, so build once.
+    text = spaces.Text(max_observation_chars, min_length=0, charset=TEXT_CHARSET)
+    move = spaces.Text(max_action_chars, min_length=1, charset=TEXT_CHARSET)
+    observation = spaces.Dict(
+        {
+            "text": text,
+            "legal_moves": spaces.Sequence(move, stack=False),
+            "current_player": spaces.Text(64, min_length=0, charset=_AGENT_CHARSET),
+        }
+    )
+    action = spaces.Text(max_action_chars, min_length=0, charset=TEXT_CHARSET)
+    return observation, action
+
+
 def text_spaces(agents: Sequence[AgentID], config: EnvConfig) -> tuple[dict[AgentID, Any], dict[AgentID, Any]]:
-    """Observation and action spaces of a text env, one object per agent (built once)."""
-    text = spaces.Text(config.max_observation_chars, min_length=0, charset=TEXT_CHARSET)
-    move = spaces.Text(config.max_action_chars, min_length=1, charset=TEXT_CHARSET)
-    observation_spaces = {
-        a: spaces.Dict(
-            {
-                "text": text,
-                "legal_moves": spaces.Sequence(move, stack=False),
-                "current_player": spaces.Text(64, min_length=0, charset=_AGENT_CHARSET),
-            }
-        )
-        for a in agents
-    }
-    action_spaces = {a: spaces.Text(config.max_action_chars, min_length=0, charset=TEXT_CHARSET) for a in agents}
-    return observation_spaces, action_spaces
+    """Observation and action spaces of a text env: one object per agent, fixed for the env's life.
+
+    Action spaces are shallow copies of a cached prototype, so seeding one (``reset(seed)`` does)
+    touches no other env; observation spaces are shared between envs of the same bounds (nothing
+    samples them)."""
+    observation, action = _space_prototypes(config.max_observation_chars, config.max_action_chars)
+    return dict.fromkeys(agents, observation), {a: copy.copy(action) for a in agents}
 
 
 class _TextEnvCore:

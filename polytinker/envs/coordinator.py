@@ -210,7 +210,8 @@ class Coordinator:
         try:
             result = fn(agent, inp)
             if inspect.isawaitable(result):
-                result = await asyncio.wait_for(result, self.config.policy_timeout_s)
+                async with asyncio.timeout(self.config.policy_timeout_s):  # no extra task, unlike wait_for
+                    result = await result
         except TimeoutError:
             result, timed_out = "", True
         except Exception as exc:

@@ -71,24 +71,49 @@ class RemoteEnv:
     env_id: str
     episode: str
 
-    def __new__(cls, address: str, env_id: str, **kwargs: Any) -> Any:
+    def __new__(
+        cls,
+        address: str,
+        env_id: str,
+        *,
+        config: RemoteEnvConfig | None = None,
+        env_kwargs: dict[str, Any] | None = None,
+        env_config: dict[str, Any] | None = None,
+    ) -> Any:
         if cls is not RemoteEnv:
             return super().__new__(cls)
-        config = kwargs.get("config") or RemoteEnvConfig()
-        client = _acquire(address)
-        payload = {"env_id": env_id, "kwargs": kwargs.get("env_kwargs") or {}, "config": kwargs.get("env_config") or {}}
+        config = config or RemoteEnvConfig()
+        client, payload = _acquire(address), _open_payload(env_id, env_kwargs, env_config)
         try:
             hello = client.call(m.KIND_OPEN, payload, timeout_s=config.request_timeout_s)
         except Exception as exc:
             _release(address)
             raise _translate(exc, f"opening {env_id} at {address}") from exc
-        sub = RemoteAECEnv if hello["kind"] == "aec" else RemoteParallelEnv
-        env = object.__new__(sub)
-        env._setup(address, env_id, client, hello, config)
-        return env
+        return _opened(address, env_id, client, hello, config)
+
+    @classmethod
+    async def aopen(
+        cls,
+        address: str,
+        env_id: str,
+        *,
+        config: RemoteEnvConfig | None = None,
+        env_kwargs: dict[str, Any] | None = None,
+        env_config: dict[str, Any] | None = None,
+    ) -> Any:
+        """``RemoteEnv(...)`` without blocking the event loop (``make_env`` may return this)."""
+        config = config or RemoteEnvConfig()
+        client, payload = _acquire(address), _open_payload(env_id, env_kwargs, env_config)
+        try:
+            future = client.call_async(m.KIND_OPEN, payload, timeout_s=config.request_timeout_s)
+            hello = await asyncio.wrap_future(future)
+        except Exception as exc:
+            _release(address)
+            raise _translate(exc, f"opening {env_id} at {address}") from exc
+        return _opened(address, env_id, client, hello, config)
 
     def __init__(self, address: str, env_id: str, **kwargs: Any) -> None:
-        # All set up in __new__ (which also runs for the subclass it returns).
+        # All set up in __new__ / aopen (Python calls __init__ again on what __new__ returns).
         pass
 
     def _setup(self, address: str, env_id: str, client: RpcClient, hello: dict, config: RemoteEnvConfig) -> None:
@@ -152,6 +177,20 @@ class RemoteEnv:
             pass
         finally:
             _release(self.address)
+
+
+def _open_payload(env_id: str, env_kwargs: dict[str, Any] | None, env_config: dict[str, Any] | None) -> dict:
+    return {"env_id": env_id, "kwargs": dict(env_kwargs or {}), "config": dict(env_config or {})}
+
+
+def _opened(address: str, env_id: str, client: RpcClient, hello: Any, config: RemoteEnvConfig) -> Any:
+    if not isinstance(hello, dict) or hello.get("kind") not in ("aec", "parallel"):
+        _release(address)
+        raise ProtocolError(f"opening {env_id} at {address}: the reply is not an env.open reply: {hello!r:.200}")
+    sub = RemoteAECEnv if hello["kind"] == "aec" else RemoteParallelEnv
+    env = object.__new__(sub)
+    env._setup(address, env_id, client, hello, config)
+    return env
 
 
 def _obs(raw: dict[str, Any] | None) -> dict[str, Any] | None:
