@@ -16,7 +16,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from polytinker.scheduler import (
@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="a 1,500-job trace (default 5,000)")
     p.add_argument("--jobs", type=int, default=None, help="jobs in the generated trace")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--interarrival", type=float, default=None, help="mean seconds between arrivals (default 45)")
     p.add_argument("--trace", type=Path, default=None, help="replay this JSONL trace instead of generating one")
     p.add_argument("--save-log", type=Path, default=None, help="write our policy's decision log here (JSONL)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
@@ -93,7 +94,10 @@ def main(argv: list[str] | None = None) -> int:
 
     cluster = default_cluster()
     n_jobs = args.jobs or (1500 if args.quick else 5000)
-    trace = load_trace(args.trace) if args.trace else generate_trace(TraceConfig(n_jobs=n_jobs, seed=args.seed))
+    trace_cfg = TraceConfig(n_jobs=n_jobs, seed=args.seed)
+    if args.interarrival:
+        trace_cfg = replace(trace_cfg, mean_interarrival_s=args.interarrival)
+    trace = load_trace(args.trace) if args.trace else generate_trace(trace_cfg)
     results = {}
     for policy_cls in (FairSharePolicy, FifoPolicy):
         t0 = time.perf_counter()

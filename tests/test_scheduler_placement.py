@@ -18,7 +18,20 @@ from polytinker.scheduler import (
     Placement,
     next_learner_job,
 )
+from polytinker.scheduler.placement import AdapterLoad
 from polytinker.scheduler.queue import TenantQueue, iter_heap
+
+
+def some(load: AdapterLoad | None) -> AdapterLoad:
+    assert load is not None
+    return load
+
+
+def fitted(state: ClusterState, job: Job) -> Placement:
+    p = state.fit(job, 0.0)
+    assert p is not None, f"{job.job_id} should fit"
+    return p
+
 
 ENGINES = (
     EngineSpec("a0", "model-a", memory_gb=40.0, adapter_slots=2),
@@ -37,10 +50,10 @@ def test_adapters_stay_on_engines_of_their_base_model():
 
 def test_capacity_and_lru_eviction():
     placement = AdapterPlacement(ENGINES[:1])
-    assert placement.route("first", "model-a", 1.0).evicted is None
-    assert placement.route("second", "model-a", 2.0).evicted is None
+    assert some(placement.route("first", "model-a", 1.0)).evicted is None
+    assert some(placement.route("second", "model-a", 2.0)).evicted is None
     placement.route("first", "model-a", 3.0)  # used again: "second" is now least recently used
-    load = placement.route("third", "model-a", 4.0)
+    load = some(placement.route("third", "model-a", 4.0))
     assert load.load and load.evicted == "second"
     assert placement.resident("a0") == ["first", "third"]
     assert len(placement.resident("a0")) <= ENGINES[0].adapter_slots
@@ -62,12 +75,12 @@ def test_pinned_adapters_are_never_evicted():
         placement.acquire("a0", "one-more", 12.0)
     placement.release("a0", "busy", 13.0)
     placement.unpin("kept")
-    assert placement.route("one-more", "model-a", 14.0).evicted == "kept"  # least recently used now
+    assert some(placement.route("one-more", "model-a", 14.0)).evicted == "kept"  # least recently used now
 
 
 def test_hot_adapter_gets_replicas_and_load_is_spread():
     placement = AdapterPlacement(ENGINES, hot_requests_per_s=5.0, max_replicas=2, half_life_s=10.0)
-    engines = [placement.route("hot", "model-a", i * 0.01).engine for i in range(400)]
+    engines = [some(placement.route("hot", "model-a", i * 0.01)).engine for i in range(400)]
     assert placement.holders("hot") == {"a0", "a1"}
     assert engines.count("a0") > 50 and engines.count("a1") > 50
     assert "b0" not in engines
@@ -96,7 +109,7 @@ def test_cluster_state_respects_memory_exclusivity_and_affinity():
     assert state.fit(lora("big", 41.0), 0.0) is None  # its working set exceeds g0's memory
     assert state.fit(lora("j2", 31.0), 0.0) is None  # states of both exceed g0's host memory; g1 serves model-b
     for name in ("j2", "j3"):
-        state.allocate(lora(name, 10.0), state.fit(lora(name, 10.0), 0.0), 0.0)
+        state.allocate(lora(name, 10.0), fitted(state, lora(name, 10.0)), 0.0)
     assert state.fit(lora("j4", 1.0), 0.0) is None  # g0 time-slices at most 3 jobs
     for name in ("j2", "j3"):
         state.release(name, 0.5)
@@ -117,7 +130,7 @@ def test_victims_are_taken_lowest_rank_first():
     rank = {"lo": 0, "mid": 1, "hi": 2}
     for name in rank:
         job = lora(name, 12.0)
-        state.allocate(job, state.fit(job, 0.0), 0.0)
+        state.allocate(job, fitted(state, job), 0.0)
     found = state.victims(lora("new", 10.0), lambda j: rank[j] < 2, lambda j: (rank[j.job_id],))
     assert found is not None and found[1] == ["lo"]
     found = state.victims(lora("new", 20.0), lambda j: rank[j] < 2, lambda j: (rank[j.job_id],))
@@ -154,3 +167,14 @@ def test_tenant_queue_ranks_live_jobs(items):
     assert len(q) == len(live)
     oldest = q.oldest()
     assert (oldest[1] if oldest else None) == min(live, key=lambda j: live[j][2], default=None)
+
+
+def test_a_free_slot_elsewhere_beats_an_eviction():
+    placement = AdapterPlacement(ENGINES[:2])
+    for name in ("x", "y"):
+        placement.acquire("a0", name, 0.0)
+        placement.release("a0", name, 0.0)
+    for _ in range(3):  # a0 is full but idle; a1 has a free slot and three running jobs
+        placement.acquire("a1", "z", 0.0)
+    load = some(placement.route("new", "model-a", 1.0))
+    assert load.engine == "a1" and load.evicted is None

@@ -73,7 +73,7 @@ def test_rl_step_timing_and_learner_time_slicing():
     # Load 1 s, then per step: sample 3 s, train 2 s.
     assert alone.outcomes[0].finish_s == pytest.approx(1.0 + 2 * 5.0)
     pair = simulate([rl("a"), rl("b")], cluster, FairSharePolicy, config=cfg)
-    finish = sorted(o.finish_s for o in pair.outcomes)
+    finish = sorted(o.finish_s or 0.0 for o in pair.outcomes)
     # Both sample at once (mixed batches); the learner trains them in turn, a swap before each switch.
     # a: 1+3 -> train 4..6; b: swap 6..6.5, train ..8.5; a: sampled 6..9, swap, train 9.5..11.5
     # b: sampled 8.5..11.5, its state back in 11.5..12, train ..14.

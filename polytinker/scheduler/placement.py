@@ -122,14 +122,17 @@ class AdapterPlacement:
         self, adapter: AdapterID | None, base_model: BaseModelID, candidates: Iterable[ResourceID], now_s: float
     ) -> ResourceID | None:
         """Best engine among ``candidates`` (already of the right base model and with room) for a job:
-        one holding the adapter (no load), else the least loaded that can host it."""
+        one holding the adapter (no load), else one with a free slot (no eviction), else one that can
+        evict; the least loaded among equals."""
         usable = [c for c in candidates if adapter is None or self.can_host(c, adapter)]
         if not usable:
             return None
 
-        def key(c: ResourceID) -> tuple[bool, float, str]:
-            warm = adapter is not None and adapter in self._engines[c].resident
-            return (not warm, self.engine_load(c, now_s), c)
+        def key(c: ResourceID) -> tuple[bool, bool, float, str]:
+            e = self._engines[c]
+            warm = adapter is not None and adapter in e.resident
+            evicts = adapter is not None and not warm and len(e.resident) >= e.spec.adapter_slots
+            return (not warm, evicts, self.engine_load(c, now_s), c)
 
         return min(usable, key=key)
 
