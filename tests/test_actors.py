@@ -11,8 +11,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
-from test_actors_fixtures import Counter, Crashy, FailsOnStart, Overlap, StubbornStop
+from test_actors_fixtures import Counter, Crashy, FailsOnStart, Nest, Overlap, StubbornStop
 
 from polytinker.engine.actors import (
     EXIT_FAILED,
@@ -27,6 +28,13 @@ from polytinker.engine.actors import (
 from polytinker.errors import ActorDeadError, ActorError, ConfigError, ProtocolError, RemoteError, RequestTimeout
 
 pytestmark = pytest.mark.timeout(60)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 @pytest.fixture
@@ -255,6 +263,18 @@ def test_a_long_run_dir_still_gets_an_ipc_mailbox(tmp_path):
         assert (deep / "actors" / "deep.log").exists()
     finally:
         ref.stop()
+
+
+def test_an_actor_can_spawn_actors_and_stopping_it_stops_them(tmp_path):
+    outer = spawn(Nest, name="nest", run_dir=tmp_path)
+    inner_pid = outer.ask("inner_pid")
+    assert outer.ask("inner_add", 2) == 7
+    assert outer.stop() == 0
+    deadline = time.monotonic() + 10
+    while not _gone(inner_pid):
+        assert time.monotonic() < deadline, "the inner actor outlived the outer one"
+        time.sleep(0.05)
+    assert (tmp_path / "nest-inner.stopped").read_text() == "7"  # stopped gracefully: on_stop ran
 
 
 def test_many_asks_from_threads(counter):

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
-from polytinker.engine.actors import Actor, handler
+from polytinker.engine.actors import Actor, handler, spawn
 
 
 class Counter(Actor):
@@ -131,3 +131,19 @@ class Marker(Actor):
 
     def on_start(self) -> None:
         self.path.write_text(str(os.getpid()))
+
+
+class Nest(Actor):
+    """Spawns a Counter of its own: actors can start actors."""
+
+    def on_start(self) -> None:
+        self.inner = spawn(Counter, 5, name=f"{self.name}-inner", run_dir=self.run_dir)
+
+    @handler("inner_add")
+    def inner_add(self, amount: int) -> int:
+        result: int = self.inner.ask("add", amount)
+        return result
+
+    @handler("inner_pid")
+    def inner_pid(self, _payload: Any) -> int | None:
+        return self.inner.pid

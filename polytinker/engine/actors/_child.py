@@ -24,7 +24,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from polytinker.engine.actors import _actor, _logs, _protocol
+from polytinker.engine.actors import _actor, _logs, _protocol, _spawn
 from polytinker.engine.actors._mailbox import MailboxServer
 from polytinker.errors import ActorDeadError, ActorError
 
@@ -264,6 +264,8 @@ def main() -> int:
 
 if __name__ == "__main__":
     code = main()
+    # Actors this actor spawned get a graceful stop too (os._exit below skips atexit).
+    _spawn._stop_all_at_exit()
     logging.shutdown()
     with contextlib.suppress(Exception):
         sys.stdout.flush()
