@@ -198,3 +198,24 @@ def test_full_episodes_against_the_plain_pyzmq_server():
             RemoteEnv(address, "tictactoe-v0")
     finally:
         proc.kill()
+
+
+def test_curve_admits_only_listed_clients(tmp_path):
+    from polytinker.transport.auth import ClientCurve, ServerCurve, generate_keypair, load_keypair
+
+    generate_keypair(tmp_path / "server", "server")
+    generate_keypair(tmp_path / "clients", "alice")
+    server_public, server_secret = load_keypair(tmp_path / "server" / "server.key_secret")
+    alice_public, alice_secret = load_keypair(tmp_path / "clients" / "alice.key_secret")
+    assert server_secret is not None and alice_secret is not None
+    curve = ServerCurve(server_public, server_secret, frozenset({alice_public}))
+    with EnvServer(LOOPBACK, env_ids=["guess_number-v0"], curve=curve) as srv:
+        alice = ClientCurve(alice_public, alice_secret, server_public)
+        (r,) = Coordinator().run_sync(
+            lambda: RemoteEnv(srv.address, "guess_number-v0", curve=alice),
+            scripted_policy(make("guess_number-v0"), "heuristic"),
+            [0],
+        )
+        assert r.aborted is None and r.total_rewards == {"player_0": 1.0}
+        with pytest.raises((RequestTimeout, PeerDeadError)):
+            RemoteEnv(srv.address, "guess_number-v0", config=RemoteEnvConfig(request_timeout_s=1.0))

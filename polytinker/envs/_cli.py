@@ -6,6 +6,8 @@ import argparse
 import sys
 from typing import Any
 
+from polytinker.errors import ConfigError
+
 
 def _list(args: argparse.Namespace) -> int:
     from polytinker.envs.registry import env_specs
@@ -37,8 +39,19 @@ def _serve(args: argparse.Namespace) -> int:
     from polytinker.envs.config import EnvServerConfig
     from polytinker.envs.remote.server import EnvServer
 
+    curve = None
+    if args.curve_key:
+        from polytinker.transport.auth import ServerCurve, load_keypair, load_public_keys
+
+        if not args.allow:
+            raise ConfigError("--curve-key needs --allow DIR (the public keys of the clients to admit)")
+        public, secret = load_keypair(args.curve_key)
+        if secret is None:
+            raise ConfigError(f"{args.curve_key} holds no secret key; pass the NAME.key_secret file")
+        curve = ServerCurve(public, secret, load_public_keys(args.allow))
     config = EnvServerConfig(max_episodes=args.max_episodes, step_timeout_s=args.step_timeout_s)
-    with EnvServer(args.bind, env_ids=args.env_ids, config=config) as server:
+    server = EnvServer(args.bind, env_ids=args.env_ids, config=config, curve=curve, insecure=args.insecure)
+    with server:
         print(f"serving {', '.join(args.env_ids)} on {server.address} (Ctrl-C stops)", file=sys.stderr, flush=True)
         server.wait()
     return 0
@@ -68,4 +81,7 @@ def register(sub: Any) -> None:
     q.add_argument("--bind", default="tcp://127.0.0.1:5599", help="ZeroMQ address to bind (tcp://HOST:PORT)")
     q.add_argument("--max-episodes", type=int, default=1024)
     q.add_argument("--step-timeout-s", type=float, default=30.0)
+    q.add_argument("--curve-key", default=None, help="the server's Curve secret key file (NAME.key_secret)")
+    q.add_argument("--allow", default=None, help="directory of the admitted clients' public *.key files")
+    q.add_argument("--insecure", action="store_true", help="bind beyond loopback without Curve")
     q.set_defaults(func=_serve)

@@ -24,31 +24,33 @@ from polytinker.envs.config import EnvConfig, RemoteEnvConfig
 from polytinker.envs.remote import messages as m
 from polytinker.envs.types import AgentID, InvalidAction
 from polytinker.errors import EnvError, PeerDeadError, ProtocolError, RemoteError, RequestTimeout
-from polytinker.transport.rpc import RpcClient
+from polytinker.transport.rpc import ClientCurve, RpcClient
 
-_clients: dict[str, tuple[RpcClient, int]] = {}
+_Key = tuple[str, ClientCurve | None]
+_clients: dict[_Key, tuple[RpcClient, int]] = {}
 _clients_lock = threading.Lock()
 
 
-def _acquire(address: str) -> RpcClient:
+def _acquire(key: _Key) -> RpcClient:
+    """The shared transport client of (address, curve): one socket for all episodes there."""
     with _clients_lock:
-        client, refs = _clients.get(address, (None, 0))
+        client, refs = _clients.get(key, (None, 0))
         if client is None:
-            client = RpcClient(address)
-        _clients[address] = (client, refs + 1)
+            client = RpcClient(key[0], curve=key[1])
+        _clients[key] = (client, refs + 1)
         return client
 
 
-def _release(address: str) -> None:
+def _release(key: _Key) -> None:
     with _clients_lock:
-        client, refs = _clients.get(address, (None, 0))
+        client, refs = _clients.get(key, (None, 0))
         if client is None:
             return
         if refs <= 1:
-            del _clients[address]
+            del _clients[key]
             client.close()
         else:
-            _clients[address] = (client, refs - 1)
+            _clients[key] = (client, refs - 1)
 
 
 def _translate(exc: BaseException, what: str) -> BaseException:
@@ -79,17 +81,19 @@ class RemoteEnv:
         config: RemoteEnvConfig | None = None,
         env_kwargs: dict[str, Any] | None = None,
         env_config: dict[str, Any] | None = None,
+        curve: ClientCurve | None = None,
     ) -> Any:
         if cls is not RemoteEnv:
             return super().__new__(cls)
         config = config or RemoteEnvConfig()
-        client, payload = _acquire(address), _open_payload(env_id, env_kwargs, env_config)
+        key = (address, curve)
+        client, payload = _acquire(key), _open_payload(env_id, env_kwargs, env_config)
         try:
             hello = client.call(m.KIND_OPEN, payload, timeout_s=config.request_timeout_s)
         except Exception as exc:
-            _release(address)
+            _release(key)
             raise _translate(exc, f"opening {env_id} at {address}") from exc
-        return _opened(address, env_id, client, hello, config)
+        return _opened(key, env_id, client, hello, config)
 
     @classmethod
     async def aopen(
@@ -100,27 +104,30 @@ class RemoteEnv:
         config: RemoteEnvConfig | None = None,
         env_kwargs: dict[str, Any] | None = None,
         env_config: dict[str, Any] | None = None,
+        curve: ClientCurve | None = None,
     ) -> Any:
         """``RemoteEnv(...)`` without blocking the event loop (``make_env`` may return this)."""
         config = config or RemoteEnvConfig()
-        client, payload = _acquire(address), _open_payload(env_id, env_kwargs, env_config)
+        key = (address, curve)
+        client, payload = _acquire(key), _open_payload(env_id, env_kwargs, env_config)
         try:
             future = client.call_async(m.KIND_OPEN, payload, timeout_s=config.request_timeout_s)
             hello = await asyncio.wrap_future(future)
         except Exception as exc:
-            _release(address)
+            _release(key)
             raise _translate(exc, f"opening {env_id} at {address}") from exc
-        return _opened(address, env_id, client, hello, config)
+        return _opened(key, env_id, client, hello, config)
 
     def __init__(self, address: str, env_id: str, **kwargs: Any) -> None:
         # All set up in __new__ / aopen (Python calls __init__ again on what __new__ returns).
         pass
 
-    def _setup(self, address: str, env_id: str, client: RpcClient, hello: dict, config: RemoteEnvConfig) -> None:
-        self.address, self.env_id, self._client, self._cfg = address, env_id, client, config
+    def _setup(self, key: _Key, env_id: str, client: RpcClient, hello: dict, config: RemoteEnvConfig) -> None:
+        self._key = key
+        self.address, self.env_id, self._client, self._cfg = key[0], env_id, client, config
         self.episode = str(hello["episode"])
         self.possible_agents = list(hello["possible_agents"])
-        self.metadata = {"name": hello.get("name", env_id), "render_modes": [], "remote": address}
+        self.metadata = {"name": hello.get("name", env_id), "render_modes": [], "remote": key[0]}
         self._instructions = dict(hello["instructions"])
         env_config = EnvConfig(
             max_observation_chars=int(hello["max_observation_chars"]), max_action_chars=int(hello["max_action_chars"])
@@ -165,7 +172,7 @@ class RemoteEnv:
         except Exception:
             pass  # the server may be gone; the episode dies with it (or expires there)
         finally:
-            _release(self.address)
+            _release(self._key)
 
     async def aclose(self) -> None:
         if self._closed:
@@ -176,20 +183,20 @@ class RemoteEnv:
         except Exception:
             pass
         finally:
-            _release(self.address)
+            _release(self._key)
 
 
 def _open_payload(env_id: str, env_kwargs: dict[str, Any] | None, env_config: dict[str, Any] | None) -> dict:
     return {"env_id": env_id, "kwargs": dict(env_kwargs or {}), "config": dict(env_config or {})}
 
 
-def _opened(address: str, env_id: str, client: RpcClient, hello: Any, config: RemoteEnvConfig) -> Any:
+def _opened(key: _Key, env_id: str, client: RpcClient, hello: Any, config: RemoteEnvConfig) -> Any:
     if not isinstance(hello, dict) or hello.get("kind") not in ("aec", "parallel"):
-        _release(address)
-        raise ProtocolError(f"opening {env_id} at {address}: the reply is not an env.open reply: {hello!r:.200}")
+        _release(key)
+        raise ProtocolError(f"opening {env_id} at {key[0]}: the reply is not an env.open reply: {hello!r:.200}")
     sub = RemoteAECEnv if hello["kind"] == "aec" else RemoteParallelEnv
     env = object.__new__(sub)
-    env._setup(address, env_id, client, hello, config)
+    env._setup(key, env_id, client, hello, config)
     return env
 
 

@@ -28,7 +28,7 @@ from polytinker.envs.remote import messages as m
 from polytinker.envs.types import InvalidAction
 from polytinker.errors import ConfigError, EnvError, ProtocolError
 from polytinker.transport.config import TransportConfig
-from polytinker.transport.rpc import RpcServer
+from polytinker.transport.rpc import RpcServer, ServerCurve
 
 log = logging.getLogger(__name__)
 _TOMBSTONES = 4096  # aborted episodes remembered, so late requests learn why
@@ -53,6 +53,7 @@ class EnvServer:
         env_ids: Iterable[str] | None = None,
         config: EnvServerConfig | None = None,
         transport: TransportConfig | None = None,
+        curve: ServerCurve | None = None,
         insecure: bool = False,
     ) -> None:
         self.config = config or EnvServerConfig()
@@ -76,7 +77,8 @@ class EnvServer:
             m.KIND_CLOSE: self._on_close,
         }
         wrapped = {kind: self._typed(kind, fn) for kind, fn in handlers.items()}
-        self._rpc = RpcServer(address, wrapped, config=transport, insecure=insecure)
+        # Binding beyond loopback needs Curve (or an explicit insecure=True): the transport's rule.
+        self._rpc = RpcServer(address, wrapped, config=transport, curve=curve, insecure=insecure)
         self._stopped = threading.Event()
 
     @property
