@@ -224,3 +224,32 @@ def test_every_decision_has_a_reason():
     result = simulate(jobs, cluster, FairSharePolicy)
     assert result.decisions and all(d.reason for d in result.decisions)
     assert {DecisionKind.ADMIT, DecisionKind.START, DecisionKind.FINISH} <= {d.kind for d in result.decisions}
+
+
+def test_one_pass_looks_at_a_bounded_number_of_jobs():
+    cfg = SchedulerPolicyConfig(backfill_depth=16)
+    policy = FairSharePolicy(one_group(memory_gb=80.0), cfg)
+    policy.submit(sft("running", mem=80.0, priority=5), 0.0)
+    policy.schedule(0.0)
+    for i in range(10_000):
+        policy.submit(sft(f"q{i}", mem=10.0, tenant=f"t{i % 7}", priority=i % 3, steps=1 + i % 50), 1.0)
+    calls = 0
+    fit = policy.cluster.fit
+
+    def counting_fit(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        return fit(*args, **kwargs)
+
+    policy.cluster.fit = counting_fit  # type: ignore[method-assign]
+    assert started(policy.schedule(2.0)) == []
+    assert calls <= cfg.backfill_depth + 1  # not 10,000: a pass stops after backfill_depth misses
+
+
+def test_overloaded_submissions_are_retried_in_simulation():
+    cfg = SchedulerPolicyConfig(max_queued_jobs=2, retry_after_min_s=5.0)
+    jobs = [sft(f"s{i}", mem=40.0) for i in range(8)]
+    result = simulate(jobs, one_group(memory_gb=40.0), FairSharePolicy, cfg)
+    assert all(o.finish_s is not None for o in result.outcomes)
+    assert sum(o.retries for o in result.outcomes) > 0
+    assert any(d.kind is DecisionKind.OVERLOADED for d in result.decisions)

@@ -321,8 +321,10 @@ class FairSharePolicy(SchedulingPolicy):
         if self._aged == job_id:
             self._aged = None
         self._draining_for.pop(job_id, None)
-        for victims in self._draining_for.values():
+        for waiting, victims in list(self._draining_for.items()):
             victims.discard(job_id)
+            if not victims:  # all stopped or finished: it may look for victims again
+                del self._draining_for[waiting]
 
     # --- the pass --------------------------------------------------------------------------------
     def schedule(self, now_s: float) -> list[Decision]:
@@ -408,6 +410,9 @@ class FairSharePolicy(SchedulingPolicy):
 
     def _reserve(self, job: Job, placement: Placement, now_s: float, why: str) -> Decision:
         for rid in placement.resources():
+            displaced = self._reserved.get(rid)
+            if displaced is not None and displaced == self._aged and displaced != job.job_id:
+                self._aged = None  # a higher-priority job took its resources: reserve anew next pass
             self._reserved[rid] = job.job_id
         return Decision(DecisionKind.RESERVE, now_s, job.job_id, why, job.tenant, placement, for_job=job.job_id)
 
