@@ -43,7 +43,8 @@ def test_an_actor_killed_with_sigkill_comes_back_and_the_same_ref_works(tmp_path
         assert ref.ask("add", 1) == 2
         old_pid = ref.pid
         os.kill(old_pid, signal.SIGKILL)
-        _wait_for(lambda: ref.alive and ref.pid != old_pid, what="the restart")
+        _wait_for(lambda: ref.pid != old_pid, what="the restart")
+        assert ref.wait_alive(timeout_s=5)
         assert ref.ask("add", 1) == 2  # a fresh incarnation, built from the same constructor arguments
         report = sup.report()["phoenix"]
         assert report.restarts == 1 and not report.gave_up and report.alive

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -77,6 +78,15 @@ class ActorRef:
     def address(self) -> str:
         child = self._child
         return child.address if child is not None else ""
+
+    def wait_alive(self, timeout_s: float) -> bool:
+        """Wait until the actor runs (e.g. a supervised one being restarted); False after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while not self.alive:
+            if self.stop_requested or time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
 
     def ask(self, kind: str, payload: Any = None, *, timeout_s: float | None = None) -> Any:
         """Send a message and wait for the reply.

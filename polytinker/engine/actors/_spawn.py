@@ -405,7 +405,7 @@ def spawn(
     config = config or ActorConfig()
     if not isinstance(config, ActorConfig):
         raise ConfigError(f"config must be an ActorConfig, got {type(config).__name__}")
-    root = Path(run_dir) if run_dir is not None else default_run_dir()
+    root = Path(run_dir).absolute() if run_dir is not None else default_run_dir()  # the child may chdir
     child = start_child(target, args, kwargs, name=name, run_dir=root, config=config)
     return ActorRef(name, config, child)
 

@@ -95,7 +95,7 @@ class Supervisor:
         name: str = "supervisor",
         on_give_up: Callable[[ChildReport], None] | None = None,
     ) -> None:
-        self.run_dir = Path(run_dir) if run_dir is not None else _spawn.default_run_dir()
+        self.run_dir = Path(run_dir).absolute() if run_dir is not None else _spawn.default_run_dir()
         self.name = _spawn.check_name(name)
         self._on_give_up = on_give_up
         self._entries: dict[str, _Entry] = {}
