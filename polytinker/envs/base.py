@@ -34,6 +34,7 @@ from polytinker.envs.config import EnvConfig
 from polytinker.envs.types import AgentID, InvalidAction
 
 TEXT_CHARSET = frozenset(string.printable)
+_OUTSIDE_CHARSET = re.compile(f"[^{re.escape(string.printable)}]")
 _AGENT_CHARSET = frozenset(string.ascii_letters + string.digits + "_-.")
 
 
@@ -147,6 +148,8 @@ class _TextEnvCore:
         text = self._render(agent)
         if agent in self._feedback:
             text = f"{text}\n{self._feedback[agent]}"
+        # Actions are echoed back (clues, refused text): keep the text inside the space's charset.
+        text = _OUTSIDE_CHARSET.sub("?", text)
         limit = self.config.max_observation_chars
         if len(text) > limit:
             # Keep the end: the latest state and the feedback matter most.
