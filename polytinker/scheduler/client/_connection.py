@@ -1,0 +1,134 @@
+"""The client's connection to a scheduler: typed requests, retries, and errors mapped to types.
+
+Every call goes through ``Connection.request``:
+
+- an "overloaded" answer is retried after the ``retry_after_s`` it carries, for up to
+  ``overload_wait_s``; then ``OverloadedError`` is raised;
+- a "waiting" answer (the job is queued, preempted or paused) is retried until ``job_wait_s``;
+  then ``JobNotRunning`` is raised;
+- a scheduler that stops answering (restarting) is retried for up to ``reconnect_s`` when the
+  request is safe to send twice (``idempotent=True``); ``optim_step`` is not, and raises;
+- errors the scheduler raised come back as their own types (``AuthError``, ``ConfigError``,
+  ``NotBuiltError``, ``JobNotRunning``), with the ``RemoteError`` as ``__cause__``.
+
+Results are typed (``ForwardBackwardOutput``, ``OptimStepResult``, ``SampleResponse``, ...).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from polytinker.errors import (
+    ConfigError,
+    NotBuiltError,
+    PeerDeadError,
+    PolytinkerError,
+    RemoteError,
+    RequestTimeout,
+    TransportError,
+)
+from polytinker.scheduler.service.jobs import JobNotRunning, OverloadedError
+from polytinker.scheduler.service.tenants import AuthError
+from polytinker.transport import ClientCurve, RpcClient, TransportConfig
+
+_REMOTE_TYPES: dict[str, type[PolytinkerError]] = {
+    "AuthError": AuthError,
+    "ConfigError": ConfigError,
+    "NotBuiltError": NotBuiltError,
+    "WorkerUnavailable": TransportError,
+}
+
+
+@dataclass(frozen=True)
+class ForwardBackwardOutput:
+    loss: float  # summed over the weighted tokens of the call
+    logprobs: list[list[float]]  # per datum, one per target token, before the step
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class OptimStepResult:
+    version: int  # the adapter version the step made (durable when this arrives)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SampledSequence:
+    tokens: list[int]
+    logprobs: list[float]
+    text: str
+    stop_reason: str
+
+
+@dataclass(frozen=True)
+class SampleResponse:
+    sequences: list[SampledSequence]
+
+
+class Connection:
+    """One RPC client to the scheduler plus the API key, retries and a pool for futures."""
+
+    def __init__(
+        self,
+        address: str,
+        api_key: str,
+        *,
+        curve: ClientCurve | None = None,
+        timeout_s: float = 600.0,
+        reconnect_s: float = 120.0,
+        overload_wait_s: float = 300.0,
+        job_wait_s: float = 600.0,
+    ) -> None:
+        self.address, self.api_key = address, api_key
+        self.timeout_s, self.reconnect_s = timeout_s, reconnect_s
+        self.overload_wait_s, self.job_wait_s = overload_wait_s, job_wait_s
+        self.rpc = RpcClient(address, config=TransportConfig(request_timeout_s=timeout_s), curve=curve)
+        self.pool = ThreadPoolExecutor(64, thread_name_prefix="polytinker-client")
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.rpc.close()
+
+    def request(self, kind: str, msg: Any, *, idempotent: bool = True) -> dict[str, Any]:
+        start = time.monotonic()
+        while True:
+            try:
+                reply = self.rpc.call(kind, msg, timeout_s=self.timeout_s)
+            except (PeerDeadError, RequestTimeout) as exc:
+                if not idempotent or isinstance(exc, RequestTimeout) or time.monotonic() - start > self.reconnect_s:
+                    raise
+                time.sleep(0.2)  # the scheduler is restarting: the client reconnects by itself
+                continue
+            except RemoteError as exc:
+                local = _local(exc)
+                if local is exc:
+                    raise
+                raise local from exc
+            status = reply.get("status") if isinstance(reply, dict) else None
+            waited = time.monotonic() - start
+            if status == "overloaded":
+                if waited > self.overload_wait_s:
+                    raise OverloadedError(str(reply.get("reason", "overloaded")), float(reply["retry_after_s"]))
+                time.sleep(float(reply["retry_after_s"]))
+            elif status == "waiting":
+                if waited > self.job_wait_s:
+                    raise JobNotRunning(str(reply.get("reason", "")), str(reply.get("state", "")))
+                time.sleep(float(reply["retry_after_s"]))
+            elif status == "ok":
+                return reply
+            else:
+                raise TransportError(f"the scheduler answered {kind} with {reply!r}")
+
+
+def _local(exc: RemoteError) -> Exception:
+    message = Exception.__str__(exc)  # without the "Type: " prefix RemoteError adds
+    if exc.remote_type == "JobNotRunning":
+        return JobNotRunning(message, "")
+    cls = _REMOTE_TYPES.get(exc.remote_type)
+    return cls(message) if cls is not None else exc
+
+
+__all__ = ["Connection", "ForwardBackwardOutput", "OptimStepResult", "SampleResponse", "SampledSequence"]

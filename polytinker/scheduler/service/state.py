@@ -1,0 +1,292 @@
+"""The scheduler's durable state: one SQLite database in WAL mode.
+
+Tables:
+
+- ``tenants``: name, SHA-256 of the API key, fair-share weight;
+- ``jobs``: one row per job (tenant, kind, base model, agent, LoRA shape, state, priority, reason);
+- ``adapters``: one row per adapter (tenant/job/agent): its latest version, checkpoint and export;
+- ``adapter_versions``: every version's checkpoint and peft export (the ones kept on disk);
+- ``checkpoints``: named ``save_state`` checkpoints per job;
+- ``events``: the decision log (what the policy decided and why).
+
+Every write is one transaction with ``synchronous=FULL``, so a row the scheduler acknowledged
+survives a SIGKILL of the scheduler (and of the machine). The connection is shared by the handler
+threads behind one lock: SQLite serialises writers anyway, and the statements are small.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS tenants (
+    name TEXT PRIMARY KEY, key_hash TEXT NOT NULL UNIQUE, weight REAL NOT NULL, created_s REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS jobs (
+    job_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, kind TEXT NOT NULL, base_model TEXT NOT NULL,
+    agent TEXT NOT NULL, lora TEXT NOT NULL, state TEXT NOT NULL, priority INTEGER NOT NULL,
+    steps INTEGER NOT NULL, reason TEXT NOT NULL DEFAULT '', created_s REAL NOT NULL, updated_s REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS jobs_by_tenant ON jobs (tenant, created_s);
+CREATE TABLE IF NOT EXISTS adapters (
+    adapter_key TEXT PRIMARY KEY, tenant TEXT NOT NULL, job_id TEXT NOT NULL, agent TEXT NOT NULL,
+    version INTEGER NOT NULL, checkpoint TEXT NOT NULL, export_dir TEXT NOT NULL, updated_s REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS adapter_versions (
+    adapter_key TEXT NOT NULL, version INTEGER NOT NULL, checkpoint TEXT NOT NULL, export_dir TEXT NOT NULL,
+    created_s REAL NOT NULL, PRIMARY KEY (adapter_key, version));
+CREATE TABLE IF NOT EXISTS checkpoints (
+    job_id TEXT NOT NULL, name TEXT NOT NULL, path TEXT NOT NULL, version INTEGER NOT NULL,
+    created_s REAL NOT NULL, PRIMARY KEY (job_id, name));
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, time_s REAL NOT NULL, job_id TEXT NOT NULL, kind TEXT NOT NULL,
+    reason TEXT NOT NULL);
+"""
+
+
+@dataclass(frozen=True)
+class JobRow:
+    job_id: str
+    tenant: str
+    kind: str
+    base_model: str
+    agent: str
+    lora: dict[str, Any]
+    state: str
+    priority: int
+    steps: int
+    reason: str
+    created_s: float
+    updated_s: float
+
+    def public(self) -> dict[str, Any]:
+        """What a tenant sees of its job."""
+        return {
+            "job_id": self.job_id,
+            "kind": self.kind,
+            "base_model": self.base_model,
+            "agent": self.agent,
+            "state": self.state,
+            "priority": self.priority,
+            "steps": self.steps,
+            "reason": self.reason,
+            "created_s": self.created_s,
+            "updated_s": self.updated_s,
+        }
+
+
+@dataclass(frozen=True)
+class AdapterRow:
+    adapter_key: str
+    tenant: str
+    job_id: str
+    agent: str
+    version: int
+    checkpoint: str  # "" until the first optimizer step
+    export_dir: str  # "" until the first export
+
+
+class StateStore:
+    """The SQLite database at ``path`` (created if missing)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None, timeout=30)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _query(self, sql: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return list(self._db.execute(sql, args))
+
+    # --- tenants -------------------------------------------------------------------------------
+    def upsert_tenant(self, name: str, key_hash: str, weight: float) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM tenants WHERE key_hash = ? AND name != ?", (key_hash, name))
+            db.execute(
+                "INSERT INTO tenants VALUES (?, ?, ?, ?) ON CONFLICT(name) DO UPDATE SET key_hash=excluded.key_hash, "
+                "weight=excluded.weight",
+                (name, key_hash, weight, time.time()),
+            )
+
+    def tenant_by_key_hash(self, key_hash: str) -> str | None:
+        rows = self._query("SELECT name FROM tenants WHERE key_hash = ?", (key_hash,))
+        return str(rows[0]["name"]) if rows else None
+
+    def tenants(self) -> list[tuple[str, float]]:
+        return [(str(r["name"]), float(r["weight"])) for r in self._query("SELECT name, weight FROM tenants")]
+
+    # --- jobs ----------------------------------------------------------------------------------
+    def insert_job(self, row: JobRow) -> None:
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO jobs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    row.job_id,
+                    row.tenant,
+                    row.kind,
+                    row.base_model,
+                    row.agent,
+                    json.dumps(row.lora),
+                    row.state,
+                    row.priority,
+                    row.steps,
+                    row.reason,
+                    row.created_s,
+                    row.updated_s,
+                ),
+            )
+
+    def set_job_state(self, job_id: str, state: str, reason: str) -> None:
+        with self._tx() as db:
+            db.execute(
+                "UPDATE jobs SET state = ?, reason = ?, updated_s = ? WHERE job_id = ?",
+                (state, reason, time.time(), job_id),
+            )
+
+    def job(self, job_id: str) -> JobRow | None:
+        rows = self._query("SELECT * FROM jobs WHERE job_id = ?", (job_id,))
+        return _job(rows[0]) if rows else None
+
+    def jobs(self, tenant: str | None = None) -> list[JobRow]:
+        if tenant is None:
+            return [_job(r) for r in self._query("SELECT * FROM jobs ORDER BY created_s")]
+        return [_job(r) for r in self._query("SELECT * FROM jobs WHERE tenant = ? ORDER BY created_s", (tenant,))]
+
+    # --- adapters ------------------------------------------------------------------------------
+    def ensure_adapter(self, key: str, tenant: str, job_id: str, agent: str) -> AdapterRow:
+        with self._tx() as db:
+            db.execute(
+                "INSERT OR IGNORE INTO adapters VALUES (?, ?, ?, ?, 0, '', '', ?)",
+                (key, tenant, job_id, agent, time.time()),
+            )
+        row = self.adapter(key)
+        assert row is not None
+        return row
+
+    def adapter(self, key: str) -> AdapterRow | None:
+        rows = self._query("SELECT * FROM adapters WHERE adapter_key = ?", (key,))
+        if not rows:
+            return None
+        r = rows[0]
+        return AdapterRow(
+            r["adapter_key"], r["tenant"], r["job_id"], r["agent"], int(r["version"]), r["checkpoint"], r["export_dir"]
+        )
+
+    def adapters(self, tenant: str) -> list[AdapterRow]:
+        rows = self._query("SELECT adapter_key FROM adapters WHERE tenant = ? ORDER BY adapter_key", (tenant,))
+        return [a for a in (self.adapter(r["adapter_key"]) for r in rows) if a is not None]
+
+    def record_version(self, key: str, version: int, checkpoint: str, export_dir: str) -> None:
+        """A new version is durable on disk: make it the adapter's current one, in one transaction."""
+        now = time.time()
+        with self._tx() as db:
+            db.execute(
+                "UPDATE adapters SET version = ?, checkpoint = ?, export_dir = ?, updated_s = ? WHERE adapter_key = ?",
+                (version, checkpoint, export_dir, now, key),
+            )
+            db.execute(
+                "INSERT OR REPLACE INTO adapter_versions VALUES (?, ?, ?, ?, ?)",
+                (key, version, checkpoint, export_dir, now),
+            )
+
+    def set_export(self, key: str, version: int, export_dir: str) -> None:
+        with self._tx() as db:
+            db.execute(
+                "UPDATE adapters SET export_dir = ? WHERE adapter_key = ? AND version = ?", (export_dir, key, version)
+            )
+            db.execute(
+                "UPDATE adapter_versions SET export_dir = ? WHERE adapter_key = ? AND version = ?",
+                (export_dir, key, version),
+            )
+
+    def version_row(self, key: str, version: int) -> tuple[str, str] | None:
+        """(checkpoint, export_dir) of one kept version."""
+        rows = self._query(
+            "SELECT checkpoint, export_dir FROM adapter_versions WHERE adapter_key = ? AND version = ?", (key, version)
+        )
+        return (str(rows[0]["checkpoint"]), str(rows[0]["export_dir"])) if rows else None
+
+    def drop_versions_below(self, key: str, version: int) -> list[tuple[str, str]]:
+        """Forget versions older than ``version``; returns their (checkpoint, export_dir) to delete."""
+        with self._tx() as db:
+            rows = list(
+                db.execute(
+                    "SELECT checkpoint, export_dir FROM adapter_versions WHERE adapter_key = ? AND version < ?",
+                    (key, version),
+                )
+            )
+            db.execute("DELETE FROM adapter_versions WHERE adapter_key = ? AND version < ?", (key, version))
+        return [(str(r["checkpoint"]), str(r["export_dir"])) for r in rows]
+
+    # --- checkpoints and events ------------------------------------------------------------------
+    def add_checkpoint(self, job_id: str, name: str, path: str, version: int) -> None:
+        with self._tx() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?)", (job_id, name, path, version, time.time())
+            )
+
+    def checkpoint(self, job_id: str, name: str) -> tuple[str, int] | None:
+        rows = self._query("SELECT path, version FROM checkpoints WHERE job_id = ? AND name = ?", (job_id, name))
+        return (str(rows[0]["path"]), int(rows[0]["version"])) if rows else None
+
+    def checkpoints(self, job_id: str) -> list[dict[str, Any]]:
+        rows = self._query("SELECT name, path, version, created_s FROM checkpoints WHERE job_id = ?", (job_id,))
+        return [dict(r) for r in rows]
+
+    def log_event(self, job_id: str, kind: str, reason: str) -> None:
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO events (time_s, job_id, kind, reason) VALUES (?, ?, ?, ?)",
+                (time.time(), job_id, kind, reason),
+            )
+
+    def events(self, job_id: str, limit: int = 50) -> list[dict[str, Any]]:
+        rows = self._query(
+            "SELECT time_s, kind, reason FROM events WHERE job_id = ? ORDER BY id DESC LIMIT ?", (job_id, limit)
+        )
+        return [dict(r) for r in reversed(rows)]
+
+
+def _job(r: sqlite3.Row) -> JobRow:
+    return JobRow(
+        job_id=r["job_id"],
+        tenant=r["tenant"],
+        kind=r["kind"],
+        base_model=r["base_model"],
+        agent=r["agent"],
+        lora=json.loads(r["lora"]),
+        state=r["state"],
+        priority=int(r["priority"]),
+        steps=int(r["steps"]),
+        reason=r["reason"],
+        created_s=float(r["created_s"]),
+        updated_s=float(r["updated_s"]),
+    )
+
+
+__all__ = ["AdapterRow", "JobRow", "StateStore"]

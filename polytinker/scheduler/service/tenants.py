@@ -1,0 +1,65 @@
+"""Tenants and their API keys.
+
+A tenant is identified by an API key sent with every request. Only the key's SHA-256 is stored
+(a stolen database gives no keys). Comparison is on the hash, looked up by index; a wrong key
+and an unknown tenant get the same answer, so a caller learns nothing about which tenants exist.
+On a Curve-secured scheduler the key travels inside the encrypted connection.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import threading
+
+from polytinker.errors import PolytinkerError
+from polytinker.scheduler.service.config import TenantConfig
+from polytinker.scheduler.service.state import StateStore
+
+
+class AuthError(PolytinkerError, PermissionError):
+    """The API key is unknown, or the tenant may not touch what it asked for."""
+
+
+def hash_key(api_key: str) -> str:
+    return hashlib.sha256(api_key.encode("utf-8")).hexdigest()
+
+
+def new_api_key() -> str:
+    """A fresh random API key (URL-safe, 256 bits)."""
+    return "pt-" + secrets.token_urlsafe(32)
+
+
+class Tenants:
+    """Resolves API keys to tenant names; a small cache saves a query per request."""
+
+    def __init__(self, store: StateStore) -> None:
+        self._store = store
+        self._cache: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def add(self, config: TenantConfig) -> None:
+        self._store.upsert_tenant(config.name, hash_key(config.key()), config.weight)
+        with self._lock:
+            self._cache.clear()
+
+    def authenticate(self, api_key: object) -> str:
+        """The tenant owning ``api_key``; AuthError if there is none."""
+        if not isinstance(api_key, str) or not api_key:
+            raise AuthError("no API key: pass api_key= to ServiceClient or set POLYTINKER_API_KEY")
+        h = hash_key(api_key)
+        with self._lock:
+            name = self._cache.get(h)
+        if name is None:
+            name = self._store.tenant_by_key_hash(h)
+            if name is None:
+                raise AuthError("unknown API key")
+            with self._lock:
+                self._cache[h] = name
+        return name
+
+    def weights(self) -> tuple[tuple[str, float], ...]:
+        return tuple(self._store.tenants())
+
+
+__all__ = ["AuthError", "Tenants", "hash_key", "new_api_key"]

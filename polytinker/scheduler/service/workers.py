@@ -1,0 +1,152 @@
+"""Running a worker (engine or learner group) and keeping it registered with the scheduler.
+
+``WorkerServer`` serves a worker's handlers on its own RPC server and re-registers with the
+scheduler every ``heartbeat_s`` from a background thread: a restarted scheduler learns about it
+within one interval, and a restarted worker (new incarnation) is picked up the same way.
+
+``EngineActor`` and ``LearnerActor`` are the process actors the runtime supervises: each builds
+its worker in ``on_start`` (so ``spawn`` returns once the model is loaded and it is registered)
+and tears it down in ``on_stop``. ``polytinker worker`` runs the same ``WorkerServer`` in the
+foreground on another machine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from polytinker.engine.actors import Actor
+from polytinker.errors import ConfigError
+from polytinker.scheduler.service.config import RuntimeConfig
+from polytinker.scheduler.service.messages import Register
+from polytinker.transport import ClientCurve, RpcClient, RpcServer, ServerCurve, TransportConfig
+
+log = logging.getLogger("polytinker.scheduler.workers")
+
+
+class WorkerServer:
+    """Serve ``handlers`` at ``bind`` and keep ``worker_id`` registered with the scheduler."""
+
+    def __init__(
+        self,
+        *,
+        worker_id: str,
+        role: str,
+        base_model: str,
+        handlers: dict[str, Callable[[Any], Any]],
+        scheduler: str,
+        token: str,
+        bind: str = "tcp://127.0.0.1:0",
+        heartbeat_s: float = 0.5,
+        handler_threads: int = 1,
+        server_curve: ServerCurve | None = None,
+        client_curve: ClientCurve | None = None,
+    ) -> None:
+        self.worker_id, self.role, self.base_model = worker_id, role, base_model
+        self.incarnation = uuid.uuid4().hex[:12]
+        cfg = TransportConfig(handler_threads=handler_threads, request_timeout_s=10.0)
+        self.server = RpcServer(bind, handlers, config=cfg, curve=server_curve).start()
+        self._public = server_curve.public_key.decode() if server_curve is not None else ""
+        self._client = RpcClient(scheduler, config=cfg, curve=client_curve)
+        self._token, self._heartbeat_s = token, heartbeat_s
+        self._stop = threading.Event()
+        self.registered = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"register-{worker_id}", daemon=True)
+        self._thread.start()
+
+    def _message(self) -> Register:
+        return Register(
+            self._token, self.worker_id, self.role, self.server.address, self.incarnation, self.base_model, self._public
+        )
+
+    def _loop(self) -> None:
+        failing = False
+        while not self._stop.is_set():
+            try:
+                self._client.call("sched.w.register", self._message(), timeout_s=max(2.0, 4 * self._heartbeat_s))
+                if failing or not self.registered.is_set():
+                    log.info("%s registered with the scheduler at %s", self.worker_id, self._client.address)
+                failing = False
+                self.registered.set()
+            except Exception as exc:  # the scheduler may be restarting: keep trying
+                if not failing:
+                    log.warning("%s cannot register with %s: %s", self.worker_id, self._client.address, exc)
+                failing = True
+            self._stop.wait(self._heartbeat_s)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
+        self._client.close()
+        self.server.stop()
+
+
+def build_worker(role: str, worker_id: str, config: RuntimeConfig) -> Any:
+    """The EngineWorker or LearnerWorker that ``worker_id`` names in ``config``."""
+    if role == "engine":
+        from polytinker.scheduler.service.engine_worker import EngineWorker
+
+        for e in config.engines:
+            if e.engine_id == worker_id:
+                return EngineWorker(config.model, e)
+    elif role == "learner":
+        from polytinker.scheduler.service.learner_worker import LearnerWorker
+
+        for g in config.learners:
+            if g.learner_id == worker_id:
+                return LearnerWorker(config.model, g)
+    raise ConfigError(f"no {role} {worker_id!r} in the runtime config")
+
+
+class _WorkerActor(Actor):
+    role = ""
+
+    def __init__(self, config: dict[str, Any], worker_id: str, scheduler: str, token: str) -> None:
+        self._config = RuntimeConfig.from_dict(config)
+        self._worker_id, self._scheduler, self._token = worker_id, scheduler, token
+        self._worker: Any = None
+        self._server: WorkerServer | None = None
+
+    def on_start(self) -> None:
+        import torch
+
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+        self._worker = build_worker(self.role, self._worker_id, self._config)
+        # Engines take many concurrent sample requests (the batcher joins them); learners one at a time.
+        threads = 256 if self.role == "engine" else 1
+        self._server = WorkerServer(
+            worker_id=self._worker_id,
+            role=self.role,
+            base_model=self._config.model,
+            handlers=self._worker.handlers(),
+            scheduler=self._scheduler,
+            token=self._token,
+            heartbeat_s=self._config.worker_heartbeat_s,
+            handler_threads=threads,
+        )
+        self._server.registered.wait(30.0)
+
+    def on_stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        if self._worker is not None:
+            self._worker.close()
+
+
+class EngineActor(_WorkerActor):
+    """An inference engine as a supervised process actor."""
+
+    role = "engine"
+
+
+class LearnerActor(_WorkerActor):
+    """A learner group (its rank 0) as a supervised process actor."""
+
+    role = "learner"
+
+
+__all__ = ["EngineActor", "LearnerActor", "WorkerServer", "build_worker"]
