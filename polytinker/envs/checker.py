@@ -55,80 +55,41 @@ def _run(check: str, fn: Callable[[], str], fix: str) -> Finding:
     return Finding(check, False, f"{problem}\n    fix: {fix}")
 
 
+_FIXES = {
+    "pettingzoo api test": "see PettingZoo's AECEnv/ParallelEnv contract; the message names the rule",
+    "instructions": "define instructions(agent) -> str with the rules and the answer format for each agent",
+    "text observations": "observe(agent) must return {'text': str, 'legal_moves': tuple[str, ...], "
+    "'current_player': str} inside observation_space(agent)",
+    "seeded random play ends": "the game must end (terminate or truncate every agent) within a bounded number of steps",
+    "legal moves parse back": "parse_action(agent, move) must accept every string that legal_moves(agent) lists",
+    "empty action refused": "parse_action(agent, '') must return InvalidAction",
+    "deterministic under a seed": "draw every random choice from the generator seeded in reset(seed) "
+    "(self._rng), never from global random state",
+    "scripted opponents": "set the class attribute scripted = {'random': ..., 'heuristic': ...} "
+    "with ScriptedPolicy subclasses",
+}
+
+
 def check_env(target: str | Callable[[], Any], *, seed: int = 0, max_steps: int = 2000) -> list[Finding]:
     """Run every check; a failed construction stops there."""
     make_env = _factory(target)
     try:
         probe = make_env()
     except Exception as exc:
-        return [
-            Finding(
-                "construct",
-                False,
-                f"{type(exc).__name__}: {exc}\n    fix: the entry point must build an env with no arguments",
-            )
-        ]
-    findings = [Finding("construct", True)]
-    findings.append(
-        _run(
-            "pettingzoo api test",
-            lambda: _pettingzoo(make_env),
-            "see PettingZoo's AECEnv/ParallelEnv contract; the message names the rule",
-        )
-    )
-    findings.append(
-        _run(
-            "instructions",
-            lambda: _instructions(probe),
-            "define instructions(agent) -> str with the rules and the answer format for each agent",
-        )
-    )
-    findings.append(
-        _run(
-            "text observations",
-            lambda: _text_observations(make_env, seed),
-            "observe(agent) must return {'text': str, 'legal_moves': tuple[str, ...], 'current_player': str}"
-            " inside observation_space(agent)",
-        )
-    )
-    roundtrip: list[str] = []
-    results: list[EpisodeResult] = []
-    findings.append(
-        _run(
-            "seeded random play ends",
-            lambda: _play(make_env, seed, max_steps, roundtrip, results),
-            "the game must end (terminate or truncate every agent) within a bounded number of steps",
-        )
-    )
-    findings.append(
-        _run(
-            "legal moves parse back",
-            lambda: "; ".join(roundtrip[:3]),
-            "parse_action(agent, move) must accept every string that legal_moves(agent) lists",
-        )
-    )
-    findings.append(
-        _run(
-            "empty action refused",
-            lambda: _empty_refused(make_env, seed),
-            "parse_action(agent, '') must return InvalidAction",
-        )
-    )
-    findings.append(
-        _run(
-            "deterministic under a seed",
-            lambda: _determinism(make_env, seed, max_steps),
-            "draw every random choice from the generator seeded in reset(seed) (self._rng),"
-            " never from global random state",
-        )
-    )
-    findings.append(
-        _run(
-            "scripted opponents",
-            lambda: _scripted(probe),
-            "set the class attribute scripted = {'random': ..., 'heuristic': ...} with ScriptedPolicy subclasses",
-        )
-    )
+        fix = "the entry point must build an env with no arguments"
+        return [Finding("construct", False, f"{type(exc).__name__}: {exc}\n    fix: {fix}")]
+    roundtrip: list[str] = []  # filled by the random play, reported by the check after it
+    checks: list[tuple[str, Callable[[], str]]] = [
+        ("pettingzoo api test", lambda: _pettingzoo(make_env)),
+        ("instructions", lambda: _instructions(probe)),
+        ("text observations", lambda: _text_observations(make_env, seed)),
+        ("seeded random play ends", lambda: _play(make_env, seed, max_steps, roundtrip)),
+        ("legal moves parse back", lambda: "; ".join(roundtrip[:3])),
+        ("empty action refused", lambda: _empty_refused(make_env, seed)),
+        ("deterministic under a seed", lambda: _determinism(make_env, seed, max_steps)),
+        ("scripted opponents", lambda: _scripted(probe)),
+    ]
+    findings = [Finding("construct", True)] + [_run(name, fn, _FIXES[name]) for name, fn in checks]
     note = _heuristic_note(probe)
     return [*findings, note] if note else findings
 
@@ -201,11 +162,8 @@ def _episodes(
     return [coordinator.run_sync(factory, _policy_for(box, roundtrip, seed), [seed])[0] for _ in range(n)]
 
 
-def _play(
-    make_env: Callable[[], Any], seed: int, max_steps: int, roundtrip: list[str], out: list[EpisodeResult]
-) -> str:
+def _play(make_env: Callable[[], Any], seed: int, max_steps: int, roundtrip: list[str]) -> str:
     result = _episodes(make_env, seed, max_steps, roundtrip, 1)[0]
-    out.append(result)
     return f"episode aborted: {result.aborted}" if result.aborted else ""
 
 
