@@ -127,9 +127,7 @@ class CountdownAEC(AECEnv):
         self._set_infos()
 
     def _set_infos(self) -> None:
-        self.infos = {
-            a: {"action_mask": np.array([1, int(self.count >= 2)], dtype=np.int8)} for a in self.agents
-        }
+        self.infos = {a: {"action_mask": np.array([1, int(self.count >= 2)], dtype=np.int8)} for a in self.agents}
 
     def observe(self, agent: AgentID) -> np.ndarray:
         return np.array([self.count], dtype=np.int64)
