@@ -4,7 +4,7 @@ The public surface is re-exported here; subpackages:
 
 - ``polytinker.transport``: ZeroMQ sockets, msgpack codec with out-of-band tensors, RPC, auth.
 - ``polytinker.engine``: process actors and supervision, models, inference engines, learners.
-- ``polytinker.scheduler``: the central scheduler (not built yet).
+- ``polytinker.scheduler``: the central scheduler, its policy, and the clients (``ServiceClient``).
 - ``polytinker.agents``: agents, algorithms, the training loop (not built yet).
 - ``polytinker.envs``: text multi-agent environments on PettingZoo, registry, coordinator.
 """
@@ -25,6 +25,7 @@ from polytinker.errors import (
     RequestTimeout,
     TransportError,
 )
+from polytinker.scheduler.client import SamplingClient, ServiceClient, TrainingClient
 
 __version__ = "0.1.0"
 
@@ -40,6 +41,9 @@ __all__ = [
     "ProtocolError",
     "RemoteError",
     "RequestTimeout",
+    "SamplingClient",
+    "ServiceClient",
+    "TrainingClient",
     "TransportError",
     "__version__",
 ]
