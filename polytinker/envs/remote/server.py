@@ -96,6 +96,13 @@ class EnvServer:
     def stop(self) -> None:
         self._rpc.stop()
         self._runner.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            episodes, self._episodes = list(self._episodes.values()), {}
+        for ep in episodes:
+            try:
+                ep.env.close()
+            except Exception:
+                log.debug("closing an episode's env at stop failed", exc_info=True)
         self._stopped.set()
 
     def wait(self) -> None:
@@ -190,8 +197,8 @@ class EnvServer:
         ep = self._episode(req.episode)
         with ep.lock:
             if ep.aec:
-                self._run(req.episode, ep, "reset", lambda: ep.env.reset(seed=req.seed))
-                return self._aec_state(req.episode, ep)
+                raw = self._run(req.episode, ep, "reset", lambda: _then_observe(ep.env, ep.env.reset(seed=req.seed)))
+                return self._aec_state(req.episode, ep, raw)
             observations, infos = self._run(req.episode, ep, "reset", lambda: ep.env.reset(seed=req.seed))
             return self._parallel_state(req.episode, ep, observations, {}, {}, {}, infos)
 
@@ -204,8 +211,8 @@ class EnvServer:
                 raise ProtocolError(f"an action of {len(text.encode())} bytes exceeds max_action_bytes={limit}")
         with ep.lock:
             if ep.aec:
-                self._run(req.episode, ep, "step", lambda: ep.env.step(req.action))
-                return self._aec_state(req.episode, ep)
+                raw = self._run(req.episode, ep, "step", lambda: _then_observe(ep.env, ep.env.step(req.action)))
+                return self._aec_state(req.episode, ep, raw)
             if req.actions is None:
                 raise ProtocolError("env.step on a parallel env needs 'actions' (agent -> text)")
             result = self._run(req.episode, ep, "step", lambda: ep.env.step(dict(req.actions or {})))
@@ -253,10 +260,10 @@ class EnvServer:
             "current_player": obs.get("current_player", ""),
         }
 
-    def _aec_state(self, episode: str, ep: _Episode) -> dict[str, Any]:
+    def _aec_state(self, episode: str, ep: _Episode, raw_observation: Any) -> dict[str, Any]:
         env = ep.env
         selected = env.agent_selection if env.agents else ""
-        observation = self._checked_obs(episode, selected, env.observe(selected)) if selected else None
+        observation = self._checked_obs(episode, selected, raw_observation) if selected else None
         return {
             "agents": list(env.agents),
             "agent_selection": selected,
@@ -279,6 +286,12 @@ class EnvServer:
             "truncations": {a: bool(v) for a, v in truncs.items()},
             "infos": dict(infos),
         }
+
+
+def _then_observe(env: Any, _: Any) -> Any:
+    """After a reset or step (run first, as the argument): the selected agent's observation, in
+    the same guarded call, so that an env whose observe raises or hangs aborts its episode too."""
+    return env.observe(env.agent_selection) if env.agents else None
 
 
 __all__ = ["EnvServer"]
