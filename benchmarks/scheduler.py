@@ -69,6 +69,7 @@ def describe(r: SimResult, wall_s: float) -> dict[str, float | int | str]:
         "policy": r.policy,
         "finished": len(r.jcts_s()),
         "rejected": sum(o.rejected is not None for o in r.outcomes),
+        "unfinished": sum(o.rejected is None and o.finish_s is None for o in r.outcomes),
         "mean_jct_s": round(r.mean_jct_s(), 1),
         "p50_jct_s": round(r.percentile_jct_s(50), 1),
         "p99_jct_s": round(r.percentile_jct_s(99), 1),

@@ -253,3 +253,17 @@ def test_overloaded_submissions_are_retried_in_simulation():
     assert all(o.finish_s is not None for o in result.outcomes)
     assert sum(o.retries for o in result.outcomes) > 0
     assert any(d.kind is DecisionKind.OVERLOADED for d in result.decisions)
+
+
+def test_a_reserved_job_starts_even_behind_many_it_keeps_out():
+    cfg = SchedulerPolicyConfig(starvation_s=10.0, backfill_depth=2)
+    policy = FairSharePolicy(one_group(memory_gb=80.0), cfg)
+    policy.submit(sft("running", mem=10.0, steps=1000), 0.0)
+    policy.schedule(0.0)
+    policy.submit(sft("big", mem=80.0, steps=100), 0.0)
+    assert [d.kind for d in policy.schedule(20.0)] == [DecisionKind.RESERVE]
+    for i in range(10):  # smaller, so ahead of "big" in the queue order; the reservation blocks them
+        policy.submit(sft(f"small{i}", mem=10.0, steps=1), 21.0)
+    assert started(policy.schedule(21.0)) == []
+    policy.job_finished("running", 30.0)
+    assert started(policy.schedule(30.0))[0] == "big"

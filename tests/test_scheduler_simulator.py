@@ -16,6 +16,7 @@ from polytinker.scheduler import (
     Job,
     JobKind,
     LearnerSpec,
+    SchedulerPolicyConfig,
     SimulatorConfig,
     TraceConfig,
     default_cluster,
@@ -68,16 +69,31 @@ def test_rl_step_timing_and_learner_time_slicing():
     def rl(job_id: str) -> Job:
         return Job(job_id, "t", JobKind.LORA_RL, "m", 0, 2, 2.0, 3.0, 10.0, 5.0, adapter=job_id)
 
-    cfg = SimulatorConfig(optimizer_swap_s=0.5, adapter_load_s=1.0)
+    cfg = SimulatorConfig(optimizer_swap_s=0.5, adapter_load_s=1.0, engine_full_speed_jobs=2)
     alone = simulate([rl("a")], cluster, FairSharePolicy, config=cfg)
     # Load 1 s, then per step: sample 3 s, train 2 s.
     assert alone.outcomes[0].finish_s == pytest.approx(1.0 + 2 * 5.0)
     pair = simulate([rl("a"), rl("b")], cluster, FairSharePolicy, config=cfg)
     finish = sorted(o.finish_s or 0.0 for o in pair.outcomes)
-    # Both sample at once (mixed batches); the learner trains them in turn, a swap before each switch.
+    # Both sample at full speed (the engine runs two at once); the learner trains them in turn.
     # a: 1+3 -> train 4..6; b: swap 6..6.5, train ..8.5; a: sampled 6..9, swap, train 9.5..11.5
     # b: sampled 8.5..11.5, its state back in 11.5..12, train ..14.
     assert finish == pytest.approx([11.5, 14.0])
+
+
+def test_engine_throughput_is_shared_among_sampling_jobs():
+    cluster = ClusterSpec((EngineSpec("e0", "m", 40.0, 4),), (LearnerSpec("g0", "m", 40.0),))
+
+    def rl(job_id: str) -> Job:
+        return Job(job_id, "t", JobKind.LORA_RL, "m", 0, 2, 2.0, 3.0, 10.0, 5.0, adapter=job_id)
+
+    cfg = SimulatorConfig(optimizer_swap_s=0.5, adapter_load_s=1.0, engine_full_speed_jobs=1)
+    pair = simulate([rl("a"), rl("b")], cluster, FairSharePolicy, config=cfg)
+    finish = sorted(o.finish_s or 0.0 for o in pair.outcomes)
+    # Both sample at half speed 1..7. a trains 7..9; b swaps in 9..9.5, trains ..11.5. a samples alone
+    # 9..11.5 (2.5 of 3 s done), then at half speed with b until 12.5; swap, train 13..15. b: 0.5 s done
+    # by 12.5, alone until 15; a has left, b's state comes back in 15..15.5, train ..17.5.
+    assert finish == pytest.approx([15.0, 17.5])
 
 
 def test_fifo_blocks_and_ours_backfills_on_the_same_trace():
@@ -143,3 +159,16 @@ def test_no_resource_is_ever_over_committed(trace, policy):
         else:
             assert job.learner_mem_gb > 80 or job.engine_mem_gb > 60 or (job.needs_slot and job.base_model == "m2")
     assert all(d.reason for d in result.decisions)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_every_admitted_job_finishes_under_stress(seed):
+    # Overloaded, with quick starvation and a shallow backfill: reservations pile up and a pass
+    # meets many jobs they keep out. Every admitted job must still finish (no deadlock).
+    trace = generate_trace(TraceConfig(n_jobs=300, seed=seed, mean_interarrival_s=8.0, median_steps=6))
+    cfg = SchedulerPolicyConfig(starvation_s=60.0, backfill_depth=2, preempt_checks_per_pass=1)
+    result = simulate(trace, default_cluster(), FairSharePolicy, cfg)
+    unfinished = [o.job_id for o in result.outcomes if o.rejected is None and o.finish_s is None]
+    assert not unfinished
+    assert any(d.kind is DecisionKind.RESERVE for d in result.decisions)
+    assert any(d.kind is DecisionKind.PREEMPT for d in result.decisions)

@@ -85,6 +85,10 @@ class SimulatorConfig:
     checkpoint_load_s: float = 2.0
     """Extra time at the start of a resumed job to load its saved state."""
 
+    engine_full_speed_jobs: int = 1
+    """Jobs an engine samples for at full speed at once; with more, they share its throughput (each
+    runs at this / k). 1: one RL job's rollout batch already fills an engine (processor sharing)."""
+
     adapter_load_s: float = 0.5
     """Engine time to load an adapter that is not resident on the engine chosen."""
 
@@ -95,6 +99,8 @@ class SimulatorConfig:
         costs = (self.optimizer_swap_s, self.checkpoint_save_s, self.checkpoint_load_s, self.adapter_load_s)
         if any(c < 0 or not math.isfinite(c) for c in costs):
             raise ConfigError("simulator costs (swap, checkpoint save/load, adapter load) must be finite and >= 0")
+        if self.engine_full_speed_jobs < 1:
+            raise ConfigError(f"engine_full_speed_jobs must be >= 1, got {self.engine_full_speed_jobs}")
         if not self.max_time_s > 0:
             raise ConfigError(f"max_time_s must be > 0, got {self.max_time_s}")
 

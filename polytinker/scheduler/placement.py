@@ -114,6 +114,8 @@ class AdapterPlacement:
         if e.pins[adapter] <= 0:
             raise ConfigError(f"release of {adapter} on {engine_id}, which no job holds")
         e.pins[adapter] -= 1
+        if not e.pins[adapter]:
+            del e.pins[adapter]  # keep the counter to adapters in use
         if adapter in e.resident:
             e.resident[adapter] = now_s
             e.resident.move_to_end(adapter)

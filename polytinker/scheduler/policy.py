@@ -328,7 +328,8 @@ class FairSharePolicy(SchedulingPolicy):
 
     # --- the pass --------------------------------------------------------------------------------
     def schedule(self, now_s: float) -> list[Decision]:
-        decisions = self._reserve_for_starving(now_s)
+        decisions = self._serve_claims(now_s)
+        decisions += self._reserve_for_starving(now_s)
         misses = 0
         checks = self.config.preempt_checks_per_pass if self.config.preemption else 0
         for e in self._candidates():
@@ -409,12 +410,25 @@ class FairSharePolicy(SchedulingPolicy):
         return out
 
     def _reserve(self, job: Job, placement: Placement, now_s: float, why: str) -> Decision:
+        for rid in [r for r, j in self._reserved.items() if j == job.job_id]:
+            del self._reserved[rid]  # a new reservation replaces its old one
         for rid in placement.resources():
             displaced = self._reserved.get(rid)
             if displaced is not None and displaced == self._aged and displaced != job.job_id:
                 self._aged = None  # a higher-priority job took its resources: reserve anew next pass
             self._reserved[rid] = job.job_id
         return Decision(DecisionKind.RESERVE, now_s, job.job_id, why, job.tenant, placement, for_job=job.job_id)
+
+    def _serve_claims(self, now_s: float) -> list[Decision]:
+        """Jobs holding reservations go first, wherever they stand in the queue order: otherwise a
+        pass could spend its backfill depth on jobs the reservations keep out and never reach them."""
+        out = []
+        for job_id in dict.fromkeys(self._reserved.values()):
+            e = self._entries[job_id]
+            placement = self.cluster.fit(e.job, now_s, self._allowed_for(e.job))
+            if e.state is JobState.QUEUED and placement is not None:
+                out.append(self._start(e, placement, now_s, "the resources reserved for it are free"))
+        return out
 
     def _reserve_for_starving(self, now_s: float) -> list[Decision]:
         """EASY-style: the oldest job, once waiting past ``starvation_s``, gets the resources that

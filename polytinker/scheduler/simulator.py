@@ -102,6 +102,7 @@ class _Run:
     steps_done: int = 0
     gen: int = 0  # bumped on each start, so events of an earlier run are ignored
     stop: bool = False  # PREEMPT received: stop at the next step boundary
+    sample_token: int = -1  # matches the one pending end-of-sampling event that is still valid
     first_start_s: float | None = None
     finish_s: float | None = None
     preemptions: int = 0
@@ -135,7 +136,10 @@ class Simulator:
         self._seq = itertools.count()
         self._runs: dict[JobID, _Run] = {}
         self._learners = {g.group_id: _Learner() for g in cluster.learners}
-        self._sampling: dict[ResourceID, int] = {e.engine_id: 0 for e in cluster.engines}
+        # Per engine: remaining sampling work (seconds at full speed) of each job sampling there, and
+        # when it was last brought up to date.
+        self._sampling: dict[ResourceID, dict[JobID, float]] = {e.engine_id: {} for e in cluster.engines}
+        self._sampled_at: dict[ResourceID, float] = dict.fromkeys(self._sampling, 0.0)
         self._busy_s: dict[ResourceID, float] = dict.fromkeys([*self._learners, *self._sampling], 0.0)
         self._pending_s = dict.fromkeys(self._busy_s, 0.0)  # per resource: time work for it was queued
         self._needs = {g.group_id: (g.base_model, "learner") for g in cluster.learners}
@@ -174,9 +178,10 @@ class Simulator:
                 if not self.policy.queued_needing(base, kind):
                     continue
                 self._pending_s[rid] += dt
-                busy = self._learners[rid].training if kind == "learner" else self._sampling[rid] > 0
-                if busy:
-                    self._busy_s[rid] += dt
+                if kind == "learner":
+                    self._busy_s[rid] += dt if self._learners[rid].training else 0.0
+                else:
+                    self._busy_s[rid] += dt * min(1.0, len(self._sampling[rid]) / self.config.engine_full_speed_jobs)
         self.now_s = max(self.now_s, t)
 
     def _handle(self, what: str, job_id: JobID, gen: int) -> bool:
@@ -184,8 +189,8 @@ class Simulator:
         r = self._runs[job_id]
         if what == "arrive":
             return self._submit(r)
-        if gen != r.gen:
-            return False  # an event of an earlier run
+        if gen != (r.sample_token if what == "sample_done" else r.gen):
+            return False  # an event of an earlier run, or a sampling end moved by a change in contention
         if what == "setup_done":
             self._begin_step(r)
         elif what == "sample_done":
@@ -234,18 +239,36 @@ class Simulator:
     def _begin_step(self, r: _Run) -> None:
         if r.job.kind.needs_engine:
             assert r.placement is not None and r.placement.engine is not None
-            self._sampling[r.placement.engine] += 1
-            self._at(self.now_s + r.job.sample_s, "sample_done", r.job.job_id, r.gen)
+            self._resample(r.placement.engine, join=(r.job.job_id, r.job.sample_s))
         else:
             self._to_learner(r)
 
     def _sample_done(self, r: _Run) -> None:
         assert r.placement is not None and r.placement.engine is not None
-        self._sampling[r.placement.engine] -= 1
+        self._resample(r.placement.engine, leave=r.job.job_id)
         if r.job.kind.needs_learner:
             self._to_learner(r)
         else:
             self._step_done(r)
+
+    def _resample(self, eid: ResourceID, join: tuple[JobID, float] | None = None, leave: JobID | None = None) -> None:
+        """A job starts or ends sampling on engine ``eid``: bring the others' remaining work up to date
+        and move their end times, since the engine's throughput is shared among the jobs sampling."""
+        active = self._sampling[eid]
+        rate = min(1.0, self.config.engine_full_speed_jobs / len(active)) if active else 1.0
+        elapsed = self.now_s - self._sampled_at[eid]
+        for job_id in active:
+            active[job_id] = max(0.0, active[job_id] - elapsed * rate)
+        self._sampled_at[eid] = self.now_s
+        if leave is not None:
+            del active[leave]
+        if join is not None:
+            active[join[0]] = join[1]
+        rate = min(1.0, self.config.engine_full_speed_jobs / len(active)) if active else 1.0
+        for job_id, remaining in active.items():
+            r = self._runs[job_id]
+            r.sample_token = next(self._seq)
+            self._at(self.now_s + remaining / rate, "sample_done", job_id, r.sample_token)
 
     def _to_learner(self, r: _Run) -> None:
         assert r.placement is not None and r.placement.learner is not None
