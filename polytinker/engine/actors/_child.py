@@ -241,6 +241,7 @@ def _serve(spec: _protocol.ChildSpec, runner: _Runner) -> int:
     for server in runner.servers:
         with contextlib.suppress(Exception):
             server.stop()
+        _spawn.remove_ipc_files(server.address)
     log.info("stopped", extra={"exit_code": runner.exit_code})
     return runner.exit_code
 

@@ -177,6 +177,13 @@ def _mailbox_address(run_dir: Path, name: str, transport: str) -> str:
     return f"ipc://{path}"
 
 
+def remove_ipc_files(*addresses: str) -> None:
+    for address in addresses:
+        if address.startswith("ipc://"):
+            with contextlib.suppress(OSError):
+                os.unlink(address[len("ipc://") :])
+
+
 class ChildProcess:
     """One running incarnation of an actor: its process, address and log."""
 
@@ -231,6 +238,10 @@ class ChildProcess:
             code = self.popen.wait()
         return code
 
+    def remove_sockets(self) -> None:
+        """Remove the child's ipc socket files (a child that exits cleanly removes them itself)."""
+        remove_ipc_files(self.address, self.concurrent_address)
+
     def stderr_tail(self) -> str:
         return "\n".join(self._stderr_tail)
 
@@ -253,10 +264,7 @@ class ChildProcess:
     def _exited(self) -> None:
         for t in self._pumps:
             t.join(timeout=1.0)  # the last lines of output belong in the log before anyone reads it
-        for address in (self.address, self.concurrent_address):
-            if address.startswith("ipc://"):
-                with contextlib.suppress(OSError):
-                    os.unlink(address[len("ipc://") :])
+        self.remove_sockets()
         with self._cb_lock:
             self._exit_seen = True
             callbacks, self._callbacks = self._callbacks, []
@@ -419,6 +427,7 @@ def _stop_all_at_exit() -> None:
     for child in live:
         if child.wait(max(0.0, deadline - time.monotonic())) is None:
             child.signal(signal.SIGKILL)
+        child.remove_sockets()
 
 
 atexit.register(_stop_all_at_exit)
