@@ -21,14 +21,12 @@ _COMMAND_MODULES = (
     "polytinker.transport._cli",  # keys
     "polytinker.engine._cli",  # models
     "polytinker.envs._cli",  # env
+    "polytinker.scheduler._cli",  # serve, worker, jobs
 )
 
 # Commands the design names whose subsystems are not built yet: they fail loudly, never fake.
 _NOT_BUILT = {
     "train": "the training loop (agents issue)",
-    "serve": "the central scheduler service (scheduler issue)",
-    "worker": "scheduler workers (scheduler issue)",
-    "jobs": "the job table of the scheduler (scheduler issue)",
     "show": "run summaries of the training loop (agents issue)",
 }
 

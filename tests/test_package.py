@@ -19,7 +19,7 @@ def test_public_surface_is_declared():
         assert hasattr(polytinker, name), name
 
 
-@pytest.mark.parametrize("command", ["train", "serve", "jobs"])
+@pytest.mark.parametrize("command", ["train", "show"])
 def test_unbuilt_commands_fail_loudly(command, capsys):
     assert cli.main([command]) == 1
     assert "not built yet" in capsys.readouterr().err

@@ -1,0 +1,178 @@
+"""`polytinker serve`, `polytinker worker` and `polytinker jobs`: the scheduler service from a shell."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from polytinker.errors import ConfigError
+
+
+def _wait_for_signal() -> None:
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    while not done.wait(1.0):
+        pass
+
+
+def _runtime_config(args: argparse.Namespace) -> Any:
+    from polytinker.scheduler.service.config import RuntimeConfig
+
+    cfg = RuntimeConfig.from_toml(args.config) if args.config else RuntimeConfig()
+    changes: dict[str, Any] = {}
+    if getattr(args, "model", None):
+        changes["model"] = args.model
+    if getattr(args, "address", None):
+        changes["address"] = args.address
+    if getattr(args, "state_dir", None):
+        changes["state_dir"] = args.state_dir
+    return dataclasses.replace(cfg, **changes) if changes else cfg
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from polytinker.scheduler.service.runtime import LocalRuntime, check_servable
+
+    cfg = _runtime_config(args)
+    if not cfg.state_dir:
+        cfg = dataclasses.replace(cfg, state_dir=str(Path("polytinker-runtime").resolve()))
+    check_servable(cfg)
+    runtime = LocalRuntime(cfg)
+    generated = not cfg.tenants
+    runtime.start()
+    try:
+        state = runtime.config.state_path
+        if generated:
+            key_file = state / "local.api_key"
+            key_file.write_text(runtime.api_key + "\n")
+            os.chmod(key_file, 0o600)
+            print(f"tenant 'local': API key in {key_file}")
+        token_file = state / "worker.token"
+        token_file.write_text(runtime.config.worker_token + "\n")
+        os.chmod(token_file, 0o600)
+        print(f"scheduler at {runtime.address}  (state in {state}; worker token in {token_file})", flush=True)
+        _wait_for_signal()
+    finally:
+        runtime.stop()
+    return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from polytinker.scheduler.service.workers import WorkerServer, build_worker
+    from polytinker.transport import ClientCurve, ServerCurve, load_keypair
+
+    cfg = _runtime_config(args)
+    roles = {e.engine_id: "engine" for e in cfg.engines} | {g.learner_id: "learner" for g in cfg.learners}
+    if args.id not in roles:
+        raise ConfigError(f"--id {args.id!r} is not an engine or learner of the config; declared: {sorted(roles)}")
+    token = args.token or os.environ.get("POLYTINKER_WORKER_TOKEN", "")
+    if not token:
+        raise ConfigError("pass --token (the runtime's worker.token) or set POLYTINKER_WORKER_TOKEN")
+    server_curve = client_curve = None
+    if args.curve_secret:
+        if not args.scheduler_key:
+            raise ConfigError("--curve-secret needs --scheduler-key (the scheduler's .key file)")
+        public, secret = load_keypair(args.curve_secret)
+        if secret is None:
+            raise ConfigError(f"{args.curve_secret} holds no secret key")
+        scheduler_public = load_keypair(args.scheduler_key)[0]
+        server_curve = ServerCurve(public, secret, frozenset({scheduler_public}))
+        client_curve = ClientCurve(public, secret, scheduler_public)
+    worker = build_worker(roles[args.id], args.id, cfg)
+    server = WorkerServer(
+        worker_id=args.id,
+        role=roles[args.id],
+        base_model=cfg.model,
+        handlers=worker.handlers(),
+        scheduler=args.scheduler,
+        token=token,
+        bind=args.bind,
+        heartbeat_s=cfg.worker_heartbeat_s,
+        handler_threads=256 if roles[args.id] == "engine" else 1,
+        server_curve=server_curve,
+        client_curve=client_curve,
+    )
+    print(f"{args.id} serving at {server.server.address}, registering with {args.scheduler}", flush=True)
+    try:
+        _wait_for_signal()
+    finally:
+        server.close()
+        worker.close()
+    return 0
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from polytinker.scheduler.client import ServiceClient
+
+    address = args.scheduler or os.environ.get("POLYTINKER_SCHEDULER")
+    if not address:
+        raise ConfigError("pass --scheduler tcp://HOST:PORT or set POLYTINKER_SCHEDULER")
+    return ServiceClient(address, api_key=args.api_key or os.environ.get("POLYTINKER_API_KEY"), timeout_s=30.0)
+
+
+def _jobs(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        if args.jobs_command == "list":
+            jobs = client.list_jobs(include_finished=not args.live)
+            if args.json:
+                print(json.dumps(jobs, indent=2))
+                return 0
+            print(f"{'JOB':<22} {'KIND':<9} {'STATE':<10} {'AGENT':<12} {'PRIO':>4}  AGE")
+            for j in jobs:
+                age = time.time() - j["created_s"]
+                print(
+                    f"{j['job_id']:<22} {j['kind']:<9} {j['state']:<10} {j['agent']:<12} {j['priority']:>4}  {age:.0f}s"
+                )
+            return 0
+        if args.jobs_command == "show":
+            print(json.dumps(client.get_job(args.job_id), indent=2))
+            return 0
+        action = {"cancel": client.cancel_job, "pause": client.pause_job, "resume": client.resume_job}
+        job = action[args.jobs_command](args.job_id)
+        print(f"{job['job_id']}: {job['state']}")
+        return 0
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="runtime.toml (see docs/scheduler-service.md)")
+    p.add_argument("--model", help="base model (overrides the config)")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("serve", help="run the scheduler service (and its local engines and learners)")
+    _add_config_args(p)
+    p.add_argument("--address", help="where the scheduler listens, e.g. tcp://127.0.0.1:7000 (overrides the config)")
+    p.add_argument("--state-dir", help="SQLite state, checkpoints, adapters (default ./polytinker-runtime)")
+    p.set_defaults(func=_serve)
+
+    w = sub.add_parser("worker", help="run an engine or learner group that joins a remote scheduler")
+    _add_config_args(w)
+    w.add_argument("--scheduler", required=True, help="the scheduler's address, tcp://HOST:PORT")
+    w.add_argument("--id", required=True, help="the engine or learner id this worker takes (from the config)")
+    w.add_argument("--token", help="the runtime's worker token (default $POLYTINKER_WORKER_TOKEN)")
+    w.add_argument("--bind", default="tcp://127.0.0.1:0", help="where this worker serves the scheduler")
+    w.add_argument("--curve-secret", help="this worker's Curve .key_secret (polytinker keys generate)")
+    w.add_argument("--scheduler-key", help="the scheduler's Curve .key (public) file")
+    w.set_defaults(func=_worker)
+
+    j = sub.add_parser("jobs", help="list, show, cancel, pause and resume this tenant's jobs")
+    j.add_argument("--scheduler", help="scheduler address (default $POLYTINKER_SCHEDULER)")
+    j.add_argument("--api-key", help="API key (default $POLYTINKER_API_KEY)")
+    jobs_sub = j.add_subparsers(dest="jobs_command", metavar="JOBS_COMMAND", required=True)
+    ls = jobs_sub.add_parser("list", help="this tenant's jobs")
+    ls.add_argument("--live", action="store_true", help="only queued, running and paused jobs")
+    ls.add_argument("--json", action="store_true", help="print JSON")
+    for name in ("show", "cancel", "pause", "resume"):
+        c = jobs_sub.add_parser(name, help=f"{name} one job")
+        c.add_argument("job_id")
+    j.set_defaults(func=_jobs)
+
+
+__all__ = ["register"]
