@@ -117,6 +117,21 @@ def test_thousand_concurrent_requests(client):
     assert [x for r in results for x in r] == list(range(1000))
 
 
+def test_blocking_calls_from_many_threads_mixed_with_async_ones(client):
+    """Blocking calls take turns driving the socket; async replies arrive whoever drives it."""
+    slow = [client.call_async("sleep", 0.3) for _ in range(3)]
+
+    def worker(k: int) -> list[int]:
+        return [client.call("echo", k * 1000 + i) for i in range(100)]
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(worker, range(8)))
+    assert results == [[k * 1000 + i for i in range(100)] for k in range(8)]
+    assert [f.result(timeout=10) for f in slow] == [0.3] * 3
+    late = client.call_async("echo", "late")  # the I/O thread, not a leader, answers this one
+    assert late.result(timeout=10) == "late"
+
+
 def test_async_client(server):
     async def main() -> None:
         async with AsyncRpcClient(server.address, config=FAST) as c:

@@ -1,10 +1,16 @@
 """``RpcClient`` (thread-safe, futures) and ``AsyncRpcClient`` (asyncio) over one DEALER socket.
 
-One I/O thread owns the socket. Callers encode their payload in their own thread and hand the
-frames over through a queue and a wake-up pipe; the I/O thread sends, matches replies to request
-ids, enforces deadlines, pings the server every ``heartbeat_interval_s`` and, after
-``heartbeat_liveness`` intervals of silence, fails the pending calls with PeerDeadError and
-replaces its socket (a restarted server on the same address is then reached again, inproc too).
+One thread at a time owns the socket, the holder of ``_io_lock``. A blocking ``call()`` takes the
+lock when it is free and drives the socket itself until its reply is in (leader/followers: no
+thread hand-off on the hot path, which in CPython costs more than the network round trip).
+Otherwise, and for ``call_async``, ``send_oneway`` and ``AsyncRpcClient``, the caller encodes its
+payload in its own thread and hands the frames over through a queue and a wake-up pipe to the I/O
+thread, which waits for the pipe or the socket's ``ZMQ_FD`` without holding the lock.
+
+Whoever holds the lock sends queued requests, matches replies to request ids, enforces deadlines,
+pings the server every ``heartbeat_interval_s`` and, after ``heartbeat_liveness`` intervals of
+silence, fails the pending calls with PeerDeadError and replaces the socket (a restarted server
+on the same address is then reached again, inproc too).
 """
 
 from __future__ import annotations
@@ -15,12 +21,14 @@ import heapq
 import itertools
 import logging
 import os
+import select
 import threading
 import time
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 import zmq
+from zmq.backend import zmq_poll
 
 from polytinker.errors import PeerDeadError, ProtocolError, RequestTimeout, TransportError
 from polytinker.transport import auth
@@ -33,6 +41,8 @@ from polytinker.transport.protocol import (
     error_from_body,
     pack_header,
     parse_header,
+    recv_frames,
+    send_frames,
 )
 from polytinker.transport.server import apply_limits
 
@@ -81,6 +91,8 @@ class RpcClient:
         self._wake_lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
+        self._io_lock = threading.Lock()  # held by whichever thread drives the socket
+        self._st = _LoopState(self._cfg)
         self._sock = self._connect()  # here, so a bad address fails in the caller's thread
         self._thread = threading.Thread(target=self._loop, name=f"polytinker-client {address}", daemon=True)
         self._thread.start()
@@ -92,18 +104,35 @@ class RpcClient:
     def call_async(self, kind: str, payload: Any = None, *, timeout_s: float | None = None) -> Future[Any]:
         """Send a request; the future resolves to the reply or raises RemoteError, ProtocolError,
         RequestTimeout or PeerDeadError. ``future.cancel()`` abandons the call (the handler may still run)."""
-        if self._closed:
-            raise TransportError(f"the client of {self._address} is closed")
-        frames = encode(payload, config=self._cfg)
-        fut: Future[Any] = Future()
-        t = self._cfg.request_timeout_s if timeout_s is None else timeout_s
-        self._ops.append((MsgType.REQUEST, next(self._ids), kind, frames, fut, t))
+        fut, op = self._request(kind, payload, timeout_s)
+        self._ops.append(op)
         self._wake()
         return fut
 
     def call(self, kind: str, payload: Any = None, *, timeout_s: float | None = None) -> Any:
         """Send a request and wait for its reply (see :meth:`call_async` for the errors)."""
-        return self.call_async(kind, payload, timeout_s=timeout_s).result()
+        fut, op = self._request(kind, payload, timeout_s)
+        self._ops.append(op)
+        if not self._io_lock.acquire(blocking=False):
+            self._wake()  # another thread drives the socket: it sends this request too
+            return fut.result()
+        try:  # lead: drive the socket from this thread until the reply is in
+            st = self._st
+            while not fut.done() and not self._closed:
+                self._io_step(st, st.poll_timeout_ms(), fut)
+        finally:
+            self._io_lock.release()
+            if self._st.pending or self._ops or self._closed:
+                self._wake()  # the I/O thread takes over the other calls
+        return fut.result()
+
+    def _request(self, kind: str, payload: Any, timeout_s: float | None) -> tuple[Future[Any], tuple[Any, ...]]:
+        if self._closed:
+            raise TransportError(f"the client of {self._address} is closed")
+        frames = encode(payload, config=self._cfg)
+        fut: Future[Any] = Future()
+        t = self._cfg.request_timeout_s if timeout_s is None else timeout_s
+        return fut, (MsgType.REQUEST, next(self._ids), kind, frames, fut, t)
 
     def send_oneway(self, kind: str, payload: Any = None) -> None:
         """A tell: the server runs the handler and answers nothing, not even on error."""
@@ -156,37 +185,58 @@ class RpcClient:
     # --- I/O thread -------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        state = _LoopState(self._cfg)
+        st = self._st
+        ready = False
         try:
             while not self._closed:
-                self._poll_once(state)
+                if not ready:
+                    self._wait(st)
+                with self._io_lock:
+                    if self._closed:
+                        break
+                    self._io_step(st, 0)
+                    # ZMQ_FD only signals edges: a message may already wait behind the last send.
+                    ready = bool(st.watching() and int(self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
         except Exception:
             log.exception("client I/O thread of %s failed", self._address)
         finally:
-            state.fail_all(TransportError(f"the client of {self._address} is closed"))
-            self._sock.close(linger=0)
+            with self._io_lock:
+                st.fail_all(TransportError(f"the client of {self._address} is closed"))
+                self._sock.close(linger=0)
 
-    def _poll_once(self, st: _LoopState) -> None:
-        poller = st.poller_for(self._sock, self._wake_r)
-        events = dict(poller.poll(st.poll_timeout_ms()))
-        if self._wake_r in events:
-            os.read(self._wake_r, 65536)
-        if self._wake_r in events or st.backlog:
+    def _wait(self, st: _LoopState) -> None:
+        """Sleep, without the lock, until the pipe, the socket (when an answer is due) or a timer."""
+        fds = [self._wake_r, int(self._sock.getsockopt(zmq.FD))] if st.watching() else [self._wake_r]
+        select.select(fds, [], [], st.poll_timeout_ms() / 1000)
+
+    def _io_step(self, st: _LoopState, timeout_ms: int, until: Future[Any] | None = None) -> None:
+        """One round of socket work; the caller holds ``_io_lock``. A leader passes its own call
+        as ``until`` and stops reading once that is answered (the rest waits for the next round)."""
+        if self._ops or st.backlog:
             self._send_queued(st)
-        if self._sock in events:
-            for _ in range(_BATCH):
-                try:
-                    frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                st.last_recv = time.monotonic()
-                st.alive = True
-                self._on_reply(st, frames)
+        sock = self._sock
+        for item, _ in zmq_poll(st.poll_items(sock, self._wake_r), timeout_ms):
+            if item is sock:
+                for _ in range(_BATCH):
+                    try:
+                        frames = recv_frames(sock, zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    st.last_recv = time.monotonic()
+                    st.alive = True
+                    st.awaiting_pong = False
+                    self._on_reply(st, frames)
+                    if until is not None and until.done():
+                        break
+            else:
+                os.read(self._wake_r, 65536)
+                self._send_queued(st)
         now = time.monotonic()
         if now >= st.next_ping:
             st.next_ping = now + self._cfg.heartbeat_interval_s
-            try:  # noqa: SIM105
+            try:
                 self._sock.send(PING_HEADER, zmq.NOBLOCK)
+                st.awaiting_pong = True
             except zmq.Again:
                 pass  # queue full towards a silent peer: liveness will tell
         st.expire(now)
@@ -216,7 +266,7 @@ class RpcClient:
             if not retry:
                 st.add(rid, _Pending(fut, kind, timeout_s))
         try:
-            self._sock.send_multipart([pack_header(mtype, rid, kind), *frames], zmq.NOBLOCK, copy=False)
+            send_frames(self._sock, [pack_header(mtype, rid, kind), *frames], zmq.NOBLOCK)
         except zmq.Again:
             return False
         except zmq.ZMQError as exc:
@@ -255,7 +305,7 @@ class RpcClient:
             log.warning("%s is silent for %.1f s: failing %d pending calls, reconnecting",
                         self._address, now - st.last_recv, len(st.pending))  # fmt: skip
         st.fail_all(PeerDeadError(f"{self._address} did not answer heartbeats for {self._cfg.dead_after_s:.1f} s"))
-        st.alive = False
+        st.alive = st.awaiting_pong = False
         self._sock.close(linger=0)
         self._sock = self._connect()
         st.poller = None
@@ -281,13 +331,16 @@ class _LoopState:
         self.last_recv = now
         self.next_ping = now
         self.alive = False
-        self.poller: zmq.Poller | None = None
+        self.awaiting_pong = False
+        self.poller: list[tuple[Any, int]] | None = None  # zmq_poll items: the socket and the wake pipe
 
-    def poller_for(self, sock: zmq.Socket, wake_r: int) -> zmq.Poller:
-        if self.poller is None:
-            self.poller = zmq.Poller()
-            self.poller.register(sock, zmq.POLLIN)
-            self.poller.register(wake_r, zmq.POLLIN)
+    def watching(self) -> bool:
+        """Whether something is due from the server (an answer or a PONG)."""
+        return bool(self.pending or self.backlog or self.awaiting_pong)
+
+    def poll_items(self, sock: zmq.Socket, wake_r: int) -> list[tuple[Any, int]]:
+        if self.poller is None or self.poller[0][0] is not sock:
+            self.poller = [(sock, zmq.POLLIN), (wake_r, zmq.POLLIN)]
         return self.poller
 
     def add(self, rid: int, p: _Pending) -> None:

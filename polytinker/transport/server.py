@@ -32,6 +32,8 @@ from polytinker.transport.protocol import (
     error_body,
     pack_header,
     parse_header,
+    recv_frames,
+    send_frames,
 )
 
 log = logging.getLogger("polytinker.transport.server")
@@ -175,7 +177,7 @@ class RpcServer:
                 if sock in events:
                     for _ in range(_BATCH):
                         try:
-                            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                            frames = recv_frames(sock, zmq.NOBLOCK)
                         except zmq.Again:
                             break
                         try:
@@ -184,7 +186,7 @@ class RpcServer:
                             log.exception("unexpected error while routing a message; serving on")
                 while replies:
                     try:
-                        sock.send_multipart(replies.popleft(), zmq.NOBLOCK, copy=False)
+                        send_frames(sock, replies.popleft(), zmq.NOBLOCK)
                     except zmq.ZMQError as exc:  # peer gone or its queue full: the reply is lost
                         log.debug("reply dropped: %s", exc)
                 if replies:
