@@ -26,6 +26,17 @@ def _has_cuda() -> bool:
         return False
 
 
+@pytest.fixture(scope="session")
+def vllm_tiny():
+    """One vLLM backend on the tiny-random model for the whole session (vLLM takes tens of
+    seconds to start on a CPU). Tests that load adapters unload them again."""
+    from polytinker.engine.inference.vllm_backend import VllmBackend, VllmBackendConfig
+
+    backend = VllmBackend(VllmBackendConfig(model="tiny-random", kv_cache_gib=0.25, max_model_len=512, max_loras=4))
+    yield backend
+    backend.close()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     has_vllm = importlib.util.find_spec("vllm") is not None
     has_cuda = _has_cuda()

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from polytinker.engine.models import DEFAULT_MODEL, ModelConfig
+from polytinker.engine.types import DEFAULT_TARGET_MODULES
 from polytinker.errors import ConfigError
 
 VllmDType = Literal["bfloat16", "float16", "float32", "auto"]
@@ -39,6 +40,10 @@ class VllmBackendConfig:
     # evicted from it stay on disk and are reloaded when a request names them again.
     max_lora_rank: int = 16
     # Largest LoRA rank accepted; one of 1, 8, 16, 32, 64, 128, 256, 320, 512. Lower is faster.
+    lora_target_modules: tuple[str, ...] = DEFAULT_TARGET_MODULES
+    # Modules that may carry LoRA weights; an adapter's modules outside this list are ignored.
+    # Leaving lm_head out keeps vLLM off its LoRA logits path, which in vLLM 0.32 on a CPU fails
+    # when prompt logprobs (compute_logprobs) cover more than one sequence in a step.
     max_model_len: int = 2048
     # Longest prompt + generation, in tokens. Bounds the KV cache per sequence.
     kv_cache_gib: float | None = 1.0
@@ -81,6 +86,10 @@ class VllmBackendConfig:
                 f"VllmBackendConfig.max_lora_rank must be one of {VLLM_LORA_RANKS} (vLLM's LoRA kernels), "
                 f"got {self.max_lora_rank}"
             )
+        if not self.lora_target_modules:
+            raise ConfigError(
+                "VllmBackendConfig.lora_target_modules must name at least one module (e.g. 'q_proj', 'v_proj')"
+            )
         if self.max_model_len < 2:
             raise ConfigError(f"VllmBackendConfig.max_model_len must be at least 2 tokens, got {self.max_model_len}")
         if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
@@ -106,6 +115,7 @@ class VllmBackendConfig:
             "max_loras": self.max_loras,
             "max_cpu_loras": self.max_cpu_loras,
             "max_lora_rank": self.max_lora_rank,
+            "lora_target_modules": list(self.lora_target_modules),
             "max_model_len": self.max_model_len,
             "enforce_eager": self.enforce_eager,
             "seed": self.seed,
