@@ -103,7 +103,10 @@ class ClusterState:
             for eid, e in self.engines.items()
             if e.spec.base_model == job.base_model and allowed(eid) and e.free_gb + _EPS >= job.engine_mem_gb
         ]
-        return self.adapters.choose_engine(job.adapter if job.needs_slot else None, job.base_model, candidates, now_s)
+        adapter = job.adapter if job.needs_slot else None
+        return self.adapters.choose_engine(
+            adapter, job.base_model, candidates, now_s, lambda c: len(self.engines[c].jobs)
+        )
 
     # --- allocation ------------------------------------------------------------------------------
     def allocate(self, job: Job, placement: Placement, now_s: float) -> AdapterLoad | None:

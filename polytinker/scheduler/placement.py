@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from polytinker.errors import ConfigError
@@ -121,20 +121,26 @@ class AdapterPlacement:
             e.resident.move_to_end(adapter)
 
     def choose_engine(
-        self, adapter: AdapterID | None, base_model: BaseModelID, candidates: Iterable[ResourceID], now_s: float
+        self,
+        adapter: AdapterID | None,
+        base_model: BaseModelID,
+        candidates: Iterable[ResourceID],
+        now_s: float,
+        jobs_on: Callable[[ResourceID], int] | None = None,
     ) -> ResourceID | None:
         """Best engine among ``candidates`` (already of the right base model and with room) for a job:
         one holding the adapter (no load), else one with a free slot (no eviction), else one that can
-        evict; the least loaded among equals."""
+        evict; among equals the one with the fewest jobs (``jobs_on``, if given: jobs without an adapter
+        pin nothing but still share the engine), then the least loaded."""
         usable = [c for c in candidates if adapter is None or self.can_host(c, adapter)]
         if not usable:
             return None
 
-        def key(c: ResourceID) -> tuple[bool, bool, float, str]:
+        def key(c: ResourceID) -> tuple[bool, bool, int, float, str]:
             e = self._engines[c]
             warm = adapter is not None and adapter in e.resident
             evicts = adapter is not None and not warm and len(e.resident) >= e.spec.adapter_slots
-            return (not warm, evicts, self.engine_load(c, now_s), c)
+            return (not warm, evicts, jobs_on(c) if jobs_on else 0, self.engine_load(c, now_s), c)
 
         return min(usable, key=key)
 
