@@ -150,3 +150,15 @@ def test_env_arguments_are_validated():
         make("prisoners_dilemma-v0", rounds=0)
     with pytest.raises(ConfigError, match="penalty"):
         EnvConfig(invalid_action_penalty=1.0)
+
+
+def test_retries_start_afresh_after_a_fallback():
+    env = make("guess_number-v0", config=EnvConfig(max_retries=1))
+    env.reset(seed=0)
+    for _ in range(2):  # the second refusal exhausts the retries: a fallback guess is played
+        env.step("??")
+    assert len(env.guesses) == 1 and env.infos["player_0"]["retries_left"] == 0
+    env.step("??")  # a new decision: one retry again
+    assert len(env.guesses) == 1 and env.infos["player_0"]["retries_left"] == 1
+    env.step("50")
+    assert len(env.guesses) == 2 and "invalid_action" not in env.infos["player_0"]

@@ -93,7 +93,8 @@ class _TextEnvCore:
         self.render_mode = render_mode
         self._obs_spaces, self._act_spaces = text_spaces(self.possible_agents, self.config)
         self._rng = np.random.default_rng()
-        self._retries: dict[AgentID, int] = {}
+        self._retries: dict[AgentID, int] = {}  # invalid actions in a row, this decision
+        self._retries_left: dict[AgentID, int] = {}
         self._feedback: dict[AgentID, str] = {}
 
     # -- PettingZoo spaces: the same object on every call, as seeding of spaces requires.
@@ -160,21 +161,24 @@ class _TextEnvCore:
         """Book an invalid action; True when the agent may try again."""
         self._retries[agent] = self._retries.get(agent, 0) + 1
         left = self.config.max_retries - self._retries[agent] + 1
+        self._retries_left[agent] = max(0, left)
         if left > 0:
             self._feedback[agent] = f"Invalid action: {reason}. Try again ({left} tries left)."
             return True
         self._feedback[agent] = f"Invalid action: {reason}. No tries left."
+        self._retries[agent] = 0  # the fallback or forfeit settles it: the next decision starts afresh
         return False
 
     def _accept(self, agent: AgentID) -> None:
         self._retries[agent] = 0
         self._feedback.pop(agent, None)
+        self._retries_left.pop(agent, None)
 
     def _agent_info(self, agent: AgentID) -> dict[str, Any]:
         info: dict[str, Any] = {"view": self.view(agent)}
         if agent in self._feedback:
             info["invalid_action"] = self._feedback[agent]
-            info["retries_left"] = max(0, self.config.max_retries - self._retries.get(agent, 0) + 1)
+            info["retries_left"] = self._retries_left.get(agent, 0)
         return info
 
     def _seed(self, seed: int | None) -> None:
@@ -182,8 +186,7 @@ class _TextEnvCore:
             self._rng = np.random.default_rng(seed)
             for a in self.possible_agents:
                 self._act_spaces[a].seed(int(self._rng.integers(2**31)))
-        self._retries = {}
-        self._feedback = {}
+        self._retries, self._retries_left, self._feedback = {}, {}, {}
 
 
 class TextAECEnv(_TextEnvCore, AECEnv):

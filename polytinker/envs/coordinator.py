@@ -88,10 +88,13 @@ class _Book:
             self.turns.setdefault(agent, []).append(turn)
 
     def mark_invalid(self, agent: AgentID, info: Mapping[str, Any] | None) -> None:
-        reason = (info or {}).get("invalid_action")
+        info = info or {}
+        reason = info.get("invalid_action")
         if agent in self.open and reason:
             self.open[agent].invalid_reason = str(reason)
-            self.streak[agent] = self.streak.get(agent, 0) + 1
+            # Out of retries, the env settled the move: the agent's next decision is a fresh one.
+            retrying = info.get("retries_left", 1) > 0
+            self.streak[agent] = self.streak.get(agent, 0) + 1 if retrying else 0
         else:
             self.streak[agent] = 0
 
@@ -148,7 +151,14 @@ class Coordinator:
 
         return list(await asyncio.gather(*(one(s) for s in seeds)))
 
-    def run_sync(self, make_env: EnvFactory, policy: Any, seeds: Iterable[int | None], *, env_id: str = "") -> list:
+    def run_sync(
+        self,
+        make_env: EnvFactory,
+        policy: Policy | Mapping[AgentID, Policy],
+        seeds: Iterable[int | None],
+        *,
+        env_id: str = "",
+    ) -> list[EpisodeResult]:
         """``run`` from synchronous code (starts and ends its own event loop)."""
         return asyncio.run(self.run(make_env, policy, seeds, env_id=env_id))
 
