@@ -27,3 +27,15 @@ def test_doc_example_runs(index):
         exec(compile(BLOCKS[index], f"docs example {index}", "exec"), {"__name__": "docs_example"})
     finally:
         unregister("pd_short-v0")
+
+
+def test_the_quickstart_example_runs():
+    import subprocess
+    import sys
+
+    root = DOCS.parent
+    out = subprocess.run(
+        [sys.executable, "examples/envs_quickstart.py"], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("mean reward of player_0 vs heuristic") == 4
