@@ -1,23 +1,17 @@
-"""The engine worker: one inference backend behind the scheduler, with dynamic batching.
+"""The engine worker: one ``InferenceEngine`` (dynamic batching over a backend) behind the scheduler.
 
-Sample requests from every job and tenant go into one queue. A batching thread takes the first,
-waits ``batch_window_s`` for more (up to ``max_batch_size`` sequences) and serves them as one
-mixed batch: each request names its own adapter version, so requests of different jobs share the
-base model's matmuls (``InferenceBackend.sample``). Adapter versions are loaded on demand from the
-peft directory the scheduler names, and the least recently used one is unloaded beyond
-``adapter_slots``. ``stats`` counts batches, and those that mixed adapters or tenants.
+Sample requests from every job and tenant go into the engine's one queue and are served in mixed
+batches: each request names its own adapter version, so requests of different jobs share the base
+model's matmuls. Adapter versions are registered from the peft directory the scheduler names and
+made resident by the engine when a batch needs them (least recently used evicted beyond
+``adapter_slots``). ``stats`` counts batches, and those that mixed adapters.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import queue
 import threading
-import time
-from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -59,143 +53,75 @@ class EngineWorker:
     """Handlers for the scheduler: ``sched.w.sample``, ``sched.w.logprobs``, ``sched.w.stats``."""
 
     def __init__(self, model: str, cfg: EngineWorkerConfig, backend: Any = None) -> None:
+        from polytinker.engine.inference.config import EngineConfig
+        from polytinker.engine.inference.engine import InferenceEngine
+
         self.cfg = cfg
-        self.backend = backend if backend is not None else make_backend(model, cfg)
-        self._lock = threading.Lock()  # residency and backend calls
-        # (adapter, version, directory) -> the backend's ref; LRU first. The directory is part of the
-        # key: a version reloaded from another checkpoint (load_state) is other weights, same number.
-        self._resident: OrderedDict[tuple[str, int, str], Any] = OrderedDict()
-        self._queue: queue.Queue[tuple[EngineSample, Future[Any]] | None] = queue.Queue()
-        self.stats = {
-            "batches": 0,
-            "requests": 0,
-            "mixed_adapter_batches": 0,
-            "mixed_tenant_batches": 0,
-            "adapter_loads": 0,
-            "max_batch_requests": 0,
-        }
-        self._closed = False
-        self._thread = threading.Thread(target=self._batch_loop, name="engine-batcher", daemon=True)
-        self._thread.start()
+        engine_cfg = EngineConfig(
+            batch_window_s=cfg.batch_window_s,
+            max_batch_size=cfg.max_batch_size,
+            max_resident_adapters=cfg.adapter_slots,
+        )
+        self.engine = InferenceEngine(backend if backend is not None else make_backend(model, cfg), engine_cfg)
+        # The directory each version was registered from: a version reloaded from another checkpoint
+        # (load_state) keeps its number but not its weights, so a new directory re-registers it.
+        self._dirs: dict[Any, str] = {}
+        self._lock = threading.Lock()
 
     def handlers(self) -> dict[str, Callable[[Any], Any]]:
         return {"sched.w.sample": self.sample, "sched.w.logprobs": self.logprobs, "sched.w.stats": self.get_stats}
 
     def close(self) -> None:
-        self._closed = True
-        self._queue.put(None)
-        self._thread.join(5.0)
-        self.backend.close()
+        self.engine.close()
 
-    # --- handlers ------------------------------------------------------------------------------
-    def sample(self, msg: EngineSample) -> list[dict[str, Any]]:
-        fut: Future[Any] = Future()
-        self._queue.put((msg, fut))
-        result: list[dict[str, Any]] = fut.result()
-        return result
-
-    def logprobs(self, msg: EngineLogprobs) -> list[list[float]]:
-        with self._lock:
-            ref = self._ensure(msg.adapter, msg.version, msg.adapter_dir)
-            out: list[list[float]] = self.backend.compute_logprobs([list(s) for s in msg.sequences], ref)
-            return out
-
-    def get_stats(self, _msg: WorkerStats) -> dict[str, Any]:
-        return {**self.stats, "resident": [f"{a}@{v}" for a, v, _ in self._resident]}
-
-    # --- batching ------------------------------------------------------------------------------
-    def _batch_loop(self) -> None:
-        while not self._closed:
-            first = self._queue.get()
-            if first is None:
-                return
-            batch = [first]
-            seqs = first[0].num_samples
-            deadline = time.monotonic() + self.cfg.batch_window_s
-            while seqs < self.cfg.max_batch_size:
-                try:
-                    item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-                except queue.Empty:
-                    break
-                if item is None:
-                    self._closed = True
-                    break
-                batch.append(item)
-                seqs += item[0].num_samples
-            self._serve(batch)
-
-    def _serve(self, batch: list[tuple[EngineSample, Future[Any]]]) -> None:
-        try:
-            results = self._run([m for m, _ in batch])
-        except Exception as exc:
-            if len(batch) == 1:
-                batch[0][1].set_exception(exc)
-                return
-            # One bad request (an adapter that will not load) must not fail the others: serve each alone.
-            for item in batch:
-                self._serve([item])
-            return
-        for (_, fut), res in zip(batch, results, strict=True):
-            fut.set_result(res)
-
-    def _run(self, msgs: list[EngineSample]) -> list[list[dict[str, Any]]]:
-        from polytinker.engine.types import SampleRequest
-
-        with self._lock:
-            refs = [self._ensure(m.adapter, m.version, m.adapter_dir) for m in msgs]
-            requests = [
-                SampleRequest(
-                    prompt_token_ids=tuple(m.prompt_token_ids), adapter=ref, params=_params(m.params, m.num_samples)
-                )
-                for m, ref in zip(msgs, refs, strict=True)
-            ]
-            results = self.backend.sample(requests)
-        self._count(msgs)
-        return [
-            [
-                {
-                    "tokens": list(s.token_ids),
-                    "logprobs": list(s.logprobs),
-                    "text": s.text,
-                    "stop_reason": str(s.finish_reason),
-                }
-                for s in r.sequences
-            ]
-            for r in results
-        ]
-
-    def _count(self, msgs: list[EngineSample]) -> None:
-        s = self.stats
-        s["batches"] += 1
-        s["requests"] += len(msgs)
-        s["max_batch_requests"] = max(s["max_batch_requests"], len(msgs))
-        if len({(m.adapter, m.version) for m in msgs}) > 1:
-            s["mixed_adapter_batches"] += 1
-        if len({m.tag for m in msgs}) > 1:
-            s["mixed_tenant_batches"] += 1
-
-    def _ensure(self, adapter: str, version: int, adapter_dir: str) -> Any:
-        """The backend's ref for the version, loaded now if it is not resident (call under the lock)."""
+    def _ref(self, adapter: str, version: int, adapter_dir: str) -> Any:
+        """The engine's ref for the version, registered (loaded lazily by the engine) if it is new."""
         from polytinker.engine.types import AdapterRef
 
         if not adapter:
             return None
-        key = (adapter, version, adapter_dir)
-        ref = self._resident.get(key)
-        if ref is not None:
-            self._resident.move_to_end(key)
-            return ref
-        if not adapter_dir or not Path(adapter_dir).is_dir():
-            raise ConfigError(f"adapter {adapter}@{version}: no exported weights at {adapter_dir!r}")
-        while len(self._resident) >= self.cfg.adapter_slots:
-            _, old = self._resident.popitem(last=False)
-            self.backend.unload_adapter(old)
-        tag = hashlib.sha1(adapter_dir.encode()).hexdigest()[:8]
-        ref = AdapterRef(f"{adapter}#{tag}", version)
-        self.backend.load_adapter_dir(ref, Path(adapter_dir))
-        self._resident[key] = ref
-        self.stats["adapter_loads"] += 1
+        ref = AdapterRef(adapter, version)
+        with self._lock:
+            if self._dirs.get(ref) == adapter_dir and ref in self.engine.slots.known():
+                return ref
+            if not adapter_dir or not Path(adapter_dir).is_dir():
+                raise ConfigError(f"adapter {ref}: no exported weights at {adapter_dir!r}")
+            self.engine.load_adapter_dir(ref, Path(adapter_dir))
+            self._dirs[ref] = adapter_dir
         return ref
+
+    def sample(self, msg: EngineSample) -> list[dict[str, Any]]:
+        from polytinker.engine.types import SampleRequest
+
+        ref = self._ref(msg.adapter, msg.version, msg.adapter_dir)
+        params = _params(msg.params, msg.num_samples)
+        result = self.engine.submit(
+            SampleRequest(prompt_token_ids=tuple(msg.prompt_token_ids), adapter=ref, params=params)
+        ).result()
+        return [
+            {
+                "tokens": list(s.token_ids),
+                "logprobs": list(s.logprobs),
+                "text": s.text,
+                "stop_reason": str(s.finish_reason),
+            }
+            for s in result.sequences
+        ]
+
+    def logprobs(self, msg: EngineLogprobs) -> list[list[float]]:
+        ref = self._ref(msg.adapter, msg.version, msg.adapter_dir)
+        return self.engine.compute_logprobs([list(s) for s in msg.sequences], ref)
+
+    def get_stats(self, _msg: WorkerStats) -> dict[str, Any]:
+        st = self.engine.stats
+        return {
+            "batches": len(st.batch_sizes),
+            "requests": st.requests,
+            "max_batch_sequences": max(st.batch_sizes, default=0),
+            "mixed_adapter_batches": sum(1 for n in st.batch_adapters if n > 1),
+            "adapter_loads": self.engine.slots.loads,
+            "resident": [str(r) for r in self.engine.slots.resident()],
+        }
 
 
 __all__ = ["EngineWorker", "make_backend"]
