@@ -167,6 +167,11 @@ class LearnerGroup:
         else:
             self._call("remove_adapter", name=name)
 
+    def adapters(self) -> list[AdapterRef]:
+        if isinstance(self.learner, MultiAdapterLearner):
+            return self.learner.adapters()
+        return [self.learner.version()]
+
     def forward(self, data: list[Datum], adapter: AdapterName | None = None) -> list[list[float]]:
         if self._group is None:
             return self.learner.forward(data, adapter)

@@ -1,0 +1,228 @@
+"""Learner figures of the engine benchmark (``benchmarks/engine.py`` imports :func:`run`).
+
+Real model (SmolLM2-135M-Instruct), fp32, LoRA rank 16, alpha 32, on every linear projection.
+
+- ``learner_memory_ratio``: peak RSS of one learner process stepping 4 adapters over one base
+  model, divided by the summed peak RSS of 4 processes each stepping one adapter on its own model
+  copy (target <= 0.4).
+- ``learner_throughput_ratio``: trained tokens/s of that shared learner, divided by the tokens/s
+  of the 4 separate processes run concurrently on the same total work (target >= 0.9). Each
+  worker loads and warms up first; all start their timed loop together. The shared learner gets
+  ``min(4, cores)`` threads, each separate process ``max(1, cores // 4)``: the same machine either way.
+- ``adapter_sync_ms``: a new adapter version from the learner to an engine: ``export_adapter``
+  (CPU snapshot), the transport codec's encode and decode (tensors out of band, what crosses a
+  process boundary), and the HF engine's ``load_adapter`` of that new version. Median of repeats.
+- ``adapter_sync_vs_memcpy_ratio``: that time over one ``copy_`` of the same number of bytes.
+- ``colocated_sync_ms``: the colocated alternative (engine and learner sharing one model in one
+  process): copying the trained adapter into a serving slot of the same peft model, which is all
+  a colocated engine needs so in-flight requests keep their version. No export, no second model.
+
+Peaks are ``ru_maxrss`` of worker subprocesses. Run alone: ``python benchmarks/_engine_learner.py --quick``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+N_ADAPTERS = 4
+MODEL = "smollm2-135m-instruct"
+
+
+def _data(batch: int, seq_len: int, seed: int) -> list[Any]:
+    import torch
+
+    from polytinker.engine.types import Datum
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(batch):
+        tokens = torch.randint(10, 40000, (seq_len + 1,), generator=g).tolist()
+        out.append(Datum(tokens[:-1], tokens[1:], [0.0] * 8 + [1.0] * (seq_len - 8)))
+    return out
+
+
+def _worker(spec: dict[str, Any]) -> None:
+    """One training process: load, warm up, say ready, wait for go, train, report."""
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    from polytinker.engine.learner import AdamParams, LearnerConfig, MultiAdapterLearner
+    from polytinker.engine.models import load_model
+    from polytinker.engine.types import LoraConfig
+
+    model, _ = load_model(MODEL)
+    learner = MultiAdapterLearner(model, LearnerConfig(micro_batch_size=spec["batch"]))
+    names = [f"agent{i}" for i in range(spec["adapters"])]
+    for i, name in enumerate(names):
+        learner.add_adapter(name, LoraConfig(rank=16, alpha=32), seed=i)
+    data = _data(spec["batch"], spec["seq_len"], seed=spec["seed"])
+    adam = AdamParams(learning_rate=1e-4)
+    for name in names:  # warm-up: allocator, optimizer state, peak activations
+        learner.forward_backward(data, "cross_entropy", name)
+        learner.optim_step(adam, name)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    t0 = time.time()
+    for _ in range(spec["steps"]):
+        for name in names:
+            learner.forward_backward(data, "cross_entropy", name)
+            learner.optim_step(adam, name)
+    t1 = time.time()
+    tokens = spec["steps"] * len(names) * spec["batch"] * spec["seq_len"]
+    rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"t0": t0, "t1": t1, "tokens": tokens, "maxrss_bytes": rss_kb * 1024}), flush=True)
+
+
+def _run_workers(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    # PASSIVE: OpenMP threads sleep instead of spinning while they wait; on a loaded machine
+    # spinning threads of several processes starve each other (10x slower, measured here).
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_WAIT_POLICY": "PASSIVE"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(s)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**env, "OMP_NUM_THREADS": str(s["threads"])},
+        )
+        for s in specs
+    ]
+    try:
+        for p in procs:  # everyone loaded and warm before anyone is timed
+            assert p.stdout is not None
+            line = p.stdout.readline()
+            if line.strip() != "ready":
+                raise RuntimeError(f"learner benchmark worker failed to start (said {line!r})")
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        reports = []
+        for p in procs:
+            assert p.stdout is not None
+            reports.append(json.loads(p.stdout.readline()))
+            p.wait(timeout=60)
+        return reports
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def _tok_per_s(reports: list[dict[str, Any]]) -> float:
+    wall = max(r["t1"] for r in reports) - min(r["t0"] for r in reports)
+    return sum(r["tokens"] for r in reports) / wall
+
+
+def _median_ms(fn: Any, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def measure_sync(repeats: int) -> dict[str, float]:
+    """Learner -> engine adapter sync (separate models) vs memcpy, and the colocated copy."""
+    import torch
+
+    from polytinker.engine.inference.hf import HFBackend
+    from polytinker.engine.learner import AdamParams, MultiAdapterLearner
+    from polytinker.engine.models import load_model
+    from polytinker.engine.types import AdapterRef, AdapterWeights, LoraConfig
+    from polytinker.transport.codec import decode, encode
+
+    model, tokenizer = load_model(MODEL)
+    learner = MultiAdapterLearner(model)
+    lora = LoraConfig(rank=16, alpha=32)
+    learner.add_adapter("alice", lora, seed=0)
+    learner.forward_backward(_data(1, 32, seed=1), "cross_entropy", "alice")
+    learner.optim_step(AdamParams(), "alice")
+    engine = HFBackend(model=load_model(MODEL)[0], tokenizer=tokenizer)
+    version = iter(range(1, 1 << 30))
+
+    def sync() -> None:
+        w = learner.export_adapter("alice")
+        received = decode(encode({"tensors": w.tensors}))["tensors"]
+        ref = AdapterRef("alice", next(version))
+        engine.load_adapter(AdapterWeights(ref, w.config, received))
+        if ref.version > 1:  # the previous version leaves (outside an RL loop's critical path, but cheap)
+            engine.unload_adapter(AdapterRef("alice", ref.version - 1))
+
+    sync()  # warm: first adapter wraps the engine model in peft
+    sync_ms = _median_ms(sync, repeats)
+    nbytes = learner.export_adapter("alice").nbytes()
+    src = torch.empty(nbytes, dtype=torch.uint8).random_(0, 255)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    memcpy_ms = _median_ms(lambda: dst.copy_(src), repeats * 4)
+    colocated_ms = _colocated_copy_ms(learner, lora, repeats)
+    return {
+        "adapter_sync_ms": sync_ms,
+        "adapter_sync_vs_memcpy_ratio": sync_ms / memcpy_ms,
+        "adapter_sync_mb": nbytes / 1e6,
+        "colocated_sync_ms": colocated_ms,
+    }
+
+
+def _colocated_copy_ms(learner: Any, lora: Any, repeats: int) -> float:
+    import torch
+
+    learner.add_adapter("alice_serve", lora)
+    src = learner._slot("alice").params
+    dst = learner._slot("alice_serve").params
+    pairs = [(dst[k.replace(".alice.", ".alice_serve.")], v) for k, v in src.items()]
+
+    def copy() -> None:
+        with torch.no_grad():
+            for d, s in pairs:
+                d.copy_(s)
+
+    copy()
+    return _median_ms(copy, repeats)
+
+
+def run(quick: bool = False) -> dict[str, float]:
+    cores = os.cpu_count() or 2
+    batch, seq_len, steps = (2, 32, 1) if quick else (4, 128, 2)
+    base = {"batch": batch, "seq_len": seq_len, "steps": steps}
+    shared = _run_workers([{**base, "adapters": N_ADAPTERS, "threads": min(4, cores), "seed": 0}])
+    separate = _run_workers(
+        [{**base, "adapters": 1, "threads": max(1, cores // N_ADAPTERS), "seed": 0} for _ in range(N_ADAPTERS)]
+    )
+    shared_tps, separate_tps = _tok_per_s(shared), _tok_per_s(separate)
+    results = {
+        "learner_memory_ratio": shared[0]["maxrss_bytes"] / sum(r["maxrss_bytes"] for r in separate),
+        "learner_throughput_ratio": shared_tps / separate_tps,
+        "learner_shared_tok_per_s": shared_tps,
+        "learner_separate_tok_per_s": separate_tps,
+        "learner_shared_peak_mb": shared[0]["maxrss_bytes"] / 1e6,
+        "learner_separate_peak_mb_sum": sum(r["maxrss_bytes"] for r in separate) / 1e6,
+    }
+    results.update(measure_sync(repeats=3 if quick else 10))
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller sizes: under a minute on 2 cores")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        _worker(json.loads(args.worker))
+        return
+    for name, value in run(quick=args.quick).items():
+        print(f"{name}: {value:.4g}")
+
+
+if __name__ == "__main__":
+    main()
