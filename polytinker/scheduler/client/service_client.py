@@ -37,18 +37,21 @@ class ServiceClient:
         runtime_config: RuntimeConfig | None = None,
         curve: ClientCurve | None = None,
         timeout_s: float = 600.0,
+        job_wait_s: float = 600.0,
     ) -> None:
         self._address = address or os.environ.get(ADDRESS_ENV) or None
         self._api_key = api_key or os.environ.get(API_KEY_ENV) or ""
         self._runtime_config = runtime_config
-        self._curve, self._timeout_s = curve, timeout_s
+        self._curve, self._timeout_s, self._job_wait_s = curve, timeout_s, job_wait_s
         self._runtime: Any = None
         self._conn: Connection | None = None
         self._lock = threading.Lock()
         if self._address is not None:
             if not self._api_key:
                 raise ConfigError(f"an API key is needed for {self._address}: pass api_key= or set {API_KEY_ENV}")
-            self._conn = Connection(self._address, self._api_key, curve=curve, timeout_s=timeout_s)
+            self._conn = Connection(
+                self._address, self._api_key, curve=curve, timeout_s=timeout_s, job_wait_s=job_wait_s
+            )
 
     @property
     def runtime(self) -> Any:
@@ -65,7 +68,9 @@ class ServiceClient:
                     cfg = dataclasses.replace(cfg, model=base_model)
                 self._runtime = LocalRuntime(cfg).start()
                 self._api_key = self._runtime.api_key
-                self._conn = Connection(self._runtime.local_address, self._api_key, timeout_s=self._timeout_s)
+                self._conn = Connection(
+                    self._runtime.local_address, self._api_key, timeout_s=self._timeout_s, job_wait_s=self._job_wait_s
+                )
             return self._conn
 
     def _create(self, kind: str, base_model: str, **fields: Any) -> dict[str, Any]:

@@ -164,6 +164,10 @@ class RuntimeConfig:
     # Training calls (forward_backward, optim_step, ...) in flight at once; likewise bounded.
     max_inflight_per_tenant: int = 2048
     # In-flight requests of one tenant, so one tenant cannot take every slot.
+    max_queued_jobs: int = 10_000
+    # Jobs waiting for resources at once; a submission beyond it is answered "overloaded, retry after N s".
+    max_queued_per_tenant: int = 1_000
+    # Waiting jobs of one tenant at once (the same answer beyond it).
     retry_after_s: float = 1.0
     # The wait an overloaded answer suggests.
     worker_heartbeat_s: float = 0.5
@@ -192,7 +196,15 @@ class RuntimeConfig:
             raise ConfigError(f"RuntimeConfig: tenant names must be unique, got {names}")
         if bool(self.curve_secret_file) != bool(self.curve_clients_dir):
             raise ConfigError("RuntimeConfig: set curve_secret_file and curve_clients_dir together")
-        for name in ("max_inflight_samples", "max_inflight_train", "max_inflight_per_tenant", "keep_checkpoints"):
+        bounds = (
+            "max_inflight_samples",
+            "max_inflight_train",
+            "max_inflight_per_tenant",
+            "keep_checkpoints",
+            "max_queued_jobs",
+            "max_queued_per_tenant",
+        )
+        for name in bounds:
             if getattr(self, name) < 1:
                 raise ConfigError(f"RuntimeConfig.{name} must be >= 1, got {getattr(self, name)}")
         for name in (

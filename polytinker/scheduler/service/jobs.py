@@ -87,7 +87,12 @@ class JobManager:
     def __init__(self, config: RuntimeConfig, store: StateStore, tenant_weights: tuple[tuple[str, float], ...]):
         self.config = config
         self.store = store
-        self.policy = FairSharePolicy(cluster_spec(config), SchedulerPolicyConfig(tenant_weights=tenant_weights))
+        policy_config = SchedulerPolicyConfig(
+            tenant_weights=tenant_weights,
+            max_queued_jobs=config.max_queued_jobs,
+            max_queued_per_tenant=config.max_queued_per_tenant,
+        )
+        self.policy = FairSharePolicy(cluster_spec(config), policy_config)
         self._lock = threading.RLock()
         self._t0 = time.monotonic()
         self._live: dict[str, _Live] = {}

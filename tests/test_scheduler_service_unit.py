@@ -1,0 +1,293 @@
+"""The scheduler service's parts in one process: config, SQLite state, tenants, jobs over the policy,
+learner time-slicing, and the RPC surface against malformed and overloaded traffic."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from polytinker.errors import ConfigError, ProtocolError, RemoteError
+from polytinker.scheduler.client._connection import Connection
+from polytinker.scheduler.service import (
+    AuthError,
+    EngineWorkerConfig,
+    JobManager,
+    JobNotRunning,
+    LearnerSlicer,
+    LearnerWorkerConfig,
+    OverloadedError,
+    RuntimeConfig,
+    SchedulerService,
+    StateStore,
+    TenantConfig,
+)
+from polytinker.scheduler.service import messages as m
+from polytinker.scheduler.service.scheduler import parse_model_path
+from polytinker.scheduler.service.tenants import Tenants, hash_key
+from polytinker.transport import RpcClient, RpcServer
+
+KEY_A = "alice-key-0123456789"
+KEY_B = "bob-key-0123456789ab"
+
+
+def config(tmp_path: Path, **kw: object) -> RuntimeConfig:
+    base: dict[str, object] = {
+        "model": "tiny-random",
+        "state_dir": str(tmp_path),
+        "tenants": (TenantConfig("alice", api_key=KEY_A), TenantConfig("bob", api_key=KEY_B)),
+        "worker_token": "worker-token-0123456789",
+    }
+    base.update(kw)
+    return RuntimeConfig(**base)  # type: ignore[arg-type]
+
+
+# --- config ------------------------------------------------------------------------------------------
+
+
+def test_config_validation_says_how_to_fix() -> None:
+    with pytest.raises(ConfigError, match="unique"):
+        RuntimeConfig(engines=(EngineWorkerConfig("x"),), learners=(LearnerWorkerConfig("x"),))
+    with pytest.raises(ConfigError, match="at least 16"):
+        TenantConfig("t", api_key="short")
+    with pytest.raises(ConfigError, match="together"):
+        RuntimeConfig(curve_secret_file="k.key_secret")
+    with pytest.raises(ConfigError, match="engine_id"):
+        EngineWorkerConfig("bad id!")
+
+
+def test_config_from_toml_and_round_trip(tmp_path: Path) -> None:
+    toml = tmp_path / "runtime.toml"
+    toml.write_text(
+        'model = "tiny-random"\nmax_inflight_samples = 7\n'
+        '[[engines]]\nengine_id = "e1"\nadapter_slots = 2\n'
+        '[[learners]]\nlearner_id = "l1"\n'
+        '[[tenants]]\nname = "alice"\napi_key = "alice-key-0123456789"\n'
+        "[jobs]\nsteps = 5\n"
+    )
+    cfg = RuntimeConfig.from_toml(toml)
+    assert cfg.engines[0].adapter_slots == 2 and cfg.learners[0].learner_id == "l1" and cfg.jobs.steps == 5
+    assert RuntimeConfig.from_dict(cfg.to_dict()) == cfg
+    toml.write_text('model = "m"\nunknown_key = 1\n')
+    with pytest.raises(ConfigError, match="unknown_key"):
+        RuntimeConfig.from_toml(toml)
+
+
+# --- state and tenants ----------------------------------------------------------------------------------
+
+
+def test_state_is_wal_and_durable_across_reopen(tmp_path: Path) -> None:
+    db = tmp_path / "s.sqlite3"
+    store = StateStore(db)
+    store.ensure_adapter("alice/j1/a", "alice", "j1", "a")
+    store.record_version("alice/j1/a", 1, "/c/v1", "/e/v1")
+    store.record_version("alice/j1/a", 2, "/c/v2", "/e/v2")
+    assert store.drop_versions_below("alice/j1/a", 2) == [("/c/v1", "/e/v1")]
+    store.close()
+    mode = sqlite3.connect(db).execute("PRAGMA journal_mode").fetchone()[0]
+    assert mode == "wal"
+    again = StateStore(db)
+    row = again.adapter("alice/j1/a")
+    assert row is not None and (row.version, row.checkpoint, row.export_dir) == (2, "/c/v2", "/e/v2")
+    assert again.version_row("alice/j1/a", 1) is None and again.version_row("alice/j1/a", 2) == ("/c/v2", "/e/v2")
+
+
+def test_tenants_store_only_key_hashes(tmp_path: Path) -> None:
+    store = StateStore(tmp_path / "s.sqlite3")
+    tenants = Tenants(store)
+    tenants.add(TenantConfig("alice", api_key=KEY_A))
+    assert tenants.authenticate(KEY_A) == "alice"
+    for bad in ("", "nope-nope-nope-nope", None, 42):
+        with pytest.raises(AuthError):
+            tenants.authenticate(bad)
+    dump = "\n".join(store._db.iterdump())
+    assert KEY_A not in dump and hash_key(KEY_A) in dump
+
+
+# --- jobs ----------------------------------------------------------------------------------------------
+
+
+def manager(tmp_path: Path, **kw: object) -> JobManager:
+    cfg = config(tmp_path, **kw)
+    store = StateStore(cfg.state_path / "scheduler.sqlite3")
+    tenants = Tenants(store)
+    for t in cfg.tenants:
+        tenants.add(t)
+    return JobManager(cfg, store, tenants.weights())
+
+
+def create(mgr: JobManager, tenant: str, key: str, kind: str = "lora_rl", **kw: object) -> str:
+    return mgr.create(tenant, m.CreateJob(key, kind, "tiny-random", **kw)).job_id  # type: ignore[arg-type]
+
+
+def test_job_lifecycle_and_tenant_isolation(tmp_path: Path) -> None:
+    mgr = manager(tmp_path)
+    job = create(mgr, "alice", KEY_A)
+    row, placement = mgr.running("alice", job)
+    assert row.state == "running" and placement.learner == "learner-0" and placement.engine == "engine-0"
+    with pytest.raises(AuthError):
+        mgr.get("bob", job)  # the same answer as for a job that does not exist
+    with pytest.raises(AuthError):
+        mgr.action("bob", job, "cancel")
+    assert mgr.action("alice", job, "pause").state == "paused"
+    with pytest.raises(JobNotRunning):
+        mgr.running("alice", job)
+    assert mgr.action("alice", job, "resume").state == "running"
+    assert mgr.action("alice", job, "cancel").state == "cancelled"
+    with pytest.raises(ConfigError, match="cancelled"):
+        mgr.action("alice", job, "resume")
+    kinds = [e["kind"] for e in mgr.store.events(job)]
+    assert kinds[:2] == ["admit", "start"] and "pause" in kinds and kinds[-1] == "cancel"
+    with pytest.raises(ConfigError, match="serves base model"):
+        mgr.create("alice", m.CreateJob(KEY_A, "lora_rl", "other-model"))
+
+
+def test_full_parameter_job_gets_the_learner_to_itself_and_queues_the_rest(tmp_path: Path) -> None:
+    mgr = manager(tmp_path)
+    full = create(mgr, "alice", KEY_A, "full_rl")
+    assert mgr.get("alice", full).state == "running"
+    lora = create(mgr, "bob", KEY_B)
+    assert mgr.get("bob", lora).state == "queued"  # the learner group is exclusive to the full job
+    mgr.action("alice", full, "finish")
+    assert mgr.get("bob", lora).state == "running"
+
+
+def test_a_full_queue_answers_overloaded_with_a_retry_time(tmp_path: Path) -> None:
+    mgr = manager(tmp_path, max_queued_jobs=1)
+    create(mgr, "alice", KEY_A, "full_rl")  # takes the learner
+    create(mgr, "alice", KEY_A, "full_rl")  # waits: the one queued slot
+    with pytest.raises(OverloadedError) as err:
+        create(mgr, "bob", KEY_B, "sft")
+    assert err.value.retry_after_s > 0
+    assert [j.kind for j in mgr.store.jobs()] == ["full_rl", "full_rl"]  # nothing was recorded for it
+
+
+def test_recovery_puts_live_jobs_back_and_keeps_paused_ones_paused(tmp_path: Path) -> None:
+    mgr = manager(tmp_path)
+    running = create(mgr, "alice", KEY_A)
+    paused = create(mgr, "bob", KEY_B)
+    mgr.action("bob", paused, "pause")
+    mgr.store.close()
+    again = manager(tmp_path)  # a restarted scheduler over the same database
+    assert again.recover() == 1
+    assert again.get("alice", running).state == "running"
+    assert again.get("bob", paused).state == "paused"
+    assert again.action("bob", paused, "resume").state == "running"
+
+
+# --- learner time-slicing ------------------------------------------------------------------------------
+
+
+def test_learner_slicer_keeps_a_job_until_its_step_boundary() -> None:
+    slicer = LearnerSlicer(idle_s=30.0)
+    order: list[str] = []
+    with slicer.turn("a", 0):
+        order.append("a-fb")
+
+    def b() -> None:
+        with slicer.turn("b", 0, ends_step=True):
+            order.append("b-step")
+
+    t = threading.Thread(target=b)
+    t.start()
+    time.sleep(0.2)
+    assert order == ["a-fb"]  # b waits: a holds the group between its forward_backward and its step
+    with slicer.turn("a", 0, ends_step=True):
+        order.append("a-step")
+    t.join(5)
+    assert order == ["a-fb", "a-step", "b-step"] and slicer.switches == 2
+
+
+def test_learner_slicer_hands_over_after_an_idle_holder() -> None:
+    slicer = LearnerSlicer(idle_s=0.1)
+    with slicer.turn("a", 0):
+        pass
+    start = time.monotonic()
+    with slicer.turn("b", 0):
+        pass
+    assert time.monotonic() - start < 2.0
+
+
+# --- the RPC surface -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def service(tmp_path: Path):
+    cfg = config(tmp_path, max_inflight_train=1)
+    svc = SchedulerService(cfg, cfg.worker_token).start("tcp://127.0.0.1:0")
+    assert svc.server is not None
+    yield svc, svc.server.address
+    svc.stop()
+
+
+def test_malformed_and_hostile_requests_never_take_the_scheduler_down(service) -> None:
+    _svc, address = service
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.DEALER)
+    raw.linger = 0
+    raw.connect(address)
+    for frames in ([b"garbage"], [b"\x94\x01\x01\x07\xa3abc", b"\xc1"], [b""] * 3):
+        raw.send_multipart(frames)
+    raw.close()
+    with RpcClient(address) as client:
+        with pytest.raises(ProtocolError, match="takes a"):
+            client.call("sched.create_job", {"api_key": KEY_A, "kind": "lora_rl"})
+        with pytest.raises(ProtocolError):
+            client.call("sched.create_job", m.ListJobs(KEY_A))
+        with pytest.raises(RemoteError, match="unknown API key"):
+            client.call("sched.list_jobs", m.ListJobs("wrong-key-wrong-key"))
+        with pytest.raises(RemoteError, match="worker token"):
+            client.call("sched.w.register", m.Register("bad", "engine-0", "engine", "tcp://x:1", "i", "tiny-random"))
+        reply = client.call("sched.create_job", m.CreateJob(KEY_A, "lora_rl", "tiny-random", rank=4))
+        assert reply["status"] == "ok" and reply["job"]["state"] == "running"
+        jobs = client.call("sched.list_jobs", m.ListJobs(KEY_B))["jobs"]
+        assert jobs == []  # bob sees none of alice's jobs
+
+
+def test_training_without_a_learner_waits_then_the_bound_answers_overloaded(service) -> None:
+    svc, address = service
+    with RpcClient(address) as client:
+        job = client.call("sched.create_job", m.CreateJob(KEY_A, "lora_rl", "tiny-random", rank=4))["job"]
+        with svc._admit("alice", "train"):  # one training call in flight: the bound (1) is reached
+            reply = client.call("sched.optim_step", m.OptimStep(KEY_A, job["job_id"]))
+        assert reply["status"] == "overloaded" and reply["retry_after_s"] > 0
+
+
+def test_client_connection_retries_overloaded_answers_then_succeeds() -> None:
+    answers = iter(
+        [
+            {"status": "overloaded", "retry_after_s": 0.05, "reason": "busy"},
+            {"status": "waiting", "state": "queued", "retry_after_s": 0.05, "reason": "queued"},
+            {"status": "ok", "jobs": []},
+        ]
+    )
+    with RpcServer("tcp://127.0.0.1:0", {"sched.list_jobs": lambda _msg: next(answers)}) as server:
+        conn = Connection(server.address, KEY_A)
+        try:
+            assert conn.request("sched.list_jobs", m.ListJobs(KEY_A)) == {"status": "ok", "jobs": []}
+        finally:
+            conn.close()
+    busy = {"status": "overloaded", "retry_after_s": 0.01, "reason": "busy"}
+    with RpcServer("tcp://127.0.0.1:0", {"x": lambda _msg: busy}) as server:
+        conn = Connection(server.address, KEY_A, overload_wait_s=0.05)
+        try:
+            with pytest.raises(OverloadedError):
+                conn.request("x", None)
+        finally:
+            conn.close()
+
+
+def test_message_validation_and_model_paths() -> None:
+    with pytest.raises(ConfigError):
+        m.DatumMsg((1, 2), (2,), (1.0,))
+    with pytest.raises(ConfigError):
+        m.CreateJob(KEY_A, "training", "tiny-random")
+    with pytest.raises(ConfigError):
+        m.Sample(KEY_A, "", "tiny-random", (), 1)
+    assert parse_model_path("polytinker://job-1/agent@3") == ("job-1", "agent", 3)
+    with pytest.raises(ConfigError):
+        parse_model_path("polytinker://job-1@x")
