@@ -1,12 +1,14 @@
 """polytinker.scheduler: the scheduling policy and its simulator.
 
-Built: the pure decision core the central scheduler is to run (priorities, weighted fair share
-across tenants, backfill, preemption at step boundaries, admission control, bounded queues, adapter
-placement on engines, learner time-slicing choices), a FIFO baseline behind the same interface, and
-a discrete-event simulator that replays job traces through that code (``benchmarks/scheduler.py``).
+Here: the pure decision core the central scheduler runs (priorities, weighted fair share across
+tenants, backfill, preemption at step boundaries, admission control, bounded queues, adapter
+placement on engines, learner time-slicing choices), a FIFO baseline behind the same interface,
+and a discrete-event simulator that replays job traces through that code (``benchmarks/scheduler.py``).
+See docs/scheduler.md.
 
-Not built yet: the scheduler service itself (``polytinker serve``, workers, the SQLite job table,
-the ``jobs`` command and the Tinker-style clients). See docs/scheduler.md.
+The service that calls this policy (``polytinker serve``, workers, the SQLite job table, the
+``jobs`` command, Tinker-style clients) is a separate part, in ``polytinker.scheduler.service`` and
+``polytinker.scheduler.client`` (docs/scheduler-service.md); nothing here imports it.
 """
 
 from polytinker.scheduler.cluster import ClusterState
