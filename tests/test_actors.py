@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from test_actors_fixtures import Counter, Crashy, FailsOnStart, Nest, Overlap, StubbornStop
+from test_actors_fixtures import Counter, Crashy, FailsOnStart, Nest, Overlap, Scale, StubbornStop
 
 from polytinker.engine.actors import (
     EXIT_FAILED,
@@ -244,6 +244,15 @@ def test_arrays_travel_through_the_mailbox(counter):
     back = counter.ask("echo", {"x": data, "tag": "t"})
     assert back["tag"] == "t" and back["x"].dtype == np.float32
     np.testing.assert_array_equal(back["x"], data)
+
+
+def test_typed_messages_arrive_as_their_type_and_other_payloads_are_refused(counter):
+    assert counter.ask("scale", Scale(3)) == 30
+    with pytest.raises(ProtocolError, match="takes a Scale, got dict"):
+        counter.ask("scale", {"factor": 3})
+    with pytest.raises(ProtocolError, match="takes a Scale, got int"):
+        counter.tell("scale", 3)
+    assert counter.ask("get") == 30
 
 
 def test_the_actor_process_stays_light(counter):

@@ -6,10 +6,24 @@ import os
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 from polytinker.engine.actors import Actor, handler, spawn
+from polytinker.transport import message
+
+
+@message("scale")
+@dataclass(frozen=True)
+class Scale:
+    """A typed message: registered under the kind it is sent with, in a module both sides import."""
+
+    factor: int
+
+    def __post_init__(self) -> None:
+        if self.factor == 0:
+            raise ValueError("Scale.factor must not be 0")
 
 
 class Counter(Actor):
@@ -41,6 +55,12 @@ class Counter(Actor):
     @handler("pid")
     def pid(self, _payload: Any) -> int:
         return os.getpid()
+
+    @handler("scale")
+    def scale(self, msg: Scale) -> int:
+        assert isinstance(msg, Scale)
+        self.total *= msg.factor
+        return self.total
 
     @handler("modules")
     def modules(self, names: list[str]) -> list[str]:

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from polytinker.errors import ConfigError
+from polytinker.errors import ConfigError, ProtocolError
+from polytinker.transport.messages import message_type
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -54,6 +55,13 @@ def handler(kind: str, *, concurrent: bool = False) -> Callable[[F], F]:
         return fn
 
     return mark
+
+
+def check_payload_type(kind: str, payload: Any) -> None:
+    """A kind that names a typed message (``@polytinker.transport.message(kind)``) takes only that type."""
+    expected = message_type(kind)
+    if expected is not None and type(payload) is not expected:
+        raise ProtocolError(f"kind {kind!r} takes a {expected.__qualname__}, got {type(payload).__qualname__}")
 
 
 @dataclass(frozen=True)

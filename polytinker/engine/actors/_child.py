@@ -26,7 +26,7 @@ from typing import Any
 
 from polytinker.engine.actors import _actor, _logs, _protocol, _spawn
 from polytinker.engine.actors._mailbox import MailboxServer
-from polytinker.errors import ActorDeadError, ActorError
+from polytinker.errors import ActorDeadError, ActorError, ProtocolError
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _WATCHDOG_PERIOD_S = 0.5
@@ -137,9 +137,13 @@ class _Runner:
         if self.stopped:
             log.warning("tell %r after stop dropped", message["kind"])
             return
-        if message["kind"] not in self.actor.handler_specs():
+        try:
+            if message["kind"] not in self.actor.handler_specs():
+                raise ProtocolError(f"no handler for kind {message['kind']!r}")
+            _actor.check_payload_type(message["kind"], message.get("payload"))
+        except ProtocolError as exc:
             # A sender's mistake, not the actor's failure: do not stop for it.
-            log.error("tell of unknown kind %r dropped", message["kind"])
+            log.error("tell dropped: %s", exc)
             return
         try:
             self.actor.dispatch(message["kind"], message.get("payload"))

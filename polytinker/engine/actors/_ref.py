@@ -15,7 +15,7 @@ import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from polytinker.engine.actors._actor import RESERVED_PREFIX
+from polytinker.engine.actors._actor import RESERVED_PREFIX, check_payload_type
 from polytinker.engine.actors._mailbox import MailboxClient
 from polytinker.engine.actors._protocol import PING_KIND, STOP_KIND, TELL_KIND
 from polytinker.engine.actors.config import ActorConfig
@@ -102,7 +102,7 @@ class ActorRef:
         timeout = self._config.ask_timeout_s if timeout_s is None else timeout_s
         client, child = self._current(kind)
         if not kind.startswith(RESERVED_PREFIX):
-            self._check_kind(child, kind)
+            self._check_kind(child, kind, payload)
         outer: Future[Any] = Future()
         try:
             inner = client.call_async(kind, payload, timeout_s=timeout)
@@ -118,7 +118,7 @@ class ActorRef:
         """Send a message without waiting; a handler error is logged by the actor, then handled by
         ``ActorConfig.tell_failure``."""
         client, child = self._current()
-        self._check_kind(child, kind)
+        self._check_kind(child, kind, payload)
         try:
             client.send_oneway(TELL_KIND, {"kind": kind, "payload": payload})
         except TransportError as exc:
@@ -211,10 +211,13 @@ class ActorRef:
             raise self._dead(f"exited with code {child.poll()}")
         return client, child
 
-    def _check_kind(self, child: ChildProcess, kind: str) -> None:
+    def _check_kind(self, child: ChildProcess, kind: str, payload: Any) -> None:
+        """Refuse before sending what the actor would refuse: an unknown kind, or a payload that is
+        not the typed message registered under that kind."""
         if kind not in child.kinds:
             known = ", ".join(sorted(child.kinds)) or "none"
             raise ProtocolError(f"actor {self._name!r} has no handler for kind {kind!r} (it handles: {known})")
+        check_payload_type(kind, payload)
 
     def _forget(self, fut: Future[Any]) -> None:
         with self._lock:
