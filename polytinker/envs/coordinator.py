@@ -75,6 +75,7 @@ class _Book:
     totals: dict[AgentID, float] = field(default_factory=dict)
     done: dict[AgentID, tuple[bool, bool]] = field(default_factory=dict)
     streak: dict[AgentID, int] = field(default_factory=dict)  # consecutive invalid actions
+    steps: int = 0  # env steps taken (kept here so that an aborted episode reports them too)
 
     def reward(self, agent: AgentID, r: float) -> None:
         self.totals[agent] = self.totals.get(agent, 0.0) + r
@@ -177,12 +178,11 @@ class Coordinator:
         book = _Book()
         start = time.perf_counter()
         aborted: str | None = None
-        steps = 0
         try:
             drive = self._drive_aec if isinstance(env, AECEnv) else self._drive_parallel
-            steps = await drive(env, policy, book, seed, env_id, episode_id)
-        except _StepLimit as exc:
-            aborted, steps = f"step limit of {self.config.max_steps_per_episode} reached", int(str(exc))
+            await drive(env, policy, book, seed, env_id, episode_id)
+        except _StepLimit:
+            aborted = f"step limit of {self.config.max_steps_per_episode} reached"
         except _PolicyFailed as exc:
             # A policy bug is the caller's to see, not an env failure to paper over.
             raise exc.__cause__ or exc from None
@@ -194,7 +194,7 @@ class Coordinator:
             env_id=env_id,
             seed=seed,
             trajectories=book.trajectories(env.possible_agents),
-            num_steps=steps,
+            num_steps=book.steps,
             wall_s=time.perf_counter() - start,
             aborted=aborted,
         )
@@ -237,13 +237,11 @@ class Coordinator:
     # -- turn-taking
     async def _drive_aec(
         self, env: Any, policy: Any, book: _Book, seed: int | None, env_id: str, episode_id: str
-    ) -> int:
+    ) -> None:
         await _call(env, "reset", seed=seed)
-        steps = 0
-        limit = self.config.max_steps_per_episode
         while env.agents:
-            if steps >= limit:
-                raise _StepLimit(steps)
+            if book.steps >= self.config.max_steps_per_episode:
+                raise _StepLimit()
             agent = env.agent_selection
             raw, reward, terminated, truncated, info = env.last()
             book.reward(agent, float(reward))
@@ -254,44 +252,36 @@ class Coordinator:
             obs = TextObservation.from_raw(raw, info)
             action = await self._decide(env, policy, book, agent, obs, (env_id, episode_id, seed))
             await _call(env, "step", action)
-            steps += 1
+            book.steps += 1
             book.mark_invalid(agent, env.infos.get(agent))
-        return steps
 
     # -- simultaneous moves
     async def _drive_parallel(
         self, env: Any, policy: Any, book: _Book, seed: int | None, env_id: str, episode_id: str
-    ) -> int:
+    ) -> None:
         observations, infos = await _call(env, "reset", seed=seed)
-        steps = 0
+        ids = (env_id, episode_id, seed)
         while env.agents:
-            if steps >= self.config.max_steps_per_episode:
-                raise _StepLimit(steps)
+            if book.steps >= self.config.max_steps_per_episode:
+                raise _StepLimit()
             acting = [a for a in env.agents if infos.get(a, {}).get("needs_action", True)]
             decisions = [
-                self._decide(
-                    env,
-                    policy,
-                    book,
-                    a,
-                    TextObservation.from_raw(observations[a], infos.get(a)),
-                    (env_id, episode_id, seed),
-                )
+                self._decide(env, policy, book, a, TextObservation.from_raw(observations[a], infos.get(a)), ids)
                 for a in acting
             ]
             texts = await asyncio.gather(*decisions)  # the barrier: everyone's move before the step
             actions = dict.fromkeys(env.agents, "")
             actions.update(zip(acting, texts, strict=True))
             observations, rewards, terminations, truncations, infos = await _call(env, "step", actions)
-            steps += 1
+            book.steps += 1
             for a, r in rewards.items():
                 book.reward(a, float(r))
             for a in acting:
                 book.mark_invalid(a, infos.get(a))
-            for a in terminations:
-                if terminations[a] or truncations.get(a, False):
-                    book.done[a] = (bool(terminations[a]), bool(truncations.get(a, False)))
-        return steps
+            for a, terminated in terminations.items():
+                truncated = bool(truncations.get(a, False))
+                if terminated or truncated:
+                    book.done[a] = (bool(terminated), truncated)
 
 
 async def _call(env: Any, name: str, *args: Any, **kwargs: Any) -> Any:
