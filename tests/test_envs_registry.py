@@ -150,3 +150,13 @@ def test_cli_play_stops_when_input_ends():
         timeout=60,
     )
     assert out.returncode == 1 and "input ended" in out.stdout
+
+
+def test_env_processes_stay_light():
+    code = (
+        "import sys, polytinker.envs, polytinker.envs.remote, polytinker.envs.checker;"
+        "from polytinker.envs import make; make('tictactoe-v0');"
+        "assert 'torch' not in sys.modules, 'polytinker.envs pulled in torch'"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
