@@ -9,12 +9,13 @@ makes its own).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
 from typing import Any
 
-from polytinker.errors import ConfigError
+from polytinker.errors import ConfigError, PolytinkerError
 from polytinker.scheduler.client._connection import Connection
 from polytinker.scheduler.client.sampling_client import SamplingClient
 from polytinker.scheduler.client.training_client import TrainingClient
@@ -45,6 +46,7 @@ class ServiceClient:
         self._curve, self._timeout_s, self._job_wait_s = curve, timeout_s, job_wait_s
         self._runtime: Any = None
         self._conn: Connection | None = None
+        self._created: list[str] = []  # jobs this client made: finished at close() unless kept
         self._lock = threading.Lock()
         if self._address is not None:
             if not self._api_key:
@@ -78,6 +80,7 @@ class ServiceClient:
         job: dict[str, Any] = conn.request("sched.create_job", m.CreateJob(conn.api_key, kind, base_model, **fields))[
             "job"
         ]
+        self._created.append(job["job_id"])
         return job
 
     def _admitted(self, job: dict[str, Any]) -> dict[str, Any]:
@@ -170,7 +173,14 @@ class ServiceClient:
         return conn.request("sched.runtime_status", m.RuntimeStatus(conn.api_key))
 
     # --- lifecycle -----------------------------------------------------------------------------------
-    def close(self) -> None:
+    def close(self, *, keep_jobs: bool = False) -> None:
+        """Finish the jobs this client created that are still live (their resources go to others;
+        their adapters, versions and checkpoints stay), close the connection, stop a local runtime.
+        ``keep_jobs=True`` leaves them running (another process continues them)."""
+        if not keep_jobs and self._conn is not None:
+            for job_id in self._created:
+                with contextlib.suppress(PolytinkerError):
+                    self._conn.request("sched.job_action", m.JobAction(self._conn.api_key, job_id, "finish"))
         with self._lock:
             conn, self._conn = self._conn, None
             runtime, self._runtime = self._runtime, None

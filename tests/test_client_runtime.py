@@ -1,0 +1,166 @@
+"""The client API against a real runtime: scheduler, engine and learner as processes over ZeroMQ."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+from concurrent.futures import wait
+
+import pytest
+from test_client_fixtures import KEY_ALICE, KEY_BOB, MODEL, client, data, shared_runtime
+
+from polytinker import cli
+from polytinker.engine.learner.config import AdamParams
+from polytinker.engine.types import SamplingParams
+from polytinker.errors import NotBuiltError
+from polytinker.scheduler.client import SamplingClient, TrainingClient
+from polytinker.scheduler.service import AuthError, JobNotRunning, StateStore
+
+ADAM = AdamParams(learning_rate=1e-2)
+GREEDY5 = SamplingParams(max_tokens=5, temperature=1.0, ignore_eos=True, seed=3)
+
+
+def test_train_then_sample_end_to_end() -> None:
+    with client(KEY_ALICE) as service:
+        trainer = service.create_lora_training_client(MODEL, rank=4, agent="hero")
+        batch = data(1)
+        first = trainer.forward_backward(batch, "cross_entropy")
+        step = trainer.optim_step(ADAM)  # queued behind the forward_backward, no wait in between
+        assert [len(lp) for lp in first.result().logprobs] == [12] * 4
+        assert step.result().version == 1
+        again = trainer.forward_backward(batch).result()
+        assert again.loss < first.result().loss  # the step moved the adapter towards the data
+        assert trainer.optim_step(ADAM).result().version == 2
+
+        sampler = trainer.save_weights_and_get_sampling_client("v2")
+        assert sampler.model_path.endswith("/hero@2")
+        prompt = batch[0].input_tokens[:4]
+        out = sampler.sample(prompt, num_samples=2, sampling_params=GREEDY5).result()
+        assert len(out.sequences) == 2 and all(len(s.tokens) == 5 for s in out.sequences)
+        # The engine's sampling logprobs are the model's own: compute_logprobs agrees on the same tokens.
+        seq = out.sequences[0]
+        scored = sampler.compute_logprobs(prompt + seq.tokens).result()
+        assert scored[0] is None and len(scored) == len(prompt) + 5
+        assert all(math.isclose(a, b, abs_tol=1e-3) for a, b in zip(scored[len(prompt) :], seq.logprobs, strict=True))
+        # The base model scores the same tokens differently from the trained adapter.
+        base = service.create_sampling_client(base_model=MODEL)
+        base_scored = base.compute_logprobs(prompt + seq.tokens).result()
+        assert base_scored[1:] != scored[1:]
+
+    store = StateStore(shared_runtime().config.state_path / "scheduler.sqlite3")
+    row = store.adapter(f"alice/{trainer.job_id}/hero")
+    assert row is not None and row.version == 2 and row.checkpoint.endswith("v2")
+    store.close()
+
+
+def test_two_tenants_train_concurrently_and_cannot_touch_each_other() -> None:
+    with client(KEY_ALICE) as alice, client(KEY_BOB) as bob:
+        ta = alice.create_lora_training_client(MODEL, rank=4, agent="a")
+        tb = bob.create_lora_training_client(MODEL, rank=4, agent="b")
+        switches_before = alice.runtime_status()["learner_switches"]["learner-0"]
+
+        def train(t: TrainingClient, seed: int) -> None:
+            for _ in range(2):
+                t.forward_backward(data(seed))
+                t.optim_step(ADAM).result()
+
+        threads = [threading.Thread(target=train, args=(t, s)) for t, s in ((ta, 2), (tb, 3))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(120)
+        sa, sb = ta.save_weights_and_get_sampling_client(), tb.save_weights_and_get_sampling_client()
+        assert alice.runtime_status()["learner_switches"]["learner-0"] >= switches_before + 2
+
+        # Requests of both tenants meet in the engine's mixed batches.
+        before = alice.runtime_status()["stats"]["engine-0"]["mixed_adapter_batches"]
+        futures = [s.sample([5, 6, 7], 1, GREEDY5) for _ in range(6) for s in (sa, sb)]
+        wait(futures, timeout=120)
+        assert all(f.result().sequences for f in futures)
+        assert alice.runtime_status()["stats"]["engine-0"]["mixed_adapter_batches"] > before
+
+        # Bob can neither see, nor sample from, nor change alice's job and adapter.
+        assert ta.job_id not in [j["job_id"] for j in bob.list_jobs()]
+        with pytest.raises(AuthError):
+            bob.get_job(ta.job_id)
+        for action in (bob.cancel_job, bob.pause_job):
+            with pytest.raises(AuthError):
+                action(ta.job_id)
+        with pytest.raises(AuthError):
+            SamplingClient(bob._connection(), MODEL, sa.model_path).sample([5, 6], 1, GREEDY5).result()
+        intruder = TrainingClient(bob._connection(), {**alice.get_job(ta.job_id)["job"]})
+        with pytest.raises(AuthError):
+            intruder.forward_backward(data(4)).result()
+        with pytest.raises(AuthError):
+            intruder.optim_step(ADAM).result()
+        path = ta.save_state("mine").result()
+        with pytest.raises(AuthError):
+            tb.load_state(path).result()
+        assert alice.get_job(ta.job_id)["adapter"]["version"] == 2  # untouched by bob's attempts
+
+
+def test_asyncio_variants() -> None:
+    async def run() -> tuple[int, int]:
+        with client(KEY_BOB) as service:
+            trainer = service.create_lora_training_client(MODEL, rank=4, agent="async")
+            await trainer.forward_backward_async(data(5))
+            step = await trainer.optim_step_async(ADAM)
+            sampler = await trainer.save_weights_and_get_sampling_client_async()
+            outs = await asyncio.gather(*(sampler.sample_async([9, 8, 7], 1, GREEDY5) for _ in range(3)))
+            return step.version, sum(len(o.sequences) for o in outs)
+
+    assert asyncio.run(run()) == (1, 3)
+
+
+def test_pause_resume_cancel_and_the_jobs_command(capsys: pytest.CaptureFixture[str]) -> None:
+    address = shared_runtime().address
+    with client(KEY_ALICE, job_wait_s=0.5) as service:
+        trainer = service.create_lora_training_client(MODEL, rank=4, agent="pausable")
+        assert cli.main(["jobs", "--scheduler", address, "--api-key", KEY_ALICE, "pause", trainer.job_id]) == 0
+        assert f"{trainer.job_id}: paused" in capsys.readouterr().out
+        with pytest.raises(JobNotRunning):
+            trainer.forward(data(6)).result()
+        assert cli.main(["jobs", "--scheduler", address, "--api-key", KEY_ALICE, "resume", trainer.job_id]) == 0
+        assert len(trainer.forward(data(6)).result()) == 4
+        assert cli.main(["jobs", "--scheduler", address, "--api-key", KEY_ALICE, "list"]) == 0
+        listing = capsys.readouterr().out
+        assert trainer.job_id in listing and "running" in listing
+        assert cli.main(["jobs", "--scheduler", address, "--api-key", KEY_BOB, "list"]) == 0
+        assert trainer.job_id not in capsys.readouterr().out
+        assert service.cancel_job(trainer.job_id)["state"] == "cancelled"
+        kinds = [e["kind"] for e in service.get_job(trainer.job_id)["events"]]
+        assert kinds[:2] == ["admit", "start"] and "pause" in kinds and kinds[-1] == "cancel"
+
+
+def test_save_and_load_state_restore_weights_and_version() -> None:
+    with client(KEY_BOB) as service:
+        trainer = service.create_lora_training_client(MODEL, rank=4, agent="ckpt")
+        batch = data(7)
+        trainer.forward_backward(batch)
+        trainer.optim_step(ADAM)
+        saved = trainer.save_state("after-one").result()
+        at_one = trainer.forward(batch).result()
+        trainer.forward_backward(batch)
+        assert trainer.optim_step(ADAM).result().version == 2
+        assert trainer.forward(batch).result() != at_one
+        assert trainer.load_state(saved).result() == 1
+        restored = trainer.forward(batch).result()
+        pairs = [(a, b) for ra, rb in zip(restored, at_one, strict=True) for a, b in zip(ra, rb, strict=True)]
+        assert all(math.isclose(a, b, abs_tol=1e-5) for a, b in pairs)
+        sampler = trainer.save_weights_and_get_sampling_client()
+        assert sampler.model_path.endswith("@1")
+        assert sampler.sample([1, 2, 3], 1, GREEDY5).result().sequences
+
+
+def test_full_parameter_training_client() -> None:
+    with client(KEY_ALICE) as service:
+        trainer = service.create_training_client(MODEL, agent="full")
+        batch = data(8, n=2)
+        first = trainer.forward_backward(batch).result()
+        assert trainer.optim_step(AdamParams(learning_rate=1e-3)).result().version == 1
+        assert trainer.forward_backward(batch).result().loss < first.loss
+        with pytest.raises(NotBuiltError):
+            trainer.save_weights_and_get_sampling_client()
+        trainer.finish()
+        assert service.get_job(trainer.job_id)["job"]["state"] == "done"
