@@ -63,7 +63,8 @@ class TenantQueue:
         return self._live.get(entry[3]) == entry
 
     def ranked(self) -> Iterator[_Rank]:
-        """Live entries in rank order. Do not push or remove while iterating."""
+        """Live entries in rank order. Removing while iterating is fine; pushing is not."""
+        self.head()  # drop the stale entries on top (the jobs started last), so a pass does not walk them
         return (e for e in iter_heap(self._by_rank) if self._is_live(e))
 
     def head(self) -> _Rank | None:
