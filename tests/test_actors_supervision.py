@@ -140,9 +140,13 @@ def test_a_parent_that_exits_normally_stops_its_actors_gracefully(tmp_path):
         """
         import sys
         from test_actors_fixtures import Counter
-        from polytinker.engine.actors import spawn
+        from polytinker.engine.actors import ActorConfig, RestartPolicy, Supervisor, spawn
         ref = spawn(Counter, 7, name="left-behind", run_dir=sys.argv[1])
-        print(ref.pid, flush=True)
+        sup = Supervisor(run_dir=sys.argv[1])
+        # permanent: even a clean exit would be restarted, were the process not exiting
+        config = ActorConfig(restart=RestartPolicy(mode="permanent", backoff_initial_s=0.01))
+        supervised = sup.spawn(Counter, 8, name="supervised", config=config)
+        print(ref.pid, supervised.pid, flush=True)
         """
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}
@@ -150,5 +154,11 @@ def test_a_parent_that_exits_normally_stops_its_actors_gracefully(tmp_path):
         [sys.executable, "-c", script, str(tmp_path)], env=env, capture_output=True, text=True, timeout=30
     )
     assert out.returncode == 0, out.stderr
-    _wait_for(lambda: _gone(int(out.stdout)), timeout_s=5, what="the actor to stop")
-    assert (tmp_path / "left-behind.stopped").read_text() == "7"  # on_stop ran
+    for pid in map(int, out.stdout.split()):
+        _wait_for(lambda pid=pid: _gone(pid), timeout_s=5, what=f"actor pid {pid} to stop")
+    # on_stop ran in both
+    assert (tmp_path / "left-behind.stopped").read_text() == "7"
+    assert (tmp_path / "supervised.stopped").read_text() == "8"
+    events = [e["message"] for e in read_log(tmp_path, "supervisor")]
+    assert "child restarted" not in events and "child exited; restart" not in events, events
+    assert {r["pid"] for r in read_log(tmp_path, "supervised")} == {int(out.stdout.split()[1])}

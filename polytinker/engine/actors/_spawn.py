@@ -121,6 +121,7 @@ _launcher = _Launcher()
 _reaper = _Reaper()
 _names = itertools.count(1)
 _default_run_dir: Path | None = None
+_exiting = threading.Event()
 
 
 def default_run_dir() -> Path:
@@ -301,6 +302,8 @@ def start_child(
     target: str, args: tuple[Any, ...], kwargs: dict[str, Any], *, name: str, run_dir: Path, config: ActorConfig
 ) -> ChildProcess:
     """Start one actor process and wait for its readiness handshake; raise ActorError if it fails."""
+    if _exiting.is_set():
+        raise ActorError(f"not starting actor {name!r}: this process is exiting")
     _logs.actors_dir(run_dir).mkdir(parents=True, exist_ok=True)
     ready_r, ready_w = os.pipe()
     spec = _protocol.ChildSpec(
@@ -418,8 +421,14 @@ def spawn(
     return ActorRef(name, config, child)
 
 
+def is_exiting() -> bool:
+    """True once the process began stopping its actors to exit (supervisors then restart nothing)."""
+    return _exiting.is_set()
+
+
 def _stop_all_at_exit() -> None:
     """Stop the children still running when the parent exits normally (SIGTERM, then SIGKILL)."""
+    _exiting.set()
     live = _reaper.live()
     for child in live:
         child.signal(signal.SIGTERM)

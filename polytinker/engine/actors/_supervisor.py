@@ -175,7 +175,7 @@ class Supervisor:
         ref, policy = entry.ref, entry.ref.config.restart
         now = time.time()
         with self._lock:
-            wanted = self._closed or ref.stop_requested
+            wanted = self._closed or ref.stop_requested or _spawn.is_exiting()
             if wanted or policy.mode == "temporary" or (policy.mode == "transient" and code == 0):
                 action = "none"
             else:
