@@ -63,7 +63,8 @@ def test_parallel_moves_wait_behind_a_barrier():
         return "cooperate"
 
     (r,) = Coordinator().run_sync(lambda: make("prisoners_dilemma-v0", rounds=3), policy, [0])
-    assert order[:4] == ["ask player_0", "ask player_1", "answer player_1", "answer player_0"]
+    assert set(order[:2]) == {"ask player_0", "ask player_1"}  # both asked before anyone answers
+    assert order[2:5] == ["answer player_1", "answer player_0", order[0]]  # the round waits for the slow one
     assert r.num_steps == 3 and r.total_rewards == {"player_0": 9.0, "player_1": 9.0}
 
 
