@@ -162,3 +162,15 @@ def test_retries_start_afresh_after_a_fallback():
     assert len(env.guesses) == 1 and env.infos["player_0"]["retries_left"] == 1
     env.step("50")
     assert len(env.guesses) == 2 and "invalid_action" not in env.infos["player_0"]
+
+
+def test_aec_truncation_hook_ends_the_episode_as_truncated():
+    from polytinker.envs.games.guess_number import GuessNumberEnv
+
+    class Impatient(GuessNumberEnv):
+        def _is_truncated(self):
+            return len(self.guesses) >= 2
+
+    (r,) = Coordinator().run_sync(lambda: Impatient(), lambda a, i: "1", [7])
+    traj = r.trajectories["player_0"]
+    assert len(traj.turns) == 2 and traj.truncated and not traj.terminated

@@ -214,6 +214,10 @@ class TextAECEnv(_TextEnvCore, AECEnv):
     def _is_over(self) -> bool:
         raise NotImplementedError
 
+    def _is_truncated(self) -> bool:
+        """True when the episode is cut short (a turn limit that is not a game rule)."""
+        return False
+
     # -- PettingZoo
     def reset(self, seed: int | None = None, options: dict | None = None) -> None:
         self._seed(seed)
@@ -259,6 +263,8 @@ class TextAECEnv(_TextEnvCore, AECEnv):
             self.rewards[a] += float(r)
         if self._is_over():
             self.terminations = dict.fromkeys(self.agents, True)
+        elif self._is_truncated():
+            self.truncations = dict.fromkeys(self.agents, True)
         else:
             self.agent_selection = self._current_agent()
 
