@@ -146,12 +146,16 @@ CLUSTER = ClusterSpec(
 )
 
 
+# Quick starvation and a one-job backfill depth, so reservations and preemptions happen in small traces.
+EAGER = SchedulerPolicyConfig(starvation_s=5.0, backfill_depth=1, preempt_checks_per_pass=2)
+
+
 @settings(max_examples=60, deadline=None)
-@given(jobs(), st.sampled_from([FairSharePolicy, FifoPolicy]))
-def test_no_resource_is_ever_over_committed(trace, policy):
+@given(jobs(), st.sampled_from([FairSharePolicy, FifoPolicy]), st.sampled_from([None, EAGER]))
+def test_no_resource_is_ever_over_committed(trace, policy, config):
     # audit=True recounts every engine and learner group after every event and raises if one is
     # over-committed (memory, adapter slots, or a shared full-parameter group).
-    result = simulate(trace, CLUSTER, policy, audit=True)
+    result = simulate(trace, CLUSTER, policy, config, audit=True)
     for o, job in zip(result.outcomes, trace, strict=True):
         if o.rejected is None:
             assert o.finish_s is not None, f"{o.job_id} never finished"

@@ -425,8 +425,10 @@ class FairSharePolicy(SchedulingPolicy):
         out = []
         for job_id in dict.fromkeys(self._reserved.values()):
             e = self._entries[job_id]
+            if e.state is not JobState.QUEUED:
+                continue
             placement = self.cluster.fit(e.job, now_s, self._allowed_for(e.job))
-            if e.state is JobState.QUEUED and placement is not None:
+            if placement is not None:
                 out.append(self._start(e, placement, now_s, "the resources reserved for it are free"))
         return out
 
