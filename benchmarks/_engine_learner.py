@@ -13,6 +13,7 @@ Real model (SmolLM2-135M-Instruct), fp32, LoRA rank 16, alpha 32, on every linea
   (CPU snapshot), the transport codec's encode and decode (tensors out of band, what crosses a
   process boundary), and the HF engine's ``load_adapter`` of that new version. Median of repeats.
 - ``adapter_sync_vs_memcpy_ratio``: that time over one ``copy_`` of the same number of bytes.
+  ``adapter_export_ms`` and ``adapter_engine_load_ms`` split it: the learner's part and the engine's.
 - ``colocated_sync_ms``: the colocated alternative (engine and learner sharing one model in one
   process): copying the trained adapter into a serving slot of the same peft model, which is all
   a colocated engine needs so in-flight requests keep their version. No export, no second model.
@@ -149,16 +150,23 @@ def measure_sync(repeats: int) -> dict[str, float]:
     learner.optim_step(AdamParams(), "alice")
     engine = HFBackend(model=load_model(MODEL)[0], tokenizer=tokenizer)
     version = iter(range(1, 1 << 30))
+    parts: dict[str, list[float]] = {"export": [], "load": []}
 
     def sync() -> None:
+        t0 = time.perf_counter()
         w = learner.export_adapter("alice")
+        t1 = time.perf_counter()
         received = decode(encode({"tensors": w.tensors}))["tensors"]
         ref = AdapterRef("alice", next(version))
+        t2 = time.perf_counter()
         engine.load_adapter(AdapterWeights(ref, w.config, received))
-        if ref.version > 1:  # the previous version leaves (outside an RL loop's critical path, but cheap)
+        parts["export"].append((t1 - t0) * 1e3)
+        parts["load"].append((time.perf_counter() - t2) * 1e3)
+        if ref.version > 1:  # the previous version leaves, so residency stays constant across repeats
             engine.unload_adapter(AdapterRef("alice", ref.version - 1))
 
-    sync()  # warm: first adapter wraps the engine model in peft
+    sync()  # warm: the first adapter wraps the engine model in peft
+    parts = {"export": [], "load": []}
     sync_ms = _median_ms(sync, repeats)
     nbytes = learner.export_adapter("alice").nbytes()
     src = torch.empty(nbytes, dtype=torch.uint8).random_(0, 255)
@@ -170,6 +178,8 @@ def measure_sync(repeats: int) -> dict[str, float]:
         "adapter_sync_ms": sync_ms,
         "adapter_sync_vs_memcpy_ratio": sync_ms / memcpy_ms,
         "adapter_sync_mb": nbytes / 1e6,
+        "adapter_export_ms": statistics.median(parts["export"]),
+        "adapter_engine_load_ms": statistics.median(parts["load"]),
         "colocated_sync_ms": colocated_ms,
     }
 

@@ -206,6 +206,11 @@ def test_export_adapter_dir_loads_in_peft(learner: MultiAdapterLearner, tmp_path
     weights = learner.export_adapter("alice")
     assert weights.ref.version == 1 and all(t.device.type == "cpu" for t in weights.tensors.values())
     assert all(k.startswith("base_model.model.") and ".alice." not in k for k in weights.tensors)
+    from peft import get_peft_model_state_dict
+
+    reference = get_peft_model_state_dict(learner.peft_model, adapter_name="alice")
+    assert set(reference) == set(weights.tensors)
+    assert all(torch.equal(reference[k], weights.tensors[k]) for k in reference)
     out = learner.export_adapter_dir("alice", tmp_path / "adapter")
     loaded = PeftModel.from_pretrained(tiny_model(), str(out))
     data = [make_datum(7)]
