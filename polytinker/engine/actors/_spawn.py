@@ -93,7 +93,6 @@ class _Reaper:
     def __init__(self) -> None:
         self._children: set[ChildProcess] = set()
         self._lock = threading.Lock()
-        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
 
     def watch(self, child: ChildProcess) -> None:
@@ -124,12 +123,21 @@ _default_run_dir: Path | None = None
 _exiting = threading.Event()
 
 
+def _after_fork_in_child() -> None:
+    # A forked copy of this process has neither the threads nor the children: start afresh.
+    global _launcher, _reaper, _exiting
+    _launcher, _reaper, _exiting = _Launcher(), _Reaper(), threading.Event()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def default_run_dir() -> Path:
     """``$POLYTINKER_RUN_DIR``, else one temporary folder per parent process."""
     global _default_run_dir
     env = os.environ.get("POLYTINKER_RUN_DIR")
     if env:
-        return Path(env)
+        return Path(env).absolute()
     if _default_run_dir is None:
         _default_run_dir = Path(tempfile.mkdtemp(prefix="polytinker-run-"))
     return _default_run_dir
