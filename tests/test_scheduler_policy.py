@@ -267,3 +267,15 @@ def test_a_reserved_job_starts_even_behind_many_it_keeps_out():
     assert started(policy.schedule(21.0)) == []
     policy.job_finished("running", 30.0)
     assert started(policy.schedule(30.0))[0] == "big"
+
+
+def test_a_starving_job_that_fits_starts_even_beyond_the_backfill_depth():
+    cfg = SchedulerPolicyConfig(starvation_s=10.0, backfill_depth=2)
+    policy = FairSharePolicy(one_group(memory_gb=80.0), cfg)
+    policy.submit(sft("running", mem=60.0, steps=1000), 0.0)
+    policy.schedule(0.0)
+    policy.submit(sft("old", mem=20.0, steps=500), 0.0)  # fits, but ranks behind the short jobs below
+    for i in range(5):
+        policy.submit(sft(f"short{i}", mem=30.0, steps=1), 0.0)  # none fits next to "running"
+    assert started(policy.schedule(5.0)) == []  # "old" is out of the pass's reach, not yet starving
+    assert started(policy.schedule(11.0)) == ["old"]

@@ -444,8 +444,10 @@ class FairSharePolicy(SchedulingPolicy):
         e = self._entries[oldest[1]]
         if now_s - e.job.arrival_s < self.config.starvation_s:
             return []
-        if self.cluster.fit(e.job, now_s, self._allowed_for(e.job)) is not None:
-            return []  # it fits: the pass starts it
+        waited = now_s - e.job.arrival_s
+        placement = self.cluster.fit(e.job, now_s, self._allowed_for(e.job))
+        if placement is not None:  # start it now: the pass might not reach it within its backfill depth
+            return [self._start(e, placement, now_s, f"waited {waited:.4g} s (> starvation_s) and fits now")]
 
         def free(jid: JobID) -> bool:
             return not any(self._reserved.get(r) for r in self.cluster.placed[jid][1].resources())
@@ -454,5 +456,4 @@ class FairSharePolicy(SchedulingPolicy):
         if found is None:
             return []
         self._aged = e.job.job_id
-        waited = now_s - e.job.arrival_s
         return [self._reserve(e.job, found[0], now_s, f"waited {waited:.4g} s (> starvation_s); holding resources")]
