@@ -9,6 +9,7 @@ open the file with O_APPEND and write each line with one ``write``, so lines nev
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -67,13 +68,16 @@ class LogFile:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def write_line(self, line: str) -> None:
-        if self._fd >= 0:
-            os.write(self._fd, line.encode("utf-8", errors="replace"))
+        fd = self._fd
+        if fd >= 0:
+            # A line racing close() is lost rather than raised into a logging or pump thread.
+            with contextlib.suppress(OSError):
+                os.write(fd, line.encode("utf-8", errors="replace"))
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 class JsonLinesHandler(logging.Handler):

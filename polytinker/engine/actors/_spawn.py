@@ -273,6 +273,7 @@ class ChildProcess:
     def _exited(self) -> None:
         for t in self._pumps:
             t.join(timeout=1.0)  # the last lines of output belong in the log before anyone reads it
+        self._log.close()
         self.remove_sockets()
         with self._cb_lock:
             self._exit_seen = True
