@@ -140,7 +140,7 @@ class DiesSoon(Actor):
     """Exits abnormally a moment after it starts, every time: a child a supervisor must give up on."""
 
     def on_start(self) -> None:
-        threading.Timer(0.3, os._exit, (7,)).start()
+        threading.Timer(0.5, os._exit, (7,)).start()  # time enough to report ready, even on a busy machine
 
 
 class Marker(Actor):
