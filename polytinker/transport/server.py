@@ -1,9 +1,11 @@
 """``RpcServer``: a ROUTER socket served by one I/O thread, handlers run in a thread pool.
 
-The I/O thread owns the socket: it reads messages, answers heartbeats itself (so a busy pool
-never makes the server look dead), rejects what it cannot serve with an error reply, and hands
-requests to the pool. Workers decode the payload, run the handler, encode the reply and give the
-frames back to the I/O thread through a queue and a wake-up pipe.
+The I/O thread reads messages, answers heartbeats itself (so a busy pool never makes the server
+look dead), rejects what it cannot serve with an error reply, and hands requests to the pool.
+Workers decode the payload, run the handler and encode the reply. One thread at a time touches
+the socket, the holder of ``_sock_lock``: a worker sends its reply itself when the lock is free
+(no thread hand-off), else leaves it in a queue and wakes the I/O thread through a pipe. The I/O
+thread sleeps on the pipe and the socket's ``ZMQ_FD`` without holding the lock.
 """
 
 from __future__ import annotations
@@ -11,15 +13,16 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import select
 import threading
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import zmq
 
 from polytinker.errors import ConfigError, ProtocolError, TransportError
 from polytinker.transport import auth
+from polytinker.transport._workers import Workers
 from polytinker.transport.codec import decode, encode
 from polytinker.transport.config import DEFAULT_CONFIG, TransportConfig
 from polytinker.transport.messages import message_type
@@ -39,6 +42,8 @@ from polytinker.transport.protocol import (
 log = logging.getLogger("polytinker.transport.server")
 Handler = Callable[[Any], Any]
 _BATCH = 256  # messages read per wake-up before replies are flushed
+_NOBLOCK = int(zmq.NOBLOCK)
+_POLLIN = int(zmq.POLLIN)
 
 
 def normalize_address(address: str) -> str:
@@ -83,7 +88,8 @@ class RpcServer:
         self._address: str | None = None
         self._sock: zmq.Socket | None = None
         self._thread: threading.Thread | None = None
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: Workers | None = None
+        self._sock_lock = threading.Lock()  # held by whichever thread uses the socket
         self._zap_domain: str | None = None
         self._replies: collections.deque[list[Any]] = collections.deque()
         self._wake_r, self._wake_w = -1, -1
@@ -117,9 +123,10 @@ class RpcServer:
         self._address = sock.last_endpoint.decode()
         self._sock = sock
         self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         if self._cfg.handler_threads > 0:
-            self._pool = ThreadPoolExecutor(self._cfg.handler_threads, thread_name_prefix="polytinker-handler")
+            self._pool = Workers(self._cfg.handler_threads, "polytinker-handler")
         self._thread = threading.Thread(target=self._loop, name=f"polytinker-server {self._address}", daemon=True)
         self._thread.start()
         log.debug("serving %s (kinds: %s)", self._address, ", ".join(sorted(self._handlers)))
@@ -133,7 +140,7 @@ class RpcServer:
         self._wake()
         self._thread.join(timeout_s)
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.stop()
         self._release_zap()
         with self._wake_lock:
             os.close(self._wake_r)
@@ -165,34 +172,66 @@ class RpcServer:
     def _loop(self) -> None:
         sock = self._sock
         assert sock is not None
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
-        replies = self._replies
+        zmq_fd = int(sock.getsockopt(zmq.FD))
+        ready = False
         try:
             while not self._stopping:
-                events = dict(poller.poll())
-                if self._wake_r in events:
-                    os.read(self._wake_r, 65536)
-                if sock in events:
-                    for _ in range(_BATCH):
-                        try:
-                            frames = recv_frames(sock, zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        try:
-                            self._on_message(frames)
-                        except Exception:  # the server must outlive any one message
-                            log.exception("unexpected error while routing a message; serving on")
-                while replies:
-                    try:
-                        send_frames(sock, replies.popleft(), zmq.NOBLOCK)
-                    except zmq.ZMQError as exc:  # peer gone or its queue full: the reply is lost
-                        log.debug("reply dropped: %s", exc)
-                if replies:
-                    self._wake()
+                if not ready:
+                    select.select([self._wake_r, zmq_fd], [], [])
+                with self._sock_lock:
+                    if self._stopping:
+                        break
+                    ready = self._io_round(sock)
         finally:
-            sock.close(linger=0)
+            with self._sock_lock:
+                sock.close(linger=0)
+
+    def _io_round(self, sock: zmq.Socket) -> bool:
+        """Read what waits (up to a batch), flush queued replies; True if more input already waits."""
+        try:  # noqa: SIM105 (once per wake-up; suppress() is slower)
+            os.read(self._wake_r, 65536)
+        except BlockingIOError:
+            pass
+        events = sock.getsockopt
+        more = bool(int(events(zmq.EVENTS)) & _POLLIN)
+        n = 0
+        while more and n < _BATCH:
+            try:
+                frames = recv_frames(sock, _NOBLOCK)
+            except zmq.Again:
+                break
+            n += 1
+            try:
+                self._on_message(frames)
+            except Exception:  # the server must outlive any one message
+                log.exception("unexpected error while routing a message; serving on")
+            more = bool(int(events(zmq.EVENTS)) & _POLLIN)
+        if self._replies:
+            self._flush(sock)
+            # ZMQ_FD only signals edges: input may already wait behind the sends just made.
+            more = bool(int(events(zmq.EVENTS)) & _POLLIN)
+        return more
+
+    def _flush(self, sock: zmq.Socket) -> None:
+        replies = self._replies
+        while replies:
+            try:
+                send_frames(sock, replies.popleft(), _NOBLOCK)
+            except zmq.ZMQError as exc:  # peer gone or its queue full: the reply is lost
+                log.debug("reply dropped: %s", exc)
+
+    def _send_reply(self, frames: list[Any]) -> None:
+        """From a worker: send on the socket itself. The I/O thread never blocks while it holds
+        the lock, so the wait is short, and no thread hand-off is needed."""
+        with self._sock_lock:
+            sock = self._sock
+            if sock is None or sock.closed:
+                return
+            self._replies.append(frames)
+            self._flush(sock)
+            more = int(sock.getsockopt(zmq.EVENTS)) & _POLLIN
+        if more:
+            self._wake()  # input arrived meanwhile and our send may have swallowed its ZMQ_FD edge
 
     def _on_message(self, frames: list[zmq.Frame]) -> None:
         ident = frames[0]
@@ -251,8 +290,7 @@ class RpcServer:
     def _run(self, ident: zmq.Frame, reply: bool, rid: int, kind: str, handler: Handler, body: list[zmq.Frame]) -> None:
         out = self._call(reply, rid, kind, handler, body)
         if out is not None:
-            self._replies.append([ident, *out])
-            self._wake()
+            self._send_reply([ident, *out])
 
     def _call(self, reply: bool, rid: int, kind: str, handler: Handler, body: list[zmq.Frame]) -> list[Any] | None:
         """Frames of the answer (without the identity), or None for a tell."""
