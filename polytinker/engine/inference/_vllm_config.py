@@ -44,6 +44,10 @@ class VllmBackendConfig:
     # Modules that may carry LoRA weights; an adapter's modules outside this list are ignored.
     # Leaving lm_head out keeps vLLM off its LoRA logits path, which in vLLM 0.32 on a CPU fails
     # when prompt logprobs (compute_logprobs) cover more than one sequence in a step.
+    base_via_zero_adapter: bool | None = None
+    # Serve base-model requests through an adapter whose update is zero. None: only on vLLM's CPU
+    # build, whose LoRA ops (vLLM 0.32) otherwise apply the last slot's adapter to base-model rows.
+    # It takes one extra LoRA slot, added on top of max_loras and max_cpu_loras.
     max_model_len: int = 2048
     # Longest prompt + generation, in tokens. Bounds the KV cache per sequence.
     kv_cache_gib: float | None = 1.0
@@ -105,15 +109,16 @@ class VllmBackendConfig:
         if self.adapter_dir is not None:
             object.__setattr__(self, "adapter_dir", Path(self.adapter_dir).expanduser())
 
-    def llm_kwargs(self, model_path: Path) -> dict[str, Any]:
-        """Keyword arguments for ``vllm.LLM``."""
+    def llm_kwargs(self, model_path: Path, extra_slots: int = 0) -> dict[str, Any]:
+        """Keyword arguments for ``vllm.LLM``; ``extra_slots`` LoRA slots beyond ``max_loras``."""
+        max_cpu_loras = self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
         kwargs: dict[str, Any] = {
             "model": str(model_path),
             "tokenizer": str(model_path),
             "dtype": self.dtype,
             "enable_lora": True,
-            "max_loras": self.max_loras,
-            "max_cpu_loras": self.max_cpu_loras,
+            "max_loras": self.max_loras + extra_slots,
+            "max_cpu_loras": max_cpu_loras + extra_slots,
             "max_lora_rank": self.max_lora_rank,
             "lora_target_modules": list(self.lora_target_modules),
             "max_model_len": self.max_model_len,

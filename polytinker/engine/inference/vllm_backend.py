@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from polytinker.engine.inference._vllm_base_adapter import BASE_ADAPTER_NAME, zero_adapter
 from polytinker.engine.inference._vllm_config import INSTALL_HINT, VllmBackendConfig
 from polytinker.engine.inference.adapter_io import CONFIG_FILE, WEIGHTS_FILE, write_adapter_dir
 from polytinker.engine.inference.base import cut_at_stop, render_prompt
@@ -87,26 +88,44 @@ class VllmBackend:
         self._next_id = itertools.count(1)  # vLLM requires ids >= 1
         self.model_path = resolve_model(self.config.model, self.config.model_config)
         self.tokenizer = load_tokenizer(str(self.model_path), self.config.model_config)
-        self._scratch = _scratch_root(self.config.adapter_dir)
+        # Where adapter versions are written for vLLM to read (one directory per version id).
+        self.adapter_root = _scratch_root(self.config.adapter_dir)
+        self._base_lora: Any = None  # what base-model requests pass as their LoRARequest
         try:
             self._llm, self.device = self._start()
         except BaseException:
-            shutil.rmtree(self._scratch, ignore_errors=True)
+            shutil.rmtree(self.adapter_root, ignore_errors=True)
             raise
 
     def _start(self) -> tuple[Any, str]:
         from vllm import LLM
         from vllm.platforms import current_platform
 
+        device = str(current_platform.device_type)
+        use_zero = self.config.base_via_zero_adapter
+        use_zero = device == "cpu" if use_zero is None else use_zero
         try:
-            llm = LLM(**self.config.llm_kwargs(self.model_path))
+            llm = LLM(**self.config.llm_kwargs(self.model_path, extra_slots=int(use_zero)))
         except Exception as exc:
             raise ModelError(
                 f"vLLM could not start on {self.model_path}: {exc}. On a CPU, set VllmBackendConfig.kv_cache_gib "
                 "below the free RAM; a script that builds the backend at import time needs an "
                 '`if __name__ == "__main__":` guard (vLLM spawns worker processes)'
             ) from exc
-        return llm, str(current_platform.device_type)
+        if use_zero:
+            self._base_lora = self._load_zero_adapter(llm)
+        return llm, device
+
+    def _load_zero_adapter(self, llm: Any) -> Any:
+        """Load the zero adapter that base-model requests use (see _vllm_base_adapter)."""
+        from vllm.lora.request import LoRARequest
+
+        weights = zero_adapter(self.model_path, self.config.lora_target_modules)
+        lora_id = next(self._next_id)
+        path = write_adapter_dir(weights, self.adapter_root / str(lora_id), base_model_path=str(self.model_path))
+        request = LoRARequest(BASE_ADAPTER_NAME, lora_id, str(path))
+        llm.llm_engine.add_lora(request)
+        return request
 
     # ----- adapters -----
 
@@ -131,7 +150,7 @@ class VllmBackend:
             # A private copy: vLLM rereads the directory whenever the version falls out of its
             # cache, so later changes to the caller's directory must not reach this version.
             lora_id, target = self._slot(ref)
-            staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=self._scratch))
+            staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=self.adapter_root))
             for file in (CONFIG_FILE, WEIGHTS_FILE):
                 shutil.copyfile(path / file, staging / file)
             shutil.rmtree(target, ignore_errors=True)
@@ -147,7 +166,7 @@ class VllmBackend:
     def _slot(self, ref: AdapterRef) -> tuple[int, Path]:
         """The version's vLLM id and directory: its own when resident, else a fresh id."""
         lora_id = self._ids[ref] if ref in self._ids else next(self._next_id)
-        return lora_id, self._scratch / str(lora_id)
+        return lora_id, self.adapter_root / str(lora_id)
 
     def _register(self, ref: AdapterRef, lora_id: int, path: Path) -> None:
         """Load the version in vLLM now, so a bad adapter fails here and not in a later batch."""
@@ -192,7 +211,7 @@ class VllmBackend:
         from vllm.lora.request import LoRARequest
 
         if ref is None:
-            return None
+            return self._base_lora
         # load_inplace stays False here: set on a request, vLLM would reread the adapter from
         # disk at every scheduler step.
         return LoRARequest(str(ref), self.adapter_id(ref), str(self._paths[ref]))
@@ -324,7 +343,7 @@ class VllmBackend:
                 # Stops vLLM's engine-core and worker processes now rather than at interpreter exit.
                 llm.llm_engine.engine_core.shutdown()
             finally:
-                shutil.rmtree(self._scratch, ignore_errors=True)
+                shutil.rmtree(self.adapter_root, ignore_errors=True)
 
     def __enter__(self) -> VllmBackend:
         return self

@@ -1,0 +1,75 @@
+"""Per-row sampling for a batch whose rows each carry their own parameters.
+
+Each row has a temperature, top-k, top-p and its own ``torch.Generator``, so a seeded request
+draws the same tokens whatever else shares its batch. Sampling uses the exponential race
+(``argmax(log p - log E)``, ``E ~ Exp(1)``), which draws exactly from ``p`` and lets the noise
+come from each row's generator while the arithmetic stays batched.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from polytinker.engine.types import SamplingParams
+
+
+@dataclass
+class RowSampler:
+    """The sampling state of one generated sequence."""
+
+    params: SamplingParams
+    generator: torch.Generator | None  # None for greedy rows (temperature 0)
+
+
+def make_row_sampler(params: SamplingParams, index: int) -> RowSampler:
+    """Sampler for sequence ``index`` (of ``params.n``) of a request. A seeded request's
+    sequences get distinct, reproducible streams derived from (seed, index)."""
+    if params.temperature == 0:
+        return RowSampler(params, None)
+    if params.seed is None:
+        seed = secrets.randbits(63)
+    else:
+        seed = int(np.random.SeedSequence([params.seed, index]).generate_state(1, np.uint64)[0] >> 1)
+    return RowSampler(params, torch.Generator().manual_seed(seed))
+
+
+def _filter_top_k_top_p(logits_RV: torch.Tensor, top_k_R: torch.Tensor, top_p_R: torch.Tensor) -> torch.Tensor:
+    """Set to -inf every logit outside each row's top-k and top-p (nucleus) sets."""
+    sorted_RV, order_RV = logits_RV.sort(dim=-1, descending=True)
+    ranks_V = torch.arange(logits_RV.shape[-1])
+    drop_RV = (top_k_R[:, None] > 0) & (ranks_V[None, :] >= top_k_R[:, None])
+    sorted_RV = sorted_RV.masked_fill(drop_RV, float("-inf"))
+    probs_RV = sorted_RV.softmax(dim=-1)
+    # Keep a token while the probability mass before it is below top_p: the top token always stays.
+    mass_before_RV = probs_RV.cumsum(dim=-1) - probs_RV
+    sorted_RV = sorted_RV.masked_fill(mass_before_RV >= top_p_R[:, None], float("-inf"))
+    return torch.full_like(logits_RV, float("-inf")).scatter(-1, order_RV, sorted_RV)
+
+
+def choose_tokens(logits_BV: torch.Tensor, samplers: Sequence[RowSampler]) -> torch.Tensor:
+    """One next token per row: greedy rows take the argmax, the others sample from their
+    temperature-scaled, top-k/top-p filtered distribution with their own generator."""
+    tokens_B = logits_BV.argmax(dim=-1)
+    sampled = [i for i, s in enumerate(samplers) if s.generator is not None]
+    if not sampled:
+        return tokens_B
+    index_R = torch.tensor(sampled)
+    temperature_R = torch.tensor([samplers[i].params.temperature for i in sampled], dtype=logits_BV.dtype)
+    logits_RV = logits_BV[index_R] / temperature_R[:, None]
+    top_k_R = torch.tensor([samplers[i].params.top_k for i in sampled])
+    top_p_R = torch.tensor([samplers[i].params.top_p for i in sampled], dtype=logits_BV.dtype)
+    if bool((top_k_R > 0).any()) or bool((top_p_R < 1).any()):
+        logits_RV = _filter_top_k_top_p(logits_RV, top_k_R, top_p_R)
+    noise_RV = torch.empty_like(logits_RV)
+    for r, i in enumerate(sampled):
+        noise_RV[r].exponential_(generator=samplers[i].generator)
+    tokens_B[index_R] = (logits_RV.log_softmax(dim=-1) - noise_RV.log()).argmax(dim=-1)
+    return tokens_B
+
+
+__all__ = ["RowSampler", "choose_tokens", "make_row_sampler"]

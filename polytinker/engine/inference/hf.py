@@ -1,0 +1,292 @@
+"""The ``hf`` backend: transformers on the CPU, many LoRA adapters in one mixed batch.
+
+Every resident adapter version sits in its own slot on one shared base model (tensors in peft's
+layout and with peft's scaling); a batch's rows are sorted by adapter, so rows for different
+adapters share every base-model matmul and differ only in their low-rank updates
+(``_multilora.py`` says why this replaces peft's ``adapter_names`` path).
+
+Decoding is a hand-written loop over a KV cache rather than ``generate``: each row keeps its own
+sampling parameters, generator, stop conditions and the log-probabilities of the tokens it drew,
+and finished rows leave the batch (and the cache) at once, so they cost nothing afterwards.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from polytinker.engine.inference._multilora import MultiLora
+from polytinker.engine.inference._sampling import RowSampler, choose_tokens, make_row_sampler
+from polytinker.engine.inference.adapter_io import read_adapter_dir
+from polytinker.engine.inference.base import cut_at_stop, render_prompt
+from polytinker.engine.inference.config import HFBackendConfig
+from polytinker.engine.models import load_model
+from polytinker.engine.types import (
+    AdapterRef,
+    AdapterWeights,
+    FinishReason,
+    SampledSequence,
+    SampleRequest,
+    SampleResult,
+)
+from polytinker.errors import ConfigError, ModelError
+
+BASE = "__base__"  # the rows of a batch that use no adapter
+
+
+@dataclass
+class _Row:
+    """One sequence being generated (a request with n > 1 has n rows)."""
+
+    request_index: int
+    prompt: list[int]
+    adapter: str  # the adapter's slot name, or BASE
+    sampler: RowSampler
+    stop_ids: frozenset[int]
+    max_tokens: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: FinishReason | None = None
+
+
+class HFBackend:
+    """transformers with multi-LoRA slots. Pass ``model`` and ``tokenizer`` to serve weights already in memory."""
+
+    name = "hf"
+
+    def __init__(self, config: HFBackendConfig | None = None, *, model: Any = None, tokenizer: Any = None) -> None:
+        self.config = config or HFBackendConfig()
+        if self.config.num_threads is not None:
+            torch.set_num_threads(self.config.num_threads)
+        if model is None:
+            model, tokenizer = load_model(self.config.model, self.config.model_config)
+        elif tokenizer is None:
+            raise ConfigError("HFBackend: pass the tokenizer together with the model")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self._lora = MultiLora(self.model)
+        self._dtype = next(model.parameters()).dtype
+        self._names: dict[AdapterRef, str] = {}
+        self._next_slot = 0
+        self._eos_ids = self._find_eos_ids()
+        self._max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+        # Callers are expected to use one thread; the lock makes a stray concurrent call safe.
+        self._lock = threading.RLock()
+        self._closed = False
+
+    def _find_eos_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        for source in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source:
+                ids.update(int(i) for i in source)
+        return frozenset(ids)
+
+    # ----- adapters -----
+
+    def load_adapter(self, weights: AdapterWeights) -> None:
+        with self._lock:
+            self._check_open()
+            name = self._names.get(weights.ref)
+            if name is None:
+                name = f"slot{self._next_slot}"
+                self._next_slot += 1
+            self._lora.load(name, weights, self._dtype)  # validates every tensor before it replaces any
+            self._names[weights.ref] = name
+
+    def load_adapter_dir(self, ref: AdapterRef, path: Path) -> None:
+        self.load_adapter(read_adapter_dir(ref, path))
+
+    def unload_adapter(self, ref: AdapterRef) -> None:
+        with self._lock:
+            name = self._names.pop(ref, None)
+            if name is None:
+                raise ConfigError(f"adapter {ref} is not loaded; loaded: {sorted(map(str, self._names))}")
+            self._lora.unload(name)
+
+    def loaded_adapters(self) -> list[AdapterRef]:
+        return list(self._names)
+
+    def _adapter_name(self, ref: AdapterRef | None) -> str:
+        if ref is None:
+            return BASE
+        name = self._names.get(ref)
+        if name is None:
+            raise ConfigError(f"adapter {ref} is not loaded; loaded: {sorted(map(str, self._names))}")
+        return name
+
+    # ----- forward -----
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        adapters: list[str],
+        cache: Any = None,
+        logits_to_keep: int = 0,
+    ) -> torch.Tensor:
+        kwargs: dict[str, Any] = {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "past_key_values": cache,
+            "use_cache": cache is not None,
+            "logits_to_keep": logits_to_keep,
+        }
+        self._lora.router.set_rows(adapters)
+        return self.model(**kwargs).logits
+
+    # ----- sampling -----
+
+    def sample(self, requests: Sequence[SampleRequest]) -> list[SampleResult]:
+        with self._lock, torch.inference_mode():
+            self._check_open()
+            prompts = [render_prompt(self.tokenizer, r) for r in requests]
+            rows = [row for i, r in enumerate(requests) for row in self._rows_for(i, r, prompts[i])]
+            if rows:
+                self._decode(rows)
+            by_request: list[list[_Row]] = [[] for _ in requests]
+            for row in rows:
+                by_request[row.request_index].append(row)
+            return [self._result(r, prompts[i], by_request[i]) for i, r in enumerate(requests)]
+
+    def _rows_for(self, index: int, request: SampleRequest, prompt: list[int]) -> list[_Row]:
+        if not prompt:
+            raise ConfigError("SampleRequest: the prompt is empty; give at least one token")
+        params = request.params
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos_ids)
+        room = self._max_positions - len(prompt)
+        if room <= 0:
+            raise ConfigError(f"prompt of {len(prompt)} tokens leaves no room in the model's {self._max_positions}")
+        adapter = self._adapter_name(request.adapter)
+        return [
+            _Row(index, prompt, adapter, make_row_sampler(params, k), stop_ids, min(params.max_tokens, room))
+            for k in range(params.n)
+        ]
+
+    def _prefill(self, rows: list[_Row], cache: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Left-padded prompts through the model; returns last logits, the mask and next positions."""
+        width = max(len(r.prompt) for r in rows)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        ids_BL = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask_BL = torch.zeros((len(rows), width), dtype=torch.long)
+        for b, row in enumerate(rows):
+            ids_BL[b, width - len(row.prompt) :] = torch.tensor(row.prompt)
+            mask_BL[b, width - len(row.prompt) :] = 1
+        pos_BL = (mask_BL.cumsum(-1) - 1).clamp(min=0)
+        logits = self._forward(ids_BL, mask_BL, pos_BL, [r.adapter for r in rows], cache, logits_to_keep=1)
+        return logits[:, -1].float(), mask_BL, pos_BL[:, -1] + 1
+
+    def _decode(self, rows: list[_Row]) -> None:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        # Rows sorted by adapter: each adapter then owns one contiguous run of rows (see _multilora).
+        rows = sorted(rows, key=lambda r: r.adapter)
+        logits_BV, mask_BL, next_pos_B = self._prefill(rows, cache)
+        live = list(range(len(rows)))
+        while True:
+            tokens_B = choose_tokens(logits_BV, [rows[i].sampler for i in live])
+            logprobs_B = logits_BV.log_softmax(-1).gather(1, tokens_B[:, None])[:, 0]
+            keep = [j for j, i in enumerate(live) if not self._append(rows[i], int(tokens_B[j]), float(logprobs_B[j]))]
+            if not keep:
+                return
+            if len(keep) < len(live):
+                # Finished rows leave the batch and the KV cache: later steps do not pay for them.
+                index = torch.tensor(keep)
+                cache.batch_select_indices(index)
+                mask_BL, next_pos_B, tokens_B = mask_BL[index], next_pos_B[index], tokens_B[index]
+                live = [live[j] for j in keep]
+            mask_BL = torch.cat([mask_BL, mask_BL.new_ones((len(live), 1))], dim=1)
+            adapters = [rows[i].adapter for i in live]
+            logits = self._forward(tokens_B[:, None], mask_BL, next_pos_B[:, None], adapters, cache, logits_to_keep=1)
+            logits_BV = logits[:, -1].float()
+            next_pos_B = next_pos_B + 1
+
+    def _append(self, row: _Row, token: int, logprob: float) -> bool:
+        """Record a drawn token; True when the row is finished."""
+        row.tokens.append(token)
+        row.logprobs.append(logprob)
+        params = row.sampler.params
+        if token in row.stop_ids or (params.stop and cut_at_stop(self._text(row.tokens), params.stop)[1]):
+            row.finish = FinishReason.STOP
+        elif len(row.tokens) >= row.max_tokens:
+            row.finish = FinishReason.LENGTH
+        return row.finish is not None
+
+    def _text(self, tokens: list[int]) -> str:
+        return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
+
+    def _result(self, request: SampleRequest, prompt: list[int], rows: list[_Row]) -> SampleResult:
+        sequences = tuple(
+            SampledSequence(
+                token_ids=tuple(row.tokens),
+                text=cut_at_stop(self._text(row.tokens), request.params.stop)[0],
+                logprobs=tuple(row.logprobs),
+                finish_reason=row.finish or FinishReason.ABORT,
+            )
+            for row in rows
+        )
+        return SampleResult(prompt_token_ids=tuple(prompt), sequences=sequences, adapter=request.adapter)
+
+    # ----- scoring -----
+
+    def compute_logprobs(
+        self, sequences: Sequence[Sequence[int]], adapter: AdapterRef | None = None
+    ) -> list[list[float]]:
+        with self._lock, torch.inference_mode():
+            self._check_open()
+            if any(len(s) == 0 for s in sequences):
+                raise ConfigError("compute_logprobs: every sequence needs at least one token")
+            name = self._adapter_name(adapter)
+            out: list[list[float]] = [[] for _ in sequences]
+            for chunk in self._chunks([len(s) for s in sequences]):
+                for i, values in zip(chunk, self._score([sequences[i] for i in chunk], name), strict=True):
+                    out[i] = values
+            return out
+
+    def _chunks(self, lengths: list[int]) -> list[list[int]]:
+        """Sequence indices grouped (similar lengths together) under the logits token budget."""
+        chunks: list[list[int]] = [[]]
+        width = 0
+        for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+            width = max(width, lengths[i])
+            if chunks[-1] and width * (len(chunks[-1]) + 1) > self.config.logprobs_chunk_tokens:
+                chunks.append([])
+                width = lengths[i]
+            chunks[-1].append(i)
+        return [c for c in chunks if c]
+
+    def _score(self, sequences: list[Sequence[int]], adapter: str) -> list[list[float]]:
+        width = max(len(s) for s in sequences)
+        ids_BT = torch.zeros((len(sequences), width), dtype=torch.long)
+        mask_BT = torch.zeros((len(sequences), width), dtype=torch.long)
+        for b, seq in enumerate(sequences):
+            ids_BT[b, : len(seq)] = torch.tensor(list(seq))
+            mask_BT[b, : len(seq)] = 1
+        logits_BTV = self._forward(ids_BT, mask_BT, None, [adapter] * len(sequences)).float()
+        logprobs_BT = logits_BTV[:, :-1].log_softmax(-1).gather(2, ids_BT[:, 1:, None])[..., 0]
+        return [logprobs_BT[b, : len(seq) - 1].tolist() for b, seq in enumerate(sequences)]
+
+    # ----- lifecycle -----
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ModelError("this HFBackend is closed")
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            for name in self._names.values():
+                self._lora.unload(name)
+            self._names.clear()
+
+
+__all__ = ["BASE", "HFBackend"]
