@@ -11,6 +11,9 @@ The public surface is re-exported here; subpackages:
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from polytinker.errors import (
     ActorDeadError,
     ActorError,
@@ -25,9 +28,29 @@ from polytinker.errors import (
     RequestTimeout,
     TransportError,
 )
-from polytinker.scheduler.client import SamplingClient, ServiceClient, TrainingClient
 
 __version__ = "0.1.0"
+
+# Heavy parts of the surface load on first use: every actor process imports this package, and
+# an actor that only moves messages should not pay for the scheduler client (or torch) at start.
+_LAZY = {
+    "SamplingClient": "polytinker.scheduler.client",
+    "ServiceClient": "polytinker.scheduler.client",
+    "TrainingClient": "polytinker.scheduler.client",
+}
+
+if TYPE_CHECKING:
+    from polytinker.scheduler.client import SamplingClient, ServiceClient, TrainingClient
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'polytinker' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "ActorDeadError",
