@@ -79,6 +79,8 @@ def describe(r: SimResult, wall_s: float) -> dict[str, float | int | str]:
         "preemptions": sum(o.preemptions for o in r.outcomes),
         "end_s": round(r.end_s, 1),
         "sim_wall_s": round(wall_s, 2),
+        "learner_time": " ".join(f"{k}:{v:.3f}" for k, v in r.learner_time.items()),
+        "engine_time": " ".join(f"{k}:{v:.3f}" for k, v in r.engine_time.items()),
     }
 
 
@@ -124,7 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in figures.items():
         print(f"{key} {value}")
     for name, row in absolute.items():
-        print(f"[{name}] " + " ".join(f"{k}={v}" for k, v in row.items() if k != "policy"))
+        print(
+            f"[{name}] "
+            + " ".join(f"{k}={v}" for k, v in row.items() if k not in ("policy", "learner_time", "engine_time"))
+        )
+    for name, row in absolute.items():
+        print(f"[{name}] learner time while learner work was queued: {row['learner_time']}")
+        print(f"[{name}] engine time while engine work was queued: {row['engine_time']}")
     print(
         "targets: mean_jct_ratio <= 0.6: " + ("met" if figures["mean_jct_ratio"] <= 0.6 else "MISSED"),
         "| utilization >= 0.9: " + ("met" if figures["utilization"] >= 0.9 else "MISSED"),

@@ -96,6 +96,14 @@ def test_engine_throughput_is_shared_among_sampling_jobs():
     assert finish == pytest.approx([15.0, 17.5])
 
 
+def test_time_breakdown_accounts_for_all_pending_time():
+    result = simulate(generate_trace(SMALL), default_cluster(), FairSharePolicy)
+    assert sum(result.learner_time.values()) == pytest.approx(1.0)
+    assert sum(result.engine_time.values()) == pytest.approx(1.0)
+    assert result.learner_time["train"] == pytest.approx(result.learner_utilization)
+    assert result.engine_time["sampling"] == pytest.approx(result.engine_utilization)
+
+
 def test_fifo_blocks_and_ours_backfills_on_the_same_trace():
     trace = generate_trace(SMALL)
     ours = simulate(trace, default_cluster(), FairSharePolicy)

@@ -25,7 +25,8 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from polytinker.errors import PolytinkerError
@@ -77,6 +78,12 @@ class SimResult:
     learner_utilization: float
     engine_utilization: float
     end_s: float
+    # Where learner and engine time went while work for them was queued, as fractions: learners
+    # "train", "swap", "full_rl_sampling" (a full-parameter job's group waits for its engine),
+    # "shared_sampling" (every job on the group is sampling, loading or saving), "empty"; engines
+    # "sampling", "idle_with_jobs", "idle_empty".
+    learner_time: dict[str, float] = field(default_factory=dict)
+    engine_time: dict[str, float] = field(default_factory=dict)
 
     def jcts_s(self) -> list[float]:
         return sorted(o.jct_s for o in self.outcomes if o.jct_s is not None)
@@ -142,6 +149,9 @@ class Simulator:
         self._sampled_at: dict[ResourceID, float] = dict.fromkeys(self._sampling, 0.0)
         self._busy_s: dict[ResourceID, float] = dict.fromkeys([*self._learners, *self._sampling], 0.0)
         self._pending_s = dict.fromkeys(self._busy_s, 0.0)  # per resource: time work for it was queued
+        self._holders: dict[ResourceID, set[JobID]] = {rid: set() for rid in self._busy_s}
+        self._learner_time: defaultdict[str, float] = defaultdict(float)
+        self._engine_time: defaultdict[str, float] = defaultdict(float)
         self._needs = {g.group_id: (g.base_model, "learner") for g in cluster.learners}
         self._needs.update({e.engine_id: (e.base_model, "engine") for e in cluster.engines})
         self._log: list[Decision] = []
@@ -180,9 +190,30 @@ class Simulator:
                 self._pending_s[rid] += dt
                 if kind == "learner":
                     self._busy_s[rid] += dt if self._learners[rid].training else 0.0
+                    self._learner_time[self._learner_state(rid)] += dt
                 else:
-                    self._busy_s[rid] += dt * min(1.0, len(self._sampling[rid]) / self.config.engine_full_speed_jobs)
+                    busy = dt * min(1.0, len(self._sampling[rid]) / self.config.engine_full_speed_jobs)
+                    self._busy_s[rid] += busy
+                    self._engine_time["sampling"] += busy
+                    self._engine_time["idle_with_jobs" if self._holders[rid] else "idle_empty"] += dt - busy
         self.now_s = max(self.now_s, t)
+
+    def _learner_state(self, gid: ResourceID) -> str:
+        g = self._learners[gid]
+        if g.training:
+            return "train"
+        if g.busy is not None:
+            return "swap"
+        holders = self._holders[gid]
+        if not holders:
+            return "empty"
+        if any(self._runs[j].job.kind.exclusive_learner for j in holders):
+            return "full_rl_sampling"
+        return "shared_sampling"
+
+    def _vacate(self, r: _Run) -> None:
+        for rid in r.placement.resources() if r.placement else ():
+            self._holders[rid].discard(r.job.job_id)
 
     def _handle(self, what: str, job_id: JobID, gen: int) -> bool:
         """Act out one event; True if it may let the policy start something."""
@@ -202,6 +233,7 @@ class Simulator:
         elif what == "save_done":
             self._log.append(self.policy.job_stopped(job_id, self.now_s, r.steps_done))
             self._leave_learner(r)
+            self._vacate(r)
             r.placement, r.stop = None, False
             r.preemptions += 1
             return True
@@ -226,6 +258,8 @@ class Simulator:
             if d.kind is DecisionKind.START:
                 assert d.placement is not None
                 r.placement, r.stop = d.placement, False
+                for rid in d.placement.resources():
+                    self._holders[rid].add(r.job.job_id)
                 r.gen += 1
                 if r.first_start_s is None:
                     r.first_start_s = self.now_s
@@ -321,6 +355,7 @@ class Simulator:
     def _finish(self, r: _Run) -> None:
         r.finish_s = self.now_s
         self._leave_learner(r)
+        self._vacate(r)
         r.placement = None
         self._log.append(self.policy.job_finished(r.job.job_id, self.now_s))
 
@@ -386,7 +421,14 @@ class Simulator:
             learner_utilization=util(learners),
             engine_utilization=util(engines),
             end_s=self.now_s,
+            learner_time=_shares(self._learner_time),
+            engine_time=_shares(self._engine_time),
         )
+
+
+def _shares(times: Mapping[str, float]) -> dict[str, float]:
+    total = sum(times.values())
+    return {k: v / total for k, v in sorted(times.items())} if total else {}
 
 
 def simulate(
