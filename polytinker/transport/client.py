@@ -48,18 +48,50 @@ from polytinker.transport.server import apply_limits
 
 log = logging.getLogger("polytinker.transport.client")
 _BATCH = 256
+_REQUEST = int(MsgType.REQUEST)
+_TELL = int(MsgType.TELL)
+_NOBLOCK = int(zmq.NOBLOCK)
 
 
 class _Pending:
     __slots__ = ("future", "kind", "timeout_s")
 
-    def __init__(self, future: Future[Any], kind: str, timeout_s: float | None) -> None:
+    def __init__(self, future: Future[Any] | _Slot, kind: str, timeout_s: float | None) -> None:
         self.future = future
         self.kind = kind
         self.timeout_s = timeout_s
 
 
-def _settle(fut: Future[Any], value: Any = None, exc: BaseException | None = None) -> None:
+class _Slot:
+    """The answer of a blocking call whose own thread drives the socket: set and read by that one
+    thread only, so none of a Future's locking is needed."""
+
+    __slots__ = ("_done", "_exc", "_value")
+
+    def __init__(self) -> None:
+        self._done = False
+        self._value: Any = None
+        self._exc: BaseException | None = None
+
+    def set_result(self, value: Any) -> None:
+        self._value, self._done = value, True
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._exc, self._done = exc, True
+
+    def done(self) -> bool:
+        return self._done
+
+    def cancelled(self) -> bool:
+        return False
+
+    def result(self) -> Any:
+        if self._exc is not None:
+            raise self._exc
+        return self._value
+
+
+def _settle(fut: Future[Any] | _Slot, value: Any = None, exc: BaseException | None = None) -> None:
     """Resolve ``fut`` unless the caller cancelled it meanwhile."""
     try:
         if exc is not None:
@@ -104,41 +136,41 @@ class RpcClient:
     def call_async(self, kind: str, payload: Any = None, *, timeout_s: float | None = None) -> Future[Any]:
         """Send a request; the future resolves to the reply or raises RemoteError, ProtocolError,
         RequestTimeout or PeerDeadError. ``future.cancel()`` abandons the call (the handler may still run)."""
-        fut, op = self._request(kind, payload, timeout_s)
-        self._ops.append(op)
+        fut: Future[Any] = Future()
+        self._ops.append(self._request(kind, payload, timeout_s, fut))
         self._wake()
         return fut
 
     def call(self, kind: str, payload: Any = None, *, timeout_s: float | None = None) -> Any:
         """Send a request and wait for its reply (see :meth:`call_async` for the errors)."""
-        fut, op = self._request(kind, payload, timeout_s)
-        self._ops.append(op)
-        if not self._io_lock.acquire(blocking=False):
-            self._wake()  # another thread drives the socket: it sends this request too
-            return fut.result()
+        if not self._io_lock.acquire(blocking=False):  # another thread drives the socket
+            return self.call_async(kind, payload, timeout_s=timeout_s).result()
         try:  # lead: drive the socket from this thread until the reply is in
+            slot = _Slot()
+            self._ops.append(self._request(kind, payload, timeout_s, slot))
             st = self._st
-            while not fut.done() and not self._closed:
-                self._io_step(st, st.poll_timeout_ms(), fut)
+            while not slot._done and not self._closed:
+                self._io_step(st, st.poll_timeout_ms(), slot)
         finally:
             self._io_lock.release()
             if self._st.pending or self._ops or self._closed:
                 self._wake()  # the I/O thread takes over the other calls
-        return fut.result()
+        if not slot._done:
+            raise TransportError(f"the client of {self._address} was closed during the call")
+        return slot.result()
 
-    def _request(self, kind: str, payload: Any, timeout_s: float | None) -> tuple[Future[Any], tuple[Any, ...]]:
+    def _request(self, kind: str, payload: Any, timeout_s: float | None, fut: Future[Any] | _Slot) -> tuple[Any, ...]:
         if self._closed:
             raise TransportError(f"the client of {self._address} is closed")
         frames = encode(payload, config=self._cfg)
-        fut: Future[Any] = Future()
         t = self._cfg.request_timeout_s if timeout_s is None else timeout_s
-        return fut, (MsgType.REQUEST, next(self._ids), kind, frames, fut, t)
+        return (_REQUEST, next(self._ids), kind, frames, fut, t)
 
     def send_oneway(self, kind: str, payload: Any = None) -> None:
         """A tell: the server runs the handler and answers nothing, not even on error."""
         if self._closed:
             raise TransportError(f"the client of {self._address} is closed")
-        self._ops.append((MsgType.TELL, next(self._ids), kind, encode(payload, config=self._cfg), None, None))
+        self._ops.append((_TELL, next(self._ids), kind, encode(payload, config=self._cfg), None, None))
         self._wake()
 
     def close(self) -> None:
@@ -209,7 +241,7 @@ class RpcClient:
         fds = [self._wake_r, int(self._sock.getsockopt(zmq.FD))] if st.watching() else [self._wake_r]
         select.select(fds, [], [], st.poll_timeout_ms() / 1000)
 
-    def _io_step(self, st: _LoopState, timeout_ms: int, until: Future[Any] | None = None) -> None:
+    def _io_step(self, st: _LoopState, timeout_ms: int, until: _Slot | None = None) -> None:
         """One round of socket work; the caller holds ``_io_lock``. A leader passes its own call
         as ``until`` and stops reading once that is answered (the rest waits for the next round)."""
         if self._ops or st.backlog:
@@ -219,14 +251,14 @@ class RpcClient:
             if item is sock:
                 for _ in range(_BATCH):
                     try:
-                        frames = recv_frames(sock, zmq.NOBLOCK)
+                        frames = recv_frames(sock, _NOBLOCK)
                     except zmq.Again:
                         break
                     st.last_recv = time.monotonic()
                     st.alive = True
                     st.awaiting_pong = False
                     self._on_reply(st, frames)
-                    if until is not None and until.done():
+                    if until is not None and until._done:
                         break
             else:
                 os.read(self._wake_r, 65536)
@@ -266,7 +298,7 @@ class RpcClient:
             if not retry:
                 st.add(rid, _Pending(fut, kind, timeout_s))
         try:
-            send_frames(self._sock, [pack_header(mtype, rid, kind), *frames], zmq.NOBLOCK)
+            send_frames(self._sock, [pack_header(mtype, rid, kind), *frames], _NOBLOCK)
         except zmq.Again:
             return False
         except zmq.ZMQError as exc:
