@@ -211,7 +211,7 @@ class ClusterState:
             return found
         # A slot frees when the last job pinning some adapter stops: add the cheapest such job.
         for j in running:
-            if j in taken or not preemptible(j.job_id) or not j.needs_slot or j.adapter in self.adapters._user_pinned:
+            if j in taken or not preemptible(j.job_id) or not j.needs_slot or self.adapters.is_user_pinned(j.adapter):
                 continue
             if sum(1 for k in e.jobs.values() if k.adapter == j.adapter and k not in taken) == 1:
                 return eid, [*taken, j]

@@ -75,6 +75,10 @@ class AdapterPlacement:
     def holders(self, adapter: AdapterID) -> set[ResourceID]:
         return set(self._where.get(adapter, ()))
 
+    def is_user_pinned(self, adapter: AdapterID | None) -> bool:
+        """Pinned by ``pin`` (not merely by a running job)."""
+        return adapter in self._user_pinned
+
     def is_pinned(self, adapter: AdapterID, engine_id: ResourceID) -> bool:
         return adapter in self._user_pinned or self._engines[engine_id].pins[adapter] > 0
 
