@@ -114,7 +114,15 @@ def _client(args: argparse.Namespace) -> Any:
     address = args.scheduler or os.environ.get("POLYTINKER_SCHEDULER")
     if not address:
         raise ConfigError("pass --scheduler tcp://HOST:PORT or set POLYTINKER_SCHEDULER")
-    return ServiceClient(address, api_key=args.api_key or os.environ.get("POLYTINKER_API_KEY"), timeout_s=30.0)
+    curve = None
+    if args.curve_secret:
+        from polytinker.transport import ClientCurve
+
+        if not args.scheduler_key:
+            raise ConfigError("--curve-secret needs --scheduler-key (the scheduler's .key file)")
+        curve = ClientCurve.from_files(args.curve_secret, args.scheduler_key)
+    key = args.api_key or os.environ.get("POLYTINKER_API_KEY")
+    return ServiceClient(address, api_key=key, curve=curve, timeout_s=30.0)
 
 
 def _jobs(args: argparse.Namespace) -> int:
@@ -165,6 +173,8 @@ def register(sub: Any) -> None:
     j = sub.add_parser("jobs", help="list, show, cancel, pause and resume this tenant's jobs")
     j.add_argument("--scheduler", help="scheduler address (default $POLYTINKER_SCHEDULER)")
     j.add_argument("--api-key", help="API key (default $POLYTINKER_API_KEY)")
+    j.add_argument("--curve-secret", help="your Curve .key_secret, for a scheduler that serves with Curve")
+    j.add_argument("--scheduler-key", help="the scheduler's Curve .key (public) file")
     jobs_sub = j.add_subparsers(dest="jobs_command", metavar="JOBS_COMMAND", required=True)
     ls = jobs_sub.add_parser("list", help="this tenant's jobs")
     ls.add_argument("--live", action="store_true", help="only queued, running and paused jobs")

@@ -1,0 +1,102 @@
+"""`polytinker serve` and `polytinker worker` as real processes, secured with Curve: a learner joins
+the scheduler over TCP and a client trains through it; `polytinker jobs` sees the job."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_client_fixtures import data
+
+from polytinker import cli
+from polytinker.engine.learner.config import AdamParams
+from polytinker.errors import PeerDeadError, RequestTimeout
+from polytinker.scheduler.client import ServiceClient
+from polytinker.scheduler.service.runtime import resolve_address
+from polytinker.transport import ClientCurve, generate_keypair
+
+KEY = "cli-tenant-key-0123456789"
+TOKEN = "cli-worker-token-0123456789"
+
+
+def read_until(proc: subprocess.Popen[str], marker: str, timeout_s: float = 120.0) -> str:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    seen = []
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+        if ready:
+            line = proc.stdout.readline()
+            seen.append(line)
+            if marker in line:
+                return line
+        if proc.poll() is not None:
+            break
+    raise AssertionError(f"no {marker!r} from {proc.args}; output: {''.join(seen)}")
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    keys, clients = tmp_path / "keys", tmp_path / "keys" / "clients"
+    generate_keypair(keys, "scheduler")
+    generate_keypair(clients, "learner-remote")
+    generate_keypair(clients, "me")
+    address = resolve_address("tcp://127.0.0.1:0")
+    (tmp_path / "runtime.toml").write_text(
+        f'model = "tiny-random"\naddress = "{address}"\nworker_token = "{TOKEN}"\n'
+        f'curve_secret_file = "{keys}/scheduler.key_secret"\ncurve_clients_dir = "{clients}"\n'
+        "engines = []\n"
+        '[[learners]]\nlearner_id = "learner-remote"\nlocal = false\n'
+        f'[[tenants]]\nname = "team"\napi_key = "{KEY}"\n'
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "polytinker.cli"]
+    config = ["--config", str(tmp_path / "runtime.toml")]
+    serve_args = [*cmd, "serve", *config, "--state-dir", str(tmp_path / "state")]
+    serve = subprocess.Popen(serve_args, stdout=subprocess.PIPE, text=True, env=env)
+    worker = None
+    try:
+        read_until(serve, "scheduler at")
+        curve = ["--curve-secret", str(clients / "learner-remote.key_secret"), "--scheduler-key", str(keys / "scheduler.key")]
+        worker_args = [*cmd, "worker", *config, "--id", "learner-remote", "--scheduler", address, "--token", TOKEN, *curve]
+        worker = subprocess.Popen(worker_args, stdout=subprocess.PIPE, text=True, env=env)
+        read_until(worker, "serving at")
+        yield address, keys
+    finally:
+        for proc in (worker, serve):
+            if proc is not None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in (worker, serve):
+            if proc is not None:
+                assert proc.wait(60) == 0
+
+
+def test_serve_and_a_remote_worker_with_curve(served: tuple[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    address, keys = served
+    curve = ClientCurve.from_files(keys / "clients" / "me.key_secret", keys / "scheduler.key")
+    with ServiceClient(address, api_key=KEY, curve=curve) as service:
+        trainer = service.create_lora_training_client("tiny-random", rank=4, kind="sft")
+        trainer.forward_backward(data(21))
+        assert trainer.optim_step(AdamParams(learning_rate=1e-2)).result().version == 1
+        job_id = trainer.job_id
+    # Without the Curve keys the scheduler does not even answer.
+    with ServiceClient(address, api_key=KEY, timeout_s=3.0) as stranger:
+        stranger._connection().reconnect_s = 0.0
+        with pytest.raises((PeerDeadError, RequestTimeout)):
+            stranger.list_jobs()
+    curve_args = [
+        "--curve-secret",
+        str(keys / "clients" / "me.key_secret"),
+        "--scheduler-key",
+        str(keys / "scheduler.key"),
+    ]
+    assert cli.main(["jobs", "--scheduler", address, "--api-key", KEY, *curve_args, "list"]) == 0
+    out = capsys.readouterr().out
+    assert job_id in out and "done" in out
