@@ -64,9 +64,10 @@ def served(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     worker = None
     try:
         read_until(serve, "scheduler at")
-        curve = ["--curve-secret", str(clients / "learner-remote.key_secret"), "--scheduler-key", str(keys / "scheduler.key")]
-        worker_args = [*cmd, "worker", *config, "--id", "learner-remote", "--scheduler", address, "--token", TOKEN, *curve]
-        worker = subprocess.Popen(worker_args, stdout=subprocess.PIPE, text=True, env=env)
+        secret, scheduler_key = clients / "learner-remote.key_secret", keys / "scheduler.key"
+        curve = ["--curve-secret", str(secret), "--scheduler-key", str(scheduler_key)]
+        worker_args = [*cmd, "worker", *config, "--id", "learner-remote", "--scheduler", address, "--token", TOKEN]
+        worker = subprocess.Popen([*worker_args, *curve], stdout=subprocess.PIPE, text=True, env=env)
         read_until(worker, "serving at")
         yield address, keys
     finally:
