@@ -238,8 +238,11 @@ class RpcClient:
 
     def _wait(self, st: _LoopState) -> None:
         """Sleep, without the lock, until the pipe, the socket (when an answer is due) or a timer."""
-        fds = [self._wake_r, int(self._sock.getsockopt(zmq.FD))] if st.watching() else [self._wake_r]
-        select.select(fds, [], [], st.poll_timeout_ms() / 1000)
+        waiter = select.poll()  # poll(), not select(): no limit on fd numbers in a busy process
+        waiter.register(self._wake_r, select.POLLIN)
+        if st.watching():
+            waiter.register(int(self._sock.getsockopt(zmq.FD)), select.POLLIN)
+        waiter.poll(st.poll_timeout_ms())
 
     def _io_step(self, st: _LoopState, timeout_ms: int, until: _Slot | None = None) -> None:
         """One round of socket work; the caller holds ``_io_lock``. A leader passes its own call

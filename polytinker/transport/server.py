@@ -172,12 +172,14 @@ class RpcServer:
     def _loop(self) -> None:
         sock = self._sock
         assert sock is not None
-        zmq_fd = int(sock.getsockopt(zmq.FD))
+        waiter = select.poll()  # poll(), not select(): no limit on fd numbers in a busy process
+        waiter.register(self._wake_r, select.POLLIN)
+        waiter.register(int(sock.getsockopt(zmq.FD)), select.POLLIN)
         ready = False
         try:
             while not self._stopping:
                 if not ready:
-                    select.select([self._wake_r, zmq_fd], [], [])
+                    waiter.poll()
                 with self._sock_lock:
                     if self._stopping:
                         break
