@@ -71,3 +71,23 @@ __all__ = [
     "save_trace",
     "simulate",
 ]
+
+# The service and client API, re-exported lazily: importing the decision core stays free of them.
+_SERVICE_NAMES = {
+    "ServiceClient": "polytinker.scheduler.client",
+    "TrainingClient": "polytinker.scheduler.client",
+    "SamplingClient": "polytinker.scheduler.client",
+    "LocalRuntime": "polytinker.scheduler.service",
+    "RuntimeConfig": "polytinker.scheduler.service",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _SERVICE_NAMES:
+        import importlib
+
+        return getattr(importlib.import_module(_SERVICE_NAMES[name]), name)
+    raise AttributeError(f"module 'polytinker.scheduler' has no attribute {name!r}")
+
+
+__all__ += list(_SERVICE_NAMES)
