@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from polytinker.engine.actors import ActorConfig, spawn
+from polytinker.engine.inference.hf import HFBackend
 from polytinker.engine.learner import AdamParams, LearnerConfig, MultiAdapterLearner
 from polytinker.engine.learner.actor import LearnerActor, LearnerClient
 from polytinker.engine.models import TINY_RANDOM, load_model
@@ -64,6 +65,20 @@ def test_actor_matches_in_process_learner(client: LearnerClient, tmp_path) -> No
     assert set(exported.tensors) == set(expected.tensors)
     for k, v in expected.tensors.items():
         torch.testing.assert_close(exported.tensors[k], v, rtol=1e-5, atol=1e-6)
+
+    # Weight sync across the process boundary: an engine loads what the actor exported and scores
+    # the probe exactly as the learner does.
+    model, tokenizer = load_model(TINY_RANDOM)
+    engine = HFBackend(model=model, tokenizer=tokenizer)
+    engine.load_adapter(exported)
+    probe = data()[1]
+    sequence = [*probe.input_tokens, probe.target_tokens_T[-1]]
+    torch.testing.assert_close(
+        torch.tensor(engine.compute_logprobs([sequence], ref)[0]),
+        torch.tensor(client.forward([probe], "alice")[0]),
+        rtol=1e-4,
+        atol=1e-4,
+    )
 
     path = client.save_state(tmp_path / "ckpt", "alice")
     client.forward_backward(data(), "cross_entropy", "alice")
