@@ -8,7 +8,11 @@ Both servers run in their own subprocess on tcp loopback (ROUTER), the clients h
 - one-way throughput of a 64 MiB float32 tensor: ``call("nbytes", tensor)`` (the server answers
   with a small int) against a raw ``send(copy=False)`` of the tensor's buffer answered with b"ok".
 - codec: encode+decode of one sample (512 token ids and 512 logprobs, as Python lists the way
-  engines return them) against pickle.dumps+loads of the same object.
+  engines return them) against pickle.dumps+loads of the same object; then the same sample as
+  two numpy arrays.
+
+Also printed: the round trip against a server whose handlers run on its I/O thread
+(``handler_threads=0``), which saves the hand-off to a handler thread.
 
 ``--quick`` finishes in well under a minute on 2 cores.
 """
@@ -104,7 +108,7 @@ def bench_tensor(ours: RpcClient, raw: zmq.Socket, reps: int) -> tuple[float, fl
     return nbytes / statistics.median(our_t) / 1e9, nbytes / statistics.median(raw_t) / 1e9
 
 
-def bench_codec(reps: int) -> tuple[float, float, float]:
+def bench_codec(reps: int) -> tuple[float, float, float, float]:
     rng = np.random.default_rng(0)
     sample = {
         "token_ids": rng.integers(0, 49152, 512).tolist(),
@@ -123,14 +127,15 @@ def bench_codec(reps: int) -> tuple[float, float, float]:
     ours_us = statistics.median(_time_each(lambda: ours(sample), reps)) * 1e6
     pickle_us = statistics.median(_time_each(lambda: pickled(sample), reps)) * 1e6
     arrays_us = statistics.median(_time_each(lambda: ours(arrays), reps)) * 1e6
-    return ours_us, pickle_us, arrays_us
+    arrays_pickle_us = statistics.median(_time_each(lambda: pickled(arrays), reps)) * 1e6
+    return ours_us, pickle_us, arrays_us, arrays_pickle_us
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (under a minute)")
     args = parser.parse_args(argv)
-    rounds, per_round, tensor_reps, codec_reps = (10, 200, 5, 2000) if args.quick else (30, 500, 15, 20000)
+    rounds, per_round, tensor_reps, codec_reps = (40, 50, 5, 2000) if args.quick else (200, 100, 15, 20000)
 
     cfg = TransportConfig(request_timeout_s=60.0)
     raw_proc, raw_addr = _spawn([sys.executable, "-c", _RAW_SERVER])
@@ -154,11 +159,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tensor_throughput_gbps: {gbps:.2f}")
             print(f"raw_tensor_throughput_gbps: {raw_gbps:.2f}")
             print(f"tensor_throughput_ratio: {gbps / raw_gbps:.2f}")
-        codec_us, pickle_us, arrays_us = bench_codec(codec_reps)
+        codec_us, pickle_us, arrays_us, arrays_pickle_us = bench_codec(codec_reps)
         print(f"codec_sample_us: {codec_us:.1f}")
         print(f"pickle_sample_us: {pickle_us:.1f}")
         print(f"codec_vs_pickle_ratio: {codec_us / pickle_us:.2f}")
-        print(f"codec_sample_numpy_us: {arrays_us:.1f}")
+        print(f"codec_sample_numpy_us: {arrays_us:.1f}  (the same sample as two numpy arrays)")
+        print(f"codec_numpy_vs_pickle_ratio: {arrays_us / arrays_pickle_us:.2f}")
     finally:
         raw.close(linger=0)
         for proc in (raw_proc, our_proc, inline_proc):
