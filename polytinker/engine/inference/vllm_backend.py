@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from polytinker.engine.inference._vllm_base_adapter import BASE_ADAPTER_NAME, zero_adapter
+from polytinker.engine.inference._vllm_adapters import BASE_ADAPTER_NAME, check_adapter, linear_shapes, zero_adapter
 from polytinker.engine.inference._vllm_config import INSTALL_HINT, VllmBackendConfig
 from polytinker.engine.inference.adapter_io import CONFIG_FILE, WEIGHTS_FILE, write_adapter_dir
 from polytinker.engine.inference.base import cut_at_stop, render_prompt
@@ -70,6 +70,17 @@ def _peft_rank(path: Path) -> int:
     return max(ranks)
 
 
+def _tensor_shapes(file: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes of a safetensors file, read from its header (no tensor data is loaded)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), "pt") as handle:
+            return {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}  # noqa: SIM118
+    except Exception as exc:
+        raise ModelError(f"{file} is not a readable safetensors file: {exc}") from exc
+
+
 class VllmBackend:
     """vLLM with LoRA; implements :class:`~polytinker.engine.inference.base.InferenceBackend`."""
 
@@ -88,6 +99,7 @@ class VllmBackend:
         self._next_id = itertools.count(1)  # vLLM requires ids >= 1
         self.model_path = resolve_model(self.config.model, self.config.model_config)
         self.tokenizer = load_tokenizer(str(self.model_path), self.config.model_config)
+        self._linears = linear_shapes(self.model_path)  # what adapters are checked against
         # Where adapter versions are written for vLLM to read (one directory per version id).
         self.adapter_root = _scratch_root(self.config.adapter_dir)
         self._base_lora: Any = None  # what base-model requests pass as their LoRARequest
@@ -120,7 +132,7 @@ class VllmBackend:
         """Load the zero adapter that base-model requests use (see _vllm_base_adapter)."""
         from vllm.lora.request import LoRARequest
 
-        weights = zero_adapter(self.model_path, self.config.lora_target_modules)
+        weights = zero_adapter(self._linears, self.config.lora_target_modules)
         lora_id = next(self._next_id)
         path = write_adapter_dir(weights, self.adapter_root / str(lora_id), base_model_path=str(self.model_path))
         request = LoRARequest(BASE_ADAPTER_NAME, lora_id, str(path))
@@ -132,6 +144,7 @@ class VllmBackend:
     def load_adapter(self, weights: AdapterWeights) -> None:
         if weights.config.rank > self.config.max_lora_rank:
             raise ConfigError(self._rank_message(weights.ref, weights.config.rank))
+        check_adapter(weights.ref, {k: tuple(t.shape) for k, t in weights.tensors.items()}, self._linears)
         with self._lock:
             self._check_open()
             lora_id, path = self._slot(weights.ref)
@@ -145,6 +158,7 @@ class VllmBackend:
         rank = _peft_rank(path)
         if rank > self.config.max_lora_rank:
             raise ConfigError(self._rank_message(ref, rank))
+        check_adapter(ref, _tensor_shapes(path / WEIGHTS_FILE), self._linears)
         with self._lock:
             self._check_open()
             # A private copy: vLLM rereads the directory whenever the version falls out of its
