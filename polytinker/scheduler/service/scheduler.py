@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import shutil
 import threading
 from collections import Counter
@@ -205,7 +206,7 @@ class SchedulerService:
             if w["alive"]:
                 with contextlib.suppress(Exception):
                     stats[w["worker_id"]] = self.broker.call(
-                        w["worker_id"], "sched.w.stats", m.WorkerStats(), timeout_s=10.0
+                        w["worker_id"], "sched.w.stats", m.WorkerStats(), timeout_s=10.0, retry=False
                     )
         switches = {k: s.switches for k, s in self.broker.slicers.items()}
         return {
@@ -277,7 +278,7 @@ class SchedulerService:
             msg.eps,
             msg.weight_decay,
             str(ckpt_dir),
-            "" if full or row.kind == "sft" else str(export_dir),
+            "" if full else str(export_dir),
             full,
         )
         slicer = self.broker.slicers[learner]
@@ -285,15 +286,18 @@ class SchedulerService:
             # No resend after a learner crash: the gradients of this step died with it.
             out = self.broker.call(learner, "sched.w.step", req, prepare=self._prepare(row, a), retry=False)
             self.store.record_version(a.adapter_key, out["version"], out["checkpoint"], out["export_dir"])
-        self._prune(a.adapter_key, out["version"])
+        self._prune(a, out["version"])
         self.jobs.step_boundary(row.job_id, out["version"])
         return {"status": "ok", "version": out["version"], "metrics": out["metrics"]}
 
-    def _prune(self, key: str, version: int) -> None:
-        named = {c["path"] for c in self.store.checkpoints(key.split("/")[1])}
-        for ckpt, export in self.store.drop_versions_below(key, version - self.config.keep_checkpoints + 1):
+    def _prune(self, a: AdapterRow, version: int) -> None:
+        """Delete the per-step checkpoints and exports older than the last ``keep_checkpoints``;
+        named ones (save_state, save_weights_for_sampler with a name) and other jobs' files stay."""
+        own = tuple(str(d) + os.sep for d in self._dirs(a))
+        named = {c["path"] for c in self.store.checkpoints(a.job_id)}
+        for ckpt, export in self.store.drop_versions_below(a.adapter_key, version - self.config.keep_checkpoints + 1):
             for p in (ckpt, export):
-                if p and p not in named:
+                if p.startswith(own) and p not in named and f"{os.sep}named{os.sep}" not in p:
                     shutil.rmtree(p, ignore_errors=True)
 
     def save_state(self, msg: m.SaveState) -> dict[str, Any]:
@@ -321,7 +325,7 @@ class SchedulerService:
         with self._admit(row.tenant, "train"), self.broker.slicers[learner].turn(row.job_id, row.priority):
             out = self.broker.call(learner, "sched.w.load", req, prepare=self._prepare(row, a), retry=False)
             export = ""
-            if row.kind in ("lora_rl",):
+            if row.kind != "full_rl":
                 export_path = self._dirs(a)[1] / f"v{out['version']}-loaded-{name}"
                 export = self.broker.call(
                     learner, "sched.w.export", m.LearnerExport(a.adapter_key, str(export_path)), retry=False
@@ -332,8 +336,8 @@ class SchedulerService:
     # --- sampling --------------------------------------------------------------------------------
     def save_weights(self, msg: m.SaveWeights) -> dict[str, Any]:
         row, a, learner = self._training(msg.api_key, msg.job_id)
-        if row.kind != "lora_rl":
-            raise NotBuiltError(f"sampling from a {row.kind} job's weights (engines load LoRA adapters only)")
+        if row.kind == "full_rl":
+            raise NotBuiltError("sampling from a full-parameter job's weights (engines load LoRA adapters only)")
         if not a.export_dir:  # version 0 was never stepped: export the fresh adapter once
             path = self._dirs(a)[1] / f"v{a.version}"
             with self.broker.slicers[learner].turn(row.job_id, row.priority):
