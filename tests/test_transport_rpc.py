@@ -132,6 +132,22 @@ def test_blocking_calls_from_many_threads_mixed_with_async_ones(client):
     assert late.result(timeout=10) == "late"
 
 
+def test_blocking_call_inside_a_future_callback_fails_loudly(client):
+    seen: list[BaseException] = []
+    done = threading.Event()
+
+    def callback(_f: object) -> None:
+        try:
+            client.call("echo", 1)
+        except TransportError as exc:
+            seen.append(exc)
+        done.set()
+
+    client.call_async("sleep", 0.2).add_done_callback(callback)  # answered later, on the I/O thread
+    assert done.wait(10)
+    assert seen and "call_async" in str(seen[0])
+
+
 def test_async_client(server):
     async def main() -> None:
         async with AsyncRpcClient(server.address, config=FAST) as c:

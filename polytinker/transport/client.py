@@ -124,6 +124,7 @@ class RpcClient:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._io_lock = threading.Lock()  # held by whichever thread drives the socket
+        self._io_owner: int | None = None  # that thread's id, to refuse a blocking call that would deadlock
         self._st = _LoopState(self._cfg)
         self._sock = self._connect()  # here, so a bad address fails in the caller's thread
         self._thread = threading.Thread(target=self._loop, name=f"polytinker-client {address}", daemon=True)
@@ -144,7 +145,13 @@ class RpcClient:
     def call(self, kind: str, payload: Any = None, *, timeout_s: float | None = None) -> Any:
         """Send a request and wait for its reply (see :meth:`call_async` for the errors)."""
         if not self._io_lock.acquire(blocking=False):  # another thread drives the socket
+            if self._io_owner == threading.get_ident():
+                raise TransportError(
+                    "a blocking call() from a callback of this client's futures would wait for itself; "
+                    "use call_async() there"
+                )
             return self.call_async(kind, payload, timeout_s=timeout_s).result()
+        self._io_owner = threading.get_ident()
         try:  # lead: drive the socket from this thread until the reply is in
             slot = _Slot()
             self._ops.append(self._request(kind, payload, timeout_s, slot))
@@ -152,6 +159,7 @@ class RpcClient:
             while not slot._done and not self._closed:
                 self._io_step(st, st.poll_timeout_ms(), slot)
         finally:
+            self._io_owner = None
             self._io_lock.release()
             if self._st.pending or self._ops or self._closed:
                 self._wake()  # the I/O thread takes over the other calls
@@ -226,7 +234,9 @@ class RpcClient:
                 with self._io_lock:
                     if self._closed:
                         break
+                    self._io_owner = threading.get_ident()
                     self._io_step(st, 0)
+                    self._io_owner = None
                     # ZMQ_FD only signals edges: a message may already wait behind the last send.
                     ready = bool(st.watching() and int(self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
         except Exception:
