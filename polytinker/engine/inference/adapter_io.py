@@ -94,10 +94,19 @@ def random_adapter(
     generator = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] not in config.target_modules or not isinstance(module, torch.nn.Linear):
+        # A layer already wrapped for LoRA (here: .base; peft: .base_layer) keeps its linear inside.
+        linear = next(
+            (
+                m
+                for m in (module, getattr(module, "base", None), getattr(module, "base_layer", None))
+                if isinstance(m, torch.nn.Linear)
+            ),
+            None,
+        )
+        if name.rsplit(".", 1)[-1] not in config.target_modules or linear is None:
             continue
         prefix = f"base_model.model.{name}"
-        a_shape, b_shape = (config.rank, module.in_features), (module.out_features, config.rank)
+        a_shape, b_shape = (config.rank, linear.in_features), (linear.out_features, config.rank)
         tensors[f"{prefix}.lora_A.weight"] = torch.randn(a_shape, generator=generator) * scale
         tensors[f"{prefix}.lora_B.weight"] = torch.randn(b_shape, generator=generator) * scale
     if not tensors:
