@@ -200,3 +200,12 @@ def test_size_limits_hold():
     with pytest.raises(ProtocolError):
         decode([msgpack.packb(list(range(11)))], config=cfg)
     assert decode([msgpack.packb(list(range(10)))], config=cfg) == list(range(10))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_cuda_tensors_arrive_on_the_cpu(dtype):
+    t = (torch.randn(64, 256, device="cuda") * 10).to(dtype)
+    for x in (t, t.t()):
+        out = decode(encode({"x": x}))["x"]
+        assert out.device.type == "cpu" and out.dtype == dtype and torch.equal(out, x.cpu())
