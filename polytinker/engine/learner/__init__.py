@@ -5,7 +5,9 @@
 - ``make_learner(model, config)``: the one ``config.mode`` asks for.
 - ``ForwardBackwardResult``: loss, per-datum logprobs and metrics of one ``forward_backward``.
 - ``LearnerConfig``, ``AdamParams``, ``LossConfig``: configuration.
-- ``init_distributed``, ``launch_group``, ``DistInfo``: data-parallel groups (gloo on CPU, NCCL on GPU).
+- ``LearnerGroup``: K data-parallel replicas led by rank 0 (``LearnerGroup.start``, or ``run_rank`` under torchrun).
+- ``LearnerActor`` / ``LearnerClient``: the learner in its own process, and its typed client.
+- ``init_distributed``, ``DistInfo``: torch.distributed plumbing (gloo on CPU, NCCL on GPU).
 - ``save_checkpoint`` / ``load_checkpoint``: the atomic on-disk state format.
 """
 
@@ -14,9 +16,11 @@ from __future__ import annotations
 from torch import nn
 
 from polytinker.engine.learner._base import ForwardBackwardResult, Learner
+from polytinker.engine.learner.actor import LearnerActor, LearnerClient
 from polytinker.engine.learner.config import AdamParams, LearnerConfig, LossConfig
-from polytinker.engine.learner.distributed import SINGLE, DistInfo, init_distributed, launch_group
+from polytinker.engine.learner.distributed import SINGLE, DistInfo, init_distributed
 from polytinker.engine.learner.full_param import FULL_SLOT, FullParamLearner
+from polytinker.engine.learner.group import LearnerGroup, run_rank
 from polytinker.engine.learner.losses import LOSS_FNS
 from polytinker.engine.learner.multi_adapter import MultiAdapterLearner
 from polytinker.engine.learner.state import load_checkpoint, save_checkpoint
@@ -41,12 +45,15 @@ __all__ = [
     "ForwardBackwardResult",
     "FullParamLearner",
     "Learner",
+    "LearnerActor",
+    "LearnerClient",
     "LearnerConfig",
+    "LearnerGroup",
     "LossConfig",
     "MultiAdapterLearner",
     "init_distributed",
-    "launch_group",
     "load_checkpoint",
     "make_learner",
+    "run_rank",
     "save_checkpoint",
 ]

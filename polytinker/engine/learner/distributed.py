@@ -2,11 +2,9 @@
 
 - ``DistInfo``: rank, world size, local rank, device of this process.
 - ``init_distributed()``: joins the process group described by the environment (``RANK``,
-  ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``LOCAL_RANK``), as ``torchrun`` or
-  :func:`launch_group` set it; gloo on the CPU, NCCL on a GPU. Without ``WORLD_SIZE`` it is a
-  single process and no group is created.
-- ``launch_group(fn, world_size, *args)``: starts ``world_size`` processes running
-  ``fn(rank, world_size, *args)`` with the environment set for ``init_distributed``.
+  ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``LOCAL_RANK``), as ``torchrun`` sets it;
+  gloo on the CPU, NCCL on a GPU. Without ``WORLD_SIZE`` it is a single process and no group is
+  created. (``group.LearnerGroup.start`` spawns a group itself, with an explicit TCP address.)
 - ``all_reduce_sum_``: sums tensors across ranks in place, flattened into one buffer per dtype.
 - ``log0``: logs on rank 0 only.
 """
@@ -16,13 +14,12 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from polytinker.errors import ConfigError
 
@@ -74,7 +71,7 @@ def init_distributed(backend: str | None = None, device: str | None = None) -> D
         chosen = backend or ("nccl" if use_cuda else "gloo")
         for key in ("MASTER_ADDR", "MASTER_PORT"):
             if key not in os.environ:
-                raise ConfigError(f"init_distributed: {key} is not set; launch with torchrun or launch_group")
+                raise ConfigError(f"init_distributed: {key} is not set; launch with torchrun (or set them)")
         dist.init_process_group(backend=chosen, rank=rank, world_size=world, device_id=dev if use_cuda else None)
         log0(log, "joined a %s group of %d", chosen, world)
     return DistInfo(rank, world, local_rank, dev)
@@ -84,31 +81,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _group_entry(local_rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-    os.environ.update(
-        RANK=str(local_rank),
-        LOCAL_RANK=str(local_rank),
-        WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    try:
-        fn(local_rank, world_size, *args)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def launch_group(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes on this machine; raises
-    if any of them fails. ``fn`` must be importable (a module-level function)."""
-    if world_size <= 0:
-        raise ConfigError(f"launch_group: world_size must be positive, got {world_size}")
-    mp.start_processes(
-        _group_entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True, start_method="spawn"
-    )
 
 
 def all_reduce_sum_(tensors: Sequence[torch.Tensor], group: Any = None) -> None:
@@ -149,6 +121,5 @@ __all__ = [
     "broadcast_",
     "free_port",
     "init_distributed",
-    "launch_group",
     "log0",
 ]
