@@ -291,3 +291,20 @@ def test_message_validation_and_model_paths() -> None:
     assert parse_model_path("polytinker://job-1/agent@3") == ("job-1", "agent", 3)
     with pytest.raises(ConfigError):
         parse_model_path("polytinker://job-1@x")
+
+
+def test_a_higher_priority_job_preempts_at_the_next_step_boundary(tmp_path: Path) -> None:
+    mgr = manager(tmp_path, learners=(LearnerWorkerConfig(max_jobs=1),))
+    low = create(mgr, "alice", KEY_A, priority=0)
+    assert mgr.get("alice", low).state == "running"
+    high = create(mgr, "bob", KEY_B, priority=5)
+    assert mgr.get("alice", low).state == "preempting"  # told to stop at its next step boundary
+    assert mgr.get("bob", high).state == "queued"
+    mgr.running("alice", low)  # still takes calls until that boundary
+    mgr.step_boundary(low, 1)  # its step 1 is durable: it gives the learner up
+    assert mgr.get("alice", low).state == "queued"
+    assert mgr.get("bob", high).state == "running"
+    mgr.action("bob", high, "finish")
+    assert mgr.get("alice", low).state == "running"  # back from its saved version
+    kinds = [e["kind"] for e in mgr.store.events(low)]
+    assert "preempt" in kinds and "requeue" in kinds
