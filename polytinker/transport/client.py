@@ -235,12 +235,15 @@ class RpcClient:
                     if self._closed:
                         break
                     self._io_owner = threading.get_ident()
-                    self._io_step(st, 0)
-                    self._io_owner = None
-                    # ZMQ_FD only signals edges: a message may already wait behind the last send.
-                    ready = bool(st.watching() and int(self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
-        except Exception:
-            log.exception("client I/O thread of %s failed", self._address)
+                    try:
+                        self._io_step(st, 0)
+                        # ZMQ_FD only signals edges: a message may already wait behind the last send.
+                        ready = bool(st.watching() and int(self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+                    except Exception:  # keep serving the other calls
+                        log.exception("client I/O thread of %s: unexpected error", self._address)
+                        ready = False
+                    finally:
+                        self._io_owner = None
         finally:
             with self._io_lock:
                 st.fail_all(TransportError(f"the client of {self._address} is closed"))

@@ -181,9 +181,13 @@ class RpcServer:
                 if not ready:
                     waiter.poll()
                 with self._sock_lock:
-                    if self._stopping:
+                    if self._stopping or sock.closed:
                         break
-                    ready = self._io_round(sock)
+                    try:
+                        ready = self._io_round(sock)
+                    except zmq.ZMQError:  # the socket itself failed: nothing left to serve
+                        log.exception("server %s: socket error, stopping", self._address)
+                        break
         finally:
             with self._sock_lock:
                 sock.close(linger=0)
