@@ -12,9 +12,9 @@ that many), spread round-robin over the 4 adapters; ``--quick`` uses 16 x 32.
   adapter by adapter, one batch each.
 - ``vllm_startup_s``: building the backend (vLLM's engine and worker processes, model load).
 
-Each timed pass runs once, after a short untimed warm-up that touches every adapter. vLLM runs in a child process, so its
-worker processes, threads and memory stay out of the other figures of the benchmark and the
-caller needs no ``__main__`` guard. Run alone: ``python benchmarks/_engine_vllm.py --quick``.
+Each timed pass runs once, after a short untimed warm-up that touches every adapter. vLLM runs
+in a child process, so its worker processes, threads and memory stay out of the other figures
+of the benchmark and the caller needs no ``__main__`` guard. Run alone: ``python benchmarks/_engine_vllm.py --quick``.
 """
 
 from __future__ import annotations
