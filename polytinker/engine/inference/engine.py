@@ -117,15 +117,16 @@ class InferenceEngine:
     def latest(self, name: AdapterName) -> AdapterRef | None:
         return self.slots.latest(name)
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Finish queued work, stop the worker and close the backend; idempotent."""
+    def close(self, timeout_s: float = 30.0, *, close_backend: bool = True) -> None:
+        """Finish queued work, stop the worker and (unless told not to) close the backend; idempotent."""
         with self._cv:
             if self._closed:
                 return
             self._closed = True
             self._cv.notify_all()
         self._thread.join(timeout_s)
-        self.backend.close()
+        if close_backend:
+            self.backend.close()
 
     def __enter__(self) -> InferenceEngine:
         return self
@@ -205,32 +206,31 @@ class InferenceEngine:
 
     def _run(self, batch: list[_Pending]) -> None:
         live = [p for p in batch if p.future.set_running_or_notify_cancel()]
-        for p in batch:
-            if p not in live:
-                self._release(p)
-        if not live:
-            return
+        outcomes: list[Any] = []
+        error: BaseException | None = None
         try:
-            if live[0].job is not None:
-                live[0].future.set_result(live[0].job())
-                return
-            requests = [p.request for p in live if p.request is not None]
-            self.slots.prepare(r.adapter for r in requests)
-            results = self.backend.sample(requests)
-            self.stats.batch_sizes.append(sum(r.params.n for r in requests))
-            self.stats.batch_adapters.append(len({r.adapter for r in requests}))
-            for p, result in zip(live, results, strict=True):
-                p.future.set_result(result)
+            if live and live[0].job is not None:
+                outcomes = [live[0].job()]
+            elif live:
+                requests = [p.request for p in live if p.request is not None]
+                self.slots.prepare(r.adapter for r in requests)
+                outcomes = list(self.backend.sample(requests))
+                self.stats.batch_sizes.append(sum(r.params.n for r in requests))
+                self.stats.batch_adapters.append(len({r.adapter for r in requests}))
         except BaseException as exc:  # the callers get the error; the worker keeps serving
             log.warning("engine batch of %d failed: %s", len(live), exc)
-            for p in live:
-                if not p.future.done():
-                    p.future.set_exception(exc)
-            if not isinstance(exc, Exception):
-                raise
+            error = exc
         finally:
-            for p in live:
+            # Release before resolving: a caller that sees its result also sees its version released.
+            for p in batch:
                 self._release(p)
+        for i, p in enumerate(live):
+            if error is not None:
+                p.future.set_exception(error)
+            else:
+                p.future.set_result(outcomes[i])
+        if error is not None and not isinstance(error, Exception):
+            raise error
 
 
 __all__ = ["EngineStats", "InferenceEngine"]

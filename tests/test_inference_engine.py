@@ -1,0 +1,137 @@
+"""InferenceEngine: dynamic batching, adapter slots (LRU, pinning, versions held by requests),
+on the real hf backend with the tiny model."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from polytinker.engine.inference import random_adapter
+from polytinker.engine.inference.config import EngineConfig, HFBackendConfig
+from polytinker.engine.inference.engine import InferenceEngine
+from polytinker.engine.inference.hf import HFBackend
+from polytinker.engine.models import TINY_RANDOM
+from polytinker.engine.types import AdapterRef, AdapterWeights, SampleRequest, SampleResult, SamplingParams
+from polytinker.errors import ConfigError, ModelError
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+PROMPT = (1, 9690, 198, 2683, 359, 253)
+
+
+@pytest.fixture(scope="module")
+def backend() -> Iterator[HFBackend]:
+    torch.set_num_threads(1)
+    b = HFBackend(HFBackendConfig(model=TINY_RANDOM))
+    yield b
+    b.close()
+
+
+def _adapter(backend: HFBackend, name: str, version: int = 0, seed: int = 0) -> AdapterWeights:
+    return random_adapter(backend.model, AdapterRef(name, version), seed=seed, scale=0.1)
+
+
+def _request(ref: AdapterRef | None, params: SamplingParams = GREEDY) -> SampleRequest:
+    return SampleRequest(prompt_token_ids=PROMPT, adapter=ref, params=params)
+
+
+def _same(a: SampleResult, b: SampleResult) -> bool:
+    """Same tokens; logprobs equal up to float noise (batch shapes change summation order)."""
+    return [s.token_ids for s in a.sequences] == [s.token_ids for s in b.sequences] and all(
+        x.logprobs == pytest.approx(y.logprobs, abs=1e-4) for x, y in zip(a.sequences, b.sequences, strict=True)
+    )
+
+
+def _make_engine(backend: HFBackend, **config: float) -> InferenceEngine:
+    for ref in backend.loaded_adapters():  # engines share the module's backend: start clean
+        backend.unload_adapter(ref)
+    return InferenceEngine(backend, EngineConfig(**config))  # type: ignore[arg-type]
+
+
+def test_concurrent_requests_share_one_mixed_batch(backend: HFBackend) -> None:
+    engine = _make_engine(backend, batch_window_s=1.0, max_batch_size=8)
+    refs = [AdapterRef(n) for n in "abc"]
+    for i, ref in enumerate(refs):
+        engine.load_adapter(_adapter(backend, ref.name, seed=i))
+    requests = [_request(refs[i % 3] if i % 4 else None) for i in range(8)]
+    results: list[object] = [None] * 8
+    barrier = threading.Barrier(8)
+
+    def client(i: int) -> None:
+        barrier.wait()
+        results[i] = engine.submit(requests[i]).result(timeout=120)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert engine.stats.batch_sizes == [8] and engine.stats.batch_adapters == [4]
+    alone = [engine.sample([r])[0] for r in requests]
+    assert all(_same(r, a) for r, a in zip(results, alone, strict=True))  # type: ignore[arg-type]
+    engine.close(close_backend=False)
+
+
+def test_max_batch_size_splits_batches(backend: HFBackend) -> None:
+    engine = _make_engine(backend, batch_window_s=0.5, max_batch_size=3)
+    futures = [engine.submit(_request(None, SamplingParams(max_tokens=2, temperature=0, n=2))) for _ in range(4)]
+    assert all(len(f.result(timeout=120).sequences) == 2 for f in futures)
+    assert max(engine.stats.batch_sizes) <= 3 and sum(engine.stats.batch_sizes) == 8
+    engine.close(close_backend=False)
+
+
+def test_lru_eviction_and_pinning(backend: HFBackend) -> None:
+    engine = _make_engine(backend, batch_window_s=0.0, max_resident_adapters=2)
+    refs = [AdapterRef(n) for n in "abc"]
+    for i, ref in enumerate(refs):
+        engine.load_adapter(_adapter(backend, ref.name, seed=i))
+    first = engine.sample([_request(refs[0])])[0]
+    engine.sample([_request(refs[1])])
+    engine.sample([_request(refs[2])])  # evicts a, the least recently used
+    assert set(backend.loaded_adapters()) == {refs[1], refs[2]} and engine.slots.evictions == 1
+    again = engine.sample([_request(refs[0])])[0]  # reloaded from its host copy: same answer
+    assert _same(again, first) and set(backend.loaded_adapters()) == {refs[2], refs[0]}
+    engine.pin(refs[2])
+    engine.sample([_request(refs[1])])  # c is pinned, so a (older of the unpinned) goes
+    assert set(backend.loaded_adapters()) == {refs[2], refs[1]}
+    with pytest.raises(ConfigError, match="pinned"):
+        engine.pin(refs[0])
+        engine.pin(refs[1])
+    engine.close(close_backend=False)
+
+
+def test_request_in_flight_keeps_its_version(backend: HFBackend) -> None:
+    engine = _make_engine(backend, batch_window_s=0.5)
+    old, new = AdapterRef("v", 1), AdapterRef("v", 2)
+    backend.load_adapter(_adapter(backend, "v", 1, seed=1))  # what v@1's weights answer, measured directly
+    expected_old = backend.sample([_request(old)])[0]
+    backend.unload_adapter(old)
+    engine.load_adapter(_adapter(backend, "v", 1, seed=1))
+    futures = [engine.submit(_request(old)) for _ in range(3)]
+    engine.load_adapter(_adapter(backend, "v", 2, seed=2))  # arrives while v@1 requests wait
+    served = [f.result(timeout=120) for f in futures]
+    assert all(r.adapter == old for r in served)
+    assert engine.latest("v") == new and engine.slots.known() == [new], "v@1 retires once unused"
+    with pytest.raises(ConfigError, match="v@1"):
+        engine.submit(_request(old))
+    # What v@1 answered is what v@1's weights give, not v@2's.
+    assert _same(served[0], expected_old)
+    assert not _same(engine.sample([_request(new)])[0], expected_old)
+    engine.close(close_backend=False)
+
+
+def test_compute_logprobs_and_errors_go_back_to_the_caller(backend: HFBackend) -> None:
+    engine = _make_engine(backend, batch_window_s=0.0)
+    engine.load_adapter(_adapter(backend, "s"))
+    direct = backend.compute_logprobs([list(PROMPT)], None)
+    assert engine.compute_logprobs([list(PROMPT)]) == direct
+    with pytest.raises(ConfigError):
+        engine.submit(_request(AdapterRef("missing")))
+    with pytest.raises(ConfigError, match="empty"):  # fails inside the batch; the worker survives
+        engine.submit(SampleRequest(prompt_token_ids=(), params=GREEDY)).result(timeout=60)
+    assert len(engine.sample([_request(AdapterRef("s"))])[0].sequences[0].token_ids) == GREEDY.max_tokens
+    engine.close(close_backend=False)
+    with pytest.raises(ModelError, match="closed"):
+        engine.submit(_request(None))
