@@ -5,7 +5,7 @@ The public surface is re-exported here; subpackages:
 - ``polytinker.transport``: ZeroMQ sockets, msgpack codec with out-of-band tensors, RPC, auth.
 - ``polytinker.engine``: process actors and supervision, models, inference engines, learners.
 - ``polytinker.scheduler``: the central scheduler, its policy, and the clients (``ServiceClient``).
-- ``polytinker.agents``: agents, algorithms, the training loop (not built yet).
+- ``polytinker.agents``: agents, algorithms, the training loop (``Experiment``).
 - ``polytinker.envs``: text multi-agent environments on PettingZoo, registry, coordinator.
 """
 
@@ -14,6 +14,16 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from polytinker.agents import (
+    AdapterSpec,
+    AgentSpec,
+    AlgorithmConfig,
+    Experiment,
+    ExperimentConfig,
+    MappingConfig,
+    RunSummary,
+    SamplingConfig,
+)
 from polytinker.errors import (
     ActorDeadError,
     ActorError,
@@ -55,8 +65,14 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "ActorDeadError",
     "ActorError",
+    "AdapterSpec",
+    "AgentSpec",
+    "AlgorithmConfig",
     "ConfigError",
     "EnvError",
+    "Experiment",
+    "ExperimentConfig",
+    "MappingConfig",
     "ModelError",
     "NotBuiltError",
     "PeerDeadError",
@@ -64,7 +80,9 @@ __all__ = [
     "ProtocolError",
     "RemoteError",
     "RequestTimeout",
+    "RunSummary",
     "SamplingClient",
+    "SamplingConfig",
     "ServiceClient",
     "TrainingClient",
     "TransportError",

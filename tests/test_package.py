@@ -1,8 +1,6 @@
 import subprocess
 import sys
 
-import pytest
-
 import polytinker
 from polytinker import cli
 from polytinker.errors import ConfigError, NotBuiltError, PolytinkerError
@@ -19,10 +17,9 @@ def test_public_surface_is_declared():
         assert hasattr(polytinker, name), name
 
 
-@pytest.mark.parametrize("command", ["train", "show"])
-def test_unbuilt_commands_fail_loudly(command, capsys):
-    assert cli.main([command]) == 1
-    assert "not built yet" in capsys.readouterr().err
+def test_show_of_a_missing_run_fails_with_a_message(tmp_path, capsys):
+    assert cli.main(["show", str(tmp_path / "nope")]) == 1
+    assert "not a run directory" in capsys.readouterr().err
 
 
 def test_console_script_runs():

@@ -1,6 +1,72 @@
-"""polytinker.agents: agent specs, policy mapping, algorithms, the training loop.
+"""polytinker.agents: agent specs, policy mapping, prompt rendering, algorithms, the training loop.
 
-Not built yet: see the agents and training loop issue.
+- ``AgentSpec`` (with ``AdapterSpec``, ``AlgorithmConfig``, ``SamplingConfig``, ``RendererConfig``).
+- ``MappingConfig`` / ``PolicyMapping``: independent agents, self-play, frozen and scripted
+  opponents, a league of past versions.
+- ``Renderer``: chat-template prompts with per-agent multi-turn history; observation tokens get
+  weight 0 in the datums.
+- Algorithms: ``GRPO``, ``PPO``, ``Reinforce``; SFT from JSONL conversations (``train_sft``).
+- ``Experiment`` / ``ExperimentConfig`` (TOML): the training loop, sync or async, with evaluation
+  against scripted opponents, metrics, transcripts, curves and checkpoints (``resume``).
+
+See docs/training.md.
 """
 
-__all__: list[str] = []
+from polytinker.agents.algorithms import GRPO, PPO, Algorithm, Reinforce, make_algorithm
+from polytinker.agents.config import (
+    EnvSetup,
+    EvalConfig,
+    ExperimentConfig,
+    OutputConfig,
+    RuntimeSetup,
+    TrainConfig,
+)
+from polytinker.agents.experiment import Experiment, RunSummary
+from polytinker.agents.mapping import MappingConfig, PolicyMapping
+from polytinker.agents.render import Renderer, turn_datum
+from polytinker.agents.sft_run import train_sft
+from polytinker.agents.spec import AdapterSpec, AgentSpec, AlgorithmConfig, RendererConfig, SamplingConfig
+from polytinker.agents.types import (
+    AgentName,
+    AlgorithmName,
+    LoopMode,
+    MappingKind,
+    Slot,
+    SlotKind,
+    StepRecord,
+    TurnSample,
+)
+
+__all__ = [
+    "GRPO",
+    "PPO",
+    "AdapterSpec",
+    "AgentName",
+    "AgentSpec",
+    "Algorithm",
+    "AlgorithmConfig",
+    "AlgorithmName",
+    "EnvSetup",
+    "EvalConfig",
+    "Experiment",
+    "ExperimentConfig",
+    "LoopMode",
+    "MappingConfig",
+    "MappingKind",
+    "OutputConfig",
+    "PolicyMapping",
+    "Reinforce",
+    "Renderer",
+    "RendererConfig",
+    "RunSummary",
+    "RuntimeSetup",
+    "SamplingConfig",
+    "Slot",
+    "SlotKind",
+    "StepRecord",
+    "TrainConfig",
+    "TurnSample",
+    "make_algorithm",
+    "train_sft",
+    "turn_datum",
+]

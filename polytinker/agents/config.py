@@ -1,0 +1,204 @@
+"""The settings of an experiment, one frozen dataclass per part.
+
+- ``EnvSetup``: the env id and its keyword arguments.
+- ``TrainConfig``: steps, episodes per step (groups x group size), sync or async, seeds.
+- ``EvalConfig``: evaluation against the env's scripted opponents during training.
+- ``OutputConfig``: the run directory and what goes in it (metrics, transcripts, checkpoints).
+- ``RuntimeSetup``: where inference and training run (a local runtime by default).
+- ``ExperimentConfig``: all of them, the agents and the policy mapping; ``from_toml``.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from polytinker.agents.mapping import MappingConfig
+from polytinker.agents.spec import AgentSpec, check_keys
+from polytinker.agents.types import LoopMode
+from polytinker.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class EnvSetup:
+    id: str = "prisoners_dilemma-v0"
+    # A registered env id (`polytinker env list`).
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    # Keyword arguments of the env (e.g. rounds = 1).
+    max_retries: int = 1
+    # Invalid actions an agent may make in a row before the env plays a fallback move for it.
+    invalid_action_penalty: float = -0.5
+    # Reward of each invalid action (it teaches the answer format).
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            raise ConfigError("env.id must name a registered env, e.g. 'tictactoe-v0' (see `polytinker env list`)")
+        object.__setattr__(self, "kwargs", dict(self.kwargs))
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 20
+    # Training steps; each samples a batch of episodes and updates every trainable agent once
+    # (or epochs x minibatches times with PPO).
+    groups: int = 4
+    # Distinct starts (seeds) per step.
+    group_size: int = 8
+    # Episodes per start: GRPO compares them.
+    mode: LoopMode = LoopMode.SYNC
+    # "sync": sample, then train; "async": sample step k+1 while step k trains.
+    max_staleness: int = 1
+    # async: rollouts may come from adapters at most this many versions old.
+    seed: int = 0
+    # Seeds of the episodes (and of everything else random in the loop).
+    max_concurrent_episodes: int = 64
+    # Episodes in flight at once (their model calls meet in the engine's batches).
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "mode", LoopMode(self.mode))
+        except ValueError:
+            raise ConfigError(f"train.mode {self.mode!r}: choose 'sync' or 'async'") from None
+        if self.steps < 0 or self.groups < 1 or self.group_size < 1:
+            raise ConfigError("train: steps must be >= 0, groups and group_size >= 1")
+        if self.max_staleness < 0 or self.max_concurrent_episodes < 1:
+            raise ConfigError("train: max_staleness must be >= 0 and max_concurrent_episodes >= 1")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    every: int = 0
+    # Evaluate every this many steps (0: only before and after training).
+    episodes: int = 32
+    # Episodes per agent, role and opponent.
+    opponents: tuple[str, ...] = ("random",)
+    # Scripted opponents of the env to evaluate against ("random", "heuristic").
+    win: Literal["beats_others", "positive"] = "beats_others"
+    # What counts as a win: more reward than every other role, or a positive reward
+    # (cooperative and single-agent games).
+    seed: int = 10_000
+    # Seeds of evaluation episodes (the same every evaluation, so they compare).
+    at_start: bool = True
+    # Evaluate before the first step (the baseline the improvement is measured from).
+
+    def __post_init__(self) -> None:
+        if self.every < 0 or self.episodes < 1:
+            raise ConfigError("eval: every must be >= 0 and episodes >= 1")
+        if self.win not in ("beats_others", "positive"):
+            raise ConfigError(f"eval.win must be 'beats_others' or 'positive', got {self.win!r}")
+        object.__setattr__(self, "opponents", tuple(self.opponents))
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    root: str = "runs"
+    # Runs go to <root>/<experiment name>/.
+    transcripts_per_step: int = 2
+    # Episodes per step written to transcripts.jsonl (evaluation episodes: the first of each).
+    checkpoint_every: int = 10
+    # Save every trainable agent's adapter and optimizer state every this many steps (and at the end).
+    tensorboard: bool = True
+    # Also write TensorBoard event files (when tensorboard is installed).
+    wandb: bool = False
+    # Also log to Weights & Biases (when wandb is installed and logged in).
+    progress: bool = True
+    # A progress bar with the live reward and win rate.
+
+    def __post_init__(self) -> None:
+        if self.transcripts_per_step < 0 or self.checkpoint_every < 1:
+            raise ConfigError("output: transcripts_per_step must be >= 0 and checkpoint_every >= 1")
+
+
+@dataclass(frozen=True)
+class RuntimeSetup:
+    address: str = ""
+    # A running scheduler (`polytinker serve`), with api_key; empty: start a local runtime.
+    api_key: str = ""
+    # The tenant's key for `address` (or set POLYTINKER_API_KEY).
+    backend: Literal["hf", "vllm"] = "hf"
+    # Engine backend of a local runtime.
+    micro_batch_size: int = 32
+    # Datums per forward/backward pass of a local runtime's learner.
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("hf", "vllm"):
+            raise ConfigError(f"runtime.backend must be 'hf' or 'vllm', got {self.backend!r}")
+        if self.micro_batch_size < 1:
+            raise ConfigError("runtime.micro_batch_size must be >= 1")
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    name: str
+    # The run's name: its directory is <output.root>/<name>.
+    env: EnvSetup = field(default_factory=EnvSetup)
+    agents: tuple[AgentSpec, ...] = ()
+    # The agents; trainable ones get a LoRA adapter each on the one shared base model.
+    mapping: MappingConfig = field(default_factory=MappingConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    runtime: RuntimeSetup = field(default_factory=RuntimeSetup)
+
+    def __post_init__(self) -> None:
+        if not self.name or "/" in self.name or self.name.startswith("."):
+            raise ConfigError(f"experiment name {self.name!r}: use a plain directory name")
+        object.__setattr__(self, "agents", tuple(self.agents))
+        if not self.agents:
+            raise ConfigError("an experiment needs at least one agent ([[agents]] in TOML)")
+        names = [a.name for a in self.agents]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"agent names must be unique, got {names}")
+        models = {a.base_model for a in self.agents}
+        if len(models) > 1:
+            raise ConfigError(f"every agent shares one base model (one runtime serves one); got {sorted(models)}")
+
+    @property
+    def base_model(self) -> str:
+        return self.agents[0].base_model
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output.root) / self.name
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ExperimentConfig:
+        data = dict(raw)
+        check_keys(cls, data, "experiment config")
+        parts: dict[str, type] = {
+            "env": EnvSetup,
+            "mapping": MappingConfig,
+            "train": TrainConfig,
+            "eval": EvalConfig,
+            "output": OutputConfig,
+            "runtime": RuntimeSetup,
+        }
+        for key, sub in parts.items():
+            if key in data:
+                if not isinstance(data[key], dict):
+                    raise ConfigError(f"[{key}] must be a table of settings")
+                check_keys(sub, data[key], f"[{key}]")
+                data[key] = sub(**data[key])
+        data["agents"] = tuple(AgentSpec.from_dict(a) for a in data.get("agents", ()))
+        return cls(**data)
+
+    @classmethod
+    def from_toml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> ExperimentConfig:
+        """Read a TOML file; ``overrides`` (``{"train.steps": 3}``) replace single settings."""
+        try:
+            with open(path, "rb") as f:
+                raw = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read experiment config {path}: {exc}") from exc
+        for dotted, value in (overrides or {}).items():
+            table = raw
+            *parents, leaf = dotted.split(".")
+            for part in parents:
+                table = table.setdefault(part, {})
+            table[leaf] = value
+        return cls.from_dict(raw)
+
+
+__all__ = ["EnvSetup", "EvalConfig", "ExperimentConfig", "OutputConfig", "RuntimeSetup", "TrainConfig"]

@@ -1,0 +1,65 @@
+"""Evaluation against the env's scripted opponents, during training and at its ends.
+
+Each trainable agent plays each role it trains in against each scripted opponent kind in the
+other roles, on the same seeds every time (so evaluations compare), sampling at the agent's
+``eval_temperature``. All these batches run at once, so their model calls share the engine's
+batches. Metrics: ``eval/<agent>/<opponent>/win_rate`` and ``.../reward``, averaged over roles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from polytinker.agents.config import EvalConfig
+from polytinker.agents.mapping import PolicyMapping
+from polytinker.agents.metrics import transcript
+from polytinker.agents.rollout import Players, is_win
+from polytinker.envs import Coordinator
+from polytinker.envs.types import EpisodeResult
+
+
+async def evaluate(
+    players: Players,
+    mapping: PolicyMapping,
+    agents: Sequence[str],
+    make_env: Callable[[], Any],
+    coordinator: Coordinator,
+    config: EvalConfig,
+    step: int,
+) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Metrics and one transcript per (agent, role, opponent)."""
+    seeds = [config.seed + i for i in range(config.episodes)]
+    jobs: list[tuple[str, str, str]] = [
+        (agent, role, opponent)
+        for agent in agents
+        for role in mapping.trained_roles(agent)
+        for opponent in config.opponents
+    ]
+
+    async def one(agent: str, role: str, opponent: str) -> list[EpisodeResult]:
+        slots = mapping.evaluation(agent, role, opponent)
+        policy = players.policy(dict.fromkeys(seeds, slots), evaluation=True)
+        return await coordinator.run(make_env, policy, seeds)
+
+    outcomes = await asyncio.gather(*(one(*job) for job in jobs))
+    wins: dict[tuple[str, str], list[float]] = {}
+    rewards: dict[tuple[str, str], list[float]] = {}
+    transcripts = []
+    for (agent, role, opponent), results in zip(jobs, outcomes, strict=True):
+        done = [r for r in results if not r.aborted]
+        wins.setdefault((agent, opponent), []).extend(float(is_win(r, role, config.win)) for r in done)
+        rewards.setdefault((agent, opponent), []).extend(r.total_rewards[role] for r in done)
+        if done:
+            names = {r: (agent if r == role else f"scripted:{opponent}") for r in done[0].trajectories}
+            transcripts.append(transcript(done[0], step, "eval", names))
+    metrics: dict[str, float] = {}
+    for (agent, opponent), values in wins.items():
+        metrics[f"eval/{agent}/{opponent}/win_rate"] = sum(values) / max(1, len(values))
+        got = rewards[(agent, opponent)]
+        metrics[f"eval/{agent}/{opponent}/reward"] = sum(got) / max(1, len(got))
+    return metrics, transcripts
+
+
+__all__ = ["evaluate"]

@@ -1,0 +1,140 @@
+"""Rollouts: episodes through the coordinator, actions from the agents' sampling clients.
+
+``Players`` holds what plays: each agent's renderer and sampling parameters, the sampling client
+of each adapter version in use, and the env's scripted opponents. ``Players.policy(slots_by_seed)``
+is the coordinator's policy for one batch of episodes: it looks up the role's ``Slot`` for the
+episode's seed, renders the prompt, samples from that version's ``SamplingClient`` and returns the
+action with its tokens and logprobs in ``AgentAction.meta``. ``collect_samples`` turns the
+trajectories of learning roles back into ``TurnSample``s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from polytinker.agents.render import Renderer
+from polytinker.agents.spec import AgentSpec
+from polytinker.agents.types import Slot, SlotKind, TurnSample
+from polytinker.engine.types import SamplingParams
+from polytinker.envs.types import AgentAction, EpisodeResult, PolicyInput
+from polytinker.errors import ConfigError
+
+SlotsBySeed = Mapping[int, Mapping[str, Slot]]
+
+
+@dataclass
+class Players:
+    """Everything that can play a role: model agents (by version) and scripted opponents."""
+
+    specs: dict[str, AgentSpec]
+    renderers: dict[str, Renderer]
+    scripted: dict[str, Callable[[str, PolicyInput], str]]
+    # (agent, version) -> SamplingClient; frozen agents are at version 0.
+    samplers: dict[tuple[str, int], Any] = field(default_factory=dict)
+    # The version each agent samples from now.
+    current: dict[str, int] = field(default_factory=dict)
+
+    def policy(self, slots_by_seed: SlotsBySeed, *, evaluation: bool = False) -> Callable[[str, PolicyInput], Any]:
+        """The coordinator's policy for episodes whose seeds are keys of ``slots_by_seed``.
+        The versions are fixed when it is made (a snapshot), so one batch never mixes versions."""
+        current = dict(self.current)
+        samplers = dict(self.samplers)
+
+        async def policy(role: str, inp: PolicyInput) -> str | AgentAction:
+            if inp.seed is None:
+                raise ConfigError("training episodes need seeds (the policy mapping is keyed by them)")
+            slot = slots_by_seed[inp.seed][role]
+            if slot.kind is SlotKind.SCRIPTED:
+                return self.scripted[slot.name](role, inp)
+            version = slot.version if slot.version is not None else current.get(slot.name, 0)
+            spec = self.specs[slot.name]
+            prompt = self.renderers[slot.name].prompt_tokens(inp)
+            sampling = spec.sampling
+            params = SamplingParams(
+                max_tokens=sampling.max_tokens,
+                temperature=sampling.eval_temperature if evaluation else sampling.temperature,
+                top_p=sampling.top_p,
+            )
+            response = await samplers[(slot.name, version)].sample_async(prompt, 1, params)
+            seq = response.sequences[0]
+            meta = {"agent": slot.name, "version": version, "prompt_tokens": prompt}
+            return AgentAction(seq.text, meta={**meta, "tokens": list(seq.tokens), "logprobs": list(seq.logprobs)})
+
+        return policy
+
+
+def is_win(result: EpisodeResult, role: str, rule: Literal["beats_others", "positive"]) -> bool:
+    totals = result.total_rewards
+    others = [v for r, v in totals.items() if r != role]
+    if rule == "positive" or not others:
+        return totals[role] > 0
+    return totals[role] > max(others)
+
+
+def collect_samples(results: Sequence[EpisodeResult], slots_by_seed: SlotsBySeed) -> dict[str, list[TurnSample]]:
+    """The sampled turns of every learning role, by agent. Aborted episodes are left out."""
+    out: dict[str, list[TurnSample]] = {}
+    for result in results:
+        if result.aborted or result.seed is None:
+            continue
+        for role, traj in result.trajectories.items():
+            slot = slots_by_seed[result.seed][role]
+            if not slot.trains:
+                continue
+            for index, turn in enumerate(traj.turns):
+                meta = turn.meta
+                if "tokens" not in meta:  # a timed-out call: nothing was sampled
+                    continue
+                out.setdefault(slot.name, []).append(
+                    TurnSample(
+                        agent=slot.name,
+                        role=role,
+                        version=int(meta["version"]),
+                        group=str(result.seed),
+                        episode_id=result.episode_id,
+                        turn_index=index,
+                        prompt_tokens=tuple(meta["prompt_tokens"]),
+                        completion_tokens=tuple(meta["tokens"]),
+                        logprobs_T=tuple(meta["logprobs"]),
+                        reward=turn.reward,
+                        episode_reward=traj.total_reward,
+                        invalid=turn.invalid_reason is not None,
+                    )
+                )
+    return out
+
+
+def rollout_metrics(
+    results: Sequence[EpisodeResult],
+    slots_by_seed: SlotsBySeed,
+    samples: Mapping[str, list[TurnSample]],
+    rule: Literal["beats_others", "positive"],
+) -> dict[str, float]:
+    """Per learning agent: mean episode reward, win rate, invalid-action rate, sampled-token entropy."""
+    rewards: dict[str, list[float]] = {}
+    wins: dict[str, list[bool]] = {}
+    for result in results:
+        if result.aborted or result.seed is None:
+            continue
+        for role, traj in result.trajectories.items():
+            slot = slots_by_seed[result.seed][role]
+            if slot.trains:
+                rewards.setdefault(slot.name, []).append(traj.total_reward)
+                wins.setdefault(slot.name, []).append(is_win(result, role, rule))
+    metrics: dict[str, float] = {"episodes": float(len(results))}
+    for agent, values in rewards.items():
+        metrics[f"reward/{agent}"] = sum(values) / len(values)
+        metrics[f"win_rate/{agent}"] = sum(wins[agent]) / len(wins[agent])
+    for agent, turns in samples.items():
+        tokens = sum(len(s.completion_tokens) for s in turns)
+        metrics[f"invalid_rate/{agent}"] = sum(s.invalid for s in turns) / max(1, len(turns))
+        metrics[f"tokens/{agent}"] = float(tokens)
+        # Mean negative log-probability of the sampled tokens: a Monte Carlo estimate of the
+        # policy's per-token entropy (exact in expectation at temperature 1).
+        metrics[f"entropy/{agent}"] = -sum(sum(s.logprobs_T) for s in turns) / max(1, tokens)
+    return metrics
+
+
+__all__ = ["Players", "SlotsBySeed", "collect_samples", "is_win", "rollout_metrics"]
