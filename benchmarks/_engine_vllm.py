@@ -2,8 +2,8 @@
 
 Real model (SmolLM2-135M-Instruct), vLLM's ``vllm`` backend in its default dtype (bfloat16),
 4 random LoRA adapters of rank 16 on every linear projection. The workload is the engine
-benchmark's: 64 chat requests x 64 new tokens (``ignore_eos``, so every request makes exactly
-that many), spread round-robin over the 4 adapters; ``--quick`` uses 16 x 32.
+benchmark's: 64 requests x 64 new tokens (``ignore_eos``, so every request makes exactly that
+many), spread round-robin over the 4 adapters; ``--quick`` uses 16 x 16.
 
 - ``vllm_tok_per_s``: generated tokens/s of that mixed batch.
 - ``vllm_mixed_vs_single_ratio``: the mixed batch's tokens/s over the same requests all on one
@@ -33,14 +33,19 @@ RESULT_PREFIX = "VLLM_BENCH_RESULT "
 
 
 def _requests(tokenizer: Any, refs: list[Any], n_requests: int, new_tokens: int) -> list[Any]:
+    """The engine benchmark's requests (benchmarks/engine.py): story prompts, round-robin adapters."""
     from polytinker.engine.types import SampleRequest, SamplingParams
 
-    out = []
-    for i in range(n_requests):
-        messages = ({"role": "user", "content": f"Tell me a short story about the number {i}."},)
-        params = SamplingParams(max_tokens=new_tokens, temperature=1.0, seed=i, ignore_eos=True)
-        out.append(SampleRequest(messages=messages, adapter=refs[i % len(refs)], params=params))
-    return out
+    # ignore_eos: every request generates exactly new_tokens, so all runs do the same work.
+    params = SamplingParams(max_tokens=new_tokens, temperature=1.0, seed=0, ignore_eos=True)
+    return [
+        SampleRequest(
+            prompt_token_ids=tuple(tokenizer.encode(f"Once upon a time, in story number {i}, there was")),
+            adapter=refs[i % len(refs)],
+            params=params,
+        )
+        for i in range(n_requests)
+    ]
 
 
 def _tok_per_s(backend: Any, batches: list[list[Any]]) -> float:
@@ -61,9 +66,9 @@ def measure(quick: bool) -> dict[str, float]:
     from polytinker.engine.inference.vllm_backend import VllmBackend, VllmBackendConfig
     from polytinker.engine.models import load_model
 
-    n_requests, new_tokens = (16, 32) if quick else (64, 64)
+    n_requests, new_tokens = (16, 16) if quick else (64, 64)
     model, _ = load_model(MODEL)
-    adapters = [random_adapter(model, ref, seed=i) for i, ref in enumerate(_refs())]
+    adapters = [random_adapter(model, ref, seed=i, scale=0.01) for i, ref in enumerate(_refs())]
     del model
     t0 = time.perf_counter()
     config = VllmBackendConfig(model=MODEL, max_loras=N_ADAPTERS, kv_cache_gib=1.0, max_model_len=1024)
@@ -110,7 +115,7 @@ def run(quick: bool) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="16 requests x 32 tokens instead of 64 x 64")
+    parser.add_argument("--quick", action="store_true", help="16 requests x 16 tokens instead of 64 x 64")
     parser.add_argument("--emit", action="store_true", help="measure here and print one machine-readable line")
     args = parser.parse_args()
     if args.emit:
