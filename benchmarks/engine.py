@@ -1,0 +1,134 @@
+"""Engine benchmark: many LoRA adapters in one mixed batch on the real default model.
+
+Every figure is measured in this run, on the same model and requests:
+
+- ``mixed_vs_single_ratio``: tokens/s of N requests spread over 4 adapters in one mixed batch,
+  over the same requests all on one adapter (target >= 0.9: mixing adapters is nearly free);
+- ``mixed_vs_sequential_ratio``: the mixed batch over the same requests served adapter by
+  adapter, one batch each (target >= 2: why an engine serves adapters together);
+- ``hf_tok_per_s``: the mixed batch's generated tokens per second;
+- ``engine_tok_per_s`` / ``engine_batches``: the same requests submitted one by one to an
+  InferenceEngine, which merges them by dynamic batching.
+
+Sections from ``_engine_learner.py`` and ``_engine_vllm.py`` next to this file (each with
+``run(quick: bool) -> dict[str, float]``) are run and printed when present.
+
+    python benchmarks/engine.py [--quick] [--only hf|learner|vllm] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SECTIONS = ("hf", "learner", "vllm")
+ADAPTERS = 4
+
+
+def _requests(tokenizer: Any, count: int, new_tokens: int, adapters: list[Any]) -> list[Any]:
+    from polytinker.engine.types import SampleRequest, SamplingParams
+
+    # ignore_eos: every request generates exactly new_tokens, so all runs do the same work.
+    params = SamplingParams(max_tokens=new_tokens, temperature=1.0, seed=0, ignore_eos=True)
+    return [
+        SampleRequest(
+            prompt_token_ids=tuple(tokenizer.encode(f"Once upon a time, in story number {i}, there was")),
+            adapter=adapters[i % len(adapters)] if adapters else None,
+            params=params,
+        )
+        for i in range(count)
+    ]
+
+
+def _timed(backend: Any, batches: list[list[Any]]) -> float:
+    """Tokens per second over the batches, served one after another."""
+    start = time.perf_counter()
+    tokens = sum(len(s.token_ids) for batch in batches for r in backend.sample(batch) for s in r.sequences)
+    return tokens / (time.perf_counter() - start)
+
+
+def run_hf(quick: bool) -> dict[str, float]:
+    from dataclasses import replace
+
+    from polytinker.engine.inference import EngineConfig, HFBackend, InferenceEngine, random_adapter
+    from polytinker.engine.types import AdapterRef
+
+    count, new_tokens = (16, 16) if quick else (64, 64)
+    backend = HFBackend()
+    refs = [AdapterRef(f"agent{i}") for i in range(ADAPTERS)]
+    adapters = [random_adapter(backend.model, ref, seed=i, scale=0.01) for i, ref in enumerate(refs)]
+    for weights in adapters:
+        backend.load_adapter(weights)
+    mixed = _requests(backend.tokenizer, count, new_tokens, refs)
+    single = [replace(r, adapter=refs[0]) for r in mixed]
+    by_adapter = [[r for r in mixed if r.adapter == ref] for ref in refs]
+    _timed(backend, [mixed[: ADAPTERS * 2]])  # warm-up: first-call allocations, lazy inits
+    figures = {"hf_requests": float(count), "hf_new_tokens": float(new_tokens)}
+    figures["hf_tok_per_s"] = _timed(backend, [mixed])
+    figures["single_adapter_tok_per_s"] = _timed(backend, [single])
+    figures["sequential_tok_per_s"] = _timed(backend, by_adapter)
+    figures["mixed_vs_single_ratio"] = figures["hf_tok_per_s"] / figures["single_adapter_tok_per_s"]
+    figures["mixed_vs_sequential_ratio"] = figures["hf_tok_per_s"] / figures["sequential_tok_per_s"]
+    engine = InferenceEngine(backend, EngineConfig(batch_window_s=0.05, max_batch_size=count))
+    for weights in adapters:
+        engine.load_adapter(weights)
+    start = time.perf_counter()
+    futures = [engine.submit(r) for r in mixed]
+    tokens = sum(len(s.token_ids) for f in futures for s in f.result().sequences)
+    figures["engine_tok_per_s"] = tokens / (time.perf_counter() - start)
+    figures["engine_batches"] = float(len(engine.stats.batch_sizes))
+    engine.close()
+    return figures
+
+
+def _load_section(name: str) -> Any:
+    path = Path(__file__).with_name(f"_engine_{name}.py")
+    if not path.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location(f"_engine_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller sizes: under 60 s on 2 cores")
+    parser.add_argument("--only", choices=SECTIONS, action="append", help="run only these sections")
+    parser.add_argument(
+        "--threads", type=int, default=min(2, os.cpu_count() or 1), help="torch threads (1 where cores are busy)"
+    )
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+    start = time.perf_counter()
+    for section in args.only or SECTIONS:
+        if section == "hf":
+            figures = run_hf(args.quick)
+        else:
+            module = _load_section(section)
+            if module is None:
+                print(f"# {section}: skipped (benchmarks/_engine_{section}.py is not present)")
+                continue
+            try:
+                figures = module.run(args.quick)
+            except Exception as exc:  # one section failing must not hide the others' figures
+                print(f"# {section}: skipped ({type(exc).__name__}: {exc})")
+                continue
+        print(f"# {section}")
+        for name, value in figures.items():
+            print(f"{name}: {value:.4g}")
+    print(f"# total_s: {time.perf_counter() - start:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
