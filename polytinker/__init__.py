@@ -14,16 +14,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from polytinker.agents import (
-    AdapterSpec,
-    AgentSpec,
-    AlgorithmConfig,
-    Experiment,
-    ExperimentConfig,
-    MappingConfig,
-    RunSummary,
-    SamplingConfig,
-)
 from polytinker.errors import (
     ActorDeadError,
     ActorError,
@@ -44,12 +34,30 @@ __version__ = "0.1.0"
 # Heavy parts of the surface load on first use: every actor process imports this package, and
 # an actor that only moves messages should not pay for the scheduler client (or torch) at start.
 _LAZY = {
+    "AdapterSpec": "polytinker.agents",
+    "AgentSpec": "polytinker.agents",
+    "AlgorithmConfig": "polytinker.agents",
+    "Experiment": "polytinker.agents",
+    "ExperimentConfig": "polytinker.agents",
+    "MappingConfig": "polytinker.agents",
+    "RunSummary": "polytinker.agents",
+    "SamplingConfig": "polytinker.agents",
     "SamplingClient": "polytinker.scheduler.client",
     "ServiceClient": "polytinker.scheduler.client",
     "TrainingClient": "polytinker.scheduler.client",
 }
 
 if TYPE_CHECKING:
+    from polytinker.agents import (
+        AdapterSpec,
+        AgentSpec,
+        AlgorithmConfig,
+        Experiment,
+        ExperimentConfig,
+        MappingConfig,
+        RunSummary,
+        SamplingConfig,
+    )
     from polytinker.scheduler.client import SamplingClient, ServiceClient, TrainingClient
 
 
