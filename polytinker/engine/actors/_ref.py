@@ -171,7 +171,14 @@ class ActorRef:
         for c in old:
             if c is not None:
                 c.close()
-        child.on_exit(lambda c, code: self._detach(c, code, f"exited with code {code}"))
+        # The reaper thread can see the exit before stop()/kill() returns; the reason must not
+        # depend on which of the two gets there first.
+        child.on_exit(lambda c, code: self._detach(c, code, self._exit_reason(code)))
+
+    def _exit_reason(self, code: int | None) -> str:
+        if self.stop_requested:
+            return "was killed" if code == -signal.SIGKILL else "was stopped"
+        return f"exited with code {code}"
 
     def _detach(self, child: ChildProcess, code: int | None, reason: str) -> None:
         """Mark the incarnation ``child`` gone: later messages raise ActorDeadError with ``reason``."""
