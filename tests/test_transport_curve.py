@@ -14,7 +14,7 @@ from polytinker.transport import ClientCurve, RpcClient, RpcServer, ServerCurve,
 from polytinker.transport._echo import HANDLERS
 from polytinker.transport.auth import check_bind_address
 
-FAST = TransportConfig(heartbeat_interval_s=0.1, heartbeat_liveness=3, request_timeout_s=1.0)
+FAST = TransportConfig(heartbeat_interval_s=0.2, heartbeat_liveness=5, request_timeout_s=1.0)
 REFUSED = (RequestTimeout, PeerDeadError)
 
 

@@ -3,7 +3,7 @@
 - ``generate_keypair(dir, name)`` writes ``name.key`` (public) and ``name.key_secret`` (0600), the
   ZPL certificate files of ``zmq.auth`` (``polytinker keys generate`` calls it).
 - ``ServerCurve`` / ``ClientCurve``: the keys a server or client uses; keys are Z85 text (40 chars).
-- A ZAP handler (one per ZeroMQ context, running while any Curve server does) admits a client
+- A ZAP handler (one per ZeroMQ context, started with its first Curve server) admits a client
   only if its public key is on the allow-list of the server it connects to; each server has its
   own ZAP domain, so servers in one process can have different allow-lists.
 - ``check_bind_address``: without Curve a server may bind loopback, ipc and inproc only.
@@ -98,16 +98,35 @@ class ClientCurve:
 
 
 def generate_keypair(directory: str | os.PathLike[str], name: str) -> tuple[Path, Path]:
-    """Write ``name.key`` and ``name.key_secret`` into ``directory``; returns their paths."""
+    """Write ``name.key`` and ``name.key_secret`` into ``directory``; returns their paths.
+
+    The files are ZPL certificates as ``zmq.auth`` and czmq write them. The secret file is created
+    with mode 0600 (never world-readable, not even for a moment), and no file is overwritten."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     public_file, secret_file = d / f"{name}.key", d / f"{name}.key_secret"
     for f in (public_file, secret_file):
         if f.exists():
             raise ConfigError(f"{f} exists; pick another --name or remove it (keys are never overwritten)")
-    pub, sec = zmq.auth.create_certificates(str(d), name)
-    os.chmod(sec, 0o600)
-    return Path(pub), Path(sec)
+    public, secret = zmq.curve_keypair()
+    curve_public = f'curve\n    public-key = "{public.decode()}"\n'
+    _write_new(public_file, f"#   ZeroMQ CURVE Public Certificate ({name})\n\nmetadata\n{curve_public}", 0o644)
+    _write_new(
+        secret_file,
+        f"#   ZeroMQ CURVE **Secret** Certificate ({name}): keep it on this machine\n\n"
+        f'metadata\n{curve_public}    secret-key = "{secret.decode()}"\n',
+        0o600,
+    )
+    return public_file, secret_file
+
+
+def _write_new(path: Path, text: str, mode: int) -> None:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    except FileExistsError:
+        raise ConfigError(f"{path} exists; pick another --name or remove it (keys are never overwritten)") from None
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 def load_keypair(path: str | os.PathLike[str]) -> tuple[bytes, bytes | None]:
@@ -144,29 +163,25 @@ def check_bind_address(address: str, curve: ServerCurve | None, insecure: bool) 
 
 
 class _ZapHandler:
-    """ZAP (RFC 27) handler for one context: a thread with a REP socket on the ZAP endpoint."""
+    """ZAP (RFC 27) handler for one context: a thread with a REP socket on the ZAP endpoint. It
+    lives as long as the context (``Context.term()`` ends it)."""
 
     def __init__(self, ctx: zmq.Context) -> None:
         self.domains: dict[str, frozenset[bytes]] = {}
         self._sock = ctx.socket(zmq.REP)
         self._sock.linger = 0
         self._sock.bind(_ZAP_ENDPOINT)
-        self._stop_r, self._stop_w = os.pipe()
         self._thread = threading.Thread(target=self._run, name="polytinker-zap", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._stop_r, zmq.POLLIN)
-        while True:
-            events = dict(poller.poll())
-            if self._stop_r in events:
-                break
-            if self._sock in events:
+        try:
+            while True:
                 self._answer(self._sock.recv_multipart())
-        self._sock.close(linger=0)
-        os.close(self._stop_r)
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            self._sock.close(linger=0)
 
     def _answer(self, req: list[bytes]) -> None:
         ok = False
@@ -181,14 +196,11 @@ class _ZapHandler:
         status = [b"200", b"OK"] if ok else [b"400", b"not on the allow-list"]
         self._sock.send_multipart([b"1.0", rid, *status, b"", b""])
 
-    def stop(self) -> None:
-        os.write(self._stop_w, b"x")
-        self._thread.join(timeout=5)
-        os.close(self._stop_w)
-
 
 _zap_lock = threading.Lock()
-_zap: dict[int, tuple[_ZapHandler, int]] = {}  # id(context) -> (handler, servers using it)
+# One handler per context, kept for the context's life: libzmq releases an inproc endpoint only
+# when its reaper thread gets to the closed socket, so stopping and re-binding races.
+_zap: dict[int, _ZapHandler] = {}
 _domain_ids = itertools.count(1)
 
 
@@ -196,25 +208,19 @@ def zap_register(ctx: zmq.Context, allowed: frozenset[bytes]) -> str:
     """Start (or share) the context's ZAP handler and add a domain for this allow-list."""
     domain = f"polytinker-{os.getpid()}-{next(_domain_ids)}"
     with _zap_lock:
-        handler, users = _zap.get(id(ctx), (None, 0))
+        handler = _zap.get(id(ctx))
         if handler is None:
-            handler = _ZapHandler(ctx)
+            handler = _zap[id(ctx)] = _ZapHandler(ctx)
         handler.domains[domain] = allowed
-        _zap[id(ctx)] = (handler, users + 1)
     return domain
 
 
 def zap_unregister(ctx: zmq.Context, domain: str) -> None:
+    """Forget a domain: clients of a stopped server are refused from now on."""
     with _zap_lock:
-        handler, users = _zap.get(id(ctx), (None, 0))
-        if handler is None:
-            return
-        handler.domains.pop(domain, None)
-        if users <= 1:
-            del _zap[id(ctx)]
-            handler.stop()
-        else:
-            _zap[id(ctx)] = (handler, users - 1)
+        handler = _zap.get(id(ctx))
+        if handler is not None:
+            handler.domains.pop(domain, None)
 
 
 __all__ = [
