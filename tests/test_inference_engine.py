@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
 from polytinker.engine.inference import random_adapter
+from polytinker.engine.inference.actor import request_to_wire, result_from_wire
 from polytinker.engine.inference.config import EngineConfig, HFBackendConfig
 from polytinker.engine.inference.engine import InferenceEngine
 from polytinker.engine.inference.hf import HFBackend
 from polytinker.engine.models import TINY_RANDOM
 from polytinker.engine.types import AdapterRef, AdapterWeights, SampleRequest, SampleResult, SamplingParams
-from polytinker.errors import ConfigError, ModelError
+from polytinker.errors import ConfigError, ModelError, RemoteError
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 PROMPT = (1, 9690, 198, 2683, 359, 253)
@@ -135,3 +137,35 @@ def test_compute_logprobs_and_errors_go_back_to_the_caller(backend: HFBackend) -
     engine.close(close_backend=False)
     with pytest.raises(ModelError, match="closed"):
         engine.submit(_request(None))
+
+
+def test_engine_actor_samples_in_a_child_process(backend: HFBackend, tmp_path: Path) -> None:
+    """The engine as an actor: adapter tensors sent out of band, concurrent asks batched together."""
+    from polytinker.engine.actors import ActorConfig, spawn
+    from polytinker.engine.inference.actor import EngineActor, EngineClient
+
+    for ref in backend.loaded_adapters():
+        backend.unload_adapter(ref)
+    weights = _adapter(backend, "remote", seed=4)
+    backend.load_adapter(weights)
+    expected = backend.sample([_request(weights.ref), _request(None)])
+    config = ActorConfig(start_timeout_s=240, ask_timeout_s=240)
+    actor = spawn(EngineActor, TINY_RANDOM, num_threads=1, batch_window_s=1.0, run_dir=tmp_path, config=config)
+    try:
+        client = EngineClient(actor)
+        client.load_adapter(weights)
+        futures = [
+            actor.ask_async("sample", {"requests": [request_to_wire(r)]})
+            for r in (_request(weights.ref), _request(None))
+        ]
+        got = [result_from_wire(f.result(timeout=240)[0]) for f in futures]
+        assert all(_same(g, e) for g, e in zip(got, expected, strict=True))
+        assert client.stats()["batch_sizes"] == [2], "two concurrent asks should share one batch"
+        sequence = list(PROMPT) + list(got[0].sequences[0].token_ids)
+        remote = client.compute_logprobs([sequence], weights.ref)[0]
+        assert remote == pytest.approx(backend.compute_logprobs([sequence], weights.ref)[0], abs=1e-4)
+        client.unload_adapter(weights.ref)
+        with pytest.raises(RemoteError, match="not loaded"):
+            client.sample([_request(weights.ref)])
+    finally:
+        actor.stop()
