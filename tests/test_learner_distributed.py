@@ -11,6 +11,7 @@ from polytinker.engine.learner import AdamParams, LearnerConfig, MultiAdapterLea
 from polytinker.engine.learner.group import LearnerGroup, shard_bounds
 from polytinker.engine.models import TINY_RANDOM, load_model
 from polytinker.engine.types import Datum, LoraConfig
+from polytinker.errors import ConfigError
 
 LORA = LoraConfig(rank=4, alpha=8)
 ADAM = AdamParams(learning_rate=1e-2, weight_decay=0.01)
@@ -72,6 +73,12 @@ def test_two_ranks_match_one_process() -> None:
         grouped = run_steps(group, data)
         # The weighted-token count (what per_token normalisation divides by) is summed over ranks too.
         assert group.learner.last_step_metrics["optim/tokens"] == single_learner.last_step_metrics["optim/tokens"]
+        # A bad call fails on rank 0 before it is broadcast, and the group keeps working.
+        with pytest.raises(ConfigError, match="unknown adapter"):
+            group.forward_backward(data, "cross_entropy", "nobody")
+        with pytest.raises(ConfigError, match="advantages_T"):
+            group.forward_backward([Datum([1, 2], [2, 3], [1.0, 1.0])], "ppo", "sum")
+        assert len(group.forward(data[:1], "sum")) == 1
     finally:
         group.close()
     torch.testing.assert_close(grouped["losses"], single["losses"], rtol=1e-5, atol=1e-5)

@@ -28,11 +28,13 @@ FULL_SLOT = "full"
 class FullParamLearner(Learner):
     """A learner that trains every weight of one model."""
 
-    def __init__(self, model: nn.Module, config: LearnerConfig | None = None, dist: DistInfo = SINGLE, **kw: int):
+    def __init__(
+        self, model: nn.Module, config: LearnerConfig | None = None, dist: DistInfo = SINGLE, pad_token_id: int = 0
+    ):
         config = config or LearnerConfig(mode="full")
         if config.mode != "full":
             raise ConfigError("FullParamLearner needs LearnerConfig(mode='full'); use MultiAdapterLearner for LoRA")
-        super().__init__(model, config, dist, **kw)
+        super().__init__(model, config, dist, pad_token_id)
         params = dict(self.base_model.named_parameters())
         for p in params.values():
             p.requires_grad_(True)

@@ -16,6 +16,7 @@ Two ways to start one:
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 from dataclasses import asdict
@@ -27,15 +28,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from polytinker.engine.learner._base import ForwardBackwardResult
-from polytinker.engine.learner.config import AdamParams, LearnerConfig
+from polytinker.engine.learner.config import AdamParams, LearnerConfig, LossConfig
 from polytinker.engine.learner.distributed import DistInfo, free_port, init_distributed
 from polytinker.engine.learner.full_param import FullParamLearner
+from polytinker.engine.learner.losses import check_loss_inputs
 from polytinker.engine.learner.multi_adapter import MultiAdapterLearner
 from polytinker.engine.types import AdapterName, AdapterRef, Datum, LoraConfig, LossFnName
 from polytinker.errors import ConfigError
 
 log = logging.getLogger(__name__)
 AnyLearner = MultiAdapterLearner | FullParamLearner
+JOIN_TIMEOUT_S = 300.0
 
 
 def shard_bounds(n: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -138,7 +141,11 @@ class LearnerGroup:
         addr = f"tcp://127.0.0.1:{free_port()}"
         ctx = mp.get_context("spawn")
         procs = [
-            ctx.Process(target=_follower_main, args=(r, world_size, addr, model_spec, config, device), daemon=True)
+            ctx.Process(
+                target=_follower_main,
+                args=(r, world_size, addr, model_spec, config, device, torch.get_num_threads()),
+                daemon=True,
+            )
             for r in range(1, world_size)
         ]
         for p in procs:
@@ -152,6 +159,13 @@ class LearnerGroup:
             _send({"op": op, **args}, self._group)
             return _execute(self.learner, self.info, self._group, op, args)
         return None
+
+    def _check(self, adapter: AdapterName | None, data: list[Datum] | None = None, *, trains: bool = True) -> None:
+        """Raise here, before broadcasting, what every rank would raise, so followers stay in step."""
+        if trains or adapter is not None:
+            self.learner._slot(adapter)
+        if data is not None and not data:
+            raise ConfigError("a learner call needs at least one Datum")
 
     def add_adapter(self, name: AdapterName, lora: LoraConfig | None = None, seed: int = 0) -> AdapterRef:
         lora = lora or LoraConfig()
@@ -175,6 +189,7 @@ class LearnerGroup:
     def forward(self, data: list[Datum], adapter: AdapterName | None = None) -> list[list[float]]:
         if self._group is None:
             return self.learner.forward(data, adapter)
+        self._check(adapter, data, trains=False)
         parts = self._call("forward", data=[_datum_to_wire(d) for d in data], adapter=adapter)
         return [row for p in parts for row in p["logprobs"]]
 
@@ -187,6 +202,9 @@ class LearnerGroup:
     ) -> ForwardBackwardResult:
         if self._group is None:
             return self.learner.forward_backward(data, loss_fn, adapter, loss_fn_config)
+        self._check(adapter, data)
+        check_loss_inputs(loss_fn, data)
+        LossConfig.from_mapping(loss_fn_config)
         wire = [_datum_to_wire(d) for d in data]
         parts = self._call(
             "forward_backward", data=wire, loss_fn=loss_fn, adapter=adapter, loss_fn_config=loss_fn_config
@@ -196,6 +214,7 @@ class LearnerGroup:
     def optim_step(self, adam_params: AdamParams, adapter: AdapterName | None = None) -> AdapterRef:
         if self._group is None:
             return self.learner.optim_step(adam_params, adapter)
+        self._check(adapter)
         return self._call("optim_step", adam=asdict(adam_params), adapter=adapter)  # type: ignore[no-any-return]
 
     def load_state(self, path: str | os.PathLike[str], adapter: AdapterName | None = None) -> AdapterRef:
@@ -227,10 +246,11 @@ def _build(
     from polytinker.engine.learner import make_learner
     from polytinker.engine.models import load_model
 
-    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     if addr is not None:
         backend = "nccl" if device.startswith("cuda") else "gloo"
-        dist.init_process_group(backend, init_method=addr, rank=rank, world_size=world)
+        # A bounded wait: a follower that fails to start makes rank 0 raise instead of hanging.
+        timeout = datetime.timedelta(seconds=JOIN_TIMEOUT_S)
+        dist.init_process_group(backend, init_method=addr, rank=rank, world_size=world, timeout=timeout)
         dev = torch.device(f"cuda:{rank}" if device.startswith("cuda") else "cpu")
         info = DistInfo(rank, world, rank, dev)
     else:
@@ -247,10 +267,18 @@ def serve(learner: AnyLearner, info: DistInfo, group: Any) -> None:
         op = msg.pop("op")
         if op == "stop":
             return
-        _execute(learner, info, group, op, msg)
+        try:
+            _execute(learner, info, group, op, msg)
+        except Exception:
+            # Rank 0 raised the same error to its caller (errors before any collective are the
+            # same on every rank); keep serving so the group stays usable.
+            log.exception("rank %d: learner group op %r failed", info.rank, op)
 
 
-def _follower_main(rank: int, world: int, addr: str, model_spec: str, config: LearnerConfig, device: str) -> None:
+def _follower_main(
+    rank: int, world: int, addr: str, model_spec: str, config: LearnerConfig, device: str, threads: int
+) -> None:
+    torch.set_num_threads(threads)  # as many as rank 0 uses: replicas share the machine evenly
     learner, info = _build(rank, world, addr, model_spec, config, device)
     try:
         serve(learner, info, dist.new_group(backend="gloo"))

@@ -56,11 +56,13 @@ def _peft_key(param_name: str, adapter: str) -> str:
 class MultiAdapterLearner(Learner):
     """A learner for many LoRA adapters over one frozen base model."""
 
-    def __init__(self, model: nn.Module, config: LearnerConfig | None = None, dist: DistInfo = SINGLE, **kw: int):
+    def __init__(
+        self, model: nn.Module, config: LearnerConfig | None = None, dist: DistInfo = SINGLE, pad_token_id: int = 0
+    ):
         config = config or LearnerConfig()
         if config.mode != "lora":
             raise ConfigError("MultiAdapterLearner needs LearnerConfig(mode='lora'); use FullParamLearner otherwise")
-        super().__init__(model, config, dist, **kw)
+        super().__init__(model, config, dist, pad_token_id)
         for p in self.base_model.parameters():
             p.requires_grad_(False)
         self.peft_model: PeftModel | None = None
