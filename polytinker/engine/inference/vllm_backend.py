@@ -23,6 +23,7 @@ import os
 import shutil
 import tempfile
 import threading
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -52,8 +53,11 @@ def require_vllm() -> None:
         raise ConfigError(f"the vllm inference backend needs vLLM, which is not installed: {INSTALL_HINT}")
 
 
+SHM_MIN_FREE_BYTES = 1 << 30  # containers often mount a 64 MB /dev/shm: too small for many adapters
+
+
 def _scratch_root(parent: Path | None) -> Path:
-    if parent is None and os.access("/dev/shm", os.W_OK):
+    if parent is None and os.access("/dev/shm", os.W_OK) and shutil.disk_usage("/dev/shm").free > SHM_MIN_FREE_BYTES:
         parent = Path("/dev/shm")  # memory-backed: writing an adapter costs no disk I/O
     if parent is not None:
         parent.mkdir(parents=True, exist_ok=True)
@@ -102,11 +106,13 @@ class VllmBackend:
         self._linears = linear_shapes(self.model_path)  # what adapters are checked against
         # Where adapter versions are written for vLLM to read (one directory per version id).
         self.adapter_root = _scratch_root(self.config.adapter_dir)
+        # Removes the scratch directory even when close() is never called (it may sit in RAM).
+        self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.adapter_root), True)
         self._base_lora: Any = None  # what base-model requests pass as their LoRARequest
         try:
             self._llm, self.device = self._start()
         except BaseException:
-            shutil.rmtree(self.adapter_root, ignore_errors=True)
+            self._cleanup()
             raise
 
     def _start(self) -> tuple[Any, str]:
@@ -129,7 +135,7 @@ class VllmBackend:
         return llm, device
 
     def _load_zero_adapter(self, llm: Any) -> Any:
-        """Load the zero adapter that base-model requests use (see _vllm_base_adapter)."""
+        """Load the zero adapter that base-model requests use (see _vllm_adapters)."""
         from vllm.lora.request import LoRARequest
 
         weights = zero_adapter(self._linears, self.config.lora_target_modules)
@@ -357,7 +363,7 @@ class VllmBackend:
                 # Stops vLLM's engine-core and worker processes now rather than at interpreter exit.
                 llm.llm_engine.engine_core.shutdown()
             finally:
-                shutil.rmtree(self.adapter_root, ignore_errors=True)
+                self._cleanup()
 
     def __enter__(self) -> VllmBackend:
         return self
