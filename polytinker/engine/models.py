@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from filelock import FileLock
 
-from polytinker.engine import _model_build
 from polytinker.errors import ConfigError, ModelError
 
 if TYPE_CHECKING:
@@ -95,6 +94,8 @@ def _is_model_dir(path: Path) -> bool:
 
 
 def _build_preset(name: str, out: Path, config: ModelConfig) -> None:
+    from polytinker.engine import _model_build  # torch and transformers: imported only to build
+
     if name == DEFAULT_MODEL:
         _model_build.build_smollm2(out)
     else:
