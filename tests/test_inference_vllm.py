@@ -31,7 +31,7 @@ def tiny_model() -> Any:
 
 
 @pytest.fixture
-def vllm(vllm_tiny: Any) -> Any:
+def backend(vllm_tiny: Any) -> Any:
     """The shared backend, with every adapter a test loaded unloaded afterwards."""
     yield vllm_tiny
     for ref in vllm_tiny.loaded_adapters():
@@ -102,78 +102,78 @@ def test_llm_kwargs() -> None:
 
 
 @pytest.mark.vllm
-def test_adapter_ids_are_stable_and_never_reused(vllm: Any, tiny_model: Any) -> None:
+def test_adapter_ids_are_stable_and_never_reused(backend: Any, tiny_model: Any) -> None:
     v0 = adapter(tiny_model, "ids", 1)
-    vllm.load_adapter(v0)
-    first = vllm.adapter_id(v0.ref)
-    vllm.load_adapter(adapter(tiny_model, "ids", 2))  # same version again: reloaded in place
-    assert vllm.adapter_id(v0.ref) == first
+    backend.load_adapter(v0)
+    first = backend.adapter_id(v0.ref)
+    backend.load_adapter(adapter(tiny_model, "ids", 2))  # same version again: reloaded in place
+    assert backend.adapter_id(v0.ref) == first
     v1 = adapter(tiny_model, "ids", 3, version=1)
-    vllm.load_adapter(v1)
-    assert vllm.adapter_id(v1.ref) not in (first,)
-    vllm.unload_adapter(v0.ref)
+    backend.load_adapter(v1)
+    assert backend.adapter_id(v1.ref) != first
+    backend.unload_adapter(v0.ref)
     again = adapter(tiny_model, "ids", 1)
-    vllm.load_adapter(again)
-    assert vllm.adapter_id(again.ref) not in (first, vllm.adapter_id(v1.ref))
+    backend.load_adapter(again)
+    assert backend.adapter_id(again.ref) not in (first, backend.adapter_id(v1.ref))
 
 
 @pytest.mark.vllm
-def test_more_adapters_than_slots_in_one_batch(vllm: Any, tiny_model: Any) -> None:
+def test_more_adapters_than_slots_in_one_batch(backend: Any, tiny_model: Any) -> None:
     # Six adapters: more than max_loras (4 in one step) and than vLLM's host cache (4 versions),
     # so the batch runs in several scheduler steps and evicted versions are reread from disk.
     refs: list[AdapterRef | None] = [None]
     for seed in range(6):
         weights = adapter(tiny_model, f"cap{seed}", 100 + seed)
-        vllm.load_adapter(weights)
+        backend.load_adapter(weights)
         refs.append(weights.ref)
-    ids = tuple(vllm.tokenizer.encode("Once upon a time"))
-    alone = [greedy(vllm, [ref], ids)[0] for ref in refs]
-    assert greedy(vllm, refs + refs, ids) == alone + alone
+    ids = tuple(backend.tokenizer.encode("Once upon a time"))
+    alone = [greedy(backend, [ref], ids)[0] for ref in refs]
+    assert greedy(backend, refs + refs, ids) == alone + alone
     assert len(set(alone)) == len(refs)
 
 
 @pytest.mark.vllm
-def test_adapter_dir_is_copied(vllm: Any, tiny_model: Any, tmp_path: Path) -> None:
+def test_adapter_dir_is_copied(backend: Any, tiny_model: Any, tmp_path: Path) -> None:
     weights = adapter(tiny_model, "dir", 5)
-    vllm.load_adapter(weights)
+    backend.load_adapter(weights)
     source = write_adapter_dir(adapter(tiny_model, "dir", 5), tmp_path / "dir")
     ref = AdapterRef("from-dir")
-    vllm.load_adapter_dir(ref, source)
-    ids = tuple(vllm.tokenizer.encode("Hello"))
-    expected = vllm.compute_logprobs([ids], weights.ref)[0]
-    assert vllm.compute_logprobs([ids], ref)[0] == pytest.approx(expected, abs=1e-3)
+    backend.load_adapter_dir(ref, source)
+    ids = tuple(backend.tokenizer.encode("Hello"))
+    expected = backend.compute_logprobs([ids], weights.ref)[0]
+    assert backend.compute_logprobs([ids], ref)[0] == pytest.approx(expected, abs=1e-3)
     # Overwriting the caller's directory must not change the loaded version, even once vLLM
     # rereads it after eviction: the backend serves its own copy.
     write_adapter_dir(adapter(tiny_model, "dir", 6), source)
     for seed in range(4):  # push "from-dir" out of vLLM's 4-entry cache
-        vllm.load_adapter(adapter(tiny_model, f"evict{seed}", 200 + seed))
-    assert vllm.compute_logprobs([ids], ref)[0] == pytest.approx(expected, abs=1e-3)
+        backend.load_adapter(adapter(tiny_model, f"evict{seed}", 200 + seed))
+    assert backend.compute_logprobs([ids], ref)[0] == pytest.approx(expected, abs=1e-3)
 
 
 @pytest.mark.vllm
-def test_bad_adapters_are_rejected_and_the_engine_survives(vllm: Any, tiny_model: Any, tmp_path: Path) -> None:
+def test_bad_adapters_are_rejected_and_the_engine_survives(backend: Any, tiny_model: Any, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="max_lora_rank"):
-        vllm.load_adapter(adapter(tiny_model, "big", 1, rank=32))
+        backend.load_adapter(adapter(tiny_model, "big", 1, rank=32))
     broken = adapter(tiny_model, "broken", 2)
     key = next(k for k in broken.tensors if k.endswith("q_proj.lora_A.weight"))
     broken.tensors[key] = torch.zeros(16, 7)  # wrong input width
     with pytest.raises(ModelError, match="broken"):
-        vllm.load_adapter(broken)
-    assert AdapterRef("broken") not in vllm.loaded_adapters()
+        backend.load_adapter(broken)
+    assert AdapterRef("broken") not in backend.loaded_adapters()
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelError, match="peft adapter directory"):
-        vllm.load_adapter_dir(AdapterRef("empty"), tmp_path / "empty")
-    ids = tuple(vllm.tokenizer.encode("Still alive"))
-    assert len(greedy(vllm, [None], ids)[0]) == GREEDY.max_tokens
+        backend.load_adapter_dir(AdapterRef("empty"), tmp_path / "empty")
+    ids = tuple(backend.tokenizer.encode("Still alive"))
+    assert len(greedy(backend, [None], ids)[0]) == GREEDY.max_tokens
 
 
 @pytest.mark.vllm
-def test_prompt_too_long_is_a_config_error(vllm: Any) -> None:
-    too_long = tuple([1] * vllm.config.max_model_len)
+def test_prompt_too_long_is_a_config_error(backend: Any) -> None:
+    too_long = tuple([1] * backend.config.max_model_len)
     with pytest.raises(ConfigError, match="max_model_len"):
-        greedy(vllm, [None], too_long)
+        greedy(backend, [None], too_long)
     with pytest.raises(ConfigError, match="max_model_len"):
-        vllm.compute_logprobs([too_long])
+        backend.compute_logprobs([too_long])
 
 
 @pytest.mark.vllm
