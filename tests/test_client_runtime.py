@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+import time
 from concurrent.futures import wait
 
 import pytest
@@ -131,6 +132,12 @@ def test_pause_resume_cancel_and_the_jobs_command(capsys: pytest.CaptureFixture[
         assert service.cancel_job(trainer.job_id)["state"] == "cancelled"
         kinds = [e["kind"] for e in service.get_job(trainer.job_id)["events"]]
         assert kinds[:2] == ["admit", "start"] and "pause" in kinds and kinds[-1] == "cancel"
+    with client(KEY_ALICE) as patient:  # waits up to 600 s for a job that may still run...
+        again = TrainingClient(patient._connection(), patient.get_job(trainer.job_id)["job"])
+        start = time.monotonic()
+        with pytest.raises(JobNotRunning, match="cancelled"):
+            again.forward(data(6)).result()
+        assert time.monotonic() - start < 10  # ...but not for one that never will
 
 
 def test_save_and_load_state_restore_weights_and_version() -> None:

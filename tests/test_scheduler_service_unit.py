@@ -308,3 +308,14 @@ def test_a_higher_priority_job_preempts_at_the_next_step_boundary(tmp_path: Path
     assert mgr.get("alice", low).state == "running"  # back from its saved version
     kinds = [e["kind"] for e in mgr.store.events(low)]
     assert "preempt" in kinds and "requeue" in kinds
+
+
+def test_a_closed_service_client_refuses_calls_instead_of_starting_a_runtime() -> None:
+    from polytinker.errors import TransportError
+    from polytinker.scheduler.client import ServiceClient
+
+    service = ServiceClient("tcp://127.0.0.1:9", api_key=KEY_A)
+    service.close()
+    with pytest.raises(TransportError, match="closed"):
+        service.list_jobs()
+    assert service.runtime is None

@@ -15,7 +15,7 @@ import os
 import threading
 from typing import Any
 
-from polytinker.errors import ConfigError, PolytinkerError
+from polytinker.errors import ConfigError, PolytinkerError, TransportError
 from polytinker.scheduler.client._connection import Connection
 from polytinker.scheduler.client.sampling_client import SamplingClient
 from polytinker.scheduler.client.training_client import TrainingClient
@@ -47,6 +47,7 @@ class ServiceClient:
         self._runtime: Any = None
         self._conn: Connection | None = None
         self._created: list[str] = []  # jobs this client made: finished at close() unless kept
+        self._closed = False
         self._lock = threading.Lock()
         if self._address is not None:
             if not self._api_key:
@@ -62,6 +63,8 @@ class ServiceClient:
 
     def _connection(self, base_model: str | None = None) -> Connection:
         with self._lock:
+            if self._closed:
+                raise TransportError("this ServiceClient is closed")
             if self._conn is None:
                 from polytinker.scheduler.service.runtime import LocalRuntime
 
@@ -182,6 +185,7 @@ class ServiceClient:
                 with contextlib.suppress(PolytinkerError):
                     self._conn.request("sched.job_action", m.JobAction(self._conn.api_key, job_id, "finish"))
         with self._lock:
+            self._closed = True
             conn, self._conn = self._conn, None
             runtime, self._runtime = self._runtime, None
         if conn is not None:

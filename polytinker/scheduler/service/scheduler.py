@@ -28,7 +28,7 @@ from polytinker.errors import ConfigError, NotBuiltError
 from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service.broker import Broker, WorkerHandle
 from polytinker.scheduler.service.config import RuntimeConfig
-from polytinker.scheduler.service.jobs import JobManager, JobNotRunning, OverloadedError, adapter_key
+from polytinker.scheduler.service.jobs import FINAL_STATES, JobManager, JobNotRunning, OverloadedError, adapter_key
 from polytinker.scheduler.service.state import AdapterRow, JobRow, StateStore
 from polytinker.scheduler.service.tenants import AuthError, Tenants
 from polytinker.transport import RpcServer, ServerCurve, TransportConfig, load_keypair
@@ -141,6 +141,8 @@ class SchedulerService:
             except OverloadedError as exc:
                 return {"status": "overloaded", "retry_after_s": exc.retry_after_s, "reason": str(exc)}
             except JobNotRunning as exc:
+                if exc.state in FINAL_STATES:
+                    raise  # it will never run again: fail now instead of making the client wait
                 return {"status": "waiting", "state": exc.state, "retry_after_s": 0.25, "reason": str(exc)}
 
         return run
