@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -267,3 +268,20 @@ def test_per_token_normalisation_divides_by_weighted_tokens() -> None:
         assert lrn.last_step_metrics["optim/tokens"] == 18.0
         norms[mode] = lrn.last_step_metrics["optim/grad_norm"]
     assert norms["per_token"] == pytest.approx(norms["sum"] / 18.0, rel=1e-5)
+
+
+def test_a_failed_checkpoint_write_leaves_the_old_one_whole(learner: MultiAdapterLearner, tmp_path) -> None:
+    from polytinker.engine.learner.state import load_checkpoint, write_atomic_dir
+
+    path = learner.save_state(tmp_path / "ckpt", "alice")
+    before = load_checkpoint(path).tensors
+
+    def crash(tmp: Path) -> None:
+        (tmp / "weights.safetensors").write_bytes(b"half a file")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        write_atomic_dir(path, crash)
+    after = load_checkpoint(path).tensors
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
