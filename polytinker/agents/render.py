@@ -36,7 +36,7 @@ class Renderer:
         return text
 
     def messages(self, inp: PolicyInput) -> list[dict[str, str]]:
-        system = inp.instructions
+        system = self.config.system_prompt or inp.instructions
         if self.config.name_role:
             system += f" You are {inp.agent}."
         if self.config.system_suffix:

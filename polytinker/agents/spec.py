@@ -128,8 +128,10 @@ class RendererConfig:
     # Do not list more moves than this (guess-the-number has 100).
     name_role: bool = False
     # Tell the agent which env role it plays ("You are player_1."): needed for self-play.
+    system_prompt: str = ""
+    # Replaces the env's instructions as the system prompt (a shorter prompt is a faster one).
     system_suffix: str = ""
-    # Text appended to the env's instructions (the system prompt).
+    # Text appended to the system prompt.
 
     def __post_init__(self) -> None:
         if self.history not in ("full", "none"):
