@@ -319,3 +319,22 @@ def test_a_closed_service_client_refuses_calls_instead_of_starting_a_runtime() -
     with pytest.raises(TransportError, match="closed"):
         service.list_jobs()
     assert service.runtime is None
+
+
+def test_training_data_in_polytinker_and_tinker_shapes_become_the_same_message() -> None:
+    import numpy as np
+
+    from polytinker.engine.types import Datum
+    from polytinker.scheduler.client.training_client import datum_msg
+
+    ours = datum_msg(Datum([1, 2, 3], [2, 3, 4], [0.0, 1.0, 1.0], [0.5] * 3, [-1.0] * 3))
+    tinker = datum_msg(
+        {
+            "model_input": [1, 2, 3],
+            "loss_fn_inputs": {"target_tokens": np.array([2, 3, 4]), "weights": [0, 1, 1],
+                               "advantages": [0.5] * 3, "logprobs": [-1.0] * 3},
+        }
+    )  # fmt: skip
+    assert ours == tinker
+    with pytest.raises(TypeError, match="target_tokens"):
+        datum_msg({"model_input": [1, 2], "loss_fn_inputs": {}})

@@ -22,19 +22,46 @@ T = TypeVar("T")
 
 
 def datum_msg(d: Any) -> m.DatumMsg:
-    """DatumMsg from ``polytinker.engine.types.Datum`` (or any object with its fields)."""
+    """DatumMsg from ``polytinker.engine.types.Datum`` (or any object with its fields), or from
+    Tinker's shape: ``model_input`` (token ids, or an object with ``to_ints()``) and ``loss_fn_inputs``
+    (``target_tokens``, ``weights``, and ``advantages`` / ``logprobs`` for the RL losses), as an
+    object or a dict."""
     if isinstance(d, m.DatumMsg):
         return d
+
+    def get(key: str) -> Any:
+        return d.get(key) if isinstance(d, dict) else getattr(d, key, None)
+
+    if get("model_input") is not None:
+        return _tinker_datum(get("model_input"), get("loss_fn_inputs") or {})
 
     def opt(v: Any) -> tuple[float, ...] | None:
         return None if v is None else tuple(float(x) for x in v)
 
     return m.DatumMsg(
-        tuple(int(t) for t in d.input_tokens),
-        tuple(int(t) for t in d.target_tokens_T),
-        tuple(float(w) for w in d.weights_T),
-        opt(getattr(d, "advantages_T", None)),
-        opt(getattr(d, "sampling_logprobs_T", None)),
+        tuple(int(t) for t in get("input_tokens")),
+        tuple(int(t) for t in get("target_tokens_T")),
+        tuple(float(w) for w in get("weights_T")),
+        opt(get("advantages_T")),
+        opt(get("sampling_logprobs_T")),
+    )
+
+
+def _tinker_datum(model_input: Any, inputs: Any) -> m.DatumMsg:
+    def floats(key: str) -> tuple[float, ...] | None:
+        v = inputs.get(key)
+        if v is None:
+            return None
+        v = v.tolist() if hasattr(v, "tolist") else v
+        return tuple(float(x) for x in v)
+
+    tokens = model_input.to_ints() if hasattr(model_input, "to_ints") else model_input
+    targets = floats("target_tokens")
+    if targets is None:
+        raise TypeError("a Tinker-style datum needs loss_fn_inputs['target_tokens']")
+    weights = floats("weights") or tuple(1.0 for _ in targets)
+    return m.DatumMsg(
+        tuple(int(t) for t in tokens), tuple(int(t) for t in targets), weights, floats("advantages"), floats("logprobs")
     )
 
 
