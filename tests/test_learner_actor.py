@@ -89,3 +89,33 @@ def test_actor_matches_in_process_learner(client: LearnerClient, tmp_path) -> No
     )
     with pytest.raises(RemoteError, match="unknown adapter"):
         client.optim_step(ADAM, "bob")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_actor_leading_a_group_of_two(tmp_path) -> None:
+    torch.set_num_threads(1)
+    ref = spawn(
+        LearnerActor,
+        TINY_RANDOM,
+        {"micro_batch_size": 4},
+        2,
+        1,
+        name="learner-dp",
+        run_dir=tmp_path,
+        config=ActorConfig(start_timeout_s=240, ask_timeout_s=240),
+    )
+    try:
+        client = LearnerClient(ref)
+        client.add_adapter("alice", LORA, seed=7)
+        remote = client.forward_backward(data(), "cross_entropy", "alice")
+        client.optim_step(ADAM, "alice")
+        exported = client.export_adapter("alice")
+    finally:
+        ref.stop(timeout_s=60)
+    local = MultiAdapterLearner(load_model(TINY_RANDOM)[0], LearnerConfig(micro_batch_size=4))
+    local.add_adapter("alice", LORA, seed=7)
+    assert remote.loss == pytest.approx(local.forward_backward(data(), "cross_entropy", "alice").loss, rel=1e-5)
+    local.optim_step(ADAM, "alice")
+    for k, v in local.export_adapter("alice").tensors.items():
+        torch.testing.assert_close(exported.tensors[k], v, rtol=1e-4, atol=1e-6)
