@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -82,6 +84,14 @@ class Learner:
 
     def _reference(self) -> contextlib.AbstractContextManager[None]:
         """Context in which the module computes the KL reference (the base model)."""
+        raise NotImplementedError
+
+    def save_state(self, path: str | os.PathLike[str], adapter: AdapterName | None = None) -> Path:
+        """Write ``adapter``'s weights, optimizer state and version atomically to directory ``path``."""
+        raise NotImplementedError
+
+    def load_state(self, path: str | os.PathLike[str], adapter: AdapterName | None = None) -> AdapterRef:
+        """Restore what :meth:`save_state` wrote into ``adapter``; returns its version."""
         raise NotImplementedError
 
     # -- primitives -----------------------------------------------------------------------------

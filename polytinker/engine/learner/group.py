@@ -172,7 +172,8 @@ class LearnerGroup:
         if self._group is None:
             assert isinstance(self.learner, MultiAdapterLearner)
             return self.learner.add_adapter(name, lora, seed)
-        return self._call("add_adapter", name=name, lora=asdict(lora), seed=seed)  # type: ignore[no-any-return]
+        ref: AdapterRef = self._call("add_adapter", name=name, lora=asdict(lora), seed=seed)
+        return ref
 
     def remove_adapter(self, name: AdapterName) -> None:
         if self._group is None:
@@ -215,15 +216,17 @@ class LearnerGroup:
         if self._group is None:
             return self.learner.optim_step(adam_params, adapter)
         self._check(adapter)
-        return self._call("optim_step", adam=asdict(adam_params), adapter=adapter)  # type: ignore[no-any-return]
+        ref: AdapterRef = self._call("optim_step", adam=asdict(adam_params), adapter=adapter)
+        return ref
 
     def load_state(self, path: str | os.PathLike[str], adapter: AdapterName | None = None) -> AdapterRef:
         if self._group is None:
-            return self.learner.load_state(path, adapter)  # type: ignore[arg-type]
-        return self._call("load_state", path=str(path), adapter=adapter)  # type: ignore[no-any-return]
+            return self.learner.load_state(path, adapter)
+        ref: AdapterRef = self._call("load_state", path=str(path), adapter=adapter)
+        return ref
 
     def save_state(self, path: str | os.PathLike[str], adapter: AdapterName | None = None) -> Any:
-        return self.learner.save_state(path, adapter)  # type: ignore[arg-type]  # replicas agree: rank 0 writes
+        return self.learner.save_state(path, adapter)  # replicas hold the same state: rank 0 writes it
 
     def export_adapter(self, name: AdapterName) -> Any:
         assert isinstance(self.learner, MultiAdapterLearner)

@@ -120,12 +120,12 @@ class MultiAdapterLearner(Learner):
         return write_atomic_dir(path, write)
 
     # -- state ----------------------------------------------------------------------------------
-    def save_state(self, path: str | os.PathLike[str], adapter: AdapterName) -> Path:
+    def save_state(self, path: str | os.PathLike[str], adapter: AdapterName | None = None) -> Path:
         slot = self._slot(adapter)
-        lora = self._lora[adapter]
+        lora = self._lora[slot.name]
         meta = {
             "mode": "lora",
-            "adapter": adapter,
+            "adapter": slot.name,
             "version": slot.version,
             "lora": {
                 "rank": lora.rank,
@@ -135,10 +135,12 @@ class MultiAdapterLearner(Learner):
             },
         }
         opt_state = slot.optimizer.state_dict() if slot.optimizer is not None else None
-        return save_checkpoint(path, Checkpoint(self.export_adapter(adapter).tensors, opt_state, meta))
+        return save_checkpoint(path, Checkpoint(self.export_adapter(slot.name).tensors, opt_state, meta))
 
-    def load_state(self, path: str | os.PathLike[str], adapter: AdapterName) -> AdapterRef:
+    def load_state(self, path: str | os.PathLike[str], adapter: AdapterName | None = None) -> AdapterRef:
         """Restore weights, optimizer and version into ``adapter`` (created if missing); drops pending grads."""
+        if adapter is None:
+            raise ConfigError("load_state on a LoRA learner needs adapter=<name> to load into")
         ckpt = load_checkpoint(path)
         if ckpt.meta.get("mode") != "lora":
             raise ConfigError(f"{path} holds a {ckpt.meta.get('mode')!r} checkpoint, not a LoRA adapter")
