@@ -70,6 +70,7 @@ class Learner:
         self.pad_token_id = pad_token_id
         # eval(): no dropout, so K ranks and one process compute the same gradients; autograd still runs.
         self.base_model = model.to(dist.device).eval()
+        self.last_step_metrics: dict[str, float] = {}  # optim/grad_norm, optim/tokens of the latest optim_step
 
     # -- subclass hooks -------------------------------------------------------------------------
     def _module(self) -> nn.Module:
