@@ -132,7 +132,7 @@ def test_cli_list_and_path(tmp_path: Path, capsys: pytest.CaptureFixture[str], m
 
 
 @pytest.mark.slow
-def test_gguf_conversion_runs_once_and_answers(tmp_path: Path) -> None:
+def test_gguf_conversion_runs_once(tmp_path: Path) -> None:
     config = ModelConfig(cache_dir=tmp_path)
     path = resolve_model(DEFAULT_MODEL, config)
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in path.iterdir()}
