@@ -93,8 +93,8 @@ def test_tiny_random_preset_is_a_real_small_llama() -> None:
     assert model.config.vocab_size == len(tokenizer) == 49152
     head_dim = model.config.hidden_size // model.config.num_attention_heads
     assert head_dim >= 32, "vLLM's CPU attention needs head_dim >= 32"
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    rendered = str(
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     )
     assert rendered.endswith("<|im_start|>assistant\n")
     with torch.inference_mode():
