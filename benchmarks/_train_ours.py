@@ -1,0 +1,169 @@
+"""polytinker's half of ``benchmarks/train.py``: GRPO on the reference task through the client API.
+
+    python benchmarks/_train_ours.py --steps 30 [--agents 4] [--threads 2]
+
+One ``ServiceClient()`` starts a local runtime (scheduler, one engine, one learner as child
+processes, ``--threads`` torch threads each). Each agent is one LoRA training job on the shared
+base; its step is: ``SamplingClient.sample`` (8 completions of the prompt in one group),
+GRPO group-normalised advantages, ``TrainingClient.forward_backward(data, "importance_sampling")``,
+``optim_step`` (AdamW with TRL's defaults: betas 0.9/0.999, eps 1e-8, the learning rate decayed
+linearly to 0), then ``save_weights_and_get_sampling_client`` (the new version to the engine).
+With several agents, each runs its loop in its own thread: their sample requests meet in the
+engine's mixed batches, their training calls take turns on the one learner.
+
+Prints one JSON line per agent step (reward, tokens, seconds per phase) and a final ``done`` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _train_task import (
+    GROUP_SIZE,
+    LEARNING_RATE,
+    LORA_ALPHA,
+    LORA_RANK,
+    MAX_NEW_TOKENS,
+    PROMPT,
+    SEED,
+    TARGET_MODULES,
+    group_advantages,
+    linear_lr,
+    reward,
+)
+
+_print_lock = threading.Lock()
+
+
+def emit(record: dict[str, Any]) -> None:
+    with _print_lock:
+        print(json.dumps(record), flush=True)
+
+
+def prompt_ids(tokenizer: Any) -> list[int]:
+    """The prompt rendered with the chat template and a generation prompt, as TRL renders it."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
+    if hasattr(ids, "input_ids") or isinstance(ids, dict):  # BatchEncoding in transformers 5
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def grpo_data(prompt: list[int], sequences: list[Any], advantages_G: list[float]) -> list[Any]:
+    """One Datum per completion: prompt positions weigh 0; completion tokens carry the advantage and
+    the sampling logprobs (``importance_sampling``: the ratio is 1 on-policy, the gradient GRPO's)."""
+    from polytinker.engine.types import Datum
+
+    data = []
+    p = len(prompt)
+    for seq, adv in zip(sequences, advantages_G, strict=True):
+        completion = list(seq.tokens)
+        tokens = prompt + completion
+        n = len(tokens) - 1
+        weights = [0.0] * (p - 1) + [1.0] * len(completion)
+        logprobs = [0.0] * (p - 1) + [float(x) for x in seq.logprobs]
+        data.append(Datum(tokens[:-1], tokens[1:], weights[:n], [adv] * n, logprobs[:n]))
+    return data
+
+
+def run_agent(service: Any, name: str, index: int, args: argparse.Namespace, prompt: list[int]) -> None:
+    from polytinker.engine.learner.config import AdamParams
+    from polytinker.engine.types import SamplingParams
+
+    trainer = service.create_lora_training_client(
+        args.model,
+        rank=LORA_RANK,
+        agent=name,
+        alpha=LORA_ALPHA,
+        seed=SEED + index,
+        target_modules=TARGET_MODULES,
+        steps=args.steps,
+    )
+    t_clock = time.perf_counter() - time.time()  # perf_counter - t_clock: wall-clock time, comparable across processes
+    t0 = time.perf_counter()
+    sampler = trainer.save_weights_and_get_sampling_client()
+    emit({"agent": name, "event": "ready", "setup_s": time.perf_counter() - t0})
+    for step in range(args.steps):
+        t_step = time.perf_counter()
+        params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=1.0, seed=SEED + 1000 * index + step)
+        sequences = sampler.sample(prompt, num_samples=GROUP_SIZE, sampling_params=params).result().sequences
+        t_sampled = time.perf_counter()
+        rewards_G = [reward(s.text) for s in sequences]
+        data = grpo_data(prompt, sequences, group_advantages(rewards_G))
+        trainer.forward_backward(data, "importance_sampling").result()
+        t_fb = time.perf_counter()
+        lr = linear_lr(LEARNING_RATE, step, args.steps)
+        trainer.optim_step(AdamParams(learning_rate=lr, beta1=0.9, beta2=0.999, eps=1e-8)).result()
+        t_opt = time.perf_counter()
+        sampler = trainer.save_weights_and_get_sampling_client()
+        t_end = time.perf_counter()
+        emit(
+            {
+                "agent": name,
+                "step": step + 1,
+                "reward_mean": sum(rewards_G) / len(rewards_G),
+                "completion_tokens": sum(len(s.tokens) for s in sequences),
+                "step_s": t_end - t_step,
+                "sample_s": t_sampled - t_step,
+                "forward_backward_s": t_fb - t_sampled,
+                "optim_step_s": t_opt - t_fb,
+                "weight_sync_s": t_end - t_opt,
+                "t_start": t_step - t_clock,
+                "t_end": t_end - t_clock,
+            }
+        )
+    trainer.finish()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--agents", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the runtime's workers read it at start
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from polytinker import ServiceClient
+    from polytinker.engine.models import load_tokenizer
+    from polytinker.scheduler.service.config import RuntimeConfig
+
+    prompt = prompt_ids(load_tokenizer(args.model))
+    t0 = time.perf_counter()
+    with ServiceClient(runtime_config=RuntimeConfig(model=args.model)) as service:
+        service.runtime_status()  # starts the local runtime before the agents race to it
+        emit({"event": "runtime_up", "startup_s": time.perf_counter() - t0})
+        names = [f"agent{i}" for i in range(args.agents)]
+        errors: list[BaseException] = []
+
+        def guarded(name: str, index: int) -> None:
+            try:
+                run_agent(service, name, index, args, prompt)
+            except BaseException as exc:
+                errors.append(exc)
+                raise
+
+        threads = [threading.Thread(target=guarded, args=(n, i), name=n) for i, n in enumerate(names)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise SystemExit(f"an agent failed: {errors[0]!r}")
+        status = service.runtime_status()
+    emit({"event": "done", "runtime_status": status})
+
+
+if __name__ == "__main__":
+    main()
