@@ -338,3 +338,19 @@ def test_training_data_in_polytinker_and_tinker_shapes_become_the_same_message()
     assert ours == tinker
     with pytest.raises(TypeError, match="target_tokens"):
         datum_msg({"model_input": [1, 2], "loss_fn_inputs": {}})
+
+
+def test_an_idle_job_is_paused_to_free_resources_and_its_next_call_resumes_it(tmp_path: Path) -> None:
+    mgr = manager(tmp_path, job_idle_pause_s=0.2, learners=(LearnerWorkerConfig(max_jobs=1),))
+    idle = create(mgr, "alice", KEY_A)
+    waiting = create(mgr, "bob", KEY_B)
+    assert mgr.get("bob", waiting).state == "queued"  # the one learner slot is taken
+    time.sleep(0.3)
+    assert mgr.pause_idle() == [idle]
+    assert mgr.get("alice", idle).state == "paused" and mgr.get("bob", waiting).state == "running"
+    assert mgr.pause_idle() == []  # bob's idle time counts from its start, not from its submission
+    mgr.action("bob", waiting, "finish")
+    row, _ = mgr.running("alice", idle)  # the next call of the idle job resumes it
+    assert row.state == "running"
+    with pytest.raises(ConfigError, match="must be > 0"):
+        config(tmp_path, job_idle_pause_s=0)

@@ -176,6 +176,9 @@ class RuntimeConfig:
     # How long a request waits for a dead worker to come back (restart) before it fails.
     request_timeout_s: float = 300.0
     # Longest a single forwarded request (a sample batch, a training step) may take.
+    job_idle_pause_s: float = 3600.0
+    # A running job that gets no call for this long is paused (its client likely died) and its
+    # resources freed; its next call resumes it.
     keep_checkpoints: int = 2
     # Per-step checkpoints kept per adapter (named save_state checkpoints are always kept).
     learner_slice_idle_s: float = 2.0
@@ -209,6 +212,7 @@ class RuntimeConfig:
                 raise ConfigError(f"RuntimeConfig.{name} must be >= 1, got {getattr(self, name)}")
         for name in (
             "retry_after_s",
+            "job_idle_pause_s",
             "worker_heartbeat_s",
             "worker_retry_s",
             "request_timeout_s",

@@ -43,6 +43,7 @@ log = logging.getLogger("polytinker.scheduler.service")
 
 LIVE_STATES = ("queued", "running", "preempting")
 FINAL_STATES = ("done", "cancelled", "rejected")
+IDLE_REASON = "idle:"
 
 
 class JobNotRunning(PolytinkerError):
@@ -96,6 +97,7 @@ class JobManager:
         self._lock = threading.RLock()
         self._t0 = time.monotonic()
         self._live: dict[str, _Live] = {}
+        self._touched: dict[str, float] = {}  # monotonic time of each job's last call
         self._by_policy_id: dict[str, str] = {}
         self._attempts = itertools.count(1)
         self._rr = itertools.count()
@@ -183,6 +185,7 @@ class JobManager:
         self._log(result.decision)
         if isinstance(result, Accepted):
             self._live[row.job_id] = _Live(policy_id, start_version=steps_done)
+            self._touched[row.job_id] = time.monotonic()
             self._by_policy_id[policy_id] = row.job_id
             self._set_state(row.job_id, "queued", result.decision.reason)
             return result
@@ -200,6 +203,7 @@ class JobManager:
                 self._log(d)
                 if d.kind is DecisionKind.START:
                     self._live[job_id].placement = d.placement
+                    self._touched[job_id] = time.monotonic()  # idle time counts from its start
                     self._set_state(job_id, "running", d.reason)
                 elif d.kind is DecisionKind.PREEMPT:
                     self._set_state(job_id, "preempting", d.reason)
@@ -207,6 +211,25 @@ class JobManager:
                     if row is not None and row.kind == "inference":  # no step to wait for: stop now
                         self.step_boundary(job_id, self._live[job_id].start_version)
             return decisions
+
+    def pause_idle(self) -> list[str]:
+        """Pause the running jobs no call touched for ``job_idle_pause_s`` (a client that died
+        without closing): their resources go back to the pool; the next call resumes them."""
+        limit = self.config.job_idle_pause_s
+        now = time.monotonic()
+        paused = []
+        with self._lock:
+            for job_id, live in list(self._live.items()):
+                if live.placement is None or now - self._touched.get(job_id, now) < limit:
+                    continue
+                self._leave_policy(job_id, "pause")
+                reason = f"{IDLE_REASON} no call for {limit:g} s; paused to free its resources (a call resumes it)"
+                self._set_state(job_id, "paused", reason)
+                self.store.log_event(job_id, "pause", reason)
+                paused.append(job_id)
+            if paused:
+                self.schedule()
+        return paused
 
     def step_boundary(self, job_id: str, version: int) -> None:
         """The job completed optimizer step ``version`` (already durable): a preempted job stops here."""
@@ -233,9 +256,15 @@ class JobManager:
         return row
 
     def running(self, tenant: str, job_id: str) -> tuple[JobRow, Placement]:
-        """The job and where it runs; JobNotRunning when it cannot take work now."""
+        """The job and where it runs; JobNotRunning when it cannot take work now. A job paused
+        for being idle is resumed by this call."""
         row = self.get(tenant, job_id)
         with self._lock:
+            self._touched[job_id] = time.monotonic()
+            if row.state == "paused" and row.reason.startswith(IDLE_REASON):
+                self._submit(row, steps_done=self._steps_of(row))
+                self.schedule()
+                row = self.get(tenant, job_id)
             live = self._live.get(job_id)
             placement = live.placement if live is not None else None
         if row.state not in ("running", "preempting") or placement is None:

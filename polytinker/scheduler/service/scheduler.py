@@ -102,6 +102,7 @@ class SchedulerService:
     def _tick(self) -> None:
         while not self._stop.wait(0.5):
             try:
+                self.jobs.pause_idle()
                 self.jobs.schedule()
             except Exception:  # the loop must outlive one bad pass
                 log.exception("scheduling pass failed")
