@@ -28,7 +28,7 @@ from polytinker.agents.evaluate import evaluate
 from polytinker.agents.mapping import PolicyMapping
 from polytinker.agents.metrics import transcript
 from polytinker.agents.rollout import Players, SlotsBySeed, collect_samples, rollout_metrics
-from polytinker.agents.types import LoopMode, SlotKind, TurnSample
+from polytinker.agents.types import LoopMode, TurnSample
 from polytinker.engine.learner.config import AdamParams
 from polytinker.envs import Coordinator, CoordinatorConfig
 from polytinker.envs.types import EpisodeResult
@@ -51,6 +51,7 @@ class Learners:
         self.algorithms = algorithms
         self.config = config
         self.lr = {a.name: a.algorithm.learning_rate for a in config.agents}
+        self.kl = {a.name: a.algorithm.kl_coef > 0 for a in config.agents}
 
     async def update(self, agent: str, samples: Sequence[TurnSample], step: int) -> tuple[int | None, dict[str, float]]:
         """One step of ``agent`` on its samples: (new version or None if nothing to learn, metrics)."""
@@ -73,7 +74,7 @@ class Learners:
                 if key in opt.metrics or key in fb.metrics:
                     metrics[f"{key}/{agent}"] = float(fb.metrics.get(key, opt.metrics.get(key, 0.0)))
         metrics[f"loss/{agent}"] = sum(losses) / len(losses)
-        if self.config.agents and any(a.algorithm.kl_coef > 0 for a in self.config.agents if a.name == agent):
+        if self.kl[agent]:
             metrics[f"kl/{agent}"] = sum(kls) / len(kls)
         return version, metrics
 
@@ -189,4 +190,4 @@ def league_update(mapping: PolicyMapping, players: Players, agent: str, step: in
     return True
 
 
-__all__ = ["Learners", "SlotKind", "Trainer", "league_update", "step_seeds"]
+__all__ = ["Learners", "Trainer", "league_update", "step_seeds"]

@@ -1,0 +1,139 @@
+"""The training loop end to end on the tiny-random model, against one real local runtime
+(scheduler, engine and learner as child processes) shared by the tests of this module."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from polytinker import cli
+from polytinker.agents import (
+    AdapterSpec,
+    AgentSpec,
+    AlgorithmConfig,
+    EnvSetup,
+    EvalConfig,
+    Experiment,
+    ExperimentConfig,
+    MappingConfig,
+    OutputConfig,
+    SamplingConfig,
+    TrainConfig,
+    train_sft,
+)
+from polytinker.agents.checkpoint import RunState
+from polytinker.agents.metrics import read_metrics
+
+TINY = "tiny-random"
+
+# A local runtime starts three processes; on a busy 2-core machine that alone takes a minute.
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def service():
+    from polytinker.scheduler.client import ServiceClient
+    from polytinker.scheduler.service.config import LearnerWorkerConfig, RuntimeConfig
+
+    client = ServiceClient(
+        runtime_config=RuntimeConfig(model=TINY, learners=(LearnerWorkerConfig(micro_batch_size=32),))
+    )
+    yield client
+    client.close()
+
+
+def agent(name: str, algorithm: str = "grpo", **kw) -> AgentSpec:
+    return AgentSpec(
+        name,
+        base_model=TINY,
+        adapter=AdapterSpec(rank=4, alpha=8),
+        algorithm=AlgorithmConfig(name=algorithm, learning_rate=1e-3, **kw),  # type: ignore[arg-type]
+        sampling=SamplingConfig(max_tokens=4),
+    )
+
+
+def pd_config(root: Path, name: str = "pd", steps: int = 2, **train) -> ExperimentConfig:
+    return ExperimentConfig(
+        name=name,
+        env=EnvSetup("prisoners_dilemma-v0", {"rounds": 2}),
+        # REINFORCE and PPO centre on batch means, so even a random model's turns get advantages.
+        agents=(agent("alice", "reinforce"), agent("bob", "ppo", epochs=2, minibatches=2)),
+        train=TrainConfig(steps=steps, groups=2, group_size=2, **train),
+        eval=EvalConfig(episodes=2, opponents=("random", "heuristic")),
+        output=OutputConfig(root=str(root), checkpoint_every=1, progress=False, tensorboard=True),
+    )
+
+
+def test_two_agents_train_evaluate_and_write_the_run(service, tmp_path, capsys):
+    summary = Experiment(pd_config(tmp_path)).train(service=service)
+    run = tmp_path / "pd"
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [0, 1, 2, 2]  # eval before, two steps, eval after
+    for name in ("alice", "bob"):
+        assert rows[1][f"train/datums/{name}"] > 0
+        assert rows[2][f"version/{name}"] > rows[1][f"version/{name}"] > 0  # one adapter each, stepping
+        assert f"eval/{name}/heuristic/win_rate" in rows[-1] and f"eval/{name}/random/win_rate" in rows[0]
+    assert rows[1]["version/bob"] == 4  # ppo: 2 epochs x 2 minibatches = 4 optimizer steps
+    assert set(summary.before) <= set(rows[0]) and summary.after["eval/alice/random/reward"] == pytest.approx(
+        rows[-1]["eval/alice/random/reward"]
+    )
+    episodes = [json.loads(line) for line in (run / "transcripts.jsonl").read_text().splitlines()]
+    train = [e for e in episodes if e["kind"] == "train"]
+    assert train and train[0]["players"] == {"player_0": "alice", "player_1": "bob"}
+    assert len(train[0]["turns"]["player_0"]) >= 2  # two rounds, retries included
+    assert (run / "curves.png").stat().st_size > 1000 and list((run / "tb").iterdir())
+    assert RunState.load(run).step == 2
+    assert cli.main(["show", str(run), "-n", "1"]) == 0
+    shown = capsys.readouterr().out
+    assert "alice vs random: win rate" in shown and "alice says:" in shown
+
+
+def test_resume_continues_from_the_last_checkpoint(service, tmp_path):
+    Experiment(pd_config(tmp_path, "r", steps=1)).train(service=service)
+    state = RunState.load(tmp_path / "r")
+    with pytest.raises(Exception, match="--resume"):
+        Experiment(pd_config(tmp_path, "r", steps=2)).train(service=service)
+    Experiment(pd_config(tmp_path, "r", steps=2)).train(service=service, resume=True)
+    rows = read_metrics(tmp_path / "r")
+    assert [r["step"] for r in rows] == [0, 1, 1, 2, 2]  # the first run's rows, then step 2 only
+    assert rows[3]["version/alice"] == state.versions["alice"] + 1  # continued from the checkpoint
+    assert RunState.load(tmp_path / "r").step == 2
+
+
+def test_async_league_self_play(service, tmp_path):
+    config = ExperimentConfig(
+        name="league",
+        env=EnvSetup("kuhn_poker-v0"),
+        agents=(agent("me", "reinforce"),),
+        mapping=MappingConfig(kind="league", pool_every=1),  # type: ignore[arg-type]
+        train=TrainConfig(steps=3, groups=2, group_size=1, mode="async", max_staleness=1),  # type: ignore[arg-type]
+        eval=EvalConfig(episodes=2, at_start=False),
+        output=OutputConfig(root=str(tmp_path), progress=False, tensorboard=False),
+    )
+    Experiment(config).train(service=service)
+    state = RunState.load(tmp_path / "league")
+    assert state.pool["me"] and all(f"me@{v}" in state.pool_paths for v in state.pool["me"])
+    episodes = [json.loads(line) for line in (tmp_path / "league" / "transcripts.jsonl").read_text().splitlines()]
+    assert any("me" in e["players"].values() for e in episodes if e["kind"] == "train")
+    assert [r["step"] for r in read_metrics(tmp_path / "league")] == [1, 2, 3, 3]
+
+
+def test_sft_from_jsonl_lowers_the_loss(service, tmp_path):
+    data = tmp_path / "chats.jsonl"
+    chat = {"messages": [{"role": "user", "content": "Say seven."}, {"role": "assistant", "content": "7"}]}
+    data.write_text("\n".join(json.dumps(chat) for _ in range(4)) + "\n")
+    spec = AgentSpec(
+        "tutor",
+        base_model=TINY,
+        algorithm=AlgorithmConfig(name="sft", sft_data=str(data), learning_rate=1e-2),  # type: ignore[arg-type]
+    )
+    client, losses = train_sft(spec, service, epochs=4, batch_size=4)
+    assert losses[-1] < losses[0] * 0.7, losses
+    client.finish()
+
+
+def test_train_command_reports_a_bad_config(tmp_path, capsys):
+    assert cli.main(["train", str(tmp_path / "missing.toml")]) == 1
+    assert "cannot read experiment config" in capsys.readouterr().err
