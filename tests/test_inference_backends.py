@@ -134,6 +134,22 @@ def test_replace_version_in_place_changes_outputs(backend: Any, tiny_model: Any)
     assert backend.compute_logprobs([ids], fresh.ref)[0] == pytest.approx(after, abs=LOGPROB_TOL[backend.name])
 
 
+def test_replaced_version_is_not_served_from_caches(backend: Any, tiny_model: Any) -> None:
+    # 300 tokens span whole KV-cache blocks, which a prefix cache could hand back after a reload.
+    ids = tuple(range(1000, 1300))
+    old = adapter(tiny_model, "cached", 51)
+    backend.load_adapter(old)
+    greedy_tokens(backend, old.ref, ids)
+    backend.load_adapter(adapter(tiny_model, "cached", 52))
+    fresh = adapter(tiny_model, "uncached", 52)
+    backend.load_adapter(fresh)
+    replaced, loaded = backend.sample(
+        [SampleRequest(prompt_token_ids=ids, adapter=ref, params=GREEDY) for ref in (old.ref, fresh.ref)]
+    )
+    assert replaced.sequences[0].token_ids == loaded.sequences[0].token_ids
+    assert replaced.sequences[0].logprobs == pytest.approx(loaded.sequences[0].logprobs, abs=LOGPROB_TOL[backend.name])
+
+
 def test_versions_side_by_side_and_unload(backend: Any, tiny_model: Any) -> None:
     v0, v1 = adapter(tiny_model, "agent", 31, version=0), adapter(tiny_model, "agent", 32, version=1)
     backend.load_adapter(v0)

@@ -101,6 +101,7 @@ class VllmBackend:
         self._ids: dict[AdapterRef, int] = {}
         self._paths: dict[AdapterRef, Path] = {}
         self._next_id = itertools.count(1)  # vLLM requires ids >= 1
+        self._loads = itertools.count()  # numbers each adapter directory written
         self.model_path = resolve_model(self.config.model, self.config.model_config)
         self.tokenizer = load_tokenizer(str(self.model_path), self.config.model_config)
         self._linears = linear_shapes(self.model_path)  # what adapters are checked against
@@ -140,7 +141,7 @@ class VllmBackend:
 
         weights = zero_adapter(self._linears, self.config.lora_target_modules)
         lora_id = next(self._next_id)
-        path = write_adapter_dir(weights, self.adapter_root / str(lora_id), base_model_path=str(self.model_path))
+        path = write_adapter_dir(weights, self.adapter_root / "base", base_model_path=str(self.model_path))
         request = LoRARequest(BASE_ADAPTER_NAME, lora_id, str(path))
         llm.llm_engine.add_lora(request)
         return request
@@ -170,11 +171,9 @@ class VllmBackend:
             # A private copy: vLLM rereads the directory whenever the version falls out of its
             # cache, so later changes to the caller's directory must not reach this version.
             lora_id, target = self._slot(ref)
-            staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=self.adapter_root))
+            target.mkdir()
             for file in (CONFIG_FILE, WEIGHTS_FILE):
-                shutil.copyfile(path / file, staging / file)
-            shutil.rmtree(target, ignore_errors=True)
-            os.rename(staging, target)
+                shutil.copyfile(path / file, target / file)
             self._register(ref, lora_id, target)
 
     def _rank_message(self, ref: AdapterRef, rank: int) -> str:
@@ -184,27 +183,30 @@ class VllmBackend:
         )
 
     def _slot(self, ref: AdapterRef) -> tuple[int, Path]:
-        """The version's vLLM id and directory: its own when resident, else a fresh id."""
+        """The version's vLLM id (its own when resident, else a fresh one) and a new directory.
+
+        Every load gets a directory of its own, also an in-place reload: vLLM's prefix cache keys
+        blocks by the adapter's name and path, so reusing the path would let prompts seen before
+        the reload reuse KV computed with the old weights."""
         lora_id = self._ids[ref] if ref in self._ids else next(self._next_id)
-        return lora_id, self.adapter_root / str(lora_id)
+        return lora_id, self.adapter_root / f"{lora_id}-{next(self._loads)}"
 
     def _register(self, ref: AdapterRef, lora_id: int, path: Path) -> None:
         """Load the version in vLLM now, so a bad adapter fails here and not in a later batch."""
         from vllm.lora.request import LoRARequest
 
-        replacing = ref in self._ids
-        request = LoRARequest(str(ref), lora_id, str(path), load_inplace=replacing)
+        old_path = self._paths.get(ref)
+        request = LoRARequest(str(ref), lora_id, str(path), load_inplace=old_path is not None)
         try:
             self._llm.llm_engine.add_lora(request)
         except Exception as exc:
-            # The directory now holds the rejected tensors, so a replaced version cannot stay
-            # resident either: drop it rather than serve it from a stale cache entry.
-            self._ids.pop(ref, None)
-            self._paths.pop(ref, None)
-            self._llm.llm_engine.remove_lora(lora_id)
             shutil.rmtree(path, ignore_errors=True)
-            raise ModelError(f"vLLM could not load adapter {ref} (it is not loaded now): {exc}") from exc
+            # vLLM loads a replacement before it drops the old tensors: a resident version stays as it was.
+            kept = f"; {ref} keeps its previous tensors" if old_path is not None else ""
+            raise ModelError(f"vLLM could not load adapter {ref}: {exc}{kept}") from exc
         self._ids[ref], self._paths[ref] = lora_id, path
+        if old_path is not None:
+            shutil.rmtree(old_path, ignore_errors=True)
 
     def unload_adapter(self, ref: AdapterRef) -> None:
         with self._lock:
