@@ -4,10 +4,12 @@
 
 One ``ServiceClient()`` starts a local runtime (scheduler, one engine, one learner as child
 processes, ``--threads`` torch threads each). Each agent is one LoRA training job on the shared
-base; its step is: ``SamplingClient.sample`` (8 completions of the prompt in one group),
-GRPO group-normalised advantages, ``TrainingClient.forward_backward(data, "importance_sampling")``,
-``optim_step`` (AdamW with TRL's defaults: betas 0.9/0.999, eps 1e-8, the learning rate decayed
-linearly to 0), then ``save_weights_and_get_sampling_client`` (the new version to the engine).
+base; its step is: ``SamplingClient.sample`` (8 completions of the prompt in one group), the
+advantages and datums of ``polytinker.agents``' GRPO (group-normalised; completions with advantage 0
+left out, so a group whose rewards are all equal trains nothing), ``TrainingClient.forward_backward``
+with its loss (``importance_sampling``), ``optim_step`` (AdamW with TRL's defaults: betas
+0.9/0.999, eps 1e-8, the learning rate decayed linearly to 0), then
+``save_weights_and_get_sampling_client`` (the new version to the engine).
 With several agents, each runs its loop in its own thread: their sample requests meet in the
 engine's mixed batches, their training calls take turns on the one learner.
 
@@ -36,7 +38,6 @@ from _train_task import (
     PROMPT,
     SEED,
     TARGET_MODULES,
-    group_advantages,
     linear_lr,
     reward,
 )
@@ -57,26 +58,36 @@ def prompt_ids(tokenizer: Any) -> list[int]:
     return [int(t) for t in ids]
 
 
-def grpo_data(prompt: list[int], sequences: list[Any], advantages_G: list[float]) -> list[Any]:
-    """One Datum per completion: prompt positions weigh 0; completion tokens carry the advantage and
-    the sampling logprobs (``importance_sampling``: the ratio is 1 on-policy, the gradient GRPO's)."""
-    from polytinker.engine.types import Datum
+def turn_samples(name: str, step: int, prompt: list[int], sequences: list[Any], rewards_G: list[float]) -> list[Any]:
+    """The group's completions as ``polytinker.agents`` turn samples (one single-turn episode each)."""
+    from polytinker.agents.types import TurnSample
 
-    data = []
-    p = len(prompt)
-    for seq, adv in zip(sequences, advantages_G, strict=True):
-        completion = list(seq.tokens)
-        tokens = prompt + completion
-        n = len(tokens) - 1
-        weights = [0.0] * (p - 1) + [1.0] * len(completion)
-        logprobs = [0.0] * (p - 1) + [float(x) for x in seq.logprobs]
-        data.append(Datum(tokens[:-1], tokens[1:], weights[:n], [adv] * n, logprobs[:n]))
-    return data
+    return [
+        TurnSample(
+            agent=name,
+            role=name,
+            version=step,
+            group=f"step{step}",
+            episode_id=f"step{step}-{k}",
+            turn_index=0,
+            prompt_tokens=tuple(prompt),
+            completion_tokens=tuple(seq.tokens),
+            logprobs_T=tuple(float(x) for x in seq.logprobs),
+            reward=r,
+            episode_reward=r,
+        )
+        for k, (seq, r) in enumerate(zip(sequences, rewards_G, strict=True))
+    ]
 
 
 def run_agent(service: Any, name: str, index: int, args: argparse.Namespace, prompt: list[int]) -> None:
+    from polytinker.agents.algorithms import make_algorithm
+    from polytinker.agents.spec import AlgorithmConfig
+    from polytinker.agents.types import AlgorithmName
     from polytinker.engine.learner.config import AdamParams
     from polytinker.engine.types import SamplingParams
+
+    algorithm = make_algorithm(AlgorithmConfig(name=AlgorithmName.GRPO, learning_rate=LEARNING_RATE))
 
     trainer = service.create_lora_training_client(
         args.model,
@@ -97,13 +108,18 @@ def run_agent(service: Any, name: str, index: int, args: argparse.Namespace, pro
         sequences = sampler.sample(prompt, num_samples=GROUP_SIZE, sampling_params=params).result().sequences
         t_sampled = time.perf_counter()
         rewards_G = [reward(s.text) for s in sequences]
-        data = grpo_data(prompt, sequences, group_advantages(rewards_G))
-        trainer.forward_backward(data, "importance_sampling").result()
-        t_fb = time.perf_counter()
+        samples = turn_samples(name, step, prompt, sequences, rewards_G)
+        # GRPO's batches leave out completions whose advantage is 0 (a uniform group: none at all).
+        batches = algorithm.minibatches(samples, algorithm.advantages(samples), seed=SEED + step)
         lr = linear_lr(LEARNING_RATE, step, args.steps)
-        trainer.optim_step(AdamParams(learning_rate=lr, beta1=0.9, beta2=0.999, eps=1e-8)).result()
-        t_opt = time.perf_counter()
-        sampler = trainer.save_weights_and_get_sampling_client()
+        t_fb = t_opt = t_sampled
+        for batch in batches:
+            trainer.forward_backward(batch, algorithm.loss_fn, algorithm.loss_fn_config()).result()
+            t_fb = time.perf_counter()
+            trainer.optim_step(AdamParams(learning_rate=lr, beta1=0.9, beta2=0.999, eps=1e-8)).result()
+            t_opt = time.perf_counter()
+        if batches:
+            sampler = trainer.save_weights_and_get_sampling_client()
         t_end = time.perf_counter()
         emit(
             {
@@ -111,6 +127,7 @@ def run_agent(service: Any, name: str, index: int, args: argparse.Namespace, pro
                 "step": step + 1,
                 "reward_mean": sum(rewards_G) / len(rewards_G),
                 "completion_tokens": sum(len(s.tokens) for s in sequences),
+                "trained_completions": sum(len(b) for b in batches),
                 "step_s": t_end - t_step,
                 "sample_s": t_sampled - t_step,
                 "forward_backward_s": t_fb - t_sampled,

@@ -52,17 +52,24 @@ def test_first_reaching_and_linear_lr():
     assert _train_task.linear_lr(5e-4, 5, 10) == pytest.approx(2.5e-4)
 
 
-def test_grpo_data_masks_the_prompt_and_carries_advantages():
+def test_turn_samples_feed_the_agents_grpo():
+    from polytinker.agents.algorithms import GRPO
+    from polytinker.agents.spec import AlgorithmConfig
+
     prompt = [1, 2, 3]
     seqs = [SimpleNamespace(tokens=[7, 2], logprobs=[-0.5, -0.1]), SimpleNamespace(tokens=[9], logprobs=[-2.0])]
-    data = _train_ours.grpo_data(prompt, seqs, [1.0, -1.0])
-    first = data[0]
+    samples = _train_ours.turn_samples("a", 0, prompt, seqs, [1.0, 0.0])
+    algorithm = GRPO(AlgorithmConfig())
+    adv = algorithm.advantages(samples)
+    assert adv[0] > 0 > adv[1]
+    (batch,) = algorithm.minibatches(samples, adv, seed=0)
+    first = batch[0]
     assert first.input_tokens == [1, 2, 3, 7]
     assert first.target_tokens_T == [2, 3, 7, 2]
-    assert first.weights_T == [0.0, 0.0, 1.0, 1.0]
+    assert first.weights_T[:2] == [0.0, 0.0] and first.weights_T[2] > 0
     assert first.sampling_logprobs_T == [0.0, 0.0, -0.5, -0.1]
-    assert first.advantages_T == [1.0] * 4
-    assert data[1].weights_T == [0.0, 0.0, 1.0] and data[1].advantages_T == [-1.0] * 3
+    same = _train_ours.turn_samples("a", 1, prompt, seqs, [0.5, 0.5])
+    assert algorithm.minibatches(same, algorithm.advantages(same), seed=0) == []  # nothing to learn
 
 
 def test_prompt_is_rendered_with_the_chat_template():
