@@ -9,6 +9,9 @@ Real model (SmolLM2-135M-Instruct), fp32, LoRA rank 16, alpha 32, on every linea
   of the 4 separate processes run concurrently on the same total work (target >= 0.9). Each
   worker loads and warms up first; all start their timed loop together. The shared learner gets
   ``min(4, cores)`` threads, each separate process ``max(1, cores // 4)``: the same machine either way.
+  On a machine shared with other work the two phases see different load, and 4 single-thread
+  processes win more time slices than one 2-thread process; ``learner_cpu_throughput_ratio``
+  (tokens per CPU-second, shared over separate) is the load-independent form of the same comparison.
 - ``adapter_sync_ms``: a new adapter version from the learner to an engine: ``export_adapter``
   (CPU snapshot), the transport codec's encode and decode (tensors out of band, what crosses a
   process boundary), and the HF engine's ``load_adapter`` of that new version. Median of repeats.
@@ -71,15 +74,16 @@ def _worker(spec: dict[str, Any]) -> None:
         learner.optim_step(adam, name)
     print("ready", flush=True)
     sys.stdin.readline()
-    t0 = time.time()
+    t0, c0 = time.time(), time.process_time()
     for _ in range(spec["steps"]):
         for name in names:
             learner.forward_backward(data, "cross_entropy", name)
             learner.optim_step(adam, name)
-    t1 = time.time()
+    t1, c1 = time.time(), time.process_time()
     tokens = spec["steps"] * len(names) * spec["batch"] * spec["seq_len"]
     rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"t0": t0, "t1": t1, "tokens": tokens, "maxrss_bytes": rss_kb * 1024}), flush=True)
+    report = {"t0": t0, "t1": t1, "cpu_s": c1 - c0, "tokens": tokens, "maxrss_bytes": rss_kb * 1024}
+    print(json.dumps(report), flush=True)
 
 
 def _run_workers(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -121,6 +125,10 @@ def _run_workers(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _tok_per_s(reports: list[dict[str, Any]]) -> float:
     wall = max(r["t1"] for r in reports) - min(r["t0"] for r in reports)
     return sum(r["tokens"] for r in reports) / wall
+
+
+def _tok_per_cpu_s(reports: list[dict[str, Any]]) -> float:
+    return sum(r["tokens"] for r in reports) / sum(r["cpu_s"] for r in reports)
 
 
 def _median_ms(fn: Any, repeats: int) -> float:
@@ -213,6 +221,7 @@ def run(quick: bool = False) -> dict[str, float]:
     results = {
         "learner_memory_ratio": shared[0]["maxrss_bytes"] / sum(r["maxrss_bytes"] for r in separate),
         "learner_throughput_ratio": shared_tps / separate_tps,
+        "learner_cpu_throughput_ratio": _tok_per_cpu_s(shared) / _tok_per_cpu_s(separate),
         "learner_shared_tok_per_s": shared_tps,
         "learner_separate_tok_per_s": separate_tps,
         "learner_shared_peak_mb": shared[0]["maxrss_bytes"] / 1e6,
