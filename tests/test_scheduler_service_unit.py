@@ -58,6 +58,8 @@ def test_config_validation_says_how_to_fix() -> None:
         RuntimeConfig(curve_secret_file="k.key_secret")
     with pytest.raises(ConfigError, match="engine_id"):
         EngineWorkerConfig("bad id!")
+    with pytest.raises(ConfigError, match="handler_threads"):
+        RuntimeConfig(handler_threads=100, max_inflight_samples=90, max_inflight_train=10)
 
 
 def test_config_from_toml_and_round_trip(tmp_path: Path) -> None:

@@ -158,12 +158,16 @@ class RuntimeConfig:
     # The scheduler's Curve `.key_secret`; with it the scheduler may bind a public address.
     curve_clients_dir: str = ""
     # Directory of `.key` files of the clients and workers admitted (needed with curve_secret_file).
-    max_inflight_samples: int = 4096
-    # Sample requests in flight at once; more are answered "overloaded, retry after N s".
-    max_inflight_train: int = 256
+    max_inflight_samples: int = 192
+    # Sample requests in flight at once (each holds a handler thread while the engine works);
+    # more are answered "overloaded, retry after N s".
+    max_inflight_train: int = 32
     # Training calls (forward_backward, optim_step, ...) in flight at once; likewise bounded.
-    max_inflight_per_tenant: int = 2048
+    max_inflight_per_tenant: int = 128
     # In-flight requests of one tenant, so one tenant cannot take every slot.
+    handler_threads: int = 256
+    # Threads serving requests; more than the two bounds above together, so refusals, job
+    # queries and worker registrations are always answered at once.
     max_queued_jobs: int = 10_000
     # Jobs waiting for resources at once; a submission beyond it is answered "overloaded, retry after N s".
     max_queued_per_tenant: int = 1_000
@@ -221,6 +225,12 @@ class RuntimeConfig:
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"RuntimeConfig.{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.handler_threads <= self.max_inflight_samples + self.max_inflight_train:
+            raise ConfigError(
+                f"RuntimeConfig.handler_threads ({self.handler_threads}) must exceed max_inflight_samples + "
+                f"max_inflight_train ({self.max_inflight_samples + self.max_inflight_train}), so refusals and "
+                "registrations are always answered; raise it or lower the bounds"
+            )
         if self.worker_token and len(self.worker_token) < 16:
             raise ConfigError("RuntimeConfig.worker_token must have at least 16 characters")
 

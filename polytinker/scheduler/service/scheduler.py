@@ -90,7 +90,8 @@ class SchedulerService:
         curve = None
         if self.config.curve_secret_file:
             curve = ServerCurve.from_files(self.config.curve_secret_file, [self.config.curve_clients_dir])
-        cfg = TransportConfig(handler_threads=64, request_timeout_s=self.config.request_timeout_s)
+        threads, timeout_s = self.config.handler_threads, self.config.request_timeout_s
+        cfg = TransportConfig(handler_threads=threads, request_timeout_s=timeout_s)
         self.server = RpcServer(address, self.handlers(), config=cfg, curve=curve).start()
         if curve is not None:
             # Processes on this machine (local workers, the launcher) talk over a Unix socket that
