@@ -45,7 +45,7 @@ class Renderer:
         if self.config.history == "full":
             for turn in inp.history:
                 messages.append({"role": "user", "content": turn.observation.text})
-                messages.append({"role": "assistant", "content": turn.action})
+                messages.append({"role": "assistant", "content": self.config.answer_prefix + turn.action})
         messages.append({"role": "user", "content": self.user_text(inp)})
         return messages
 
@@ -56,7 +56,10 @@ class Renderer:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def prompt_tokens(self, inp: PolicyInput) -> list[int]:
-        return self.encode_messages(self.messages(inp))
+        if not self.config.answer_prefix:
+            return self.encode_messages(self.messages(inp))
+        text = self.tokenizer.apply_chat_template(self.messages(inp), tokenize=False, add_generation_prompt=True)
+        return list(self.tokenizer.encode(text + self.config.answer_prefix, add_special_tokens=False))
 
     def conversation_datum(self, messages: Sequence[dict[str, str]]) -> Datum:
         """SFT: the whole conversation, with weight only on the assistant messages' tokens.

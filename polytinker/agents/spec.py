@@ -132,6 +132,10 @@ class RendererConfig:
     # Replaces the env's instructions as the system prompt (a shorter prompt is a faster one).
     system_suffix: str = ""
     # Text appended to the system prompt.
+    answer_prefix: str = ""
+    # The start of the agent's reply, written into the prompt after the generation prompt
+    # (e.g. "My move (cooperate or defect):"): it primes the answer format for a small model.
+    # Part of the prompt, so never trained on; the env parses only what the model adds.
 
     def __post_init__(self) -> None:
         if self.history not in ("full", "none"):
