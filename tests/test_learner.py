@@ -285,3 +285,30 @@ def test_a_failed_checkpoint_write_leaves_the_old_one_whole(learner: MultiAdapte
     after = load_checkpoint(path).tensors
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_mixed_adapter_pass_matches_one_call_per_adapter() -> None:
+    data = {"alice": [make_datum(i, rl=True) for i in range(3)], "bob": [make_datum(10 + i, rl=True) for i in range(2)]}
+    results, weights = [], []
+    for mixed in (False, True):
+        lrn = MultiAdapterLearner(tiny_model(), LearnerConfig(micro_batch_size=2, kl_coef=0.1))
+        for seed, name in enumerate(data):
+            lrn.add_adapter(name, LORA, seed=seed)
+        for _ in range(2):  # the second round runs with B != 0, so adapters differ from the base
+            if mixed:
+                out = lrn.forward_backward_many(data, "ppo")  # micro-batches mix alice and bob rows
+            else:
+                out = {name: lrn.forward_backward(d, "ppo", name) for name, d in data.items()}
+            for name in data:
+                lrn.optim_step(ADAM, name)
+        results.append(out)
+        weights.append({name: lrn.export_adapter(name).tensors for name in data})
+    for name in data:
+        assert results[1][name].loss == pytest.approx(results[0][name].loss, rel=1e-4, abs=1e-5)
+        assert results[1][name].metrics.keys() == results[0][name].metrics.keys()
+        torch.testing.assert_close(
+            torch.tensor([x for row in results[1][name].logprobs for x in row]),
+            torch.tensor([x for row in results[0][name].logprobs for x in row]),
+        )
+        for k, v in weights[0][name].items():
+            torch.testing.assert_close(weights[1][name][k], v, rtol=1e-4, atol=1e-6)

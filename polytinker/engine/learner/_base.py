@@ -21,7 +21,14 @@ from torch import nn
 
 from polytinker.engine.learner.config import AdamParams, LearnerConfig, LossConfig
 from polytinker.engine.learner.distributed import SINGLE, DistInfo, all_reduce_sum_, log0
-from polytinker.engine.learner.losses import check_loss_inputs, collate, kl_to_reference, policy_loss, token_logprobs
+from polytinker.engine.learner.losses import (
+    Batch,
+    check_loss_inputs,
+    collate,
+    kl_to_reference,
+    policy_loss,
+    token_logprobs,
+)
 from polytinker.engine.types import AdapterName, AdapterRef, Datum, LossFnName
 from polytinker.errors import ConfigError
 
@@ -59,6 +66,29 @@ class Slot:
                 lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps, weight_decay=adam.weight_decay
             )
         return self.optimizer
+
+
+class _Sums:
+    """Running sums of one forward_backward call (they add across micro-batches)."""
+
+    def __init__(self) -> None:
+        self.values = {"loss": 0.0, "tokens": 0.0, "kl": 0.0, "ratio_sum": 0.0, "clipped_tokens": 0.0}
+        self.logprobs: list[list[float]] = []
+
+    def add(
+        self,
+        loss: torch.Tensor,
+        kl: torch.Tensor | None,
+        batch: Batch,
+        extra: dict[str, float],
+        logprobs_BT: torch.Tensor,
+    ) -> None:
+        self.values["loss"] += float(loss.detach())
+        self.values["kl"] += float(kl.detach()) if kl is not None else 0.0
+        self.values["tokens"] += float((batch.weights_BT != 0).sum())
+        for key, value in extra.items():
+            self.values[key] += value
+        self.logprobs.extend(_unpad(logprobs_BT.detach(), batch.lengths_B))
 
 
 class Learner:
@@ -120,10 +150,10 @@ class Learner:
         if kl_coef > 0 and self.config.mode == "full":
             raise ConfigError("a KL term against the base model needs mode='lora'; set kl_coef=0 in full mode")
         slot = self._slot(adapter)
-        sums: dict[str, float] = {"loss": 0.0, "tokens": 0.0, "kl": 0.0, "ratio_sum": 0.0, "clipped_tokens": 0.0}
-        logprobs_out: list[list[float]] = []
+        sums = _Sums()
         for chunk in self._chunks(data):
             batch = collate(chunk, pad_token_id=self.pad_token_id, device=self.dist.device)
+            kl = None
             with self._selected(adapter):
                 logprobs_BT = self._logprobs(batch.input_ids_BT, batch.attention_mask_BT, batch.targets_BT)
                 loss, extra = policy_loss(loss_fn, logprobs_BT, batch, loss_cfg)
@@ -132,15 +162,10 @@ class Learner:
                         ref_BT = self._logprobs(batch.input_ids_BT, batch.attention_mask_BT, batch.targets_BT)
                     kl = kl_to_reference(logprobs_BT, ref_BT, batch.weights_BT)
                     loss = loss + kl_coef * kl
-                    sums["kl"] += float(kl.detach())
                 loss.backward()
-            sums["loss"] += float(loss.detach())
-            sums["tokens"] += float((batch.weights_BT != 0).sum())
-            for key, value in extra.items():
-                sums[key] += value
-            logprobs_out.extend(_unpad(logprobs_BT.detach(), batch.lengths_B))
-        slot.pending_tokens += sums["tokens"]
-        return ForwardBackwardResult(sums["loss"], logprobs_out, _metrics(loss_fn, kl_coef, sums))
+            sums.add(loss, kl, batch, extra, logprobs_BT)
+        slot.pending_tokens += sums.values["tokens"]
+        return ForwardBackwardResult(sums.values["loss"], sums.logprobs, _metrics(loss_fn, kl_coef, sums.values))
 
     def optim_step(self, adam_params: AdamParams, adapter: AdapterName | None = None) -> AdapterRef:
         """Apply the accumulated gradient of ``adapter`` (summed over ranks) with its own AdamW."""

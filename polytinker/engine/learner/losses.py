@@ -43,6 +43,19 @@ class Batch:
     sampling_logprobs_BT: torch.Tensor  # float32, zeros where a datum has none
     lengths_B: list[int]
 
+    def rows(self, index_R: list[int]) -> Batch:
+        """The sub-batch of rows ``index_R`` (same padded length)."""
+        idx = torch.tensor(index_R, dtype=torch.int64, device=self.input_ids_BT.device)
+        return Batch(
+            input_ids_BT=self.input_ids_BT.index_select(0, idx),
+            attention_mask_BT=self.attention_mask_BT.index_select(0, idx),
+            targets_BT=self.targets_BT.index_select(0, idx),
+            weights_BT=self.weights_BT.index_select(0, idx),
+            advantages_BT=self.advantages_BT.index_select(0, idx),
+            sampling_logprobs_BT=self.sampling_logprobs_BT.index_select(0, idx),
+            lengths_B=[self.lengths_B[i] for i in index_R],
+        )
+
 
 def collate(data: list[Datum], *, pad_token_id: int = 0, device: torch.device | str = "cpu") -> Batch:
     """Pad datums into tensors on ``device``."""

@@ -20,11 +20,12 @@ from peft import PeftModel, get_peft_model, set_peft_model_state_dict
 from safetensors.torch import save_file
 from torch import nn
 
-from polytinker.engine.learner._base import Learner, Slot
-from polytinker.engine.learner.config import LearnerConfig
+from polytinker.engine.learner._base import ForwardBackwardResult, Learner, Slot, _metrics, _Sums
+from polytinker.engine.learner.config import LearnerConfig, LossConfig
 from polytinker.engine.learner.distributed import SINGLE, DistInfo, broadcast_
+from polytinker.engine.learner.losses import check_loss_inputs, collate, kl_to_reference, policy_loss, token_logprobs
 from polytinker.engine.learner.state import Checkpoint, load_checkpoint, save_checkpoint, write_atomic_dir
-from polytinker.engine.types import AdapterName, AdapterRef, AdapterWeights, LoraConfig
+from polytinker.engine.types import AdapterName, AdapterRef, AdapterWeights, Datum, LoraConfig, LossFnName
 from polytinker.errors import ConfigError
 
 
@@ -82,6 +83,9 @@ class MultiAdapterLearner(Learner):
                 self.peft_model = get_peft_model(self.base_model, to_peft_config(lora), adapter_name=name)  # type: ignore[arg-type]
             else:
                 self.peft_model.add_adapter(name, to_peft_config(lora))
+        # eval(): new LoRA modules start in training mode; the learner never uses dropout (replicas
+        # must agree bit for bit), and peft only serves per-row adapter_names in eval mode.
+        self.peft_model.eval()
         params = {n: p for n, p in self.peft_model.named_parameters() if _is_param_of(n, name)}
         if not params:
             raise ConfigError(f"LoraConfig.target_modules {lora.target_modules} match no module of this model")
@@ -118,6 +122,62 @@ class MultiAdapterLearner(Learner):
             peft_cfg.save_pretrained(str(tmp))
 
         return write_atomic_dir(path, write)
+
+    def forward_backward_many(
+        self,
+        data_by_adapter: dict[AdapterName, list[Datum]],
+        loss_fn: LossFnName,
+        loss_fn_config: dict[str, float] | None = None,
+    ) -> dict[AdapterName, ForwardBackwardResult]:
+        """``forward_backward`` for several adapters in shared passes: each micro-batch may mix
+        adapters (peft's per-row ``adapter_names``), so the base model's matmuls see one larger
+        batch. Gradients and results are the same as one call per adapter."""
+        loss_cfg = LossConfig.from_mapping(loss_fn_config)
+        kl_coef = self.config.kl_coef if loss_cfg.kl_coef is None else loss_cfg.kl_coef
+        rows = [(name, d) for name, data in data_by_adapter.items() for d in data]
+        check_loss_inputs(loss_fn, [d for _, d in rows])
+        slots = {name: self._slot(name) for name in data_by_adapter}
+        assert self.peft_model is not None
+        sums = {name: _Sums() for name in slots}
+        for start in range(0, len(rows), self.config.micro_batch_size):
+            chunk = rows[start : start + self.config.micro_batch_size]
+            batch = collate([d for _, d in chunk], pad_token_id=self.pad_token_id, device=self.dist.device)
+            names = [name for name, _ in chunk]
+            if kl_coef > 0:  # first: leaving disable_adapter() resets requires_grad, set just below
+                with torch.no_grad(), self._reference():
+                    ref_BT = self._logprobs(batch.input_ids_BT, batch.attention_mask_BT, batch.targets_BT)
+            # peft's set_adapter and disable_adapter leave only the active adapter trainable, and
+            # autograd skips accumulating into a tensor that no longer requires grad at backward:
+            # make every adapter of this micro-batch trainable for the whole pass.
+            for name in set(names):
+                for p in slots[name].params.values():
+                    p.requires_grad_(True)
+            logits = self.peft_model(
+                input_ids=batch.input_ids_BT,
+                attention_mask=batch.attention_mask_BT,
+                use_cache=False,
+                adapter_names=names,
+            ).logits
+            logprobs_BT = token_logprobs(logits, batch.targets_BT)
+            total = logprobs_BT.new_zeros(())
+            for name in dict.fromkeys(names):
+                index_R = [i for i, n in enumerate(names) if n == name]
+                sub = batch.rows(index_R)
+                sub_logprobs_BT = logprobs_BT[index_R]
+                loss, extra = policy_loss(loss_fn, sub_logprobs_BT, sub, loss_cfg)
+                kl = kl_to_reference(sub_logprobs_BT, ref_BT[index_R], sub.weights_BT) if kl_coef > 0 else None
+                if kl is not None:
+                    loss = loss + kl_coef * kl
+                total = total + loss
+                sums[name].add(loss, kl, sub, extra, sub_logprobs_BT)
+            total.backward()
+        results = {}
+        for name, acc in sums.items():
+            slots[name].pending_tokens += acc.values["tokens"]
+            results[name] = ForwardBackwardResult(
+                acc.values["loss"], acc.logprobs, _metrics(loss_fn, kl_coef, acc.values)
+            )
+        return results
 
     # -- state ----------------------------------------------------------------------------------
     def save_state(self, path: str | os.PathLike[str], adapter: AdapterName | None = None) -> Path:
