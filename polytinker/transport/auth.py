@@ -194,7 +194,9 @@ class _ZapHandler:
                 log.info("Curve: refused a client on %s (mechanism %s)", domain, mechanism.decode(errors="replace"))
         rid = req[1] if len(req) > 1 else b""
         status = [b"200", b"OK"] if ok else [b"400", b"not on the allow-list"]
-        self._sock.send_multipart([b"1.0", rid, *status, b"", b""])
+        # The user id is the client's Z85 key: handlers read it with server.peer_user_id().
+        user_id = zmq.utils.z85.encode(req[6]) if ok else b""
+        self._sock.send_multipart([b"1.0", rid, *status, user_id, b""])
 
 
 _zap_lock = threading.Lock()

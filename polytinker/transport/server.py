@@ -41,6 +41,22 @@ from polytinker.transport.protocol import (
 
 log = logging.getLogger("polytinker.transport.server")
 Handler = Callable[[Any], Any]
+_peer = threading.local()
+
+
+def peer_user_id() -> str:
+    """Inside a handler of a Curve server: the Z85 public key the requester was admitted with
+    (ZAP's user id); '' on a server without Curve."""
+    return str(getattr(_peer, "user_id", ""))
+
+
+def _user_id(frame: Any) -> str:
+    try:
+        return str(frame.get("User-Id"))
+    except (zmq.ZMQError, AttributeError):
+        return ""
+
+
 _BATCH = 256  # messages read per wake-up before replies are flushed
 _NOBLOCK = int(zmq.NOBLOCK)
 _POLLIN = int(zmq.POLLIN)
@@ -310,6 +326,7 @@ class RpcServer:
             bad = ProtocolError(f"kind {kind!r} takes a {expected.__qualname__}, got {type(payload).__qualname__}")
             self._bad("%s", bad)
             return self._error(reply, rid, kind, ErrorCode.BAD_PAYLOAD, bad)
+        _peer.user_id = _user_id(body[0]) if self._curve is not None else ""
         try:
             result = handler(payload)
         except Exception as exc:
@@ -333,4 +350,4 @@ class RpcServer:
         return [pack_header(MsgType.ERROR, rid, kind), error_body(code, exc)]
 
 
-__all__ = ["Handler", "RpcServer"]
+__all__ = ["Handler", "RpcServer", "peer_user_id"]
