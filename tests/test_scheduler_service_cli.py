@@ -1,5 +1,6 @@
 """`polytinker serve` and `polytinker worker` as real processes, secured with Curve: a learner joins
-the scheduler over TCP and a client trains through it; `polytinker jobs` sees the job."""
+the scheduler over TCP and a client trains through it; a tenant known by its Curve key alone; and
+`polytinker jobs` sees the job."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from polytinker.engine.learner.config import AdamParams
 from polytinker.errors import PeerDeadError, RequestTimeout
 from polytinker.scheduler.client import ServiceClient
 from polytinker.scheduler.service.runtime import resolve_address
-from polytinker.transport import ClientCurve, generate_keypair
+from polytinker.transport import ClientCurve, generate_keypair, load_keypair
 
 KEY = "cli-tenant-key-0123456789"
 TOKEN = "cli-worker-token-0123456789"
@@ -47,7 +48,7 @@ def served(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     keys, clients = tmp_path / "keys", tmp_path / "keys" / "clients"
     generate_keypair(keys, "scheduler")
     generate_keypair(clients, "learner-remote")
-    generate_keypair(clients, "me")
+    me_public = load_keypair(generate_keypair(clients, "me")[0])[0].decode()
     address = resolve_address("tcp://127.0.0.1:0")
     (tmp_path / "runtime.toml").write_text(
         f'model = "tiny-random"\naddress = "{address}"\nworker_token = "{TOKEN}"\n'
@@ -55,6 +56,7 @@ def served(tmp_path: Path) -> Iterator[tuple[str, Path]]:
         "engines = []\n"
         '[[learners]]\nlearner_id = "learner-remote"\nlocal = false\n'
         f'[[tenants]]\nname = "team"\napi_key = "{KEY}"\n'
+        f'[[tenants]]\nname = "keyed"\ncurve_public_key = "{me_public}"\n'
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "polytinker.cli"]
@@ -87,6 +89,11 @@ def test_serve_and_a_remote_worker_with_curve(served: tuple[str, Path], capsys: 
         trainer.forward_backward(data(21))
         assert trainer.optim_step(AdamParams(learning_rate=1e-2)).result().version == 1
         job_id = trainer.job_id
+    # No API key: the Curve key the client was admitted with names its tenant, which sees only its own jobs.
+    with ServiceClient(address, curve=curve) as keyed:
+        assert job_id not in [j["job_id"] for j in keyed.list_jobs()]
+        mine = keyed.create_lora_training_client("tiny-random", rank=4, kind="sft")
+        assert [j["job_id"] for j in keyed.list_jobs()] == [mine.job_id]
     # Without the Curve keys the scheduler does not even answer.
     with ServiceClient(address, api_key=KEY, timeout_s=3.0) as stranger:
         stranger._connection().reconnect_s = 0.0

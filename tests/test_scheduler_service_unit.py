@@ -106,6 +106,13 @@ def test_tenants_store_only_key_hashes(tmp_path: Path) -> None:
     for bad in ("", "nope-nope-nope-nope", None, 42):
         with pytest.raises(AuthError):
             tenants.authenticate(bad)
+    tenants.add(TenantConfig("carol", curve_public_key="c" * 40))
+    assert tenants.authenticate("", "c" * 40) == "carol"  # no API key: the admitted Curve key decides
+    assert tenants.authenticate(KEY_A, "c" * 40) == "alice"  # an API key takes precedence
+    with pytest.raises(AuthError):
+        tenants.authenticate("", "d" * 40)
+    with pytest.raises(ConfigError, match="exactly one"):
+        TenantConfig("dave", api_key=KEY_B, curve_public_key="c" * 40)
     dump = "\n".join(store._db.iterdump())
     assert KEY_A not in dump and hash_key(KEY_A) in dump
 

@@ -50,8 +50,11 @@ class ServiceClient:
         self._closed = False
         self._lock = threading.Lock()
         if self._address is not None:
-            if not self._api_key:
-                raise ConfigError(f"an API key is needed for {self._address}: pass api_key= or set {API_KEY_ENV}")
+            if not self._api_key and curve is None:
+                raise ConfigError(
+                    f"an API key is needed for {self._address}: pass api_key=, set {API_KEY_ENV}, or pass curve= "
+                    "(a scheduler that knows your Curve key as a tenant's)"
+                )
             self._conn = Connection(
                 self._address, self._api_key, curve=curve, timeout_s=timeout_s, job_wait_s=job_wait_s
             )

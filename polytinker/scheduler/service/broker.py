@@ -26,7 +26,7 @@ from typing import Any
 from polytinker.errors import ConfigError, PeerDeadError, ProtocolError, TransportError
 from polytinker.scheduler.placement import next_learner_job
 from polytinker.scheduler.service.config import RuntimeConfig
-from polytinker.scheduler.service.messages import Register
+from polytinker.scheduler.service.messages import Register, WorkersQuery
 from polytinker.scheduler.service.tenants import AuthError
 from polytinker.transport import ClientCurve, RpcClient, TransportConfig
 
@@ -99,6 +99,11 @@ class Broker:
             "worker %s (%s) registered at %s, incarnation %s", msg.worker_id, msg.role, msg.address, msg.incarnation
         )
         return {"status": "ok", "known": False}
+
+    def workers_query(self, msg: WorkersQuery) -> list[dict[str, Any]]:
+        if msg.token != self._token:
+            raise AuthError("worker token rejected")
+        return self.workers()
 
     def _client_for(self, msg: Register) -> RpcClient:
         curve = None

@@ -86,22 +86,33 @@ class TenantConfig:
     name: str
     # The tenant's name; jobs and adapters are owned by it.
     api_key: str = ""
-    # Its API key (at least 16 characters); or leave empty and set api_key_file.
+    # Its API key (at least 16 characters); or set api_key_file or curve_public_key instead.
     api_key_file: str = ""
     # A file whose first line is the API key (keeps keys out of the TOML file).
+    curve_public_key: str = ""
+    # A client Curve key (Z85, 40 characters): requests admitted with it and no API key are this
+    # tenant's (the key must also be in curve_clients_dir to be admitted at all).
     weight: float = 1.0
     # Fair-share weight: 2 gets twice the resource-time of 1.
 
     def __post_init__(self) -> None:
         check_id("TenantConfig.name", self.name)
-        if bool(self.api_key) == bool(self.api_key_file):
-            raise ConfigError(f"tenant {self.name!r}: set exactly one of api_key and api_key_file")
+        if sum(map(bool, (self.api_key, self.api_key_file, self.curve_public_key))) != 1:
+            raise ConfigError(f"tenant {self.name!r}: set exactly one of api_key, api_key_file and curve_public_key")
         if self.api_key and len(self.api_key) < 16:
             raise ConfigError(f"tenant {self.name!r}: api_key must have at least 16 characters")
+        if self.curve_public_key and len(self.curve_public_key) != 40:
+            raise ConfigError(f"tenant {self.name!r}: curve_public_key must be a 40-character Z85 key (a .key file's)")
         if not self.weight > 0:
             raise ConfigError(f"tenant {self.name!r}: weight must be > 0")
 
+    def credential(self) -> str:
+        """What identifies the tenant: its API key, or ``curve:<key>`` for a Curve-key tenant."""
+        return f"curve:{self.curve_public_key}" if self.curve_public_key else self.key()
+
     def key(self) -> str:
+        if self.curve_public_key:
+            raise ConfigError(f"tenant {self.name!r} authenticates by Curve key; it has no API key")
         if self.api_key:
             return self.api_key
         try:

@@ -236,6 +236,14 @@ class Register:
         _need(self.role in ("engine", "learner"), f"role must be 'engine' or 'learner', got {self.role!r}")
 
 
+@message("sched.w.workers")
+@dataclass(frozen=True)
+class WorkersQuery:
+    """The registered workers, for the launcher (authenticated by the worker token, not a tenant)."""
+
+    token: str
+
+
 @message("sched.w.ensure")
 @dataclass(frozen=True)
 class EnsureAdapter:
@@ -366,4 +374,5 @@ __all__ = [
     "SaveState",
     "SaveWeights",
     "WorkerStats",
+    "WorkersQuery",
 ]

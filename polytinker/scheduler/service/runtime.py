@@ -29,7 +29,7 @@ from typing import Any
 from polytinker.engine.actors import ActorConfig, ActorRef, RestartPolicy, Supervisor
 from polytinker.errors import ConfigError, RequestTimeout
 from polytinker.scheduler.service.config import RuntimeConfig, TenantConfig
-from polytinker.scheduler.service.messages import RuntimeStatus
+from polytinker.scheduler.service.messages import RuntimeStatus, WorkersQuery
 from polytinker.scheduler.service.scheduler import SchedulerActor, local_address
 from polytinker.scheduler.service.tenants import new_api_key
 from polytinker.scheduler.service.workers import EngineActor, LearnerActor
@@ -83,8 +83,11 @@ class LocalRuntime:
 
     @property
     def api_key(self) -> str:
-        """The API key of the first tenant (the generated ``local`` tenant unless configured)."""
-        return self.config.tenants[0].key()
+        """The API key of the first tenant that has one (the generated ``local`` tenant unless configured)."""
+        for tenant in self.config.tenants:
+            if not tenant.curve_public_key:
+                return tenant.key()
+        raise ConfigError("every tenant authenticates by Curve key: the runtime has no API key to offer")
 
     def _actor_config(self) -> ActorConfig:
         restart = RestartPolicy(max_restarts=5, window_s=120.0, backoff_initial_s=0.1, backoff_max_s=2.0)
@@ -141,8 +144,8 @@ class LocalRuntime:
         with RpcClient(self.local_address) as client:
             while True:
                 try:
-                    status = client.call("sched.runtime_status", RuntimeStatus(self.api_key), timeout_s=5.0)
-                    alive = {w["worker_id"] for w in status["workers"] if w["alive"]}
+                    workers = client.call("sched.w.workers", WorkersQuery(self.config.worker_token), timeout_s=5.0)
+                    alive = {w["worker_id"] for w in workers if w["alive"]}
                     if set(worker_ids) <= alive:
                         return
                 except Exception as exc:  # the scheduler may still be starting

@@ -32,6 +32,7 @@ from polytinker.scheduler.service.jobs import FINAL_STATES, JobManager, JobNotRu
 from polytinker.scheduler.service.state import AdapterRow, JobRow, StateStore
 from polytinker.scheduler.service.tenants import AuthError, Tenants
 from polytinker.transport import RpcServer, ServerCurve, TransportConfig, load_keypair
+from polytinker.transport.server import peer_user_id
 
 log = logging.getLogger("polytinker.scheduler.service")
 MODEL_PREFIX = "polytinker://"
@@ -132,7 +133,10 @@ class SchedulerService:
             "compute_logprobs": self.compute_logprobs,
             "runtime_status": self.runtime_status,
         }
-        return {f"sched.{k}": self._guard(v) for k, v in h.items()} | {"sched.w.register": self.broker.register}
+        return {f"sched.{k}": self._guard(v) for k, v in h.items()} | {
+            "sched.w.register": self.broker.register,
+            "sched.w.workers": self.broker.workers_query,
+        }
 
     def _guard(self, fn: Any) -> Any:
         """Answer the expected refusals as data (overloaded, not running) instead of errors."""
@@ -167,16 +171,19 @@ class SchedulerService:
                 self._inflight[what] -= 1
                 self._inflight["t:" + tenant] -= 1
 
+    def _tenant(self, api_key: str) -> str:
+        return self.tenants.authenticate(api_key, peer_user_id())
+
     # --- jobs ------------------------------------------------------------------------------------
     def create_job(self, msg: m.CreateJob) -> dict[str, Any]:
-        tenant = self.tenants.authenticate(msg.api_key)
+        tenant = self._tenant(msg.api_key)
         row = self.jobs.create(tenant, msg)
         if row.kind != "inference":
             self.store.ensure_adapter(adapter_key(tenant, row.job_id, row.agent), tenant, row.job_id, row.agent)
         return {"status": "ok", "job": row.public()}
 
     def job_query(self, msg: m.JobQuery) -> dict[str, Any]:
-        row = self.jobs.get(self.tenants.authenticate(msg.api_key), msg.job_id)
+        row = self.jobs.get(self._tenant(msg.api_key), msg.job_id)
         a = self.store.adapter(adapter_key(row.tenant, row.job_id, row.agent))
         adapter = (
             None
@@ -192,19 +199,19 @@ class SchedulerService:
         }
 
     def job_action(self, msg: m.JobAction) -> dict[str, Any]:
-        row = self.jobs.action(self.tenants.authenticate(msg.api_key), msg.job_id, msg.action)
+        row = self.jobs.action(self._tenant(msg.api_key), msg.job_id, msg.action)
         for slicer in self.broker.slicers.values():
             slicer.release(row.job_id)
         return {"status": "ok", "job": row.public()}
 
     def list_jobs(self, msg: m.ListJobs) -> dict[str, Any]:
-        rows = self.store.jobs(self.tenants.authenticate(msg.api_key))
+        rows = self.store.jobs(self._tenant(msg.api_key))
         if not msg.include_finished:
             rows = [r for r in rows if r.state not in ("done", "cancelled", "rejected")]
         return {"status": "ok", "jobs": [r.public() for r in rows]}
 
     def runtime_status(self, msg: m.RuntimeStatus) -> dict[str, Any]:
-        self.tenants.authenticate(msg.api_key)
+        self._tenant(msg.api_key)
         stats: dict[str, Any] = {}
         for w in self.broker.workers():
             if w["alive"]:
@@ -223,7 +230,7 @@ class SchedulerService:
 
     # --- training --------------------------------------------------------------------------------
     def _training(self, api_key: str, job_id: str) -> tuple[JobRow, AdapterRow, str]:
-        tenant = self.tenants.authenticate(api_key)
+        tenant = self._tenant(api_key)
         row, placement = self.jobs.running(tenant, job_id)
         if row.kind == "inference" or placement.learner is None:
             raise ConfigError(f"job {job_id} is an inference job: it has no learner")
@@ -369,7 +376,7 @@ class SchedulerService:
         return key, version, found[1]
 
     def sample(self, msg: m.Sample) -> dict[str, Any]:
-        tenant = self.tenants.authenticate(msg.api_key)
+        tenant = self._tenant(msg.api_key)
         key, version, export = self._resolve(tenant, msg.model_path)
         with self._admit(tenant, "sample"):
             engine = self.jobs.route(key or None, msg.base_model)
@@ -378,7 +385,7 @@ class SchedulerService:
         return {"status": "ok", "sequences": out}
 
     def compute_logprobs(self, msg: m.ComputeLogprobs) -> dict[str, Any]:
-        tenant = self.tenants.authenticate(msg.api_key)
+        tenant = self._tenant(msg.api_key)
         key, version, export = self._resolve(tenant, msg.model_path)
         with self._admit(tenant, "sample"):
             engine = self.jobs.route(key or None, msg.base_model)

@@ -1,6 +1,7 @@
 """Tenants and their API keys.
 
-A tenant is identified by an API key sent with every request. Only the key's SHA-256 is stored
+A tenant is identified by an API key sent with every request, or, on a scheduler that serves
+with Curve, by the Curve key its client was admitted with (a request with no API key). Only the key's SHA-256 is stored
 (a stolen database gives no keys). Comparison is on the hash, looked up by index; a wrong key
 and an unknown tenant get the same answer, so a caller learns nothing about which tenants exist.
 On a Curve-secured scheduler the key travels inside the encrypted connection.
@@ -39,15 +40,18 @@ class Tenants:
         self._lock = threading.Lock()
 
     def add(self, config: TenantConfig) -> None:
-        self._store.upsert_tenant(config.name, hash_key(config.key()), config.weight)
+        self._store.upsert_tenant(config.name, hash_key(config.credential()), config.weight)
         with self._lock:
             self._cache.clear()
 
-    def authenticate(self, api_key: object) -> str:
-        """The tenant owning ``api_key``; AuthError if there is none."""
-        if not isinstance(api_key, str) or not api_key:
+    def authenticate(self, api_key: object, curve_key: str = "") -> str:
+        """The tenant owning ``api_key``, else the one owning the requester's Curve key; AuthError
+        if there is none."""
+        if not isinstance(api_key, str):
+            raise AuthError("the API key must be a string")
+        if not api_key and not curve_key:
             raise AuthError("no API key: pass api_key= to ServiceClient or set POLYTINKER_API_KEY")
-        h = hash_key(api_key)
+        h = hash_key(api_key if api_key else f"curve:{curve_key}")
         with self._lock:
             name = self._cache.get(h)
         if name is None:
