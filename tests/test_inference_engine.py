@@ -169,3 +169,24 @@ def test_engine_actor_samples_in_a_child_process(backend: HFBackend, tmp_path: P
             client.sample([_request(weights.ref)])
     finally:
         actor.stop()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_engine_actor_on_vllm(backend: HFBackend, tmp_path: Path) -> None:
+    from polytinker.engine.actors import ActorConfig, spawn
+    from polytinker.engine.inference.actor import EngineActor, EngineClient
+
+    weights = _adapter(backend, "on-vllm", seed=8)
+    config = ActorConfig(start_timeout_s=400, ask_timeout_s=400)
+    actor = spawn(EngineActor, TINY_RANDOM, backend="vllm", max_resident_adapters=2, run_dir=tmp_path, config=config)
+    try:
+        client = EngineClient(actor)
+        client.load_adapter(weights)
+        results = client.sample([_request(weights.ref), _request(None)])
+        assert [len(r.sequences[0].token_ids) for r in results] == [GREEDY.max_tokens] * 2
+        assert results[0].sequences[0].token_ids != results[1].sequences[0].token_ids, "the adapter must matter"
+        sequence = list(PROMPT) + list(results[0].sequences[0].token_ids)
+        assert len(client.compute_logprobs([sequence], weights.ref)[0]) == len(sequence) - 1
+    finally:
+        actor.stop()

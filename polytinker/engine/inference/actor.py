@@ -1,6 +1,7 @@
 """The inference engine as a process actor, and a typed client for it.
 
-``EngineActor`` runs an :class:`InferenceEngine` over the ``hf`` backend in its own process.
+``EngineActor`` runs an :class:`InferenceEngine` over the ``hf`` or ``vllm`` backend in its own
+process.
 Its ``sample`` and ``compute_logprobs`` handlers are concurrent, so asks from many callers reach
 the engine together and its dynamic batching merges them into mixed batches. Adapter tensors
 travel as out-of-band frames of the transport codec (never pickled).
@@ -27,7 +28,7 @@ from polytinker.engine.types import (
     SampleResult,
     SamplingParams,
 )
-from polytinker.errors import NotBuiltError, PolytinkerError, ProtocolError
+from polytinker.errors import ConfigError, PolytinkerError, ProtocolError
 
 # ----- wire forms -----
 
@@ -132,8 +133,9 @@ class EngineActor(Actor):
         max_batch_size: int = 64,
         max_resident_adapters: int = 8,
     ) -> None:
-        if backend != "hf":
-            raise NotBuiltError(f"EngineActor serves the 'hf' backend; {backend!r} is not wired into the actor yet")
+        if backend not in ("hf", "vllm"):
+            raise ConfigError(f"EngineActor backend must be 'hf' or 'vllm', got {backend!r}")
+        self._backend_kind = backend
         self._settings = (model, cache_dir, num_threads, batch_window_s, max_batch_size, max_resident_adapters)
         self.engine: Any = None
 
@@ -144,10 +146,18 @@ class EngineActor(Actor):
 
         model, cache_dir, threads, window_s, batch, slots = self._settings
         model_config = ModelConfig(cache_dir=Path(cache_dir)) if cache_dir else ModelConfig()
-        backend = HFBackend(HFBackendConfig(model=model, model_config=model_config, num_threads=threads))
+        backend: Any
+        if self._backend_kind == "vllm":
+            from polytinker.engine.inference._vllm_config import VllmBackendConfig
+            from polytinker.engine.inference.vllm_backend import VllmBackend
+
+            # vLLM batches at most max_loras adapters at once: the engine's slots match it.
+            backend = VllmBackend(VllmBackendConfig(model=model, model_config=model_config, max_loras=slots))
+        else:
+            backend = HFBackend(HFBackendConfig(model=model, model_config=model_config, num_threads=threads))
         config = EngineConfig(batch_window_s=window_s, max_batch_size=batch, max_resident_adapters=slots)
         self.engine = InferenceEngine(backend, config)
-        self.log.info("engine ready", extra={"model": model})
+        self.log.info("engine ready", extra={"model": model, "backend": self._backend_kind})
 
     def on_stop(self) -> None:
         if self.engine is not None:
