@@ -2,7 +2,7 @@
 
 There is no value network (a second LLM head would double the learner's work on a CPU): the
 advantage is the score minus the mean of the same (agent, role, group), as in GRPO, or minus the
-batch mean when groups have one member. The batch is used for ``epochs`` passes of
+batch mean when a group holds a single episode (its turns cannot be compared with each other). The batch is used for ``epochs`` passes of
 ``minibatches`` optimizer steps; after the first step the ratios move away from 1 and the clip
 at ``1 +- clip_epsilon`` bounds how far one batch can push the policy.
 """
@@ -28,7 +28,7 @@ class PPO(Algorithm):
             groups[(s.agent, s.role, s.group)].append(i)
         advantages_N = scores_N - scores_N.mean()
         for members in groups.values():
-            if len(members) > 1:
+            if len({samples[i].episode_id for i in members}) > 1:
                 advantages_N[members] = scores_N[members] - scores_N[members].mean()
         if self.config.normalize_advantages and advantages_N.std() > 1e-9:
             advantages_N = advantages_N / advantages_N.std()
