@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -128,7 +129,10 @@ def run_processes(commands: list[list[str]], env: dict[str, str], timeout_s: flo
         assert p.stdout is not None and p.stderr is not None
         for line in p.stdout:
             if line.startswith("{"):
-                run.records.append(json.loads(line))
+                try:
+                    run.records.append(json.loads(line))
+                except ValueError:  # a library's own printout (TRL prints its log dicts)
+                    continue
         stderr[i] = p.stderr.read()
 
     readers = [threading.Thread(target=drain, args=(i, p), daemon=True) for i, p in enumerate(popens)]
@@ -138,10 +142,11 @@ def run_processes(commands: list[list[str]], env: dict[str, str], timeout_s: flo
         for p in popens:
             p.wait(timeout=max(1.0, timeout_s - (time.monotonic() - t0)))
     except subprocess.TimeoutExpired:
-        for p in popens:
-            p.kill()
         raise SystemExit(f"benchmark processes ran past {timeout_s:.0f} s: {commands}") from None
     finally:
+        for p in popens:
+            if p.poll() is None:  # SIGINT: our side's ServiceClient then stops its local runtime
+                p.send_signal(signal.SIGINT)
         stop.set()
         watcher.join()
         for r in readers:
@@ -238,6 +243,7 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=7200.0, help="per phase")
     parser.add_argument("--save", default="", help="write every record of the four runs to this JSON file")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-up of the child processes
     steps = args.steps or (3 if args.quick else 30)
     multi_steps = args.multi_steps or (2 if args.quick else 8)
 
@@ -283,7 +289,10 @@ def main() -> None:
     print(f"load_average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.save:
         runs = {"single_ours": single_ours, "single_trl": single_trl, "multi_ours": multi_ours, "multi_trl": multi_trl}
-        dump = {k: {"records": r.records, "peak_mib": r.peak_mib, "wall_s": r.wall_s} for k, r in runs.items()}
+        dump = {
+            k: {"records": r.records, "peak_mib": r.peak_mib, "peak_mib_by_pid": r.peak_rss_by_pid, "wall_s": r.wall_s}
+            for k, r in runs.items()
+        }
         Path(args.save).write_text(json.dumps(dump, indent=1, default=str))
 
 
