@@ -2,9 +2,10 @@
 
 There is no value network (a second LLM head would double the learner's work on a CPU): the
 advantage is the score minus the mean of the same (agent, role, group), as in GRPO, or minus the
-batch mean when a group holds a single episode (its turns cannot be compared with each other). The batch is used for ``epochs`` passes of
-``minibatches`` optimizer steps; after the first step the ratios move away from 1 and the clip
-at ``1 +- clip_epsilon`` bounds how far one batch can push the policy.
+batch mean when a group holds a single episode (its turns cannot be compared with each other).
+The batch is used for ``epochs`` passes of ``minibatches`` optimizer steps; after the first step
+the ratios move away from 1 and the clip at ``1 +- clip_epsilon`` bounds how far one batch can
+push the policy.
 """
 
 from __future__ import annotations
