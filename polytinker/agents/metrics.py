@@ -103,7 +103,8 @@ def append_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def plot_curves(run_dir: Path, agents: list[str]) -> Path | None:
-    """``curves.png``: one panel per agent, training reward and evaluation win rates by step."""
+    """``curves.png``: one panel per agent: training reward, and evaluation reward (left axis) and
+    win rate (right axis) against each scripted opponent, by step."""
     rows = read_metrics(run_dir)
     if not rows:
         return None
@@ -116,6 +117,10 @@ def plot_curves(run_dir: Path, agents: list[str]) -> Path | None:
     for ax, agent in zip(axes[0], agents, strict=True):
         steps = [r["step"] for r in rows if f"reward/{agent}" in r]
         ax.plot(steps, [r[f"reward/{agent}"] for r in rows if f"reward/{agent}" in r], label="train reward", lw=1.5)
+        reward_keys = sorted({k for r in rows for k in r if k.startswith(f"eval/{agent}/") and k.endswith("/reward")})
+        for key in reward_keys:
+            pts = [(r["step"], r[key]) for r in rows if key in r]
+            ax.plot(*zip(*pts, strict=True), "s-", color="tab:green", label=f"eval reward vs {key.split('/')[-2]}")
         ax.set_xlabel("step")
         ax.set_ylabel("reward")
         ax.set_title(agent)
@@ -125,7 +130,7 @@ def plot_curves(run_dir: Path, agents: list[str]) -> Path | None:
             for key in eval_keys:
                 pts = [(r["step"], r[key]) for r in rows if key in r]
                 opponent = key.split("/")[-2]
-                twin.plot(*zip(*pts, strict=True), "o--", label=f"win rate vs {opponent}")
+                twin.plot(*zip(*pts, strict=True), "o--", color="tab:orange", label=f"win rate vs {opponent}")
             twin.set_ylim(-0.02, 1.02)
             twin.set_ylabel("win rate (eval)")
             twin.legend(loc="lower right", fontsize=8)
