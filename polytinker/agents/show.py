@@ -30,14 +30,13 @@ def show_run(run_dir: Path, *, transcripts: int = 3) -> str:
     rows = read_metrics(run_dir)
     if not rows:
         raise ConfigError(f"{run_dir} has no metrics.jsonl yet")
-    out = [f"run {run_dir}"]
     summary_path = run_dir / "summary.json"
     if summary_path.exists():
         from polytinker.agents.experiment import RunSummary
 
-        out.append(RunSummary(**json.loads(summary_path.read_text())).report())
+        out = [RunSummary(**json.loads(summary_path.read_text())).report()]
     else:
-        out.append("(unfinished: no summary.json)")
+        out = [f"run {run_dir} (unfinished: no summary.json)"]
     train_rows = [r for r in rows if any(k.startswith("reward/") for k in r)]
     if train_rows:
         agents = sorted({k.split("/", 1)[1] for r in train_rows for k in r if k.startswith("reward/")})
