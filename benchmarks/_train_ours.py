@@ -171,7 +171,8 @@ def main() -> None:
                 errors.append(exc)
                 raise
 
-        threads = [threading.Thread(target=guarded, args=(n, i), name=n) for i, n in enumerate(names)]
+        # Daemon threads: an interrupt ends the script (and its runtime) without waiting for their steps.
+        threads = [threading.Thread(target=guarded, args=(n, i), name=n, daemon=True) for i, n in enumerate(names)]
         for t in threads:
             t.start()
         for t in threads:

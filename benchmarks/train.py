@@ -147,6 +147,11 @@ def run_processes(commands: list[list[str]], env: dict[str, str], timeout_s: flo
         for p in popens:
             if p.poll() is None:  # SIGINT: our side's ServiceClient then stops its local runtime
                 p.send_signal(signal.SIGINT)
+        for p in popens:
+            try:
+                p.wait(timeout=20.0)
+            except subprocess.TimeoutExpired:
+                p.terminate()
         stop.set()
         watcher.join()
         for r in readers:
@@ -235,7 +240,7 @@ def figures(single_ours: Run, single_trl: Run, multi_ours: Run, multi_trl: Run) 
 # --- the benchmark --------------------------------------------------------------------------------
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="3 steps single-agent, 2 per agent multi-agent")
+    parser.add_argument("--quick", action="store_true", help="3 steps single-agent, 1 per agent multi-agent")
     parser.add_argument("--steps", type=int, default=None, help="single-agent steps of each side (default 30)")
     parser.add_argument("--multi-steps", type=int, default=None, help="steps per agent, multi-agent (default 8)")
     parser.add_argument("--threads", type=int, default=2)
@@ -245,7 +250,7 @@ def main() -> None:
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-up of the child processes
     steps = args.steps or (3 if args.quick else 30)
-    multi_steps = args.multi_steps or (2 if args.quick else 8)
+    multi_steps = args.multi_steps or (1 if args.quick else 8)
 
     from polytinker.engine.models import resolve_model
 
