@@ -24,8 +24,9 @@ def train_rewards(run: Path, agent: str) -> list[float]:
 
 def test_single_agent_guess_number_reward_rises(tmp_path):
     """guess_number (1..8, 3 guesses): mean reward of the last 2 of 8 steps >= first 2 + 0.3.
-    Most of the gain is the answer format (an invalid guess costs 0.5), then the search."""
-    overrides = {"output.root": str(tmp_path), "output.progress": False, "train.steps": 8, "train.groups": 2}
+    Most of the gain is the answer format (an invalid guess costs 0.5), then the search.
+    One step plays 8 episodes (one group of 8 from the same secret)."""
+    overrides = {"output.root": str(tmp_path), "output.progress": False, "train.steps": 8, "train.groups": 1}
     overrides |= {"eval.at_start": False, "eval.episodes": 4}
     Experiment(ExperimentConfig.from_toml(CONFIGS / "guess_number.toml", overrides)).train()
     rewards = train_rewards(tmp_path / "guess-number", "guesser")
