@@ -15,7 +15,7 @@ from polytinker.agents.metrics import read_metrics
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # minutes each on 2 idle cores; far more when shared
 
 
 def train_rewards(run: Path, agent: str) -> list[float]:
