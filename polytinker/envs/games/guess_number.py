@@ -63,7 +63,7 @@ class GuessNumberEnv(TextAECEnv):
 
     def _parse_move(self, agent: AgentID, text: str) -> Any:
         words = [w.strip(".,!?:;()") for w in text.split()]
-        numbers = [w for w in words if w.isdigit()]
+        numbers = [w for w in words if w.isascii() and w.isdigit()]  # '²'.isdigit() is True
         if not numbers:
             return InvalidAction(f"answer with a whole number between 1 and {self.high}")
         value = int(numbers[-1])
