@@ -185,8 +185,10 @@ class RuntimeConfig:
     # Waiting jobs of one tenant at once (the same answer beyond it).
     retry_after_s: float = 1.0
     # The wait an overloaded answer suggests.
-    worker_heartbeat_s: float = 0.5
-    # Workers re-register this often; a worker silent for 4 intervals counts as gone.
+    worker_heartbeat_s: float = 2.0
+    # Workers re-register this often; a worker silent for 4 intervals counts as gone. On a busy
+    # two-core machine a worker in a long torch step can go quiet for seconds: 0.5 s declared
+    # live workers dead mid-step.
     worker_retry_s: float = 60.0
     # How long a request waits for a dead worker to come back (restart) before it fails.
     request_timeout_s: float = 300.0
