@@ -175,6 +175,13 @@ def target_of(actor: type | str) -> str:
     return f"{module}:{qualname}"
 
 
+def _child_sys_path() -> list[str]:
+    """The parent's import path for the child, less setuptools' vendored packages: importing
+    pkg_resources (pygame does) appends them, and in a child they shadow the real packages
+    (an old typing_extensions broke pydantic, hence vLLM)."""
+    return [p for p in sys.path if isinstance(p, str) and "setuptools/_vendor" not in p]
+
+
 def _mailbox_address(run_dir: Path, name: str, transport: str) -> str:
     if transport == "tcp":
         return "tcp://127.0.0.1:*"
@@ -326,7 +333,7 @@ def start_child(
         tell_failure=config.tell_failure,
         args=list(args),
         kwargs=dict(kwargs),
-        sys_path=[p for p in sys.path if isinstance(p, str)],
+        sys_path=_child_sys_path(),
     )
     try:
         data = _protocol.pack(spec)
