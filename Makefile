@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 
-.PHONY: venv test lint train bench clean
+.PHONY: venv test test-learning lint train bench clean
 
 venv: $(VENV)/.installed
 
@@ -23,6 +23,11 @@ $(VENV)/.installed: pyproject.toml
 
 test: venv
 	$(PY) -m pytest -q
+
+# The learning tests train the real model for several steps each (minutes on two idle cores),
+# so they are a tier of their own rather than part of `make test`.
+test-learning: venv
+	$(PY) -m pytest -q -m learning
 
 lint: venv
 	$(VENV)/bin/ruff check polytinker tests benchmarks examples

@@ -15,7 +15,8 @@ from polytinker.agents.metrics import read_metrics
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # minutes each on 2 idle cores; far more when shared
+# Minutes each on 2 idle cores, far more when shared: `make test-learning`, not `make test`.
+pytestmark = [pytest.mark.slow, pytest.mark.learning, pytest.mark.timeout(1800)]
 
 
 def train_rewards(run: Path, agent: str) -> list[float]:
