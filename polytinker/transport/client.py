@@ -20,7 +20,6 @@ import collections
 import heapq
 import itertools
 import logging
-import os
 import select
 import threading
 import time
@@ -32,6 +31,7 @@ from zmq.backend import zmq_poll
 
 from polytinker.errors import PeerDeadError, ProtocolError, RequestTimeout, TransportError
 from polytinker.transport import auth
+from polytinker.transport._wakeup import WakePipe
 from polytinker.transport.codec import decode, encode
 from polytinker.transport.config import DEFAULT_CONFIG, TransportConfig
 from polytinker.transport.protocol import (
@@ -120,9 +120,7 @@ class RpcClient:
         self._ids = itertools.count(1)
         self._ops: collections.deque[tuple[Any, ...]] = collections.deque()
         self._closed = False
-        self._wake_lock = threading.Lock()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_w, False)
+        self._waker = WakePipe()
         self._io_lock = threading.Lock()  # held by whichever thread drives the socket
         self._io_owner: int | None = None  # that thread's id, to refuse a blocking call that would deadlock
         self._st = _LoopState(self._cfg)
@@ -188,10 +186,7 @@ class RpcClient:
         self._closed = True
         self._wake()
         self._thread.join(5.0)
-        with self._wake_lock:
-            os.close(self._wake_r)
-            os.close(self._wake_w)
-            self._wake_w = -1
+        self._waker.close()
 
     def __enter__(self) -> RpcClient:
         return self
@@ -200,13 +195,7 @@ class RpcClient:
         self.close()
 
     def _wake(self) -> None:
-        with self._wake_lock:
-            if self._wake_w < 0:
-                return
-            try:  # noqa: SIM105 (hot path: suppress() costs a context manager per call)
-                os.write(self._wake_w, b"\0")
-            except BlockingIOError:
-                pass  # the pipe is full: the I/O thread is awake anyway
+        self._waker.wake()
 
     def _connect(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
@@ -252,7 +241,7 @@ class RpcClient:
     def _wait(self, st: _LoopState) -> None:
         """Sleep, without the lock, until the pipe, the socket (when an answer is due) or a timer."""
         waiter = select.poll()  # poll(), not select(): no limit on fd numbers in a busy process
-        waiter.register(self._wake_r, select.POLLIN)
+        waiter.register(self._waker.fd, select.POLLIN)
         if st.watching():
             waiter.register(int(self._sock.getsockopt(zmq.FD)), select.POLLIN)
         waiter.poll(st.poll_timeout_ms())
@@ -263,7 +252,7 @@ class RpcClient:
         if self._ops or st.backlog:
             self._send_queued(st)
         sock = self._sock
-        for item, _ in zmq_poll(st.poll_items(sock, self._wake_r), timeout_ms):
+        for item, _ in zmq_poll(st.poll_items(sock, self._waker.fd), timeout_ms):
             if item is sock:
                 for _ in range(_BATCH):
                     try:
@@ -277,7 +266,7 @@ class RpcClient:
                     if until is not None and until._done:
                         break
             else:
-                os.read(self._wake_r, 65536)
+                self._waker.drain()
                 self._send_queued(st)
         now = time.monotonic()
         if now >= st.next_ping:

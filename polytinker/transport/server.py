@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import select
 import threading
 from collections.abc import Callable, Mapping
@@ -22,6 +21,7 @@ import zmq
 
 from polytinker.errors import ConfigError, ProtocolError, TransportError
 from polytinker.transport import auth
+from polytinker.transport._wakeup import WakePipe
 from polytinker.transport._workers import Workers
 from polytinker.transport.codec import decode, encode
 from polytinker.transport.config import DEFAULT_CONFIG, TransportConfig
@@ -108,8 +108,7 @@ class RpcServer:
         self._sock_lock = threading.Lock()  # held by whichever thread uses the socket
         self._zap_domain: str | None = None
         self._replies: collections.deque[list[Any]] = collections.deque()
-        self._wake_r, self._wake_w = -1, -1
-        self._wake_lock = threading.Lock()  # workers may still wake us while stop() closes the pipe
+        self._waker: WakePipe | None = None  # made by start(); workers may still wake us after stop()
         self._stopping = False
         self._bad = RateLimitedLog(log)
 
@@ -138,9 +137,7 @@ class RpcServer:
             raise TransportError(f"cannot bind {self._requested}: {exc}") from exc
         self._address = sock.last_endpoint.decode()
         self._sock = sock
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._waker = WakePipe()
         if self._cfg.handler_threads > 0:
             self._pool = Workers(self._cfg.handler_threads, "polytinker-handler")
         self._thread = threading.Thread(target=self._loop, name=f"polytinker-server {self._address}", daemon=True)
@@ -158,10 +155,8 @@ class RpcServer:
         if self._pool is not None:
             self._pool.stop()
         self._release_zap()
-        with self._wake_lock:
-            os.close(self._wake_r)
-            os.close(self._wake_w)
-            self._wake_w = -1
+        if self._waker is not None:
+            self._waker.close()
 
     def __enter__(self) -> RpcServer:
         return self.start()
@@ -175,13 +170,8 @@ class RpcServer:
             self._zap_domain = None
 
     def _wake(self) -> None:
-        with self._wake_lock:
-            if self._wake_w < 0:
-                return
-            try:  # noqa: SIM105 (hot path: suppress() costs a context manager per call)
-                os.write(self._wake_w, b"\0")
-            except BlockingIOError:
-                pass  # the pipe is full: the I/O thread is awake anyway
+        if self._waker is not None:
+            self._waker.wake()
 
     # --- I/O thread -------------------------------------------------------------------------
 
@@ -189,7 +179,8 @@ class RpcServer:
         sock = self._sock
         assert sock is not None
         waiter = select.poll()  # poll(), not select(): no limit on fd numbers in a busy process
-        waiter.register(self._wake_r, select.POLLIN)
+        assert self._waker is not None
+        waiter.register(self._waker.fd, select.POLLIN)
         waiter.register(int(sock.getsockopt(zmq.FD)), select.POLLIN)
         ready = False
         try:
@@ -210,10 +201,8 @@ class RpcServer:
 
     def _io_round(self, sock: zmq.Socket) -> bool:
         """Read what waits (up to a batch), flush queued replies; True if more input already waits."""
-        try:  # noqa: SIM105 (once per wake-up; suppress() is slower)
-            os.read(self._wake_r, 65536)
-        except BlockingIOError:
-            pass
+        assert self._waker is not None
+        self._waker.drain()
         events = sock.getsockopt
         more = bool(int(events(zmq.EVENTS)) & _POLLIN)
         n = 0
