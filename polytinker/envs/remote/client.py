@@ -14,7 +14,9 @@ naming the server and the episode; an env that raised on the server arrives as `
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from pettingzoo import AECEnv, ParallelEnv
@@ -53,6 +55,16 @@ def _release(key: _Key) -> None:
             _clients[key] = (client, refs - 1)
 
 
+@contextlib.contextmanager
+def _opening(key: _Key, env_id: str) -> Iterator[None]:
+    """Around the open call, sync or async: a failure gives the shared client back and says what failed."""
+    try:
+        yield
+    except Exception as exc:
+        _release(key)
+        raise _translate(exc, f"opening {env_id} at {key[0]}") from exc
+
+
 def _translate(exc: BaseException, what: str) -> BaseException:
     """Transport errors to errors that name the env and say what to check."""
     if isinstance(exc, RemoteError):
@@ -88,11 +100,8 @@ class RemoteEnv:
         config = config or RemoteEnvConfig()
         key = (address, curve)
         client, payload = _acquire(key), _open_payload(env_id, env_kwargs, env_config)
-        try:
+        with _opening(key, env_id):
             hello = client.call(m.KIND_OPEN, payload, timeout_s=config.request_timeout_s)
-        except Exception as exc:
-            _release(key)
-            raise _translate(exc, f"opening {env_id} at {address}") from exc
         return _opened(key, env_id, client, hello, config)
 
     @classmethod
@@ -110,12 +119,9 @@ class RemoteEnv:
         config = config or RemoteEnvConfig()
         key = (address, curve)
         client, payload = _acquire(key), _open_payload(env_id, env_kwargs, env_config)
-        try:
+        with _opening(key, env_id):
             future = client.call_async(m.KIND_OPEN, payload, timeout_s=config.request_timeout_s)
             hello = await asyncio.wrap_future(future)
-        except Exception as exc:
-            _release(key)
-            raise _translate(exc, f"opening {env_id} at {address}") from exc
         return _opened(key, env_id, client, hello, config)
 
     def __init__(self, address: str, env_id: str, **kwargs: Any) -> None:
