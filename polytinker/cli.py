@@ -14,7 +14,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from polytinker.errors import NotBuiltError, PolytinkerError
+from polytinker.errors import PolytinkerError
 
 # Modules that add subcommands, in the order they appear in --help.
 _COMMAND_MODULES = (
@@ -25,13 +25,6 @@ _COMMAND_MODULES = (
     "polytinker.agents._cli",  # train, show
 )
 
-# Commands the design names whose subsystems are not built yet: they fail loudly, never fake.
-_NOT_BUILT: dict[str, str] = {}
-
-
-def _not_built(args: argparse.Namespace) -> int:
-    raise NotBuiltError(f"`polytinker {args.command}` needs {_NOT_BUILT[args.command]}, which is not built yet")
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="polytinker", description=__doc__.splitlines()[0])
@@ -39,10 +32,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMAND_MODULES:
         importlib.import_module(name).register(sub)
-    for name, what in _NOT_BUILT.items():
-        p = sub.add_parser(name, help=f"(not built yet: {what})")
-        p.add_argument("rest", nargs=argparse.REMAINDER)
-        p.set_defaults(func=_not_built)
     return parser
 
 
