@@ -279,3 +279,37 @@ def test_a_starving_job_that_fits_starts_even_beyond_the_backfill_depth():
         policy.submit(sft(f"short{i}", mem=30.0, steps=1), 0.0)  # none fits next to "running"
     assert started(policy.schedule(5.0)) == []  # "old" is out of the pass's reach, not yet starving
     assert started(policy.schedule(11.0)) == ["old"]
+
+
+def lora(job_id: str, mem: float, *, steps: int, step_s: float, sample_s: float, at: float = 0) -> Job:
+    return Job(job_id, "t", JobKind.LORA_RL, "base", 0, steps, step_s, sample_s, mem, 4.0, at, f"t/{job_id}")
+
+
+@pytest.mark.parametrize("backfill", [True, False])
+def test_backfill_on_a_reserved_group_only_when_done_before_it_frees(backfill):
+    cfg = SchedulerPolicyConfig(starvation_s=10.0, backfill_reserved=backfill)
+    policy = FairSharePolicy(one_group(memory_gb=80.0, engines=1), cfg)
+    # Declared to hold the group until t=1000, training only 1 s in every 10.
+    policy.submit(lora("running", 40.0, steps=100, step_s=1.0, sample_s=9.0), 0.0)
+    assert started(policy.schedule(0.0)) == ["running"]
+    policy.submit(sft("big", mem=80.0, steps=100), 0.0)
+    decisions = policy.schedule(20.0)
+    assert [d.kind for d in decisions] == [DecisionKind.RESERVE] and "expected free at 1000" in decisions[0].reason
+    policy.submit(sft("long", mem=10.0, steps=2000), 21.0)  # 2000 s: would outlast the reservation
+    policy.submit(sft("short", mem=10.0, steps=10), 21.0)  # 10 s of training in a window of 979 s
+    assert started(policy.schedule(21.0)) == (["short"] if backfill else [])
+    policy.job_finished("running", 1000.0)
+    if backfill:
+        policy.job_finished("short", 1000.0)
+    assert started(policy.schedule(1000.0)) == ["big"]
+
+
+def test_no_backfill_on_a_reserved_group_its_jobs_keep_busy():
+    cfg = SchedulerPolicyConfig(starvation_s=10.0)
+    policy = FairSharePolicy(one_group(memory_gb=80.0), cfg)
+    policy.submit(sft("running", mem=40.0, steps=1000), 0.0)  # trains all the time until t=1000
+    policy.schedule(0.0)
+    policy.submit(sft("big", mem=80.0, steps=100), 0.0)
+    assert [d.kind for d in policy.schedule(20.0)] == [DecisionKind.RESERVE]
+    policy.submit(sft("short", mem=10.0, steps=10), 21.0)  # short, but the group has no time to spare
+    assert started(policy.schedule(21.0)) == []

@@ -32,6 +32,11 @@ class SchedulerPolicyConfig:
     starvation_s: float = 900.0
     """A job queued this long gets resources reserved for it, so smaller jobs cannot starve it forever."""
 
+    backfill_reserved: bool = True
+    """Whether a job may use resources reserved for a starving job when, by declared sizes, it is done
+    before they are expected to be free (EASY backfilling); off: nothing of equal or lower priority
+    is placed on a reserved resource."""
+
     preemption: bool = True
     """Whether a waiting job may preempt running jobs of strictly lower priority (at step boundaries)."""
 

@@ -258,6 +258,9 @@ class FairSharePolicy(SchedulingPolicy):
         self._vtime: dict[TenantID, float] = {}  # weighted charge so far: lowest goes first
         self._active: Counter[TenantID] = Counter()  # queued + running jobs per tenant
         self._reserved: dict[ResourceID, JobID] = {}
+        # When each reserved resource is expected to be free for its owner (declared work of the jobs
+        # that must leave it); a job that fits and is expected to be done by then may use it meanwhile.
+        self._reserved_until: dict[ResourceID, float] = {}
         self._aged: JobID | None = None  # the one starving job holding a reservation
         self._draining_for: dict[JobID, set[JobID]] = {}  # waiting job -> victims still stopping
         self._running_prio: Counter[int] = Counter()  # running jobs per priority: is preemption possible?
@@ -318,6 +321,7 @@ class FairSharePolicy(SchedulingPolicy):
         """The job started or left: its reservations and pending preemptions lapse."""
         for rid in [r for r, j in self._reserved.items() if j == job_id]:
             del self._reserved[rid]
+            self._reserved_until.pop(rid, None)
         if self._aged == job_id:
             self._aged = None
         self._draining_for.pop(job_id, None)
@@ -333,7 +337,7 @@ class FairSharePolicy(SchedulingPolicy):
         misses = 0
         checks = self.config.preempt_checks_per_pass if self.config.preemption else 0
         for e in self._candidates():
-            placement = self.cluster.fit(e.job, now_s, self._allowed_for(e.job))
+            placement = self.cluster.fit(e.job, now_s, self._allowed_for(e, now_s))
             if placement is not None:
                 decisions.append(self._start(e, placement, now_s, self._start_reason(e, misses)))
                 continue
@@ -365,12 +369,36 @@ class FairSharePolicy(SchedulingPolicy):
             if nxt is not None:
                 heapq.heappush(heap, (nxt[0], self.vtime(t), t, nxt[3]))
 
-    def _allowed_for(self, job: Job) -> Callable[[ResourceID], bool]:
+    def _allowed_for(self, e: _Entry, now_s: float) -> Callable[[ResourceID], bool]:
+        job = e.job
+
         def allowed(rid: ResourceID) -> bool:
             owner = self._reserved.get(rid)
-            return owner is None or owner == job.job_id or self._entries[owner].job.priority < job.priority
+            if owner is None or owner == job.job_id or self._entries[owner].job.priority < job.priority:
+                return True
+            return self.config.backfill_reserved and self._done_before_reserved(e, rid, now_s)
 
         return allowed
+
+    def _done_before_reserved(self, e: _Entry, rid: ResourceID, now_s: float) -> bool:
+        """EASY backfilling on a reserved resource: ``e`` may use it if, by declared sizes, it is done
+        before the resource is expected to be free for its owner, and the work already there plus its
+        own fits in that window on the resource (so it does not slow the others past it either)."""
+        window = self._reserved_until.get(rid, now_s) - now_s
+        if e.remaining_work_s > window:
+            return False
+        learner = rid in self.cluster.learners
+        jobs = self.cluster.learners[rid].jobs if learner else self.cluster.engines[rid].jobs
+
+        def on_resource(job: Job) -> float:
+            return job.step_s if learner else job.sample_s
+
+        load = (e.job.steps - e.steps_done) * on_resource(e.job)
+        for jid, job in jobs.items():
+            other = self._entries[jid]
+            left_s = max(0.0, other.started_s + other.remaining_work_s - now_s)  # alone, by its declared size
+            load += left_s * on_resource(job) / job.step_work_s
+        return load <= window
 
     def _start_reason(self, e: _Entry, misses: int) -> str:
         t = e.job.tenant
@@ -406,17 +434,23 @@ class FairSharePolicy(SchedulingPolicy):
             why += "fits; stop at the next step boundary and save state"
             out.append(Decision(DecisionKind.PREEMPT, now_s, vid, why, v.job.tenant, v.placement, True, job.job_id))
         self._draining_for[job.job_id] = set(victims)
+        # Victims stop at their next step boundary: no window worth backfilling.
         out.append(self._reserve(job, placement, now_s, f"{len(victims)} lower-priority job(s) stopping for it"))
         return out
 
-    def _reserve(self, job: Job, placement: Placement, now_s: float, why: str) -> Decision:
+    def _reserve(
+        self, job: Job, placement: Placement, now_s: float, why: str, until_s: float | None = None
+    ) -> Decision:
+        """Hold ``placement`` for ``job``; ``until_s``: when it is expected to be free (None: at once)."""
         for rid in [r for r, j in self._reserved.items() if j == job.job_id]:
             del self._reserved[rid]  # a new reservation replaces its old one
+            self._reserved_until.pop(rid, None)
         for rid in placement.resources():
             displaced = self._reserved.get(rid)
             if displaced is not None and displaced == self._aged and displaced != job.job_id:
                 self._aged = None  # a higher-priority job took its resources: reserve anew next pass
             self._reserved[rid] = job.job_id
+            self._reserved_until[rid] = now_s if until_s is None else until_s
         return Decision(DecisionKind.RESERVE, now_s, job.job_id, why, job.tenant, placement, for_job=job.job_id)
 
     def _serve_claims(self, now_s: float) -> list[Decision]:
@@ -427,7 +461,7 @@ class FairSharePolicy(SchedulingPolicy):
             e = self._entries[job_id]
             if e.state is not JobState.QUEUED:
                 continue
-            placement = self.cluster.fit(e.job, now_s, self._allowed_for(e.job))
+            placement = self.cluster.fit(e.job, now_s, self._allowed_for(e, now_s))
             if placement is not None:
                 out.append(self._start(e, placement, now_s, "the resources reserved for it are free"))
         return out
@@ -445,7 +479,7 @@ class FairSharePolicy(SchedulingPolicy):
         if now_s - e.job.arrival_s < self.config.starvation_s:
             return []
         waited = now_s - e.job.arrival_s
-        placement = self.cluster.fit(e.job, now_s, self._allowed_for(e.job))
+        placement = self.cluster.fit(e.job, now_s, self._allowed_for(e, now_s))
         if placement is not None:  # start it now: the pass might not reach it within its backfill depth
             return [self._start(e, placement, now_s, f"waited {waited:.4g} s (> starvation_s) and fits now")]
 
@@ -456,4 +490,7 @@ class FairSharePolicy(SchedulingPolicy):
         if found is None:
             return []
         self._aged = e.job.job_id
-        return [self._reserve(e.job, found[0], now_s, f"waited {waited:.4g} s (> starvation_s); holding resources")]
+        ends = [self._entries[v].started_s + self._entries[v].remaining_work_s for v in found[1]]
+        until_s = max([now_s, *ends])
+        why = f"waited {waited:.4g} s (> starvation_s); holding resources (expected free at {until_s:.4g} s)"
+        return [self._reserve(e.job, found[0], now_s, why, until_s)]
