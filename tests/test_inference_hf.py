@@ -55,6 +55,29 @@ def test_sampled_logprobs_match_compute_logprobs(backend: HFBackend) -> None:
         assert scored[-len(seq.token_ids) :] == pytest.approx(seq.logprobs, abs=1e-4)
 
 
+def test_n_samples_share_one_prefill_and_keep_their_logprobs(
+    backend: HFBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    params = SamplingParams(max_tokens=5, temperature=1.0, seed=5, n=3, ignore_eos=True)
+    requests = [_greedy(REFS[0], params), _greedy(None, params), _greedy(REFS[0], params)]
+    widths: list[int] = []
+    forward = backend._forward
+
+    def spy(input_ids: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        widths.append(int(input_ids.shape[0]))
+        return forward(input_ids, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(backend, "_forward", spy)
+    results = backend.sample(requests)
+    assert widths[0] == 2  # one prefill row per distinct (adapter, prompt), not 9
+    monkeypatch.undo()
+    for request, result in zip(requests, results, strict=True):
+        assert len({s.token_ids for s in result.sequences}) > 1
+        for seq in result.sequences:  # every row decoded on its own copy of the shared cache
+            scored = backend.compute_logprobs([result.prompt_token_ids + seq.token_ids], request.adapter)[0]
+            assert scored[-len(seq.token_ids) :] == pytest.approx(seq.logprobs, abs=1e-4)
+
+
 def test_compute_logprobs_batches_like_single(backend: HFBackend) -> None:
     sequences = [[1, 2, 3, 4, 5], [7, 8], [9]]
     together = backend.compute_logprobs(sequences, REFS[2])

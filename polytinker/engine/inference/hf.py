@@ -172,17 +172,29 @@ class HFBackend:
         ]
 
     def _prefill(self, rows: list[_Row], cache: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Left-padded prompts through the model; returns last logits, the mask and next positions."""
-        width = max(len(r.prompt) for r in rows)
+        """Left-padded prompts through the model; returns last logits, the mask and next positions.
+
+        Rows with the same prompt and adapter (a request's ``n`` samples) are prefilled once; the
+        cache, logits and mask are then indexed out to every row, so ``n`` samples cost one prompt.
+        """
+        firsts: dict[tuple[str, tuple[int, ...]], int] = {}
+        owner_B = [firsts.setdefault((r.adapter, tuple(r.prompt)), len(firsts)) for r in rows]
+        unique = [rows[owner_B.index(u)] for u in range(len(firsts))]
+        width = max(len(r.prompt) for r in unique)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        ids_BL = torch.full((len(rows), width), pad, dtype=torch.long)
-        mask_BL = torch.zeros((len(rows), width), dtype=torch.long)
-        for b, row in enumerate(rows):
-            ids_BL[b, width - len(row.prompt) :] = torch.tensor(row.prompt)
-            mask_BL[b, width - len(row.prompt) :] = 1
-        pos_BL = (mask_BL.cumsum(-1) - 1).clamp(min=0)
-        logits = self._forward(ids_BL, mask_BL, pos_BL, [r.adapter for r in rows], cache, logits_to_keep=1)
-        return logits[:, -1].float(), mask_BL, pos_BL[:, -1] + 1
+        ids_UL = torch.full((len(unique), width), pad, dtype=torch.long)
+        mask_UL = torch.zeros((len(unique), width), dtype=torch.long)
+        for u, row in enumerate(unique):
+            ids_UL[u, width - len(row.prompt) :] = torch.tensor(row.prompt)
+            mask_UL[u, width - len(row.prompt) :] = 1
+        pos_UL = (mask_UL.cumsum(-1) - 1).clamp(min=0)
+        logits = self._forward(ids_UL, mask_UL, pos_UL, [r.adapter for r in unique], cache, logits_to_keep=1)
+        logits_UV, next_pos_U = logits[:, -1].float(), pos_UL[:, -1] + 1
+        if len(unique) == len(rows):
+            return logits_UV, mask_UL, next_pos_U
+        index = torch.tensor(owner_B)
+        cache.reorder_cache(index)
+        return logits_UV[index], mask_UL[index], next_pos_U[index]
 
     def _decode(self, rows: list[_Row]) -> None:
         from transformers import DynamicCache
