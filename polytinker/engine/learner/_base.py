@@ -12,9 +12,10 @@ import contextlib
 import logging
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -27,12 +28,13 @@ from polytinker.engine.learner.losses import (
     collate,
     kl_to_reference,
     policy_loss,
-    token_logprobs,
 )
+from polytinker.engine.learner.scoring import score
 from polytinker.engine.types import AdapterName, AdapterRef, Datum, LossFnName
 from polytinker.errors import ConfigError
 
 log = logging.getLogger(__name__)
+T_ = TypeVar("T_")
 
 
 @dataclass
@@ -73,7 +75,7 @@ class _Sums:
 
     def __init__(self) -> None:
         self.values = {"loss": 0.0, "tokens": 0.0, "kl": 0.0, "ratio_sum": 0.0, "clipped_tokens": 0.0}
-        self.logprobs: list[list[float]] = []
+        self._rows: list[tuple[int, list[float]]] = []
 
     def add(
         self,
@@ -82,13 +84,23 @@ class _Sums:
         batch: Batch,
         extra: dict[str, float],
         logprobs_BT: torch.Tensor,
+        order_B: list[int] | None = None,
     ) -> None:
+        """``order_B``: each row's index in the caller's list (rows may run in another order)."""
         self.values["loss"] += float(loss.detach())
         self.values["kl"] += float(kl.detach()) if kl is not None else 0.0
         self.values["tokens"] += float((batch.weights_BT != 0).sum())
         for key, value in extra.items():
             self.values[key] += value
-        self.logprobs.extend(_unpad(logprobs_BT.detach(), batch.lengths_B))
+        rows = _unpad(logprobs_BT.detach(), batch.lengths_B)
+        if order_B is None:
+            order_B = list(range(len(self._rows), len(self._rows) + len(rows)))
+        self._rows.extend(zip(order_B, rows, strict=True))
+
+    @property
+    def logprobs(self) -> list[list[float]]:
+        """Per datum, in the caller's order."""
+        return [row for _, row in sorted(self._rows, key=lambda x: x[0])]
 
 
 class Learner:
@@ -128,13 +140,14 @@ class Learner:
     # -- primitives -----------------------------------------------------------------------------
     def forward(self, data: list[Datum], adapter: AdapterName | None = None) -> list[list[float]]:
         """Per-datum logprobs of the target tokens; no gradient, no state change."""
-        out: list[list[float]] = []
-        for chunk in self._chunks(data):
+        out: list[list[float] | None] = [None] * len(data)
+        for order, chunk in self._chunks(data):
             batch = collate(chunk, pad_token_id=self.pad_token_id, device=self.dist.device)
-            with torch.no_grad(), self._selected(adapter):
-                logprobs_BT = self._logprobs(batch.input_ids_BT, batch.attention_mask_BT, batch.targets_BT)
-            out.extend(_unpad(logprobs_BT, batch.lengths_B))
-        return out
+            with torch.inference_mode(), self._selected(adapter):
+                logprobs_BT = self._logprobs(batch)
+            for i, row in zip(order, _unpad(logprobs_BT, batch.lengths_B), strict=True):
+                out[i] = row
+        return [row for row in out if row is not None]
 
     def forward_backward(
         self,
@@ -151,19 +164,21 @@ class Learner:
             raise ConfigError("a KL term against the base model needs mode='lora'; set kl_coef=0 in full mode")
         slot = self._slot(adapter)
         sums = _Sums()
-        for chunk in self._chunks(data):
+        for order, chunk in self._chunks(data):
             batch = collate(chunk, pad_token_id=self.pad_token_id, device=self.dist.device)
             kl = None
             with self._selected(adapter):
-                logprobs_BT = self._logprobs(batch.input_ids_BT, batch.attention_mask_BT, batch.targets_BT)
+                # Only weighted positions carry gradients; the others are scored without autograd.
+                logprobs_BT = self._logprobs(batch, grad_BT=batch.weights_BT != 0)
                 loss, extra = policy_loss(loss_fn, logprobs_BT, batch, loss_cfg)
                 if kl_coef > 0:
-                    with torch.no_grad(), self._reference():
-                        ref_BT = self._logprobs(batch.input_ids_BT, batch.attention_mask_BT, batch.targets_BT)
-                    kl = kl_to_reference(logprobs_BT, ref_BT, batch.weights_BT)
+                    with torch.inference_mode(), self._reference():
+                        ref_BT = self._logprobs(batch)
+                    kl = kl_to_reference(logprobs_BT, ref_BT.clone(), batch.weights_BT)
                     loss = loss + kl_coef * kl
-                loss.backward()
-            sums.add(loss, kl, batch, extra, logprobs_BT)
+                if loss.requires_grad:  # False when no position of the micro-batch has weight
+                    loss.backward()
+            sums.add(loss, kl, batch, extra, logprobs_BT, order)
         slot.pending_tokens += sums.values["tokens"]
         return ForwardBackwardResult(sums.values["loss"], sums.logprobs, _metrics(loss_fn, kl_coef, sums.values))
 
@@ -192,16 +207,49 @@ class Learner:
         return slot.ref()
 
     # -- helpers --------------------------------------------------------------------------------
-    def _chunks(self, data: list[Datum]) -> Iterator[list[Datum]]:
+    def _chunks(self, data: list[T_]) -> Iterator[tuple[list[int], list[T_]]]:
+        """Micro-batches of at most ``micro_batch_size`` items, with each item's index in ``data``.
+
+        A call larger than one micro-batch runs in token order (datums sorted by their input
+        tokens): datums of one prompt land in the same micro-batch, so their shared prefix runs
+        once (see ``scoring``), and rows of similar length pad less.
+        """
         if not data:
             raise ConfigError("a learner call needs at least one Datum")
         size = self.config.micro_batch_size
-        for start in range(0, len(data), size):
-            yield data[start : start + size]
+        order = list(range(len(data)))
+        if len(data) > size:
+            order.sort(key=lambda i: _input_tokens(data[i]))
+        for start in range(0, len(order), size):
+            index = order[start : start + size]
+            yield index, [data[i] for i in index]
 
-    def _logprobs(self, input_ids_BT: torch.Tensor, mask_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
-        logits_BTV = self._module()(input_ids=input_ids_BT, attention_mask=mask_BT, use_cache=False).logits
-        return token_logprobs(logits_BTV, targets_BT)
+    def _row_context(self, names: Sequence[str] | None) -> contextlib.AbstractContextManager[Any]:
+        """Context in which the module applies per-row adapters ``names`` (None: the selected one)."""
+        if names is not None:
+            raise ConfigError("per-row adapters need a LoRA learner")
+        return contextlib.nullcontext()
+
+    def _logprobs(
+        self, batch: Batch, grad_BT: torch.Tensor | None = None, adapter_names: Sequence[str] | None = None
+    ) -> torch.Tensor:
+        """Float32 logprobs of ``batch``'s targets; differentiable at ``grad_BT`` (see ``scoring.score``)."""
+        return score(
+            self.base_model,
+            batch.input_ids_BT,
+            batch.attention_mask_BT,
+            batch.targets_BT,
+            batch.lengths_B,
+            grad_BT,
+            adapter_names=adapter_names,
+            row_context=self._row_context,
+            share_prefix=self.config.share_prefix,
+        )
+
+
+def _input_tokens(item: Any) -> list[int]:
+    datum = item[1] if isinstance(item, tuple) else item
+    return list(datum.input_tokens)
 
 
 def _unpad(logprobs_BT: torch.Tensor, lengths_B: list[int]) -> list[list[float]]:

@@ -33,6 +33,9 @@ class LearnerConfig:
     # loss_fn_config may override it. 0 turns the reference forward off.
     max_grad_norm: float | None = None
     # Clip the (reduced, normalised) gradient norm of the stepped parameters before AdamW; None: no clip.
+    share_prefix: bool = True
+    # Run a micro-batch's common token prefix (a GRPO group's prompt) once and its rows' suffixes on
+    # its key/value cache; the same logprobs and gradients as the full pass, up to float rounding.
 
     def __post_init__(self) -> None:
         if self.mode not in ("lora", "full"):

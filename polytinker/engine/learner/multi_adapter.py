@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from peft import LoraConfig as PeftLoraConfig
@@ -23,7 +24,7 @@ from torch import nn
 from polytinker.engine.learner._base import ForwardBackwardResult, Learner, Slot, _metrics, _Sums
 from polytinker.engine.learner.config import LearnerConfig, LossConfig
 from polytinker.engine.learner.distributed import SINGLE, DistInfo, broadcast_
-from polytinker.engine.learner.losses import check_loss_inputs, collate, kl_to_reference, policy_loss, token_logprobs
+from polytinker.engine.learner.losses import check_loss_inputs, collate, kl_to_reference, policy_loss
 from polytinker.engine.learner.state import Checkpoint, load_checkpoint, save_checkpoint, write_atomic_dir
 from polytinker.engine.types import AdapterName, AdapterRef, AdapterWeights, Datum, LoraConfig, LossFnName
 from polytinker.errors import ConfigError
@@ -139,26 +140,24 @@ class MultiAdapterLearner(Learner):
         slots = {name: self._slot(name) for name in data_by_adapter}
         assert self.peft_model is not None
         sums = {name: _Sums() for name in slots}
-        for start in range(0, len(rows), self.config.micro_batch_size):
-            chunk = rows[start : start + self.config.micro_batch_size]
+        index_in_adapter: list[int] = []  # each row's index within its adapter's list
+        seen: dict[AdapterName, int] = {}
+        for name, _ in rows:
+            index_in_adapter.append(seen.get(name, 0))
+            seen[name] = index_in_adapter[-1] + 1
+        for order, chunk in self._chunks(rows):
             batch = collate([d for _, d in chunk], pad_token_id=self.pad_token_id, device=self.dist.device)
             names = [name for name, _ in chunk]
             if kl_coef > 0:  # first: leaving disable_adapter() resets requires_grad, set just below
-                with torch.no_grad(), self._reference():
-                    ref_BT = self._logprobs(batch.input_ids_BT, batch.attention_mask_BT, batch.targets_BT)
+                with torch.inference_mode(), self._reference():
+                    ref_BT = self._logprobs(batch).clone()
             # peft's set_adapter and disable_adapter leave only the active adapter trainable, and
             # autograd skips accumulating into a tensor that no longer requires grad at backward:
             # make every adapter of this micro-batch trainable for the whole pass.
             for name in set(names):
                 for p in slots[name].params.values():
                     p.requires_grad_(True)
-            logits = self.peft_model(
-                input_ids=batch.input_ids_BT,
-                attention_mask=batch.attention_mask_BT,
-                use_cache=False,
-                adapter_names=names,
-            ).logits
-            logprobs_BT = token_logprobs(logits, batch.targets_BT)
+            logprobs_BT = self._logprobs(batch, grad_BT=batch.weights_BT != 0, adapter_names=names)
             total = logprobs_BT.new_zeros(())
             for name in dict.fromkeys(names):
                 index_R = [i for i, n in enumerate(names) if n == name]
@@ -169,8 +168,9 @@ class MultiAdapterLearner(Learner):
                 if kl is not None:
                     loss = loss + kl_coef * kl
                 total = total + loss
-                sums[name].add(loss, kl, sub, extra, sub_logprobs_BT)
-            total.backward()
+                sums[name].add(loss, kl, sub, extra, sub_logprobs_BT, [index_in_adapter[order[i]] for i in index_R])
+            if total.requires_grad:  # False when no position of the micro-batch has weight
+                total.backward()
         results = {}
         for name, acc in sums.items():
             slots[name].pending_tokens += acc.values["tokens"]
@@ -255,6 +255,12 @@ class MultiAdapterLearner(Learner):
         # set_adapter also sets requires_grad: True on this adapter's tensors, False on the others'.
         self.peft_model.set_adapter(adapter)
         yield
+
+    def _row_context(self, names: Sequence[str] | None) -> contextlib.AbstractContextManager[Any]:
+        if names is None or self.peft_model is None:
+            return contextlib.nullcontext()
+        # peft's per-row adapters (what PeftModel.forward(adapter_names=...) does around its call).
+        return self.peft_model._enable_peft_forward_hooks(adapter_names=list(names))
 
     @contextlib.contextmanager
     def _reference(self) -> Iterator[None]:

@@ -1,0 +1,193 @@
+"""Token logprobs of a batch without full-vocabulary logits at every position.
+
+:func:`score` runs the model's decoder for hidden states, then applies ``lm_head`` only where a
+log-probability is wanted, in chunks of positions, and takes ``logit[target] - logsumexp(logits)``
+in float32. No ``B x T x V`` tensor exists at any time: the largest is one chunk's logits
+(``LOGIT_CHUNK x V``).
+
+- **Where gradients flow.** ``grad_BT`` marks the positions whose logprob must be differentiable
+  (``forward_backward``: the nonzero-weight positions). Every other real position is scored under
+  ``no_grad`` from the detached hidden state: the caller still gets its value (``forward_backward``
+  returns one logprob per target token) but autograd keeps no logits for it and backward never
+  touches ``lm_head`` there. With more than one chunk of differentiable positions, each chunk is
+  recomputed in backward instead of keeping its logits (activation checkpointing of the head only).
+- **Shared prefix.** When every row of the batch starts with the same ``P >= MIN_SHARED_PREFIX``
+  tokens (GRPO: one prompt, many completions), the prefix runs once per distinct adapter of the
+  batch, its key/value cache is indexed out to every row, and only the rows' own suffixes run
+  batched on top of it. Positions, attention and gradients are those of the full pass (the cache
+  index's backward sums the rows' gradients into the prefix); only the float summation order
+  differs. Models whose cache is not a plain full-attention ``DynamicCache`` (sliding windows,
+  linear attention) take the full pass.
+- **Fallback.** A model without ``get_decoder``/``get_output_embeddings``, or with logits
+  post-processing (soft-capping, logit scaling), is scored with its own forward and full logits.
+
+Shapes in names: ``_B`` batch, ``_T`` position, ``_S`` suffix position, ``_D`` hidden, ``_V`` vocabulary,
+``_K`` selected (row, position) pairs, ``_U`` distinct hidden rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+LOGIT_CHUNK = 256  # positions per lm_head call: 256 x 49152 fp32 logits are 48 MiB
+MIN_SHARED_PREFIX = 8  # shorter common prefixes are not worth a second decoder call
+
+RowContext = Callable[[Sequence[str] | None], contextlib.AbstractContextManager[Any]]
+
+
+def _no_context(_names: Sequence[str] | None) -> contextlib.AbstractContextManager[Any]:
+    return contextlib.nullcontext()
+
+
+def shared_prefix_len(input_ids_BT: torch.Tensor, lengths_B: Sequence[int]) -> int:
+    """Length of the token prefix every row shares, leaving each row at least one token of its own."""
+    if input_ids_BT.shape[0] < 2:
+        return 0
+    limit = min(lengths_B) - 1
+    if limit <= 0:
+        return 0
+    same_T = (input_ids_BT[:, :limit] == input_ids_BT[:1, :limit]).all(dim=0)
+    return int(same_T.to(torch.int64).cumprod(0).sum())
+
+
+def _fast_path_parts(lm: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """The decoder (hidden states after the final norm) and the output head, when logits are just ``head(h)``."""
+    config = getattr(lm, "config", None)
+    if config is None or not hasattr(lm, "get_decoder") or not hasattr(lm, "get_output_embeddings"):
+        return None
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None) not in (None, 1.0):
+        return None
+    try:
+        decoder, head = lm.get_decoder(), lm.get_output_embeddings()  # type: ignore[operator]
+    except (AttributeError, NotImplementedError):
+        return None
+    if not isinstance(decoder, nn.Module) or not isinstance(head, nn.Module) or decoder is lm:
+        return None
+    return decoder, head
+
+
+def _plain_dynamic(cache: Any) -> bool:
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    return isinstance(cache, DynamicCache) and all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+def _hidden(
+    decoder: nn.Module,
+    input_ids_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    lengths_B: Sequence[int],
+    adapter_names: Sequence[str] | None,
+    row_context: RowContext,
+    share_prefix: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hidden states as ``(H_ND, src_BT)``: position ``(b, t)`` reads row ``src_BT[b, t]`` of ``H_ND``."""
+    B, T = input_ids_BT.shape
+    device = input_ids_BT.device
+    P = shared_prefix_len(input_ids_BT, lengths_B) if share_prefix else 0
+    if P >= MIN_SHARED_PREFIX:
+        # One prefix row per distinct adapter; row b reads prefix row owner_B[b].
+        owners = list(dict.fromkeys(adapter_names)) if adapter_names is not None else []
+        owner_B = torch.tensor(
+            [owners.index(n) for n in adapter_names] if adapter_names is not None else [0] * B,
+            dtype=torch.int64,
+            device=device,
+        )
+        R = max(len(owners), 1)
+        prefix_RP = input_ids_BT[:1, :P].expand(R, P)
+        with row_context(owners if adapter_names is not None else None):
+            out = decoder(input_ids=prefix_RP, attention_mask=mask_BT[:1, :P].expand(R, P), use_cache=True)
+        cache = out.past_key_values
+        if _plain_dynamic(cache):
+            cache.reorder_cache(owner_B)  # index_select: its backward sums the rows' gradients into the prefix
+            with row_context(adapter_names):
+                suffix = decoder(input_ids=input_ids_BT[:, P:], attention_mask=mask_BT, past_key_values=cache)
+            S = T - P
+            H_ND = torch.cat([out.last_hidden_state.reshape(R * P, -1), suffix.last_hidden_state.reshape(B * S, -1)])
+            t_T = torch.arange(T, device=device)
+            prefix_src_BT = owner_B[:, None] * P + t_T[None, :]
+            suffix_src_BT = R * P + torch.arange(B, device=device)[:, None] * S + (t_T[None, :] - P)
+            return H_ND, torch.where(t_T[None, :] < P, prefix_src_BT, suffix_src_BT)
+    with row_context(adapter_names):
+        out = decoder(input_ids=input_ids_BT, attention_mask=mask_BT, use_cache=False)
+    H_ND = out.last_hidden_state.reshape(B * T, -1)
+    return H_ND, torch.arange(B * T, device=device).reshape(B, T)
+
+
+def _chunk_logprobs(head: nn.Module, h_UD: torch.Tensor, inv_K: torch.Tensor, tgt_K: torch.Tensor) -> torch.Tensor:
+    logits_UV = head(h_UD).float()
+    return logits_UV[inv_K, tgt_K] - torch.logsumexp(logits_UV, dim=-1)[inv_K]
+
+
+def _select_logprobs(head: nn.Module, H_ND: torch.Tensor, src_K: torch.Tensor, tgt_K: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(head(H[src]))[tgt]`` per pair; each distinct hidden row's logits are computed once."""
+    out_K = H_ND.new_zeros(src_K.shape[0], dtype=torch.float32)
+    if src_K.numel() == 0:
+        return out_K
+    uniq_U, inv_K = torch.unique(src_K, return_inverse=True)
+    chunks = range(0, uniq_U.shape[0], LOGIT_CHUNK)
+    recompute = torch.is_grad_enabled() and H_ND.requires_grad and len(chunks) > 1
+    parts = []
+    for c0 in chunks:
+        sel_K = (inv_K >= c0) & (inv_K < c0 + LOGIT_CHUNK)
+        h_UD = H_ND.index_select(0, uniq_U[c0 : c0 + LOGIT_CHUNK])
+        args = (head, h_UD, inv_K[sel_K] - c0, tgt_K[sel_K])
+        vals = checkpoint(_chunk_logprobs, *args, use_reentrant=False) if recompute else _chunk_logprobs(*args)
+        parts.append((sel_K.nonzero().squeeze(1), vals))
+    for idx, vals in parts:
+        out_K = out_K.index_put((idx,), vals)
+    return out_K
+
+
+def score(
+    lm: nn.Module,
+    input_ids_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    targets_BT: torch.Tensor,
+    lengths_B: Sequence[int],
+    grad_BT: torch.Tensor | None = None,
+    *,
+    adapter_names: Sequence[str] | None = None,
+    row_context: RowContext = _no_context,
+    share_prefix: bool = True,
+) -> torch.Tensor:
+    """Float32 ``log p(target_t | tokens <= t)`` per position; 0 beyond each row's length.
+
+    ``grad_BT`` (bool): positions whose values must carry gradients; None: none (or, under a grad
+    context on the fallback path, all). ``adapter_names``: peft's per-row adapters, applied inside
+    ``row_context(names)``.
+    """
+    B, T = input_ids_BT.shape
+    parts = _fast_path_parts(lm)
+    if parts is None:
+        with row_context(adapter_names):
+            logits_BTV = lm(input_ids=input_ids_BT, attention_mask=mask_BT, use_cache=False).logits
+        nll = F.cross_entropy(logits_BTV.float().reshape(B * T, -1), targets_BT.reshape(B * T), reduction="none")
+        return -nll.reshape(B, T)
+    decoder, head = parts
+    H_ND, src_BT = _hidden(decoder, input_ids_BT, mask_BT, lengths_B, adapter_names, row_context, share_prefix)
+    device = input_ids_BT.device
+    real_BT = torch.arange(T, device=device)[None, :] < torch.tensor(lengths_B, device=device)[:, None]
+    if grad_BT is None or not torch.is_grad_enabled():
+        grad_BT = torch.zeros_like(real_BT)
+    grad_BT = grad_BT & real_BT
+    rest_BT = real_BT & ~grad_BT
+    flat_src, flat_tgt = src_BT.reshape(-1), targets_BT.reshape(-1)
+    out = H_ND.new_zeros(B * T, dtype=torch.float32)
+    with torch.no_grad():
+        idx = rest_BT.reshape(-1).nonzero().squeeze(1)
+        out[idx] = _select_logprobs(head, H_ND.detach(), flat_src[idx], flat_tgt[idx])
+    idx = grad_BT.reshape(-1).nonzero().squeeze(1)
+    if idx.numel():
+        out = out.index_put((idx,), _select_logprobs(head, H_ND, flat_src[idx], flat_tgt[idx]))
+    return out.reshape(B, T)
+
+
+__all__ = ["LOGIT_CHUNK", "MIN_SHARED_PREFIX", "score", "shared_prefix_len"]

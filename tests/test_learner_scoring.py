@@ -1,0 +1,156 @@
+"""The learner's scoring (``scoring.score``) against full-vocabulary logits at every position.
+
+The reference is what the learner computed before: the peft model's own forward, ``B x T x V``
+logits, and ``token_logprobs`` (cross-entropy in float32). Checked: values, losses and gradients,
+with and without a shared prefix, per-row adapters, the KL reference pass, and small logit chunks
+(which also recompute the head in backward).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_learner import LORA, VOCAB, tiny_model
+
+from polytinker.engine.learner import LearnerConfig, MultiAdapterLearner, scoring
+from polytinker.engine.learner.losses import collate, token_logprobs
+from polytinker.engine.learner.scoring import shared_prefix_len
+from polytinker.engine.types import Datum
+
+torch.set_num_threads(1)
+
+
+def grpo_group(seed: int, prompt_len: int = 12, n: int = 5) -> list[Datum]:
+    """``n`` completions of one prompt (lengths 1..n+1), prompt positions weighted 0, as GRPO builds them."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(1, VOCAB, (prompt_len,), generator=g).tolist()
+    out = []
+    for k in range(n):
+        tokens = prompt + torch.randint(1, VOCAB, (k + 2,), generator=g).tolist()
+        T = len(tokens) - 1
+        weights = [0.0] * (prompt_len - 1) + [1.0] * (T - prompt_len + 1)
+        adv = [float(torch.randn(1, generator=g))] * T
+        sampling = (-3.0 - torch.rand(T, generator=g)).tolist()
+        out.append(Datum(tokens[:-1], tokens[1:], weights, advantages_T=adv, sampling_logprobs_T=sampling))
+    return out
+
+
+def make_learner(share_prefix: bool, kl_coef: float = 0.0, micro_batch_size: int = 8) -> MultiAdapterLearner:
+    lrn = MultiAdapterLearner(
+        tiny_model(), LearnerConfig(micro_batch_size=micro_batch_size, kl_coef=kl_coef, share_prefix=share_prefix)
+    )
+    for seed, name in enumerate(("alice", "bob")):
+        lrn.add_adapter(name, LORA, seed=seed)
+        with torch.no_grad():  # B != 0: the adapters differ from the base and from each other
+            for p in lrn._slot(name).params.values():
+                p.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(seed + 100))
+    return lrn
+
+
+def full_logits_logprobs(lrn: MultiAdapterLearner, data: list[Datum], adapter: str) -> list[list[float]]:
+    assert lrn.peft_model is not None
+    lrn.peft_model.set_adapter(adapter)
+    batch = collate(data)
+    with torch.no_grad():
+        logits = lrn.peft_model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT).logits
+    rows = token_logprobs(logits, batch.targets_BT).tolist()
+    return [row[:n] for row, n in zip(rows, batch.lengths_B, strict=True)]
+
+
+def grads(lrn: MultiAdapterLearner, name: str) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in lrn._slot(name).params.values() if p.grad is not None])
+
+
+def flat(rows: list[list[float]]) -> torch.Tensor:
+    return torch.tensor([x for row in rows for x in row])
+
+
+def test_shared_prefix_len() -> None:
+    ids = torch.tensor([[1, 2, 3, 4, 0], [1, 2, 3, 9, 9], [1, 2, 3, 4, 5]])
+    assert shared_prefix_len(ids, [4, 5, 5]) == 3
+    assert shared_prefix_len(ids[[0, 2]], [4, 5]) == 3  # each row keeps at least one token of its own
+    assert shared_prefix_len(ids[:1], [4]) == 0
+    assert shared_prefix_len(torch.tensor([[1, 2], [3, 2]]), [2, 2]) == 0
+
+
+@pytest.mark.parametrize("share_prefix", [True, False])
+def test_forward_equals_full_vocabulary_logits(share_prefix: bool) -> None:
+    lrn = make_learner(share_prefix, micro_batch_size=4)
+    data = grpo_group(0, n=4) + grpo_group(1, prompt_len=9, n=4)  # two prompts, one micro-batch each
+    data = [data[i] for i in (0, 4, 1, 5, 2, 6, 3, 7)]  # interleaved: the learner sorts them back together
+    for adapter in ("alice", "bob"):
+        ours = lrn.forward(data, adapter)
+        ref = [full_logits_logprobs(lrn, [d], adapter)[0] for d in data]
+        assert [len(r) for r in ours] == [len(d.input_tokens) for d in data]
+        torch.testing.assert_close(flat(ours), flat(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_shared_prefix_forward_backward_equals_the_full_pass() -> None:
+    data = grpo_group(2) + grpo_group(3, n=4)
+    out = {}
+    for share in (False, True):
+        lrn = make_learner(share, kl_coef=0.05, micro_batch_size=5)
+        result = lrn.forward_backward(data, "ppo", "alice")
+        out[share] = (result, grads(lrn, "alice"))
+    assert out[True][0].loss == pytest.approx(out[False][0].loss, rel=1e-5, abs=1e-6)
+    assert out[True][0].metrics == pytest.approx(out[False][0].metrics, rel=1e-5, abs=1e-6)
+    torch.testing.assert_close(flat(out[True][0].logprobs), flat(out[False][0].logprobs), rtol=1e-5, atol=1e-5)
+    assert out[True][1].abs().sum() > 0
+    torch.testing.assert_close(out[True][1], out[False][1], rtol=1e-4, atol=1e-6)
+
+
+def test_forward_backward_logprobs_and_gradients_equal_full_logits() -> None:
+    """Against the reference loss built from full logits (autograd through every position)."""
+    data = grpo_group(4)
+    lrn = make_learner(True)
+    result = lrn.forward_backward(data, "importance_sampling", "bob")
+    ours = grads(lrn, "bob")
+    for p in lrn._slot("bob").params.values():
+        p.grad = None
+    assert lrn.peft_model is not None
+    lrn.peft_model.set_adapter("bob")
+    batch = collate(data)
+    logits = lrn.peft_model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT).logits
+    logp_BT = token_logprobs(logits, batch.targets_BT)
+    ratio_BT = torch.exp(logp_BT - batch.sampling_logprobs_BT)
+    loss = -(batch.weights_BT * ratio_BT * batch.advantages_BT).sum()
+    loss.backward()
+    assert result.loss == pytest.approx(float(loss.detach()), rel=1e-5, abs=1e-6)
+    ref_rows = [row[:n] for row, n in zip(logp_BT.tolist(), batch.lengths_B, strict=True)]
+    torch.testing.assert_close(flat(result.logprobs), flat(ref_rows), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours, grads(lrn, "bob"), rtol=1e-4, atol=1e-6)
+
+
+def test_mixed_adapters_with_a_shared_prefix_equal_one_call_per_adapter() -> None:
+    data = {"alice": grpo_group(5, n=3), "bob": grpo_group(5, n=3)[:2]}  # one prompt, both adapters
+    separate = make_learner(False, kl_coef=0.1)
+    expected = {name: separate.forward_backward(d, "ppo", name) for name, d in data.items()}
+    mixed = make_learner(True, kl_coef=0.1)
+    got = mixed.forward_backward_many(data, "ppo")
+    for name in data:
+        assert got[name].loss == pytest.approx(expected[name].loss, rel=1e-5, abs=1e-6)
+        torch.testing.assert_close(flat(got[name].logprobs), flat(expected[name].logprobs), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(grads(mixed, name), grads(separate, name), rtol=1e-4, atol=1e-6)
+
+
+def test_head_runs_in_chunks_and_only_where_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    data = grpo_group(6, prompt_len=10, n=6)
+    reference = make_learner(False)
+    expected = reference.forward_backward(data, "importance_sampling", "alice")
+    monkeypatch.setattr(scoring, "LOGIT_CHUNK", 4)  # several chunks: the head is recomputed in backward
+    lrn = make_learner(True)
+    assert lrn.peft_model is not None
+    rows: list[int] = []
+    head = lrn.peft_model.get_base_model().get_output_embeddings()
+    handle = head.register_forward_hook(lambda _m, args, _out: rows.append(args[0].shape[0]))
+    result = lrn.forward_backward(data, "importance_sampling", "alice")
+    handle.remove()
+    assert max(rows) <= 4
+    # Each distinct hidden row is scored once: without gradient the 9 unweighted prompt positions;
+    # with gradient the last prompt position (shared by every row) and each row's own tokens, twice
+    # (forward, and the recomputation in backward).
+    differentiable = 1 + sum(len(d.input_tokens) - 10 for d in data)
+    assert sum(rows) == 9 + 2 * differentiable
+    assert result.loss == pytest.approx(expected.loss, rel=1e-5, abs=1e-6)
+    torch.testing.assert_close(flat(result.logprobs), flat(expected.logprobs), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads(lrn, "alice"), grads(reference, "alice"), rtol=1e-4, atol=1e-6)
