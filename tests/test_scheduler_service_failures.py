@@ -78,3 +78,54 @@ def test_scheduler_killed_and_restarted_recovers_jobs_without_losing_a_step() ->
         trainer.forward_backward(data(12))
         assert trainer.optim_step(ADAM).result().version == 3
         assert sampler.sample([7, 8], 1, LONG).result().sequences
+
+
+def _learner_stats(service) -> dict:
+    return service.runtime_status()["stats"]["learner-0"]
+
+
+def test_a_learner_wrongly_declared_dead_applies_a_resent_gradient_and_step_once() -> None:
+    """SIGSTOP freezes the learner past the broker's heartbeat liveness while it holds a
+    forward_backward, then an optim_step: the broker declares it dead and, once it answers again,
+    resends the call to it. The learner ran the first copy; the key makes it answer the resend from
+    that result, so the adapter ends exactly where a job without the fault does."""
+    runtime = shared_runtime()
+    learner = runtime.workers["learner-0"]
+    dead_after_s = 3 * runtime.config.worker_heartbeat_s  # the broker's heartbeat liveness
+    batch = data(21)
+    with client(KEY_ALICE) as service:
+        reference = service.create_lora_training_client(MODEL, rank=4, agent="once-reference")
+        resent = service.create_lora_training_client(MODEL, rank=4, agent="once-resent")
+        reference.forward_backward(batch)
+        expected = reference.optim_step(ADAM).result()
+        resent.forward(batch).result()  # its adapter is resident: the next call goes straight to its handler
+        before = _learner_stats(service)
+
+        def frozen_while(call):
+            pid = learner.pid
+            assert pid is not None
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                future = call()
+                time.sleep(dead_after_s + 3.0)
+                assert not future.done()  # the broker gave up on the frozen learner and waits for it
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            return future.result(timeout=120)
+
+        frozen_while(lambda: resent.forward_backward(batch))
+        step = frozen_while(lambda: resent.optim_step(ADAM))
+        after = _learner_stats(service)
+        assert learner.pid == before["pid"] == after["pid"]  # the same process throughout: not restarted
+        assert after["forward_backward"] - before["forward_backward"] == 1
+        assert after["optim_steps"] - before["optim_steps"] == 1
+        assert after["duplicates"] - before["duplicates"] == 2  # both calls were resent, and answered once
+        # One gradient in the step (not two), one version, recorded.
+        assert step.version == 1 == expected.version
+        assert step.metrics["optim/tokens"] == expected.metrics["optim/tokens"]
+        assert service.get_job(resent.job_id)["adapter"]["version"] == 1
+        got, want = resent.forward(batch).result(), reference.forward(batch).result()
+        pairs = [(a, b) for ra, rb in zip(got, want, strict=True) for a, b in zip(ra, rb, strict=True)]
+        assert max(abs(a - b) for a, b in pairs) < 1e-5  # the same weights as one application
+        resent.forward_backward(batch)
+        assert resent.optim_step(ADAM).result().version == 2  # and the job goes on

@@ -363,3 +363,45 @@ def test_an_idle_job_is_paused_to_free_resources_and_its_next_call_resumes_it(tm
     assert row.state == "running"
     with pytest.raises(ConfigError, match="must be > 0"):
         config(tmp_path, job_idle_pause_s=0)
+
+
+def test_a_replacement_learner_answers_a_resent_step_its_predecessor_took(tmp_path: Path) -> None:
+    """Keyed training calls on real learner workers: a duplicate is answered from the first result;
+    a step finished by a process that died before answering is found by its replacement (from the
+    key next to the checkpoint), which loads it instead of stepping again; a resent step whose
+    gradient died with the old process is refused."""
+    import dataclasses
+
+    from polytinker.scheduler.service.learner_worker import GradientLost, LearnerWorker
+
+    cfg = LearnerWorkerConfig(micro_batch_size=8)
+    adapter = "alice/job/agent"
+    batch = tuple(m.DatumMsg((5, 6, 7, 8), (6, 7, 8, 9), (0.0, 1.0, 1.0, 1.0)) for _ in range(2))
+    fb = m.LearnerForwardBackward(adapter, batch, "cross_entropy", request_id="fb-1", from_version=0)
+    step = m.LearnerStep(
+        adapter, 1e-2, 0.9, 0.95, 1e-12, 0.0, str(tmp_path / "ckpt"), request_id="st-1", from_version=0
+    )
+    first = LearnerWorker("tiny-random", cfg)
+    try:
+        first.ensure(m.EnsureAdapter(adapter, 0, rank=4))
+        once = first.forward_backward(fb)
+        assert first.forward_backward(dataclasses.replace(fb, attempt=1)) == once
+        stepped = first.step(step)
+        assert first.step(dataclasses.replace(step, attempt=1)) == stepped
+        assert (first.stats["forward_backward"], first.stats["optim_steps"], first.stats["duplicates"]) == (1, 1, 2)
+        assert stepped["version"] == 1 and stepped["metrics"]["optim/tokens"] == 6.0  # one gradient, not two
+        weights = first.forward(m.LearnerForward(adapter, batch))["logprobs"]
+    finally:
+        first.close()
+    # The answer never reached the scheduler: it still records version 0, and a new process starts there.
+    second = LearnerWorker("tiny-random", cfg)
+    try:
+        second.ensure(m.EnsureAdapter(adapter, 0, rank=4))
+        assert second.step(dataclasses.replace(step, attempt=1)) == stepped
+        assert second.stats["optim_steps"] == 0 and second._versions()[adapter] == 1
+        assert second.forward(m.LearnerForward(adapter, batch))["logprobs"] == weights
+        with pytest.raises(GradientLost, match="redo this step"):
+            second.step(dataclasses.replace(step, request_id="st-2", from_version=1, attempt=1))
+        assert second.stats["optim_steps"] == 0 and second._versions()[adapter] == 1
+    finally:
+        second.close()

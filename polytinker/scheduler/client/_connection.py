@@ -7,7 +7,9 @@ Every call goes through ``Connection.request``:
 - a "waiting" answer (the job is queued, preempted or paused) is retried until ``job_wait_s``;
   then ``JobNotRunning`` is raised;
 - a scheduler that stops answering (restarting) is retried for up to ``reconnect_s`` when the
-  request is safe to send twice (``idempotent=True``); ``optim_step`` is not, and raises;
+  request is safe to send twice (``idempotent=True``). ``forward_backward`` and ``optim_step`` are:
+  each call carries a ``request_id``, the same on every resend (whose ``attempt`` counts up), and
+  the learner applies one id once; ``load_state`` is not, and raises;
 - errors the scheduler raised come back as their own types (``AuthError``, ``ConfigError``,
   ``NotBuiltError``, ``JobNotRunning``), with the ``RemoteError`` as ``__cause__``.
 
@@ -16,6 +18,7 @@ Results are typed (``ForwardBackwardOutput``, ``OptimStepResult``, ``SampleRespo
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -101,6 +104,8 @@ class Connection:
                 if not idempotent or isinstance(exc, RequestTimeout) or time.monotonic() - start > self.reconnect_s:
                     raise
                 time.sleep(0.2)  # the scheduler is restarting: the client reconnects by itself
+                if hasattr(msg, "attempt"):
+                    msg = dataclasses.replace(msg, attempt=msg.attempt + 1)
                 continue
             except RemoteError as exc:
                 local = _local(exc)

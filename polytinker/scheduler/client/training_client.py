@@ -10,6 +10,7 @@ SQLite).
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -99,8 +100,10 @@ class TrainingClient:
     def forward_backward(
         self, data: Sequence[Any], loss_fn: str = "cross_entropy", loss_fn_config: dict[str, float] | None = None
     ) -> Future[ForwardBackwardOutput]:
-        """Loss and gradient of ``data`` (``Datum`` objects); the gradient accumulates until ``optim_step``."""
-        msg = m.ForwardBackward(self._key(), self.job_id, tuple(datum_msg(d) for d in data), loss_fn, loss_fn_config)
+        """Loss and gradient of ``data`` (``Datum`` objects); the gradient accumulates until ``optim_step``.
+        A resend of the call (after a lost connection) carries the same request id: applied once."""
+        data_msgs = tuple(datum_msg(d) for d in data)
+        msg = m.ForwardBackward(self._key(), self.job_id, data_msgs, loss_fn, loss_fn_config, uuid.uuid4().hex)
 
         def run() -> ForwardBackwardOutput:
             r = self._conn.request("sched.forward_backward", msg)
@@ -114,12 +117,22 @@ class TrainingClient:
         return self._submit(lambda: self._conn.request("sched.forward", msg)["logprobs"])
 
     def optim_step(self, adam_params: Any = None) -> Future[OptimStepResult]:
-        """Apply the accumulated gradient with AdamW (``AdamParams`` or a dict; defaults if None)."""
-        msg = m.OptimStep(self._key(), self.job_id, **_adam(adam_params))
+        """Apply the accumulated gradient with AdamW (``AdamParams`` or a dict; defaults if None).
+        A resend of the call (after a lost connection) carries the same request id: one step."""
+        a = _adam(adam_params)
+        msg = m.OptimStep(
+            self._key(),
+            self.job_id,
+            a["learning_rate"],
+            a["beta1"],
+            a["beta2"],
+            a["eps"],
+            a["weight_decay"],
+            request_id=uuid.uuid4().hex,
+        )
 
         def run() -> OptimStepResult:
-            # Not resent after a lost connection: a step must not be applied twice.
-            r = self._conn.request("sched.optim_step", msg, idempotent=False)
+            r = self._conn.request("sched.optim_step", msg)
             return OptimStepResult(r["version"], r["metrics"])
 
         return self._submit(run)

@@ -7,7 +7,10 @@
 - ``call(worker_id, kind, payload)`` forwards one request. If the worker dies (its connection
   goes silent, or it is gone from the registry), the call waits for the worker to come back (a
   supervisor restarts it) and sends the request again, up to ``worker_retry_s``; ``prepare``
-  runs first on every new incarnation (to reload the adapter the request needs).
+  runs first on every new incarnation (to reload the adapter the request needs). A request the
+  worker deduplicates (``keyed``: it carries an idempotency key) is also sent again to the same
+  incarnation once it re-registers (it was wrongly declared dead: alive, but silent for a while),
+  with its ``attempt`` counted up; any other request waits for a new incarnation.
 - ``LearnerSlicer``: many jobs share a learner group; it is held by one job from its first
   ``forward_backward`` to its ``optim_step`` (a step boundary) and then handed to the waiting job
   that ``next_learner_job`` (the decision core) picks: highest priority, then longest waiting.
@@ -16,6 +19,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -160,10 +164,13 @@ class Broker:
         prepare: tuple[str, Callable[[WorkerHandle], None]] | None = None,
         timeout_s: float | None = None,
         retry: bool = True,
+        keyed: bool = False,
     ) -> Any:
         """Forward one request, riding out a restart of the worker (see the module docstring).
         ``prepare=(key, fn)``: run ``fn(handle)`` once per incarnation before the request.
-        ``retry=False``: a request that must not run twice fails when its worker dies."""
+        ``retry=False``: a request that must not run twice fails when its worker dies.
+        ``keyed``: the worker answers a resend of ``payload`` (a dataclass with ``attempt``) with its
+        first result, so it may go to the same incarnation again."""
         deadline = time.monotonic() + self.config.worker_retry_s
         avoid = ""
         while True:
@@ -179,7 +186,10 @@ class Broker:
                 log.warning("%s to %s failed (%s); waiting for it to come back", kind, worker_id, exc)
                 with self._cv:
                     h.dead = True
-                avoid = h.incarnation
+                if keyed:
+                    payload = dataclasses.replace(payload, attempt=payload.attempt + 1)
+                else:
+                    avoid = h.incarnation
                 if not retry or time.monotonic() >= deadline:
                     raise WorkerUnavailable(f"worker {worker_id} died and did not come back: {exc}") from exc
 

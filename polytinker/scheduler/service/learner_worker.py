@@ -8,17 +8,30 @@ inside the model.
 
 ``sched.w.step`` steps and then writes the new version's checkpoint (and the peft directory the
 engines load) before it answers: the scheduler records the version only once it is on disk.
+
+Idempotent training calls. ``sched.w.fb`` and ``sched.w.step`` carry a ``request_id`` that is the
+same on every resend of one call (the client makes it; the scheduler makes one for clients that do
+not). With the adapter it is the idempotency key: a worker that gets a key it already ran answers
+the first result and runs nothing, so a resend to a worker wrongly declared dead (it missed its
+heartbeats but ran the call) never applies a gradient or a step twice. A step's key is also written
+next to its checkpoint (``request.json``): a replacement process that gets the resend of a step
+its predecessor finished loads that checkpoint and answers the same version, so a completed step is
+not lost; a resent step this process holds no gradient for is refused (``GradientLost``) instead of
+stepping on nothing.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from polytinker.errors import ConfigError, NotBuiltError
+from polytinker.errors import ConfigError, NotBuiltError, PolytinkerError
 from polytinker.scheduler.service.config import LearnerWorkerConfig
 from polytinker.scheduler.service.messages import (
     DatumMsg,
@@ -33,6 +46,14 @@ from polytinker.scheduler.service.messages import (
 )
 
 log = logging.getLogger("polytinker.scheduler.learner_worker")
+
+REQUEST_FILE = "request.json"  # in a step's checkpoint directory: the key of the call that made it
+MAX_REMEMBERED = 1024  # keyed results kept in memory (the newest)
+
+
+class GradientLost(PolytinkerError):
+    """A resent optim_step reached a learner process that holds no gradient for it (the one that
+    took the step's forward_backward calls died before stepping): redo the step's calls."""
 
 
 def _data(msgs: tuple[DatumMsg, ...]) -> list[Any]:
@@ -66,7 +87,11 @@ class LearnerWorker:
             pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
             self.group = LearnerGroup(make_learner(base, lcfg, SINGLE, pad_token_id=int(pad)), SINGLE)
         self._full: dict[str, Any] = {}
-        self.stats = {"forward_backward": 0, "optim_steps": 0, "loads": 0, "adapters_created": 0}
+        self.stats = {"forward_backward": 0, "optim_steps": 0, "loads": 0, "adapters_created": 0, "duplicates": 0}
+        # Keyed calls: (adapter, request_id) -> ("fb" | "step", result), newest last.
+        self._done: OrderedDict[tuple[str, str], tuple[str, dict[str, Any]]] = OrderedDict()
+        self._fb_since_step: dict[str, int] = {}  # forward_backward calls held in each adapter's gradient
+        self._keyed = threading.Lock()  # one keyed call at a time: a duplicate waits for the first
 
     def handlers(self) -> dict[str, Callable[[Any], Any]]:
         return {
@@ -109,11 +134,13 @@ class LearnerWorker:
                 if not msg.checkpoint:
                     raise ConfigError(f"full-parameter slot {msg.adapter} needs a checkpoint for v{msg.version}")
                 learner.load_state(msg.checkpoint)
+                self._gradient_gone(msg.adapter)
                 self.stats["loads"] += 1
             return {"version": learner.version().version}
         have = self._versions().get(msg.adapter)
         if have == msg.version:
             return {"version": have}
+        self._gradient_gone(msg.adapter)
         if msg.checkpoint:
             ref = self.group.load_state(msg.checkpoint, msg.adapter)
             self.stats["loads"] += 1
@@ -131,15 +158,75 @@ class LearnerWorker:
         self.stats["adapters_created"] += 1
         return {"version": 0}
 
+    # --- idempotency ------------------------------------------------------------------------------
+    def _remember(self, adapter: str, request_id: str, kind: str, result: dict[str, Any]) -> None:
+        if not request_id:
+            return
+        self._done[(adapter, request_id)] = (kind, result)
+        while len(self._done) > MAX_REMEMBERED:
+            self._done.popitem(last=False)
+
+    def _duplicate(self, adapter: str, request_id: str, kind: str) -> dict[str, Any] | None:
+        found = self._done.get((adapter, request_id)) if request_id else None
+        if found is None:
+            return None
+        if found[0] != kind:
+            raise ConfigError(f"request id {request_id} of {adapter} was already used by a {found[0]} call")
+        self.stats["duplicates"] += 1
+        log.info("%s %s of %s is a resend: answering its first result", kind, request_id, adapter)
+        return found[1]
+
+    def _gradient_gone(self, adapter: str) -> None:
+        """The adapter's state was replaced: the gradient its forward_backward calls left is gone, so
+        a resend of one of them must run again."""
+        self._fb_since_step.pop(adapter, None)
+        for key in [k for k, (kind, _) in self._done.items() if k[0] == adapter and kind == "fb"]:
+            del self._done[key]
+
+    def _version(self, adapter: str, full: bool) -> int | None:
+        return self._full_learner(adapter).version().version if full else self._versions().get(adapter)
+
+    def _restore(self, adapter: str, full: bool, result: dict[str, Any]) -> None:
+        """Put the adapter back at the version a step made (something reloaded an older one since)."""
+        if self._version(adapter, full) == result["version"]:
+            return
+        self._gradient_gone(adapter)
+        if full:
+            self._full_learner(adapter).load_state(result["checkpoint"])
+        else:
+            self.group.load_state(result["checkpoint"], adapter)
+        self.stats["loads"] += 1
+
+    def _recorded_step(self, msg: LearnerStep) -> dict[str, Any] | None:
+        """The result an earlier process wrote for this step's key next to its checkpoint, if any."""
+        if not msg.request_id or msg.from_version < 0:
+            return None
+        path = Path(msg.checkpoint_dir) / f"v{msg.from_version + 1}" / REQUEST_FILE
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(record, dict) or record.get("request_id") != msg.request_id:
+            return None
+        result = record.get("result")
+        return result if isinstance(result, dict) else None
+
     # --- training --------------------------------------------------------------------------------
     def forward_backward(self, msg: LearnerForwardBackward) -> dict[str, Any]:
-        data = _data(msg.data)
-        if msg.full:
-            r = self._full_learner(msg.adapter).forward_backward(data, msg.loss_fn, None, msg.loss_fn_config)
-        else:
-            r = self.group.forward_backward(data, msg.loss_fn, msg.adapter, msg.loss_fn_config)  # type: ignore[arg-type]
-        self.stats["forward_backward"] += 1
-        return {"loss": r.loss, "logprobs": r.logprobs, "metrics": r.metrics}
+        with self._keyed:
+            first = self._duplicate(msg.adapter, msg.request_id, "fb")
+            if first is not None:
+                return first
+            data = _data(msg.data)
+            if msg.full:
+                r = self._full_learner(msg.adapter).forward_backward(data, msg.loss_fn, None, msg.loss_fn_config)
+            else:
+                r = self.group.forward_backward(data, msg.loss_fn, msg.adapter, msg.loss_fn_config)  # type: ignore[arg-type]
+            self.stats["forward_backward"] += 1
+            self._fb_since_step[msg.adapter] = self._fb_since_step.get(msg.adapter, 0) + 1
+            result = {"loss": r.loss, "logprobs": r.logprobs, "metrics": r.metrics}
+            self._remember(msg.adapter, msg.request_id, "fb", result)
+            return result
 
     def forward(self, msg: LearnerForward) -> dict[str, Any]:
         data = _data(msg.data)
@@ -148,6 +235,33 @@ class LearnerWorker:
         return {"logprobs": self.group.forward(data, msg.adapter)}
 
     def step(self, msg: LearnerStep) -> dict[str, Any]:
+        with self._keyed:
+            first = self._duplicate(msg.adapter, msg.request_id, "step")
+            if first is None and (first := self._recorded_step(msg)) is not None:
+                self.stats["duplicates"] += 1
+                log.info("step %s of %s was taken by an earlier process: answering it", msg.request_id, msg.adapter)
+                self._remember(msg.adapter, msg.request_id, "step", first)
+            if first is not None:
+                self._restore(msg.adapter, msg.full, first)
+                return first
+            if msg.attempt > 0 and not self._fb_since_step.get(msg.adapter):
+                raise GradientLost(
+                    f"optim_step {msg.request_id} of {msg.adapter} was resent to a learner that holds no gradient"
+                    " for it (the process that took its forward_backward calls is gone): redo this step's calls"
+                )
+            result = self._step(msg)
+            self._fb_since_step.pop(msg.adapter, None)
+            for key in [k for k, (kind, _) in self._done.items() if k[0] == msg.adapter and kind == "fb"]:
+                del self._done[key]  # their gradient is spent: a late resend of one belongs to no step
+            self._remember(msg.adapter, msg.request_id, "step", result)
+            if msg.request_id:
+                record = Path(result["checkpoint"]) / REQUEST_FILE
+                tmp = record.with_suffix(".tmp")
+                tmp.write_text(json.dumps({"request_id": msg.request_id, "result": result}))
+                os.replace(tmp, record)
+            return result
+
+    def _step(self, msg: LearnerStep) -> dict[str, Any]:
         from polytinker.engine.learner import AdamParams
 
         adam = AdamParams(
@@ -184,6 +298,7 @@ class LearnerWorker:
         return {"path": str(path), "version": self._versions()[msg.adapter]}
 
     def load(self, msg: LearnerLoad) -> dict[str, Any]:
+        self._gradient_gone(msg.adapter)
         if msg.full:
             return {"version": self._full_learner(msg.adapter).load_state(msg.path).version}
         return {"version": self.group.load_state(msg.path, msg.adapter).version}

@@ -36,6 +36,17 @@ def _need(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+MAX_REQUEST_ID = 64
+
+
+def _request_id_ok(request_id: str, attempt: int) -> None:
+    _need(
+        len(request_id) <= MAX_REQUEST_ID and all(c.isascii() and (c.isalnum() or c in "-_") for c in request_id),
+        f"request_id: at most {MAX_REQUEST_ID} ASCII letters, digits, '-' or '_'",
+    )
+    _need(isinstance(attempt, int) and 0 <= attempt < 1_000_000, "attempt must be an int in [0, 1000000)")
+
+
 @message("sched.datum")
 @dataclass(frozen=True)
 class DatumMsg:
@@ -129,11 +140,14 @@ class ForwardBackward:
     data: tuple[DatumMsg, ...]
     loss_fn: str = "cross_entropy"
     loss_fn_config: dict[str, float] | None = None
+    request_id: str = ""  # the same on every resend of one call: the learner applies it once
+    attempt: int = 0  # 0 the first time, then 1, 2, ... on resends
 
     def __post_init__(self) -> None:
         _need(0 < len(self.data) <= MAX_DATA, f"forward_backward needs 1..{MAX_DATA} datums")
         _need(all(isinstance(d, DatumMsg) for d in self.data), "data must hold datums")
         _need(self.loss_fn in LOSS_FNS, f"loss_fn must be one of {LOSS_FNS}, got {self.loss_fn!r}")
+        _request_id_ok(self.request_id, self.attempt)
 
 
 @message("sched.forward")
@@ -158,6 +172,11 @@ class OptimStep:
     beta2: float = 0.95
     eps: float = 1e-12
     weight_decay: float = 0.0
+    request_id: str = ""  # the same on every resend of one call: the learner steps once
+    attempt: int = 0  # 0 the first time, then 1, 2, ... on resends
+
+    def __post_init__(self) -> None:
+        _request_id_ok(self.request_id, self.attempt)
 
 
 @message("sched.save_state")
@@ -268,6 +287,9 @@ class LearnerForwardBackward:
     loss_fn: str
     loss_fn_config: dict[str, float] | None = None
     full: bool = False
+    request_id: str = ""  # with ``adapter``, the idempotency key: a duplicate answers the first result
+    from_version: int = -1  # the adapter version the gradient is taken at (the step it belongs to)
+    attempt: int = 0  # resends so far, by the client and the scheduler together
 
 
 @message("sched.w.forward")
@@ -292,6 +314,9 @@ class LearnerStep:
     checkpoint_dir: str  # the new version's checkpoint goes to <checkpoint_dir>/v<version>
     export_dir: str = ""  # LoRA: the peft directory an engine loads goes to <export_dir>/v<version>
     full: bool = False
+    request_id: str = ""  # with ``adapter``, the idempotency key: a duplicate answers the first result
+    from_version: int = -1  # the version this step starts from: it makes from_version + 1
+    attempt: int = 0  # resends so far, by the client and the scheduler together
 
 
 @message("sched.w.save")

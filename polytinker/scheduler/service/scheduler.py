@@ -8,7 +8,15 @@ work to the learner group or engine the job was placed on (through the ``Broker`
 Durability: ``optim_step`` answers only after the learner wrote the new version's checkpoint and
 this process committed the version to SQLite. A scheduler killed at any moment restarts with every
 acknowledged step (``JobManager.recover``); a step taken but not acknowledged is rolled back to
-the recorded checkpoint the next time the job's adapter is used.
+the recorded checkpoint the next time the job's adapter is used, unless its call is resent (the
+learner then answers the step it took, and it is recorded).
+
+Idempotent training calls: ``forward_backward`` and ``optim_step`` go to the learner with an
+idempotency key, the job's adapter and the call's ``request_id`` (the client's, the same on each of
+its resends; one made here for a client that sends none), with the adapter version the call builds
+on. The learner answers a key it already ran with its first result, so the broker may resend them
+to a worker it wrongly declared dead, and the client may resend them to a restarted scheduler: a
+gradient is applied once, and a completed step is recorded, not lost or taken twice.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import logging
 import os
 import shutil
 import threading
+import uuid
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -261,9 +270,18 @@ class SchedulerService:
 
     def forward_backward(self, msg: m.ForwardBackward) -> dict[str, Any]:
         row, a, learner = self._training(msg.api_key, msg.job_id)
-        req = m.LearnerForwardBackward(a.adapter_key, msg.data, msg.loss_fn, msg.loss_fn_config, row.kind == "full_rl")
+        req = m.LearnerForwardBackward(
+            a.adapter_key,
+            msg.data,
+            msg.loss_fn,
+            msg.loss_fn_config,
+            row.kind == "full_rl",
+            request_id=msg.request_id or uuid.uuid4().hex,
+            from_version=a.version,
+            attempt=msg.attempt,
+        )
         with self._admit(row.tenant, "train"), self.broker.slicers[learner].turn(row.job_id, row.priority):
-            out = self.broker.call(learner, "sched.w.fb", req, prepare=self._prepare(row, a))
+            out = self.broker.call(learner, "sched.w.fb", req, prepare=self._prepare(row, a), keyed=True)
         return {"status": "ok", **out}
 
     def forward(self, msg: m.Forward) -> dict[str, Any]:
@@ -291,11 +309,16 @@ class SchedulerService:
             str(ckpt_dir),
             "" if full else str(export_dir),
             full,
+            request_id=msg.request_id or uuid.uuid4().hex,
+            from_version=a.version,
+            attempt=msg.attempt,
         )
         slicer = self.broker.slicers[learner]
         with self._admit(row.tenant, "train"), slicer.turn(row.job_id, row.priority, ends_step=True):
-            # No resend after a learner crash: the gradients of this step died with it.
-            out = self.broker.call(learner, "sched.w.step", req, prepare=self._prepare(row, a), retry=False)
+            # Resent when the learner goes silent: the same process answers a step it took once; a
+            # replacement answers it from the key written next to its checkpoint, or refuses
+            # (GradientLost) when the step's gradient died with the old process.
+            out = self.broker.call(learner, "sched.w.step", req, prepare=self._prepare(row, a), keyed=True)
             self.store.record_version(a.adapter_key, out["version"], out["checkpoint"], out["export_dir"])
         self._prune(a, out["version"])
         self.jobs.step_boundary(row.job_id, out["version"])
