@@ -19,6 +19,7 @@ a tensor read-only, so treat received tensors as read-only too (``.clone()`` bef
 from __future__ import annotations
 
 import enum
+import functools
 import sys
 import warnings
 from collections.abc import Sequence
@@ -70,9 +71,18 @@ Frame = bytes | bytearray | memoryview | zmq.Frame
 warnings.filterwarnings("ignore", message="The given buffer is not writable, and PyTorch", category=UserWarning)
 
 
+# Values msgpack packs by itself (no ext types, no buffers): encoded without an _Encoder.
+_PLAIN = frozenset({type(None), bool, int, float, str, bytes})
+
+
 def encode(obj: Any, *, config: TransportConfig | None = None) -> list[bytes | memoryview]:
     """Encode ``obj``: ``[msgpack body, *raw buffers]``. The buffers alias the arrays' memory,
     so do not modify an array until the frames are sent."""
+    if type(obj) in _PLAIN:
+        try:
+            return [msgpack.packb(obj, use_bin_type=True)]
+        except Exception as exc:  # an int out of 64-bit range
+            raise ProtocolError(f"cannot encode {type(obj).__name__}: {type(exc).__name__}: {exc}") from exc
     enc = _Encoder((config or DEFAULT_CONFIG).inline_max_bytes)
     try:
         body = msgpack.packb(obj, default=enc.default, use_bin_type=True)
@@ -88,6 +98,17 @@ def decode(frames: Sequence[Frame], *, config: TransportConfig | None = None) ->
 
     Any malformed input raises ProtocolError; nothing else escapes."""
     cfg = config or DEFAULT_CONFIG
+    if len(frames) == 1:  # the common case, on every round trip: no buffer frames
+        frame = frames[0]
+        buf = frame.buffer if type(frame) is zmq.Frame else _as_buffer(frame)
+        if len(buf) <= cfg.max_container_len and len(buf) <= cfg.max_body_bytes:
+            # msgpack bounds every string, bin, ext, array and map by the body's length by itself.
+            try:
+                return msgpack.unpackb(buf, raw=False, strict_map_key=False, ext_hook=_single(cfg).ext_hook)
+            except ProtocolError:
+                raise
+            except Exception as exc:  # msgpack and numpy raise many types on hostile bytes
+                raise ProtocolError(f"malformed message body: {type(exc).__name__}: {exc}") from exc
     if not frames:
         raise ProtocolError("no frames to decode")
     if len(frames) > cfg.max_frames + 1:
@@ -96,11 +117,28 @@ def decode(frames: Sequence[Frame], *, config: TransportConfig | None = None) ->
     if len(bufs[0]) > cfg.max_body_bytes:
         raise ProtocolError(f"msgpack body of {len(bufs[0])} bytes exceeds max_body_bytes={cfg.max_body_bytes}")
     try:
+        if len(bufs) == 1:
+            return _single(cfg).unpack(bufs[0])
         return _Decoder(bufs, cfg).unpack(bufs[0])
     except ProtocolError:
         raise
     except Exception as exc:  # msgpack and numpy raise many types on hostile bytes
         raise ProtocolError(f"malformed message body: {type(exc).__name__}: {exc}") from exc
+
+
+# Decoders of single-frame bodies, by id of their config (a decoder holds no per-message state: an
+# array ext that names a buffer frame finds none and is malformed, as it must be).
+_SINGLE: dict[int, tuple[TransportConfig, _Decoder]] = {}
+
+
+def _single(cfg: TransportConfig) -> _Decoder:
+    """The decoder of bodies without buffer frames, made once per config."""
+    entry = _SINGLE.get(id(cfg))
+    if entry is None or entry[0] is not cfg:
+        if len(_SINGLE) >= 64:
+            _SINGLE.clear()
+        entry = _SINGLE[id(cfg)] = (cfg, _Decoder([b""], cfg))
+    return entry[1]
 
 
 def _as_buffer(frame: Frame) -> bytes | bytearray | memoryview:
@@ -170,21 +208,22 @@ class _Encoder:
 
 
 class _Decoder:
-    __slots__ = ("bufs", "limits")
+    __slots__ = ("bufs", "unpack")
 
     def __init__(self, bufs: list[bytes | bytearray | memoryview], cfg: TransportConfig) -> None:
         self.bufs = bufs
         n = cfg.max_body_bytes
-        self.limits = dict(
+        self.unpack = functools.partial(
+            msgpack.unpackb,
+            raw=False,
+            strict_map_key=False,
+            ext_hook=self.ext_hook,
             max_str_len=n,
             max_bin_len=n,
             max_ext_len=n,
             max_array_len=cfg.max_container_len,
             max_map_len=cfg.max_container_len,
         )
-
-    def unpack(self, data: Any) -> Any:
-        return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=self.ext_hook, **self.limits)
 
     def ext_hook(self, code: int, data: bytes) -> Any:
         if code == EXT_NDARRAY:

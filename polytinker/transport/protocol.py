@@ -9,6 +9,7 @@ PING, PONG and CANCEL carry the header only.
 from __future__ import annotations
 
 import logging
+import struct
 import threading
 import time
 import traceback
@@ -32,7 +33,7 @@ class MsgType(IntEnum):
     TELL = 4  # client -> server: run handler `kind`, no answer (not even on error)
     PING = 5  # client -> server: heartbeat
     PONG = 6  # server -> client: heartbeat answer
-    CANCEL = 7  # client -> server: the client gave up on request_id (servers may ignore it)
+    CANCEL = 7  # client -> server: the client gave up on request_id; nothing more is answered for it
 
 
 class ErrorCode(StrEnum):
@@ -48,8 +49,36 @@ class ErrorCode(StrEnum):
 _VALID_TYPES = frozenset(int(t) for t in MsgType)
 
 
-def pack_header(mtype: MsgType, request_id: int, kind: str) -> bytes:
-    return msgpack.packb([PROTOCOL_VERSION, int(mtype), request_id, kind])
+_PACK_U8 = struct.Struct(">BB").pack
+_PACK_U16 = struct.Struct(">BH").pack
+_PACK_U32 = struct.Struct(">BI").pack
+_PACK_U64 = struct.Struct(">BQ").pack
+_HEADER_START = {int(t): bytes((0x94, PROTOCOL_VERSION, int(t))) for t in MsgType}  # fixarray of 4, version, type
+_packed_kinds: dict[str, bytes] = {}
+
+
+def pack_header(mtype: MsgType | int, request_id: int, kind: str) -> bytes:
+    """``msgpack.packb([PROTOCOL_VERSION, mtype, request_id, kind])``, byte for byte, built from
+    cached pieces (this runs twice on every round trip)."""
+    packed_kind = _packed_kinds.get(kind)
+    if packed_kind is None:
+        packed_kind = msgpack.packb(kind)
+        if len(_packed_kinds) < 4096:
+            _packed_kinds[kind] = packed_kind
+    if request_id < 0x80:
+        rid = _FIXINTS[request_id]
+    elif request_id < 0x100:
+        rid = _PACK_U8(0xCC, request_id)
+    elif request_id < 0x10000:
+        rid = _PACK_U16(0xCD, request_id)
+    elif request_id < 0x100000000:
+        rid = _PACK_U32(0xCE, request_id)
+    else:
+        rid = _PACK_U64(0xCF, request_id)
+    return _HEADER_START[mtype] + rid + packed_kind
+
+
+_FIXINTS = [bytes((i,)) for i in range(0x80)]
 
 
 PING_HEADER = pack_header(MsgType.PING, 0, "")
