@@ -11,8 +11,9 @@ Both servers run in their own subprocess on tcp loopback (ROUTER), the clients h
   engines return them) against pickle.dumps+loads of the same object; then the same sample as
   two numpy arrays.
 
-Also printed: the round trip against a server whose handlers run on its I/O thread
-(``handler_threads=0``), which saves the hand-off to a handler thread.
+Also printed: the round trip against a server that runs every handler on the thread that reads
+its socket (``handler_threads=0``). A default server runs a request that finds it idle there too,
+and hands the socket to another thread if the handler runs long.
 
 ``--quick`` finishes in well under a minute on 2 cores.
 """

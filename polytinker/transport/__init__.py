@@ -2,7 +2,8 @@
 
 - ``encode`` / ``decode``: msgpack bodies with arrays and tensors as out-of-band frames.
 - ``message`` / ``register_message``: typed messages (frozen dataclasses) by name.
-- ``RpcServer``, ``RpcClient``, ``AsyncRpcClient``: request/reply and tells over ROUTER/DEALER.
+- ``RpcServer``, ``RpcClient``, ``AsyncRpcClient``: request/reply and tells over ROUTER/DEALER;
+  ``current_call()`` tells a handler which request it serves and whether it was cancelled.
 - ``ServerCurve``, ``ClientCurve``, ``generate_keypair``: CurveZMQ keys and allow-lists.
 - ``TransportConfig``: timeouts, heartbeats, limits and queue depths.
 """
@@ -14,11 +15,12 @@ from polytinker.transport.codec import decode, encode
 from polytinker.transport.config import TransportConfig
 from polytinker.transport.messages import message, message_name, message_type, register_message
 from polytinker.transport.protocol import PROTOCOL_VERSION, ErrorCode, MsgType
-from polytinker.transport.rpc import AsyncRpcClient, Handler, RpcClient, RpcServer
+from polytinker.transport.rpc import AsyncRpcClient, CallContext, Handler, RpcClient, RpcServer, current_call
 
 __all__ = [
     "PROTOCOL_VERSION",
     "AsyncRpcClient",
+    "CallContext",
     "ClientCurve",
     "ErrorCode",
     "Handler",
@@ -27,6 +29,7 @@ __all__ = [
     "RpcServer",
     "ServerCurve",
     "TransportConfig",
+    "current_call",
     "decode",
     "encode",
     "generate_keypair",

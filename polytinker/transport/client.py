@@ -2,15 +2,18 @@
 
 One thread at a time owns the socket, the holder of ``_io_lock``. A blocking ``call()`` takes the
 lock when it is free and drives the socket itself until its reply is in (leader/followers: no
-thread hand-off on the hot path, which in CPython costs more than the network round trip).
-Otherwise, and for ``call_async``, ``send_oneway`` and ``AsyncRpcClient``, the caller encodes its
-payload in its own thread and hands the frames over through a queue and a wake-up pipe to the I/O
-thread, which waits for the pipe or the socket's ``ZMQ_FD`` without holding the lock.
+thread hand-off on the hot path, which in CPython costs more than the network round trip); it
+first waits for the reply in a blocking receive bounded by ``ZMQ_RCVTIMEO`` (1 ms), cheaper than
+polling, then polls the socket and the wake-up pipe. Otherwise, and for ``call_async``,
+``send_oneway`` and ``AsyncRpcClient``, the caller encodes its payload in its own thread and hands
+the frames over through a queue and a wake-up pipe to the I/O thread, which waits for the pipe or
+the socket's ``ZMQ_FD`` without holding the lock.
 
 Whoever holds the lock sends queued requests, matches replies to request ids, enforces deadlines,
 pings the server every ``heartbeat_interval_s`` and, after ``heartbeat_liveness`` intervals of
 silence, fails the pending calls with PeerDeadError and replaces the socket (a restarted server
-on the same address is then reached again, inproc too).
+on the same address is then reached again, inproc too). A call cancelled by its caller or by its
+timeout is cancelled on the server too (CANCEL, docs/wire-protocol.md).
 """
 
 from __future__ import annotations
@@ -50,6 +53,10 @@ log = logging.getLogger("polytinker.transport.client")
 _BATCH = 256
 _REQUEST = int(MsgType.REQUEST)
 _TELL = int(MsgType.TELL)
+_CANCEL = int(MsgType.CANCEL)
+# A leader waits this long for its answer in a blocking receive (ZMQ_RCVTIMEO) before it polls
+# the socket and the wake-up pipe: calls queued by other threads meanwhile wait at most this long.
+_FAST_WAIT_MS = 1
 _NOBLOCK = int(zmq.NOBLOCK)
 
 
@@ -134,15 +141,27 @@ class RpcClient:
 
     def call_async(self, kind: str, payload: Any = None, *, timeout_s: float | None = None) -> Future[Any]:
         """Send a request; the future resolves to the reply or raises RemoteError, ProtocolError,
-        RequestTimeout or PeerDeadError. ``future.cancel()`` abandons the call (the handler may still run)."""
+        RequestTimeout or PeerDeadError. ``future.cancel()`` abandons the call: the server is sent
+        CANCEL, so a request it has not started is dropped and a running handler can see it
+        (``current_call().cancelled``); a timeout sends CANCEL too."""
         fut: Future[Any] = Future()
-        self._ops.append(self._request(kind, payload, timeout_s, fut))
+        op = self._request(kind, payload, self._cfg.request_timeout_s if timeout_s is None else timeout_s, fut)
+        rid = op[1]
+
+        def on_done(f: Future[Any]) -> None:
+            if f.cancelled() and not self._closed:
+                self._ops.append((_CANCEL, rid, kind, None, None, None))
+                self._wake()
+
+        fut.add_done_callback(on_done)
+        self._ops.append(op)
         self._wake()
         return fut
 
     def call(self, kind: str, payload: Any = None, *, timeout_s: float | None = None) -> Any:
         """Send a request and wait for its reply (see :meth:`call_async` for the errors)."""
-        if not self._io_lock.acquire(blocking=False):  # another thread drives the socket
+        lock = self._io_lock
+        if not lock.acquire(blocking=False):  # another thread drives the socket
             if self._io_owner == threading.get_ident():
                 raise TransportError(
                     "a blocking call() from a callback of this client's futures would wait for itself; "
@@ -150,27 +169,53 @@ class RpcClient:
                 )
             return self.call_async(kind, payload, timeout_s=timeout_s).result()
         self._io_owner = threading.get_ident()
+        st = self._st
         try:  # lead: drive the socket from this thread until the reply is in
             slot = _Slot()
-            self._ops.append(self._request(kind, payload, timeout_s, slot))
-            st = self._st
+            # The deadline of this call is this thread's to keep (not in the heap the I/O thread serves).
+            op = self._request(kind, payload, None, slot)
+            rid = op[1]
+            t = self._cfg.request_timeout_s if timeout_s is None else timeout_s
+            deadline = None if t is None else time.monotonic() + t
+            if self._ops or st.backlog:
+                self._ops.append(op)
+                self._send_queued(st)
+            elif not self._send_one(st, op, retry=False):
+                st.backlog.append(op)
+            if not st.backlog:
+                # The answer mostly comes within a millisecond: wait for it in a blocking receive
+                # (bounded by RCVTIMEO), which is cheaper than polling the socket and the pipe.
+                try:
+                    frames = recv_frames(self._sock, 0)
+                except zmq.Again:
+                    pass
+                else:
+                    self._received(st, frames)
             while not slot._done and not self._closed:
-                self._io_step(st, st.poll_timeout_ms(), slot)
+                timeout_ms = st.poll_timeout_ms()
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        if st.pending.pop(rid, None) is not None:
+                            self._send_cancel(rid, kind)
+                        slot.set_exception(RequestTimeout(f"{kind!r} got no reply within {t} s"))
+                        break
+                    timeout_ms = min(timeout_ms, int(left * 1000) + 1)
+                self._io_step(st, timeout_ms, slot)
         finally:
             self._io_owner = None
-            self._io_lock.release()
-            if self._st.pending or self._ops or self._closed:
+            lock.release()
+            if st.pending or self._ops or self._closed:
                 self._wake()  # the I/O thread takes over the other calls
         if not slot._done:
             raise TransportError(f"the client of {self._address} was closed during the call")
         return slot.result()
 
     def _request(self, kind: str, payload: Any, timeout_s: float | None, fut: Future[Any] | _Slot) -> tuple[Any, ...]:
+        """The op of a request; ``timeout_s`` is what the I/O thread enforces (None: nothing)."""
         if self._closed:
             raise TransportError(f"the client of {self._address} is closed")
-        frames = encode(payload, config=self._cfg)
-        t = self._cfg.request_timeout_s if timeout_s is None else timeout_s
-        return (_REQUEST, next(self._ids), kind, frames, fut, t)
+        return (_REQUEST, next(self._ids), kind, encode(payload, config=self._cfg), fut, timeout_s)
 
     def send_oneway(self, kind: str, payload: Any = None) -> None:
         """A tell: the server runs the handler and answers nothing, not even on error."""
@@ -200,6 +245,7 @@ class RpcClient:
     def _connect(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
         apply_limits(sock, self._cfg)
+        sock.rcvtimeo = _FAST_WAIT_MS  # only the leader's first wait blocks; every other receive is NOBLOCK
         if self._curve is not None:
             sock.curve_secretkey = self._curve.secret_key
             sock.curve_publickey = self._curve.public_key
@@ -259,10 +305,7 @@ class RpcClient:
                         frames = recv_frames(sock, _NOBLOCK)
                     except zmq.Again:
                         break
-                    st.last_recv = time.monotonic()
-                    st.alive = True
-                    st.awaiting_pong = False
-                    self._on_reply(st, frames)
+                    self._received(st, frames)
                     if until is not None and until._done:
                         break
             else:
@@ -276,7 +319,9 @@ class RpcClient:
                 st.awaiting_pong = True
             except zmq.Again:
                 pass  # queue full towards a silent peer: liveness will tell
-        st.expire(now)
+        if st.deadlines and st.deadlines[0][0] <= now:
+            for rid, kind in st.expire(now):
+                self._send_cancel(rid, kind)
         if now - st.last_recv > self._cfg.dead_after_s:
             self._peer_died(st, now)
 
@@ -294,9 +339,26 @@ class RpcClient:
             if backlog or not self._send_one(st, op, retry=False):
                 backlog.append(op)
 
+    def _received(self, st: _LoopState, frames: list[zmq.Frame]) -> None:
+        st.last_recv = time.monotonic()
+        st.alive = True
+        st.awaiting_pong = False
+        self._on_reply(st, frames)
+
+    def _send_cancel(self, rid: int, kind: str) -> None:
+        """Tell the server we gave up on ``rid`` (best effort: a full queue drops it)."""
+        try:
+            self._sock.send(pack_header(_CANCEL, rid, kind), _NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.debug("CANCEL of %d (%r) not sent: %s", rid, kind, exc)
+
     def _send_one(self, st: _LoopState, op: tuple[Any, ...], retry: bool) -> bool:
         """False when the socket cannot take it now (no peer or queue full)."""
         mtype, rid, kind, frames, fut, timeout_s = op
+        if mtype == _CANCEL:  # only for a request sent and not yet answered
+            if st.pending.pop(rid, None) is not None:
+                self._send_cancel(rid, kind)
+            return True
         if fut is not None:
             if fut.cancelled() or (retry and rid not in st.pending):
                 return True  # cancelled, timed out or failed meanwhile: drop it
@@ -396,13 +458,17 @@ class _LoopState:
             wake_at = min(wake_at, time.monotonic() + 0.01)  # retry the requests that found no peer
         return max(0, int((wake_at - time.monotonic()) * 1000) + 1)
 
-    def expire(self, now: float) -> None:
+    def expire(self, now: float) -> list[tuple[int, str]]:
+        """Fail the calls whose deadline passed; their (request id, kind), to cancel."""
         dl = self.deadlines
+        out = []
         while dl and dl[0][0] <= now:
             _, rid = heapq.heappop(dl)
             p = self.pending.pop(rid, None)
             if p is not None:
                 _settle(p.future, exc=RequestTimeout(f"{p.kind!r} got no reply within {p.timeout_s} s"))
+                out.append((rid, p.kind))
+        return out
 
     def fail_all(self, exc: Exception) -> None:
         pending, self.pending, self.deadlines = self.pending, {}, []
@@ -413,7 +479,7 @@ class _LoopState:
 
 class AsyncRpcClient:
     """The asyncio face of :class:`RpcClient`: the same calls, awaitable. Cancelling the awaiting
-    task abandons the call."""
+    task abandons the call and cancels it on the server (CANCEL)."""
 
     def __init__(
         self,

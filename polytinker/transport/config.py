@@ -20,7 +20,8 @@ class TransportConfig:
     request_timeout_s: float | None = 30.0
     # Default per-call timeout of RpcClient.call; None waits for ever (dead-peer detection still applies).
     heartbeat_interval_s: float = 1.0
-    # A client pings its server this often; the server answers from its I/O thread, never behind handlers.
+    # A client pings its server this often; the server answers within about handler_takeover_s, even while
+    # handlers run.
     heartbeat_liveness: int = 3
     # The peer is dead after this many intervals with nothing received; pending calls fail with PeerDeadError.
     max_message_bytes: int = 1 << 31
@@ -39,9 +40,16 @@ class TransportConfig:
     rcvhwm: int = 100_000
     # ZMQ_RCVHWM: messages queued on receive per peer.
     handler_threads: int = 8
-    # Threads that run a server's handlers, so a slow handler never blocks the socket. 0 runs handlers
-    # on the server's I/O thread: the lowest latency, for handlers that never block (a slow one then
-    # delays every other request and the heartbeat answers).
+    # Most plain handlers a server runs at once (the one on the thread that reads the socket included),
+    # so a slow handler never blocks the socket; 1 runs them one at a time, in order. Coroutine handlers
+    # run on the server's asyncio loop and are not counted. 0 runs every handler on the thread that reads
+    # the socket, for handlers that never block (a slow one then delays every other request and the
+    # heartbeat answers).
+    handler_takeover_s: float = 0.005
+    # With handler_threads > 0, a request that finds the server idle runs on the thread that read it (no
+    # thread hand-off: the lowest latency); when its handler runs longer than this, another thread takes
+    # over the socket, so heartbeats and other requests wait at most about this long. 0 hands every
+    # request to a handler thread.
 
     def __post_init__(self) -> None:
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
@@ -65,6 +73,11 @@ class TransportConfig:
             )
         if self.inline_max_bytes < 0:
             raise ConfigError(f"TransportConfig.inline_max_bytes must be >= 0, got {self.inline_max_bytes}")
+        if not self.handler_takeover_s >= 0:
+            raise ConfigError(
+                "TransportConfig.handler_takeover_s must be >= 0 (0 hands every request to a handler thread), "
+                f"got {self.handler_takeover_s}"
+            )
         if self.handler_threads < 0:
             raise ConfigError(
                 "TransportConfig.handler_threads must be >= 0 (0 runs handlers on the I/O thread), "

@@ -9,6 +9,16 @@ from __future__ import annotations
 from polytinker.transport.auth import ClientCurve, ServerCurve
 from polytinker.transport.client import AsyncRpcClient, RpcClient
 from polytinker.transport.config import TransportConfig
-from polytinker.transport.server import Handler, RpcServer
+from polytinker.transport.server import CallContext, Handler, RpcServer, current_call
 
-__all__ = ["AsyncRpcClient", "ClientCurve", "Handler", "RpcClient", "RpcServer", "ServerCurve", "TransportConfig"]
+__all__ = [
+    "AsyncRpcClient",
+    "CallContext",
+    "ClientCurve",
+    "Handler",
+    "RpcClient",
+    "RpcServer",
+    "ServerCurve",
+    "TransportConfig",
+    "current_call",
+]
