@@ -154,3 +154,29 @@ def test_head_runs_in_chunks_and_only_where_asked(monkeypatch: pytest.MonkeyPatc
     assert result.loss == pytest.approx(expected.loss, rel=1e-5, abs=1e-6)
     torch.testing.assert_close(flat(result.logprobs), flat(expected.logprobs), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grads(lrn, "alice"), grads(reference, "alice"), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("share_prefix", [True, False])
+def test_gradient_checkpointing_gives_the_same_gradients(share_prefix: bool) -> None:
+    data = grpo_group(7, n=4)
+    out = {}
+    for checkpointing in (False, True):
+        lrn = MultiAdapterLearner(
+            tiny_model(), LearnerConfig(share_prefix=share_prefix, gradient_checkpointing=checkpointing)
+        )
+        lrn.add_adapter("alice", LORA, seed=1)
+        saved: list[int] = []
+
+        def pack(t: torch.Tensor, saved: list[int] = saved) -> torch.Tensor:
+            saved.append(t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            result = lrn.forward_backward(data, "importance_sampling", "alice")
+        out[checkpointing] = (result, grads(lrn, "alice"), sum(saved))
+        assert lrn.peft_model is not None
+        layers = lrn.peft_model.get_base_model().get_decoder().layers
+        assert all("forward" not in vars(layer) for layer in layers)  # the layers are restored
+    assert out[True][2] < out[False][2]  # fewer activations kept for backward
+    assert out[True][0].loss == pytest.approx(out[False][0].loss, rel=1e-6, abs=1e-7)
+    torch.testing.assert_close(out[True][1], out[False][1], rtol=1e-5, atol=1e-7)

@@ -244,6 +244,7 @@ class Learner:
             adapter_names=adapter_names,
             row_context=self._row_context,
             share_prefix=self.config.share_prefix,
+            checkpoint_layers=self.config.gradient_checkpointing,
         )
 
 

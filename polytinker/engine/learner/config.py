@@ -36,6 +36,10 @@ class LearnerConfig:
     share_prefix: bool = True
     # Run a micro-batch's common token prefix (a GRPO group's prompt) once and its rows' suffixes on
     # its key/value cache; the same logprobs and gradients as the full pass, up to float rounding.
+    gradient_checkpointing: bool = False
+    # Decoder layers keep only their inputs for backward and recompute the rest there: less
+    # activation memory for one more forward of the layers. Not applied to forward_backward_many's
+    # mixed-adapter passes nor to a shared prefix's own pass.
 
     def __post_init__(self) -> None:
         if self.mode not in ("lora", "full"):

@@ -28,7 +28,8 @@ Shapes in names: ``_B`` batch, ``_T`` position, ``_S`` suffix position, ``_D`` h
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -79,6 +80,40 @@ def _plain_dynamic(cache: Any) -> bool:
     return isinstance(cache, DynamicCache) and all(type(layer) is DynamicLayer for layer in cache.layers)
 
 
+def _frozen(cache: Any) -> Any:
+    """``cache`` as a read-only prefix: each layer's ``update`` returns prefix + new keys and stores
+    nothing, so a layer recomputed in backward (checkpointing) sees what its first run saw."""
+    from transformers.cache_utils import DynamicCache
+
+    class FrozenPrefixCache(DynamicCache):
+        def update(
+            self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_: Any, **__: Any
+        ) -> Any:
+            layer = self.layers[layer_idx]
+            return torch.cat([layer.keys, key_states], dim=-2), torch.cat([layer.values, value_states], dim=-2)
+
+    frozen = FrozenPrefixCache()
+    frozen.layers = cache.layers
+    return frozen
+
+
+@contextlib.contextmanager
+def _checkpointed_layers(decoder: nn.Module, enabled: bool) -> Iterator[None]:
+    """Within: each decoder layer keeps only its input for backward and recomputes the rest there."""
+    layers = getattr(decoder, "layers", None) if enabled and torch.is_grad_enabled() else None
+    if not isinstance(layers, nn.ModuleList):
+        yield
+        return
+    for layer in layers:
+        # The bound forward is captured: the recomputation in backward runs after this context ends.
+        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward  # back to the class's forward
+
+
 def _hidden(
     decoder: nn.Module,
     input_ids_BT: torch.Tensor,
@@ -87,6 +122,7 @@ def _hidden(
     adapter_names: Sequence[str] | None,
     row_context: RowContext,
     share_prefix: bool,
+    checkpoint_layers: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Hidden states as ``(H_ND, src_BT)``: position ``(b, t)`` reads row ``src_BT[b, t]`` of ``H_ND``."""
     B, T = input_ids_BT.shape
@@ -107,15 +143,15 @@ def _hidden(
         cache = out.past_key_values
         if _plain_dynamic(cache):
             cache.reorder_cache(owner_B)  # index_select: its backward sums the rows' gradients into the prefix
-            with row_context(adapter_names):
-                suffix = decoder(input_ids=input_ids_BT[:, P:], attention_mask=mask_BT, past_key_values=cache)
+            with row_context(adapter_names), _checkpointed_layers(decoder, checkpoint_layers):
+                suffix = decoder(input_ids=input_ids_BT[:, P:], attention_mask=mask_BT, past_key_values=_frozen(cache))
             S = T - P
             H_ND = torch.cat([out.last_hidden_state.reshape(R * P, -1), suffix.last_hidden_state.reshape(B * S, -1)])
             t_T = torch.arange(T, device=device)
             prefix_src_BT = owner_B[:, None] * P + t_T[None, :]
             suffix_src_BT = R * P + torch.arange(B, device=device)[:, None] * S + (t_T[None, :] - P)
             return H_ND, torch.where(t_T[None, :] < P, prefix_src_BT, suffix_src_BT)
-    with row_context(adapter_names):
+    with row_context(adapter_names), _checkpointed_layers(decoder, checkpoint_layers):
         out = decoder(input_ids=input_ids_BT, attention_mask=mask_BT, use_cache=False)
     H_ND = out.last_hidden_state.reshape(B * T, -1)
     return H_ND, torch.arange(B * T, device=device).reshape(B, T)
@@ -157,12 +193,15 @@ def score(
     adapter_names: Sequence[str] | None = None,
     row_context: RowContext = _no_context,
     share_prefix: bool = True,
+    checkpoint_layers: bool = False,
 ) -> torch.Tensor:
     """Float32 ``log p(target_t | tokens <= t)`` per position; 0 beyond each row's length.
 
     ``grad_BT`` (bool): positions whose values must carry gradients; None: none (or, under a grad
     context on the fallback path, all). ``adapter_names``: peft's per-row adapters, applied inside
-    ``row_context(names)``.
+    ``row_context(names)``. ``checkpoint_layers``: decoder layers recompute their activations in
+    backward (not with ``adapter_names``: the per-row context is gone by then; not in the prefix pass,
+    which writes the cache).
     """
     B, T = input_ids_BT.shape
     parts = _fast_path_parts(lm)
@@ -172,7 +211,10 @@ def score(
         nll = F.cross_entropy(logits_BTV.float().reshape(B * T, -1), targets_BT.reshape(B * T), reduction="none")
         return -nll.reshape(B, T)
     decoder, head = parts
-    H_ND, src_BT = _hidden(decoder, input_ids_BT, mask_BT, lengths_B, adapter_names, row_context, share_prefix)
+    checkpoint_layers = checkpoint_layers and adapter_names is None
+    H_ND, src_BT = _hidden(
+        decoder, input_ids_BT, mask_BT, lengths_B, adapter_names, row_context, share_prefix, checkpoint_layers
+    )
     device = input_ids_BT.device
     real_BT = torch.arange(T, device=device)[None, :] < torch.tensor(lengths_B, device=device)[:, None]
     if grad_BT is None or not torch.is_grad_enabled():
