@@ -89,7 +89,7 @@ def _frozen(cache: Any) -> Any:
         def update(
             self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_: Any, **__: Any
         ) -> Any:
-            layer = self.layers[layer_idx]
+            layer: Any = self.layers[layer_idx]  # a DynamicLayer: _plain_dynamic checked
             return torch.cat([layer.keys, key_states], dim=-2), torch.cat([layer.values, value_states], dim=-2)
 
     frozen = FrozenPrefixCache()
