@@ -312,3 +312,19 @@ def test_mixed_adapter_pass_matches_one_call_per_adapter() -> None:
         )
         for k, v in weights[0][name].items():
             torch.testing.assert_close(weights[1][name][k], v, rtol=1e-4, atol=1e-6)
+
+
+def test_the_package_and_its_config_import_without_torch() -> None:
+    """A client that builds AdamParams / LearnerConfig must not pay for torch, transformers and peft."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from polytinker.engine.learner import AdamParams, LearnerConfig\n"
+        "heavy = [m for m in ('torch', 'transformers', 'peft') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+        "from polytinker.engine.learner import MultiAdapterLearner, make_learner\n"
+        "assert 'peft' in sys.modules and MultiAdapterLearner.__name__ == 'MultiAdapterLearner'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -13,24 +13,63 @@
 
 from __future__ import annotations
 
-from torch import nn
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from polytinker.engine.learner._base import ForwardBackwardResult, Learner
-from polytinker.engine.learner.actor import LearnerActor, LearnerClient
 from polytinker.engine.learner.config import AdamParams, LearnerConfig, LossConfig
-from polytinker.engine.learner.distributed import SINGLE, DistInfo, init_distributed
-from polytinker.engine.learner.full_param import FULL_SLOT, FullParamLearner
-from polytinker.engine.learner.group import LearnerGroup, run_rank
-from polytinker.engine.learner.losses import LOSS_FNS
-from polytinker.engine.learner.multi_adapter import MultiAdapterLearner
-from polytinker.engine.learner.state import load_checkpoint, save_checkpoint
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from polytinker.engine.learner._base import ForwardBackwardResult, Learner
+    from polytinker.engine.learner.actor import LearnerActor, LearnerClient
+    from polytinker.engine.learner.distributed import SINGLE, DistInfo, init_distributed
+    from polytinker.engine.learner.full_param import FULL_SLOT, FullParamLearner
+    from polytinker.engine.learner.group import LearnerGroup, run_rank
+    from polytinker.engine.learner.losses import LOSS_FNS
+    from polytinker.engine.learner.multi_adapter import MultiAdapterLearner
+    from polytinker.engine.learner.state import load_checkpoint, save_checkpoint
+
+# Imported on first use (PEP 562): the configuration above is all a client needs, and importing
+# the learners would pull torch, transformers and peft (~0.3 GiB) into every process that does.
+_LAZY = {
+    "ForwardBackwardResult": "_base",
+    "Learner": "_base",
+    "LearnerActor": "actor",
+    "LearnerClient": "actor",
+    "SINGLE": "distributed",
+    "DistInfo": "distributed",
+    "init_distributed": "distributed",
+    "FULL_SLOT": "full_param",
+    "FullParamLearner": "full_param",
+    "LearnerGroup": "group",
+    "run_rank": "group",
+    "LOSS_FNS": "losses",
+    "MultiAdapterLearner": "multi_adapter",
+    "load_checkpoint": "state",
+    "save_checkpoint": "state",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
 
 
 def make_learner(
-    model: nn.Module, config: LearnerConfig | None = None, dist: DistInfo = SINGLE, pad_token_id: int = 0
+    model: nn.Module, config: LearnerConfig | None = None, dist: DistInfo | None = None, pad_token_id: int = 0
 ) -> MultiAdapterLearner | FullParamLearner:
-    """The learner ``config.mode`` names, over ``model`` (moved to ``dist.device``)."""
+    """The learner ``config.mode`` names, over ``model`` (moved to ``dist.device``; default: one CPU process)."""
+    from polytinker.engine.learner.distributed import SINGLE
+    from polytinker.engine.learner.full_param import FullParamLearner
+    from polytinker.engine.learner.multi_adapter import MultiAdapterLearner
+
     config = config or LearnerConfig()
+    dist = dist or SINGLE
     if config.mode == "full":
         return FullParamLearner(model, config, dist, pad_token_id=pad_token_id)
     return MultiAdapterLearner(model, config, dist, pad_token_id=pad_token_id)
