@@ -3,8 +3,9 @@
 One thread at a time owns the socket, the holder of ``_io_lock``. A blocking ``call()`` takes the
 lock when it is free and drives the socket itself until its reply is in (leader/followers: no
 thread hand-off on the hot path, which in CPython costs more than the network round trip); it
-first waits for the reply in a blocking receive bounded by ``ZMQ_RCVTIMEO`` (1 ms), cheaper than
-polling, then polls the socket and the wake-up pipe. Otherwise, and for ``call_async``,
+first waits for the reply in a blocking receive bounded by ``ZMQ_RCVTIMEO`` (5 ms; only while no
+other thread has queued a call lately), cheaper than polling, then polls the socket and the wake-up
+pipe. Otherwise, and for ``call_async``,
 ``send_oneway`` and ``AsyncRpcClient``, the caller encodes its payload in its own thread and hands
 the frames over through a queue and a wake-up pipe to the I/O thread, which waits for the pipe or
 the socket's ``ZMQ_FD`` without holding the lock.
@@ -54,9 +55,13 @@ _BATCH = 256
 _REQUEST = int(MsgType.REQUEST)
 _TELL = int(MsgType.TELL)
 _CANCEL = int(MsgType.CANCEL)
+_REPLY_START = pack_header(MsgType.REPLY, 0, "")[:3]  # fixarray of 4, version, REPLY
 # A leader waits this long for its answer in a blocking receive (ZMQ_RCVTIMEO) before it polls
-# the socket and the wake-up pipe: calls queued by other threads meanwhile wait at most this long.
-_FAST_WAIT_MS = 1
+# the socket and the wake-up pipe, cheaper than a poll (shorter timeouts fire often on a loaded
+# machine, and each costs more than it saves). Another thread's call, tell or cancel could wait
+# that long behind it, so a leader waits so only when no other thread has queued one for _QUIET_S.
+_FAST_WAIT_MS = 5
+_QUIET_S = 0.1
 _NOBLOCK = int(zmq.NOBLOCK)
 
 
@@ -126,6 +131,7 @@ class RpcClient:
         self._ctx = context or zmq.Context.instance()
         self._ids = itertools.count(1)
         self._ops: collections.deque[tuple[Any, ...]] = collections.deque()
+        self._last_op = 0.0  # when another thread last queued an op (monotonic)
         self._closed = False
         self._waker = WakePipe()
         self._io_lock = threading.Lock()  # held by whichever thread drives the socket
@@ -151,10 +157,12 @@ class RpcClient:
         def on_done(f: Future[Any]) -> None:
             if f.cancelled() and not self._closed:
                 self._ops.append((_CANCEL, rid, kind, None, None, None))
+                self._last_op = time.monotonic()
                 self._wake()
 
         fut.add_done_callback(on_done)
         self._ops.append(op)
+        self._last_op = time.monotonic()
         self._wake()
         return fut
 
@@ -180,17 +188,21 @@ class RpcClient:
             if self._ops or st.backlog:
                 self._ops.append(op)
                 self._send_queued(st)
-            elif not self._send_one(st, op, retry=False):
-                st.backlog.append(op)
-            if not st.backlog:
-                # The answer mostly comes within a millisecond: wait for it in a blocking receive
-                # (bounded by RCVTIMEO), which is cheaper than polling the socket and the pipe.
+            else:
+                header = pack_header(_REQUEST, rid, kind)
+                st.pending[rid] = _Pending(slot, kind, None)
                 try:
-                    frames = recv_frames(self._sock, 0)
-                except zmq.Again:
-                    pass
+                    send_frames(self._sock, [header, *op[3]], _NOBLOCK)
+                except zmq.Again:  # no peer yet, or its queue is full
+                    st.backlog.append(op)
+                except zmq.ZMQError as exc:
+                    del st.pending[rid]
+                    raise TransportError(f"cannot send {kind!r} to {self._address}: {exc}") from exc
                 else:
-                    self._received(st, frames)
+                    if time.monotonic() - self._last_op > _QUIET_S:
+                        value = self._fast_wait(st, slot, rid, header)
+                        if slot._done:
+                            return value
             while not slot._done and not self._closed:
                 timeout_ms = st.poll_timeout_ms()
                 if deadline is not None:
@@ -211,6 +223,24 @@ class RpcClient:
             raise TransportError(f"the client of {self._address} was closed during the call")
         return slot.result()
 
+    def _fast_wait(self, st: _LoopState, slot: _Slot, rid: int, header: bytes) -> Any:
+        """The answer mostly comes within a millisecond: wait for it in a blocking receive (bounded
+        by RCVTIMEO), cheaper than polling the socket and the pipe; when it is the REPLY to this
+        call (its header is ours with type 2), return its value without the dispatch."""
+        try:
+            frames = recv_frames(self._sock, 0)
+        except zmq.Again:
+            return None
+        if len(frames) > 1 and frames[0].buffer == _REPLY_START + header[3:]:
+            st.last_recv = time.monotonic()
+            st.alive = True
+            st.awaiting_pong = False
+            del st.pending[rid]
+            slot._done = True
+            return decode(frames[1:], config=self._cfg)
+        self._received(st, frames)
+        return slot.result() if slot._done else None
+
     def _request(self, kind: str, payload: Any, timeout_s: float | None, fut: Future[Any] | _Slot) -> tuple[Any, ...]:
         """The op of a request; ``timeout_s`` is what the I/O thread enforces (None: nothing)."""
         if self._closed:
@@ -222,6 +252,7 @@ class RpcClient:
         if self._closed:
             raise TransportError(f"the client of {self._address} is closed")
         self._ops.append((_TELL, next(self._ids), kind, encode(payload, config=self._cfg), None, None))
+        self._last_op = time.monotonic()
         self._wake()
 
     def close(self) -> None:

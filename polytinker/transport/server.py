@@ -1,8 +1,9 @@
 """``RpcServer``: a ROUTER socket served by one leader thread at a time, handlers on the thread
 that read them, on handler threads, or (``async def`` handlers) on the server's asyncio loop.
 
-One thread at a time leads: it holds ``_sock_lock``, sleeps in ``zmq_poll`` on the socket and a
-wake-up pipe, reads messages, answers heartbeats itself, rejects what it cannot serve with an
+One thread at a time leads: it holds ``_sock_lock``, waits for the next message (in a blocking
+receive while no other thread can have an answer to send, else in ``zmq_poll`` on the socket and a
+wake-up pipe), reads messages, answers heartbeats itself, rejects what it cannot serve with an
 error reply and honours CANCEL. A request that finds the server idle runs right there, on the
 leader, with no thread hand-off (the leader lets go of the socket lock meanwhile); a watch thread
 that sees one handler run longer than ``handler_takeover_s`` makes another thread the leader, so
@@ -64,17 +65,30 @@ _REQUEST = int(MsgType.REQUEST)
 _TELL = int(MsgType.TELL)
 _PING = int(MsgType.PING)
 _CANCEL = int(MsgType.CANCEL)
+_EVENTS = int(zmq.EVENTS)
+_get = zmq.backend.Socket.get  # the compiled getsockopt (pyzmq's Python-level one makes an enum of the option)
 _PARK_AFTER_S = 1.0  # the watch thread sleeps for good after this long without a request run on the leader
 # While no other thread can have an answer to send, the leader waits for the next message in a
 # blocking receive (ZMQ_RCVTIMEO) this long before it polls the socket and the wake-up pipe:
 # cheaper than a poll, and only stop() (which then waits at most this long) needs the pipe.
-_FAST_WAIT_MS = 1
+_FAST_WAIT_MS = 20
 
 
 class CallContext:
     """The request a handler is serving: ``current_call()`` inside a handler returns it."""
 
-    __slots__ = ("_body", "_cancelled", "_handler", "_ident", "_is_async", "_reply", "_task", "kind", "request_id")
+    __slots__ = (
+        "_body",
+        "_cancelled",
+        "_handler",
+        "_ident",
+        "_is_async",
+        "_key",
+        "_reply",
+        "_task",
+        "kind",
+        "request_id",
+    )
 
     def __init__(self, ident: zmq.Frame, rid: int, kind: str, handler: Handler, body: list[zmq.Frame], reply: bool):
         self._ident = ident
@@ -86,6 +100,7 @@ class CallContext:
         self._cancelled = False
         self._is_async = False
         self._task: asyncio.Task[Any] | None = None
+        self._key: tuple[bytes, int] | None = None  # set while CANCEL can find it in RpcServer._calls
 
     @property
     def cancelled(self) -> bool:
@@ -368,6 +383,7 @@ class RpcServer:
                 if self._inline is not call or self._stopping:
                     continue
                 self._inline = None
+                self._register(call)  # the new leader may read its CANCEL
                 self._term += 1  # the stuck leader finds its term over when its handler returns
                 self._vacant = True
                 self._provision()  # a woken follower looks at the vacancy first
@@ -387,7 +403,9 @@ class RpcServer:
                 if self._replies:
                     self._flush(sock)
                 frames = None
-                if not self._calls:  # no answer can come from another thread: the fast wait
+                # No answer can come from another thread (one queues its answer before it leaves
+                # _calls, so the order of these two checks matters): the fast wait.
+                if not self._calls and not self._replies:
                     try:  # noqa: SIM105 (hot path: suppress() costs a context manager per message)
                         frames = recv_frames(sock, 0)
                     except zmq.Again:
@@ -511,24 +529,26 @@ class RpcServer:
             self._reject(sock, ident, rid, kind, err, reply)
             return None
         call = CallContext(ident, rid, kind, handler, body, reply)
-        if reply:
-            self._calls[(ident.bytes, rid)] = call
         if kind in self._async_handlers:
             call._is_async = True
+            self._register(call)
             assert self._aloop is not None
             self._aloop.call_soon_threadsafe(self._start_async, call)
             return None
         if self._pool == 0:  # handler_threads=0: every handler runs here
             return call
         # Run it here unless more input waits (keep reading; the pool runs this one meanwhile).
-        here = self._takeover > 0 and not int(sock.getsockopt(zmq.EVENTS)) & _POLLIN
+        here = self._takeover > 0 and not int(_get(sock, _EVENTS)) & _POLLIN
         with self._cv:
             if here and self._running < self._pool and not self._tasks:
+                # Not registered for CANCEL: no other thread reads the socket until a takeover,
+                # and the watch registers it then.
                 self._running += 1
                 self._inline = call
                 if self._watch_parked:
                     self._watch_event.set()
                 return call
+            self._register(call)
             self._submit(call)
         return None
 
@@ -546,11 +566,16 @@ class RpcServer:
             self._aloop.call_soon_threadsafe(task.cancel)
         log.debug("request %d (%r) cancelled by its client", call.request_id, call.kind)
 
-    def _forget(self, call: CallContext) -> None:
+    def _register(self, call: CallContext) -> None:
+        """Make ``call`` findable by CANCEL (requests only: a tell cannot be cancelled)."""
         if call._reply:
-            key = (call._ident.bytes, call.request_id)
-            if self._calls.get(key) is call:  # a client that reused an id in flight may have replaced it
-                del self._calls[key]
+            key = call._key = (call._ident.bytes, call.request_id)
+            self._calls[key] = call
+
+    def _forget(self, call: CallContext) -> None:
+        key = call._key
+        if key is not None and self._calls.get(key) is call:  # a client that reused an id may have replaced it
+            del self._calls[key]
 
     # --- running handlers -------------------------------------------------------------------
 
