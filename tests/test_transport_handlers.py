@@ -305,3 +305,16 @@ def test_a_tell_that_cannot_be_served_is_dropped_silently(rec):
         finally:
             sock.close()
     assert rec.ran == ["ok"]
+
+
+def test_a_handler_that_raises_system_exit_does_not_stop_the_server():
+    def leave(_: Any) -> None:
+        raise SystemExit(3)
+
+    handlers = {"leave": leave, "echo": lambda x: x}
+    with RpcServer(_inproc(), handlers, config=FAST) as srv, RpcClient(srv.address, config=FAST) as c:
+        for _ in range(3):
+            with pytest.raises(RemoteError) as info:
+                c.call("leave", None)
+            assert info.value.remote_type == "SystemExit"
+            assert c.call("echo", "still here") == "still here"

@@ -63,6 +63,8 @@ _REPLY_START = pack_header(MsgType.REPLY, 0, "")[:3]  # fixarray of 4, version, 
 _FAST_WAIT_MS = 5
 _QUIET_S = 0.1
 _NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
+_send = zmq.backend.Socket.send  # compiled, under pyzmq's Python-level send (see protocol.send_frames)
 
 
 class _Pending:
@@ -179,10 +181,13 @@ class RpcClient:
         self._io_owner = threading.get_ident()
         st = self._st
         try:  # lead: drive the socket from this thread until the reply is in
+            if self._closed:
+                raise TransportError(f"the client of {self._address} is closed")
+            frames = encode(payload, config=self._cfg)
+            rid = next(self._ids)
             slot = _Slot()
             # The deadline of this call is this thread's to keep (not in the heap the I/O thread serves).
-            op = self._request(kind, payload, None, slot)
-            rid = op[1]
+            op = (_REQUEST, rid, kind, frames, slot, None)
             t = self._cfg.request_timeout_s if timeout_s is None else timeout_s
             deadline = None if t is None else time.monotonic() + t
             if self._ops or st.backlog:
@@ -192,8 +197,12 @@ class RpcClient:
                 header = pack_header(_REQUEST, rid, kind)
                 st.pending[rid] = _Pending(slot, kind, None)
                 try:
-                    send_frames(self._sock, [header, *op[3]], _NOBLOCK)
-                except zmq.Again:  # no peer yet, or its queue is full
+                    if len(frames) == 1:
+                        _send(self._sock, header, _SNDMORE_NOBLOCK, False)
+                        _send(self._sock, frames[0], _NOBLOCK, False)
+                    else:
+                        send_frames(self._sock, [header, *frames], _NOBLOCK)
+                except zmq.Again:  # no peer yet, or its queue is full (a message goes whole or not at all)
                     st.backlog.append(op)
                 except zmq.ZMQError as exc:
                     del st.pending[rid]

@@ -72,6 +72,7 @@ _PARK_AFTER_S = 1.0  # the watch thread sleeps for good after this long without 
 # blocking receive (ZMQ_RCVTIMEO) this long before it polls the socket and the wake-up pipe:
 # cheaper than a poll, and only stop() (which then waits at most this long) needs the pipe.
 _FAST_WAIT_MS = 20
+_QUICK_S = 200e-6  # a handler this quick holds the GIL for most of it anyway: no thread would run it sooner
 
 
 class CallContext:
@@ -195,6 +196,7 @@ class RpcServer:
         self._idle = 0
         self._running = 0  # sync handlers running, on the leader included
         self._inline: CallContext | None = None  # the request the leader is running itself
+        self._quick: dict[str, bool] = {}  # kind -> its last run on the leader took under _QUICK_S
         self._pool = self._cfg.handler_threads
         self._takeover = self._cfg.handler_takeover_s if self._pool > 0 else 0.0
         self._watch_thread: threading.Thread | None = None
@@ -445,7 +447,8 @@ class RpcServer:
                     return
                 lock.acquire()
                 held = True
-                self._forget(call)
+                if call._key is not None:
+                    self._forget(call)
                 if out is not None and not sock.closed:
                     _send_now(sock, out)
         finally:
@@ -537,8 +540,10 @@ class RpcServer:
             return None
         if self._pool == 0:  # handler_threads=0: every handler runs here
             return call
-        # Run it here unless more input waits (keep reading; the pool runs this one meanwhile).
-        here = self._takeover > 0 and not int(_get(sock, _EVENTS)) & _POLLIN
+        # Run it here unless more input waits (keep reading; the pool runs this one meanwhile). A kind
+        # whose last run here was quick runs here anyway: a burst of those is served as fast one by
+        # one, and reading ZMQ_EVENTS costs about as much as such a handler.
+        here = self._takeover > 0 and (self._quick.get(kind, False) or not int(_get(sock, _EVENTS)) & _POLLIN)
         with self._cv:
             if here and self._running < self._pool and not self._tasks:
                 # Not registered for CANCEL: no other thread reads the socket until a takeover,
@@ -581,10 +586,13 @@ class RpcServer:
 
     def _run_inline(self, call: CallContext, term: int) -> tuple[bool, list[Any] | None]:
         """Run ``call`` on the leader, without the socket lock: (still the leader, answer frames)."""
-        out = self._call(call)
         if self._pool == 0:
+            out = self._call(call)
             still = not self._stopping
         else:
+            t0 = time.perf_counter()
+            out = self._call(call)
+            self._quick[call.kind] = time.perf_counter() - t0 < _QUICK_S
             with self._cv:
                 self._running -= 1
                 if self._inline is call:
@@ -614,7 +622,7 @@ class RpcServer:
         token = _current.set(call)
         try:
             result = call._handler(payload)
-        except Exception as exc:
+        except BaseException as exc:  # SystemExit too: the thread must go on serving
             return self._handler_error(call, exc)
         finally:
             _current.reset(token)
