@@ -188,7 +188,9 @@ class RpcServer:
         # Requests that may still be cancelled (queued or running), by (peer identity, request id).
         self._calls: dict[tuple[bytes, int], CallContext] = {}
         # Leader/followers, all under _cv: the leader's term, the queue, thread and handler counts.
-        self._cv = threading.Condition(threading.Lock())
+        # Taken as the plain lock where nobody waits (a Condition's own __enter__ is interpreted).
+        self._state_lock = threading.Lock()
+        self._cv = threading.Condition(self._state_lock)
         self._term = 0  # the leader leads while this is the term it started with
         self._vacant = False  # the watch took the lead from a stuck leader: the next follower leads
         self._tasks: collections.deque[CallContext] = collections.deque()
@@ -339,7 +341,7 @@ class RpcServer:
             try:
                 self._run(call)
             finally:
-                with cv:
+                with self._state_lock:
                     self._running -= 1
 
     def _submit(self, call: CallContext) -> None:
@@ -544,7 +546,7 @@ class RpcServer:
         # whose last run here was quick runs here anyway: a burst of those is served as fast one by
         # one, and reading ZMQ_EVENTS costs about as much as such a handler.
         here = self._takeover > 0 and (self._quick.get(kind, False) or not int(_get(sock, _EVENTS)) & _POLLIN)
-        with self._cv:
+        with self._state_lock:
             if here and self._running < self._pool and not self._tasks:
                 # Not registered for CANCEL: no other thread reads the socket until a takeover,
                 # and the watch registers it then.
@@ -593,7 +595,7 @@ class RpcServer:
             t0 = time.perf_counter()
             out = self._call(call)
             self._quick[call.kind] = time.perf_counter() - t0 < _QUICK_S
-            with self._cv:
+            with self._state_lock:
                 self._running -= 1
                 if self._inline is call:
                     self._inline = None  # from here on the watch leaves this leader alone
