@@ -210,6 +210,49 @@ def test_conversation_datum_trains_only_assistant_tokens(tokenizer):
 # --- the loop's bookkeeping ------------------------------------------------------------------------------
 
 
+class _RecordingSampler:
+    """Stands in for a SamplingClient: records each call's sampling seed."""
+
+    def __init__(self) -> None:
+        self.seeds: list[int | None] = []
+
+    async def sample_async(self, prompt, n, params):
+        from types import SimpleNamespace
+
+        self.seeds.append(params.seed)
+        return SimpleNamespace(sequences=[SimpleNamespace(text="1", tokens=(16,), logprobs=(-0.5,))])
+
+
+def test_sampling_seeds_repeat_with_the_seeds_and_differ_within_a_group(tokenizer):
+    import asyncio
+
+    from polytinker.agents.rollout import Players
+    from polytinker.agents.types import Slot
+
+    spec = AgentSpec("a")
+    players = Players({"a": spec}, {"a": Renderer(tokenizer)}, {})
+    players.samplers[("a", 0)] = sampler = _RecordingSampler()
+    slots = {7: {"player_0": Slot(SlotKind.LEARNER, "a")}}
+
+    def inp(episode: str, turn: int = 0) -> PolicyInput:
+        history = tuple(Turn(TextObservation("guess"), "1") for _ in range(turn))
+        return PolicyInput("player_0", episode, "g", "Guess.", TextObservation("guess"), history=history, seed=7)
+
+    async def calls(sample_seed: int, evaluation: bool = False) -> list[int | None]:
+        policy = players.policy(slots, evaluation=evaluation, sample_seed=sample_seed)
+        sampler.seeds.clear()
+        # Two episodes of one group (same episode seed), then each one's second turn.
+        for i in (inp("x"), inp("y"), inp("y", 1), inp("x", 1)):
+            await policy("player_0", i)
+        return list(sampler.seeds)
+
+    first = asyncio.run(calls(0))
+    assert len(set(first)) == 4  # the episodes of a group, and their turns, draw apart
+    assert asyncio.run(calls(0)) == first  # the same seeds: the same draws (episode ids differ per run)
+    assert not set(asyncio.run(calls(1))) & set(first)
+    assert not set(asyncio.run(calls(0, evaluation=True))) & set(first)
+
+
 def test_step_seeds_repeat_each_group_and_never_collide():
     config = ExperimentConfig(name="x", agents=(AgentSpec("a"),))
     groups, seeds = step_seeds(config, 0)

@@ -1,9 +1,10 @@
 """Evaluation against the env's scripted opponents, during training and at its ends.
 
 Each trainable agent plays each role it trains in against each scripted opponent kind in the
-other roles, on the same seeds every time (so evaluations compare), sampling at the agent's
-``eval_temperature``. All these batches run at once, so their model calls share the engine's
-batches. Metrics: ``eval/<agent>/<opponent>/win_rate`` and ``.../reward``, averaged over roles.
+other roles, on the same episode and sampling seeds every time (so evaluations compare: they
+differ only where the weights do), at the agent's ``eval_temperature``. All these batches run at
+once, so their model calls share the engine's batches. Metrics: ``eval/<agent>/<opponent>/win_rate``
+and ``.../reward``, averaged over roles.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ async def evaluate(
 
     async def one(agent: str, role: str, opponent: str) -> list[EpisodeResult]:
         slots = mapping.evaluation(agent, role, opponent)
-        policy = players.policy(dict.fromkeys(seeds, slots), evaluation=True)
+        policy = players.policy(dict.fromkeys(seeds, slots), evaluation=True, sample_seed=config.seed)
         return await coordinator.run(make_env, policy, seeds)
 
     outcomes = await asyncio.gather(*(one(*job) for job in jobs))

@@ -63,9 +63,13 @@ class Learners:
             metrics[f"train/skipped/{agent}"] = 1.0  # every advantage was 0: nothing to learn
             return None, metrics
         losses, kls, version = [], [], None
+        fb_s = optim_s = 0.0
         for batch in batches:
+            t0 = time.perf_counter()
             fb = await client.forward_backward_async(batch, algo.loss_fn, algo.loss_fn_config())
+            t1 = time.perf_counter()
             opt = await client.optim_step_async(AdamParams(learning_rate=self.lr[agent]))
+            fb_s, optim_s = fb_s + t1 - t0, optim_s + time.perf_counter() - t1
             losses.append(fb.loss)
             # The weights of a batch sum to 1, so the learner's kl/base x weighted tokens is the mean KL.
             kls.append(fb.metrics.get("kl/base", 0.0) * fb.metrics.get("loss/tokens", 0.0))
@@ -74,6 +78,10 @@ class Learners:
                 if key in opt.metrics or key in fb.metrics:
                     metrics[f"{key}/{agent}"] = float(fb.metrics.get(key, opt.metrics.get(key, 0.0)))
         metrics[f"loss/{agent}"] = sum(losses) / len(losses)
+        # Wall time from the call to its answer: the agents' updates share the learner, so these
+        # overlap, and they include any wait for the other agent's call.
+        metrics[f"time/forward_backward_s/{agent}"] = fb_s
+        metrics[f"time/optim_s/{agent}"] = optim_s
         if self.kl[agent]:
             metrics[f"kl/{agent}"] = sum(kls) / len(kls)
         return version, metrics
@@ -105,7 +113,8 @@ class Trainer:
     async def rollouts(self, step: int) -> tuple[list[EpisodeResult], SlotsBySeed]:
         groups, seeds = step_seeds(self.config, step)
         slots = {seed: self.mapping.assign(seed) for seed in groups}
-        results = await self.coordinator.run(self.make_env, self.players.policy(slots), seeds)
+        policy = self.players.policy(slots, sample_seed=self.config.train.seed)
+        results = await self.coordinator.run(self.make_env, policy, seeds)
         return results, slots
 
     async def evaluate(self, step: int) -> dict[str, float]:
@@ -127,7 +136,9 @@ class Trainer:
             metrics.update(agent_metrics)
             if version is not None:
                 client = self.learners.clients[agent]
+                t0 = time.perf_counter()
                 self.players.samplers[(agent, version)] = await client.save_weights_and_get_sampling_client_async()
+                metrics[f"time/sync_s/{agent}"] = time.perf_counter() - t0
                 self.players.current[agent] = version
             metrics[f"version/{agent}"] = float(self.players.current[agent])
         await self.hooks.after_update(step)

@@ -6,13 +6,22 @@ is the coordinator's policy for one batch of episodes: it looks up the role's ``
 episode's seed, renders the prompt, samples from that version's ``SamplingClient`` and returns the
 action with its tokens and logprobs in ``AgentAction.meta``. ``collect_samples`` turns the
 trajectories of learning roles back into ``TurnSample``s.
+
+Sampling is seeded: each model call's seed derives from the loop's seed, the episode's seed, the
+episode's place among those of its batch that share that seed (the order their first calls
+came in), the role, the turn and the retry. Runs with the same seeds sample the same tokens (up
+to the engine's batch-dependent rounding), and two evaluations on the same seeds use the same
+random draws, so they differ only where the weights do.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+import numpy as np
 
 from polytinker.agents.render import Renderer
 from polytinker.agents.spec import AgentSpec
@@ -36,11 +45,25 @@ class Players:
     # The version each agent samples from now.
     current: dict[str, int] = field(default_factory=dict)
 
-    def policy(self, slots_by_seed: SlotsBySeed, *, evaluation: bool = False) -> Callable[[str, PolicyInput], Any]:
+    def policy(
+        self, slots_by_seed: SlotsBySeed, *, evaluation: bool = False, sample_seed: int = 0
+    ) -> Callable[[str, PolicyInput], Any]:
         """The coordinator's policy for episodes whose seeds are keys of ``slots_by_seed``.
-        The versions are fixed when it is made (a snapshot), so one batch never mixes versions."""
+        The versions are fixed when it is made (a snapshot), so one batch never mixes versions.
+        ``sample_seed`` seeds its sampling (with each call's episode seed, place, role and turn)."""
         current = dict(self.current)
         samplers = dict(self.samplers)
+        places: dict[str, int] = {}  # episode id -> its place among the episodes with its seed
+        per_seed: dict[int, int] = {}
+
+        def call_seed(role: str, inp: PolicyInput) -> int:
+            assert inp.seed is not None
+            if inp.episode_id not in places:
+                places[inp.episode_id] = per_seed.get(inp.seed, 0)
+                per_seed[inp.seed] = places[inp.episode_id] + 1
+            key = [sample_seed, int(evaluation), inp.seed, places[inp.episode_id], zlib.crc32(role.encode())]
+            key += [len(inp.history), inp.retry]
+            return int(np.random.SeedSequence(key).generate_state(1, np.uint64)[0] >> 1)
 
         async def policy(role: str, inp: PolicyInput) -> str | AgentAction:
             if inp.seed is None:
@@ -56,6 +79,7 @@ class Players:
                 max_tokens=sampling.max_tokens,
                 temperature=sampling.eval_temperature if evaluation else sampling.temperature,
                 top_p=sampling.top_p,
+                seed=call_seed(role, inp),
             )
             response = await samplers[(slot.name, version)].sample_async(prompt, 1, params)
             seq = response.sequences[0]
