@@ -36,7 +36,7 @@ from zmq.backend import zmq_poll
 from polytinker.errors import PeerDeadError, ProtocolError, RequestTimeout, TransportError
 from polytinker.transport import auth
 from polytinker.transport._wakeup import WakePipe
-from polytinker.transport.codec import decode, encode
+from polytinker.transport.codec import body_decoder, decode, encode
 from polytinker.transport.config import DEFAULT_CONFIG, TransportConfig
 from polytinker.transport.protocol import (
     PING_HEADER,
@@ -139,6 +139,7 @@ class RpcClient:
         self._io_lock = threading.Lock()  # held by whichever thread drives the socket
         self._io_owner: int | None = None  # that thread's id, to refuse a blocking call that would deadlock
         self._st = _LoopState(self._cfg)
+        self._decode_body = body_decoder(self._cfg)
         self._sock = self._connect()  # here, so a bad address fails in the caller's thread
         self._thread = threading.Thread(target=self._loop, name=f"polytinker-client {address}", daemon=True)
         self._thread.start()
@@ -185,17 +186,16 @@ class RpcClient:
                 raise TransportError(f"the client of {self._address} is closed")
             frames = encode(payload, config=self._cfg)
             rid = next(self._ids)
+            t = self._cfg.request_timeout_s if timeout_s is None else timeout_s
+            deadline = None if t is None else time.monotonic() + t
             slot = _Slot()
             # The deadline of this call is this thread's to keep (not in the heap the I/O thread serves).
             op = (_REQUEST, rid, kind, frames, slot, None)
-            t = self._cfg.request_timeout_s if timeout_s is None else timeout_s
-            deadline = None if t is None else time.monotonic() + t
             if self._ops or st.backlog:
                 self._ops.append(op)
                 self._send_queued(st)
             else:
                 header = pack_header(_REQUEST, rid, kind)
-                st.pending[rid] = _Pending(slot, kind, None)
                 try:
                     if len(frames) == 1:
                         _send(self._sock, header, _SNDMORE_NOBLOCK, False)
@@ -203,15 +203,24 @@ class RpcClient:
                     else:
                         send_frames(self._sock, [header, *frames], _NOBLOCK)
                 except zmq.Again:  # no peer yet, or its queue is full (a message goes whole or not at all)
+                    st.pending[rid] = _Pending(slot, kind, None)
                     st.backlog.append(op)
                 except zmq.ZMQError as exc:
-                    del st.pending[rid]
                     raise TransportError(f"cannot send {kind!r} to {self._address}: {exc}") from exc
                 else:
+                    # Until this thread lets go of the lock nobody else reads the socket, so the call
+                    # joins the pending ones only if the fast wait does not bring its answer.
+                    got: list[zmq.Frame] | None = None
                     if time.monotonic() - self._last_op > _QUIET_S:
-                        value = self._fast_wait(st, slot, rid, header)
-                        if slot._done:
-                            return value
+                        got = self._fast_wait()
+                        if got is not None and len(got) > 1 and got[0].buffer == _REPLY_START + header[3:]:
+                            slot._done = True  # for the finally below: nothing of this call is left
+                            if len(got) == 2:
+                                return self._decode_body(got[1].buffer)
+                            return decode(got[1:], config=self._cfg)
+                    st.pending[rid] = _Pending(slot, kind, None)
+                    if got is not None:
+                        self._on_reply(st, got)
             while not slot._done and not self._closed:
                 timeout_ms = st.poll_timeout_ms()
                 if deadline is not None:
@@ -232,23 +241,18 @@ class RpcClient:
             raise TransportError(f"the client of {self._address} was closed during the call")
         return slot.result()
 
-    def _fast_wait(self, st: _LoopState, slot: _Slot, rid: int, header: bytes) -> Any:
-        """The answer mostly comes within a millisecond: wait for it in a blocking receive (bounded
-        by RCVTIMEO), cheaper than polling the socket and the pipe; when it is the REPLY to this
-        call (its header is ours with type 2), return its value without the dispatch."""
+    def _fast_wait(self) -> list[zmq.Frame] | None:
+        """The answer mostly comes within a millisecond: wait for the next message in a blocking
+        receive (bounded by RCVTIMEO), cheaper than polling the socket and the pipe."""
         try:
             frames = recv_frames(self._sock, 0)
         except zmq.Again:
             return None
-        if len(frames) > 1 and frames[0].buffer == _REPLY_START + header[3:]:
-            st.last_recv = time.monotonic()
-            st.alive = True
-            st.awaiting_pong = False
-            del st.pending[rid]
-            slot._done = True
-            return decode(frames[1:], config=self._cfg)
-        self._received(st, frames)
-        return slot.result() if slot._done else None
+        st = self._st
+        st.last_recv = time.monotonic()
+        st.alive = True
+        st.awaiting_pong = False
+        return frames
 
     def _request(self, kind: str, payload: Any, timeout_s: float | None, fut: Future[Any] | _Slot) -> tuple[Any, ...]:
         """The op of a request; ``timeout_s`` is what the I/O thread enforces (None: nothing)."""

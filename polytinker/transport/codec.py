@@ -21,8 +21,9 @@ from __future__ import annotations
 import enum
 import functools
 import sys
+import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack
@@ -73,16 +74,26 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable, and
 
 # Values msgpack packs by itself (no ext types, no buffers): encoded without an _Encoder.
 _PLAIN = frozenset({type(None), bool, int, float, str, bytes})
+_SMALL = 4096  # bytes and str up to this long go through the thread's own Packer (its buffer stays small)
+_local = threading.local()
 
 
 def encode(obj: Any, *, config: TransportConfig | None = None) -> list[bytes | memoryview]:
     """Encode ``obj``: ``[msgpack body, *raw buffers]``. The buffers alias the arrays' memory,
     so do not modify an array until the frames are sent."""
-    if type(obj) in _PLAIN:
+    t = type(obj)
+    if t in _PLAIN:
         try:
+            if (t is not bytes and t is not str) or len(obj) <= _SMALL:
+                # msgpack.packb makes a Packer (and its buffer) per call; a thread's own is reused.
+                try:
+                    packer = _local.packer
+                except AttributeError:
+                    packer = _local.packer = msgpack.Packer(use_bin_type=True, buf_size=4 * _SMALL)
+                return [packer.pack(obj)]
             return [msgpack.packb(obj, use_bin_type=True)]
         except Exception as exc:  # an int out of 64-bit range
-            raise ProtocolError(f"cannot encode {type(obj).__name__}: {type(exc).__name__}: {exc}") from exc
+            raise ProtocolError(f"cannot encode {t.__name__}: {type(exc).__name__}: {exc}") from exc
     enc = _Encoder((config or DEFAULT_CONFIG).inline_max_bytes)
     try:
         body = msgpack.packb(obj, default=enc.default, use_bin_type=True)
@@ -100,15 +111,7 @@ def decode(frames: Sequence[Frame], *, config: TransportConfig | None = None) ->
     cfg = config or DEFAULT_CONFIG
     if len(frames) == 1:  # the common case, on every round trip: no buffer frames
         frame = frames[0]
-        buf = frame.buffer if type(frame) is zmq.Frame else _as_buffer(frame)
-        if len(buf) <= cfg.max_container_len and len(buf) <= cfg.max_body_bytes:
-            # msgpack bounds every string, bin, ext, array and map by the body's length by itself.
-            try:
-                return msgpack.unpackb(buf, raw=False, strict_map_key=False, ext_hook=_single(cfg).ext_hook)
-            except ProtocolError:
-                raise
-            except Exception as exc:  # msgpack and numpy raise many types on hostile bytes
-                raise ProtocolError(f"malformed message body: {type(exc).__name__}: {exc}") from exc
+        return body_decoder(cfg)(frame.buffer if type(frame) is zmq.Frame else _as_buffer(frame))
     if not frames:
         raise ProtocolError("no frames to decode")
     if len(frames) > cfg.max_frames + 1:
@@ -125,6 +128,37 @@ def decode(frames: Sequence[Frame], *, config: TransportConfig | None = None) ->
     except Exception as exc:  # msgpack and numpy raise many types on hostile bytes
         raise ProtocolError(f"malformed message body: {type(exc).__name__}: {exc}") from exc
 
+
+def body_decoder(config: TransportConfig | None = None) -> Callable[[Any], Any]:
+    """``decode`` of a message without buffer frames, as a function of the body's buffer (bytes,
+    memoryview): made once per config, it is what a round trip calls, with the least around it."""
+    cfg = config or DEFAULT_CONFIG
+    entry = _BODY.get(id(cfg))
+    if entry is not None and entry[0] is cfg:
+        return entry[1]
+    limit = min(cfg.max_container_len, cfg.max_body_bytes)
+    hook = _single(cfg).ext_hook
+    unpackb = msgpack.unpackb
+
+    def decode_body(buf: Any) -> Any:
+        try:
+            if len(buf) <= limit:  # msgpack bounds every str, bin, ext, array and map by len(buf) itself
+                return unpackb(buf, raw=False, strict_map_key=False, ext_hook=hook)
+            if len(buf) > cfg.max_body_bytes:
+                raise ProtocolError(f"msgpack body of {len(buf)} bytes exceeds max_body_bytes={cfg.max_body_bytes}")
+            return _single(cfg).unpack(buf)
+        except ProtocolError:
+            raise
+        except Exception as exc:  # msgpack and numpy raise many types on hostile bytes
+            raise ProtocolError(f"malformed message body: {type(exc).__name__}: {exc}") from exc
+
+    if len(_BODY) >= 64:
+        _BODY.clear()
+    _BODY[id(cfg)] = (cfg, decode_body)
+    return decode_body
+
+
+_BODY: dict[int, tuple[TransportConfig, Callable[[Any], Any]]] = {}
 
 # Decoders of single-frame bodies, by id of their config (a decoder holds no per-message state: an
 # array ext that names a buffer frame finds none and is malformed, as it must be).
@@ -300,4 +334,4 @@ def _torch_tables(torch: Any) -> tuple[dict[Any, tuple[str, Any]], dict[str, Any
     return _TORCH_TABLES
 
 
-__all__ = ["EXT_MESSAGE", "EXT_NDARRAY", "EXT_TENSOR", "decode", "encode"]
+__all__ = ["EXT_MESSAGE", "EXT_NDARRAY", "EXT_TENSOR", "body_decoder", "decode", "encode"]

@@ -40,7 +40,7 @@ from zmq.backend import zmq_poll
 from polytinker.errors import ConfigError, ProtocolError, TransportError
 from polytinker.transport import auth
 from polytinker.transport._wakeup import WakePipe
-from polytinker.transport.codec import decode, encode
+from polytinker.transport.codec import body_decoder, decode, encode
 from polytinker.transport.config import DEFAULT_CONFIG, TransportConfig
 from polytinker.transport.messages import message_type
 from polytinker.transport.protocol import (
@@ -174,6 +174,7 @@ class RpcServer:
         self._handlers = dict(handlers)
         self._async_handlers = frozenset(k for k, h in self._handlers.items() if _is_async(h))
         self._cfg = config or DEFAULT_CONFIG
+        self._decode_body = body_decoder(self._cfg)
         self._curve = curve
         self._ctx = context or zmq.Context.instance()
         self._address: str | None = None
@@ -633,8 +634,9 @@ class RpcServer:
     def _payload(self, call: CallContext) -> tuple[bool, Any]:
         """``(True, payload)``, or ``(False, error frames)`` (None for a tell) when it cannot be served."""
         kind = call.kind
+        body = call._body
         try:
-            payload = decode(call._body, config=self._cfg)
+            payload = self._decode_body(body[0].buffer) if len(body) == 1 else decode(body, config=self._cfg)
         except ProtocolError as exc:
             self._bad("undecodable %s payload: %s", kind, exc)
             return False, self._error(call, ErrorCode.MALFORMED, exc)
