@@ -186,13 +186,12 @@ class RpcClient:
                 raise TransportError(f"the client of {self._address} is closed")
             frames = encode(payload, config=self._cfg)
             rid = next(self._ids)
+            # The deadline of this call is this thread's to keep (not in the heap the I/O thread serves).
             t = self._cfg.request_timeout_s if timeout_s is None else timeout_s
             deadline = None if t is None else time.monotonic() + t
-            slot = _Slot()
-            # The deadline of this call is this thread's to keep (not in the heap the I/O thread serves).
-            op = (_REQUEST, rid, kind, frames, slot, None)
             if self._ops or st.backlog:
-                self._ops.append(op)
+                slot = _Slot()
+                self._ops.append((_REQUEST, rid, kind, frames, slot, None))
                 self._send_queued(st)
             else:
                 header = pack_header(_REQUEST, rid, kind)
@@ -203,8 +202,9 @@ class RpcClient:
                     else:
                         send_frames(self._sock, [header, *frames], _NOBLOCK)
                 except zmq.Again:  # no peer yet, or its queue is full (a message goes whole or not at all)
+                    slot = _Slot()
                     st.pending[rid] = _Pending(slot, kind, None)
-                    st.backlog.append(op)
+                    st.backlog.append((_REQUEST, rid, kind, frames, slot, None))
                 except zmq.ZMQError as exc:
                     raise TransportError(f"cannot send {kind!r} to {self._address}: {exc}") from exc
                 else:
@@ -214,10 +214,10 @@ class RpcClient:
                     if time.monotonic() - self._last_op > _QUIET_S:
                         got = self._fast_wait()
                         if got is not None and len(got) > 1 and got[0].buffer == _REPLY_START + header[3:]:
-                            slot._done = True  # for the finally below: nothing of this call is left
                             if len(got) == 2:
                                 return self._decode_body(got[1].buffer)
                             return decode(got[1:], config=self._cfg)
+                    slot = _Slot()
                     st.pending[rid] = _Pending(slot, kind, None)
                     if got is not None:
                         self._on_reply(st, got)
