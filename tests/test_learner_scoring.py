@@ -180,3 +180,21 @@ def test_gradient_checkpointing_gives_the_same_gradients(share_prefix: bool) -> 
     assert out[True][2] < out[False][2]  # fewer activations kept for backward
     assert out[True][0].loss == pytest.approx(out[False][0].loss, rel=1e-6, abs=1e-7)
     torch.testing.assert_close(out[True][1], out[False][1], rtol=1e-5, atol=1e-7)
+
+
+def test_one_adapter_runs_the_prefix_once_and_the_suffixes_packed(monkeypatch: pytest.MonkeyPatch) -> None:
+    data = grpo_group(8, prompt_len=12, n=4)  # own tokens per row: 1, 2, 3, 4 (input = prompt + k + 1)
+    lrn = make_learner(True)
+    assert lrn.peft_model is not None
+    decoder = lrn.peft_model.get_base_model().get_decoder()
+    shapes: list[tuple[int, ...]] = []
+    handle = decoder.register_forward_pre_hook(
+        lambda _m, _args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    lrn.forward_backward(data, "importance_sampling", "alice")
+    lrn.forward_backward_many({"alice": data[:2], "bob": data[2:]}, "importance_sampling")
+    handle.remove()
+    own = sum(len(d.input_tokens) - 12 for d in data)
+    # One adapter: prefix once, then every row's own tokens unpadded in one row. Two adapters: a
+    # prefix row each, then the suffixes padded, one row per datum.
+    assert shapes == [(1, 12), (1, own), (2, 12), (4, 4)]

@@ -150,7 +150,8 @@ class MultiAdapterLearner(Learner):
             names = [name for name, _ in chunk]
             if kl_coef > 0:  # first: leaving disable_adapter() resets requires_grad, set just below
                 with torch.inference_mode(), self._reference():
-                    ref_BT = self._logprobs(batch).clone()
+                    ref_BT = self._logprobs(batch)
+                ref_BT = ref_BT.clone()  # a normal tensor: autograd may save it
             # peft's set_adapter and disable_adapter leave only the active adapter trainable, and
             # autograd skips accumulating into a tensor that no longer requires grad at backward:
             # make every adapter of this micro-batch trainable for the whole pass.

@@ -13,9 +13,10 @@ in float32. No ``B x T x V`` tensor exists at any time: the largest is one chunk
   recomputed in backward instead of keeping its logits (activation checkpointing of the head only).
 - **Shared prefix.** When every row of the batch starts with the same ``P >= MIN_SHARED_PREFIX``
   tokens (GRPO: one prompt, many completions), the prefix runs once per distinct adapter of the
-  batch, its key/value cache is indexed out to every row, and only the rows' own suffixes run
-  batched on top of it. Positions, attention and gradients are those of the full pass (the cache
-  index's backward sums the rows' gradients into the prefix); only the float summation order
+  batch and only the rows' own suffixes run on its key/value cache: with one adapter, unpadded and
+  packed in one row under a 4-D mask (``_packed_suffixes``); with several, padded, the cache
+  indexed out to every row. Positions, attention and gradients are those of the full pass (the
+  cache's backward sums the rows' gradients into the prefix); only the float summation order
   differs. Models whose cache is not a plain full-attention ``DynamicCache`` (sliding windows,
   linear attention) take the full pass.
 - **Fallback.** A model without ``get_decoder``/``get_output_embeddings``, or with logits
@@ -39,6 +40,7 @@ from torch.utils.checkpoint import checkpoint
 
 LOGIT_CHUNK = 256  # positions per lm_head call: 256 x 49152 fp32 logits are 48 MiB
 MIN_SHARED_PREFIX = 8  # shorter common prefixes are not worth a second decoder call
+PACK_MASK_LIMIT = 1 << 22  # packed suffixes' mask elements (16 MiB fp32); past it the suffixes run padded
 
 RowContext = Callable[[Sequence[str] | None], contextlib.AbstractContextManager[Any]]
 
@@ -141,6 +143,12 @@ def _hidden(
         with row_context(owners if adapter_names is not None else None):
             out = decoder(input_ids=prefix_RP, attention_mask=mask_BT[:1, :P].expand(R, P), use_cache=True)
         cache = out.past_key_values
+        suffix_tokens = sum(lengths_B) - B * P
+        if _plain_dynamic(cache) and R == 1 and _packable(decoder, suffix_tokens * (P + suffix_tokens)):
+            prefix_h = out.last_hidden_state.reshape(P, -1)
+            return _packed_suffixes(
+                decoder, input_ids_BT, lengths_B, P, cache, prefix_h, adapter_names, row_context, checkpoint_layers
+            )
         if _plain_dynamic(cache):
             cache.reorder_cache(owner_B)  # index_select: its backward sums the rows' gradients into the prefix
             with row_context(adapter_names), _checkpointed_layers(decoder, checkpoint_layers):
@@ -155,6 +163,55 @@ def _hidden(
         out = decoder(input_ids=input_ids_BT, attention_mask=mask_BT, use_cache=False)
     H_ND = out.last_hidden_state.reshape(B * T, -1)
     return H_ND, torch.arange(B * T, device=device).reshape(B, T)
+
+
+def _packable(decoder: nn.Module, mask_elements: int) -> bool:
+    """Whether the suffixes can run packed in one row: attention that takes an additive 4-D mask, and a small mask."""
+    implementation = getattr(getattr(decoder, "config", None), "_attn_implementation", None)
+    return implementation in ("sdpa", "eager") and mask_elements <= PACK_MASK_LIMIT
+
+
+def _packed_suffixes(
+    decoder: nn.Module,
+    input_ids_BT: torch.Tensor,
+    lengths_B: Sequence[int],
+    P: int,
+    cache: Any,
+    prefix_PD: torch.Tensor,
+    adapter_names: Sequence[str] | None,
+    row_context: RowContext,
+    checkpoint_layers: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's own tokens, unpadded, one after another in a single row on the prefix's cache.
+
+    A 4-D additive mask lets a token see the prefix and the earlier tokens of its own row only, and
+    position ids restart at ``P`` for each row: the same attention and positions as the padded pass,
+    without the padding and without a per-row copy of the prefix's keys and values.
+    """
+    B, T = input_ids_BT.shape
+    device = input_ids_BT.device
+    S_B = [n - P for n in lengths_B]
+    N = sum(S_B)
+    ids_N = torch.cat([input_ids_BT[b, P : lengths_B[b]] for b in range(B)])
+    row_N = torch.repeat_interleave(torch.arange(B, device=device), torch.tensor(S_B, device=device))
+    start_B = torch.tensor([0, *S_B[:-1]], device=device).cumsum(0)
+    offset_N = torch.arange(N, device=device) - start_B[row_N]
+    visible_NN = (row_N[:, None] == row_N[None, :]) & (offset_N[None, :] <= offset_N[:, None])
+    mask_11NK = torch.zeros((1, 1, N, P + N), dtype=prefix_PD.dtype, device=device)
+    mask_11NK[0, 0, :, P:].masked_fill_(~visible_NN, torch.finfo(prefix_PD.dtype).min)
+    names = list(adapter_names[:1]) if adapter_names is not None else None
+    with row_context(names), _checkpointed_layers(decoder, checkpoint_layers):
+        suffix = decoder(
+            input_ids=ids_N[None, :],
+            attention_mask=mask_11NK,
+            position_ids=(P + offset_N)[None, :],
+            past_key_values=_frozen(cache),
+        )
+    H_ND = torch.cat([prefix_PD, suffix.last_hidden_state.reshape(N, -1)])
+    t_T = torch.arange(T, device=device)
+    real_BT = t_T[None, :] < torch.tensor(lengths_B, device=device)[:, None]
+    suffix_src_BT = torch.where(real_BT, P + start_B[:, None] + (t_T[None, :] - P), 0)
+    return H_ND, torch.where(t_T[None, :] < P, t_T[None, :].expand(B, T), suffix_src_BT)
 
 
 def _chunk_logprobs(head: nn.Module, h_UD: torch.Tensor, inv_K: torch.Tensor, tgt_K: torch.Tensor) -> torch.Tensor:
