@@ -52,7 +52,6 @@ from polytinker.transport.protocol import (
     error_body,
     pack_header,
     parse_header,
-    recv_frames,
     send_frames,
 )
 
@@ -67,6 +66,8 @@ _PING = int(MsgType.PING)
 _CANCEL = int(MsgType.CANCEL)
 _EVENTS = int(zmq.EVENTS)
 _get = zmq.backend.Socket.get  # the compiled getsockopt (pyzmq's Python-level one makes an enum of the option)
+_recv = zmq.backend.Socket.recv
+_RCVMORE = int(zmq.RCVMORE)
 _PARK_AFTER_S = 1.0  # the watch thread sleeps for good after this long without a request run on the leader
 # While no other thread can have an answer to send, the leader waits for the next message in a
 # blocking receive (ZMQ_RCVTIMEO) this long before it polls the socket and the wake-up pipe:
@@ -91,7 +92,7 @@ class CallContext:
         "request_id",
     )
 
-    def __init__(self, ident: zmq.Frame, rid: int, kind: str, handler: Handler, body: list[zmq.Frame], reply: bool):
+    def __init__(self, ident: bytes, rid: int, kind: str, handler: Handler, body: list[zmq.Frame], reply: bool):
         self._ident = ident
         self.request_id = rid
         self.kind = kind
@@ -412,7 +413,7 @@ class RpcServer:
                 # _calls, so the order of these two checks matters): the fast wait.
                 if not self._calls and not self._replies:
                     try:  # noqa: SIM105 (hot path: suppress() costs a context manager per message)
-                        frames = recv_frames(sock, 0)
+                        frames = _recv_message(sock, 0)
                     except zmq.Again:
                         pass
                 if frames is None:
@@ -426,7 +427,7 @@ class RpcServer:
                     for what, _ in ready:
                         if what is sock:
                             try:  # noqa: SIM105 (hot path)
-                                frames = recv_frames(sock, _NOBLOCK)
+                                frames = _recv_message(sock, _NOBLOCK)
                             except zmq.Again:
                                 pass
                         else:
@@ -485,14 +486,14 @@ class RpcServer:
 
     # --- the leader: routing ----------------------------------------------------------------
 
-    def _on_message(self, sock: zmq.Socket, frames: list[zmq.Frame]) -> CallContext | None:
+    def _on_message(self, sock: zmq.Socket, frames: list[Any]) -> CallContext | None:
         """Route one message; returns a request the leader is to run itself."""
         ident = frames[0]
         if len(frames) < 2:
             self._reject(sock, ident, 0, "", HeaderError("empty message: a header frame is required"))
             return None
         try:
-            mtype, rid, kind = parse_header(frames[1].buffer)
+            mtype, rid, kind = parse_header(frames[1])
         except HeaderError as exc:
             self._reject(sock, ident, 0, "", exc)
             return None
@@ -501,7 +502,7 @@ class RpcServer:
         if mtype == _PING:
             _send_now(sock, [ident, PONG_HEADER])
         elif mtype == _CANCEL:
-            call = self._calls.get((ident.bytes, rid))
+            call = self._calls.get((ident, rid))
             if call is not None:
                 self._cancel(call)
         else:
@@ -510,7 +511,7 @@ class RpcServer:
         return None
 
     def _dispatch(
-        self, sock: zmq.Socket, ident: zmq.Frame, mtype: int, rid: int, kind: str, body: list[zmq.Frame]
+        self, sock: zmq.Socket, ident: bytes, mtype: int, rid: int, kind: str, body: list[zmq.Frame]
     ) -> CallContext | None:
         reply = mtype == _REQUEST
         handler = self._handlers.get(kind)
@@ -561,7 +562,7 @@ class RpcServer:
         return None
 
     def _reject(
-        self, sock: zmq.Socket, ident: zmq.Frame, rid: int, kind: str, exc: HeaderError, reply: bool = True
+        self, sock: zmq.Socket, ident: bytes, rid: int, kind: str, exc: HeaderError, reply: bool = True
     ) -> None:
         self._bad("rejected a message (%s): %s", exc.code, exc)
         if reply:
@@ -577,7 +578,7 @@ class RpcServer:
     def _register(self, call: CallContext) -> None:
         """Make ``call`` findable by CANCEL (requests only: a tell cannot be cancelled)."""
         if call._reply:
-            key = call._key = (call._ident.bytes, call.request_id)
+            key = call._key = (call._ident, call.request_id)
             self._calls[key] = call
 
     def _forget(self, call: CallContext) -> None:
@@ -724,6 +725,22 @@ class RpcServer:
         thread.join(timeout_s)
         if not thread.is_alive():
             loop.close()
+
+
+def _recv_message(sock: zmq.Socket, flags: int) -> list[Any]:
+    """``[identity, header, *body frames]`` of the next message (raises zmq.Again, as ``flags``
+    say): the identity and the header as bytes (cheaper than zmq.Frames; both are small), the
+    body and buffer frames zero-copy. A message of one or two frames comes back as it is."""
+    out: list[Any] = [_recv(sock, flags, True)]
+    if _get(sock, _RCVMORE):
+        out.append(_recv(sock, 0, True))
+        if _get(sock, _RCVMORE):
+            frame = _recv(sock, 0, False)
+            out.append(frame)
+            while frame.more:
+                frame = _recv(sock, 0, False)
+                out.append(frame)
+    return out
 
 
 def _send_now(sock: zmq.Socket, frames: list[Any]) -> None:
