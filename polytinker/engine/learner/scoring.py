@@ -76,10 +76,36 @@ def _fast_path_parts(lm: nn.Module) -> tuple[nn.Module, nn.Module] | None:
     return decoder, head
 
 
-def _plain_dynamic(cache: Any) -> bool:
+def _full_attention(decoder: nn.Module) -> bool:
+    """Whether the model's own cache would be plain full-attention layers (no sliding window, no linear attention)."""
     from transformers.cache_utils import DynamicCache, DynamicLayer
 
-    return isinstance(cache, DynamicCache) and all(type(layer) is DynamicLayer for layer in cache.layers)
+    config = getattr(decoder, "config", None)
+    try:
+        cache = DynamicCache(config=config)
+    except Exception:  # a config the cache cannot read: take the full pass
+        return False
+    return all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+def _recording_cache() -> Any:
+    """A cache for the prefix pass whose ``update`` sets (not appends) each layer's keys and values:
+    a layer recomputed in backward (checkpointing) writes equal values again and changes nothing."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    class RecordingCache(DynamicCache):
+        def update(
+            self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            while len(self.layers) <= layer_idx:
+                self.layers.append(DynamicLayer())
+            layer: Any = self.layers[layer_idx]
+            if not layer.is_initialized:
+                layer.lazy_initialization(key_states, value_states)
+            layer.keys, layer.values = key_states, value_states
+            return key_states, value_states
+
+    return RecordingCache()
 
 
 def _frozen(cache: Any) -> Any:
@@ -91,7 +117,7 @@ def _frozen(cache: Any) -> Any:
         def update(
             self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *_: Any, **__: Any
         ) -> Any:
-            layer: Any = self.layers[layer_idx]  # a DynamicLayer: _plain_dynamic checked
+            layer: Any = self.layers[layer_idx]  # a DynamicLayer: _full_attention checked
             return torch.cat([layer.keys, key_states], dim=-2), torch.cat([layer.values, value_states], dim=-2)
 
     frozen = FrozenPrefixCache()
@@ -130,7 +156,7 @@ def _hidden(
     B, T = input_ids_BT.shape
     device = input_ids_BT.device
     P = shared_prefix_len(input_ids_BT, lengths_B) if share_prefix else 0
-    if P >= MIN_SHARED_PREFIX:
+    if P >= MIN_SHARED_PREFIX and _full_attention(decoder):
         # One prefix row per distinct adapter; row b reads prefix row owner_B[b].
         owners = list(dict.fromkeys(adapter_names)) if adapter_names is not None else []
         owner_B = torch.tensor(
@@ -140,25 +166,28 @@ def _hidden(
         )
         R = max(len(owners), 1)
         prefix_RP = input_ids_BT[:1, :P].expand(R, P)
-        with row_context(owners if adapter_names is not None else None):
-            out = decoder(input_ids=prefix_RP, attention_mask=mask_BT[:1, :P].expand(R, P), use_cache=True)
-        cache = out.past_key_values
+        cache = _recording_cache()
+        prefix_mask = mask_BT[:1, :P].expand(R, P)
+        with (
+            row_context(owners if adapter_names is not None else None),
+            _checkpointed_layers(decoder, checkpoint_layers),
+        ):
+            out = decoder(input_ids=prefix_RP, attention_mask=prefix_mask, past_key_values=cache, use_cache=True)
         suffix_tokens = sum(lengths_B) - B * P
-        if _plain_dynamic(cache) and R == 1 and _packable(decoder, suffix_tokens * (P + suffix_tokens)):
+        if R == 1 and _packable(decoder, suffix_tokens * (P + suffix_tokens)):
             prefix_h = out.last_hidden_state.reshape(P, -1)
             return _packed_suffixes(
                 decoder, input_ids_BT, lengths_B, P, cache, prefix_h, adapter_names, row_context, checkpoint_layers
             )
-        if _plain_dynamic(cache):
-            cache.reorder_cache(owner_B)  # index_select: its backward sums the rows' gradients into the prefix
-            with row_context(adapter_names), _checkpointed_layers(decoder, checkpoint_layers):
-                suffix = decoder(input_ids=input_ids_BT[:, P:], attention_mask=mask_BT, past_key_values=_frozen(cache))
-            S = T - P
-            H_ND = torch.cat([out.last_hidden_state.reshape(R * P, -1), suffix.last_hidden_state.reshape(B * S, -1)])
-            t_T = torch.arange(T, device=device)
-            prefix_src_BT = owner_B[:, None] * P + t_T[None, :]
-            suffix_src_BT = R * P + torch.arange(B, device=device)[:, None] * S + (t_T[None, :] - P)
-            return H_ND, torch.where(t_T[None, :] < P, prefix_src_BT, suffix_src_BT)
+        cache.reorder_cache(owner_B)  # index_select: its backward sums the rows' gradients into the prefix
+        with row_context(adapter_names), _checkpointed_layers(decoder, checkpoint_layers):
+            suffix = decoder(input_ids=input_ids_BT[:, P:], attention_mask=mask_BT, past_key_values=_frozen(cache))
+        S = T - P
+        H_ND = torch.cat([out.last_hidden_state.reshape(R * P, -1), suffix.last_hidden_state.reshape(B * S, -1)])
+        t_T = torch.arange(T, device=device)
+        prefix_src_BT = owner_B[:, None] * P + t_T[None, :]
+        suffix_src_BT = R * P + torch.arange(B, device=device)[:, None] * S + (t_T[None, :] - P)
+        return H_ND, torch.where(t_T[None, :] < P, prefix_src_BT, suffix_src_BT)
     with row_context(adapter_names), _checkpointed_layers(decoder, checkpoint_layers):
         out = decoder(input_ids=input_ids_BT, attention_mask=mask_BT, use_cache=False)
     H_ND = out.last_hidden_state.reshape(B * T, -1)
