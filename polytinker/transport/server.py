@@ -68,7 +68,7 @@ _EVENTS = int(zmq.EVENTS)
 _get = zmq.backend.Socket.get  # the compiled getsockopt (pyzmq's Python-level one makes an enum of the option)
 _recv = zmq.backend.Socket.recv
 _RCVMORE = int(zmq.RCVMORE)
-_PARK_AFTER_S = 1.0  # the watch thread sleeps for good after this long without a request run on the leader
+_PARK_AFTER_S = 0.25  # the watch thread sleeps for good after this long without a request run on the leader
 # While no other thread can have an answer to send, the leader waits for the next message in a
 # blocking receive (ZMQ_RCVTIMEO) this long before it polls the socket and the wake-up pipe:
 # cheaper than a poll, and only stop() (which then waits at most this long) needs the pipe.
