@@ -4,8 +4,9 @@ that read them, on handler threads, or (``async def`` handlers) on the server's 
 One thread at a time leads: it holds ``_sock_lock``, waits for the next message (in a blocking
 receive while no other thread can have an answer to send, else in ``zmq_poll`` on the socket and a
 wake-up pipe), reads messages, answers heartbeats itself, rejects what it cannot serve with an
-error reply and honours CANCEL. A request that finds the server idle runs right there, on the
-leader, with no thread hand-off (the leader lets go of the socket lock meanwhile); a watch thread
+error reply and honours CANCEL. A request that finds the server idle (or of a kind whose last such
+run took under _QUICK_S) runs right there, on the leader, with no thread hand-off (the leader
+lets go of the socket lock meanwhile); a watch thread
 that sees one handler run longer than ``handler_takeover_s`` makes another thread the leader, so
 heartbeats and other requests wait at most about that long, and the old leader answers and joins
 the followers when its handler returns. A request that arrives while others are waiting behind it
@@ -412,10 +413,13 @@ class RpcServer:
                 # No answer can come from another thread (one queues its answer before it leaves
                 # _calls, so the order of these two checks matters): the fast wait.
                 if not self._calls and not self._replies:
-                    try:  # noqa: SIM105 (hot path: suppress() costs a context manager per message)
+                    try:
                         frames = _recv_message(sock, 0)
                     except zmq.Again:
                         pass
+                    except zmq.ZMQError:  # the socket itself failed: nothing left to serve
+                        log.exception("server %s: socket error, stopping", self._address)
+                        return
                 if frames is None:
                     try:
                         ready = zmq_poll(items, -1)
