@@ -4,11 +4,11 @@ One thread at a time owns the socket, the holder of ``_io_lock``. A blocking ``c
 lock when it is free and drives the socket itself until its reply is in (leader/followers: no
 thread hand-off on the hot path, which in CPython costs more than the network round trip); it
 first waits for the reply in a blocking receive bounded by ``ZMQ_RCVTIMEO`` (5 ms; only while no
-other thread has queued a call lately), cheaper than polling, then polls the socket and the wake-up
-pipe. Otherwise, and for ``call_async``,
-``send_oneway`` and ``AsyncRpcClient``, the caller encodes its payload in its own thread and hands
-the frames over through a queue and a wake-up pipe to the I/O thread, which waits for the pipe or
-the socket's ``ZMQ_FD`` without holding the lock.
+other thread has queued a call lately), cheaper than polling, then polls the socket and the
+wake-up pipe. Otherwise, and for ``call_async``, ``send_oneway`` and ``AsyncRpcClient``, the
+caller encodes its payload in its own thread and hands the frames over through a queue and a
+wake-up pipe to the I/O thread, which waits for the pipe or the socket's ``ZMQ_FD`` without
+holding the lock.
 
 Whoever holds the lock sends queued requests, matches replies to request ids, enforces deadlines,
 pings the server every ``heartbeat_interval_s`` and, after ``heartbeat_liveness`` intervals of
