@@ -190,8 +190,9 @@ class RpcClient:
             frames = encode(payload, config=self._cfg)
             rid = next(self._ids)
             # The deadline of this call is this thread's to keep (not in the heap the I/O thread serves).
+            now = time.monotonic()
             t = self._cfg.request_timeout_s if timeout_s is None else timeout_s
-            deadline = None if t is None else time.monotonic() + t
+            deadline = None if t is None else now + t
             if self._ops or st.backlog:
                 slot = _Slot()
                 self._ops.append((_REQUEST, rid, kind, frames, slot, None))
@@ -214,7 +215,7 @@ class RpcClient:
                     # Until this thread lets go of the lock nobody else reads the socket, so the call
                     # joins the pending ones only if the fast wait does not bring its answer.
                     got: list[Any] | None = None
-                    if time.monotonic() - self._last_op > _QUIET_S:
+                    if now - self._last_op > _QUIET_S:
                         # The answer mostly comes within a millisecond: wait for it in a blocking
                         # receive (bounded by RCVTIMEO), cheaper than polling the socket and the pipe.
                         # The header frame comes as bytes (cheaper than a zmq.Frame); the body stays
