@@ -24,8 +24,8 @@ $(VENV)/.installed: pyproject.toml
 test: venv
 	$(PY) -m pytest -q
 
-# The learning tests train the real model for several steps each (minutes on two idle cores),
-# so they are a tier of their own rather than part of `make test`.
+# The learning tests alone (`make test` runs them too): each trains the real model for a few
+# steps and checks the reward rises (minutes each on two cores).
 test-learning: venv
 	$(PY) -m pytest -q -m learning
 

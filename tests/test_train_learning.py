@@ -1,7 +1,9 @@
 """Learning tests on the real default model (SmolLM2-135M-Instruct), fixed seeds, on the CPU.
 
-Each states its margin and its number of steps: the reward must rise by that much within them.
-They run the whole stack: a local runtime (scheduler, HF engine, learner), the coordinator, GRPO.
+Each states its margin and its number of steps: the evaluation reward (fixed episode seeds and,
+since sampling is seeded, the same random draws before and after) must rise by that much within
+them. They run the whole stack: a local runtime (scheduler, HF engine, learner), the
+coordinator, GRPO. Run alone with `make test-learning`; `make test` runs them too.
 """
 
 from __future__ import annotations
@@ -11,35 +13,36 @@ from pathlib import Path
 import pytest
 
 from polytinker.agents import Experiment, ExperimentConfig
-from polytinker.agents.metrics import read_metrics
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
 
-# Minutes each on 2 idle cores, far more when shared: `make test-learning`, not `make test`.
-pytestmark = [pytest.mark.slow, pytest.mark.learning, pytest.mark.timeout(1800)]
-
-
-def train_rewards(run: Path, agent: str) -> list[float]:
-    return [r[f"reward/{agent}"] for r in read_metrics(run) if f"reward/{agent}" in r]
+# Measured on a 2-core machine shared with other jobs (load 3 to 5): 3.3 to 8 minutes and 3 minutes.
+pytestmark = [pytest.mark.slow, pytest.mark.learning, pytest.mark.timeout(1200)]
 
 
 def test_single_agent_guess_number_reward_rises(tmp_path):
-    """guess_number (1..8, 3 guesses): mean reward of the last 2 of 8 steps >= first 2 + 0.3.
-    Most of the gain is the answer format (an invalid guess costs 0.5), then the search.
-    One step plays 8 episodes (one group of 8 from the same secret)."""
-    overrides = {"output.root": str(tmp_path), "output.progress": False, "train.steps": 8, "train.groups": 1}
-    overrides |= {"eval.at_start": False, "eval.episodes": 4}
-    Experiment(ExperimentConfig.from_toml(CONFIGS / "guess_number.toml", overrides)).train()
-    rewards = train_rewards(tmp_path / "guess-number", "guesser")
-    assert len(rewards) == 8
-    first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
-    assert last >= first + 0.3, rewards
+    """guess_number (1..8, 3 guesses), 4 steps of one group of 8 episodes: the evaluation reward
+    (16 episodes) rises by at least 0.5. Most of the gain is the answer format (each invalid
+    answer costs 0.5), then finding the number.
+
+    Measured: -0.94 -> +0.19 and -0.94 -> +0.25 (two runs). The same run with learning rate 1e-12
+    evaluates to -0.94 both times (the paired evaluation leaves nothing to chance), while its
+    training reward still wanders from -1.5 to -0.12 between steps with the secret, which is why
+    the training reward is not the measure here."""
+    overrides = {"output.root": str(tmp_path), "output.progress": False, "train.steps": 4, "train.groups": 1}
+    overrides |= {"eval.episodes": 16}
+    summary = Experiment(ExperimentConfig.from_toml(CONFIGS / "guess_number.toml", overrides)).train()
+    key = "eval/guesser/random/reward"
+    assert summary.after[key] >= summary.before[key] + 0.5, (summary.before, summary.after)
 
 
 def test_two_agents_prisoners_dilemma_reward_against_random_rises(tmp_path):
     """The main job, shortened to 8 steps: each agent's evaluation reward against the random
-    opponent (32 episodes, fixed seeds) rises by at least 0.3 (legal answers, then defection,
-    the dominant move). Their reward against each other may fall: both learn to defect."""
+    opponent (32 episodes) rises by at least 0.3 (legal answers, then defection, the dominant
+    move: 3.0 on average). Their reward against each other may fall: both learn to defect.
+
+    Measured: alice 2.14 -> 3.00 and bob 2.14 -> 2.62 (after 2, 4 and 6 steps: 2.31/2.20,
+    2.17/2.39, 2.92/2.59). With learning rate 1e-12 both evaluate to 2.14 before and after."""
     overrides = {"output.root": str(tmp_path), "output.progress": False, "train.steps": 8}
     summary = Experiment(ExperimentConfig.from_toml(CONFIGS / "prisoners_dilemma.toml", overrides)).train()
     for agent in ("alice", "bob"):
