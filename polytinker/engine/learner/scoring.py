@@ -19,6 +19,10 @@ in float32. No ``B x T x V`` tensor exists at any time: the largest is one chunk
   cache's backward sums the rows' gradients into the prefix); only the float summation order
   differs. Models whose cache is not a plain full-attention ``DynamicCache`` (sliding windows,
   linear attention) take the full pass.
+- **Checkpointing** (``checkpoint_layers``). Decoder layers keep only their inputs and recompute
+  in backward; the prefix pass writes its cache through ``update``s that set rather than append
+  (``_recording_cache``) and the suffixes read it through a read-only view (``_frozen``), so a
+  recomputed layer sees and writes what its first run did.
 - **Fallback.** A model without ``get_decoder``/``get_output_embeddings``, or with logits
   post-processing (soft-capping, logit scaling), is scored with its own forward and full logits.
 
