@@ -148,10 +148,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
 
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the runtime's workers read it at start
-    import torch
-
-    torch.set_num_threads(args.threads)
+    # The runtime's workers read it at start. This client process only renders the prompt and sends
+    # requests: it imports no torch, as a user's training script needs none.
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
     from polytinker import ServiceClient
     from polytinker.engine.models import load_tokenizer
     from polytinker.scheduler.service.config import RuntimeConfig

@@ -143,3 +143,33 @@ def test_gguf_conversion_runs_once(tmp_path: Path) -> None:
     tokenizer = load_tokenizer(DEFAULT_MODEL, config)
     assert tokenizer.chat_template, "the chat template must survive the conversion"
     assert sum(p.name.startswith(".") and ".tmp-" in p.name for p in config.models_dir.iterdir()) == 0
+
+
+def test_plain_tokenizer_loads_without_torch_and_matches_auto_tokenizer() -> None:
+    """Client processes render prompts with this tokenizer: it must not pull in torch, and it must
+    tokenize and render chats exactly as AutoTokenizer does."""
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    code = (
+        "import sys; from polytinker.engine.models import load_tokenizer; load_tokenizer('tiny-random');"
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+    light, auto = load_tokenizer(TINY_RANDOM), AutoTokenizer.from_pretrained(str(resolve_model(TINY_RANDOM)))
+    chat = [
+        {"role": "system", "content": "You play a game."},
+        {"role": "user", "content": "Pick a number from 1 to 10, é 東京."},
+        {"role": "assistant", "content": " 7"},
+        {"role": "user", "content": "Again."},
+    ]
+    for generation_prompt in (True, False):
+        assert light.apply_chat_template(chat, add_generation_prompt=generation_prompt) == auto.apply_chat_template(
+            chat, add_generation_prompt=generation_prompt
+        )
+    for text in ("hello world", " 7", "<|im_end|>x", ""):
+        assert light.encode(text) == auto.encode(text)
+    assert (light.eos_token_id, light.pad_token_id) == (auto.eos_token_id, auto.pad_token_id)

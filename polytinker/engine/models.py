@@ -166,11 +166,34 @@ def resolve_model(spec: str = DEFAULT_MODEL, config: ModelConfig | None = None) 
     )
 
 
-def load_tokenizer(spec: str = DEFAULT_MODEL, config: ModelConfig | None = None) -> PreTrainedTokenizerBase:
-    from transformers import AutoTokenizer
+# Tokenizer classes that are nothing but a ``tokenizer.json`` (the class AutoTokenizer picks for them
+# is the plain fast tokenizer). For these the fast tokenizer is loaded directly: AutoTokenizer imports
+# torch, about 340 MiB more in a client process that only renders prompts.
+_PLAIN_TOKENIZER_CLASSES = frozenset(
+    {"GPT2Tokenizer", "GPT2TokenizerFast", "PreTrainedTokenizerFast", "TokenizersBackend"}
+)
 
+
+def _tokenizer_class(path: Path) -> str | None:
+    import json
+
+    try:
+        value = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+def load_tokenizer(spec: str = DEFAULT_MODEL, config: ModelConfig | None = None) -> PreTrainedTokenizerBase:
+    """The model's tokenizer (with its chat template). Does not import torch for plain fast tokenizers."""
     path = resolve_model(spec, config)
     try:
+        if (path / "tokenizer.json").is_file() and _tokenizer_class(path) in _PLAIN_TOKENIZER_CLASSES:
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(str(path))
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(str(path))
     except Exception as exc:
         raise ModelError(f"could not load the tokenizer of {spec!r} from {path}: {exc}") from exc
