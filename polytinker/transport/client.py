@@ -39,6 +39,7 @@ from polytinker.transport._wakeup import WakePipe
 from polytinker.transport.codec import body_decoder, decode, encode
 from polytinker.transport.config import DEFAULT_CONFIG, TransportConfig
 from polytinker.transport.protocol import (
+    COPY_BELOW,
     PING_HEADER,
     HeaderError,
     MsgType,
@@ -64,10 +65,8 @@ _FAST_WAIT_MS = 5
 _QUIET_S = 0.1
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
-_send = zmq.backend.Socket.send  # compiled, under pyzmq's Python-level send (see protocol.send_frames)
+_send: Any = zmq.backend.Socket.send  # compiled, under pyzmq's Python-level send (see protocol.send_frames)
 _recv = zmq.backend.Socket.recv
-_get = zmq.backend.Socket.get
-_RCVMORE = int(zmq.RCVMORE)
 
 
 class _Pending:
@@ -201,8 +200,9 @@ class RpcClient:
                 header = pack_header(_REQUEST, rid, kind)
                 try:
                     if len(frames) == 1:
-                        _send(self._sock, header, _SNDMORE_NOBLOCK, False)
-                        _send(self._sock, frames[0], _NOBLOCK, False)
+                        # Copying sends of small bytes: cheaper in pyzmq (see protocol.send_frames).
+                        _send(self._sock, header, _SNDMORE_NOBLOCK, True)
+                        _send(self._sock, frames[0], _NOBLOCK, len(frames[0]) < COPY_BELOW)
                     else:
                         send_frames(self._sock, [header, *frames], _NOBLOCK)
                 except zmq.Again:  # no peer yet, or its queue is full (a message goes whole or not at all)
@@ -218,23 +218,21 @@ class RpcClient:
                     if now - self._last_op > _QUIET_S:
                         # The answer mostly comes within a millisecond: wait for it in a blocking
                         # receive (bounded by RCVTIMEO), cheaper than polling the socket and the pipe.
-                        # The header frame comes as bytes (cheaper than a zmq.Frame); the body stays
-                        # zero-copy.
+                        # Frames come zero-copy; the header is then copied out as bytes to compare.
                         sock = self._sock
                         try:
-                            head = _recv(sock, 0, True)
+                            frame = _recv(sock, 0, False)
                         except zmq.Again:
                             pass
                         else:
                             st.last_recv = time.monotonic()
                             st.alive = True
                             st.awaiting_pong = False
+                            head = frame.bytes
                             got = [head]
-                            more = _get(sock, _RCVMORE)
-                            while more:
+                            while frame.more:  # a Frame's own flag: cheaper than asking the socket (RCVMORE)
                                 frame = _recv(sock, 0, False)
                                 got.append(frame)
-                                more = frame.more
                             if len(got) > 1 and head == _REPLY_START + header[3:]:
                                 if len(got) == 2:
                                     return self._decode_body(got[1].buffer)

@@ -88,16 +88,20 @@ PONG_HEADER = pack_header(MsgType.PONG, 0, "")
 _SNDMORE = int(zmq.SNDMORE)
 # The compiled send under pyzmq's Python-level Socket.send (which only adds routing_id/group for
 # draft sockets): one interpreted frame less per frame sent.
-_send = zmq.backend.Socket.send
+_send: Any = zmq.backend.Socket.send
+# pyzmq copies a frame under this size even when asked not to: such bytes are sent copying, directly.
+COPY_BELOW = zmq.COPY_THRESHOLD
 
 
 def send_frames(sock: zmq.Socket, frames: list[Any], flags: int) -> None:
     """``send_multipart(frames, flags, copy=False)`` without its per-call checks (a few us each
-    way, which is most of a round trip here). Buffers under 64 KiB are still copied by pyzmq."""
+    way, which is most of a round trip here). Small ``bytes`` frames (identity, header, msgpack
+    body) go by pyzmq's copying send, which skips the memoryview and tracker that a zero-copy send
+    of a buffer under ``zmq.COPY_THRESHOLD`` makes before copying it anyway; the rest go zero-copy."""
     last = len(frames) - 1
     more = flags | _SNDMORE
     for i, frame in enumerate(frames):
-        _send(sock, frame, more if i < last else flags, False)
+        _send(sock, frame, more if i < last else flags, type(frame) is bytes and len(frame) < COPY_BELOW)
 
 
 def recv_frames(sock: zmq.Socket, flags: int) -> list[zmq.Frame]:
@@ -188,6 +192,7 @@ class RateLimitedLog:
 
 
 __all__ = [
+    "COPY_BELOW",
     "PING_HEADER",
     "PONG_HEADER",
     "PROTOCOL_VERSION",
