@@ -26,3 +26,19 @@ def test_console_script_runs():
     out = subprocess.run([sys.executable, "-m", "polytinker.cli", "--help"], capture_output=True, text=True)
     assert out.returncode == 0
     assert "keys" in out.stdout and "env" in out.stdout
+
+
+def test_a_client_script_imports_no_torch():
+    """A training script talks to the runtime through the clients and renders prompts: it needs no
+    torch (about 340 MiB of resident memory) in its own process."""
+    code = (
+        "import sys\n"
+        "from polytinker import ServiceClient\n"
+        "from polytinker.agents.algorithms import make_algorithm\n"
+        "from polytinker.agents.types import TurnSample\n"
+        "from polytinker.engine.learner.config import AdamParams\n"
+        "from polytinker.engine.types import Datum, SampleRequest\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Literal
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal
 
 from polytinker.errors import ConfigError
+
+if TYPE_CHECKING:  # only a type here: client processes that import these messages need no torch
+    import torch
 
 AdapterName = str
 LossFnName = Literal["cross_entropy", "importance_sampling", "ppo"]
