@@ -152,6 +152,21 @@ def test_large_tensor_is_not_copied_through_a_socket():
         b.close(linger=0)
 
 
+def test_a_received_body_frame_decodes_as_it_came_and_owns_nothing_of_it():
+    """A single zmq.Frame (as a socket hands it over) decodes without a memoryview around it; bytes
+    in the value are copies, and a malformed or oversized frame is a ProtocolError."""
+    value = {"tokens": [1, 2, 3], "blob": b"x" * 100, "text": "hi"}
+    frame = zmq.Frame(encode(value)[0])
+    out = decode([frame])
+    assert out == value
+    del frame  # the decoded value must not depend on the frame's memory
+    assert out["blob"] == b"x" * 100
+    with pytest.raises(ProtocolError):
+        decode([zmq.Frame(b"\x92\x01")])
+    with pytest.raises(ProtocolError, match="max_body_bytes"):
+        decode([zmq.Frame(msgpack.packb(b"x" * 2000))], config=TransportConfig(max_body_bytes=1000))
+
+
 def test_small_arrays_travel_inline():
     frames = encode({"ids": np.arange(16)}, config=TransportConfig(inline_max_bytes=1024))
     assert len(frames) == 1

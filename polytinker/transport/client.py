@@ -235,7 +235,7 @@ class RpcClient:
                                 got.append(frame)
                             if len(got) > 1 and head == _REPLY_START + header[3:]:
                                 if len(got) == 2:
-                                    return self._decode_body(got[1].buffer)
+                                    return self._decode_body(got[1])
                                 return decode(got[1:], config=self._cfg)
                     slot = _Slot()
                     st.pending[rid] = _Pending(slot, kind, None)
@@ -428,7 +428,7 @@ class RpcClient:
     def _on_reply(self, st: _LoopState, frames: list[zmq.Frame]) -> None:
         try:
             head = frames[0]
-            mtype, rid, kind = parse_header(head if type(head) is bytes else head.buffer)
+            mtype, rid, kind = parse_header(head)
         except HeaderError as exc:
             log.warning("dropped a malformed message from %s: %s", self._address, exc)
             return

@@ -111,7 +111,8 @@ def decode(frames: Sequence[Frame], *, config: TransportConfig | None = None) ->
     cfg = config or DEFAULT_CONFIG
     if len(frames) == 1:  # the common case, on every round trip: no buffer frames
         frame = frames[0]
-        return body_decoder(cfg)(frame.buffer if type(frame) is zmq.Frame else _as_buffer(frame))
+        # msgpack reads a zmq.Frame through the buffer protocol: no memoryview to make (.buffer)
+        return body_decoder(cfg)(frame if type(frame) is zmq.Frame else _as_buffer(frame))
     if not frames:
         raise ProtocolError("no frames to decode")
     if len(frames) > cfg.max_frames + 1:
@@ -130,8 +131,8 @@ def decode(frames: Sequence[Frame], *, config: TransportConfig | None = None) ->
 
 
 def body_decoder(config: TransportConfig | None = None) -> Callable[[Any], Any]:
-    """``decode`` of a message without buffer frames, as a function of the body's buffer (bytes,
-    memoryview): made once per config, it is what a round trip calls, with the least around it."""
+    """``decode`` of a message without buffer frames, as a function of the body (bytes, memoryview
+    or zmq.Frame): made once per config, it is what a round trip calls, with the least around it."""
     cfg = config or DEFAULT_CONFIG
     entry = _BODY.get(id(cfg))
     if entry is not None and entry[0] is cfg:

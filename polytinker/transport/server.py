@@ -640,7 +640,7 @@ class RpcServer:
         kind = call.kind
         body = call._body
         try:
-            payload = self._decode_body(body[0].buffer) if len(body) == 1 else decode(body, config=self._cfg)
+            payload = self._decode_body(body[0]) if len(body) == 1 else decode(body, config=self._cfg)
         except ProtocolError as exc:
             self._bad("undecodable %s payload: %s", kind, exc)
             return False, self._error(call, ErrorCode.MALFORMED, exc)
