@@ -67,6 +67,8 @@ _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
 _send: Any = zmq.backend.Socket.send  # compiled, under pyzmq's Python-level send (see protocol.send_frames)
 _recv = zmq.backend.Socket.recv
+_monotonic = time.monotonic
+_get_ident = threading.get_ident
 
 
 class _Pending:
@@ -174,14 +176,14 @@ class RpcClient:
     def call(self, kind: str, payload: Any = None, *, timeout_s: float | None = None) -> Any:
         """Send a request and wait for its reply (see :meth:`call_async` for the errors)."""
         lock = self._io_lock
-        if not lock.acquire(blocking=False):  # another thread drives the socket
-            if self._io_owner == threading.get_ident():
+        if not lock.acquire(False):  # another thread drives the socket
+            if self._io_owner == _get_ident():
                 raise TransportError(
                     "a blocking call() from a callback of this client's futures would wait for itself; "
                     "use call_async() there"
                 )
             return self.call_async(kind, payload, timeout_s=timeout_s).result()
-        self._io_owner = threading.get_ident()
+        self._io_owner = _get_ident()
         st = self._st
         try:  # lead: drive the socket from this thread until the reply is in
             if self._closed:
@@ -189,7 +191,7 @@ class RpcClient:
             frames = encode(payload, config=self._cfg)
             rid = next(self._ids)
             # The deadline of this call is this thread's to keep (not in the heap the I/O thread serves).
-            now = time.monotonic()
+            now = _monotonic()
             t = self._cfg.request_timeout_s if timeout_s is None else timeout_s
             deadline = None if t is None else now + t
             if self._ops or st.backlog:
@@ -198,13 +200,14 @@ class RpcClient:
                 self._send_queued(st)
             else:
                 header = pack_header(_REQUEST, rid, kind)
+                sock = self._sock
                 try:
                     if len(frames) == 1:
                         # Copying sends of small bytes: cheaper in pyzmq (see protocol.send_frames).
-                        _send(self._sock, header, _SNDMORE_NOBLOCK, True)
-                        _send(self._sock, frames[0], _NOBLOCK, len(frames[0]) < COPY_BELOW)
+                        _send(sock, header, _SNDMORE_NOBLOCK, True)
+                        _send(sock, frames[0], _NOBLOCK, len(frames[0]) < COPY_BELOW)
                     else:
-                        send_frames(self._sock, [header, *frames], _NOBLOCK)
+                        send_frames(sock, [header, *frames], _NOBLOCK)
                 except zmq.Again:  # no peer yet, or its queue is full (a message goes whole or not at all)
                     slot = _Slot()
                     st.pending[rid] = _Pending(slot, kind, None)
@@ -219,24 +222,26 @@ class RpcClient:
                         # The answer mostly comes within a millisecond: wait for it in a blocking
                         # receive (bounded by RCVTIMEO), cheaper than polling the socket and the pipe.
                         # Frames come zero-copy; the header is then copied out as bytes to compare.
-                        sock = self._sock
                         try:
                             frame = _recv(sock, 0, False)
                         except zmq.Again:
                             pass
                         else:
-                            st.last_recv = time.monotonic()
+                            st.last_recv = _monotonic()
                             st.alive = True
                             st.awaiting_pong = False
                             head = frame.bytes
                             got = [head]
-                            while frame.more:  # a Frame's own flag: cheaper than asking the socket (RCVMORE)
+                            if frame.more:  # a Frame's own flag: cheaper than asking the socket (RCVMORE)
                                 frame = _recv(sock, 0, False)
+                                if not frame.more and head == _REPLY_START + header[3:]:  # header and body
+                                    return self._decode_body(frame)
                                 got.append(frame)
-                            if len(got) > 1 and head == _REPLY_START + header[3:]:
-                                if len(got) == 2:
-                                    return self._decode_body(got[1])
-                                return decode(got[1:], config=self._cfg)
+                                while frame.more:
+                                    frame = _recv(sock, 0, False)
+                                    got.append(frame)
+                                if head == _REPLY_START + header[3:]:
+                                    return decode(got[1:], config=self._cfg)
                     slot = _Slot()
                     st.pending[rid] = _Pending(slot, kind, None)
                     if got is not None:
