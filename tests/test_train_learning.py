@@ -16,7 +16,8 @@ from polytinker.agents import Experiment, ExperimentConfig
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
 
-# Measured on a 2-core machine shared with other jobs (load 3 to 5): 3.3 to 8 minutes and 3 minutes.
+# On a 2-core machine shared with other jobs: 5.5 to 8 and about 3 minutes; the same steps take
+# 5 to 30 times longer when another process holds a core (see time/rollout_s, time/eval_s).
 pytestmark = [pytest.mark.slow, pytest.mark.learning, pytest.mark.timeout(1200)]
 
 

@@ -68,7 +68,11 @@ def pd_config(root: Path, name: str = "pd", steps: int = 2, **train) -> Experime
 
 
 def test_two_agents_train_evaluate_and_write_the_run(service, tmp_path, capsys):
-    summary = Experiment(pd_config(tmp_path)).train(service=service)
+    experiment = Experiment(pd_config(tmp_path))
+    summary = experiment.train(service=service)
+    assert experiment._trainer is not None  # only the current versions' samplers are kept
+    players = experiment._trainer.players
+    assert set(players.samplers) == {(a, players.current[a]) for a in ("alice", "bob")}
     run = tmp_path / "pd"
     rows = read_metrics(run)
     assert [r["step"] for r in rows] == [0, 1, 2, 2]  # eval before, two steps, eval after
@@ -113,9 +117,13 @@ def test_async_league_self_play(service, tmp_path):
         eval=EvalConfig(episodes=2, at_start=False),
         output=OutputConfig(root=str(tmp_path), progress=False, tensorboard=False),
     )
-    Experiment(config).train(service=service)
+    experiment = Experiment(config)
+    experiment.train(service=service)
     state = RunState.load(tmp_path / "league")
     assert state.pool["me"] and all(f"me@{v}" in state.pool_paths for v in state.pool["me"])
+    assert experiment._trainer is not None  # the pool's samplers stay, with the current one
+    kept = {v for a, v in experiment._trainer.players.samplers if a == "me"}
+    assert kept == {*state.pool["me"], experiment._trainer.players.current["me"]}
     episodes = [json.loads(line) for line in (tmp_path / "league" / "transcripts.jsonl").read_text().splitlines()]
     assert any("me" in e["players"].values() for e in episodes if e["kind"] == "train")
     assert [r["step"] for r in read_metrics(tmp_path / "league")] == [1, 2, 3, 3]

@@ -139,7 +139,11 @@ class Trainer:
                 t0 = time.perf_counter()
                 self.players.samplers[(agent, version)] = await client.save_weights_and_get_sampling_client_async()
                 metrics[f"time/sync_s/{agent}"] = time.perf_counter() - t0
-                self.players.current[agent] = version
+                previous, self.players.current[agent] = self.players.current[agent], version
+                # Only the current version and the league's pool are sampled from again (a batch in
+                # flight holds its own snapshot): the sampler table does not grow by one a step.
+                if previous != version and previous not in self.mapping.pool.get(agent, []):
+                    self.players.samplers.pop((agent, previous), None)
             metrics[f"version/{agent}"] = float(self.players.current[agent])
         await self.hooks.after_update(step)
         metrics.update({"time/rollout_s": rollout_s, "time/train_s": time.perf_counter() - start})
