@@ -10,6 +10,7 @@ import dataclasses
 import threading
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -229,7 +230,8 @@ def test_async_handlers_await_concurrently():
         assert c.call("echo", "sync too") == "sync too"
 
 
-def test_a_cancelled_async_handler_is_cancelled_at_its_await():
+def _forever_handler() -> tuple[Callable[[Any], Awaitable[None]], threading.Event, threading.Event]:
+    """An async handler that waits a minute, and the events set when it starts and when it is cancelled."""
     cancelled = threading.Event()
     started = threading.Event()
 
@@ -241,6 +243,11 @@ def test_a_cancelled_async_handler_is_cancelled_at_its_await():
             cancelled.set()
             raise
 
+    return forever, started, cancelled
+
+
+def test_a_cancelled_async_handler_is_cancelled_at_its_await():
+    forever, started, cancelled = _forever_handler()
     with RpcServer(_inproc(), {"forever": forever}, config=FAST) as srv, RpcClient(srv.address, config=FAST) as c:
         fut = c.call_async("forever", None)
         assert started.wait(5)
@@ -249,17 +256,7 @@ def test_a_cancelled_async_handler_is_cancelled_at_its_await():
 
 
 def test_stopping_cancels_running_async_handlers():
-    cancelled = threading.Event()
-    started = threading.Event()
-
-    async def forever(_: Any) -> None:
-        started.set()
-        try:
-            await asyncio.sleep(60)
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-
+    forever, started, cancelled = _forever_handler()
     srv = RpcServer(_inproc(), {"forever": forever}, config=FAST).start()
     with RpcClient(srv.address, config=FAST) as c:
         c.call_async("forever", None)
