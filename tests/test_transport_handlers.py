@@ -6,11 +6,12 @@ dropped, and other calls go on undisturbed. Real servers and clients throughout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -149,29 +150,35 @@ def test_cancelling_does_not_disturb_other_calls(rec):
         assert c.call("echo", "last") == "last"
 
 
+@contextlib.contextmanager
+def _raw_dealer(address: str) -> Iterator[zmq.Socket]:
+    """A bare pyzmq DEALER, as a peer in another language would connect (5 s receive timeout)."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    sock.rcvtimeo = 5000
+    sock.connect(address)
+    try:
+        yield sock
+    finally:
+        sock.close()
+
+
 def test_cancel_on_the_wire(rec):
     """What a peer in another language sees: nothing comes back for a cancelled request, and the
     server goes on answering."""
-    with RpcServer("tcp://127.0.0.1:0", rec.handlers(), config=FAST) as srv:
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.linger = 0
-        sock.rcvtimeo = 5000
-        sock.connect(srv.address)
-        try:
-            sock.send_multipart([pack_header(1, 7, "until_cancelled"), msgpack.packb(10.0)])
-            assert rec.started.wait(5)
-            sock.send(pack_header(7, 7, "until_cancelled"))
-            sock.send(pack_header(7, 99, "no-such-request"))  # unknown ids are ignored
-            assert rec.saw_cancel.wait(5)
-            sock.send_multipart([pack_header(1, 8, "echo"), msgpack.packb("after")])
-            header, body = sock.recv_multipart()
-            assert msgpack.unpackb(header) == [1, 2, 8, "echo"] and msgpack.unpackb(body) == "after"
-            sock.send(pack_header(5, 0, ""))
-            assert msgpack.unpackb(sock.recv()) == [1, 6, 0, ""]
-            with pytest.raises(zmq.Again):
-                sock.recv(zmq.NOBLOCK)  # still nothing for request 7
-        finally:
-            sock.close()
+    with RpcServer("tcp://127.0.0.1:0", rec.handlers(), config=FAST) as srv, _raw_dealer(srv.address) as sock:
+        sock.send_multipart([pack_header(1, 7, "until_cancelled"), msgpack.packb(10.0)])
+        assert rec.started.wait(5)
+        sock.send(pack_header(7, 7, "until_cancelled"))
+        sock.send(pack_header(7, 99, "no-such-request"))  # unknown ids are ignored
+        assert rec.saw_cancel.wait(5)
+        sock.send_multipart([pack_header(1, 8, "echo"), msgpack.packb("after")])
+        header, body = sock.recv_multipart()
+        assert msgpack.unpackb(header) == [1, 2, 8, "echo"] and msgpack.unpackb(body) == "after"
+        sock.send(pack_header(5, 0, ""))
+        assert msgpack.unpackb(sock.recv()) == [1, 6, 0, ""]
+        with pytest.raises(zmq.Again):
+            sock.recv(zmq.NOBLOCK)  # still nothing for request 7
 
 
 def test_one_handler_thread_serves_in_order_one_at_a_time(rec):
@@ -284,23 +291,16 @@ def test_every_request_on_a_handler_thread_when_takeover_is_off(rec):
 
 
 def test_a_tell_that_cannot_be_served_is_dropped_silently(rec):
-    with RpcServer("tcp://127.0.0.1:0", rec.handlers(), config=FAST) as srv:
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.linger = 0
-        sock.rcvtimeo = 5000
-        sock.connect(srv.address)
-        try:
-            sock.send_multipart([pack_header(4, 1, "record"), b"\xc1"])  # 0xc1: never valid msgpack
-            sock.send_multipart([pack_header(4, 2, "record"), msgpack.packb("ok")])
-            sock.send_multipart([pack_header(1, 3, "echo"), msgpack.packb("after")])
-            header, body = sock.recv_multipart()
-            assert msgpack.unpackb(header) == [1, 2, 3, "echo"] and msgpack.unpackb(body) == "after"
-            end = time.monotonic() + 5
-            while not rec.ran and time.monotonic() < end:  # a tell may still run on a handler thread
-                time.sleep(0.01)
-            time.sleep(0.05)
-        finally:
-            sock.close()
+    with RpcServer("tcp://127.0.0.1:0", rec.handlers(), config=FAST) as srv, _raw_dealer(srv.address) as sock:
+        sock.send_multipart([pack_header(4, 1, "record"), b"\xc1"])  # 0xc1: never valid msgpack
+        sock.send_multipart([pack_header(4, 2, "record"), msgpack.packb("ok")])
+        sock.send_multipart([pack_header(1, 3, "echo"), msgpack.packb("after")])
+        header, body = sock.recv_multipart()
+        assert msgpack.unpackb(header) == [1, 2, 3, "echo"] and msgpack.unpackb(body) == "after"
+        end = time.monotonic() + 5
+        while not rec.ran and time.monotonic() < end:  # a tell may still run on a handler thread
+            time.sleep(0.01)
+        time.sleep(0.05)
     assert rec.ran == ["ok"]
 
 
