@@ -100,6 +100,9 @@ def test_a_stopped_or_transient_clean_exit_is_not_restarted(tmp_path):
         report = sup.report()["calm"]
         assert report.restarts == 0 and [e.action for e in report.exits] == ["none"]
         assert not ref.alive
+    # A stop that was asked for and went cleanly is news, not a warning; a crash is a warning (above).
+    exits = [e for e in read_log(tmp_path, "supervisor") if e["message"].startswith("child exited")]
+    assert [(e["level"], e["extra"]["exit_code"]) for e in exits] == [("INFO", 0)]
 
 
 PARENT = textwrap.dedent(

@@ -196,7 +196,13 @@ class Supervisor:
                     f"is down: it failed {len(entry.restart_times) + 1} times within {policy.window_s} s "
                     f"(RestartPolicy.max_restarts={policy.max_restarts}); supervisor {self.name!r} gave up"
                 )
-        self._event(ref.name, "ERROR" if action == "give up" else "WARNING", f"child exited; {action}", pid, code, tb)
+        if action == "give up":
+            level = "ERROR"
+        elif wanted and code == 0:
+            level = "INFO"  # a stop that was asked for and went cleanly: no warning for the user to read
+        else:
+            level = "WARNING"
+        self._event(ref.name, level, f"child exited; {action}", pid, code, tb)
         if action == "give up" and self._on_give_up is not None:
             self._on_give_up(self.report()[ref.name])
 
