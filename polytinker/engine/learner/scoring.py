@@ -38,9 +38,10 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from polytinker.engine.learner.losses import token_logprobs
 
 LOGIT_CHUNK = 256  # positions per lm_head call: 256 x 49152 fp32 logits are 48 MiB
 MIN_SHARED_PREFIX = 8  # shorter common prefixes are not worth a second decoder call
@@ -298,8 +299,7 @@ def score(
     if parts is None:
         with row_context(adapter_names):
             logits_BTV = lm(input_ids=input_ids_BT, attention_mask=mask_BT, use_cache=False).logits
-        nll = F.cross_entropy(logits_BTV.float().reshape(B * T, -1), targets_BT.reshape(B * T), reduction="none")
-        return -nll.reshape(B, T)
+        return token_logprobs(logits_BTV, targets_BT)
     decoder, head = parts
     checkpoint_layers = checkpoint_layers and adapter_names is None
     H_ND, src_BT = _hidden(
