@@ -49,17 +49,17 @@ class Renderer:
         messages.append({"role": "user", "content": self.user_text(inp)})
         return messages
 
-    def encode_messages(self, messages: Sequence[dict[str, str]], *, generation_prompt: bool = True) -> list[int]:
+    def encode_messages(
+        self, messages: Sequence[dict[str, str]], *, generation_prompt: bool = True, answer_start: str = ""
+    ) -> list[int]:
+        """The rendered conversation's tokens; ``answer_start`` is text the assistant's answer begins with."""
         text = self.tokenizer.apply_chat_template(
             list(messages), tokenize=False, add_generation_prompt=generation_prompt
         )
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return list(self.tokenizer.encode(text + answer_start, add_special_tokens=False))
 
     def prompt_tokens(self, inp: PolicyInput) -> list[int]:
-        if not self.config.answer_prefix:
-            return self.encode_messages(self.messages(inp))
-        text = self.tokenizer.apply_chat_template(self.messages(inp), tokenize=False, add_generation_prompt=True)
-        return list(self.tokenizer.encode(text + self.config.answer_prefix, add_special_tokens=False))
+        return self.encode_messages(self.messages(inp), answer_start=self.config.answer_prefix)
 
     def conversation_datum(self, messages: Sequence[dict[str, str]]) -> Datum:
         """SFT: the whole conversation, with weight only on the assistant messages' tokens.
