@@ -177,9 +177,14 @@ class HFBackend:
         Rows with the same prompt and adapter (a request's ``n`` samples) are prefilled once; the
         cache, logits and mask are then indexed out to every row, so ``n`` samples cost one prompt.
         """
-        firsts: dict[tuple[str, tuple[int, ...]], int] = {}
-        owner_B = [firsts.setdefault((r.adapter, tuple(r.prompt)), len(firsts)) for r in rows]
-        unique = [rows[owner_B.index(u)] for u in range(len(firsts))]
+        index_of: dict[tuple[str, tuple[int, ...]], int] = {}  # (adapter, prompt) -> its row in unique
+        unique: list[_Row] = []
+        owner_B: list[int] = []
+        for r in rows:
+            u = index_of.setdefault((r.adapter, tuple(r.prompt)), len(unique))
+            if u == len(unique):
+                unique.append(r)
+            owner_B.append(u)
         width = max(len(r.prompt) for r in unique)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         ids_UL = torch.full((len(unique), width), pad, dtype=torch.long)
