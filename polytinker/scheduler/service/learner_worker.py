@@ -177,8 +177,8 @@ class LearnerWorker:
         return found[1]
 
     def _gradient_gone(self, adapter: str) -> None:
-        """The adapter's state was replaced: the gradient its forward_backward calls left is gone, so
-        a resend of one of them must run again."""
+        """The gradient the adapter's forward_backward calls left is gone (a step spent it, or the
+        adapter's state was replaced), and so are their remembered results."""
         self._fb_since_step.pop(adapter, None)
         for key in [k for k, (kind, _) in self._done.items() if k[0] == adapter and kind == "fb"]:
             del self._done[key]
@@ -250,9 +250,7 @@ class LearnerWorker:
                     " for it (the process that took its forward_backward calls is gone): redo this step's calls"
                 )
             result = self._step(msg)
-            self._fb_since_step.pop(msg.adapter, None)
-            for key in [k for k, (kind, _) in self._done.items() if k[0] == msg.adapter and kind == "fb"]:
-                del self._done[key]  # their gradient is spent: a late resend of one belongs to no step
+            self._gradient_gone(msg.adapter)  # spent by the step: a late resend of a call belongs to no step
             self._remember(msg.adapter, msg.request_id, "step", result)
             if msg.request_id:
                 record = Path(result["checkpoint"]) / REQUEST_FILE
