@@ -3,15 +3,25 @@
 The simulator replays a trace of jobs through a ``SchedulingPolicy`` (the same decision code the
 scheduler service is to run) and acts out its decisions:
 
-- A step of an RL job samples on its engine for ``sample_s`` and then trains on its learner group
-  for ``step_s``; SFT only trains; inference only samples. Engines serve all their jobs at once
+- A step of an RL job samples on its engine for ``sample_s`` and trains on its learner group for
+  ``step_s``; SFT only trains; inference only samples. A sync RL job (``max_staleness`` 0) samples
+  step k, then trains it. An async one (``max_staleness`` n >= 1) starts sampling step k as soon as
+  step k-1 is sampled and at most n sampled steps wait untrained, so step k+1 samples while step k
+  trains; steps train in order, each once sampled. Engines serve all their jobs at once
   (requests from different jobs meet in mixed batches). A learner group trains one job's step at
   a time: co-located LoRA jobs take turns at step boundaries (``next_learner_job``), and a switch
   to another job first costs ``optimizer_swap_s`` (its optimizer state moved in, the last one out).
 - A START costs ``adapter_load_s`` when the engine must load the adapter, and ``checkpoint_load_s``
-  when the job resumes from saved state. A PREEMPT is obeyed at the job's next step boundary; the
-  job then holds its resources ``checkpoint_save_s`` longer while its state is saved, and goes back
-  to the queue. An Overloaded submission is retried after the ``retry_after_s`` it was given.
+  when the job resumes from saved state. A PREEMPT is obeyed at the job's next step boundary (the
+  end of a step's training; inference: of a batch's sampling); the job then holds its resources
+  ``checkpoint_save_s`` longer while its state is saved, and goes back to the queue. Once told to
+  stop, an async job starts no further sample; at the boundary, rollouts it sampled ahead (done,
+  or still sampling: that sampling stops at once) are discarded, since the saved state is that of
+  the step trained, and are sampled again after it resumes. Their engine time is not counted as
+  busy: it goes to ``engine_time["discarded_sampling"]`` (and ``JobOutcome.discarded_samples``
+  counts them); the job pays for them in JCT. A job never samples past its last step, so a job that
+  finishes discards nothing. An Overloaded submission is retried after the ``retry_after_s`` it
+  was given.
 
 Outputs: per-job completion times (JCT = finish - arrival); utilization: busy resource-time over
 available resource-time, counting for each engine or learner group only the time when some queued
@@ -25,7 +35,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -63,6 +73,8 @@ class JobOutcome:
     preemptions: int
     retries: int  # Overloaded answers it got before being queued
     rejected: str | None  # the reason, if rejected
+    discarded_samples: int = 0  # rollouts sampled ahead and thrown away at a preemption (async jobs)
+    staleness: int = 0  # most steps any of its rollouts was sampled behind (0: always on-policy)
 
     @property
     def jct_s(self) -> float | None:
@@ -81,7 +93,8 @@ class SimResult:
     # Where learner and engine time went while work for them was queued, as fractions: learners
     # "train", "swap", "full_rl_sampling" (a full-parameter job's group waits for its engine),
     # "shared_sampling" (every job on the group is sampling, loading or saving), "empty"; engines
-    # "sampling", "idle_with_jobs", "idle_empty".
+    # "sampling", "discarded_sampling" (rollouts sampled ahead by an async job and thrown away when
+    # it was preempted: not busy), "idle_with_jobs", "idle_empty".
     learner_time: dict[str, float] = field(default_factory=dict)
     engine_time: dict[str, float] = field(default_factory=dict)
 
@@ -110,6 +123,14 @@ class _Run:
     gen: int = 0  # bumped on each start, so events of an earlier run are ignored
     stop: bool = False  # PREEMPT received: stop at the next step boundary
     sample_token: int = -1  # matches the one pending end-of-sampling event that is still valid
+    sampled: int = 0  # steps whose rollouts are sampled (steps_done of them trained, the rest waiting)
+    sampling: bool = False  # the rollouts of step ``sampled`` are being sampled now
+    # Async jobs: engine busy time counted for the sample in flight, and for each sampled step not yet
+    # trained (what a preemption would throw away).
+    inflight_busy_s: float = 0.0
+    untrained_busy_s: deque[float] = field(default_factory=deque)
+    discarded: int = 0
+    staleness: int = 0
     first_start_s: float | None = None
     finish_s: float | None = None
     preemptions: int = 0
@@ -192,8 +213,13 @@ class Simulator:
                     self._busy_s[rid] += dt if self._learners[rid].training else 0.0
                     self._learner_time[self._learner_state(rid)] += dt
                 else:
-                    busy = dt * min(1.0, len(self._sampling[rid]) / self.config.engine_full_speed_jobs)
+                    active = self._sampling[rid]
+                    busy = dt * min(1.0, len(active) / self.config.engine_full_speed_jobs)
                     self._busy_s[rid] += busy
+                    for job_id in active:  # what each async job's sample in flight has used so far
+                        r = self._runs[job_id]
+                        if r.job.is_async:
+                            r.inflight_busy_s += busy / len(active)
                     self._engine_time["sampling"] += busy
                     self._engine_time["idle_with_jobs" if self._holders[rid] else "idle_empty"] += dt - busy
         self.now_s = max(self.now_s, t)
@@ -257,6 +283,7 @@ class Simulator:
             r = self._runs[d.job_id]
             if d.kind is DecisionKind.START:
                 assert d.placement is not None
+                assert r.sampled == r.steps_done and not r.sampling, "a job starts with nothing sampled ahead"
                 r.placement, r.stop = d.placement, False
                 for rid in d.placement.resources():
                     self._holders[rid].add(r.job.job_id)
@@ -272,17 +299,42 @@ class Simulator:
     # --- a job's step ----------------------------------------------------------------------------
     def _begin_step(self, r: _Run) -> None:
         if r.job.kind.needs_engine:
-            assert r.placement is not None and r.placement.engine is not None
-            self._resample(r.placement.engine, join=(r.job.job_id, r.job.sample_s))
+            self._sample_more(r)
         else:
             self._to_learner(r)
 
+    def _may_sample(self, r: _Run) -> bool:
+        """Whether the job may start sampling its next step now. Sync: only the step after the ones
+        trained. Async: also while at most ``max_staleness`` sampled steps wait untrained, unless it
+        was told to stop (then nothing beyond the step it needs to reach its boundary)."""
+        if r.sampling or r.sampled >= r.job.steps:
+            return False
+        ahead = r.sampled - r.steps_done
+        return ahead == 0 or (not r.stop and ahead <= r.job.max_staleness)
+
+    def _sample_more(self, r: _Run, leave: bool = False) -> None:
+        """Start the job's next sample if it may (and take its finished one off the engine if ``leave``)."""
+        assert r.placement is not None and r.placement.engine is not None
+        start = self._may_sample(r)
+        if start:
+            r.staleness = max(r.staleness, r.sampled - r.steps_done)
+            r.sampling = True
+        if start or leave:
+            join = (r.job.job_id, r.job.sample_s) if start else None
+            self._resample(r.placement.engine, join=join, leave=r.job.job_id if leave else None)
+
     def _sample_done(self, r: _Run) -> None:
         assert r.placement is not None and r.placement.engine is not None
-        self._resample(r.placement.engine, leave=r.job.job_id)
+        r.sampling = False
+        r.sampled += 1
+        if r.job.is_async:
+            r.untrained_busy_s.append(r.inflight_busy_s)
+            r.inflight_busy_s = 0.0
         if r.job.kind.needs_learner:
+            self._sample_more(r, leave=True)  # async: the next step's rollouts start at once
             self._to_learner(r)
         else:
+            self._resample(r.placement.engine, leave=r.job.job_id)
             self._step_done(r)
 
     def _resample(self, eid: ResourceID, join: tuple[JobID, float] | None = None, leave: JobID | None = None) -> None:
@@ -305,8 +357,12 @@ class Simulator:
             self._at(self.now_s + remaining / rate, "sample_done", job_id, r.sample_token)
 
     def _to_learner(self, r: _Run) -> None:
+        """The job has a step ready to train: queue it on its group (unless it is on the group now;
+        it comes back for its next sampled step when this one is trained)."""
         assert r.placement is not None and r.placement.learner is not None
         g = self._learners[r.placement.learner]
+        if g.busy == r.job.job_id or r.job.job_id in g.ready:
+            return
         g.ready[r.job.job_id] = None
         self._next_on_learner(r.placement.learner)
 
@@ -339,11 +395,26 @@ class Simulator:
         g = self._learners[gid]
         g.busy, g.training = None, False
         g.last_run_s[r.job.job_id] = self.now_s
-        self._step_done(r)
+        if r.untrained_busy_s:
+            r.untrained_busy_s.popleft()  # that sample became a trained step: its engine time was useful
+        if r.job.kind.needs_engine:
+            r.steps_done += 1
+            if r.steps_done == r.job.steps:
+                self._finish(r)
+            elif r.stop:
+                self._discard_ahead(r)
+                self._at(self.now_s + self.config.checkpoint_save_s, "save_done", r.job.job_id, r.gen)
+            else:
+                self._sample_more(r)  # sync: this step's rollouts; async: one more ahead if now allowed
+                if r.sampled > r.steps_done:
+                    self._to_learner(r)  # async: its next step was sampled while this one trained
+        else:
+            self._step_done(r)
         self._next_on_learner(gid)
 
     def _step_done(self, r: _Run) -> None:
         r.steps_done += 1
+        r.sampled = r.steps_done if not r.job.kind.needs_engine else r.sampled
         if r.steps_done == r.job.steps:
             self._finish(r)
         elif r.stop:
@@ -352,7 +423,29 @@ class Simulator:
         else:
             self._begin_step(r)
 
+    def _discard_ahead(self, r: _Run) -> None:
+        """A preempted async job at its step boundary: the rollouts it sampled for later steps (done,
+        or in flight: that sampling stops now) are thrown away; their engine time is moved out of the
+        busy time into ``discarded_sampling``."""
+        ahead = r.sampled - r.steps_done + r.sampling
+        if not ahead:
+            return
+        assert r.placement is not None and r.placement.engine is not None
+        eid = r.placement.engine
+        if r.sampling:
+            r.sampling, r.sample_token = False, -1  # its end-of-sampling event is void
+            self._resample(eid, leave=r.job.job_id)
+        wasted = r.inflight_busy_s + sum(r.untrained_busy_s)
+        self._busy_s[eid] -= wasted
+        self._engine_time["sampling"] -= wasted
+        self._engine_time["discarded_sampling"] += wasted
+        r.inflight_busy_s = 0.0
+        r.untrained_busy_s.clear()
+        r.sampled = r.steps_done
+        r.discarded += ahead
+
     def _finish(self, r: _Run) -> None:
+        assert not r.sampling and r.sampled == r.job.steps, "a job never samples past its last step"
         r.finish_s = self.now_s
         self._leave_learner(r)
         self._vacate(r)
@@ -363,12 +456,14 @@ class Simulator:
         if r.placement is not None and r.placement.learner is not None:
             g = self._learners[r.placement.learner]
             g.last_run_s.pop(r.job.job_id, None)
+            g.ready.pop(r.job.job_id, None)
             if g.last == r.job.job_id:
                 g.last = None  # its optimizer state left with it (done, or saved): nothing to swap out
 
     # --- checks and results ----------------------------------------------------------------------
     def check_invariants(self) -> None:
-        """Recount every resource from the simulator's own view of what runs where."""
+        """Recount every resource from the simulator's own view of what runs where, and check that
+        no job samples further ahead of its training than its ``max_staleness`` allows."""
         on_group: dict[ResourceID, list[Job]] = {g: [] for g in self._learners}
         on_engine: dict[ResourceID, list[Job]] = {e.engine_id: [] for e in self.cluster.engines}
         for r in self._runs.values():
@@ -385,6 +480,12 @@ class Simulator:
                 raise SimulationError(f"learner group {g.group_id} over-committed: {len(shared)} jobs")
             if any(j.learner_mem_gb > g.memory_gb + 1e-6 for j in jobs):
                 raise SimulationError(f"learner group {g.group_id}: a job's working set exceeds its memory")
+        for r in self._runs.values():
+            ahead = r.sampled + r.sampling - r.steps_done  # sampled or sampling, not trained
+            if ahead < 0 or ahead > r.job.max_staleness + 1 or r.staleness > r.job.max_staleness:
+                raise SimulationError(f"job {r.job.job_id} sampled {ahead} steps ahead of its training")
+            if r.sampling != any(r.job.job_id in active for active in self._sampling.values()):
+                raise SimulationError(f"job {r.job.job_id}: its sampling state and its engine's disagree")
         for e in self.cluster.engines:
             jobs = on_engine[e.engine_id]
             adapters = {j.adapter for j in jobs if j.adapter is not None}
@@ -404,6 +505,8 @@ class Simulator:
                 r.preemptions,
                 r.retries,
                 r.rejected,
+                r.discarded,
+                r.staleness,
             )
             for r in self._runs.values()
         )

@@ -3,7 +3,8 @@
 - ``JobID``, ``TenantID``, ``ResourceID``, ``AdapterID``, ``BaseModelID``: names (plain strings).
 - ``JobKind``: LoRA RL, full-parameter RL, SFT, inference; what each needs (engine, learner, exclusivity).
 - ``JobState``: where a job is in its life (queued, running, preempting, done, ...).
-- ``Job``: one submitted job: tenant, kind, base model, priority, size (steps, seconds per step), memory.
+- ``Job``: one submitted job: tenant, kind, base model, priority, size (steps, seconds per step), memory,
+  and for RL jobs how far its sampling may run ahead of its training (``max_staleness``: 0 sync, >= 1 async).
 - ``EngineSpec`` / ``LearnerSpec`` / ``ClusterSpec``: the machines a policy places jobs on.
 - ``Placement``: the learner group and engine a running job holds.
 - ``DecisionKind`` / ``Decision``: one logged decision and its reason; the policy returns them, the caller logs.
@@ -58,7 +59,13 @@ class JobState(StrEnum):
 @dataclass(frozen=True)
 class Job:
     """One job as submitted. Its size is declared: ``steps`` optimizer steps (request batches for
-    inference), each taking ``sample_s`` on an engine and then ``step_s`` on a learner group."""
+    inference), each taking ``sample_s`` on an engine and ``step_s`` on a learner group.
+
+    ``max_staleness`` is the training loop's mode (``TrainConfig.mode`` / ``max_staleness`` in
+    polytinker.agents): 0 (sync) samples step k, then trains it; n >= 1 (async, RL kinds only)
+    samples step k while up to n earlier sampled steps are not trained yet, so with 1 the rollouts of
+    step k+1 are sampled while step k trains (one-step off-policy). Busy time per step is the same
+    either way (``work_s``); only the time alone (``span_s``) is shorter when the loop is async."""
 
     job_id: JobID
     tenant: TenantID
@@ -72,6 +79,7 @@ class Job:
     engine_mem_gb: float = 0.0  # KV cache share (and weights for full_rl) on the engine
     arrival_s: float = 0.0
     adapter: AdapterID | None = None  # the LoRA adapter it samples with; None: the base model
+    max_staleness: int = 0  # RL loop mode: 0 sync; n >= 1 async, sampling at most n steps ahead of training
 
     def __post_init__(self) -> None:
         if not self.job_id or not self.tenant or not self.base_model:
@@ -92,6 +100,10 @@ class Job:
             raise ConfigError(f"Job {self.job_id} (lora_rl) must name its adapter")
         if self.kind is JobKind.FULL_RL and self.adapter:
             raise ConfigError(f"Job {self.job_id} (full_rl) trains all weights: leave adapter unset")
+        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
+            raise ConfigError(f"Job {self.job_id}: max_staleness must be an int >= 0, got {self.max_staleness!r}")
+        if self.max_staleness and not (self.kind.needs_engine and self.kind.needs_learner):
+            raise ConfigError(f"Job {self.job_id} ({self.kind}): only RL jobs run async; leave max_staleness at 0")
 
     @property
     def needs_slot(self) -> bool:
@@ -106,6 +118,24 @@ class Job:
     def work_s(self) -> float:
         """Declared busy time if it ran alone: the size the policy orders by."""
         return self.steps * self.step_work_s
+
+    @property
+    def is_async(self) -> bool:
+        """Whether its sampling overlaps its training (an RL job with ``max_staleness`` >= 1)."""
+        return self.max_staleness > 0
+
+    def span_s(self, steps: int | None = None) -> float:
+        """Declared time from its first sample to its last step trained if it ran alone, for its
+        remaining ``steps`` (default all). Sync: ``steps x (sample_s + step_s)``. Async: the first
+        sample, then each step takes the longer of its sampling and its training, then the last
+        training: ``sample_s + (steps - 1) x max(sample_s, step_s) + step_s`` (any staleness bound
+        >= 1 gives this when every step takes the same time)."""
+        n = self.steps if steps is None else steps
+        if n <= 0:
+            return 0.0
+        if not self.is_async:
+            return n * self.step_work_s
+        return self.sample_s + (n - 1) * max(self.sample_s, self.step_s) + self.step_s
 
 
 @dataclass(frozen=True)
