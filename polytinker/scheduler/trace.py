@@ -9,9 +9,17 @@ The generator aims at what a shared RL runtime sees, not at what flatters a poli
   full-parameter jobs need a whole learner group.
 - Tenants submit unequal shares of the jobs; priorities are mostly 0, some 1, a few 2.
 - A small fraction of jobs ask for more memory than any machine has (they must be rejected).
+- A share of the RL jobs (LoRA and full-parameter) run their loop async (``async_rl_share``,
+  ``async_max_staleness``): they sample step k+1 while step k trains.
 
-Every draw comes from one ``numpy.random.Generator`` seeded by ``seed``: the same config gives the
-same trace.
+Every draw comes from generators seeded by ``seed``: the same config gives the same trace. Which RL
+jobs run async is drawn from a second stream of the same seed, one draw per job, so the jobs
+themselves (arrivals, kinds, sizes) do not depend on ``async_rl_share``, and raising the share only
+turns more of the same jobs async: ``async_rl_share=0`` gives the trace of earlier versions.
+
+``default_cluster`` is the fixed cluster the benchmark's figures are quoted on; ``sized_cluster``
+splits the same number of machines per base model between engines and learner groups in proportion
+to what a trace asks of each (an option of the benchmark, never used silently).
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -77,6 +85,18 @@ class TraceConfig:
     base_models: tuple[str, ...] = ("llama-8b", "qwen-7b")
     """Base models jobs use (uniformly)."""
 
+    async_rl_share: float = 0.5
+    """Share of RL jobs (LoRA and full-parameter) whose loop runs async (``Job.max_staleness`` =
+    ``async_max_staleness``); the rest run sync. Half: async with one step of staleness is the usual
+    setting when throughput matters (sampling and training overlap; importance-sampling or PPO losses
+    correct for the off-policy step), but this project's own loop defaults to sync, only those losses
+    correct for staleness, and exactly on-policy runs (reproductions, debugging, small jobs where
+    the overlap buys little) stay common. 0 gives the all-sync trace of earlier versions; the
+    benchmark prints its figures for both."""
+
+    async_max_staleness: int = 1
+    """``max_staleness`` of the async RL jobs (the training loop's default)."""
+
     def __post_init__(self) -> None:
         if self.n_jobs <= 0 or self.mean_interarrival_s <= 0 or self.mean_period_s <= 0:
             raise ConfigError("n_jobs, mean_interarrival_s and mean_period_s must be positive")
@@ -90,6 +110,12 @@ class TraceConfig:
             raise ConfigError("median_steps >= 1, steps_sigma >= 0, max_steps >= 1")
         if not 0 <= self.oversized_fraction < 1 or not self.base_models:
             raise ConfigError("oversized_fraction in [0, 1) and at least one base model")
+        if not 0 <= self.async_rl_share <= 1:
+            raise ConfigError(f"async_rl_share must be in [0, 1], got {self.async_rl_share}")
+        if isinstance(self.async_max_staleness, bool) or not isinstance(self.async_max_staleness, int):
+            raise ConfigError(f"async_max_staleness must be an int, got {self.async_max_staleness!r}")
+        if self.async_max_staleness < 1:
+            raise ConfigError(f"async_max_staleness must be >= 1 (0 is sync), got {self.async_max_staleness}")
 
 
 def default_cluster(
@@ -176,7 +202,48 @@ def _job(cfg: TraceConfig, rng: np.random.Generator, i: int, arrival_s: float) -
 def generate_trace(cfg: TraceConfig | None = None) -> list[Job]:
     cfg = cfg or TraceConfig()
     rng = np.random.default_rng(cfg.seed)
-    return [_job(cfg, rng, i, t) for i, t in enumerate(_arrivals(cfg, rng))]
+    jobs = [_job(cfg, rng, i, t) for i, t in enumerate(_arrivals(cfg, rng))]
+    # The loop modes come from their own stream, one draw per job: the jobs above do not depend on them.
+    modes = np.random.default_rng([cfg.seed, 1]).random(len(jobs))
+    return [
+        replace(j, max_staleness=cfg.async_max_staleness)
+        if j.kind in (JobKind.LORA_RL, JobKind.FULL_RL) and u < cfg.async_rl_share
+        else j
+        for j, u in zip(jobs, modes, strict=True)
+    ]
+
+
+def sized_cluster(
+    trace: Sequence[Job],
+    machines_per_model: int = 6,
+    base_models: Sequence[str] | None = None,
+) -> ClusterSpec:
+    """Machines like ``default_cluster``'s, ``machines_per_model`` per base model (default 6, as
+    there), split between engines and learner groups in proportion to what ``trace`` asks of each:
+    learner-group time (training, plus the time a full-parameter job holds its group idle while it
+    samples: all its sampling when sync, only what training does not overlap when async) against
+    engine time (sampling). At least one of each."""
+    if machines_per_model < 2:
+        raise ConfigError(f"sized_cluster needs at least 2 machines per base model, got {machines_per_model}")
+    models = list(base_models) if base_models is not None else sorted({j.base_model for j in trace})
+    engines: list[EngineSpec] = []
+    learners: list[LearnerSpec] = []
+    for m in models:
+        jobs = [j for j in trace if j.base_model == m]
+        learner_s = sum(learner_demand_s(j) for j in jobs)
+        engine_s = sum(j.steps * j.sample_s for j in jobs)
+        total = learner_s + engine_s
+        n_learners = round(machines_per_model * learner_s / total) if total else machines_per_model // 2
+        n_learners = min(machines_per_model - 1, max(1, n_learners))
+        engines += [EngineSpec(f"{m}/engine{i}", m, 60.0, 8) for i in range(machines_per_model - n_learners)]
+        learners += [LearnerSpec(f"{m}/learner{i}", m, 80.0) for i in range(n_learners)]
+    return ClusterSpec(tuple(engines), tuple(learners))
+
+
+def learner_demand_s(job: Job) -> float:
+    """Learner-group seconds ``job`` occupies if it ran alone: its training, and for a full-parameter
+    job (a group to itself) also the time its group waits on its sampling (``span_s`` minus training)."""
+    return job.span_s() if job.kind.exclusive_learner else job.steps * job.step_s
 
 
 def save_trace(jobs: Iterable[Job], path: str | Path) -> None:
@@ -200,4 +267,12 @@ def load_trace(path: str | Path) -> list[Job]:
     return jobs
 
 
-__all__ = ["TraceConfig", "default_cluster", "generate_trace", "load_trace", "save_trace"]
+__all__ = [
+    "TraceConfig",
+    "default_cluster",
+    "generate_trace",
+    "learner_demand_s",
+    "load_trace",
+    "save_trace",
+    "sized_cluster",
+]
