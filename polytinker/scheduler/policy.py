@@ -16,7 +16,10 @@ simulator) acts on them and logs them.
 the tenant with the least charge goes first); within a tenant and priority the smallest declared
 job first; backfill, so a job that does not fit never stalls one that does; a reservation for a job
 waiting longer than ``starvation_s`` so backfill cannot starve it; preemption of lower-priority jobs
-at step boundaries.
+at step boundaries. Sizes and charges are declared busy time (``Job.work_s``); when a resource is
+expected to be free, and whether a job is done within a reservation's window, are measured in
+declared time alone (``Job.span_s``: the same for a sync job, shorter for an async RL job, whose
+sampling overlaps its training).
 
 ``FifoPolicy`` is the baseline: one queue in arrival order; the head waits until it fits and
 nothing behind it runs (head-of-line blocking); no priorities, no preemption.
@@ -66,7 +69,14 @@ class _Entry:
 
     @property
     def remaining_work_s(self) -> float:
+        """Declared busy time left (engine plus learner): the size it is ordered and charged by."""
         return (self.job.steps - self.steps_done) * self.job.step_work_s
+
+    @property
+    def remaining_span_s(self) -> float:
+        """Declared time left if it ran alone: ``remaining_work_s`` for a sync job, less for an async
+        one (its sampling overlaps its training). What reservation windows are measured in."""
+        return self.job.span_s(self.job.steps - self.steps_done)
 
 
 class SchedulingPolicy(ABC):
@@ -385,7 +395,7 @@ class FairSharePolicy(SchedulingPolicy):
         before the resource is expected to be free for its owner, and the work already there plus its
         own fits in that window on the resource (so it does not slow the others past it either)."""
         window = self._reserved_until.get(rid, now_s) - now_s
-        if e.remaining_work_s > window:
+        if e.remaining_span_s > window:
             return False
         learner = rid in self.cluster.learners
         jobs = self.cluster.learners[rid].jobs if learner else self.cluster.engines[rid].jobs
@@ -396,8 +406,13 @@ class FairSharePolicy(SchedulingPolicy):
         load = (e.job.steps - e.steps_done) * on_resource(e.job)
         for jid, job in jobs.items():
             other = self._entries[jid]
-            left_s = max(0.0, other.started_s + other.remaining_work_s - now_s)  # alone, by its declared size
-            load += left_s * on_resource(job) / job.step_work_s
+            span_s = other.remaining_span_s  # from its start, alone, by its declared size
+            left_s = max(0.0, other.started_s + span_s - now_s)
+            # Its work on this resource, spread evenly over its span (a sync job's span is its work).
+            if job.is_async:
+                load += left_s * (job.steps - other.steps_done) * on_resource(job) / span_s
+            else:
+                load += left_s * on_resource(job) / job.step_work_s
         return load <= window
 
     def _start_reason(self, e: _Entry, misses: int) -> str:
@@ -486,11 +501,11 @@ class FairSharePolicy(SchedulingPolicy):
         def free(jid: JobID) -> bool:
             return not any(self._reserved.get(r) for r in self.cluster.placed[jid][1].resources())
 
-        found = self.cluster.victims(e.job, free, lambda j: (self._entries[j.job_id].remaining_work_s,))
+        found = self.cluster.victims(e.job, free, lambda j: (self._entries[j.job_id].remaining_span_s,))
         if found is None:
             return []
         self._aged = e.job.job_id
-        ends = [self._entries[v].started_s + self._entries[v].remaining_work_s for v in found[1]]
+        ends = [self._entries[v].started_s + self._entries[v].remaining_span_s for v in found[1]]
         until_s = max([now_s, *ends])
         why = f"waited {waited:.4g} s (> starvation_s); holding resources (expected free at {until_s:.4g} s)"
         return [self._reserve(e.job, found[0], now_s, why, until_s)]
