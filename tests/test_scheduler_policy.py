@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter, deque
+from dataclasses import replace
 
 import pytest
 
@@ -313,3 +314,26 @@ def test_no_backfill_on_a_reserved_group_its_jobs_keep_busy():
     assert [d.kind for d in policy.schedule(20.0)] == [DecisionKind.RESERVE]
     policy.submit(sft("short", mem=10.0, steps=10), 21.0)  # short, but the group has no time to spare
     assert started(policy.schedule(21.0)) == []
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_reservation_windows_use_an_async_jobs_shorter_span(staleness):
+    cfg = SchedulerPolicyConfig(starvation_s=10.0)
+    policy = FairSharePolicy(one_group(memory_gb=80.0, engines=1), cfg)
+    # 100 steps of sampling 9 s and training 1 s: 1000 s sync; async, 9 + 99 x 9 + 1 = 901 s.
+    running = replace(lora("running", 40.0, steps=100, step_s=1.0, sample_s=9.0), max_staleness=staleness)
+    policy.submit(running, 0.0)
+    assert started(policy.schedule(0.0)) == ["running"]
+    policy.submit(sft("big", mem=80.0, steps=100), 0.0)
+    decisions = policy.schedule(20.0)
+    assert [d.kind for d in decisions] == [DecisionKind.RESERVE]
+    assert f"expected free at {901 if staleness else 1000}" in decisions[0].reason
+    # 95 steps: 950 s of work, or 9 + 94 x 9 + 1 = 856 s async. The window at t=21 is 979 s after a
+    # sync job, 880 s after an async one: a sync candidate fits only the first, an async one both.
+    policy.submit(lora("sync", 10.0, steps=95, step_s=1.0, sample_s=9.0, at=21.0), 21.0)
+    assert started(policy.schedule(21.0)) == ([] if staleness else ["sync"])
+    if not staleness:
+        policy.job_finished("sync", 22.0)
+    async_job = replace(lora("async", 10.0, steps=95, step_s=1.0, sample_s=9.0, at=22.0), max_staleness=1)
+    policy.submit(async_job, 22.0)
+    assert started(policy.schedule(22.0)) == ["async"]
