@@ -14,7 +14,6 @@ from test_client_fixtures import KEY_ALICE, KEY_BOB, MODEL, client, data, shared
 from polytinker import cli
 from polytinker.engine.learner.config import AdamParams
 from polytinker.engine.types import SamplingParams
-from polytinker.errors import NotBuiltError
 from polytinker.scheduler.client import SamplingClient, TrainingClient
 from polytinker.scheduler.service import AuthError, JobNotRunning, StateStore
 
@@ -160,14 +159,41 @@ def test_save_and_load_state_restore_weights_and_version() -> None:
         assert sampler.sample([1, 2, 3], 1, GREEDY5).result().sequences
 
 
-def test_full_parameter_training_client() -> None:
+def _close(a: list[float | None], b: list[float], tol: float) -> bool:
+    return all(x is not None and math.isclose(x, y, abs_tol=tol) for x, y in zip(a, b, strict=True))
+
+
+def test_full_parameter_job_trains_and_samples_its_own_weights() -> None:
     with client(KEY_ALICE) as service:
         trainer = service.create_training_client(MODEL, agent="full")
         batch = data(8, n=2)
+        sequence = batch[0].input_tokens + batch[0].target_tokens_T[-1:]
+        base = service.create_sampling_client(base_model=MODEL).compute_logprobs(sequence).result()
+
+        # Version 0 is the base model's weights: sampling it scores like the base model.
+        v0 = trainer.save_weights_and_get_sampling_client()
+        assert v0.model_path.endswith("/full@0")
+        assert _close(v0.compute_logprobs(sequence).result()[1:], base[1:], 1e-4)  # type: ignore[arg-type]
+
         first = trainer.forward_backward(batch).result()
         assert trainer.optim_step(AdamParams(learning_rate=1e-3)).result().version == 1
         assert trainer.forward_backward(batch).result().loss < first.loss
-        with pytest.raises(NotBuiltError):
-            trainer.save_weights_and_get_sampling_client()
+        v1 = trainer.save_weights_and_get_sampling_client()
+        assert v1.model_path.endswith("/full@1")
+        # The engine serves version 1's weights: its logprobs are the learner's, not the base model's.
+        learner = trainer.forward(batch[:1]).result()[0]
+        engine = v1.compute_logprobs(sequence).result()[1:]
+        assert _close(engine, learner, 1e-3)
+        assert not _close(engine, base[1:], 1e-3)  # type: ignore[arg-type]
+        out = v1.sample(sequence[:4], num_samples=2, sampling_params=GREEDY5).result()
+        assert len(out.sequences) == 2 and all(len(s.tokens) == 5 for s in out.sequences)
+        seq = out.sequences[0]
+        rescored = v1.compute_logprobs(sequence[:4] + seq.tokens).result()[4:]
+        assert _close(rescored, seq.logprobs, 1e-3)
+        # Both versions' samplers still work: version 0 is loaded again from its checkpoint.
+        assert _close(v0.compute_logprobs(sequence).result()[1:], base[1:], 1e-4)  # type: ignore[arg-type]
+        stats = service.runtime_status()["stats"]["engine-0"]
+        assert stats["full_weight_loads"] >= 3 and len(stats["full_weight_resident"]) == 1  # one slot
+
         trainer.finish()
         assert service.get_job(trainer.job_id)["job"]["state"] == "done"

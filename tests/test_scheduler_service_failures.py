@@ -9,11 +9,13 @@ import os
 import signal
 import time
 
+import pytest
 from test_client_fixtures import KEY_ALICE, KEY_BOB, MODEL, client, data, shared_runtime
 
 from polytinker.engine.actors import ActorRef
 from polytinker.engine.learner.config import AdamParams
 from polytinker.engine.types import SamplingParams
+from polytinker.errors import RemoteError
 
 ADAM = AdamParams(learning_rate=1e-2)
 LONG = SamplingParams(max_tokens=64, temperature=1.0, ignore_eos=True, seed=1)
@@ -52,6 +54,15 @@ def test_engine_and_learner_killed_mid_run_work_is_retried_and_the_job_goes_on()
         assert max(abs(a - b) for a, b in pairs) < 1e-4  # reloaded from the step-1 checkpoint
         stats = service.runtime_status()["stats"]["engine-0"]
         assert stats["adapter_loads"] >= 1 and any(r.startswith("alice/") for r in stats["resident"])
+        # A learner killed between a step's forward_backward and its optim_step took that gradient
+        # with it: the step is refused, not taken on nothing, and the redone calls make it.
+        trainer.forward_backward(batch).result()
+        restarted = learner.pid
+        assert restarted is not None
+        os.kill(restarted, signal.SIGKILL)
+        with pytest.raises(RemoteError, match=r"GradientLost: .* holds 0 of the step's 1 forward_backward"):
+            trainer.optim_step(ADAM).result(timeout=240)
+        assert learner.pid != restarted
         # The job goes on: another step, and the new version samples on the new engine.
         trainer.forward_backward(batch)
         assert trainer.optim_step(ADAM).result().version == 2

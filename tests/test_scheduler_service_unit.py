@@ -405,3 +405,52 @@ def test_a_replacement_learner_answers_a_resent_step_its_predecessor_took(tmp_pa
         assert second.stats["optim_steps"] == 0 and second._versions()[adapter] == 1
     finally:
         second.close()
+
+
+def test_a_step_whose_forward_backward_calls_a_restarted_learner_lost_is_refused(tmp_path: Path) -> None:
+    """optim_step carries how many forward_backward calls the scheduler saw answered since the last
+    step: a learner holding fewer (it restarted between them) refuses the step, even on its first
+    send, and drops the part it holds, so the redone calls make the same step as an unbroken run."""
+    from polytinker.scheduler.service.learner_worker import GradientLost, LearnerWorker
+
+    cfg = LearnerWorkerConfig(micro_batch_size=8)
+    adapter = "alice/job/agent"
+    batch = tuple(m.DatumMsg((5, 6, 7, 8), (6, 7, 8, 9), (0.0, 1.0, 1.0, 1.0)) for _ in range(2))
+
+    def fb(request_id: str) -> m.LearnerForwardBackward:
+        return m.LearnerForwardBackward(adapter, batch, "cross_entropy", request_id=request_id, from_version=0)
+
+    def step(request_id: str, expected_fb: int) -> m.LearnerStep:
+        ckpt = str(tmp_path / request_id)
+        return m.LearnerStep(adapter, 1e-2, 0.9, 0.95, 1e-12, 0.0, ckpt, request_id=request_id, expected_fb=expected_fb)
+
+    worker = LearnerWorker("tiny-random", cfg)
+    try:
+        worker.ensure(m.EnsureAdapter(adapter, 0, rank=4))
+        worker.forward_backward(fb("a"))
+        worker.forward_backward(fb("b"))
+        unbroken = worker.forward(m.LearnerForward(adapter, batch))["logprobs"]
+        worker.step(step("s-unbroken", 2))
+        stepped = worker.forward(m.LearnerForward(adapter, batch))["logprobs"]
+    finally:
+        worker.close()
+
+    replacement = LearnerWorker("tiny-random", cfg)  # the first forward_backward died with the old process
+    try:
+        replacement.ensure(m.EnsureAdapter(adapter, 0, rank=4))
+        replacement.forward_backward(fb("b"))
+        with pytest.raises(GradientLost, match="holds 1 of the step's 2 forward_backward calls"):
+            replacement.step(step("s-1", 2))
+        assert replacement.stats["optim_steps"] == 0 and replacement._versions()[adapter] == 0
+        assert replacement.forward(m.LearnerForward(adapter, batch))["logprobs"] == unbroken
+        with pytest.raises(GradientLost, match="holds 0 of the step's 1"):
+            replacement.step(step("s-2", 1))
+        replacement.forward_backward(fb("a2"))  # the client redoes the step's calls
+        replacement.forward_backward(fb("b2"))
+        assert replacement.step(step("s-3", 2))["version"] == 1
+        redone = replacement.forward(m.LearnerForward(adapter, batch))["logprobs"]
+        flat = [x for row in redone for x in row]
+        assert flat == pytest.approx([x for row in stepped for x in row], abs=1e-6)  # the dropped half counted once
+        assert replacement.step(step("s-4", -1))["version"] == 2  # an unknown count is not checked
+    finally:
+        replacement.close()

@@ -146,3 +146,49 @@ def test_sft_from_jsonl_lowers_the_loss(service, tmp_path):
 def test_train_command_reports_a_bad_config(tmp_path, capsys):
     assert cli.main(["train", str(tmp_path / "missing.toml")]) == 1
     assert "cannot read experiment config" in capsys.readouterr().err
+
+
+def full_agent(name: str) -> AgentSpec:
+    return AgentSpec(
+        name,
+        base_model=TINY,
+        adapter=AdapterSpec(full=True),
+        algorithm=AlgorithmConfig(name="reinforce", learning_rate=1e-4),  # type: ignore[arg-type]
+        sampling=SamplingConfig(max_tokens=4),
+    )
+
+
+def test_full_parameter_agent_trains_with_rl_in_async_mode(service, tmp_path):
+    """A full-parameter agent samples its own versions (each a whole model on the engine) while
+    the next step trains."""
+    config = ExperimentConfig(
+        name="full",
+        env=EnvSetup("kuhn_poker-v0"),  # the random model's invalid answers fall back to varied seeded moves
+        agents=(full_agent("solo"),),
+        mapping=MappingConfig(kind="self_play"),  # type: ignore[arg-type]
+        train=TrainConfig(steps=2, groups=2, group_size=2, mode="async", max_staleness=1),  # type: ignore[arg-type]
+        eval=EvalConfig(episodes=2, at_start=False),
+        output=OutputConfig(root=str(tmp_path), progress=False, tensorboard=False),
+    )
+    experiment = Experiment(config)
+    experiment.train(service=service)
+    rows = read_metrics(tmp_path / "full")
+    assert [r["step"] for r in rows] == [1, 2, 2]
+    assert rows[1]["version/solo"] == 2 and rows[0]["train/datums/solo"] > 0
+    assert experiment._trainer is not None
+    sampler = experiment._trainer.players.samplers[("solo", 2)]
+    assert sampler.model_path.endswith("/solo@2")
+    stats = service.runtime_status()["stats"]["engine-0"]
+    assert stats["full_weight_loads"] >= 2  # versions 0 (or 1) and 2 were sampled as whole models
+
+
+def test_too_few_learner_groups_for_full_parameter_agents_is_refused(service, tmp_path):
+    config = ExperimentConfig(
+        name="two-full",
+        env=EnvSetup("prisoners_dilemma-v0", {"rounds": 1}),
+        agents=(full_agent("alice"), agent("bob", "reinforce")),
+        train=TrainConfig(steps=1, groups=1, group_size=1),
+        output=OutputConfig(root=str(tmp_path), progress=False, tensorboard=False),
+    )
+    with pytest.raises(Exception, match=r"2 learner groups .* the runtime has 1"):
+        Experiment(config).train(service=service)

@@ -24,6 +24,7 @@ from typing import Any
 
 from polytinker.agents.algorithms import make_algorithm
 from polytinker.agents.checkpoint import RunState, tenant_key
+from polytinker.agents.clients import training_client
 from polytinker.agents.config import ExperimentConfig
 from polytinker.agents.loop import Learners, Trainer, league_update
 from polytinker.agents.mapping import PolicyMapping
@@ -106,14 +107,42 @@ class Experiment:
         if rt.address:
             return ServiceClient(rt.address, api_key=rt.api_key or None)
         runtime_dir = (self.run_dir / "runtime").resolve()
+        full = sum(1 for a in self.config.agents if a.trainable and a.adapter.full)
+        learners = tuple(
+            LearnerWorkerConfig(learner_id=f"learner-{i}", micro_batch_size=rt.micro_batch_size)
+            for i in range(self._learner_groups_needed())
+        )
         runtime = RuntimeConfig(
             model=self.config.base_model,
             state_dir=str(runtime_dir),
-            engines=(EngineWorkerConfig(backend=rt.backend),),
-            learners=(LearnerWorkerConfig(micro_batch_size=rt.micro_batch_size),),
+            # Each full-parameter agent's current version and the one before it (async sampling,
+            # evaluation) stay resident.
+            engines=(EngineWorkerConfig(backend=rt.backend, full_weight_slots=max(1, 2 * full)),),
+            learners=learners,
             tenants=(TenantConfig("local", api_key=tenant_key(runtime_dir)),),
         )
         return ServiceClient(runtime_config=runtime)
+
+    def _learner_groups_needed(self) -> int:
+        """Every step trains all agents: each full-parameter agent holds a learner group to
+        itself, and the LoRA agents share one more."""
+        trainable = [a for a in self.config.agents if a.trainable]
+        full = sum(1 for a in trainable if a.adapter.full)
+        return max(1, full + any(not a.adapter.full for a in trainable))
+
+    def _check_learner_groups(self, service: Any) -> None:
+        """Refuse a runtime with too few learner groups: the agents' jobs would wait on each other
+        for ever (a full-parameter job keeps its group until it finishes)."""
+        need = self._learner_groups_needed()
+        if need == 1:
+            return
+        workers = service.runtime_status()["workers"]
+        have = sum(1 for w in workers if w["role"] == "learner")
+        if have < need:
+            raise ConfigError(
+                f"this experiment trains its agents together on {need} learner groups (one per full-parameter "
+                f"agent, one for the LoRA agents); the runtime has {have}: add learner groups to its config"
+            )
 
     def _players(self, probe_env: Any) -> Players:
         from polytinker.engine.models import load_tokenizer
@@ -215,19 +244,9 @@ class Experiment:
                 self._progress.close()
 
     def _clients(self, service: Any) -> dict[str, Any]:
-        clients = {}
-        for spec in self.config.agents:
-            if spec.trainable:
-                clients[spec.name] = service.create_lora_training_client(
-                    spec.base_model,
-                    spec.adapter.rank,
-                    agent=spec.name,
-                    alpha=spec.adapter.alpha,
-                    seed=spec.seed,
-                    target_modules=spec.adapter.target_modules,
-                    steps=self.config.train.steps,
-                )
-        return clients
+        self._check_learner_groups(service)
+        steps = self.config.train.steps
+        return {spec.name: training_client(service, spec, steps) for spec in self.config.agents if spec.trainable}
 
     async def _run(self, service: Any, resume: bool) -> RunSummary:
         config = self.config

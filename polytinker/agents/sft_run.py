@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from polytinker.agents.algorithms.sft import read_conversations, sft_batches
+from polytinker.agents.clients import training_client
 from polytinker.agents.render import Renderer
 from polytinker.agents.spec import AgentSpec
 from polytinker.agents.types import AlgorithmName
@@ -21,18 +22,7 @@ def train_sft(spec: AgentSpec, service: Any, *, epochs: int = 1, batch_size: int
 
     renderer = Renderer(load_tokenizer(spec.base_model), spec.renderer)
     batches = sft_batches(renderer, read_conversations(spec.algorithm.sft_data), batch_size)
-    if spec.adapter.full:
-        client = service.create_training_client(spec.base_model, agent=spec.name, steps=epochs * len(batches))
-    else:
-        client = service.create_lora_training_client(
-            spec.base_model,
-            spec.adapter.rank,
-            agent=spec.name,
-            alpha=spec.adapter.alpha,
-            seed=spec.seed,
-            target_modules=spec.adapter.target_modules,
-            steps=epochs * len(batches),
-        )
+    client = training_client(service, spec, epochs * len(batches))
     losses = []
     for _ in range(epochs):
         for batch in batches:

@@ -33,8 +33,8 @@ class AdapterSpec:
     target_modules: tuple[str, ...] = DEFAULT_TARGET_MODULES
     # Linear layers that get LoRA factors (projection names of the base model).
     full: bool = False
-    # True: train every weight of the base model instead (a learner to itself; not sampled from
-    # by the engines, so only for SFT).
+    # True: train every weight of the base model instead (a learner group to itself; engines
+    # serve each version as a whole model, so no KL term against the base model).
 
     def __post_init__(self) -> None:
         if self.rank <= 0 or self.alpha <= 0:
@@ -172,10 +172,10 @@ class AgentSpec:
             raise ConfigError(f"agent {self.name}: base_model must name a model (e.g. {DEFAULT_BASE_MODEL!r})")
         if self.model_path and self.trainable:
             raise ConfigError(f"agent {self.name}: model_path is for frozen agents; set trainable = false")
-        if self.adapter.full and self.algorithm.name is not AlgorithmName.SFT:
+        if self.adapter.full and self.algorithm.kl_coef > 0:
             raise ConfigError(
-                f"agent {self.name}: full-parameter training is SFT only here (engines sample LoRA adapters); "
-                "use a LoRA adapter for RL"
+                f"agent {self.name}: a KL term against the base model needs a LoRA adapter (the base weights "
+                "are the adapter-free pass); set algorithm.kl_coef = 0 or adapter.full = false"
             )
 
     @classmethod

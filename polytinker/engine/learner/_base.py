@@ -182,6 +182,14 @@ class Learner:
         slot.pending_tokens += sums.values["tokens"]
         return ForwardBackwardResult(sums.values["loss"], sums.logprobs, _metrics(loss_fn, kl_coef, sums.values))
 
+    def discard_gradient(self, adapter: AdapterName | None = None) -> None:
+        """Drop the gradient ``adapter`` accumulated since its last ``optim_step`` (the part of a
+        step that can no longer be completed), so the step's calls can be made again from nothing."""
+        slot = self._slot(adapter)
+        for p in slot.params.values():
+            p.grad = None
+        slot.pending_tokens = 0.0
+
     def optim_step(self, adam_params: AdamParams, adapter: AdapterName | None = None) -> AdapterRef:
         """Apply the accumulated gradient of ``adapter`` (summed over ranks) with its own AdamW."""
         slot = self._slot(adapter)

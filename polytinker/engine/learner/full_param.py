@@ -18,7 +18,7 @@ from torch import nn
 from polytinker.engine.learner._base import Learner, Slot
 from polytinker.engine.learner.config import LearnerConfig
 from polytinker.engine.learner.distributed import SINGLE, DistInfo, broadcast_
-from polytinker.engine.learner.state import Checkpoint, load_checkpoint, save_checkpoint
+from polytinker.engine.learner.state import Checkpoint, check_full_weights, load_checkpoint, save_checkpoint
 from polytinker.engine.types import AdapterName, AdapterRef
 from polytinker.errors import ConfigError, NotBuiltError
 
@@ -71,11 +71,7 @@ class FullParamLearner(Learner):
     def load_state(self, path: str | os.PathLike[str], adapter: AdapterName | None = None) -> AdapterRef:
         slot = self._slot(adapter)
         ckpt = load_checkpoint(path)
-        if ckpt.meta.get("mode") != "full":
-            raise ConfigError(f"{path} holds a {ckpt.meta.get('mode')!r} checkpoint, not full model weights")
-        missing = sorted(set(slot.params) - set(ckpt.tensors))
-        if missing:
-            raise ConfigError(f"{path} lacks parameters {missing[:3]}; was it saved from another model?")
+        check_full_weights(path, ckpt, slot.params)
         with torch.no_grad():
             for name, p in slot.params.items():
                 p.copy_(ckpt.tensors[name])

@@ -95,6 +95,8 @@ def _execute(learner: AnyLearner, info: DistInfo, group: Any, op: str, args: dic
         return _gather(mine, group)
     if op == "optim_step":
         return learner.optim_step(AdamParams(**args["adam"]), args["adapter"])
+    if op == "discard_gradient":
+        return learner.discard_gradient(args["adapter"])
     if op == "add_adapter":
         assert isinstance(learner, MultiAdapterLearner)
         lora = LoraConfig(**{**args["lora"], "target_modules": tuple(args["lora"]["target_modules"])})
@@ -218,6 +220,13 @@ class LearnerGroup:
         self._check(adapter)
         ref: AdapterRef = self._call("optim_step", adam=asdict(adam_params), adapter=adapter)
         return ref
+
+    def discard_gradient(self, adapter: AdapterName | None = None) -> None:
+        if self._group is None:
+            self.learner.discard_gradient(adapter)
+        else:
+            self._check(adapter)
+            self._call("discard_gradient", adapter=adapter)
 
     def load_state(self, path: str | os.PathLike[str], adapter: AdapterName | None = None) -> AdapterRef:
         if self._group is None:

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -97,4 +98,37 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     return Checkpoint(load_file(str(root / WEIGHTS_FILE)), optimizer_state, meta)
 
 
-__all__ = ["Checkpoint", "load_checkpoint", "save_checkpoint", "write_atomic_dir"]
+def check_full_weights(path: str | os.PathLike[str], ckpt: Checkpoint, names: Iterable[str]) -> None:
+    """Refuse a checkpoint that is not full model weights holding every parameter in ``names``."""
+    if ckpt.meta.get("mode") != "full":
+        raise ConfigError(f"{path} holds a {ckpt.meta.get('mode')!r} checkpoint, not full model weights")
+    missing = sorted(set(names) - set(ckpt.tensors))
+    if missing:
+        raise ConfigError(f"{path} lacks parameters {missing[:3]}; was it saved from another model?")
+
+
+def load_full_weights(path: str | os.PathLike[str], model: torch.nn.Module) -> int:
+    """Copy a full-parameter checkpoint's weights into ``model`` (same architecture); its optimizer
+    state is not read. Returns the checkpoint's version. An engine serves a full-parameter job's
+    version this way: the checkpoint is the export, so no second copy of the weights is written."""
+    root = Path(path)
+    meta_path = root / META_FILE
+    if not meta_path.is_file():
+        raise ConfigError(f"{root} is not a learner checkpoint (no {META_FILE}); pass a directory save_state wrote")
+    ckpt = Checkpoint(load_file(str(root / WEIGHTS_FILE)), None, json.loads(meta_path.read_text()))
+    params = dict(model.named_parameters())
+    check_full_weights(root, ckpt, params)
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(ckpt.tensors[name])
+    return int(ckpt.meta.get("version", 0))
+
+
+__all__ = [
+    "Checkpoint",
+    "check_full_weights",
+    "load_checkpoint",
+    "load_full_weights",
+    "save_checkpoint",
+    "write_atomic_dir",
+]

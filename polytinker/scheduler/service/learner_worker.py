@@ -17,7 +17,9 @@ heartbeats but ran the call) never applies a gradient or a step twice. A step's 
 next to its checkpoint (``request.json``): a replacement process that gets the resend of a step
 its predecessor finished loads that checkpoint and answers the same version, so a completed step is
 not lost; a resent step this process holds no gradient for is refused (``GradientLost``) instead of
-stepping on nothing.
+stepping on nothing. A step also carries ``expected_fb``, the number of the step's
+``forward_backward`` calls the scheduler saw answered: a process holding another number (it
+restarted between them) drops what it holds and refuses the step, even on its first send.
 """
 
 from __future__ import annotations
@@ -183,6 +185,13 @@ class LearnerWorker:
         for key in [k for k, (kind, _) in self._done.items() if k[0] == adapter and kind == "fb"]:
             del self._done[key]
 
+    def _discard(self, adapter: str, full: bool) -> None:
+        if full:
+            self._full_learner(adapter).discard_gradient(None)
+        else:
+            self.group.discard_gradient(adapter)
+        self._gradient_gone(adapter)
+
     def _version(self, adapter: str, full: bool) -> int | None:
         return self._full_learner(adapter).version().version if full else self._versions().get(adapter)
 
@@ -244,7 +253,18 @@ class LearnerWorker:
             if first is not None:
                 self._restore(msg.adapter, msg.full, first)
                 return first
-            if msg.attempt > 0 and not self._fb_since_step.get(msg.adapter):
+            held = self._fb_since_step.get(msg.adapter, 0)
+            if msg.expected_fb >= 0 and held != msg.expected_fb:
+                # A learner restarted between the step's calls: stepping on what this process holds
+                # would apply part of the step's gradient, or none, as if it were all of it.
+                if held:
+                    self._discard(msg.adapter, msg.full)
+                raise GradientLost(
+                    f"optim_step {msg.request_id} of {msg.adapter}: this learner holds {held} of the step's"
+                    f" {msg.expected_fb} forward_backward calls (the process that took the others is gone):"
+                    " redo this step's calls"
+                )
+            if msg.attempt > 0 and not held:
                 raise GradientLost(
                     f"optim_step {msg.request_id} of {msg.adapter} was resent to a learner that holds no gradient"
                     " for it (the process that took its forward_backward calls is gone): redo this step's calls"
@@ -273,7 +293,9 @@ class LearnerWorker:
             learner = self._full_learner(msg.adapter)
             ref = learner.optim_step(adam, None)
             ckpt = learner.save_state(Path(msg.checkpoint_dir) / f"v{ref.version}")
-            export = ""
+            # An engine serves a full-parameter version from its checkpoint's weights file: writing
+            # the whole model a second time every step would double the disk traffic.
+            export = str(ckpt) if msg.export_dir else ""
         else:
             ref = self.group.optim_step(adam, msg.adapter)
             ckpt = self.group.save_state(Path(msg.checkpoint_dir) / f"v{ref.version}", msg.adapter)
@@ -302,6 +324,8 @@ class LearnerWorker:
         return {"version": self.group.load_state(msg.path, msg.adapter).version}
 
     def export(self, msg: LearnerExport) -> dict[str, Any]:
+        if msg.full:  # the weights as a checkpoint, which is what an engine loads a full version from
+            return {"path": str(self._full_learner(msg.adapter).save_state(msg.path))}
         return {"path": str(self._export(msg.adapter, Path(msg.path)))}
 
     def get_stats(self, _msg: WorkerStats) -> dict[str, Any]:

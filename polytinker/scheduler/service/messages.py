@@ -312,11 +312,13 @@ class LearnerStep:
     eps: float
     weight_decay: float
     checkpoint_dir: str  # the new version's checkpoint goes to <checkpoint_dir>/v<version>
-    export_dir: str = ""  # LoRA: the peft directory an engine loads goes to <export_dir>/v<version>
+    export_dir: str = ""  # LoRA: the peft directory an engine loads goes to <export_dir>/v<version>;
+    # full: any value asks for an export, which is the checkpoint itself
     full: bool = False
     request_id: str = ""  # with ``adapter``, the idempotency key: a duplicate answers the first result
     from_version: int = -1  # the version this step starts from: it makes from_version + 1
     attempt: int = 0  # resends so far, by the client and the scheduler together
+    expected_fb: int = -1  # forward_backward calls the scheduler saw answered for this step (-1: unknown)
 
 
 @message("sched.w.save")
@@ -338,8 +340,11 @@ class LearnerLoad:
 @message("sched.w.export")
 @dataclass(frozen=True)
 class LearnerExport:
+    """Write the adapter's peft directory (``full``: the model's weights, as a checkpoint) to ``path``."""
+
     adapter: str
     path: str
+    full: bool = False
 
 
 @message("sched.w.sample")
@@ -352,6 +357,7 @@ class EngineSample:
     num_samples: int
     params: SamplingMsg
     tag: str = ""  # the tenant, for the engine's mixed-batch statistics only
+    full: bool = False  # a full-parameter job's version: adapter_dir is its checkpoint
 
 
 @message("sched.w.logprobs")
@@ -361,6 +367,7 @@ class EngineLogprobs:
     version: int
     adapter_dir: str
     sequences: tuple[tuple[int, ...], ...]
+    full: bool = False
 
 
 @message("sched.w.stats")

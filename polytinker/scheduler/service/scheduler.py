@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from polytinker.engine.actors import Actor
-from polytinker.errors import ConfigError, NotBuiltError
+from polytinker.errors import ConfigError, RemoteError
 from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service.broker import Broker, WorkerHandle
 from polytinker.scheduler.service.config import RuntimeConfig
@@ -87,6 +87,11 @@ class SchedulerService:
             curve_keys = (public, secret)
         self.broker = Broker(config, token, curve_keys)
         self.jobs = JobManager(config, self.store, self.tenants.weights())
+        # forward_backward request ids answered since each adapter's last step: optim_step tells the
+        # learner how many it must hold, so a learner restarted between a step's calls refuses the
+        # step (GradientLost) instead of stepping on part of its gradient. No entry (this process
+        # restarted, or a step failed): the count is unknown and only resent steps are checked.
+        self._fb_ids: dict[str, set[str]] = {}
         self._inflight: Counter[str] = Counter()
         self._inflight_lock = threading.Lock()
         self._stop = threading.Event()
@@ -188,7 +193,9 @@ class SchedulerService:
         tenant = self._tenant(msg.api_key)
         row = self.jobs.create(tenant, msg)
         if row.kind != "inference":
-            self.store.ensure_adapter(adapter_key(tenant, row.job_id, row.agent), tenant, row.job_id, row.agent)
+            key = adapter_key(tenant, row.job_id, row.agent)
+            self.store.ensure_adapter(key, tenant, row.job_id, row.agent)
+            self._fb_ids[key] = set()
         return {"status": "ok", "job": row.public()}
 
     def job_query(self, msg: m.JobQuery) -> dict[str, Any]:
@@ -282,6 +289,9 @@ class SchedulerService:
         )
         with self._admit(row.tenant, "train"), self.broker.slicers[learner].turn(row.job_id, row.priority):
             out = self.broker.call(learner, "sched.w.fb", req, prepare=self._prepare(row, a), keyed=True)
+        ids = self._fb_ids.get(a.adapter_key)
+        if ids is not None:
+            ids.add(req.request_id)
         return {"status": "ok", **out}
 
     def forward(self, msg: m.Forward) -> dict[str, Any]:
@@ -299,6 +309,7 @@ class SchedulerService:
         row, a, learner = self._training(msg.api_key, msg.job_id)
         ckpt_dir, export_dir = self._dirs(a)
         full = row.kind == "full_rl"
+        fb_ids = self._fb_ids.get(a.adapter_key)
         req = m.LearnerStep(
             a.adapter_key,
             msg.learning_rate,
@@ -307,19 +318,30 @@ class SchedulerService:
             msg.eps,
             msg.weight_decay,
             str(ckpt_dir),
-            "" if full else str(export_dir),
+            str(export_dir),
             full,
             request_id=msg.request_id or uuid.uuid4().hex,
             from_version=a.version,
             attempt=msg.attempt,
+            expected_fb=-1 if fb_ids is None else len(fb_ids),
         )
         slicer = self.broker.slicers[learner]
         with self._admit(row.tenant, "train"), slicer.turn(row.job_id, row.priority, ends_step=True):
             # Resent when the learner goes silent: the same process answers a step it took once; a
             # replacement answers it from the key written next to its checkpoint, or refuses
             # (GradientLost) when the step's gradient died with the old process.
-            out = self.broker.call(learner, "sched.w.step", req, prepare=self._prepare(row, a), keyed=True)
+            try:
+                out = self.broker.call(learner, "sched.w.step", req, prepare=self._prepare(row, a), keyed=True)
+            except BaseException as exc:
+                # GradientLost: the learner dropped what it held and the client redoes the step's
+                # calls from nothing. Any other failure leaves the count unknown.
+                if isinstance(exc, RemoteError) and exc.remote_type == "GradientLost":
+                    self._fb_ids[a.adapter_key] = set()
+                else:
+                    self._fb_ids.pop(a.adapter_key, None)
+                raise
             self.store.record_version(a.adapter_key, out["version"], out["checkpoint"], out["export_dir"])
+            self._fb_ids[a.adapter_key] = set()
         self._prune(a, out["version"])
         self.jobs.step_boundary(row.job_id, out["version"])
         return {"status": "ok", "version": out["version"], "metrics": out["metrics"]}
@@ -358,26 +380,25 @@ class SchedulerService:
         req = m.LearnerLoad(a.adapter_key, path, row.kind == "full_rl")
         with self._admit(row.tenant, "train"), self.broker.slicers[learner].turn(row.job_id, row.priority):
             out = self.broker.call(learner, "sched.w.load", req, prepare=self._prepare(row, a), retry=False)
-            export = ""
+            export = path  # full parameters: engines load the version from its checkpoint
             if row.kind != "full_rl":
                 export_path = self._dirs(a)[1] / f"v{out['version']}-loaded-{name}"
                 export = self.broker.call(
                     learner, "sched.w.export", m.LearnerExport(a.adapter_key, str(export_path)), retry=False
                 )["path"]
             self.store.record_version(a.adapter_key, out["version"], path, export)
+        self._fb_ids[a.adapter_key] = set()  # loading replaced the adapter's state, gradient included
         return {"status": "ok", "version": out["version"]}
 
     # --- sampling --------------------------------------------------------------------------------
     def save_weights(self, msg: m.SaveWeights) -> dict[str, Any]:
         row, a, learner = self._training(msg.api_key, msg.job_id)
-        if row.kind == "full_rl":
-            raise NotBuiltError("sampling from a full-parameter job's weights (engines load LoRA adapters only)")
-        if not a.export_dir:  # version 0 was never stepped: export the fresh adapter once
-            path = self._dirs(a)[1] / f"v{a.version}"
+        if not a.export_dir:  # version 0 was never stepped: export the fresh weights once
+            full = row.kind == "full_rl"
+            path = self._dirs(a)[0 if full else 1] / f"v{a.version}"  # full: a checkpoint, kept with them
+            req = m.LearnerExport(a.adapter_key, str(path), full)
             with self.broker.slicers[learner].turn(row.job_id, row.priority):
-                out = self.broker.call(
-                    learner, "sched.w.export", m.LearnerExport(a.adapter_key, str(path)), prepare=self._prepare(row, a)
-                )
+                out = self.broker.call(learner, "sched.w.export", req, prepare=self._prepare(row, a))
             self.store.set_export(a.adapter_key, a.version, out["path"])
             if self.store.version_row(a.adapter_key, a.version) is None:
                 self.store.record_version(a.adapter_key, a.version, a.checkpoint, out["path"])
@@ -386,33 +407,38 @@ class SchedulerService:
             self.store.add_checkpoint(row.job_id, f"sampler-{msg.name}", a.export_dir, a.version)
         return {"status": "ok", "model_path": model_path(row.job_id, row.agent, a.version), "version": a.version}
 
-    def _resolve(self, tenant: str, path: str) -> tuple[str, int, str]:
-        """(adapter key, version, export dir) of a tenant's model path; ('', 0, '') for the base model."""
+    def _resolve(self, tenant: str, path: str) -> tuple[str, int, str, bool]:
+        """(adapter key, version, export dir, full parameters?) of a tenant's model path;
+        ('', 0, '', False) for the base model."""
         if not path:
-            return "", 0, ""
+            return "", 0, "", False
         job_id, agent, version = parse_model_path(path)
         key = adapter_key(tenant, job_id, agent)  # another tenant's path resolves to nothing here
         a = self.store.adapter(key)
         found = self.store.version_row(key, version) if a is not None else None
         if found is None or not found[1]:
             raise AuthError(f"no saved weights {path!r} for this tenant (save_weights_for_sampler makes them)")
-        return key, version, found[1]
+        job = self.store.job(job_id)
+        return key, version, found[1], job is not None and job.kind == "full_rl"
 
     def sample(self, msg: m.Sample) -> dict[str, Any]:
         tenant = self._tenant(msg.api_key)
-        key, version, export = self._resolve(tenant, msg.model_path)
+        key, version, export, full = self._resolve(tenant, msg.model_path)
         with self._admit(tenant, "sample"):
             engine = self.jobs.route(key or None, msg.base_model)
-            req = m.EngineSample(key, version, export, msg.prompt_token_ids, msg.num_samples, msg.params, tenant)
+            req = m.EngineSample(
+                key, version, export, msg.prompt_token_ids, msg.num_samples, msg.params, tenant, full=full
+            )
             out = self.broker.call(engine, "sched.w.sample", req)
         return {"status": "ok", "sequences": out}
 
     def compute_logprobs(self, msg: m.ComputeLogprobs) -> dict[str, Any]:
         tenant = self._tenant(msg.api_key)
-        key, version, export = self._resolve(tenant, msg.model_path)
+        key, version, export, full = self._resolve(tenant, msg.model_path)
         with self._admit(tenant, "sample"):
             engine = self.jobs.route(key or None, msg.base_model)
-            out = self.broker.call(engine, "sched.w.logprobs", m.EngineLogprobs(key, version, export, msg.sequences))
+            req = m.EngineLogprobs(key, version, export, msg.sequences, full=full)
+            out = self.broker.call(engine, "sched.w.logprobs", req)
         return {"status": "ok", "logprobs": out}
 
 

@@ -1,0 +1,26 @@
+"""The training client of an agent: a LoRA job, or a full-parameter job for ``adapter.full``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from polytinker.agents.spec import AgentSpec
+
+
+def training_client(service: Any, spec: AgentSpec, steps: int) -> Any:
+    """A ``TrainingClient`` for ``spec``'s weights on ``service`` (a ``ServiceClient``), for a job
+    of ``steps`` optimizer steps."""
+    if spec.adapter.full:
+        return service.create_training_client(spec.base_model, agent=spec.name, steps=steps)
+    return service.create_lora_training_client(
+        spec.base_model,
+        spec.adapter.rank,
+        agent=spec.name,
+        alpha=spec.adapter.alpha,
+        seed=spec.seed,
+        target_modules=spec.adapter.target_modules,
+        steps=steps,
+    )
+
+
+__all__ = ["training_client"]
