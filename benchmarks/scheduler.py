@@ -3,27 +3,41 @@
     python benchmarks/scheduler.py --quick      # under a minute on two CPU cores
     python benchmarks/scheduler.py              # a longer trace
     python benchmarks/scheduler.py --trace jobs.jsonl --save-log decisions.jsonl
+    python benchmarks/scheduler.py --quick --async-share 0       # every RL loop sync (earlier traces)
     python benchmarks/scheduler.py --quick --engines-per-model 2   # another cluster shape
+    python benchmarks/scheduler.py --quick --cluster sized         # machines split by offered load
 
-Prints ``mean_jct_ratio`` and ``p99_jct_ratio`` (ours / FIFO), ``utilization`` (ours) and
-``fifo_utilization``, ``decision_us_10k`` (median microseconds of one scheduling pass with 10,000
-jobs queued), the trace's offered loads and ``utilization_ceiling``, then the absolute figures of
-both policies. The trace and the cluster are described in docs/scheduler.md.
+Prints which trace and cluster it used, then ``mean_jct_ratio`` and ``p99_jct_ratio`` (ours / FIFO),
+``utilization`` (ours) and ``fifo_utilization``, ``utilization_ceiling``, ``decision_us_10k`` (median
+microseconds of one scheduling pass with 10,000 jobs queued), the trace's size, async RL jobs and
+offered loads; then, when the trace has async RL jobs, ``all_sync``: the same figures for the same
+jobs and cluster with every RL loop sync (what earlier versions, whose traces had no async jobs,
+printed); then the absolute figures of both policies. Both policies replay the same trace, with the
+same loop modes. The trace and the cluster are described in docs/scheduler.md.
+
+The trace (``TraceConfig``) runs half of its RL jobs async (``async_rl_share`` 0.5, one step of
+staleness): they sample step k+1 while step k trains. The cluster is ``default_cluster`` (4 engines
+and 2 learner groups per base model) unless ``--cluster sized`` splits the same machines by the
+trace's offered loads (``sized_cluster``); the ``cluster`` line says which.
 
 Utilization (computed by the simulator, the same for both policies): busy resource-time over
 available resource-time, summed over all engines and learner groups. An engine is busy while it
-samples for some job (at full throughput); a learner group while it trains a step (optimizer swaps,
-loads and saves are not busy). A resource counts as available only while some queued job needs that
-kind of resource (engine or learner group) of that base model, so idle tails with nothing queued,
-and idle capacity no waiting job could use, are left out.
+samples for some job (at full throughput) for a step that gets trained; a learner group while it
+trains a step (optimizer swaps, loads and saves are not busy). Rollouts an async job sampled ahead
+and threw away when preempted are not busy (``discarded_sampling``). A resource counts as available
+only while some queued job needs that kind of resource (engine or learner group) of that base model,
+so idle tails with nothing queued, and idle capacity no waiting job could use, are left out.
 
 ``utilization_ceiling`` is what that figure would be if every resource of a base model were
 available until the trace's work is done, no faster than its busiest kind of resource allows:
 per base model, busy time (learner training plus engine sampling) over (engines + groups) x T, where
-T is the larger of the learner groups' share of training plus full-parameter jobs' sampling (such a
-job holds its group alone while its engine samples) and the engines' share of sampling. It is the
-utilization of a cluster saturated with this trace's mix of work; a queue that only fills in bursts
-can land above or below it, but raising the load does not raise it (see docs/scheduler.md).
+T is the larger of the engines' share of sampling and the learner groups' share of training plus
+the time full-parameter jobs hold their group idle while they sample (such a job holds its group
+alone): all its sampling when sync; when async, only what its training does not overlap (its first
+sample, and per step any excess of sampling over training: ``Job.span_s`` minus its training). It
+is the utilization of a cluster saturated with this trace's mix of work, with every sample at an
+engine's full speed; a queue that only fills in bursts can land above or below it, but raising the
+load does not raise it (see docs/scheduler.md).
 """
 
 from __future__ import annotations
@@ -50,13 +64,15 @@ from polytinker.scheduler import (
     load_trace,
     simulate,
 )
+from polytinker.scheduler.trace import learner_demand_s, sized_cluster
 
 
 def offered_load(trace: list[Job], cluster: ClusterSpec) -> float:
-    """Learner-group seconds the trace asks for (a full-parameter job holds its group for whole steps)
-    over learner-group seconds available between the first and last arrival."""
+    """Learner-group seconds the trace asks for (training; a full-parameter job also holds its group
+    while its sampling is not overlapped by its training: all of it when sync) over learner-group
+    seconds available between the first and last arrival."""
     span = max(j.arrival_s for j in trace) - min(j.arrival_s for j in trace)
-    demand = sum(j.steps * (j.step_work_s if j.kind.exclusive_learner else j.step_s) for j in trace)
+    demand = sum(learner_demand_s(j) for j in trace)
     return demand / (len(cluster.learners) * span) if span else float("nan")
 
 
@@ -84,7 +100,9 @@ def utilization_ceiling(trace: list[Job], cluster: ClusterSpec) -> float:
             and (not j.kind.needs_engine or j.engine_mem_gb <= biggest_engine)
         ]
         train = sum(j.steps * j.step_s for j in jobs)
-        held = sum(j.steps * j.sample_s for j in jobs if j.kind.exclusive_learner)
+        # A full-parameter job's group idles while it samples and does not train: every sample when
+        # sync; when async, the first sample and any step whose sampling outlasts its training.
+        held = sum(learner_demand_s(j) - j.steps * j.step_s for j in jobs if j.kind.exclusive_learner)
         sample = sum(j.steps * j.sample_s for j in jobs)
         span = max(
             (train + held) / len(groups) if groups else 0.0,
@@ -129,11 +147,41 @@ def describe(r: SimResult, wall_s: float) -> dict[str, float | int | str]:
         "learner_utilization": round(r.learner_utilization, 3),
         "engine_utilization": round(r.engine_utilization, 3),
         "preemptions": sum(o.preemptions for o in r.outcomes),
+        "discarded_samples": sum(o.discarded_samples for o in r.outcomes),
         "end_s": round(r.end_s, 1),
         "sim_wall_s": round(wall_s, 2),
         "learner_time": " ".join(f"{k}:{v:.3f}" for k, v in r.learner_time.items()),
         "engine_time": " ".join(f"{k}:{v:.3f}" for k, v in r.engine_time.items()),
     }
+
+
+def compare(
+    trace: list[Job], cluster: ClusterSpec
+) -> tuple[dict[str, float | int], dict[str, tuple[SimResult, float]]]:
+    """Both policies on the same trace and cluster: the headline figures and each policy's result."""
+    results = {}
+    for policy_cls in (FairSharePolicy, FifoPolicy):
+        t0 = time.perf_counter()
+        results[policy_cls.name] = (simulate(trace, cluster, policy_cls), time.perf_counter() - t0)
+    ours, fifo = results["fair_share"][0], results["fifo"][0]
+    figures: dict[str, float | int] = {
+        "mean_jct_ratio": round(ours.mean_jct_s() / fifo.mean_jct_s(), 3),
+        "p99_jct_ratio": round(ours.percentile_jct_s(99) / fifo.percentile_jct_s(99), 3),
+        "utilization": round(ours.utilization, 3),
+        "fifo_utilization": round(fifo.utilization, 3),
+        "utilization_ceiling": round(utilization_ceiling(trace, cluster), 3),
+    }
+    return figures, results
+
+
+def describe_cluster(cluster: ClusterSpec, how: str) -> str:
+    models = sorted({e.base_model for e in cluster.engines} | {g.base_model for g in cluster.learners})
+    shape = ", ".join(
+        f"{m}: {sum(e.base_model == m for e in cluster.engines)} engines "
+        f"+ {sum(g.base_model == m for g in cluster.learners)} learner groups"
+        for m in models
+    )
+    return f"{how} ({shape})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,8 +190,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=None, help="jobs in the generated trace")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--interarrival", type=float, default=None, help="mean seconds between arrivals (default 45)")
+    p.add_argument(
+        "--async-share",
+        type=float,
+        default=None,
+        help=f"share of RL jobs whose loop runs async (default {TraceConfig.async_rl_share}; 0: the all-sync trace)",
+    )
     p.add_argument("--trace", type=Path, default=None, help="replay this JSONL trace instead of generating one")
     p.add_argument("--save-log", type=Path, default=None, help="write our policy's decision log here (JSONL)")
+    p.add_argument(
+        "--cluster",
+        choices=("default", "sized"),
+        default="default",
+        help="default: default_cluster with --engines-per-model / --learners-per-model; sized: the same "
+        "machines per base model split by the trace's offered loads (sized_cluster)",
+    )
     p.add_argument("--engines-per-model", type=int, default=4, help="engines per base model (default 4)")
     p.add_argument("--learners-per-model", type=int, default=2, help="learner groups per base model (default 2)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
@@ -151,39 +212,80 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.engines_per_model < 1 or args.learners_per_model < 1:
         p.error("--engines-per-model and --learners-per-model must be at least 1")
-    cluster = default_cluster(engines_per_model=args.engines_per_model, learners_per_model=args.learners_per_model)
+    if args.async_share is not None and args.trace:
+        p.error("--async-share applies to a generated trace, not to --trace (its jobs carry their mode)")
     n_jobs = args.jobs or (1500 if args.quick else 5000)
     trace_cfg = TraceConfig(n_jobs=n_jobs, seed=args.seed)
     if args.interarrival:
         trace_cfg = replace(trace_cfg, mean_interarrival_s=args.interarrival)
+    if args.async_share is not None:
+        trace_cfg = replace(trace_cfg, async_rl_share=args.async_share)
     trace = load_trace(args.trace) if args.trace else generate_trace(trace_cfg)
-    results = {}
-    for policy_cls in (FairSharePolicy, FifoPolicy):
-        t0 = time.perf_counter()
-        results[policy_cls.name] = (simulate(trace, cluster, policy_cls), time.perf_counter() - t0)
-    ours, fifo = results["fair_share"][0], results["fifo"][0]
-    figures = {
-        "mean_jct_ratio": round(ours.mean_jct_s() / fifo.mean_jct_s(), 3),
-        "p99_jct_ratio": round(ours.percentile_jct_s(99) / fifo.percentile_jct_s(99), 3),
-        "utilization": round(ours.utilization, 3),
-        "fifo_utilization": round(fifo.utilization, 3),
-        "utilization_ceiling": round(utilization_ceiling(trace, cluster), 3),
-        "decision_us_10k": round(decision_us(FairSharePolicy, cluster, 10_000, 40 if args.quick else 200), 1),
-        "fifo_decision_us_10k": round(decision_us(FifoPolicy, cluster, 10_000, 40 if args.quick else 200), 1),
-        "jobs": len(trace),
-        "offered_learner_load": round(offered_load(trace, cluster), 3),
-        "offered_engine_load": round(offered_engine_load(trace, cluster), 3),
-    }
+    rl = [j for j in trace if j.kind.needs_engine and j.kind.needs_learner]
+    n_async = sum(j.is_async for j in rl)
+    if args.trace:
+        trace_desc = f"file {args.trace}"
+    else:
+        trace_desc = (
+            f"generated (seed={trace_cfg.seed}, n_jobs={trace_cfg.n_jobs}, "
+            f"mean_interarrival_s={trace_cfg.mean_interarrival_s:g}, async_rl_share={trace_cfg.async_rl_share:g}, "
+            f"async_max_staleness={trace_cfg.async_max_staleness})"
+        )
+    trace_desc += f": {n_async} of {len(rl)} RL jobs async"
+    machines = args.engines_per_model + args.learners_per_model
+    if args.cluster == "sized":
+        cluster = sized_cluster(trace, machines_per_model=machines)
+        cluster_desc = describe_cluster(
+            cluster, f"sized_cluster: {machines} machines per base model split by offered load"
+        )
+    else:
+        cluster = default_cluster(engines_per_model=args.engines_per_model, learners_per_model=args.learners_per_model)
+        cluster_desc = describe_cluster(cluster, "default_cluster")
+    figures, results = compare(trace, cluster)
+    ours = results["fair_share"][0]
+    figures.update(
+        {
+            "decision_us_10k": round(decision_us(FairSharePolicy, cluster, 10_000, 40 if args.quick else 200), 1),
+            "fifo_decision_us_10k": round(decision_us(FifoPolicy, cluster, 10_000, 40 if args.quick else 200), 1),
+            "jobs": len(trace),
+            "async_rl_jobs": n_async,
+            "offered_learner_load": round(offered_load(trace, cluster), 3),
+            "offered_engine_load": round(offered_engine_load(trace, cluster), 3),
+        }
+    )
+    # The same jobs with every RL loop sync: the figures of earlier versions, on the same cluster.
+    sync_figures: dict[str, float | int] = {}
+    if n_async:
+        sync_trace = [replace(j, max_staleness=0) for j in trace]
+        sync_figures, _ = compare(sync_trace, cluster)
+        sync_figures["offered_learner_load"] = round(offered_load(sync_trace, cluster), 3)
     absolute = {name: describe(r, wall) for name, (r, wall) in results.items()}
     if args.save_log:
         with args.save_log.open("w") as f:
             for d in ours.decisions:
                 f.write(json.dumps(asdict(d), default=str) + "\n")
     if args.json:
-        print(json.dumps({**figures, "policies": absolute}))
+        print(
+            json.dumps(
+                {
+                    "trace": trace_desc,
+                    "cluster": cluster_desc,
+                    **figures,
+                    "all_sync": sync_figures,
+                    "policies": absolute,
+                }
+            )
+        )
         return 0
+    print(f"trace {trace_desc}")
+    print(f"cluster {cluster_desc}")
     for key, value in figures.items():
         print(f"{key} {value}")
+    if sync_figures:
+        print(
+            "all_sync (same jobs and cluster, every RL loop sync) "
+            + " ".join(f"{k}={v}" for k, v in sync_figures.items())
+        )
     for name, row in absolute.items():
         print(
             f"[{name}] "
