@@ -454,3 +454,36 @@ def test_a_step_whose_forward_backward_calls_a_restarted_learner_lost_is_refused
         assert replacement.step(step("s-4", -1))["version"] == 2  # an unknown count is not checked
     finally:
         replacement.close()
+
+
+def test_an_async_rl_job_tells_the_policy_how_far_it_samples_ahead(tmp_path: Path) -> None:
+    mgr = manager(tmp_path)
+    job = create(mgr, "alice", KEY_A, max_staleness=2)
+    row = mgr.get("alice", job)
+    assert row.max_staleness == 2 and row.public()["max_staleness"] == 2
+    assert mgr._policy_job(row, "p.1", 0).max_staleness == 2  # what the policy plans the job with
+    assert mgr.store.job(job) == row  # stored, so a restarted scheduler plans it the same way
+    with pytest.raises(ConfigError, match="max_staleness is for RL jobs"):
+        create(mgr, "alice", KEY_A, "sft", max_staleness=1)
+
+
+def test_a_database_without_the_max_staleness_column_is_migrated(tmp_path: Path) -> None:
+    import sqlite3
+
+    path = tmp_path / "old.sqlite3"
+    db = sqlite3.connect(path)
+    db.executescript(
+        """CREATE TABLE jobs (job_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, kind TEXT NOT NULL,
+        base_model TEXT NOT NULL, agent TEXT NOT NULL, lora TEXT NOT NULL, state TEXT NOT NULL,
+        priority INTEGER NOT NULL, steps INTEGER NOT NULL, reason TEXT NOT NULL DEFAULT '',
+        created_s REAL NOT NULL, updated_s REAL NOT NULL);
+        INSERT INTO jobs VALUES ('j1', 'alice', 'lora_rl', 'tiny-random', 'a', '{}', 'running', 0, 5, '', 1.0, 2.0);"""
+    )
+    db.commit()
+    db.close()
+    store = StateStore(path)
+    try:
+        row = store.job("j1")
+        assert row is not None and row.max_staleness == 0 and row.steps == 5
+    finally:
+        store.close()

@@ -7,11 +7,13 @@ from typing import Any
 from polytinker.agents.spec import AgentSpec
 
 
-def training_client(service: Any, spec: AgentSpec, steps: int) -> Any:
+def training_client(service: Any, spec: AgentSpec, steps: int, max_staleness: int = 0) -> Any:
     """A ``TrainingClient`` for ``spec``'s weights on ``service`` (a ``ServiceClient``), for a job
-    of ``steps`` optimizer steps."""
+    of ``steps`` optimizer steps whose loop samples up to ``max_staleness`` steps ahead."""
     if spec.adapter.full:
-        return service.create_training_client(spec.base_model, agent=spec.name, steps=steps)
+        return service.create_training_client(
+            spec.base_model, agent=spec.name, steps=steps, max_staleness=max_staleness
+        )
     return service.create_lora_training_client(
         spec.base_model,
         spec.adapter.rank,
@@ -20,6 +22,7 @@ def training_client(service: Any, spec: AgentSpec, steps: int) -> Any:
         seed=spec.seed,
         target_modules=spec.adapter.target_modules,
         steps=steps,
+        max_staleness=max_staleness,
     )
 
 

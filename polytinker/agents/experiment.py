@@ -31,7 +31,7 @@ from polytinker.agents.mapping import PolicyMapping
 from polytinker.agents.metrics import MetricsLogger, append_jsonl, plot_curves
 from polytinker.agents.render import Renderer
 from polytinker.agents.rollout import Players
-from polytinker.agents.types import AlgorithmName, MappingKind, StepRecord
+from polytinker.agents.types import AlgorithmName, LoopMode, MappingKind, StepRecord
 from polytinker.envs import EnvConfig, make, scripted_policy
 from polytinker.errors import ConfigError, NotBuiltError
 
@@ -245,8 +245,10 @@ class Experiment:
 
     def _clients(self, service: Any) -> dict[str, Any]:
         self._check_learner_groups(service)
-        steps = self.config.train.steps
-        return {spec.name: training_client(service, spec, steps) for spec in self.config.agents if spec.trainable}
+        train = self.config.train
+        staleness = train.max_staleness if train.mode is LoopMode.ASYNC else 0  # the policy plans with it
+        specs = [spec for spec in self.config.agents if spec.trainable]
+        return {spec.name: training_client(service, spec, train.steps, staleness) for spec in specs}
 
     async def _run(self, service: Any, resume: bool) -> RunSummary:
         config = self.config

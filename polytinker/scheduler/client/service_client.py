@@ -108,9 +108,12 @@ class ServiceClient:
         priority: int = 0,
         steps: int = 0,
         kind: str = "lora_rl",
+        max_staleness: int = 0,
     ) -> TrainingClient:
         """A job training a fresh LoRA adapter (rank ``rank``) for ``agent`` on ``base_model``.
-        ``kind``: ``lora_rl`` (samples too) or ``sft`` (no engine); ``steps``: declared length."""
+        ``kind``: ``lora_rl`` (samples too) or ``sft`` (no engine); ``steps``: declared length;
+        ``max_staleness``: how many steps the script samples ahead of training (0: sync), which
+        the scheduler's policy plans with."""
         if kind not in ("lora_rl", "sft"):
             raise ConfigError(f"kind must be 'lora_rl' or 'sft' for a LoRA training client, got {kind!r}")
         job = self._create(
@@ -123,14 +126,16 @@ class ServiceClient:
             target_modules=tuple(target_modules),
             priority=priority,
             steps=steps,
+            max_staleness=max_staleness,
         )
         return TrainingClient(self._connection(), self._admitted(job))
 
     def create_training_client(
-        self, base_model: str, *, agent: str = "default", priority: int = 0, steps: int = 0
+        self, base_model: str, *, agent: str = "default", priority: int = 0, steps: int = 0, max_staleness: int = 0
     ) -> TrainingClient:
         """A job training every weight of ``base_model`` (a learner group to itself)."""
-        job = self._create("full_rl", base_model, agent=agent, priority=priority, steps=steps)
+        fields = {"agent": agent, "priority": priority, "steps": steps, "max_staleness": max_staleness}
+        job = self._create("full_rl", base_model, **fields)
         return TrainingClient(self._connection(), self._admitted(job))
 
     def create_sampling_client(

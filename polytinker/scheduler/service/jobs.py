@@ -143,6 +143,7 @@ class JobManager:
             "",
             now,
             now,
+            msg.max_staleness,
         )
         with self._lock:
             result = self._submit(row, steps_done=0, new=True)
@@ -170,6 +171,7 @@ class JobManager:
             engine_mem_gb=d.engine_mem_gb if kind.needs_engine else 0.0,
             arrival_s=self.now(),
             adapter=adapter_key(row.tenant, row.job_id, row.agent) if kind is JobKind.LORA_RL else None,
+            max_staleness=row.max_staleness,
         )
 
     def _submit(self, row: JobRow, *, steps_done: int, new: bool = False) -> Accepted | Overloaded | None:

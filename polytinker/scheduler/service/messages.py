@@ -99,9 +99,15 @@ class CreateJob:
     priority: int = 0
     steps: int = 0  # 0: the runtime's default
     adapter: str = ""  # inference jobs: "job_id/agent" of one of the tenant's adapters
+    max_staleness: int = 0  # RL jobs: the client samples up to this many steps ahead of training (async)
 
     def __post_init__(self) -> None:
         _need(self.kind in JOB_KINDS, f"job kind must be one of {JOB_KINDS}, got {self.kind!r}")
+        _need(self.max_staleness >= 0, "max_staleness must be >= 0")
+        _need(
+            not self.max_staleness or self.kind in ("lora_rl", "full_rl"),
+            f"max_staleness is for RL jobs (they sample and train); a {self.kind} job leaves it at 0",
+        )
         _need(bool(self.base_model), "base_model must be named")
         _need(0 < self.rank <= 1024 and self.alpha > 0, "LoRA rank must be in 1..1024 and alpha > 0")
         _need(self.steps >= 0 and -1000 <= self.priority <= 1000, "steps >= 0, priority in -1000..1000")

@@ -32,7 +32,8 @@ CREATE TABLE IF NOT EXISTS tenants (
 CREATE TABLE IF NOT EXISTS jobs (
     job_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, kind TEXT NOT NULL, base_model TEXT NOT NULL,
     agent TEXT NOT NULL, lora TEXT NOT NULL, state TEXT NOT NULL, priority INTEGER NOT NULL,
-    steps INTEGER NOT NULL, reason TEXT NOT NULL DEFAULT '', created_s REAL NOT NULL, updated_s REAL NOT NULL);
+    steps INTEGER NOT NULL, reason TEXT NOT NULL DEFAULT '', created_s REAL NOT NULL, updated_s REAL NOT NULL,
+    max_staleness INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS jobs_by_tenant ON jobs (tenant, created_s);
 CREATE TABLE IF NOT EXISTS adapters (
     adapter_key TEXT PRIMARY KEY, tenant TEXT NOT NULL, job_id TEXT NOT NULL, agent TEXT NOT NULL,
@@ -63,6 +64,7 @@ class JobRow:
     reason: str
     created_s: float
     updated_s: float
+    max_staleness: int = 0  # RL jobs: how many steps the client's sampling may run ahead of training
 
     def public(self) -> dict[str, Any]:
         """What a tenant sees of its job."""
@@ -74,6 +76,7 @@ class JobRow:
             "state": self.state,
             "priority": self.priority,
             "steps": self.steps,
+            "max_staleness": self.max_staleness,
             "reason": self.reason,
             "created_s": self.created_s,
             "updated_s": self.updated_s,
@@ -103,6 +106,13 @@ class StateStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
+        self._migrate()
+
+    def _migrate(self) -> None:
+        """Bring a database an older version wrote up to this schema (columns added since)."""
+        columns = {r["name"] for r in self._db.execute("PRAGMA table_info(jobs)")}
+        if "max_staleness" not in columns:
+            self._db.execute("ALTER TABLE jobs ADD COLUMN max_staleness INTEGER NOT NULL DEFAULT 0")
 
     def close(self) -> None:
         with self._lock:
@@ -144,7 +154,7 @@ class StateStore:
     def insert_job(self, row: JobRow) -> None:
         with self._tx() as db:
             db.execute(
-                "INSERT INTO jobs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO jobs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     row.job_id,
                     row.tenant,
@@ -158,6 +168,7 @@ class StateStore:
                     row.reason,
                     row.created_s,
                     row.updated_s,
+                    row.max_staleness,
                 ),
             )
 
@@ -286,6 +297,7 @@ def _job(r: sqlite3.Row) -> JobRow:
         reason=r["reason"],
         created_s=float(r["created_s"]),
         updated_s=float(r["updated_s"]),
+        max_staleness=int(r["max_staleness"]),
     )
 
 
