@@ -8,6 +8,7 @@ coordinator, GRPO. Run alone with `make test-learning`; `make test` runs them to
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,32 @@ def test_single_agent_guess_number_reward_rises(tmp_path):
     overrides = {"output.root": str(tmp_path), "output.progress": False, "train.steps": 4, "train.groups": 1}
     overrides |= {"eval.episodes": 16}
     summary = Experiment(ExperimentConfig.from_toml(CONFIGS / "guess_number.toml", overrides)).train()
+    key = "eval/guesser/random/reward"
+    assert summary.after[key] >= summary.before[key] + 0.5, (summary.before, summary.after)
+
+
+def full_parameter(config: ExperimentConfig, learning_rate: float) -> ExperimentConfig:
+    """The config with every agent training all of its weights instead of a LoRA adapter."""
+    agents = tuple(
+        dataclasses.replace(
+            a,
+            adapter=dataclasses.replace(a.adapter, full=True),
+            algorithm=dataclasses.replace(a.algorithm, learning_rate=learning_rate),
+        )
+        for a in config.agents
+    )
+    return dataclasses.replace(config, agents=agents)
+
+
+def test_full_parameter_guess_number_reward_rises(tmp_path):
+    """guess_number as above, every weight trained (the engine samples each version as a whole
+    model): the evaluation reward rises by at least 0.5 in 4 steps.
+
+    Measured: -0.94 -> +0.31 (learning rate 2e-5, 122 s); with learning rate 1e-12, -0.94 both times."""
+    overrides = {"output.root": str(tmp_path), "output.progress": False, "train.steps": 4, "train.groups": 1}
+    overrides |= {"eval.episodes": 16}
+    config = full_parameter(ExperimentConfig.from_toml(CONFIGS / "guess_number.toml", overrides), 2e-5)
+    summary = Experiment(config).train()
     key = "eval/guesser/random/reward"
     assert summary.after[key] >= summary.before[key] + 0.5, (summary.before, summary.after)
 
