@@ -73,6 +73,9 @@ def test_two_agents_train_evaluate_and_write_the_run(service, tmp_path, capsys):
     assert experiment._trainer is not None  # only the current versions' samplers are kept
     players = experiment._trainer.players
     assert set(players.samplers) == {(a, players.current[a]) for a in ("alice", "bob")}
+    # The run's jobs ended with it: on a shared runtime they would otherwise hold the learner.
+    jobs = [service.get_job(c.job_id)["job"] for c in experiment._trainer.learners.clients.values()]
+    assert [j["state"] for j in jobs] == ["done", "done"]
     run = tmp_path / "pd"
     rows = read_metrics(run)
     assert [r["step"] for r in rows] == [0, 1, 2, 2]  # eval before, two steps, eval after

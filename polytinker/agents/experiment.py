@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import shutil
 import time
 from dataclasses import dataclass
@@ -33,7 +34,9 @@ from polytinker.agents.render import Renderer
 from polytinker.agents.rollout import Players
 from polytinker.agents.types import AlgorithmName, LoopMode, MappingKind, StepRecord
 from polytinker.envs import EnvConfig, make, scripted_policy
-from polytinker.errors import ConfigError, NotBuiltError
+from polytinker.errors import ConfigError, NotBuiltError, PolytinkerError
+
+log = logging.getLogger("polytinker.agents.experiment")
 
 
 @dataclass(frozen=True)
@@ -257,6 +260,24 @@ class Experiment:
         self._check_opponents(players)
         mapping = PolicyMapping(config.mapping, probe.possible_agents, config.agents)
         clients = await asyncio.to_thread(self._clients, service)
+        try:
+            return await self._train(service, resume, probe, players, mapping, clients)
+        finally:
+            # The jobs end with the run, whoever owns the service: on a shared runtime a job left
+            # live would hold its learner share (a full-parameter job, a whole group) until it
+            # idled out. Adapters, versions and checkpoints stay for samplers and --resume.
+            await asyncio.to_thread(_finish_jobs, clients)
+
+    async def _train(
+        self,
+        service: Any,
+        resume: bool,
+        probe: Any,
+        players: Players,
+        mapping: PolicyMapping,
+        clients: dict[str, Any],
+    ) -> RunSummary:
+        config = self.config
         algorithms = {a.name: make_algorithm(a.algorithm) for a in config.agents if a.trainable}
         for spec in config.agents:
             if not spec.trainable:
@@ -314,6 +335,14 @@ class Experiment:
         if before.exists():
             self._eval_before = json.loads(before.read_text())
         return state.step
+
+
+def _finish_jobs(clients: dict[str, Any]) -> None:
+    for agent, client in clients.items():
+        try:
+            client.finish()
+        except PolytinkerError as exc:  # the run's own outcome matters more than one job's end
+            log.warning("could not finish the job of agent %s: %s", agent, exc)
 
 
 __all__ = ["Experiment", "RunSummary"]
