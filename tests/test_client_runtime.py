@@ -14,7 +14,7 @@ from test_client_fixtures import KEY_ALICE, KEY_BOB, MODEL, client, data, shared
 from polytinker import cli
 from polytinker.engine.learner.config import AdamParams
 from polytinker.engine.types import SamplingParams
-from polytinker.scheduler.client import SamplingClient, TrainingClient
+from polytinker.scheduler.client import SamplingClient, ServiceClient, TrainingClient
 from polytinker.scheduler.service import AuthError, JobNotRunning, StateStore
 
 ADAM = AdamParams(learning_rate=1e-2)
@@ -197,3 +197,40 @@ def test_full_parameter_job_trains_and_samples_its_own_weights() -> None:
 
         trainer.finish()
         assert service.get_job(trainer.job_id)["job"]["state"] == "done"
+
+
+def test_a_data_parallel_learner_group_serves_a_full_parameter_job_between_lora_jobs(tmp_path) -> None:
+    """K=2 replicas turn into a full-parameter job's model and back: the paused LoRA job's adapter
+    is reloaded from its checkpoint when it resumes (the broker prepares it again), unchanged."""
+    from polytinker.scheduler.service.config import LearnerWorkerConfig, RuntimeConfig
+
+    cfg = RuntimeConfig(
+        model=MODEL,
+        state_dir=str(tmp_path),
+        learners=(LearnerWorkerConfig(world_size=2, micro_batch_size=8),),
+        start_timeout_s=240.0,
+    )
+    with ServiceClient(runtime_config=cfg) as service:
+        lora = service.create_lora_training_client(MODEL, rank=4, agent="lora")
+        batch = data(21, n=3)
+        lora.forward_backward(batch)
+        assert lora.optim_step(ADAM).result().version == 1
+        before = lora.forward(batch).result()
+        service.pause_job(lora.job_id)  # its learner share goes back: the full job may have the group
+
+        full = service.create_training_client(MODEL, agent="full")
+        first = full.forward_backward(batch).result()
+        assert full.optim_step(AdamParams(learning_rate=1e-3)).result().version == 1
+        assert full.forward_backward(batch).result().loss < first.loss
+        sampler = full.save_weights_and_get_sampling_client()
+        assert sampler.sample([3, 4, 5], 1, GREEDY5).result().sequences
+        full.finish()
+
+        service.resume_job(lora.job_id)
+        after = lora.forward(batch).result()
+        pairs = [(a, b) for ra, rb in zip(after, before, strict=True) for a, b in zip(ra, rb, strict=True)]
+        assert max(abs(a - b) for a, b in pairs) < 1e-5
+        lora.forward_backward(batch)
+        assert lora.optim_step(ADAM).result().version == 2
+        stats = service.runtime_status()["stats"]["learner-0"]
+        assert stats["loads"] >= 1 and stats["full_slots"] == 0  # the replicas went back to the adapters

@@ -487,3 +487,61 @@ def test_a_database_without_the_max_staleness_column_is_migrated(tmp_path: Path)
         assert row is not None and row.max_staleness == 0 and row.steps == 5
     finally:
         store.close()
+
+
+def test_a_data_parallel_learner_worker_runs_a_full_parameter_job_then_lora_again(tmp_path: Path) -> None:
+    """K=2 replicas hold either the LoRA adapters or one full-parameter model: a full job's step
+    equals one process's (same data, same update), and the LoRA adapter comes back from its
+    checkpoint afterwards. A call for a slot the switch dropped is refused (NotResident), never
+    served from fresh weights."""
+    from polytinker.scheduler.service.learner_worker import LearnerWorker, NotResident
+
+    lora, full = "alice/lora/agent", "alice/full/agent"
+    rows = [(5, 6, 7, 8, 9), (10, 11, 12), (13, 14, 15, 16), (17, 18, 19, 20, 21, 22), (23, 24, 25)]
+    batch = tuple(m.DatumMsg(r, (*r[1:], 3), (0.0,) + (1.0,) * (len(r) - 1)) for r in rows)
+
+    def step(adapter: str, is_full: bool, where: str) -> m.LearnerStep:
+        # Adam's eps at 1e-3: a weight whose gradient is float noise (summed in another order
+        # across replicas) then moves by noise, not by a whole learning rate of either sign.
+        return m.LearnerStep(adapter, 1e-2, 0.9, 0.95, 1e-3, 0.0, str(tmp_path / where), full=is_full)
+
+    def run(worker: LearnerWorker, where: str) -> dict[str, object]:
+        worker.ensure(m.EnsureAdapter(lora, 0, rank=4))
+        worker.forward_backward(m.LearnerForwardBackward(lora, batch, "cross_entropy"))
+        lora_step = worker.step(step(lora, False, f"{where}/lora"))
+        lora_after = worker.forward(m.LearnerForward(lora, batch))["logprobs"]
+        worker.ensure(m.EnsureAdapter(full, 0, full=True))
+        worker.forward_backward(m.LearnerForwardBackward(full, batch, "cross_entropy", full=True))
+        full_step = worker.step(step(full, True, f"{where}/full"))
+        full_after = worker.forward(m.LearnerForward(full, batch, full=True))["logprobs"]
+        if worker.cfg.world_size > 1:
+            with pytest.raises(NotResident, match="adapter alice/lora/agent is not resident"):
+                worker.forward(m.LearnerForward(lora, batch))
+        worker.ensure(m.EnsureAdapter(lora, 1, lora_step["checkpoint"], rank=4))
+        lora_again = worker.forward(m.LearnerForward(lora, batch))["logprobs"]
+        if worker.cfg.world_size > 1:
+            with pytest.raises(NotResident, match="full-parameter model alice/full/agent"):
+                worker.forward(m.LearnerForward(full, batch, full=True))
+        return {"lora": lora_after, "full": full_after, "lora_again": lora_again, "full_version": full_step["version"]}
+
+    one = LearnerWorker("tiny-random", LearnerWorkerConfig(micro_batch_size=8))
+    try:
+        single = run(one, "k1")
+    finally:
+        one.close()
+    two = LearnerWorker("tiny-random", LearnerWorkerConfig(world_size=2, micro_batch_size=8))
+    try:
+        group = run(two, "k2")
+        assert two.stats["loads"] == 1  # the LoRA adapter, from its checkpoint after the switch back
+    finally:
+        two.close()
+
+    def flat(rows: object) -> list[float]:
+        assert isinstance(rows, list)
+        return [x for row in rows for x in row]
+
+    assert group["full_version"] == single["full_version"] == 1
+    for key in ("lora", "full", "lora_again"):
+        assert flat(group[key]) == pytest.approx(flat(single[key]), abs=1e-4), key
+    assert flat(group["lora_again"]) == pytest.approx(flat(group["lora"]), abs=1e-6)
+    assert flat(single["full"]) != pytest.approx(flat(single["lora"]), abs=1e-3)  # the two really differ

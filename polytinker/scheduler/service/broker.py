@@ -10,7 +10,9 @@
   runs first on every new incarnation (to reload the adapter the request needs). A request the
   worker deduplicates (``keyed``: it carries an idempotency key) is also sent again to the same
   incarnation once it re-registers (it was wrongly declared dead: alive, but silent for a while),
-  with its ``attempt`` counted up; any other request waits for a new incarnation.
+  with its ``attempt`` counted up; any other request waits for a new incarnation. A worker that
+  answers ``NotResident`` dropped what ``prepare`` loaded (a learner group whose replicas switched
+  between LoRA adapters and a full-parameter model): ``prepare`` runs again, then the request.
 - ``LearnerSlicer``: many jobs share a learner group; it is held by one job from its first
   ``forward_backward`` to its ``optim_step`` (a step boundary) and then handed to the waiting job
   that ``next_learner_job`` (the decision core) picks: highest priority, then longest waiting.
@@ -27,7 +29,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from polytinker.errors import ConfigError, PeerDeadError, ProtocolError, TransportError
+from polytinker.errors import ConfigError, PeerDeadError, ProtocolError, RemoteError, TransportError
 from polytinker.scheduler.placement import next_learner_job
 from polytinker.scheduler.service.config import RuntimeConfig
 from polytinker.scheduler.service.messages import Register, WorkersQuery
@@ -173,6 +175,7 @@ class Broker:
         first result, so it may go to the same incarnation again."""
         deadline = time.monotonic() + self.config.worker_retry_s
         avoid = ""
+        reprepared = False
         while True:
             h = self.wait_for(worker_id, max(0.0, deadline - time.monotonic()), not_incarnation=avoid)
             try:
@@ -180,6 +183,12 @@ class Broker:
                     prepare[1](h)
                     h.prepared.add(prepare[0])
                 return h.client.call(kind, payload, timeout_s=timeout_s or self.config.request_timeout_s)
+            except RemoteError as exc:
+                if exc.remote_type != NOT_RESIDENT or prepare is None or reprepared:
+                    raise
+                log.info("%s on %s: %s; preparing it again", kind, worker_id, exc)
+                h.prepared.discard(prepare[0])
+                reprepared = True
             except (PeerDeadError, TransportError) as exc:
                 if isinstance(exc, ProtocolError):
                     raise
@@ -192,6 +201,9 @@ class Broker:
                     avoid = h.incarnation
                 if not retry or time.monotonic() >= deadline:
                     raise WorkerUnavailable(f"worker {worker_id} died and did not come back: {exc}") from exc
+
+
+NOT_RESIDENT = "NotResident"  # a worker's error type: what the request needs is not loaded there
 
 
 class LearnerSlicer:

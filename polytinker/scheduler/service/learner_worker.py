@@ -3,8 +3,12 @@
 It holds every LoRA job's adapter on one base model (``MultiAdapterLearner``; K data-parallel
 replicas through ``LearnerGroup`` when ``world_size > 1``) and, for a full-parameter job, a
 ``FullParamLearner`` over its own copy of the weights (the policy gives such a job the group to
-itself). Requests arrive one at a time (one handler thread), so two jobs' calls never interleave
-inside the model.
+itself). With K replicas the processes belong to one torch.distributed group, so they hold either
+the adapters or one full-parameter job's model: a full-parameter job's first call turns the
+replicas into its model, and the next LoRA call turns them back (the adapters reload from their
+checkpoints; a gradient held across the switch is gone, and the step that needed it is refused
+with ``GradientLost``). Requests arrive one at a time (one handler thread), so two jobs' calls
+never interleave inside the model.
 
 ``sched.w.step`` steps and then writes the new version's checkpoint (and the peft directory the
 engines load) before it answers: the scheduler records the version only once it is on disk.
@@ -33,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from polytinker.errors import ConfigError, NotBuiltError, PolytinkerError
+from polytinker.errors import ConfigError, PolytinkerError
 from polytinker.scheduler.service.config import LearnerWorkerConfig
 from polytinker.scheduler.service.messages import (
     DatumMsg,
@@ -51,6 +55,11 @@ log = logging.getLogger("polytinker.scheduler.learner_worker")
 
 REQUEST_FILE = "request.json"  # in a step's checkpoint directory: the key of the call that made it
 MAX_REMEMBERED = 1024  # keyed results kept in memory (the newest)
+
+
+class NotResident(PolytinkerError):
+    """The adapter or full-parameter model a call names is not loaded here (never ensured, or its
+    replicas switched to another kind of work since): the broker ensures it again and resends."""
 
 
 class GradientLost(PolytinkerError):
@@ -74,21 +83,10 @@ class LearnerWorker:
     """Handlers for the scheduler: ensure, fb, forward, step, save, load, export, stats."""
 
     def __init__(self, model: str, cfg: LearnerWorkerConfig) -> None:
-        from polytinker.engine.learner import LearnerConfig, make_learner
-        from polytinker.engine.learner.group import LearnerGroup
-        from polytinker.engine.models import load_model
-
         self.model, self.cfg = model, cfg
-        lcfg = LearnerConfig(mode="lora", micro_batch_size=cfg.micro_batch_size)
-        if cfg.world_size > 1:
-            self.group = LearnerGroup.start(model, cfg.world_size, lcfg)
-        else:
-            from polytinker.engine.learner import SINGLE
-
-            base, tokenizer = load_model(model)
-            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-            self.group = LearnerGroup(make_learner(base, lcfg, SINGLE, pad_token_id=int(pad)), SINGLE)
-        self._full: dict[str, Any] = {}
+        self._lora: Any = None  # the LearnerGroup of every LoRA adapter (None while a full model holds the replicas)
+        self._full: dict[str, Any] = {}  # full-parameter job -> the LearnerGroup of its own model
+        self._lora_group()
         self.stats = {"forward_backward": 0, "optim_steps": 0, "loads": 0, "adapters_created": 0, "duplicates": 0}
         # Keyed calls: (adapter, request_id) -> ("fb" | "step", result), newest last.
         self._done: OrderedDict[tuple[str, str], tuple[str, dict[str, Any]]] = OrderedDict()
@@ -108,55 +106,100 @@ class LearnerWorker:
         }
 
     def close(self) -> None:
-        self.group.close()
+        self._close_full()
+        self._close_lora()
 
     # --- slots -------------------------------------------------------------------------------------
-    def _versions(self) -> dict[str, int]:
-        return {r.name: r.version for r in self.group.learner.adapters()}  # type: ignore[union-attr]
+    def _start(self, mode: str) -> Any:
+        """A learner group of ``world_size`` replicas in ``mode`` (one process: no followers)."""
+        from polytinker.engine.learner import SINGLE, LearnerConfig, make_learner
+        from polytinker.engine.learner.group import LearnerGroup
+        from polytinker.engine.models import load_model
 
-    def _full_learner(self, adapter: str) -> Any:
-        learner = self._full.get(adapter)
-        if learner is None:
+        lcfg = LearnerConfig(mode=mode, micro_batch_size=self.cfg.micro_batch_size)  # type: ignore[arg-type]
+        if self.cfg.world_size > 1:
+            return LearnerGroup.start(self.model, self.cfg.world_size, lcfg)
+        base, tokenizer = load_model(self.model)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        return LearnerGroup(make_learner(base, lcfg, SINGLE, pad_token_id=int(pad)), SINGLE)
+
+    def _lora_group(self) -> Any:
+        if self._lora is None:
             if self.cfg.world_size > 1:
-                raise NotBuiltError("full-parameter jobs on a data-parallel learner group (world_size > 1)")
-            from polytinker.engine.learner import FullParamLearner, LearnerConfig
-            from polytinker.engine.models import load_model
+                self._close_full()  # the replicas go back to the shared base model
+            self._lora = self._start("lora")
+        return self._lora
 
-            base, tokenizer = load_model(self.model)
-            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-            cfg = LearnerConfig(mode="full", micro_batch_size=self.cfg.micro_batch_size)
-            learner = self._full[adapter] = FullParamLearner(base, cfg, pad_token_id=int(pad))
-        return learner
+    def _full_group(self, adapter: str) -> Any:
+        group = self._full.get(adapter)
+        if group is None:
+            if self.cfg.world_size > 1:
+                # A process belongs to one torch.distributed group, so the replicas become this
+                # job's model. The policy gives a full-parameter job the learner group to itself;
+                # the adapters it held come back from their checkpoints when LoRA work returns.
+                self._close_full()
+                self._close_lora()
+            group = self._full[adapter] = self._start("full")
+            log.info("full-parameter slot %s on %d replica(s)", adapter, self.cfg.world_size)
+        return group
+
+    def _close_lora(self) -> None:
+        if self._lora is not None:
+            for name in self._versions():
+                self._gradient_gone(name)
+            self._lora.close()
+            self._lora = None
+
+    def _close_full(self) -> None:
+        for adapter, group in list(self._full.items()):
+            self._gradient_gone(adapter)
+            group.close()
+            del self._full[adapter]
+
+    def _slot(self, adapter: str, full: bool) -> tuple[Any, str | None]:
+        """The group holding the adapter's weights, and its name there (None: the group's whole
+        model). Only ``ensure`` loads: a slot that is not resident is never made up here (a fresh
+        model would silently stand in for a job's trained weights)."""
+        if full and adapter in self._full:
+            return self._full[adapter], None
+        if not full and adapter in self._versions():
+            return self._lora, adapter
+        raise NotResident(f"{'full-parameter model' if full else 'adapter'} {adapter} is not resident on this learner")
+
+    def _versions(self) -> dict[str, int]:
+        """LoRA adapters resident, with their versions."""
+        return {} if self._lora is None else {r.name: r.version for r in self._lora.adapters()}
 
     def ensure(self, msg: EnsureAdapter) -> dict[str, Any]:
         """Make the slot resident at ``msg.version``; reloads from the checkpoint when it differs."""
         if msg.full:
-            learner = self._full_learner(msg.adapter)
-            if learner.version().version != msg.version:
+            group = self._full_group(msg.adapter)
+            if self._version(msg.adapter, True) != msg.version:
                 if not msg.checkpoint:
                     raise ConfigError(f"full-parameter slot {msg.adapter} needs a checkpoint for v{msg.version}")
-                learner.load_state(msg.checkpoint)
+                group.load_state(msg.checkpoint, None)
                 self._gradient_gone(msg.adapter)
                 self.stats["loads"] += 1
-            return {"version": learner.version().version}
+            return {"version": self._version(msg.adapter, True)}
+        lora = self._lora_group()
         have = self._versions().get(msg.adapter)
         if have == msg.version:
             return {"version": have}
         self._gradient_gone(msg.adapter)
         if msg.checkpoint:
-            ref = self.group.load_state(msg.checkpoint, msg.adapter)
+            ref = lora.load_state(msg.checkpoint, msg.adapter)
             self.stats["loads"] += 1
             return {"version": ref.version}
         if msg.version != 0:
             raise ConfigError(f"adapter {msg.adapter} v{msg.version} has no checkpoint to load")
         if have is not None:
-            self.group.remove_adapter(msg.adapter)
+            lora.remove_adapter(msg.adapter)
         from polytinker.engine.types import DEFAULT_TARGET_MODULES, LoraConfig
 
-        lora = LoraConfig(
+        shape = LoraConfig(
             rank=msg.rank, alpha=msg.alpha, target_modules=tuple(msg.target_modules) or DEFAULT_TARGET_MODULES
         )
-        self.group.add_adapter(msg.adapter, lora, msg.seed)
+        lora.add_adapter(msg.adapter, shape, msg.seed)
         self.stats["adapters_created"] += 1
         return {"version": 0}
 
@@ -186,24 +229,23 @@ class LearnerWorker:
             del self._done[key]
 
     def _discard(self, adapter: str, full: bool) -> None:
-        if full:
-            self._full_learner(adapter).discard_gradient(None)
-        else:
-            self.group.discard_gradient(adapter)
+        group, name = self._slot(adapter, full)
+        group.discard_gradient(name)
         self._gradient_gone(adapter)
 
     def _version(self, adapter: str, full: bool) -> int | None:
-        return self._full_learner(adapter).version().version if full else self._versions().get(adapter)
+        if full:
+            group = self._full.get(adapter)
+            return None if group is None else int(group.adapters()[0].version)
+        return self._versions().get(adapter)
 
     def _restore(self, adapter: str, full: bool, result: dict[str, Any]) -> None:
         """Put the adapter back at the version a step made (something reloaded an older one since)."""
         if self._version(adapter, full) == result["version"]:
             return
         self._gradient_gone(adapter)
-        if full:
-            self._full_learner(adapter).load_state(result["checkpoint"])
-        else:
-            self.group.load_state(result["checkpoint"], adapter)
+        group, name = self._slot(adapter, full)
+        group.load_state(result["checkpoint"], name)
         self.stats["loads"] += 1
 
     def _recorded_step(self, msg: LearnerStep) -> dict[str, Any] | None:
@@ -226,11 +268,8 @@ class LearnerWorker:
             first = self._duplicate(msg.adapter, msg.request_id, "fb")
             if first is not None:
                 return first
-            data = _data(msg.data)
-            if msg.full:
-                r = self._full_learner(msg.adapter).forward_backward(data, msg.loss_fn, None, msg.loss_fn_config)
-            else:
-                r = self.group.forward_backward(data, msg.loss_fn, msg.adapter, msg.loss_fn_config)  # type: ignore[arg-type]
+            group, name = self._slot(msg.adapter, msg.full)
+            r = group.forward_backward(_data(msg.data), msg.loss_fn, name, msg.loss_fn_config)
             self.stats["forward_backward"] += 1
             self._fb_since_step[msg.adapter] = self._fb_since_step.get(msg.adapter, 0) + 1
             result = {"loss": r.loss, "logprobs": r.logprobs, "metrics": r.metrics}
@@ -238,10 +277,8 @@ class LearnerWorker:
             return result
 
     def forward(self, msg: LearnerForward) -> dict[str, Any]:
-        data = _data(msg.data)
-        if msg.full:
-            return {"logprobs": self._full_learner(msg.adapter).forward(data, None)}
-        return {"logprobs": self.group.forward(data, msg.adapter)}
+        group, name = self._slot(msg.adapter, msg.full)
+        return {"logprobs": group.forward(_data(msg.data), name)}
 
     def step(self, msg: LearnerStep) -> dict[str, Any]:
         with self._keyed:
@@ -289,43 +326,39 @@ class LearnerWorker:
             eps=msg.eps,
             weight_decay=msg.weight_decay,
         )
-        if msg.full:
-            learner = self._full_learner(msg.adapter)
-            ref = learner.optim_step(adam, None)
-            ckpt = learner.save_state(Path(msg.checkpoint_dir) / f"v{ref.version}")
+        group, name = self._slot(msg.adapter, msg.full)
+        ref = group.optim_step(adam, name)
+        ckpt = group.save_state(Path(msg.checkpoint_dir) / f"v{ref.version}", name)
+        export = ""
+        if msg.export_dir and msg.full:
             # An engine serves a full-parameter version from its checkpoint's weights file: writing
             # the whole model a second time every step would double the disk traffic.
-            export = str(ckpt) if msg.export_dir else ""
-        else:
-            ref = self.group.optim_step(adam, msg.adapter)
-            ckpt = self.group.save_state(Path(msg.checkpoint_dir) / f"v{ref.version}", msg.adapter)
-            export = ""
-            if msg.export_dir:
-                export = str(self._export(msg.adapter, Path(msg.export_dir) / f"v{ref.version}"))
+            export = str(ckpt)
+        elif msg.export_dir:
+            export = str(self._export(msg.adapter, Path(msg.export_dir) / f"v{ref.version}"))
         self.stats["optim_steps"] += 1
-        metrics = dict(getattr(self.group.learner, "last_step_metrics", {}) or {})
+        metrics = dict(getattr(group.learner, "last_step_metrics", {}) or {})
         return {"version": ref.version, "checkpoint": str(ckpt), "export_dir": export, "metrics": metrics}
 
     def _export(self, adapter: str, path: Path) -> Path:
-        out: Path = self.group.learner.export_adapter_dir(adapter, path)  # type: ignore[union-attr]
+        group, _ = self._slot(adapter, False)
+        out: Path = group.learner.export_adapter_dir(adapter, path)
         return out
 
     def save(self, msg: LearnerSave) -> dict[str, Any]:
-        if msg.full:
-            learner = self._full_learner(msg.adapter)
-            return {"path": str(learner.save_state(msg.path)), "version": learner.version().version}
-        path = self.group.save_state(msg.path, msg.adapter)
-        return {"path": str(path), "version": self._versions()[msg.adapter]}
+        group, name = self._slot(msg.adapter, msg.full)
+        path = group.save_state(msg.path, name)
+        return {"path": str(path), "version": self._version(msg.adapter, msg.full)}
 
     def load(self, msg: LearnerLoad) -> dict[str, Any]:
         self._gradient_gone(msg.adapter)
-        if msg.full:
-            return {"version": self._full_learner(msg.adapter).load_state(msg.path).version}
-        return {"version": self.group.load_state(msg.path, msg.adapter).version}
+        group, name = self._slot(msg.adapter, msg.full)
+        return {"version": group.load_state(msg.path, name).version}
 
     def export(self, msg: LearnerExport) -> dict[str, Any]:
         if msg.full:  # the weights as a checkpoint, which is what an engine loads a full version from
-            return {"path": str(self._full_learner(msg.adapter).save_state(msg.path))}
+            group, _ = self._slot(msg.adapter, True)
+            return {"path": str(group.save_state(msg.path, None))}
         return {"path": str(self._export(msg.adapter, Path(msg.path)))}
 
     def get_stats(self, _msg: WorkerStats) -> dict[str, Any]:
