@@ -545,3 +545,23 @@ def test_a_data_parallel_learner_worker_runs_a_full_parameter_job_then_lora_agai
         assert flat(group[key]) == pytest.approx(flat(single[key]), abs=1e-4), key
     assert flat(group["lora_again"]) == pytest.approx(flat(group["lora"]), abs=1e-6)
     assert flat(single["full"]) != pytest.approx(flat(single["lora"]), abs=1e-3)  # the two really differ
+
+
+def test_a_learner_worker_holds_one_full_parameter_model_at_a_time(tmp_path: Path) -> None:
+    from polytinker.scheduler.service.learner_worker import LearnerWorker, NotResident
+
+    batch = (m.DatumMsg((5, 6, 7, 8), (6, 7, 8, 9), (0.0, 1.0, 1.0, 1.0)),)
+    worker = LearnerWorker("tiny-random", LearnerWorkerConfig(micro_batch_size=8))
+    try:
+        worker.ensure(m.EnsureAdapter("a/1/x", 0, full=True))
+        worker.forward_backward(m.LearnerForwardBackward("a/1/x", batch, "cross_entropy", full=True))
+        stepped = worker.step(m.LearnerStep("a/1/x", 1e-3, 0.9, 0.95, 1e-8, 0.0, str(tmp_path), full=True))
+        trained = worker.forward(m.LearnerForward("a/1/x", batch, full=True))
+        worker.ensure(m.EnsureAdapter("a/2/y", 0, full=True))  # the next job's model replaces it
+        assert worker.get_stats(m.WorkerStats())["full_slots"] == 1
+        with pytest.raises(NotResident):
+            worker.forward(m.LearnerForward("a/1/x", batch, full=True))
+        worker.ensure(m.EnsureAdapter("a/1/x", 1, stepped["checkpoint"], full=True))
+        assert worker.forward(m.LearnerForward("a/1/x", batch, full=True)) == trained
+    finally:
+        worker.close()

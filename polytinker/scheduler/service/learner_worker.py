@@ -85,7 +85,7 @@ class LearnerWorker:
     def __init__(self, model: str, cfg: LearnerWorkerConfig) -> None:
         self.model, self.cfg = model, cfg
         self._lora: Any = None  # the LearnerGroup of every LoRA adapter (None while a full model holds the replicas)
-        self._full: dict[str, Any] = {}  # full-parameter job -> the LearnerGroup of its own model
+        self._full: dict[str, Any] = {}  # the full-parameter job served -> its own model's LearnerGroup (one)
         self._lora_group()
         self.stats = {"forward_backward": 0, "optim_steps": 0, "loads": 0, "adapters_created": 0, "duplicates": 0}
         # Keyed calls: (adapter, request_id) -> ("fb" | "step", result), newest last.
@@ -133,11 +133,13 @@ class LearnerWorker:
     def _full_group(self, adapter: str) -> Any:
         group = self._full.get(adapter)
         if group is None:
+            # The policy gives a full-parameter job the learner group to itself, so the model of
+            # an earlier one goes (it reloads from its checkpoint if that job comes back): a
+            # worker holds one full model, not one per job it ever served.
+            self._close_full()
             if self.cfg.world_size > 1:
                 # A process belongs to one torch.distributed group, so the replicas become this
-                # job's model. The policy gives a full-parameter job the learner group to itself;
-                # the adapters it held come back from their checkpoints when LoRA work returns.
-                self._close_full()
+                # job's model; the adapters come back from their checkpoints with LoRA work.
                 self._close_lora()
             group = self._full[adapter] = self._start("full")
             log.info("full-parameter slot %s on %d replica(s)", adapter, self.cfg.world_size)
