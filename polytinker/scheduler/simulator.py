@@ -397,19 +397,7 @@ class Simulator:
         g.last_run_s[r.job.job_id] = self.now_s
         if r.untrained_busy_s:
             r.untrained_busy_s.popleft()  # that sample became a trained step: its engine time was useful
-        if r.job.kind.needs_engine:
-            r.steps_done += 1
-            if r.steps_done == r.job.steps:
-                self._finish(r)
-            elif r.stop:
-                self._discard_ahead(r)
-                self._at(self.now_s + self.config.checkpoint_save_s, "save_done", r.job.job_id, r.gen)
-            else:
-                self._sample_more(r)  # sync: this step's rollouts; async: one more ahead if now allowed
-                if r.sampled > r.steps_done:
-                    self._to_learner(r)  # async: its next step was sampled while this one trained
-        else:
-            self._step_done(r)
+        self._step_done(r)
         self._next_on_learner(gid)
 
     def _step_done(self, r: _Run) -> None:
@@ -418,10 +406,14 @@ class Simulator:
         if r.steps_done == r.job.steps:
             self._finish(r)
         elif r.stop:
-            # At the step boundary: save state (holding the resources), then hand them back.
+            # At the step boundary: drop what an async job sampled ahead, save state (holding the
+            # resources), then hand them back.
+            self._discard_ahead(r)
             self._at(self.now_s + self.config.checkpoint_save_s, "save_done", r.job.job_id, r.gen)
         else:
-            self._begin_step(r)
+            self._begin_step(r)  # sync: this step's rollouts; async: one more ahead if now allowed
+            if r.job.kind.needs_learner and r.sampled > r.steps_done:
+                self._to_learner(r)  # async: its next step was sampled while this one trained
 
     def _discard_ahead(self, r: _Run) -> None:
         """A preempted async job at its step boundary: the rollouts it sampled for later steps (done,
