@@ -18,7 +18,7 @@ from torch import nn
 from polytinker.engine.learner._base import Learner, Slot
 from polytinker.engine.learner.config import LearnerConfig
 from polytinker.engine.learner.distributed import SINGLE, DistInfo, broadcast_
-from polytinker.engine.learner.state import Checkpoint, check_full_weights, load_checkpoint, save_checkpoint
+from polytinker.engine.learner.state import Checkpoint, copy_full_weights, load_checkpoint, save_checkpoint
 from polytinker.engine.types import AdapterName, AdapterRef
 from polytinker.errors import ConfigError, NotBuiltError
 
@@ -71,11 +71,9 @@ class FullParamLearner(Learner):
     def load_state(self, path: str | os.PathLike[str], adapter: AdapterName | None = None) -> AdapterRef:
         slot = self._slot(adapter)
         ckpt = load_checkpoint(path)
-        check_full_weights(path, ckpt, slot.params)
-        with torch.no_grad():
-            for name, p in slot.params.items():
-                p.copy_(ckpt.tensors[name])
-                p.grad = None
+        copy_full_weights(path, ckpt, slot.params)
+        for p in slot.params.values():
+            p.grad = None
         slot.optimizer = None
         if ckpt.optimizer_state is not None:
             slot.optimizer = torch.optim.AdamW(list(slot.params.values()), foreach=False)

@@ -16,7 +16,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,7 +85,8 @@ def save_checkpoint(path: str | os.PathLike[str], ckpt: Checkpoint) -> Path:
     return write_atomic_dir(path, write)
 
 
-def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+def load_checkpoint(path: str | os.PathLike[str], *, optimizer: bool = True) -> Checkpoint:
+    """The checkpoint at ``path``; ``optimizer=False`` leaves its optimizer state unread (None)."""
     root = Path(path)
     meta_path = root / META_FILE
     if not meta_path.is_file():
@@ -94,39 +95,35 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     if meta.get("format") != FORMAT_VERSION:
         raise ConfigError(f"{root}: checkpoint format {meta.get('format')} is not {FORMAT_VERSION}")
     opt_path = root / OPTIMIZER_FILE
-    optimizer_state = torch.load(opt_path, map_location="cpu", weights_only=True) if opt_path.is_file() else None
+    optimizer_state = None
+    if optimizer and opt_path.is_file():
+        optimizer_state = torch.load(opt_path, map_location="cpu", weights_only=True)
     return Checkpoint(load_file(str(root / WEIGHTS_FILE)), optimizer_state, meta)
 
 
-def check_full_weights(path: str | os.PathLike[str], ckpt: Checkpoint, names: Iterable[str]) -> None:
-    """Refuse a checkpoint that is not full model weights holding every parameter in ``names``."""
+def copy_full_weights(path: str | os.PathLike[str], ckpt: Checkpoint, params: Mapping[str, torch.Tensor]) -> None:
+    """Copy a full-parameter checkpoint's weights into ``params`` (by parameter name), refusing one
+    that is not full model weights or lacks a parameter."""
     if ckpt.meta.get("mode") != "full":
         raise ConfigError(f"{path} holds a {ckpt.meta.get('mode')!r} checkpoint, not full model weights")
-    missing = sorted(set(names) - set(ckpt.tensors))
+    missing = sorted(set(params) - set(ckpt.tensors))
     if missing:
         raise ConfigError(f"{path} lacks parameters {missing[:3]}; was it saved from another model?")
-
-
-def load_full_weights(path: str | os.PathLike[str], model: torch.nn.Module) -> int:
-    """Copy a full-parameter checkpoint's weights into ``model`` (same architecture); its optimizer
-    state is not read. Returns the checkpoint's version. An engine serves a full-parameter job's
-    version this way: the checkpoint is the export, so no second copy of the weights is written."""
-    root = Path(path)
-    meta_path = root / META_FILE
-    if not meta_path.is_file():
-        raise ConfigError(f"{root} is not a learner checkpoint (no {META_FILE}); pass a directory save_state wrote")
-    ckpt = Checkpoint(load_file(str(root / WEIGHTS_FILE)), None, json.loads(meta_path.read_text()))
-    params = dict(model.named_parameters())
-    check_full_weights(root, ckpt, params)
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(ckpt.tensors[name])
-    return int(ckpt.meta.get("version", 0))
+
+
+def load_full_weights(path: str | os.PathLike[str], model: torch.nn.Module) -> None:
+    """Copy a full-parameter checkpoint's weights into ``model`` (same architecture), without
+    reading its optimizer state. An engine serves a full-parameter job's version this way: the
+    checkpoint is the export, so no second copy of the weights is written."""
+    copy_full_weights(path, load_checkpoint(path, optimizer=False), dict(model.named_parameters()))
 
 
 __all__ = [
     "Checkpoint",
-    "check_full_weights",
+    "copy_full_weights",
     "load_checkpoint",
     "load_full_weights",
     "save_checkpoint",
