@@ -110,7 +110,6 @@ class Experiment:
         if rt.address:
             return ServiceClient(rt.address, api_key=rt.api_key or None)
         runtime_dir = (self.run_dir / "runtime").resolve()
-        full = sum(1 for a in self.config.agents if a.trainable and a.adapter.full)
         learners = tuple(
             LearnerWorkerConfig(learner_id=f"learner-{i}", micro_batch_size=rt.micro_batch_size)
             for i in range(self._learner_groups_needed())
@@ -120,18 +119,20 @@ class Experiment:
             state_dir=str(runtime_dir),
             # Each full-parameter agent's current version and the one before it (async sampling,
             # evaluation) stay resident.
-            engines=(EngineWorkerConfig(backend=rt.backend, full_weight_slots=max(1, 2 * full)),),
+            engines=(EngineWorkerConfig(backend=rt.backend, full_weight_slots=max(1, 2 * self._full_agents())),),
             learners=learners,
             tenants=(TenantConfig("local", api_key=tenant_key(runtime_dir)),),
         )
         return ServiceClient(runtime_config=runtime)
 
+    def _full_agents(self) -> int:
+        return sum(1 for a in self.config.agents if a.trainable and a.adapter.full)
+
     def _learner_groups_needed(self) -> int:
         """Every step trains all agents: each full-parameter agent holds a learner group to
         itself, and the LoRA agents share one more."""
-        trainable = [a for a in self.config.agents if a.trainable]
-        full = sum(1 for a in trainable if a.adapter.full)
-        return max(1, full + any(not a.adapter.full for a in trainable))
+        lora = any(a.trainable and not a.adapter.full for a in self.config.agents)
+        return max(1, self._full_agents() + lora)
 
     def _check_learner_groups(self, service: Any) -> None:
         """Refuse a runtime with too few learner groups: the agents' jobs would wait on each other

@@ -134,8 +134,9 @@ class ServiceClient:
         self, base_model: str, *, agent: str = "default", priority: int = 0, steps: int = 0, max_staleness: int = 0
     ) -> TrainingClient:
         """A job training every weight of ``base_model`` (a learner group to itself)."""
-        fields = {"agent": agent, "priority": priority, "steps": steps, "max_staleness": max_staleness}
-        job = self._create("full_rl", base_model, **fields)
+        job = self._create(
+            "full_rl", base_model, agent=agent, priority=priority, steps=steps, max_staleness=max_staleness
+        )
         return TrainingClient(self._connection(), self._admitted(job))
 
     def create_sampling_client(

@@ -29,12 +29,18 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from polytinker.errors import ConfigError, PeerDeadError, ProtocolError, RemoteError, TransportError
+from polytinker.errors import ConfigError, PeerDeadError, PolytinkerError, ProtocolError, RemoteError, TransportError
 from polytinker.scheduler.placement import next_learner_job
 from polytinker.scheduler.service.config import RuntimeConfig
 from polytinker.scheduler.service.messages import Register, WorkersQuery
 from polytinker.scheduler.service.tenants import AuthError
 from polytinker.transport import ClientCurve, RpcClient, TransportConfig
+
+
+class NotResident(PolytinkerError):
+    """A worker's answer: what the request names (an adapter, a full-parameter model) is not loaded
+    there, never prepared or dropped since; ``Broker.call`` runs ``prepare`` again and resends."""
+
 
 log = logging.getLogger("polytinker.scheduler.broker")
 
@@ -184,7 +190,7 @@ class Broker:
                     h.prepared.add(prepare[0])
                 return h.client.call(kind, payload, timeout_s=timeout_s or self.config.request_timeout_s)
             except RemoteError as exc:
-                if exc.remote_type != NOT_RESIDENT or prepare is None or reprepared:
+                if exc.remote_type != NotResident.__name__ or prepare is None or reprepared:
                     raise
                 log.info("%s on %s: %s; preparing it again", kind, worker_id, exc)
                 h.prepared.discard(prepare[0])
@@ -201,9 +207,6 @@ class Broker:
                     avoid = h.incarnation
                 if not retry or time.monotonic() >= deadline:
                     raise WorkerUnavailable(f"worker {worker_id} died and did not come back: {exc}") from exc
-
-
-NOT_RESIDENT = "NotResident"  # a worker's error type: what the request needs is not loaded there
 
 
 class LearnerSlicer:
@@ -261,4 +264,4 @@ class LearnerSlicer:
             self._cv.notify_all()
 
 
-__all__ = ["Broker", "LearnerSlicer", "WorkerHandle", "WorkerUnavailable"]
+__all__ = ["Broker", "LearnerSlicer", "NotResident", "WorkerHandle", "WorkerUnavailable"]

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from polytinker.errors import ConfigError, PolytinkerError
+from polytinker.scheduler.service.broker import NotResident
 from polytinker.scheduler.service.config import LearnerWorkerConfig
 from polytinker.scheduler.service.messages import (
     DatumMsg,
@@ -55,11 +56,6 @@ log = logging.getLogger("polytinker.scheduler.learner_worker")
 
 REQUEST_FILE = "request.json"  # in a step's checkpoint directory: the key of the call that made it
 MAX_REMEMBERED = 1024  # keyed results kept in memory (the newest)
-
-
-class NotResident(PolytinkerError):
-    """The adapter or full-parameter model a call names is not loaded here (never ensured, or its
-    replicas switched to another kind of work since): the broker ensures it again and resends."""
 
 
 class GradientLost(PolytinkerError):
@@ -296,8 +292,7 @@ class LearnerWorker:
             if msg.expected_fb >= 0 and held != msg.expected_fb:
                 # A learner restarted between the step's calls: stepping on what this process holds
                 # would apply part of the step's gradient, or none, as if it were all of it.
-                if held:
-                    self._discard(msg.adapter, msg.full)
+                self._discard(msg.adapter, msg.full)
                 raise GradientLost(
                     f"optim_step {msg.request_id} of {msg.adapter}: this learner holds {held} of the step's"
                     f" {msg.expected_fb} forward_backward calls (the process that took the others is gone):"
@@ -367,4 +362,4 @@ class LearnerWorker:
         return {**self.stats, "adapters": len(self._versions()), "full_slots": len(self._full), "pid": os.getpid()}
 
 
-__all__ = ["LearnerWorker"]
+__all__ = ["GradientLost", "LearnerWorker", "NotResident"]

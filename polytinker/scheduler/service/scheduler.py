@@ -38,6 +38,7 @@ from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service.broker import Broker, WorkerHandle
 from polytinker.scheduler.service.config import RuntimeConfig
 from polytinker.scheduler.service.jobs import FINAL_STATES, JobManager, JobNotRunning, OverloadedError, adapter_key
+from polytinker.scheduler.service.learner_worker import GradientLost
 from polytinker.scheduler.service.state import AdapterRow, JobRow, StateStore
 from polytinker.scheduler.service.tenants import AuthError, Tenants
 from polytinker.transport import RpcServer, ServerCurve, TransportConfig, load_keypair
@@ -335,7 +336,7 @@ class SchedulerService:
             except BaseException as exc:
                 # GradientLost: the learner dropped what it held and the client redoes the step's
                 # calls from nothing. Any other failure leaves the count unknown.
-                if isinstance(exc, RemoteError) and exc.remote_type == "GradientLost":
+                if isinstance(exc, RemoteError) and exc.remote_type == GradientLost.__name__:
                     self._fb_ids[a.adapter_key] = set()
                 else:
                     self._fb_ids.pop(a.adapter_key, None)
