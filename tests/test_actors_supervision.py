@@ -87,6 +87,22 @@ def test_the_supervisor_keeps_the_last_traceback(tmp_path):
         assert ref.ask("ok") == "ok"
 
 
+def test_on_change_reports_each_exit_before_the_restart_and_each_restart(tmp_path):
+    changes = []
+    with Supervisor(run_dir=tmp_path, on_change=changes.append) as sup:
+        ref = sup.spawn(Crashy, name="watched", config=ActorConfig(restart=FAST))
+        first = ref.pid
+        ref.tell("crash", "the lost key")
+        _wait_for(lambda: len(changes) >= 2, what="the exit and the restart")
+        exited, restarted = changes[:2]
+        assert not exited.alive and exited.restarts == 0 and exited.exits[-1].pid == first
+        assert exited.last_error == "KeyError: 'the lost key'"
+        assert exited.describe() == f"actor 'watched' is down (0 restarts); last exit code 1 (pid {first}): " + (
+            "KeyError: 'the lost key'"
+        )
+        assert restarted.alive and restarted.restarts == 1 and restarted.pid == ref.pid != first
+
+
 def test_backoff_grows_exponentially_up_to_its_cap():
     policy = RestartPolicy(backoff_initial_s=0.1, backoff_factor=3.0, backoff_max_s=1.0)
     assert [policy.backoff_s(n) for n in range(4)] == pytest.approx([0.1, 0.3, 0.9, 1.0])
