@@ -68,6 +68,7 @@ def _worker(args: argparse.Namespace) -> int:
     from polytinker.scheduler.service.workers import WorkerServer, build_worker
     from polytinker.transport import ClientCurve, ServerCurve, load_keypair
 
+    os.umask(0o077)  # the checkpoints and exports it writes hold a tenant's weights
     cfg = _runtime_config(args)
     roles = {e.engine_id: "engine" for e in cfg.engines} | {g.learner_id: "learner" for g in cfg.learners}
     if args.id not in roles:

@@ -8,7 +8,10 @@
   started side by side (each loads the model in its own process).
 
 The supervisor restarts any of them that dies (SIGKILL included); workers re-register and the
-scheduler recovers its jobs from SQLite. With no tenants configured, one tenant ``local`` is
+scheduler recovers its jobs from SQLite.
+
+The state directory is kept 0700 and the processes write under it with umask 077: it holds
+every tenant's weights. With no tenants configured, one tenant ``local`` is
 created with a fresh API key (``runtime.api_key``). ``ServiceClient()`` without an address starts
 one of these for the script; ``polytinker serve`` runs one in the foreground.
 """
@@ -31,6 +34,7 @@ from polytinker.errors import ConfigError, RequestTimeout
 from polytinker.scheduler.service.config import RuntimeConfig, TenantConfig
 from polytinker.scheduler.service.messages import RuntimeStatus, WorkersQuery
 from polytinker.scheduler.service.scheduler import SchedulerActor, local_address
+from polytinker.scheduler.service.state import private_state_dir
 from polytinker.scheduler.service.tenants import new_api_key
 from polytinker.scheduler.service.workers import EngineActor, LearnerActor
 from polytinker.transport import RpcClient
@@ -95,7 +99,7 @@ class LocalRuntime:
 
     def start(self) -> LocalRuntime:
         cfg = self.config
-        run_dir = cfg.state_path / "run"
+        run_dir = private_state_dir(cfg.state_path) / "run"
         self.supervisor = Supervisor(run_dir=run_dir, name="runtime")
         try:
             self.scheduler = self.supervisor.spawn(

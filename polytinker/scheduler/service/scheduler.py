@@ -452,6 +452,7 @@ class SchedulerActor(Actor):
         self._service: SchedulerService | None = None
 
     def on_start(self) -> None:
+        os.umask(0o077)  # the database and everything else it writes: for this user alone
         self._service = SchedulerService(self._config, self._token).start(self._address)
 
     def on_stop(self) -> None:

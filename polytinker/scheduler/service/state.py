@@ -9,6 +9,10 @@ Tables:
 - ``checkpoints``: named ``save_state`` checkpoints per job;
 - ``events``: the decision log (what the policy decided and why).
 
+Privacy: the state directory holds every tenant's weights and the job table, so
+``private_state_dir`` keeps it 0700 (tightening a looser one, with a warning) and the database
+file is created 0600 (SQLite gives its -wal and -shm files the database file's mode).
+
 Every write is one transaction with ``synchronous=FULL``, so a row the scheduler acknowledged
 survives a SIGKILL of the scheduler (and of the machine). The connection is shared by the handler
 threads behind one lock: SQLite serialises writers anyway, and the statements are small.
@@ -17,7 +21,10 @@ threads behind one lock: SQLite serialises writers anyway, and the statements ar
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sqlite3
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -25,6 +32,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("polytinker.scheduler.state")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tenants (
@@ -94,12 +103,28 @@ class AdapterRow:
     export_dir: str  # "" until the first export
 
 
+def private_state_dir(path: str | Path) -> Path:
+    """Create ``path`` (mode 0700), or make an existing one 0700: any user who could read it
+    would read every tenant's adapters and checkpoints. A looser mode is tightened with a warning."""
+    path = Path(path).expanduser()
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        log.warning("state dir %s had mode %04o (other users could read it): changed to 0700", path, mode)
+        path.chmod(0o700)
+    return path
+
+
 class StateStore:
-    """The SQLite database at ``path`` (created if missing)."""
+    """The SQLite database at ``path`` (created if missing, mode 0600)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Created 0600 before SQLite opens it (sqlite3 would make it 0644 under a usual umask);
+        # one made by an older version is tightened.
+        os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
+        os.chmod(self.path, 0o600)
         self._lock = threading.Lock()
         self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None, timeout=30)
         self._db.row_factory = sqlite3.Row
@@ -301,4 +326,4 @@ def _job(r: sqlite3.Row) -> JobRow:
     )
 
 
-__all__ = ["AdapterRow", "JobRow", "StateStore"]
+__all__ = ["AdapterRow", "JobRow", "StateStore", "private_state_dir"]

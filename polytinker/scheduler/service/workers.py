@@ -114,6 +114,8 @@ class _WorkerActor(Actor):
     def on_start(self) -> None:
         import torch
 
+        os.umask(0o077)  # checkpoints and adapter exports hold a tenant's weights: this user's alone
+
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         self._worker = build_worker(self.role, self._worker_id, self._config)
         # Engines take many concurrent sample requests (the batcher joins them); learners one at a time.
