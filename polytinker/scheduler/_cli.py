@@ -1,4 +1,6 @@
-"""`polytinker serve`, `polytinker worker` and `polytinker jobs`: the scheduler service from a shell."""
+"""`polytinker serve`, `polytinker worker`, `polytinker jobs` and `polytinker status`: the scheduler
+service from a shell. `serve` exits 1, after one line on stderr that names the actor and why, when
+an actor of its runtime stays down (its restart limit hit): the runtime has stopped by then."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import dataclasses
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -15,12 +18,14 @@ from typing import Any
 from polytinker.errors import ConfigError
 
 
-def _wait_for_signal() -> None:
+def _wait_for_signal(dead: threading.Event | None = None) -> None:
+    """Until SIGTERM or SIGINT, or until ``dead`` is set."""
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
-    while not done.wait(1.0):
-        pass
+    while not done.wait(0.2):
+        if dead is not None and dead.is_set():
+            return
 
 
 def _runtime_config(args: argparse.Namespace) -> Any:
@@ -58,9 +63,12 @@ def _serve(args: argparse.Namespace) -> int:
         token_file.write_text(runtime.config.worker_token + "\n")
         os.chmod(token_file, 0o600)
         print(f"scheduler at {runtime.address}  (state in {state}; worker token in {token_file})", flush=True)
-        _wait_for_signal()
+        _wait_for_signal(runtime.dead)
     finally:
         runtime.stop()
+    if runtime.failure is not None:
+        print(f"polytinker serve: {runtime.failure}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
@@ -149,6 +157,37 @@ def _jobs(args: argparse.Namespace) -> int:
         return 0
 
 
+def _status(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        status = client.runtime_status()
+    if args.json:
+        print(json.dumps({k: status.get(k) for k in ("base_model", "actors", "workers")}, indent=2))
+        return 0
+    print(f"base model {status.get('base_model', '')}")
+    actors = status.get("actors") or []
+    if actors:
+        print(f"{'ACTOR':<20} {'STATE':<8} {'PID':>8} {'RESTARTS':>8} {'LAST EXIT':>9}  LAST ERROR")
+    for a in actors:
+        state = "gave-up" if a["gave_up"] else ("alive" if a["alive"] else "down")
+        code = "-" if a["last_exit_code"] is None else str(a["last_exit_code"])
+        pid = str(a["pid"]) if a["pid"] else "-"
+        print(f"{a['name']:<20} {state:<8} {pid:>8} {a['restarts']:>8} {code:>9}  {a['last_error']}")
+    if not actors:
+        print("(no supervised actors: this scheduler was not started by a local runtime)")
+    print(f"{'WORKER':<20} {'ROLE':<8} {'ALIVE':<6} {'SEEN':>6}  ADDRESS")
+    for w in status.get("workers") or []:
+        alive = "yes" if w["alive"] else "no"
+        print(f"{w['worker_id']:<20} {w['role']:<8} {alive:<6} {w['seen_s_ago']:>5.1f}s  {w['address']}")
+    return 0
+
+
+def _add_client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--scheduler", help="scheduler address (default $POLYTINKER_SCHEDULER)")
+    p.add_argument("--api-key", help="API key (default $POLYTINKER_API_KEY)")
+    p.add_argument("--curve-secret", help="your Curve .key_secret, for a scheduler that serves with Curve")
+    p.add_argument("--scheduler-key", help="the scheduler's Curve .key (public) file")
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="runtime.toml (see docs/scheduler-service.md)")
     p.add_argument("--model", help="base model (overrides the config)")
@@ -172,10 +211,7 @@ def register(sub: Any) -> None:
     w.set_defaults(func=_worker)
 
     j = sub.add_parser("jobs", help="list, show, cancel, pause and resume this tenant's jobs")
-    j.add_argument("--scheduler", help="scheduler address (default $POLYTINKER_SCHEDULER)")
-    j.add_argument("--api-key", help="API key (default $POLYTINKER_API_KEY)")
-    j.add_argument("--curve-secret", help="your Curve .key_secret, for a scheduler that serves with Curve")
-    j.add_argument("--scheduler-key", help="the scheduler's Curve .key (public) file")
+    _add_client_args(j)
     jobs_sub = j.add_subparsers(dest="jobs_command", metavar="JOBS_COMMAND", required=True)
     ls = jobs_sub.add_parser("list", help="this tenant's jobs")
     ls.add_argument("--live", action="store_true", help="only queued, running and paused jobs")
@@ -184,6 +220,11 @@ def register(sub: Any) -> None:
         c = jobs_sub.add_parser(name, help=f"{name} one job")
         c.add_argument("job_id")
     j.set_defaults(func=_jobs)
+
+    st = sub.add_parser("status", help="the runtime's actors (alive, pid, restarts, last exit) and workers")
+    _add_client_args(st)
+    st.add_argument("--json", action="store_true", help="print JSON")
+    st.set_defaults(func=_status)
 
 
 __all__ = ["register"]

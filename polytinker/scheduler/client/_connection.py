@@ -10,6 +10,9 @@ Every call goes through ``Connection.request``:
   request is safe to send twice (``idempotent=True``). ``forward_backward`` and ``optim_step`` are:
   each call carries a ``request_id``, the same on every resend (whose ``attempt`` counts up), and
   the learner applies one id once; ``load_state`` is not, and raises;
+- with ``check`` (the embedded runtime's ``LocalRuntime.check``), a runtime that stopped for good
+  (an actor stayed down) raises its ``RuntimeDead``, which names the actor and why, instead of
+  the calls retrying a scheduler that is gone;
 - errors the scheduler raised come back as their own types (``AuthError``, ``ConfigError``,
   ``NotBuiltError``, ``JobNotRunning``), with the ``RemoteError`` as ``__cause__``.
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,8 +88,10 @@ class Connection:
         reconnect_s: float = 120.0,
         overload_wait_s: float = 300.0,
         job_wait_s: float = 600.0,
+        check: Callable[[], None] | None = None,
     ) -> None:
         self.address, self.api_key = address, api_key
+        self.check = check
         self.timeout_s, self.reconnect_s = timeout_s, reconnect_s
         self.overload_wait_s, self.job_wait_s = overload_wait_s, job_wait_s
         self.rpc = RpcClient(address, config=TransportConfig(request_timeout_s=timeout_s), curve=curve)
@@ -98,9 +104,13 @@ class Connection:
     def request(self, kind: str, msg: Any, *, idempotent: bool = True) -> dict[str, Any]:
         start = time.monotonic()
         while True:
+            if self.check is not None:
+                self.check()
             try:
                 reply = self.rpc.call(kind, msg, timeout_s=self.timeout_s)
             except (PeerDeadError, RequestTimeout) as exc:
+                if self.check is not None:
+                    self.check()  # the scheduler is gone for good, not restarting: say why
                 if not idempotent or isinstance(exc, RequestTimeout) or time.monotonic() - start > self.reconnect_s:
                     raise
                 time.sleep(0.2)  # the scheduler is restarting: the client reconnects by itself

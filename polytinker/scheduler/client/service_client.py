@@ -3,8 +3,8 @@
 ``ServiceClient(address)`` talks to a running scheduler (``polytinker serve``);
 ``ServiceClient()`` with no address (and no ``$POLYTINKER_SCHEDULER``) starts a ``LocalRuntime``
 for the script on first use, with the base model the first ``create_*`` call names, and stops it
-at ``close()``. The API key comes from ``api_key=`` or ``$POLYTINKER_API_KEY`` (a local runtime
-makes its own).
+at ``close()``; if it stops by itself (an actor stayed down), calls raise its ``RuntimeDead``.
+The API key comes from ``api_key=`` or ``$POLYTINKER_API_KEY`` (a local runtime makes its own).
 """
 
 from __future__ import annotations
@@ -77,7 +77,11 @@ class ServiceClient:
                 self._runtime = LocalRuntime(cfg).start()
                 self._api_key = self._runtime.api_key
                 self._conn = Connection(
-                    self._runtime.local_address, self._api_key, timeout_s=self._timeout_s, job_wait_s=self._job_wait_s
+                    self._runtime.local_address,
+                    self._api_key,
+                    timeout_s=self._timeout_s,
+                    job_wait_s=self._job_wait_s,
+                    check=self._runtime.check,
                 )
             return self._conn
 

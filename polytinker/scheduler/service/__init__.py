@@ -2,7 +2,8 @@
 
 - ``RuntimeConfig`` (and ``EngineWorkerConfig``, ``LearnerWorkerConfig``, ``TenantConfig``,
   ``JobDefaults``): what a runtime runs; ``RuntimeConfig.from_toml``.
-- ``LocalRuntime``: scheduler + engines + learner groups as supervised processes on this machine.
+- ``LocalRuntime``: scheduler + engines + learner groups as supervised processes on this machine;
+  ``RuntimeDead`` when one of them stayed down and it stopped.
 - ``SchedulerService``: the request handlers; ``StateStore``: the SQLite (WAL) state;
   ``JobManager``: job lifecycle over the policy; ``Broker``: worker registry and forwarding.
 - ``AuthError``, ``JobNotRunning``, ``OverloadedError``: what a request can be refused with.
@@ -21,7 +22,7 @@ from polytinker.scheduler.service.config import (
     TenantConfig,
 )
 from polytinker.scheduler.service.jobs import JobManager, JobNotRunning, OverloadedError
-from polytinker.scheduler.service.runtime import LocalRuntime
+from polytinker.scheduler.service.runtime import LocalRuntime, RuntimeDead
 from polytinker.scheduler.service.scheduler import SchedulerService
 from polytinker.scheduler.service.state import StateStore
 from polytinker.scheduler.service.tenants import AuthError, new_api_key
@@ -38,6 +39,7 @@ __all__ = [
     "LocalRuntime",
     "OverloadedError",
     "RuntimeConfig",
+    "RuntimeDead",
     "SchedulerService",
     "StateStore",
     "TenantConfig",

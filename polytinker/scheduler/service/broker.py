@@ -13,6 +13,10 @@
   with its ``attempt`` counted up; any other request waits for a new incarnation. A worker that
   answers ``NotResident`` dropped what ``prepare`` loaded (a learner group whose replicas switched
   between LoRA adapters and a full-parameter model): ``prepare`` runs again, then the request.
+- A local runtime's supervisor sees a worker process exit before any heartbeat can: its
+  ``ActorsReport`` (``supervised``) marks that incarnation exited and closes its connection, so
+  the calls in flight to it fail over at once (to wait for the restarted worker), not a heartbeat
+  liveness later. A stale heartbeat of an exited incarnation cannot bring it back.
 - ``LearnerSlicer``: many jobs share a learner group; it is held by one job from its first
   ``forward_backward`` to its ``optim_step`` (a step boundary) and then handed to the waiting job
   that ``next_learner_job`` (the decision core) picks: highest priority, then longest waiting.
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hmac
 import logging
 import threading
 import time
@@ -32,7 +37,7 @@ from typing import Any
 from polytinker.errors import ConfigError, PeerDeadError, PolytinkerError, ProtocolError, RemoteError, TransportError
 from polytinker.scheduler.placement import next_learner_job
 from polytinker.scheduler.service.config import RuntimeConfig
-from polytinker.scheduler.service.messages import Register, WorkersQuery
+from polytinker.scheduler.service.messages import ActorsReport, ActorState, Register, WorkersQuery
 from polytinker.scheduler.service.tenants import AuthError
 from polytinker.transport import ClientCurve, RpcClient, TransportConfig
 
@@ -59,6 +64,8 @@ class WorkerHandle:
     last_seen: float
     prepared: set[str] = field(default_factory=set)  # keys `prepare` already ran for on this incarnation
     dead: bool = False
+    since: float = field(default_factory=time.time)  # Unix time of its first registration
+    exited: bool = False  # its supervisor saw the process exit: it never answers again
 
 
 class Broker:
@@ -72,6 +79,7 @@ class Broker:
             g.learner_id: "learner" for g in config.learners
         }
         self._workers: dict[str, WorkerHandle] = {}
+        self._actors: tuple[ActorState, ...] = ()  # the local runtime's last ActorsReport
         self._cv = threading.Condition()
         hb = config.worker_heartbeat_s
         self._transport = TransportConfig(
@@ -95,6 +103,8 @@ class Broker:
         now = time.monotonic()
         with self._cv:
             old = self._workers.get(msg.worker_id)
+            if old is not None and old.incarnation == msg.incarnation and old.exited:
+                return {"status": "ok", "known": True}  # sent before the process died, read after
             if old is not None and old.incarnation == msg.incarnation and old.address == msg.address:
                 old.last_seen, old.dead = now, False
                 return {"status": "ok", "known": True}
@@ -116,6 +126,33 @@ class Broker:
         if msg.token != self._token:
             raise AuthError("worker token rejected")
         return self.workers()
+
+    def supervised(self, msg: ActorsReport) -> dict[str, Any]:
+        """The local runtime's supervisor reports its actors (see the module docstring)."""
+        if not hmac.compare_digest(msg.token.encode(), self._token.encode()):
+            raise AuthError("worker token rejected")
+        with self._cv:
+            self._actors = msg.actors
+        for actor in msg.actors:
+            if actor.name in self._declared and actor.last_exit_time:
+                self._exited(actor.name, actor.last_exit_time)
+        return {"status": "ok"}
+
+    def actors(self) -> list[dict[str, Any]]:
+        """The supervised actors as last reported (empty for a scheduler no local runtime launched)."""
+        with self._cv:
+            return [dataclasses.asdict(a) for a in self._actors]
+
+    def _exited(self, worker_id: str, at: float) -> None:
+        """The process of ``worker_id`` that registered before ``at`` exited: fail its calls now."""
+        with self._cv:
+            h = self._workers.get(worker_id)
+            if h is None or h.exited or h.since > at:  # a later incarnation registered since
+                return
+            h.dead = h.exited = True
+            self._cv.notify_all()
+        log.warning("worker %s (incarnation %s) exited; failing its calls in flight", worker_id, h.incarnation)
+        h.client.close()  # its pending calls raise TransportError: Broker.call waits for the restart
 
     def _client_for(self, msg: Register) -> RpcClient:
         curve = None

@@ -204,6 +204,12 @@ class RuntimeConfig:
     # A job holding a shared learner group between steps loses its turn after this idle time.
     start_timeout_s: float = 180.0
     # How long a local runtime waits for its workers to load their models and register.
+    max_restarts: int = 5
+    # A local runtime restarts its scheduler, engines and learners after a crash, up to this many
+    # times within restart_window_s; one more and it stops everything and fails (serve exits
+    # non-zero): it cannot serve its jobs without any of them. 0: the first crash stops it.
+    restart_window_s: float = 120.0
+    # The window max_restarts counts restarts in.
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -237,6 +243,7 @@ class RuntimeConfig:
             "request_timeout_s",
             "learner_slice_idle_s",
             "start_timeout_s",
+            "restart_window_s",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"RuntimeConfig.{name} must be > 0 seconds, got {getattr(self, name)}")
@@ -246,6 +253,8 @@ class RuntimeConfig:
                 f"max_inflight_train ({self.max_inflight_samples + self.max_inflight_train}), so refusals and "
                 "registrations are always answered; raise it or lower the bounds"
             )
+        if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise ConfigError(f"RuntimeConfig.max_restarts must be an int >= 0, got {self.max_restarts!r}")
         if self.worker_token and len(self.worker_token) < 16:
             raise ConfigError("RuntimeConfig.worker_token must have at least 16 characters")
 

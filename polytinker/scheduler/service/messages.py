@@ -8,7 +8,8 @@ Client -> scheduler (every one carries ``api_key``): ``CreateJob``, ``JobQuery``
 ``ListJobs``, ``ForwardBackward``, ``Forward``, ``OptimStep``, ``SaveState``, ``LoadState``,
 ``SaveWeights``, ``Sample``, ``ComputeLogprobs``, ``RuntimeStatus``.
 
-Worker <-> scheduler: ``Register`` (worker -> scheduler), and to workers ``EnsureAdapter``,
+Worker <-> scheduler: ``Register`` (worker -> scheduler), ``ActorsReport`` of ``ActorState``
+(the local runtime's supervisor -> scheduler), and to workers ``EnsureAdapter``,
 ``LearnerForwardBackward``, ``LearnerForward``, ``LearnerStep``, ``LearnerSave``, ``LearnerLoad``,
 ``LearnerExport``, ``EngineSample``, ``EngineLogprobs``, ``WorkerStats``.
 
@@ -269,6 +270,31 @@ class WorkersQuery:
     token: str
 
 
+@message("sched.actor_state")
+@dataclass(frozen=True)
+class ActorState:
+    """One actor of a local runtime as its supervisor sees it (a row of ``polytinker status``)."""
+
+    name: str
+    alive: bool
+    pid: int  # of the running incarnation; 0 while down
+    restarts: int
+    gave_up: bool  # the restart limit was hit: it stays down and the runtime stops
+    last_exit_code: int | None  # negative for a signal (-9: SIGKILL); None before any exit
+    last_exit_time: float  # Unix time the supervisor saw its last exit; 0.0 before any
+    last_error: str  # the last line of its last traceback; '' for none
+
+
+@message("sched.w.actors")
+@dataclass(frozen=True)
+class ActorsReport:
+    """The launcher -> scheduler: every supervised actor's state, sent at each exit and restart
+    (and every few seconds). A worker's exit fails the calls in flight to it at once."""
+
+    token: str
+    actors: tuple[ActorState, ...]
+
+
 @message("sched.w.ensure")
 @dataclass(frozen=True)
 class EnsureAdapter:
@@ -386,6 +412,8 @@ __all__ = [
     "JOB_ACTIONS",
     "JOB_KINDS",
     "LOSS_FNS",
+    "ActorState",
+    "ActorsReport",
     "ComputeLogprobs",
     "CreateJob",
     "DatumMsg",

@@ -8,7 +8,13 @@
   started side by side (each loads the model in its own process).
 
 The supervisor restarts any of them that dies (SIGKILL included); workers re-register and the
-scheduler recovers its jobs from SQLite.
+scheduler recovers its jobs from SQLite. Each exit and restart is reported to the scheduler
+(``ActorsReport``): a worker's exit fails its calls in flight at once, and ``runtime_status``
+shows every actor. Every actor is essential (without its scheduler, or an engine or learner its
+jobs were placed on, the runtime cannot serve them): when one dies more than
+``RuntimeConfig.max_restarts`` times within ``restart_window_s``, the runtime logs one line that
+says which and why, stops everything and fails: ``failure`` and ``check()`` hold a
+``RuntimeDead``, ``dead`` is set, and ``polytinker serve`` exits non-zero.
 
 The state directory is kept 0700 and the processes write under it with umask 077: it holds
 every tenant's weights. With no tenants configured, one tenant ``local`` is
@@ -29,10 +35,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from polytinker.engine.actors import ActorConfig, ActorRef, RestartPolicy, Supervisor
-from polytinker.errors import ConfigError, RequestTimeout
+from polytinker.engine.actors import ActorConfig, ActorRef, ChildReport, RestartPolicy, Supervisor
+from polytinker.errors import ActorError, ConfigError, RequestTimeout
 from polytinker.scheduler.service.config import RuntimeConfig, TenantConfig
-from polytinker.scheduler.service.messages import RuntimeStatus, WorkersQuery
+from polytinker.scheduler.service.messages import ActorsReport, ActorState, RuntimeStatus, WorkersQuery
 from polytinker.scheduler.service.scheduler import SchedulerActor, local_address
 from polytinker.scheduler.service.state import private_state_dir
 from polytinker.scheduler.service.tenants import new_api_key
@@ -40,6 +46,12 @@ from polytinker.scheduler.service.workers import EngineActor, LearnerActor
 from polytinker.transport import RpcClient
 
 log = logging.getLogger("polytinker.scheduler.runtime")
+REPORT_EVERY_S = 5.0  # the actors' states are sent this often too, so a lost report heals itself
+
+
+class RuntimeDead(ActorError):
+    """An actor the runtime cannot do without stayed down (its supervisor gave up on it), and the
+    runtime stopped; the message names the actor, its last exit code, restarts and error."""
 
 
 def resolve_address(address: str) -> str:
@@ -74,7 +86,13 @@ class LocalRuntime:
         self.supervisor: Supervisor | None = None
         self.scheduler: ActorRef | None = None
         self.workers: dict[str, ActorRef] = {}
+        self.failure: RuntimeDead | None = None
+        self.dead = threading.Event()  # set once an actor stayed down and the runtime has stopped
         self._lock = threading.Lock()
+        self._stop_lock = threading.Lock()  # a second stop() waits for the first to finish
+        self._report_now = threading.Event()
+        self._reporting = threading.Event()  # cleared to end the reporter thread
+        self._reporter: threading.Thread | None = None
 
     @property
     def address(self) -> str:
@@ -94,13 +112,18 @@ class LocalRuntime:
         raise ConfigError("every tenant authenticates by Curve key: the runtime has no API key to offer")
 
     def _actor_config(self) -> ActorConfig:
-        restart = RestartPolicy(max_restarts=5, window_s=120.0, backoff_initial_s=0.1, backoff_max_s=2.0)
-        return ActorConfig(start_timeout_s=self.config.start_timeout_s, stop_timeout_s=10.0, restart=restart)
+        cfg = self.config
+        restart = RestartPolicy(
+            max_restarts=cfg.max_restarts, window_s=cfg.restart_window_s, backoff_initial_s=0.1, backoff_max_s=2.0
+        )
+        return ActorConfig(start_timeout_s=cfg.start_timeout_s, stop_timeout_s=10.0, restart=restart)
 
     def start(self) -> LocalRuntime:
         cfg = self.config
         run_dir = private_state_dir(cfg.state_path) / "run"
-        self.supervisor = Supervisor(run_dir=run_dir, name="runtime")
+        self.supervisor = Supervisor(
+            run_dir=run_dir, name="runtime", on_give_up=self._gave_up, on_change=lambda _: self._report_now.set()
+        )
         try:
             self.scheduler = self.supervisor.spawn(
                 SchedulerActor,
@@ -110,6 +133,9 @@ class LocalRuntime:
                 name="scheduler",
                 config=self._actor_config(),
             )
+            self._reporting.set()
+            self._reporter = threading.Thread(target=self._report_loop, name="runtime-report", daemon=True)
+            self._reporter.start()
             todo: list[tuple[Any, str]] = [(EngineActor, e.engine_id) for e in cfg.engines if e.local]
             todo += [(LearnerActor, g.learner_id) for g in cfg.learners if g.local]
             with ThreadPoolExecutor(max(1, len(todo))) as pool:  # each loads the model: start them side by side
@@ -117,6 +143,7 @@ class LocalRuntime:
                 for wid, fut in futures.items():
                     self.workers[wid] = fut.result()
             self.wait_ready([wid for _, wid in todo])
+            self._report_now.set()  # every actor is up: the scheduler's view should say so now
         except BaseException:
             self.stop()
             raise
@@ -136,6 +163,60 @@ class LocalRuntime:
             config=self._actor_config(),
         )
 
+    # --- supervision -----------------------------------------------------------------------------
+    def _gave_up(self, report: ChildReport) -> None:
+        """The supervisor gave up on an actor (on its thread): fail, and stop the rest."""
+        failure = RuntimeDead(f"the runtime stopped: {report.describe()}")
+        with self._lock:
+            if self.failure is not None:
+                return
+            self.failure = failure
+        log.error("%s", failure)
+
+        def stop() -> None:
+            self.stop()
+            self.dead.set()
+
+        threading.Thread(target=stop, name="runtime-stop", daemon=True).start()
+
+    def check(self) -> None:
+        """Raise ``RuntimeDead`` if an actor stayed down and the runtime stopped."""
+        if self.failure is not None:
+            raise RuntimeDead(str(self.failure))
+
+    def actors(self) -> tuple[ActorState, ...]:
+        """Each supervised actor's state (empty before start and after stop)."""
+        sup = self.supervisor
+        if sup is None:
+            return ()
+        return tuple(
+            ActorState(
+                r.name,
+                r.alive,
+                r.pid or 0,
+                r.restarts,
+                r.gave_up,
+                r.last_exit_code,
+                r.exits[-1].time if r.exits else 0.0,
+                r.last_error,
+            )
+            for r in sup.report().values()
+        )
+
+    def _report_loop(self) -> None:
+        """Send the actors' states to the scheduler at each exit and restart, and every few seconds."""
+        with RpcClient(self.local_address) as client:
+            while self._reporting.is_set():
+                self._report_now.clear()
+                try:
+                    report = ActorsReport(self.config.worker_token, self.actors())
+                    client.call("sched.w.actors", report, timeout_s=2.0)
+                    wait_s = REPORT_EVERY_S
+                except Exception as exc:  # the scheduler may be restarting: soon again
+                    log.debug("actor report not delivered: %s", exc)
+                    wait_s = 0.5
+                self._report_now.wait(wait_s)
+
     def status(self, timeout_s: float = 10.0) -> dict[str, Any]:
         """The scheduler's ``runtime_status`` (workers, their stats, learner switches)."""
         with RpcClient(self.local_address) as client:
@@ -147,6 +228,7 @@ class LocalRuntime:
         deadline = time.monotonic() + (timeout_s or self.config.start_timeout_s)
         with RpcClient(self.local_address) as client:
             while True:
+                self.check()
                 try:
                     workers = client.call("sched.w.workers", WorkersQuery(self.config.worker_token), timeout_s=5.0)
                     alive = {w["worker_id"] for w in workers if w["alive"]}
@@ -159,12 +241,17 @@ class LocalRuntime:
                 time.sleep(0.2)
 
     def stop(self) -> None:
-        with self._lock:
-            sup, self.supervisor = self.supervisor, None
-        if sup is not None:
-            sup.stop()
-        if self._fresh:
-            shutil.rmtree(self.config.state_dir, ignore_errors=True)
+        with self._stop_lock:
+            self._reporting.clear()
+            self._report_now.set()
+            if self._reporter is not None and self._reporter is not threading.current_thread():
+                self._reporter.join(5.0)
+            with self._lock:
+                sup, self.supervisor = self.supervisor, None
+            if sup is not None:
+                sup.stop()
+            if self._fresh:
+                shutil.rmtree(self.config.state_dir, ignore_errors=True)
 
     def __enter__(self) -> LocalRuntime:
         return self.start()
@@ -184,4 +271,4 @@ def check_servable(config: RuntimeConfig) -> None:
         )
 
 
-__all__ = ["LocalRuntime", "check_servable", "prepared", "resolve_address"]
+__all__ = ["LocalRuntime", "RuntimeDead", "check_servable", "prepared", "resolve_address"]

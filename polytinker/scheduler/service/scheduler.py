@@ -151,6 +151,7 @@ class SchedulerService:
         return {f"sched.{k}": self._guard(v) for k, v in h.items()} | {
             "sched.w.register": self.broker.register,
             "sched.w.workers": self.broker.workers_query,
+            "sched.w.actors": self.broker.supervised,
         }
 
     def _guard(self, fn: Any) -> Any:
@@ -241,6 +242,7 @@ class SchedulerService:
             "status": "ok",
             "base_model": self.config.model,
             "workers": self.broker.workers(),
+            "actors": self.broker.actors(),
             "stats": stats,
             "learner_switches": switches,
         }
