@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import random
+import secrets
+import sys
 import traceback
 import uuid
 from typing import Any
@@ -175,8 +177,11 @@ class Server:
 
 
 def error_body(code: str, exc: BaseException) -> bytes:
+    """The caller gets the error's type, message and an id; the traceback stays in this log."""
+    error_id = secrets.token_hex(6)
+    print(f"error {error_id}: {traceback.format_exc()}", file=sys.stderr, flush=True)
     return msgpack.packb(
-        {"code": code, "type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
+        {"code": code, "type": type(exc).__name__, "message": str(exc)[:2000], "error_id": error_id, "traceback": ""}
     )
 
 

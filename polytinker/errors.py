@@ -5,29 +5,59 @@ fits, the subclass also inherits it, so ``except ValueError`` keeps working for 
 do not know polytinker.
 
 - ``ConfigError``: a setting or argument is wrong (also ``ValueError``).
+- ``AuthError``: not admitted (unknown key, refused Curve key, another tenant's job).
 - ``ProtocolError``: a message on the wire is malformed, oversized or of an unknown kind.
 - ``TransportError``: a socket-level failure; ``PeerDeadError`` when heartbeats stop.
 - ``RequestTimeout``: a call did not finish in its time (also ``TimeoutError``).
-- ``RemoteError``: the peer ran the request and it raised; carries the remote type and traceback.
+- ``RemoteError``: the peer ran the request and it raised; carries the error's wire code, the
+  remote type name and the error id the server logged its traceback under.
 - ``ActorError`` / ``ActorDeadError``: an actor failed or is no longer running.
 - ``ModelError``: a model could not be found, fetched or loaded.
 - ``EnvError``: an environment broke its contract or raised.
 - ``NotBuiltError``: a documented part that this version does not implement yet.
+
+Errors a caller acts on declare a wire ``code``: a server that raises one in a handler answers
+with that code (docs/wire-protocol.md), and ``error_class(code)`` gives a client the class back,
+so error kinds cross processes as codes, never as class-name strings.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
+
+_BY_CODE: dict[str, type[PolytinkerError]] = {}
 
 
 class PolytinkerError(Exception):
     """Root of every polytinker error."""
 
+    code: ClassVar[str] = ""
+    """The wire code of this kind of error ('' for none: it travels as a generic handler error)."""
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        code = cls.__dict__.get("code", "")
+        if code:
+            if code in _BY_CODE:
+                raise TypeError(f"error code {code!r} is taken by {_BY_CODE[code].__qualname__}")
+            _BY_CODE[code] = cls
+
+
+def error_class(code: str) -> type[PolytinkerError] | None:
+    """The error class that declares wire ``code``, or None."""
+    return _BY_CODE.get(code)
+
 
 class ConfigError(PolytinkerError, ValueError):
     """A configuration value or argument is invalid; the message says which and how to fix it."""
 
+    code = "config"
+
 
 class ProtocolError(PolytinkerError, ValueError):
     """A message broke the wire protocol (malformed, oversized, unknown kind, wrong version)."""
+
+    code = "protocol"
 
 
 class TransportError(PolytinkerError, ConnectionError):
@@ -38,21 +68,43 @@ class PeerDeadError(TransportError):
     """The peer stopped answering heartbeats."""
 
 
+class AuthError(PolytinkerError, PermissionError):
+    """Not admitted: an unknown API key, a Curve key the server refuses, or a tenant asking for
+    what it may not touch."""
+
+    code = "auth"
+
+
 class RequestTimeout(PolytinkerError, TimeoutError):
     """A request did not complete within its timeout."""
 
 
 class RemoteError(PolytinkerError, RuntimeError):
-    """The remote side raised while handling a request."""
+    """The remote side raised while handling a request.
 
-    def __init__(self, message: str, *, remote_type: str = "", remote_traceback: str = "") -> None:
+    ``code`` is the error's wire code (``handler`` for one no caller acts on; else the code of a
+    class ``error_class`` knows); ``error_id`` names the server's log line with the traceback.
+    ``remote_traceback`` is empty unless the server exposes tracebacks (an actor to its parent)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        remote_type: str = "",
+        remote_traceback: str = "",
+        code: str = "handler",
+        error_id: str = "",
+    ) -> None:
         super().__init__(message)
         self.remote_type = remote_type
         self.remote_traceback = remote_traceback
+        self.code = code  # type: ignore[misc]  # an instance's code: the remote error's
+        self.error_id = error_id
 
     def __str__(self) -> str:
         base = super().__str__()
-        return f"{self.remote_type}: {base}" if self.remote_type else base
+        base = f"{self.remote_type}: {base}" if self.remote_type else base
+        return f"{base} [error id {self.error_id}]" if self.error_id else base
 
 
 class ActorError(PolytinkerError, RuntimeError):
@@ -66,18 +118,25 @@ class ActorDeadError(ActorError):
 class ModelError(PolytinkerError, RuntimeError):
     """A model could not be found, fetched or loaded."""
 
+    code = "model"
+
 
 class EnvError(PolytinkerError, RuntimeError):
     """An environment broke its contract or raised."""
+
+    code = "env"
 
 
 class NotBuiltError(PolytinkerError, NotImplementedError):
     """A documented capability that this version of polytinker does not implement yet."""
 
+    code = "not_built"
+
 
 __all__ = [
     "ActorDeadError",
     "ActorError",
+    "AuthError",
     "ConfigError",
     "EnvError",
     "ModelError",
@@ -88,4 +147,5 @@ __all__ = [
     "RemoteError",
     "RequestTimeout",
     "TransportError",
+    "error_class",
 ]

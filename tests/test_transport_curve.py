@@ -1,15 +1,17 @@
-"""CurveZMQ: the allow-listed key connects; a wrong key, a wrong server key or no Curve is refused.
+"""CurveZMQ: the allow-listed key connects; a wrong key (AuthError at once), a wrong server key or
+no Curve (no answer) is refused.
 And the loopback rule for servers without Curve; and `polytinker keys generate`."""
 
 from __future__ import annotations
 
 import stat
+import time
 
 import pytest
 import zmq
 
 from polytinker import cli
-from polytinker.errors import ConfigError, PeerDeadError, RequestTimeout
+from polytinker.errors import AuthError, ConfigError, PeerDeadError, RequestTimeout, TransportError
 from polytinker.transport import ClientCurve, RpcClient, RpcServer, ServerCurve, TransportConfig, load_keypair
 from polytinker.transport._echo import HANDLERS
 from polytinker.transport.auth import check_bind_address
@@ -37,10 +39,48 @@ def test_allowed_key_connects(curve_server, keys):
         assert c.call("echo", "secret") == "secret"
 
 
-def test_key_not_on_the_allow_list_is_refused(curve_server, keys):
+def test_key_not_on_the_allow_list_is_refused_with_auth_error_within_the_timeout(curve_server, keys):
     curve = ClientCurve(keys["bad"][0], keys["bad"][1], keys["server"][0])
-    with RpcClient(curve_server.address, config=FAST, curve=curve) as c, pytest.raises(REFUSED):
-        c.call("echo", "secret")
+    with RpcClient(curve_server.address, config=FAST, curve=curve) as c:
+        for _ in range(3):  # the first call, and those after it: the client knows it is refused
+            t0 = time.monotonic()
+            with pytest.raises(AuthError, match="allow-list"):
+                c.call("echo", "secret", timeout_s=5.0)
+            assert time.monotonic() - t0 < 4.0  # the handshake's answer, not the call's timeout
+
+
+def test_a_key_admitted_later_is_served(keys):
+    """A refused client is not refused for ever: once the server admits its key, it is served."""
+    curve = ServerCurve(keys["server"][0], keys["server"][1], frozenset({keys["good"][0]}))
+    client_curve = ClientCurve(keys["bad"][0], keys["bad"][1], keys["server"][0])
+    with RpcServer("tcp://127.0.0.1:0", HANDLERS, config=FAST, curve=curve) as srv:
+        address = srv.address
+        with RpcClient(address, config=FAST, curve=client_curve) as c:
+            with pytest.raises(AuthError):
+                c.call("echo", 1, timeout_s=5.0)
+            srv.stop()
+            wider = ServerCurve(keys["server"][0], keys["server"][1], frozenset({keys["good"][0], keys["bad"][0]}))
+            with _bind_again(address, wider):
+                end = time.monotonic() + 10
+                while True:
+                    try:
+                        assert c.call("echo", 2, timeout_s=2.0) == 2
+                        break
+                    except (AuthError, *REFUSED):
+                        assert time.monotonic() < end
+                        time.sleep(0.2)
+
+
+def _bind_again(address: str, curve: ServerCurve) -> RpcServer:
+    """A server on the address another one just left (libzmq releases the port asynchronously)."""
+    end = time.monotonic() + 10
+    while True:
+        try:
+            return RpcServer(address, HANDLERS, config=FAST, curve=curve).start()
+        except TransportError:
+            if time.monotonic() > end:
+                raise
+            time.sleep(0.1)
 
 
 def test_client_without_curve_is_refused(curve_server):

@@ -75,14 +75,43 @@ def test_replies_carry_every_payload_type(client):
     assert client.call("echo") is None
 
 
-def test_handler_errors_come_back_named(client):
-    with pytest.raises(RemoteError) as info:
+def test_handler_errors_come_back_named_with_an_id_and_no_traceback(client, caplog):
+    with caplog.at_level("WARNING", logger="polytinker.transport.server"), pytest.raises(RemoteError) as info:
         client.call("fail", "bad input")
-    assert info.value.remote_type == "ValueError"
-    assert "bad input" in str(info.value) and "ValueError" in info.value.remote_traceback
+    err = info.value
+    assert err.remote_type == "ValueError" and err.code == "handler"
+    assert "bad input" in str(err) and len(err.error_id) == 12 and err.error_id in str(err)
+    assert err.remote_traceback == ""  # the caller never sees the server's code or paths...
+    logged = [r for r in caplog.records if err.error_id in r.getMessage()]
+    assert logged and logged[0].exc_info is not None  # ...the server's log has it, under the same id
     with pytest.raises(ProtocolError, match="unknown_kind"):
         client.call("no-such-kind", 1)
     assert client.call("echo", 7) == 7  # the server goes on
+
+
+def test_errors_callers_act_on_travel_as_codes():
+    from polytinker.errors import AuthError, ConfigError, error_class
+
+    def refuse(_: object) -> None:
+        raise AuthError("not yours")
+
+    def misconfigured(_: object) -> None:
+        raise ConfigError("rank must be > 0")
+
+    handlers = {"refuse": refuse, "config": misconfigured}
+    with RpcServer(f"inproc://codes-{uuid.uuid4().hex}", handlers, config=FAST) as srv, RpcClient(srv.address) as c:
+        for kind, cls in (("refuse", AuthError), ("config", ConfigError)):
+            with pytest.raises(RemoteError) as info:
+                c.call(kind)
+            assert info.value.code == cls.code and error_class(info.value.code) is cls
+
+
+def test_a_server_for_trusted_clients_may_expose_tracebacks():
+    cfg = dataclasses.replace(FAST, expose_tracebacks=True)
+    with RpcServer(f"inproc://tb-{uuid.uuid4().hex}", HANDLERS, config=cfg) as srv, RpcClient(srv.address) as c:
+        with pytest.raises(RemoteError) as info:
+            c.call("fail", "bad input")
+        assert "ValueError: bad input" in info.value.remote_traceback
 
 
 def test_timeout_then_the_client_still_works(client):

@@ -23,7 +23,7 @@ import functools
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import msgpack
@@ -38,6 +38,7 @@ EXT_NDARRAY = 1
 EXT_TENSOR = 2
 EXT_MESSAGE = 3
 _MAX_DIMS = 64
+_EXT_COPIES = 8
 _MAX_DIM = 1 << 62
 
 # Wire dtype names (shared by numpy and torch) -> numpy dtype, all little-endian.
@@ -94,7 +95,8 @@ def encode(obj: Any, *, config: TransportConfig | None = None) -> list[bytes | m
             return [msgpack.packb(obj, use_bin_type=True)]
         except Exception as exc:  # an int out of 64-bit range
             raise ProtocolError(f"cannot encode {t.__name__}: {type(exc).__name__}: {exc}") from exc
-    enc = _Encoder((config or DEFAULT_CONFIG).inline_max_bytes)
+    cfg = config or DEFAULT_CONFIG
+    enc = _Encoder(cfg.inline_max_bytes, cfg.max_depth)
     try:
         body = msgpack.packb(obj, default=enc.default, use_bin_type=True)
     except ProtocolError:
@@ -104,15 +106,14 @@ def encode(obj: Any, *, config: TransportConfig | None = None) -> list[bytes | m
     return [body, *enc.buffers]
 
 
-def decode(frames: Sequence[Frame], *, config: TransportConfig | None = None) -> Any:
+def decode(frames: Sequence[Frame], *, config: TransportConfig | None = None, arrays: bool = True) -> Any:
     """Decode frames made by :func:`encode` (or a peer following docs/wire-protocol.md).
 
-    Any malformed input raises ProtocolError; nothing else escapes."""
+    ``arrays=False`` refuses numpy arrays and torch tensors (ext 1 and 2): a receiver that takes
+    none never builds one, and never imports torch for a hostile peer. Nesting deeper than
+    ``config.max_depth`` is refused before it is decoded further. Any malformed input raises
+    ProtocolError; nothing else escapes."""
     cfg = config or DEFAULT_CONFIG
-    if len(frames) == 1:  # the common case, on every round trip: no buffer frames
-        frame = frames[0]
-        # msgpack reads a zmq.Frame through the buffer protocol: no memoryview to make (.buffer)
-        return body_decoder(cfg)(frame if type(frame) is zmq.Frame else _as_buffer(frame))
     if not frames:
         raise ProtocolError("no frames to decode")
     if len(frames) > cfg.max_frames + 1:
@@ -121,59 +122,49 @@ def decode(frames: Sequence[Frame], *, config: TransportConfig | None = None) ->
     if len(bufs[0]) > cfg.max_body_bytes:
         raise ProtocolError(f"msgpack body of {len(bufs[0])} bytes exceeds max_body_bytes={cfg.max_body_bytes}")
     try:
-        if len(bufs) == 1:
-            return _single(cfg).unpack(bufs[0])
-        return _Decoder(bufs, cfg).unpack(bufs[0])
+        decoder = _Decoder(bufs, cfg, arrays)
+        obj = decoder.unpack(bufs[0])
+        check_depth(obj, cfg.max_depth)
+        return obj
     except ProtocolError:
         raise
     except Exception as exc:  # msgpack and numpy raise many types on hostile bytes
-        raise ProtocolError(f"malformed message body: {type(exc).__name__}: {exc}") from exc
+        raise ProtocolError(f"malformed message body: {_describe(exc)}") from exc
 
 
-def body_decoder(config: TransportConfig | None = None) -> Callable[[Any], Any]:
-    """``decode`` of a message without buffer frames, as a function of the body (bytes, memoryview
-    or zmq.Frame): made once per config, it is what a round trip calls, with the least around it."""
-    cfg = config or DEFAULT_CONFIG
-    entry = _BODY.get(id(cfg))
-    if entry is not None and entry[0] is cfg:
-        return entry[1]
-    limit = min(cfg.max_container_len, cfg.max_body_bytes)
-    hook = _single(cfg).ext_hook
-    unpackb = msgpack.unpackb
-
-    def decode_body(buf: Any) -> Any:
-        try:
-            if len(buf) <= limit:  # msgpack bounds every str, bin, ext, array and map by len(buf) itself
-                return unpackb(buf, raw=False, strict_map_key=False, ext_hook=hook)
-            if len(buf) > cfg.max_body_bytes:
-                raise ProtocolError(f"msgpack body of {len(buf)} bytes exceeds max_body_bytes={cfg.max_body_bytes}")
-            return _single(cfg).unpack(buf)
-        except ProtocolError:
-            raise
-        except Exception as exc:  # msgpack and numpy raise many types on hostile bytes
-            raise ProtocolError(f"malformed message body: {type(exc).__name__}: {exc}") from exc
-
-    if len(_BODY) >= 64:
-        _BODY.clear()
-    _BODY[id(cfg)] = (cfg, decode_body)
-    return decode_body
+def _describe(exc: BaseException) -> str:
+    """``Type: message`` of an exception, bounded, and never raising (str() of a hostile value may)."""
+    try:
+        text = str(exc)
+    except Exception:
+        text = "(unprintable)"
+    return f"{type(exc).__name__}: {text[:500]}"
 
 
-_BODY: dict[int, tuple[TransportConfig, Callable[[Any], Any]]] = {}
-
-# Decoders of single-frame bodies, by id of their config (a decoder holds no per-message state: an
-# array ext that names a buffer frame finds none and is malformed, as it must be).
-_SINGLE: dict[int, tuple[TransportConfig, _Decoder]] = {}
+# Containers the depth check descends into (typed messages too; tuples are what they turn lists into).
+_NESTED = frozenset({list, tuple, dict})
 
 
-def _single(cfg: TransportConfig) -> _Decoder:
-    """The decoder of bodies without buffer frames, made once per config."""
-    entry = _SINGLE.get(id(cfg))
-    if entry is None or entry[0] is not cfg:
-        if len(_SINGLE) >= 64:
-            _SINGLE.clear()
-        entry = _SINGLE[id(cfg)] = (cfg, _Decoder([b""], cfg))
-    return entry[1]
+def check_depth(obj: Any, limit: int) -> None:
+    """Raise ProtocolError when arrays, maps and typed messages nest deeper than ``limit`` in ``obj``.
+
+    Iterative (no recursion: the point is to bound stack), and cheap on flat data: the element
+    types of a container are collected at C speed and only containers among them are visited."""
+    if type(obj) not in _NESTED and messages.message_name(type(obj)) is None:
+        return
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            raise ProtocolError(f"values nest deeper than max_depth={limit}")
+        t = type(node)
+        children: Any = node.values() if t is dict else node if t in _NESTED else messages.to_fields(node).values()
+        kinds = set(map(type, children))
+        if kinds.isdisjoint(_NESTED) and all(messages.message_name(k) is None for k in kinds):
+            continue
+        stack.extend(
+            (c, depth + 1) for c in children if type(c) in _NESTED or messages.message_name(type(c)) is not None
+        )
 
 
 def _as_buffer(frame: Frame) -> bytes | bytearray | memoryview:
@@ -185,11 +176,13 @@ def _as_buffer(frame: Frame) -> bytes | bytearray | memoryview:
 
 
 class _Encoder:
-    __slots__ = ("buffers", "inline_max")
+    __slots__ = ("buffers", "depth", "inline_max", "max_depth")
 
-    def __init__(self, inline_max: int) -> None:
+    def __init__(self, inline_max: int, max_depth: int) -> None:
         self.buffers: list[memoryview] = []
         self.inline_max = inline_max
+        self.depth = 0
+        self.max_depth = max_depth
 
     def default(self, obj: Any) -> Any:
         if isinstance(obj, np.ndarray):
@@ -201,7 +194,13 @@ class _Encoder:
             return obj.item()
         name = messages.message_name(type(obj))
         if name is not None:
-            inner = msgpack.packb([name, messages.to_fields(obj)], default=self.default, use_bin_type=True)
+            if self.depth >= self.max_depth:  # each level is a nested packb: bound the stack it takes
+                raise ProtocolError(f"typed messages nest deeper than max_depth={self.max_depth}")
+            self.depth += 1
+            try:
+                inner = msgpack.packb([name, messages.to_fields(obj)], default=self.default, use_bin_type=True)
+            finally:
+                self.depth -= 1
             return msgpack.ExtType(EXT_MESSAGE, inner)
         if isinstance(obj, enum.Enum):
             return obj.value
@@ -243,10 +242,20 @@ class _Encoder:
 
 
 class _Decoder:
-    __slots__ = ("bufs", "unpack")
+    """One decode: the message's buffer frames, and how deep its typed messages nest so far."""
 
-    def __init__(self, bufs: list[bytes | bytearray | memoryview], cfg: TransportConfig) -> None:
+    __slots__ = ("arrays", "bufs", "depth", "ext_budget", "limits", "max_depth", "unpack")
+
+    def __init__(self, bufs: list[bytes | bytearray | memoryview], cfg: TransportConfig, arrays: bool) -> None:
         self.bufs = bufs
+        self.arrays = arrays
+        self.depth = 0
+        # msgpack hands each ext value's data over as a copy, so a message nested in a message copies
+        # its bytes once per level: bound the copies at _EXT_COPIES times the body (a real payload's
+        # messages nest a few levels; a hostile one would otherwise cost depth x body in memory).
+        self.ext_budget = _EXT_COPIES * len(bufs[0]) + 4096
+        self.max_depth = cfg.max_depth
+        self.limits = cfg
         n = cfg.max_body_bytes
         self.unpack = functools.partial(
             msgpack.unpackb,
@@ -261,6 +270,24 @@ class _Decoder:
         )
 
     def ext_hook(self, code: int, data: bytes) -> Any:
+        if code == EXT_MESSAGE:
+            # The one place decoding recurses (a message's fields are a msgpack value of their own):
+            # count the levels before going down, so a hostile body cannot exhaust the C stack.
+            if self.depth >= self.max_depth:
+                raise ProtocolError(f"typed messages nest deeper than max_depth={self.max_depth}")
+            self.ext_budget -= len(data)
+            if self.ext_budget < 0:
+                raise ProtocolError(f"typed messages nest more than {_EXT_COPIES} levels deep around most of the body")
+            self.depth += 1
+            try:
+                parts = self.unpack(data)
+            finally:
+                self.depth -= 1
+            if not (isinstance(parts, list) and len(parts) == 2 and isinstance(parts[0], str)):
+                raise ProtocolError("message ext must hold [name, fields]")
+            return messages.from_fields(parts[0], parts[1])
+        if code in (EXT_NDARRAY, EXT_TENSOR) and not self.arrays:
+            raise ProtocolError("this message may not carry arrays or tensors (ext types 1 and 2)")
         if code == EXT_NDARRAY:
             name, shape, buf = self._array_parts(data)
             dt = _NP_DTYPES.get(name)
@@ -269,11 +296,6 @@ class _Decoder:
             return self._checked(np.frombuffer, buf, dt, shape)
         if code == EXT_TENSOR:
             return self._tensor(data)
-        if code == EXT_MESSAGE:
-            parts = self.unpack(data)
-            if not (isinstance(parts, list) and len(parts) == 2 and isinstance(parts[0], str)):
-                raise ProtocolError("message ext must hold [name, fields]")
-            return messages.from_fields(parts[0], parts[1])
         raise ProtocolError(f"unknown msgpack ext type {code}")
 
     def _array_parts(self, data: bytes) -> tuple[str, list[int], Any]:
@@ -293,12 +315,15 @@ class _Decoder:
             return name, shape, ref
         raise ProtocolError("array ext: data must be a frame index or inline bytes")
 
-    @staticmethod
-    def _checked(make: Any, buf: Any, dtype: Any, shape: list[int], itemsize: int | None = None) -> Any:
-        count = 1
+    def _checked(self, make: Any, buf: Any, dtype: Any, shape: list[int], itemsize: int | None = None) -> Any:
+        count = extent = 1
         for d in shape:
             count *= d
+            extent *= max(d, 1)
         size = itemsize if itemsize is not None else dtype.itemsize
+        if extent * size > self.limits.max_message_bytes:
+            # An empty array of huge dimensions holds no bytes, but its strides overflow.
+            raise ProtocolError(f"array of shape {shape} spans more than max_message_bytes")
         nbytes = buf.nbytes if isinstance(buf, memoryview) else len(buf)
         if count * size != nbytes:
             raise ProtocolError(f"array of shape {shape} needs {count * size} bytes, the data holds {nbytes}")
@@ -335,4 +360,4 @@ def _torch_tables(torch: Any) -> tuple[dict[Any, tuple[str, Any]], dict[str, Any
     return _TORCH_TABLES
 
 
-__all__ = ["EXT_MESSAGE", "EXT_NDARRAY", "EXT_TENSOR", "body_decoder", "decode", "encode"]
+__all__ = ["EXT_MESSAGE", "EXT_NDARRAY", "EXT_TENSOR", "check_depth", "decode", "encode"]

@@ -20,7 +20,7 @@ class TransportConfig:
     request_timeout_s: float | None = 30.0
     # Default per-call timeout of RpcClient.call; None waits for ever (dead-peer detection still applies).
     heartbeat_interval_s: float = 1.0
-    # A client pings its server this often; the server answers within about handler_takeover_s, even while
+    # A client pings its server this often; the server's socket thread answers at once, even while
     # handlers run.
     heartbeat_liveness: int = 3
     # The peer is dead after this many intervals with nothing received; pending calls fail with PeerDeadError.
@@ -29,10 +29,16 @@ class TransportConfig:
     # sends a bigger one) and the largest whole message (all frames) a server handles.
     max_body_bytes: int = 64 * _MIB
     # Largest msgpack body frame (frame 1); a bigger one gets a `too_large` error reply.
+    max_queued_bytes: int = 1 << 30
+    # Bytes of requests a server holds waiting for a handler thread; a request that would exceed it gets a
+    # `busy` error reply at once (memory stays bounded whatever a peer sends; the caller may retry).
     max_frames: int = 1024
     # Most out-of-band buffer frames in one message.
     max_container_len: int = 1 << 24
     # Most elements in one msgpack array or map (bounds what a hostile header can make us allocate).
+    max_depth: int = 32
+    # Deepest nesting of arrays, maps and typed messages in one body (a message's fields are one level
+    # below it). Checked before each nested decode, so a hostile body costs bounded stack and time.
     inline_max_bytes: int = 1024
     # Arrays and tensors at most this large travel inside the msgpack body; bigger ones as their own frame.
     sndhwm: int = 100_000
@@ -40,16 +46,15 @@ class TransportConfig:
     rcvhwm: int = 100_000
     # ZMQ_RCVHWM: messages queued on receive per peer.
     handler_threads: int = 8
-    # Most plain handlers a server runs at once (the one on the thread that reads the socket included),
-    # so a slow handler never blocks the socket; 1 runs them one at a time, in order. Coroutine handlers
-    # run on the server's asyncio loop and are not counted. 0 runs every handler on the thread that reads
-    # the socket, for handlers that never block (a slow one then delays every other request and the
+    # Handler threads of a server: the thread that owns the socket hands each request to one, so a slow
+    # handler never delays the socket or the heartbeat answers; 1 runs them one at a time, in order.
+    # Coroutine handlers run on the server's asyncio loop and are not counted. 0 runs every handler on the
+    # socket's thread, for handlers that never block (a slow one then delays every other request and the
     # heartbeat answers).
-    handler_takeover_s: float = 0.005
-    # With handler_threads > 0, a request that finds the server idle runs on the thread that read it (no
-    # thread hand-off: the lowest latency); when its handler runs longer than this, another thread takes
-    # over the socket, so heartbeats and other requests wait at most about this long. 0 hands every
-    # request to a handler thread.
+    expose_tracebacks: bool = False
+    # Put the server's traceback into the ERROR body of a failed handler. Off by default: a caller gets
+    # the error's type, message and id, the server logs the traceback under that id. Only for servers
+    # whose every client is trusted with the server's code and paths (an actor and its own parent).
 
     def __post_init__(self) -> None:
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
@@ -63,7 +68,15 @@ class TransportConfig:
                 f"TransportConfig.heartbeat_liveness must be >= 2 (one missed ping is not a death), "
                 f"got {self.heartbeat_liveness}"
             )
-        for name in ("max_message_bytes", "max_body_bytes", "max_frames", "max_container_len", "sndhwm", "rcvhwm"):
+        for name in (
+            "max_message_bytes",
+            "max_body_bytes",
+            "max_queued_bytes",
+            "max_frames",
+            "max_container_len",
+            "sndhwm",
+            "rcvhwm",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"TransportConfig.{name} must be positive, got {getattr(self, name)}")
         if self.max_body_bytes > self.max_message_bytes:
@@ -73,11 +86,8 @@ class TransportConfig:
             )
         if self.inline_max_bytes < 0:
             raise ConfigError(f"TransportConfig.inline_max_bytes must be >= 0, got {self.inline_max_bytes}")
-        if not self.handler_takeover_s >= 0:
-            raise ConfigError(
-                "TransportConfig.handler_takeover_s must be >= 0 (0 hands every request to a handler thread), "
-                f"got {self.handler_takeover_s}"
-            )
+        if not 2 <= self.max_depth <= 256:
+            raise ConfigError(f"TransportConfig.max_depth must be in 2..256, got {self.max_depth}")
         if self.handler_threads < 0:
             raise ConfigError(
                 "TransportConfig.handler_threads must be >= 0 (0 runs handlers on the I/O thread), "

@@ -5,7 +5,9 @@
 and rebuilds the same type on the other side, so ``__post_init__`` validation runs at the edge.
 
 When a registered name equals an RPC kind, the server also checks that a request of that kind
-carries exactly that type before its handler runs (see ``RpcServer``).
+carries exactly that type before its handler runs (see ``RpcServer``). Such a request may carry
+numpy arrays or torch tensors only if its type is registered with ``arrays=True``: a server whose
+kinds declare none never builds an array for a peer, nor imports torch for one.
 
 On decode, fields annotated as tuples (``tuple[int, ...]``, ``tuple[X, ...] | None``) get tuples
 back and fields annotated with an ``Enum`` subclass get its member back; everything else arrives
@@ -29,12 +31,14 @@ T = TypeVar("T")
 _lock = threading.Lock()
 _by_name: dict[str, type] = {}
 _by_type: dict[type, str] = {}
+_with_arrays: set[type] = set()  # registered with arrays=True
 # Per-type field converters, built on first decode (type hints may name classes defined later).
 _converters: dict[type, dict[str, Callable[[Any], Any]]] = {}
 
 
-def register_message(name: str, cls: type) -> None:
-    """Register dataclass ``cls`` under ``name``; a name or a class registers once."""
+def register_message(name: str, cls: type, *, arrays: bool = False) -> None:
+    """Register dataclass ``cls`` under ``name``; a name or a class registers once. ``arrays``:
+    a request of kind ``name`` may carry numpy arrays and torch tensors."""
     if not name or not isinstance(name, str):
         raise ConfigError(f"message name must be a non-empty string, got {name!r}")
     if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
@@ -46,13 +50,16 @@ def register_message(name: str, cls: type) -> None:
             raise ConfigError(f"{cls.__qualname__} is already registered as {_by_type[cls]!r}")
         _by_name[name] = cls
         _by_type[cls] = name
+        if arrays:
+            _with_arrays.add(cls)
 
 
-def message(name: str) -> Callable[[type[T]], type[T]]:
-    """Class decorator: ``@message("kind")`` above ``@dataclass(frozen=True)`` registers the class."""
+def message(name: str, *, arrays: bool = False) -> Callable[[type[T]], type[T]]:
+    """Class decorator: ``@message("kind")`` above ``@dataclass(frozen=True)`` registers the class;
+    ``arrays=True`` lets a request of that kind carry numpy arrays and torch tensors."""
 
     def deco(cls: type[T]) -> type[T]:
-        register_message(name, cls)
+        register_message(name, cls, arrays=arrays)
         return cls
 
     return deco
@@ -66,6 +73,11 @@ def message_name(cls: type) -> str | None:
 def message_type(name: str) -> type | None:
     """The class registered under ``name``, or None."""
     return _by_name.get(name)
+
+
+def takes_arrays(cls: type) -> bool:
+    """Whether ``cls`` was registered with ``arrays=True``."""
+    return cls in _with_arrays
 
 
 def to_fields(obj: Any) -> dict[str, Any]:
@@ -87,7 +99,11 @@ def from_fields(name: str, fields: Any) -> Any:
         kwargs = {k: (conv[k](v) if k in conv and v is not None else v) for k, v in fields.items()}
         return cls(**kwargs)
     except Exception as exc:  # a hostile peer controls every field: any failure is its fault
-        raise ProtocolError(f"message {name!r} does not fit {cls.__qualname__}: {type(exc).__name__}: {exc}") from exc
+        try:
+            why = str(exc)[:500]
+        except Exception:  # str() of a value a hostile peer built may raise too
+            why = "(unprintable)"
+        raise ProtocolError(f"message {name!r} does not fit {cls.__qualname__}: {type(exc).__name__}: {why}") from exc
 
 
 def _build_converters(cls: type) -> dict[str, Callable[[Any], Any]]:
@@ -117,4 +133,12 @@ def _converter_for(hint: Any) -> Callable[[Any], Any] | None:
     return None
 
 
-__all__ = ["from_fields", "message", "message_name", "message_type", "register_message", "to_fields"]
+__all__ = [
+    "from_fields",
+    "message",
+    "message_name",
+    "message_type",
+    "register_message",
+    "takes_arrays",
+    "to_fields",
+]

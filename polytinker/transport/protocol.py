@@ -9,10 +9,10 @@ PING, PONG and CANCEL carry the header only.
 from __future__ import annotations
 
 import logging
+import secrets
 import struct
 import threading
 import time
-import traceback
 from enum import IntEnum, StrEnum
 from typing import Any
 
@@ -37,11 +37,16 @@ class MsgType(IntEnum):
 
 
 class ErrorCode(StrEnum):
-    HANDLER = "handler"  # the handler raised; `type` and `traceback` say what
+    """Why a request failed. The transport's own codes say the server refused the message itself;
+    a handler's error travels as ``handler`` or, for the errors callers act on, the code its class
+    declares (``PolytinkerError.code``: ``auth``, ``overloaded``, ... see polytinker.errors)."""
+
+    HANDLER = "handler"  # the handler raised; `type`, `message` and `error_id` say what
     MALFORMED = "malformed"  # the header or body could not be decoded
     UNKNOWN_KIND = "unknown_kind"  # no handler for `kind`
     BAD_PAYLOAD = "bad_payload"  # the payload is not the message type registered for `kind`
     TOO_LARGE = "too_large"  # over max_body_bytes / max_frames / max_message_bytes
+    BUSY = "busy"  # the server holds max_queued_bytes of requests already: retry later
     VERSION = "version"  # protocol version not spoken by this server
     UNENCODABLE = "unencodable"  # the handler's return value cannot go on the wire
 
@@ -85,41 +90,21 @@ PING_HEADER = pack_header(MsgType.PING, 0, "")
 PONG_HEADER = pack_header(MsgType.PONG, 0, "")
 
 
-_SNDMORE = int(zmq.SNDMORE)
-# The compiled send under pyzmq's Python-level Socket.send (which only adds routing_id/group for
-# draft sockets): one interpreted frame less per frame sent.
-_send: Any = zmq.backend.Socket.send
-# pyzmq copies a frame under this size even when asked not to: such bytes are sent copying, directly.
-COPY_BELOW = zmq.COPY_THRESHOLD
-
-
-def send_frames(sock: zmq.Socket, frames: list[Any], flags: int) -> None:
-    """``send_multipart(frames, flags, copy=False)`` without its per-call checks (a few us each
-    way, which is most of a round trip here). Small ``bytes`` frames (identity, header, msgpack
-    body) go by pyzmq's copying send, which skips the memoryview and tracker that a zero-copy send
-    of a buffer under ``zmq.COPY_THRESHOLD`` makes before copying it anyway; the rest go zero-copy."""
+def send_frames(sock: zmq.Socket, frames: list[Any], flags: int = 0) -> None:
+    """Send one message: small ``bytes`` frames copied (cheaper in libzmq than tracking them),
+    buffers zero-copy (``copy=False``: the array's memory goes out as it is)."""
     last = len(frames) - 1
-    more = flags | _SNDMORE
     for i, frame in enumerate(frames):
-        _send(sock, frame, more if i < last else flags, type(frame) is bytes and len(frame) < COPY_BELOW)
-
-
-def recv_frames(sock: zmq.Socket, flags: int) -> list[zmq.Frame]:
-    """``recv_multipart(flags, copy=False)``, lean likewise; raises zmq.Again when nothing waits."""
-    frame = sock.recv(flags, copy=False)
-    frames = [frame]
-    while frame.more:
-        frame = sock.recv(copy=False)
-        frames.append(frame)
-    return frames
+        small = type(frame) is bytes and len(frame) < zmq.COPY_THRESHOLD
+        sock.send(frame, flags | zmq.SNDMORE if i < last else flags, copy=small)
 
 
 class HeaderError(ProtocolError):
-    """A header that cannot be served; ``code`` goes into the error reply."""
+    """A message that cannot be served; ``error_code`` goes into the error reply."""
 
     def __init__(self, message: str, code: ErrorCode = ErrorCode.MALFORMED) -> None:
         super().__init__(message)
-        self.code = code
+        self.error_code = code
 
 
 def parse_header(buf: Any) -> tuple[int, int, str]:
@@ -143,56 +128,103 @@ def parse_header(buf: Any) -> tuple[int, int, str]:
     return mtype, rid, kind
 
 
-def error_body(code: ErrorCode, exc: BaseException | None = None, message: str = "") -> bytes:
-    """The msgpack body of an ERROR reply."""
+MAX_ERROR_MESSAGE = 2000  # characters of an error's message that go on the wire
+
+
+def describe(exc: BaseException) -> str:
+    """``str(exc)``, bounded, and never raising: str() of a value a hostile peer built may raise
+    (RecursionError, or anything its own __str__ does), and the error path must not fail again."""
+    try:
+        text = str(exc)
+    except BaseException:
+        text = f"(the {type(exc).__name__} cannot be printed)"
+    return text if len(text) <= MAX_ERROR_MESSAGE else text[:MAX_ERROR_MESSAGE] + "..."
+
+
+def new_error_id() -> str:
+    """The id a failed request's answer and the server's log line share."""
+    return secrets.token_hex(6)
+
+
+def error_body(
+    code: ErrorCode | str, exc: BaseException | None = None, message: str = "", *, error_id: str = "", trace: str = ""
+) -> bytes:
+    """The msgpack body of an ERROR reply: code, type, message, error id (and a traceback only when
+    the server is configured to expose it). Built from bounded strings only: it cannot fail."""
     return msgpack.packb(
         {
             "code": str(code),
             "type": type(exc).__name__ if exc is not None else "",
-            "message": message or (str(exc) if exc is not None else ""),
-            "traceback": "".join(traceback.format_exception(exc)) if exc is not None else "",
+            "message": message or (describe(exc) if exc is not None else ""),
+            "error_id": error_id,
+            "traceback": trace,
         }
     )
 
 
+def handler_error_code(exc: BaseException) -> str:
+    """The wire code of an exception a handler raised: its class's ``code`` (polytinker errors that
+    callers act on declare one, see polytinker.errors), else ``handler``."""
+    code = getattr(type(exc), "code", "")
+    return code if isinstance(code, str) and code and code not in _TRANSPORT_CODES else ErrorCode.HANDLER
+
+
+_TRANSPORT_CODES = frozenset(str(c) for c in ErrorCode if c is not ErrorCode.HANDLER)
+
+
 def error_from_body(body: Any, kind: str) -> Exception:
-    """The exception a client raises for an ERROR reply's decoded body."""
+    """The exception a client raises for an ERROR reply's decoded body: ProtocolError when the
+    server refused the message itself, else RemoteError with the error's code, type and id."""
     if not isinstance(body, dict):
         return ProtocolError(f"{kind!r}: malformed error reply")
-    code = str(body.get("code", ""))
-    message = str(body.get("message", ""))
-    if code == ErrorCode.HANDLER:
-        return RemoteError(
-            message, remote_type=str(body.get("type", "")), remote_traceback=str(body.get("traceback", ""))
-        )
-    return ProtocolError(f"the server rejected {kind!r} ({code}): {message}")
+    code = str(body.get("code", ""))[:64]
+    message = str(body.get("message", ""))[: 2 * MAX_ERROR_MESSAGE]
+    if code in _TRANSPORT_CODES:
+        return ProtocolError(f"the server rejected {kind!r} ({code}): {message}")
+    return RemoteError(
+        message,
+        remote_type=str(body.get("type", ""))[:128],
+        remote_traceback=str(body.get("traceback", "")),
+        code=code or ErrorCode.HANDLER,
+        error_id=str(body.get("error_id", ""))[:64],
+    )
 
 
 class RateLimitedLog:
-    """Logs the first bad message at WARNING, then at most one summary per ``period_s``; every
-    one at DEBUG. A flood of garbage must not become a flood of log lines."""
+    """Logs the first line of each ``key`` at ``level``, then at most one per ``period_s`` with a
+    count of those suppressed meanwhile; every one at DEBUG. A flood of garbage, or a handler that
+    fails on every call, must not become a flood of log lines. Keys are kept for at most
+    ``max_keys`` distinct values (then they share one budget), so a hostile peer cannot grow it."""
 
-    def __init__(self, log: logging.Logger, period_s: float = 5.0) -> None:
+    def __init__(self, log: logging.Logger, period_s: float = 5.0, level: int = logging.WARNING) -> None:
         self._log = log
         self._period_s = period_s
-        self._next = 0.0
-        self._suppressed = 0
+        self._level = level
+        self._next: dict[Any, float] = {}
+        self._suppressed: dict[Any, int] = {}
         self._lock = threading.Lock()
 
-    def __call__(self, msg: str, *args: Any) -> None:
+    max_keys = 256
+
+    def __call__(self, msg: str, *args: Any, key: Any = None, exc_info: BaseException | None = None) -> None:
         self._log.debug(msg, *args)
         now = time.monotonic()
         with self._lock:
-            if now < self._next:
-                self._suppressed += 1
+            if key not in self._next and len(self._next) >= self.max_keys:
+                key = None
+            if now < self._next.get(key, 0.0):
+                self._suppressed[key] = self._suppressed.get(key, 0) + 1
                 return
-            suppressed, self._suppressed, self._next = self._suppressed, 0, now + self._period_s
-        extra = f" ({suppressed} more since the last report)" if suppressed else ""
-        self._log.warning(msg + extra, *args)
+            suppressed = self._suppressed.pop(key, 0)
+            self._next[key] = now + self._period_s
+        extra = f" ({suppressed} more like it since the last report)" if suppressed else ""
+        try:
+            self._log.log(self._level, msg + extra, *args, exc_info=exc_info)
+        except RecursionError:  # formatting a traceback of a very deep failure
+            self._log.log(self._level, msg + extra + " (traceback too deep to print)", *args)
 
 
 __all__ = [
-    "COPY_BELOW",
     "PING_HEADER",
     "PONG_HEADER",
     "PROTOCOL_VERSION",
@@ -200,10 +232,12 @@ __all__ = [
     "HeaderError",
     "MsgType",
     "RateLimitedLog",
+    "describe",
     "error_body",
     "error_from_body",
+    "handler_error_code",
+    "new_error_id",
     "pack_header",
     "parse_header",
-    "recv_frames",
     "send_frames",
 ]

@@ -18,7 +18,9 @@ from polytinker.transport.rpc import RpcClient, RpcServer
 
 
 def _config(threads: int) -> TransportConfig:
-    return dataclasses.replace(DEFAULT_CONFIG, handler_threads=threads)
+    # An actor's mailbox is for the process that spawned it and refs it handed out, all of one
+    # runtime: its errors carry their traceback to the caller, to debug an actor from its parent.
+    return dataclasses.replace(DEFAULT_CONFIG, handler_threads=threads, expose_tracebacks=True)
 
 
 class MailboxServer(RpcServer):

@@ -13,13 +13,9 @@ import hashlib
 import secrets
 import threading
 
-from polytinker.errors import PolytinkerError
+from polytinker.errors import AuthError
 from polytinker.scheduler.service.config import TenantConfig
 from polytinker.scheduler.service.state import StateStore
-
-
-class AuthError(PolytinkerError, PermissionError):
-    """The API key is unknown, or the tenant may not touch what it asked for."""
 
 
 def hash_key(api_key: str) -> str:

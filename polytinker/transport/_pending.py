@@ -1,0 +1,92 @@
+"""What a client's I/O thread tracks: the calls in flight, their deadlines, the requests the socket
+could not take yet, and when the server was last heard from."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import heapq
+import time
+from concurrent.futures import Future, InvalidStateError
+from typing import Any
+
+from polytinker.errors import RequestTimeout
+from polytinker.transport.config import TransportConfig
+
+
+class Pending:
+    __slots__ = ("future", "kind", "timeout_s")
+
+    def __init__(self, future: Future[Any], kind: str, timeout_s: float | None) -> None:
+        self.future = future
+        self.kind = kind
+        self.timeout_s = timeout_s
+
+
+class PendingCalls:
+    """Pending calls by request id, a heap of their deadlines, the backlog and heartbeat times.
+    Touched by the I/O thread only."""
+
+    def __init__(self, cfg: TransportConfig) -> None:
+        self.cfg = cfg
+        self.pending: dict[int, Pending] = {}
+        self.deadlines: list[tuple[float, int]] = []
+        self.backlog: collections.deque[tuple[Any, ...]] = collections.deque()
+        now = time.monotonic()
+        self.last_recv = now
+        self.next_ping = now
+        self.alive = False
+        self.awaiting_pong = False
+
+    def heard_from(self) -> None:
+        self.last_recv = time.monotonic()
+        self.alive = True
+        self.awaiting_pong = False
+
+    def has(self, rid: int) -> bool:
+        return rid in self.pending
+
+    def pop(self, rid: int) -> Pending | None:
+        return self.pending.pop(rid, None)
+
+    def add(self, rid: int, p: Pending) -> None:
+        self.pending[rid] = p
+        if p.timeout_s is not None:
+            heapq.heappush(self.deadlines, (time.monotonic() + p.timeout_s, rid))
+            if len(self.deadlines) > 2 * len(self.pending) + 1024:  # drop deadlines of answered calls
+                self.deadlines = [d for d in self.deadlines if d[1] in self.pending]
+                heapq.heapify(self.deadlines)
+
+    def poll_timeout_ms(self) -> int:
+        wake_at = min(self.next_ping, self.last_recv + self.cfg.dead_after_s)
+        if self.deadlines:
+            wake_at = min(wake_at, self.deadlines[0][0])
+        if self.backlog:
+            wake_at = min(wake_at, time.monotonic() + 0.01)  # retry the requests that found no peer
+        return max(0, int((wake_at - time.monotonic()) * 1000) + 1)
+
+    def expire(self, now: float) -> list[tuple[int, str]]:
+        """Fail the calls whose deadline passed; their (request id, kind), to cancel."""
+        dl = self.deadlines
+        out = []
+        while dl and dl[0][0] <= now:
+            _, rid = heapq.heappop(dl)
+            p = self.pending.pop(rid, None)
+            if p is not None:
+                _settle(p.future, RequestTimeout(f"{p.kind!r} got no reply within {p.timeout_s} s"))
+                out.append((rid, p.kind))
+        return out
+
+    def fail_all(self, exc: Exception) -> None:
+        pending, self.pending, self.deadlines = self.pending, {}, []
+        self.backlog.clear()
+        for p in pending.values():
+            _settle(p.future, exc)
+
+
+def _settle(fut: Future[Any], exc: BaseException) -> None:
+    with contextlib.suppress(InvalidStateError):  # the caller cancelled it meanwhile
+        fut.set_exception(exc)
+
+
+__all__ = ["Pending", "PendingCalls"]
