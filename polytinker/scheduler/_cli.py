@@ -134,19 +134,48 @@ def _client(args: argparse.Namespace) -> Any:
     return ServiceClient(address, api_key=key, curve=curve, timeout_s=30.0)
 
 
+def _print_jobs(jobs: list[dict[str, Any]], load: dict[str, Any]) -> None:
+    """The job table (CALLS: calls served by this scheduler process; IDLE: since the last call),
+    then the tenant's load: calls in flight, completed, refused as overloaded, answered waiting."""
+    print(f"{'JOB':<22} {'KIND':<9} {'STATE':<10} {'AGENT':<12} {'PRIO':>4} {'CALLS':>6} {'IDLE':>6}  AGE")
+    for j in jobs:
+        age = time.time() - j["created_s"]
+        calls = str(j["calls"]) if "calls" in j else "-"
+        idle = f"{j['idle_s']:.0f}s" if "idle_s" in j else "-"
+        print(
+            f"{j['job_id']:<22} {j['kind']:<9} {j['state']:<10} {j['agent']:<12} {j['priority']:>4} {calls:>6} "
+            f"{idle:>6}  {age:.0f}s"
+        )
+    if load:
+        states = ", ".join(f"{n} {s}" for s, n in load.get("jobs", {}).items() if n)
+        print(
+            f"tenant {load['tenant']}: {load['in_flight']} calls in flight, {load['completed']} completed, "
+            f"{load['refused']} refused (overloaded), {load['waiting']} answered waiting; jobs: {states or 'none live'}"
+        )
+
+
 def _jobs(args: argparse.Namespace) -> int:
+    import sys
+
+    try:
+        code = _jobs_command(args)
+        sys.stdout.flush()  # here, not at exit, so that a closed pipe is caught below
+        return code
+    except BrokenPipeError:
+        # The reader went away (`polytinker jobs list | head`): stop quietly, as a Unix tool
+        # does on SIGPIPE. Python flushes stdout again at exit, so that goes to /dev/null.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+
+
+def _jobs_command(args: argparse.Namespace) -> int:
     with _client(args) as client:
         if args.jobs_command == "list":
-            jobs = client.list_jobs(include_finished=not args.live)
+            report = client.jobs_report(include_finished=not args.live)
             if args.json:
-                print(json.dumps(jobs, indent=2))
+                print(json.dumps(report["jobs"], indent=2))
                 return 0
-            print(f"{'JOB':<22} {'KIND':<9} {'STATE':<10} {'AGENT':<12} {'PRIO':>4}  AGE")
-            for j in jobs:
-                age = time.time() - j["created_s"]
-                print(
-                    f"{j['job_id']:<22} {j['kind']:<9} {j['state']:<10} {j['agent']:<12} {j['priority']:>4}  {age:.0f}s"
-                )
+            _print_jobs(report["jobs"], report["load"])
             return 0
         if args.jobs_command == "show":
             print(json.dumps(client.get_job(args.job_id), indent=2))

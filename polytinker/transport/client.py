@@ -49,6 +49,43 @@ _RETRY_S = 0.01  # how soon a request the socket could not take (no peer yet, qu
 _HANDSHAKE_EVENTS = (
     zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 )
+# Plain ints: pyzmq's flag enums cost an enum operation each time they are combined or tested.
+_NOBLOCK = int(zmq.NOBLOCK)
+_POLLIN = int(zmq.POLLIN)
+_EVENTS = int(zmq.EVENTS)
+
+
+class _Waiter:
+    """The answer of a blocking ``call()``: a lock its caller waits on and the I/O thread releases.
+    The cheapest way for one thread to wake another in CPython (a Future adds a Condition)."""
+
+    __slots__ = ("_exc", "_lock", "_value")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._value: Any = None
+        self._exc: BaseException | None = None
+
+    def cancelled(self) -> bool:
+        return False
+
+    def set_result(self, value: Any) -> None:
+        if self._lock.locked():
+            self._value = value
+            self._lock.release()
+
+    def set_exception(self, exc: BaseException) -> None:
+        if self._lock.locked():
+            self._exc = exc
+            self._lock.release()
+
+    def result(self) -> Any:
+        self._lock.acquire()
+        self._lock.release()
+        if self._exc is not None:
+            raise self._exc
+        return self._value
 
 
 def _settle(fut: Future[Any], value: Any = None, exc: BaseException | None = None) -> None:
@@ -123,7 +160,15 @@ class RpcClient:
                 "a blocking call() from a callback of this client's futures would wait for itself; "
                 "use call_async() there"
             )
-        return self.call_async(kind, payload, timeout_s=timeout_s).result()
+        if self._closed:
+            raise TransportError(f"the client of {self._address} is closed")
+        frames = encode(payload, config=self._cfg)
+        if self._refused:
+            raise AuthError(f"{self._address} refused this client: {self._refused}")
+        waiter = _Waiter()
+        timeout = self._cfg.request_timeout_s if timeout_s is None else timeout_s
+        self._queue((MsgType.REQUEST, next(self._ids), kind, frames, waiter, timeout))
+        return waiter.result()
 
     def send_oneway(self, kind: str, payload: Any = None) -> None:
         """A tell: the server runs the handler and answers nothing, not even on error."""
@@ -187,14 +232,13 @@ class RpcClient:
         st = self._st
         try:
             while not self._closed:
-                poller = zmq.Poller()
-                poller.register(self._waker.fd, zmq.POLLIN)
-                poller.register(self._sock, zmq.POLLIN)
-                if self._monitor is not None:
-                    poller.register(self._monitor, zmq.POLLIN)
                 sock = self._sock
+                items = [(self._waker.fd, _POLLIN), (sock, _POLLIN)]
+                if self._monitor is not None:
+                    items.append((self._monitor, _POLLIN))
                 while not self._closed and sock is self._sock:  # a reconnect makes a new socket
-                    ready = dict(poller.poll(st.poll_timeout_ms()))
+                    polled = zmq.zmq_poll(items, st.poll_timeout_ms())  # type: ignore[arg-type]  # fds too
+                    ready = {item for item, _ in polled}
                     try:
                         self._step(st, ready)
                     except Exception as exc:  # keep serving the other calls
@@ -203,7 +247,7 @@ class RpcClient:
             st.fail_all(TransportError(f"the client of {self._address} is closed"))
             self._close_socket()
 
-    def _step(self, st: PendingCalls, ready: dict[Any, int]) -> None:
+    def _step(self, st: PendingCalls, ready: set[Any]) -> None:
         if self._waker.fd in ready:
             self._waker.drain()  # before the queue is read: an op queued later wakes us again
         if self._monitor is not None and self._monitor in ready:
@@ -218,7 +262,7 @@ class RpcClient:
         sock = self._sock
         for _ in range(_BATCH):
             # ZMQ_EVENTS says whether a message waits: cheaper than a receive that raises zmq.Again.
-            if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            if not int(sock.getsockopt(_EVENTS)) & _POLLIN:
                 return
             st.heard_from()
             self._on_answer(st, sock.recv_multipart(copy=False))
@@ -228,7 +272,7 @@ class RpcClient:
         if now >= st.next_ping:
             st.next_ping = now + self._cfg.heartbeat_interval_s
             try:
-                self._sock.send(PING_HEADER, zmq.NOBLOCK)
+                self._sock.send(PING_HEADER, _NOBLOCK)
                 st.awaiting_pong = True
             except zmq.Again:
                 pass  # queue full towards a silent peer: liveness will tell
@@ -262,7 +306,7 @@ class RpcClient:
     def _send_cancel(self, rid: int, kind: str) -> None:
         """Tell the server we gave up on ``rid`` (best effort: a full queue drops it)."""
         try:
-            self._sock.send(pack_header(MsgType.CANCEL, rid, kind), zmq.NOBLOCK)
+            self._sock.send(pack_header(MsgType.CANCEL, rid, kind), _NOBLOCK)
         except zmq.ZMQError as exc:
             log.debug("CANCEL of %d (%r) not sent: %s", rid, kind, exc)
 
@@ -279,7 +323,7 @@ class RpcClient:
         if fut is not None and (fut.cancelled() or not st.has(rid)):
             return True  # cancelled, timed out or failed meanwhile: drop it
         try:
-            send_frames(self._sock, [pack_header(mtype, rid, kind), *frames], zmq.NOBLOCK)
+            send_frames(self._sock, [pack_header(mtype, rid, kind), *frames], _NOBLOCK)
         except zmq.Again:
             return False
         except zmq.ZMQError as exc:
@@ -316,7 +360,7 @@ class RpcClient:
         assert self._monitor is not None
         while True:
             try:
-                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
+                event = parse_monitor_message(self._monitor.recv_multipart(_NOBLOCK))
             except zmq.Again:
                 return
             if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:

@@ -90,13 +90,17 @@ PING_HEADER = pack_header(MsgType.PING, 0, "")
 PONG_HEADER = pack_header(MsgType.PONG, 0, "")
 
 
+_SNDMORE = int(zmq.SNDMORE)
+_COPY_BELOW = zmq.COPY_THRESHOLD
+
+
 def send_frames(sock: zmq.Socket, frames: list[Any], flags: int = 0) -> None:
     """Send one message: small ``bytes`` frames copied (cheaper in libzmq than tracking them),
     buffers zero-copy (``copy=False``: the array's memory goes out as it is)."""
     last = len(frames) - 1
+    more = int(flags) | _SNDMORE
     for i, frame in enumerate(frames):
-        small = type(frame) is bytes and len(frame) < zmq.COPY_THRESHOLD
-        sock.send(frame, flags | zmq.SNDMORE if i < last else flags, copy=small)
+        sock.send(frame, more if i < last else flags, copy=type(frame) is bytes and len(frame) < _COPY_BELOW)
 
 
 class HeaderError(ProtocolError):

@@ -50,6 +50,10 @@ log = logging.getLogger("polytinker.transport.server")
 Handler = Callable[[Any], Any]
 
 _BATCH = 256  # messages read in one go before the I/O thread sends the answers that wait
+# Plain ints: pyzmq's flag enums cost an enum operation each time they are combined or tested.
+_NOBLOCK = int(zmq.NOBLOCK)
+_POLLIN = int(zmq.POLLIN)
+_EVENTS = int(zmq.EVENTS)
 
 _current: contextvars.ContextVar[CallContext | None] = contextvars.ContextVar("polytinker_rpc_call", default=None)
 
@@ -199,13 +203,12 @@ class RpcServer:
     def _io_loop(self) -> None:
         sock = self._sock
         assert sock is not None
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(self._waker.fd, zmq.POLLIN)
+        waker = self._waker.fd
+        items = [(sock, _POLLIN), (waker, _POLLIN)]
         try:
             while not self._stopping:
-                ready = dict(poller.poll())
-                if self._waker.fd in ready:
+                ready = {item for item, _ in zmq.zmq_poll(items, -1)}  # type: ignore[arg-type]  # fds too
+                if waker in ready:
                     self._waker.drain()  # before the outbox is read: an answer queued later wakes us again
                 if sock in ready:
                     self._read(sock)
@@ -219,7 +222,7 @@ class RpcServer:
     def _read(self, sock: zmq.Socket) -> None:
         for _ in range(_BATCH):
             # ZMQ_EVENTS says whether a message waits: cheaper than a receive that raises zmq.Again.
-            if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            if not int(sock.getsockopt(_EVENTS)) & _POLLIN:
                 return
             frames = sock.recv_multipart(copy=False)
             try:
@@ -232,7 +235,7 @@ class RpcServer:
         while outbox:
             frames = outbox.popleft()
             try:
-                send_frames(sock, frames, zmq.NOBLOCK)
+                send_frames(sock, frames, _NOBLOCK)
             except zmq.ZMQError as exc:  # peer gone or its queue full: the answer is lost
                 log.debug("answer dropped: %s", exc)
 

@@ -2,10 +2,11 @@
 
 Every call goes through ``Connection.request``:
 
-- an "overloaded" answer is retried after the ``retry_after_s`` it carries, for up to
-  ``overload_wait_s``; then ``OverloadedError`` is raised;
-- a "waiting" answer (the job is queued, preempted or paused) is retried until ``job_wait_s``;
-  then ``JobNotRunning`` is raised;
+- an "overloaded" answer is retried for up to ``overload_wait_s``, then ``OverloadedError`` is
+  raised; a "waiting" answer (the job is queued, preempted or paused) until ``job_wait_s``, then
+  ``JobNotRunning``. Between tries the client backs off exponentially with full jitter
+  (``backoff_s``: a uniform wait up to the answer's ``retry_after_s`` doubled per try, capped at
+  ``OVERLOAD_CAP_S`` or ``WAITING_CAP_S``), so clients refused together do not return together;
 - a scheduler that stops answering (restarting) is retried for up to ``reconnect_s`` when the
   request is safe to send twice (``idempotent=True``). ``forward_backward`` and ``optim_step`` are:
   each call carries a ``request_id``, the same on every resend (whose ``attempt`` counts up), and
@@ -22,6 +23,7 @@ Results are typed (``ForwardBackwardOutput``, ``OptimStepResult``, ``SampleRespo
 from __future__ import annotations
 
 import dataclasses
+import random
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -47,6 +49,16 @@ _REMOTE_TYPES: dict[str, type[PolytinkerError]] = {
     "NotBuiltError": NotBuiltError,
     "WorkerUnavailable": TransportError,
 }
+
+
+OVERLOAD_CAP_S = 10.0  # the longest back-off after an "overloaded" answer
+WAITING_CAP_S = 2.0  # ... after a "waiting" one (a queued job starts in its own time: ask again soon)
+
+
+def backoff_s(base_s: float, tries: int, cap_s: float, rng: random.Random | None = None) -> float:
+    """Exponential back-off with full jitter: uniform in [0, min(cap_s, base_s * 2**tries)]."""
+    ceiling = min(cap_s, max(0.0, base_s) * 2.0 ** min(tries, 32))
+    return (rng or random).uniform(0.0, ceiling)
 
 
 @dataclass(frozen=True)
@@ -103,6 +115,7 @@ class Connection:
 
     def request(self, kind: str, msg: Any, *, idempotent: bool = True) -> dict[str, Any]:
         start = time.monotonic()
+        overloaded = waiting = 0  # refusals of this call so far: the back-off doubles with each
         while True:
             if self.check is not None:
                 self.check()
@@ -127,11 +140,13 @@ class Connection:
             if status == "overloaded":
                 if waited > self.overload_wait_s:
                     raise OverloadedError(str(reply.get("reason", "overloaded")), float(reply["retry_after_s"]))
-                time.sleep(float(reply["retry_after_s"]))
+                time.sleep(backoff_s(float(reply["retry_after_s"]), overloaded, OVERLOAD_CAP_S))
+                overloaded += 1
             elif status == "waiting":
                 if waited > self.job_wait_s:
                     raise JobNotRunning(str(reply.get("reason", "")), str(reply.get("state", "")))
-                time.sleep(float(reply["retry_after_s"]))
+                time.sleep(backoff_s(float(reply["retry_after_s"]), waiting, WAITING_CAP_S))
+                waiting += 1
             elif status == "ok":
                 return reply
             else:
@@ -146,4 +161,13 @@ def _local(exc: RemoteError) -> Exception:
     return cls(message) if cls is not None else exc
 
 
-__all__ = ["Connection", "ForwardBackwardOutput", "OptimStepResult", "SampleResponse", "SampledSequence"]
+__all__ = [
+    "OVERLOAD_CAP_S",
+    "WAITING_CAP_S",
+    "Connection",
+    "ForwardBackwardOutput",
+    "OptimStepResult",
+    "SampleResponse",
+    "SampledSequence",
+    "backoff_s",
+]

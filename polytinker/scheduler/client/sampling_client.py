@@ -44,12 +44,15 @@ def sampling_msg(params: Any) -> SamplingMsg:
 
 
 class SamplingClient:
-    """Samples one model: ``model_path`` (``polytinker://JOB/AGENT@VERSION``) or, when empty, the base model."""
+    """Samples one model: ``model_path`` (``polytinker://JOB/AGENT@VERSION``) or, when empty, the
+    base model, whose calls name ``job_id``: the inference job ``create_sampling_client`` made,
+    which the scheduler's policy gates (its calls wait while it is queued) and accounts."""
 
-    def __init__(self, connection: Connection, base_model: str, model_path: str = "") -> None:
+    def __init__(self, connection: Connection, base_model: str, model_path: str = "", job_id: str = "") -> None:
         self._conn = connection
         self.base_model = base_model
         self.model_path = model_path
+        self.job_id = job_id
 
     def __repr__(self) -> str:
         return f"<SamplingClient {self.model_path or self.base_model}>"
@@ -63,6 +66,7 @@ class SamplingClient:
             prompt_tokens(prompt),
             num_samples,
             sampling_msg(sampling_params),
+            self.job_id,
         )
         return self._conn.pool.submit(self._sample, msg)
 
@@ -75,7 +79,9 @@ class SamplingClient:
 
     def compute_logprobs(self, prompt: Any) -> Future[list[float | None]]:
         """Log-probability of each token of ``prompt`` given the ones before it (``None`` for the first)."""
-        msg = ComputeLogprobs(self._conn.api_key, self.model_path, self.base_model, (prompt_tokens(prompt),))
+        msg = ComputeLogprobs(
+            self._conn.api_key, self.model_path, self.base_model, (prompt_tokens(prompt),), self.job_id
+        )
         return self._conn.pool.submit(self._logprobs, msg)
 
     def _logprobs(self, msg: ComputeLogprobs) -> list[float | None]:

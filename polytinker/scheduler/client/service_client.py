@@ -146,14 +146,16 @@ class ServiceClient:
     def create_sampling_client(
         self, model_path: str | None = None, base_model: str | None = None, *, priority: int = 0
     ) -> SamplingClient:
-        """Sample a saved adapter version (``model_path``), or the base model (an inference job)."""
+        """Sample a saved adapter version (``model_path``), or the base model: an inference job
+        that every call of the client names (the policy gates and accounts it; ``close()``
+        finishes it, and the scheduler pauses it when idle)."""
         if model_path:
             conn = self._connection(base_model)
             return SamplingClient(conn, base_model or self._model_of(conn), model_path)
         if not base_model:
             raise ConfigError("create_sampling_client needs model_path or base_model")
-        self._admitted(self._create("inference", base_model, priority=priority))
-        return SamplingClient(self._connection(), base_model)
+        job = self._admitted(self._create("inference", base_model, priority=priority))
+        return SamplingClient(self._connection(), base_model, job_id=job["job_id"])
 
     def _model_of(self, conn: Connection) -> str:
         reply = conn.request("sched.runtime_status", m.RuntimeStatus(conn.api_key))
@@ -164,6 +166,14 @@ class ServiceClient:
         conn = self._connection()
         jobs: list[dict[str, Any]] = conn.request("sched.list_jobs", m.ListJobs(conn.api_key, include_finished))["jobs"]
         return jobs
+
+    def jobs_report(self, include_finished: bool = True) -> dict[str, Any]:
+        """``{"jobs": [...], "load": {...}}``: the jobs with what this scheduler process saw of
+        them (``calls``, ``in_flight``, ``idle_s``, for jobs it knows), and the tenant's load
+        (calls ``in_flight``, ``completed``, ``failed``, ``refused``, ``waiting``; live ``jobs`` by state)."""
+        conn = self._connection()
+        reply = conn.request("sched.list_jobs", m.ListJobs(conn.api_key, include_finished))
+        return {"jobs": reply["jobs"], "load": reply.get("load", {})}
 
     def get_job(self, job_id: str) -> dict[str, Any]:
         conn = self._connection()

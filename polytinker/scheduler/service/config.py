@@ -198,6 +198,14 @@ class RuntimeConfig:
     job_idle_pause_s: float = 3600.0
     # A running job that gets no call for this long is paused (its client likely died) and its
     # resources freed; its next call resumes it.
+    inference_idle_s: float = 60.0
+    # An inference job (a base-model sampler) with no call for this long is paused: it holds no
+    # state, so its next call resumes it at once; one idle-paused for job_idle_pause_s more is
+    # finished (its client is gone). A queued one that no client asks for this long is paused too.
+    keep_finished_inference: int = 32
+    # Finished inference jobs kept in the job table per tenant (the newest); older ones are deleted.
+    finished_inference_keep_s: float = 3600.0
+    # Finished inference jobs are deleted from the job table this long after they finished.
     keep_checkpoints: int = 2
     # Per-step checkpoints kept per adapter (named save_state checkpoints are always kept).
     learner_slice_idle_s: float = 2.0
@@ -229,6 +237,7 @@ class RuntimeConfig:
             "max_inflight_train",
             "max_inflight_per_tenant",
             "keep_checkpoints",
+            "keep_finished_inference",
             "max_queued_jobs",
             "max_queued_per_tenant",
         )
@@ -238,6 +247,8 @@ class RuntimeConfig:
         for name in (
             "retry_after_s",
             "job_idle_pause_s",
+            "inference_idle_s",
+            "finished_inference_keep_s",
             "worker_heartbeat_s",
             "worker_retry_s",
             "request_timeout_s",

@@ -8,15 +8,26 @@ with its reason.
 
 States a tenant sees: queued, running, preempting (told to stop at its next step boundary),
 paused, done, cancelled, rejected.
+
+Activity: every call that names a job (training calls, and sampling: a base-model sampler names
+its inference job, an adapter's model path names its training job) marks the job active while it
+runs and when it ends (``activity``, ``running``, ``touch``); ``pause_idle`` applies the idle
+rules of ``idle_verdict`` to the rest. A job's history (the events table) records what happened:
+an idle pause is a ``pause`` event with its reason, never a ``cancel``. ``prune_finished``
+deletes finished inference jobs beyond ``keep_finished_inference`` per tenant or older than
+``finished_inference_keep_s``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
 import time
 import uuid
+from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from polytinker.errors import ConfigError, PolytinkerError
@@ -46,12 +57,37 @@ FINAL_STATES = ("done", "cancelled", "rejected")
 IDLE_REASON = "idle:"
 
 
-class JobNotRunning(PolytinkerError):
-    """The job exists but cannot take this call now (queued, paused, finished); ``state`` says which."""
+def idle_verdict(
+    config: RuntimeConfig, kind: str, state: str, reason: str, *, placed: bool, idle_s: float, in_flight: int
+) -> str | None:
+    """What the idle rules do to a job now: "pause", "finish" or None.
 
-    def __init__(self, message: str, state: str) -> None:
+    A call in flight keeps any job live. A placed job (running, preempting) idle for its limit is
+    paused: ``inference_idle_s`` for inference jobs (a base sampler holds no state and resumes at
+    once), ``job_idle_pause_s`` for the others (their client probably died). A queued inference
+    job that no client asked for in ``inference_idle_s`` is paused too (a live client keeps asking
+    while it waits). An inference job idle-paused for ``job_idle_pause_s`` more is finished (its
+    client is gone; finished ones are pruned). Paused training jobs stay paused: they hold state."""
+    if in_flight > 0:
+        return None
+    if kind == "inference":
+        if (placed or state == "queued") and idle_s >= config.inference_idle_s:
+            return "pause"
+        idle_paused = state == "paused" and reason.startswith(IDLE_REASON)
+        if idle_paused and idle_s >= config.inference_idle_s + config.job_idle_pause_s:
+            return "finish"
+        return None
+    return "pause" if placed and idle_s >= config.job_idle_pause_s else None
+
+
+class JobNotRunning(PolytinkerError):
+    """The job exists but cannot take this call now (queued, paused, finished); ``state`` says which,
+    ``tenant`` whose job it is (for the scheduler's counts; empty on the client side)."""
+
+    def __init__(self, message: str, state: str, tenant: str = "") -> None:
         super().__init__(message)
         self.state = state
+        self.tenant = tenant
 
 
 class OverloadedError(PolytinkerError):
@@ -80,6 +116,10 @@ class _Live:
     policy_id: str
     start_version: int  # the adapter version when this run was submitted: the policy counts steps from it
     placement: Placement | None = None
+    kind: str = ""
+
+
+_calls = threading.local()  # the jobs the current handler thread's call named (see JobManager.activity)
 
 
 class JobManager:
@@ -98,6 +138,9 @@ class JobManager:
         self._t0 = time.monotonic()
         self._live: dict[str, _Live] = {}
         self._touched: dict[str, float] = {}  # monotonic time of each job's last call
+        self._busy: Counter[str] = Counter()  # calls in flight per job
+        self._served: Counter[str] = Counter()  # calls completed per live job since this process started
+        self._idle_paused: set[str] = set()  # inference jobs paused for idleness (finished if it lasts)
         self._by_policy_id: dict[str, str] = {}
         self._attempts = itertools.count(1)
         self._rr = itertools.count()
@@ -114,6 +157,9 @@ class JobManager:
                 if row.state in LIVE_STATES:
                     self._submit(row, steps_done=self._steps_of(row))
                     n += 1
+                elif row.kind == "inference" and row.state == "paused" and row.reason.startswith(IDLE_REASON):
+                    self._idle_paused.add(row.job_id)  # its idle time counts again from now
+                    self._touched[row.job_id] = time.monotonic()
             self.schedule()
         return n
 
@@ -186,7 +232,7 @@ class JobManager:
             self.store.insert_job(row)
         self._log(result.decision)
         if isinstance(result, Accepted):
-            self._live[row.job_id] = _Live(policy_id, start_version=steps_done)
+            self._live[row.job_id] = _Live(policy_id, start_version=steps_done, kind=row.kind)
             self._touched[row.job_id] = time.monotonic()
             self._by_policy_id[policy_id] = row.job_id
             self._set_state(row.job_id, "queued", result.decision.reason)
@@ -215,23 +261,49 @@ class JobManager:
             return decisions
 
     def pause_idle(self) -> list[str]:
-        """Pause the running jobs no call touched for ``job_idle_pause_s`` (a client that died
-        without closing): their resources go back to the pool; the next call resumes them."""
-        limit = self.config.job_idle_pause_s
+        """Apply the idle rules (``idle_verdict``): pause the idle jobs (their resources go back
+        to the pool; the next call resumes them) and finish the inference jobs whose client is
+        gone. Returns the ids of the jobs paused or finished."""
         now = time.monotonic()
-        paused = []
+        changed = []
         with self._lock:
             for job_id, live in list(self._live.items()):
-                if live.placement is None or now - self._touched.get(job_id, now) < limit:
-                    continue
-                self._leave_policy(job_id, "pause")
-                reason = f"{IDLE_REASON} no call for {limit:g} s; paused to free its resources (a call resumes it)"
-                self._set_state(job_id, "paused", reason)
-                self.store.log_event(job_id, "pause", reason)
-                paused.append(job_id)
-            if paused:
+                placed = live.placement is not None
+                idle_s = now - self._touched.get(job_id, now)
+                verdict = idle_verdict(
+                    self.config, live.kind, "running" if placed else "queued", "", placed=placed,
+                    idle_s=idle_s, in_flight=self._busy[job_id],
+                )  # fmt: skip
+                if verdict == "pause":
+                    self._pause_for_idle(job_id, live.kind, placed)
+                    changed.append(job_id)
+            for job_id in list(self._idle_paused):
+                idle_s = now - self._touched.get(job_id, now)
+                verdict = idle_verdict(
+                    self.config, "inference", "paused", IDLE_REASON, placed=False, idle_s=idle_s,
+                    in_flight=self._busy[job_id],
+                )  # fmt: skip
+                if verdict == "finish":
+                    reason = f"{IDLE_REASON} no call for {idle_s:.0f} s; finished (its client is gone)"
+                    self._set_state(job_id, "done", reason)
+                    self.store.log_event(job_id, "finish", reason)
+                    self._forget(job_id)
+                    changed.append(job_id)
+            if changed:
                 self.schedule()
-        return paused
+        return changed
+
+    def _pause_for_idle(self, job_id: str, kind: str, placed: bool) -> None:
+        limit = self.config.inference_idle_s if kind == "inference" else self.config.job_idle_pause_s
+        self._leave_policy(job_id, "pause")
+        if placed:
+            reason = f"{IDLE_REASON} no call for {limit:g} s; paused to free its resources (a call resumes it)"
+        else:
+            reason = f"{IDLE_REASON} no client asked for it for {limit:g} s while queued; paused (a call resumes it)"
+        self._set_state(job_id, "paused", reason)
+        self.store.log_event(job_id, "pause", reason)
+        if kind == "inference":
+            self._idle_paused.add(job_id)
 
     def step_boundary(self, job_id: str, version: int) -> None:
         """The job completed optimizer step ``version`` (already durable): a preempted job stops here."""
@@ -262,16 +334,87 @@ class JobManager:
         for being idle is resumed by this call."""
         row = self.get(tenant, job_id)
         with self._lock:
-            self._touched[job_id] = time.monotonic()
+            if row.state not in FINAL_STATES:
+                self._mark(job_id)
             if row.state == "paused" and row.reason.startswith(IDLE_REASON):
+                self._idle_paused.discard(job_id)
                 self._submit(row, steps_done=self._steps_of(row))
                 self.schedule()
                 row = self.get(tenant, job_id)
             live = self._live.get(job_id)
             placement = live.placement if live is not None else None
         if row.state not in ("running", "preempting") or placement is None:
-            raise JobNotRunning(f"job {job_id} is {row.state}: {row.reason}", row.state)
+            raise JobNotRunning(f"job {job_id} is {row.state}: {row.reason}", row.state, tenant)
         return row, placement
+
+    def touch(self, job_id: str) -> None:
+        """A call used the job without needing it placed (sampling a training job's saved
+        adapter): it counts as activity, so the job is not paused as idle while it is used. The
+        caller has checked that the job is the tenant's own."""
+        with self._lock:
+            if job_id in self._live:
+                self._mark(job_id)
+
+    def _mark(self, job_id: str) -> None:
+        """The job is active now; inside ``activity`` it also counts as busy until the call ends."""
+        self._touched[job_id] = time.monotonic()
+        named = getattr(_calls, "jobs", None)
+        if named is not None and job_id not in named:
+            named.append(job_id)
+            self._busy[job_id] += 1
+
+    @contextlib.contextmanager
+    def activity(self) -> Iterator[None]:
+        """Around one handler call: the jobs it names (``running``, ``touch``) are busy while it
+        runs, so a long call never looks idle, and their idle time restarts when it ends. The
+        handler names them after checking the caller's tenant, hence the thread-local list."""
+        _calls.jobs = []
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            named, _calls.jobs = _calls.jobs, None
+            if named:
+                self._end_calls(named, ok)
+
+    def _end_calls(self, named: list[str], ok: bool) -> None:
+        with self._lock:
+            now = time.monotonic()
+            for job_id in named:
+                self._busy[job_id] -= 1
+                if self._busy[job_id] <= 0:
+                    del self._busy[job_id]
+                if job_id in self._touched:  # not finished meanwhile
+                    self._touched[job_id] = now
+                    self._served[job_id] += ok
+
+    def job_stats(self) -> dict[str, dict[str, float]]:
+        """Per job known to this process: calls served, calls in flight, seconds since its last call."""
+        now = time.monotonic()
+        with self._lock:
+            return {
+                job_id: {"calls": self._served[job_id], "in_flight": self._busy[job_id], "idle_s": now - t}
+                for job_id, t in self._touched.items()
+            }
+
+    def prune_finished(self) -> list[str]:
+        """Delete finished inference jobs (and their events) from the job table: per tenant all
+        but the newest ``keep_finished_inference``, and any finished ``finished_inference_keep_s``
+        ago. A base sampler leaves nothing else behind; training jobs are never deleted."""
+        cutoff = time.time() - self.config.finished_inference_keep_s
+        by_tenant: dict[str, list[JobRow]] = {}
+        for row in self.store.jobs_of("inference", FINAL_STATES):
+            by_tenant.setdefault(row.tenant, []).append(row)
+        doomed = []
+        for rows in by_tenant.values():
+            rows.sort(key=lambda r: r.updated_s, reverse=True)
+            keep = self.config.keep_finished_inference
+            doomed += [r.job_id for i, r in enumerate(rows) if i >= keep or r.updated_s < cutoff]
+        if doomed:
+            self.store.delete_jobs(doomed)
+            log.info("pruned %d finished inference jobs from the job table", len(doomed))
+        return doomed
 
     def action(self, tenant: str, job_id: str, action: str) -> JobRow:
         row = self.get(tenant, job_id)
@@ -279,6 +422,7 @@ class JobManager:
             if action == "resume":
                 if row.state != "paused":
                     raise ConfigError(f"job {job_id} is {row.state}; only a paused job can be resumed")
+                self._idle_paused.discard(job_id)
                 self._submit(row, steps_done=self._steps_of(row))
                 self.schedule()
             elif row.state in FINAL_STATES or (row.state == "paused" and action == "pause"):
@@ -288,20 +432,34 @@ class JobManager:
                 new_state = {"cancel": "cancelled", "pause": "paused", "finish": "done"}[action]
                 self._set_state(job_id, new_state, f"{action} requested by its tenant")
                 self.store.log_event(job_id, action, f"{action} requested by its tenant")
+                self._idle_paused.discard(job_id)
+                if new_state in FINAL_STATES:
+                    self._forget(job_id)
                 self.schedule()
         got = self.store.job(job_id)
         assert got is not None
         return got
 
     def _leave_policy(self, job_id: str, action: str) -> None:
+        """Take the job out of the policy. The job's history gets one event from the caller (the
+        tenant's request, or the idle pause with its reason), not the policy's decision: a pause,
+        or a finish of a job that never started, leaves through the policy's cancel, whose
+        "cancelled by its tenant" did not happen, and a finish's "all steps done" need not be true."""
         live = self._live.pop(job_id, None)
         if live is None:
             return
         self._by_policy_id.pop(live.policy_id, None)
         if action == "finish" and live.placement is not None:
-            self._log(self.policy.job_finished(live.policy_id, self.now()))
+            decision = self.policy.job_finished(live.policy_id, self.now())
         else:
-            self._log(self.policy.cancel(live.policy_id, self.now()))
+            decision = self.policy.cancel(live.policy_id, self.now())
+        log.info("%s of %s takes it out of the policy: %s", action, job_id, decision)
+
+    def _forget(self, job_id: str) -> None:
+        """A finished job's in-memory activity (bounded memory under many short-lived jobs)."""
+        self._touched.pop(job_id, None)
+        self._served.pop(job_id, None)
+        self._idle_paused.discard(job_id)
 
     def route(self, adapter: str | None, base_model: str) -> str:
         """The engine a sample request goes to: placement's choice for an adapter (a holder, or one
@@ -335,4 +493,5 @@ __all__ = [
     "OverloadedError",
     "adapter_key",
     "cluster_spec",
+    "idle_verdict",
 ]

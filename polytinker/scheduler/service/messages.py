@@ -219,6 +219,7 @@ class Sample:
     prompt_token_ids: tuple[int, ...]
     num_samples: int = 1
     params: SamplingMsg = SamplingMsg()
+    job_id: str = ""  # the base model: the caller's inference job, which gates and accounts the call
 
     def __post_init__(self) -> None:
         _need(len(self.prompt_token_ids) > 0, "the prompt needs at least one token")
@@ -233,6 +234,7 @@ class ComputeLogprobs:
     model_path: str
     base_model: str
     sequences: tuple[tuple[int, ...], ...]
+    job_id: str = ""  # the base model: the caller's inference job, which gates and accounts the call
 
     def __post_init__(self) -> None:
         _need(0 < len(self.sequences) <= MAX_PROMPTS and all(self.sequences), "1..4096 non-empty sequences")

@@ -28,7 +28,6 @@ import shutil
 import threading
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +38,7 @@ from polytinker.scheduler.service.broker import Broker, WorkerHandle
 from polytinker.scheduler.service.config import RuntimeConfig
 from polytinker.scheduler.service.jobs import FINAL_STATES, JobManager, JobNotRunning, OverloadedError, adapter_key
 from polytinker.scheduler.service.learner_worker import GradientLost
+from polytinker.scheduler.service.load import Admission
 from polytinker.scheduler.service.state import AdapterRow, JobRow, StateStore
 from polytinker.scheduler.service.tenants import AuthError, Tenants
 from polytinker.transport import RpcServer, ServerCurve, TransportConfig, load_keypair
@@ -93,8 +93,7 @@ class SchedulerService:
         # step (GradientLost) instead of stepping on part of its gradient. No entry (this process
         # restarted, or a step failed): the count is unknown and only resent steps are checked.
         self._fb_ids: dict[str, set[str]] = {}
-        self._inflight: Counter[str] = Counter()
-        self._inflight_lock = threading.Lock()
+        self.admission = Admission(config)
         self._stop = threading.Event()
         self.server: RpcServer | None = None
         self.local_server: RpcServer | None = None
@@ -117,10 +116,14 @@ class SchedulerService:
         return self
 
     def _tick(self) -> None:
+        passes = 0
         while not self._stop.wait(0.5):
+            passes += 1
             try:
                 self.jobs.pause_idle()
                 self.jobs.schedule()
+                if passes % 10 == 0:  # every 5 s: a query over the finished jobs
+                    self.jobs.prune_finished()
             except Exception:  # the loop must outlive one bad pass
                 log.exception("scheduling pass failed")
 
@@ -159,33 +162,21 @@ class SchedulerService:
 
         def run(msg: Any) -> Any:
             try:
-                return fn(msg)
+                with self.jobs.activity():  # the job the call names is busy until it ends
+                    return fn(msg)
             except OverloadedError as exc:
                 return {"status": "overloaded", "retry_after_s": exc.retry_after_s, "reason": str(exc)}
             except JobNotRunning as exc:
                 if exc.state in FINAL_STATES:
                     raise  # it will never run again: fail now instead of making the client wait
+                self.admission.waited(exc.tenant)
                 return {"status": "waiting", "state": exc.state, "retry_after_s": 0.25, "reason": str(exc)}
 
         return run
 
-    @contextlib.contextmanager
-    def _admit(self, tenant: str, what: str) -> Iterator[None]:
-        """Bounded in-flight work: per kind of work and per tenant."""
-        bound = self.config.max_inflight_samples if what == "sample" else self.config.max_inflight_train
-        with self._inflight_lock:
-            if self._inflight[what] >= bound or self._inflight["t:" + tenant] >= self.config.max_inflight_per_tenant:
-                raise OverloadedError(
-                    f"{self._inflight[what]} {what} requests in flight (bound {bound})", self.config.retry_after_s
-                )
-            self._inflight[what] += 1
-            self._inflight["t:" + tenant] += 1
-        try:
-            yield
-        finally:
-            with self._inflight_lock:
-                self._inflight[what] -= 1
-                self._inflight["t:" + tenant] -= 1
+    def _admit(self, tenant: str, what: str) -> contextlib.AbstractContextManager[None]:
+        """Bounded in-flight work: per kind of work and per tenant; refusals counted and logged."""
+        return self.admission.admit(tenant, what)
 
     def _tenant(self, api_key: str) -> str:
         return self.tenants.authenticate(api_key, peer_user_id())
@@ -223,13 +214,22 @@ class SchedulerService:
         return {"status": "ok", "job": row.public()}
 
     def list_jobs(self, msg: m.ListJobs) -> dict[str, Any]:
-        rows = self.store.jobs(self._tenant(msg.api_key))
+        tenant = self._tenant(msg.api_key)
+        rows = self.store.jobs(tenant)
         if not msg.include_finished:
             rows = [r for r in rows if r.state not in ("done", "cancelled", "rejected")]
-        return {"status": "ok", "jobs": [r.public() for r in rows]}
+        activity = self.jobs.job_stats()
+        jobs = [r.public() | activity.get(r.job_id, {}) for r in rows]
+        return {"status": "ok", "jobs": jobs, "load": self._load(tenant)}
+
+    def _load(self, tenant: str) -> dict[str, Any]:
+        """The tenant's own call figures (see ``Admission``) and how many of its jobs are in each live state."""
+        states = Counter(r.state for r in self.store.jobs(tenant))
+        jobs = {s: states[s] for s in ("queued", "running", "preempting", "paused")}
+        return {"tenant": tenant, **self.admission.tenant_status(tenant), "jobs": jobs}
 
     def runtime_status(self, msg: m.RuntimeStatus) -> dict[str, Any]:
-        self._tenant(msg.api_key)
+        tenant = self._tenant(msg.api_key)
         stats: dict[str, Any] = {}
         for w in self.broker.workers():
             if w["alive"]:
@@ -245,6 +245,8 @@ class SchedulerService:
             "actors": self.broker.actors(),
             "stats": stats,
             "learner_switches": switches,
+            "tenants": {tenant: self._load(tenant)},  # a tenant sees its own figures only
+            "totals": self.admission.totals(),
         }
 
     # --- training --------------------------------------------------------------------------------
@@ -427,6 +429,7 @@ class SchedulerService:
     def sample(self, msg: m.Sample) -> dict[str, Any]:
         tenant = self._tenant(msg.api_key)
         key, version, export, full = self._resolve(tenant, msg.model_path)
+        self._sampling_job(tenant, msg)
         with self._admit(tenant, "sample"):
             engine = self.jobs.route(key or None, msg.base_model)
             req = m.EngineSample(
@@ -438,11 +441,29 @@ class SchedulerService:
     def compute_logprobs(self, msg: m.ComputeLogprobs) -> dict[str, Any]:
         tenant = self._tenant(msg.api_key)
         key, version, export, full = self._resolve(tenant, msg.model_path)
+        self._sampling_job(tenant, msg)
         with self._admit(tenant, "sample"):
             engine = self.jobs.route(key or None, msg.base_model)
             req = m.EngineLogprobs(key, version, export, msg.sequences, full=full)
             out = self.broker.call(engine, "sched.w.logprobs", req)
         return {"status": "ok", "logprobs": out}
+
+    def _sampling_job(self, tenant: str, msg: m.Sample | m.ComputeLogprobs) -> None:
+        """The job a sampling call belongs to, which the call counts as activity of. A base-model
+        call names its inference job, which the policy admits and gates: queued or paused, the
+        call is answered "waiting" (paused for idleness, the call resumes it). A model path names
+        its training job (``_resolve`` checked it is the tenant's)."""
+        if msg.model_path:
+            self.jobs.touch(parse_model_path(msg.model_path)[0])
+            return
+        if not msg.job_id:
+            raise ConfigError(
+                "a base-model call names its inference job: ServiceClient.create_sampling_client(base_model=...) "
+                "makes one"
+            )
+        row, _ = self.jobs.running(tenant, msg.job_id)
+        if row.kind != "inference":
+            raise ConfigError(f"job {msg.job_id} is a {row.kind} job; a base-model call names an inference job")
 
 
 class SchedulerActor(Actor):

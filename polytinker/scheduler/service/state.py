@@ -4,6 +4,7 @@ Tables:
 
 - ``tenants``: name, SHA-256 of the API key, fair-share weight;
 - ``jobs``: one row per job (tenant, kind, base model, agent, LoRA shape, state, priority, reason);
+  finished inference jobs are deleted with their events after a while (``JobManager.prune_finished``);
 - ``adapters``: one row per adapter (tenant/job/agent): its latest version, checkpoint and export;
 - ``adapter_versions``: every version's checkpoint and peft export (the ones kept on disk);
 - ``checkpoints``: named ``save_state`` checkpoints per job;
@@ -44,6 +45,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     steps INTEGER NOT NULL, reason TEXT NOT NULL DEFAULT '', created_s REAL NOT NULL, updated_s REAL NOT NULL,
     max_staleness INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS jobs_by_tenant ON jobs (tenant, created_s);
+CREATE INDEX IF NOT EXISTS jobs_by_kind ON jobs (kind, state);
 CREATE TABLE IF NOT EXISTS adapters (
     adapter_key TEXT PRIMARY KEY, tenant TEXT NOT NULL, job_id TEXT NOT NULL, agent TEXT NOT NULL,
     version INTEGER NOT NULL, checkpoint TEXT NOT NULL, export_dir TEXT NOT NULL, updated_s REAL NOT NULL);
@@ -56,6 +58,7 @@ CREATE TABLE IF NOT EXISTS checkpoints (
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT, time_s REAL NOT NULL, job_id TEXT NOT NULL, kind TEXT NOT NULL,
     reason TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS events_by_job ON events (job_id, id);
 """
 
 
@@ -212,6 +215,17 @@ class StateStore:
         if tenant is None:
             return [_job(r) for r in self._query("SELECT * FROM jobs ORDER BY created_s")]
         return [_job(r) for r in self._query("SELECT * FROM jobs WHERE tenant = ? ORDER BY created_s", (tenant,))]
+
+    def jobs_of(self, kind: str, states: tuple[str, ...]) -> list[JobRow]:
+        marks = ", ".join("?" * len(states))
+        rows = self._query(f"SELECT * FROM jobs WHERE kind = ? AND state IN ({marks})", (kind, *states))
+        return [_job(r) for r in rows]
+
+    def delete_jobs(self, job_ids: list[str]) -> None:
+        """Forget jobs and their events (finished inference jobs: nothing else refers to them)."""
+        with self._tx() as db:
+            db.executemany("DELETE FROM events WHERE job_id = ?", [(j,) for j in job_ids])
+            db.executemany("DELETE FROM jobs WHERE job_id = ?", [(j,) for j in job_ids])
 
     # --- adapters ------------------------------------------------------------------------------
     def ensure_adapter(self, key: str, tenant: str, job_id: str, agent: str) -> AdapterRow:
