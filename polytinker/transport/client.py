@@ -39,6 +39,7 @@ from polytinker.transport.protocol import (
     error_from_body,
     pack_header,
     parse_header,
+    recv_frames,
     send_frames,
 )
 from polytinker.transport.server import apply_limits
@@ -265,7 +266,7 @@ class RpcClient:
             if not int(sock.getsockopt(_EVENTS)) & _POLLIN:
                 return
             st.heard_from()
-            self._on_answer(st, sock.recv_multipart(copy=False))
+            self._on_answer(st, recv_frames(sock))
 
     def _timers(self, st: PendingCalls) -> None:
         now = time.monotonic()

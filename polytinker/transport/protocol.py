@@ -103,6 +103,17 @@ def send_frames(sock: zmq.Socket, frames: list[Any], flags: int = 0) -> None:
         sock.send(frame, more if i < last else flags, copy=type(frame) is bytes and len(frame) < _COPY_BELOW)
 
 
+def recv_frames(sock: zmq.Socket) -> list[zmq.Frame]:
+    """Receive one whole message, zero-copy (``recv_multipart(copy=False)``, without its
+    ZMQ_RCVMORE query per frame: a received Frame says itself whether more follow)."""
+    frame = sock.recv(copy=False)
+    frames = [frame]
+    while frame.more:
+        frame = sock.recv(copy=False)
+        frames.append(frame)
+    return frames
+
+
 class HeaderError(ProtocolError):
     """A message that cannot be served; ``error_code`` goes into the error reply."""
 
@@ -243,5 +254,6 @@ __all__ = [
     "new_error_id",
     "pack_header",
     "parse_header",
+    "recv_frames",
     "send_frames",
 ]

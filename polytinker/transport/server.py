@@ -43,6 +43,7 @@ from polytinker.transport.protocol import (
     error_body,
     pack_header,
     parse_header,
+    recv_frames,
     send_frames,
 )
 
@@ -224,7 +225,7 @@ class RpcServer:
             # ZMQ_EVENTS says whether a message waits: cheaper than a receive that raises zmq.Again.
             if not int(sock.getsockopt(_EVENTS)) & _POLLIN:
                 return
-            frames = sock.recv_multipart(copy=False)
+            frames = recv_frames(sock)
             try:
                 self._route(sock, frames)
             except Exception as exc:  # the server must outlive any one message
