@@ -25,6 +25,7 @@ from polytinker.envs.remote import EnvServer, RemoteAECEnv, RemoteEnv, RemotePar
 from polytinker.envs.types import (
     AgentAction,
     AgentID,
+    EnvBusy,
     EpisodeResult,
     InvalidAction,
     PolicyInput,
@@ -38,6 +39,7 @@ __all__ = [
     "AgentID",
     "Coordinator",
     "CoordinatorConfig",
+    "EnvBusy",
     "EnvConfig",
     "EnvServer",
     "EnvServerConfig",

@@ -65,9 +65,16 @@ class CoordinatorConfig:
     """Env steps after which an episode is aborted (guards against envs that never end)."""
     keep_history: bool = True
     """Pass each agent's earlier turns to the policy (``PolicyInput.history``)."""
+    open_wait_s: float = 300.0
+    """How long an episode keeps trying to open while the env server refuses (``EnvBusy``:
+    ``max_episodes`` open) before it is recorded as aborted."""
+    open_backoff_cap_s: float = 5.0
+    """The longest wait between two tries of a refused open (exponential back-off, full jitter)."""
 
     def __post_init__(self) -> None:
         _positive("CoordinatorConfig", "max_concurrent_episodes", self.max_concurrent_episodes)
+        _positive("CoordinatorConfig", "open_wait_s", self.open_wait_s)
+        _positive("CoordinatorConfig", "open_backoff_cap_s", self.open_backoff_cap_s)
         _positive("CoordinatorConfig", "policy_timeout_s", self.policy_timeout_s)
         _positive("CoordinatorConfig", "max_steps_per_episode", self.max_steps_per_episode)
 

@@ -22,6 +22,11 @@ opponents); one policy for all agents, or a mapping from agent id to policy.
   (``Turn.invalid_reason``) and asks again with the env's feedback in the observation.
 - A policy that times out sends the empty action, which the env refuses like any invalid one.
 - An env that raises aborts its episode (``EpisodeResult.aborted``); the other episodes go on.
+  So does a ``make_env`` that raises: the episode is recorded as aborted with the reason.
+- Back-pressure: an env source that refuses an open for now (``EnvBusy``: a remote server with
+  ``max_episodes`` open) lowers how many episodes this run opens at once to what the source
+  admits (its ``max_episodes``, or what is open now), and the refused episode waits (exponential
+  back-off with full jitter) and opens again, for up to ``open_wait_s``.
 
 The coordinator knows nothing of models. Envs with ``areset``/``astep`` coroutines (remote envs)
 are awaited, so that many remote episodes overlap on one event loop.
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import random
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
@@ -43,6 +49,7 @@ from polytinker.envs.config import CoordinatorConfig
 from polytinker.envs.types import (
     AgentAction,
     AgentID,
+    EnvBusy,
     EpisodeResult,
     PolicyInput,
     TextObservation,
@@ -122,11 +129,38 @@ class _PolicyFailed(Exception):
     """Carries a policy's exception (as ``__cause__``) past the env-failure handler."""
 
 
+class _Gate:
+    """A semaphore whose limit comes down to what the env source admits: the open episodes of
+    this run when a refusal came, or the source's own ``max_episodes`` when it says so."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.active = 0
+        self._changed = asyncio.Condition()
+
+    async def acquire(self) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.active < self.limit)
+            self.active += 1
+
+    async def release(self) -> None:
+        async with self._changed:
+            self.active -= 1
+            self._changed.notify_all()
+
+    def refused(self, exc: EnvBusy) -> None:
+        """Called by a holder whose open was refused: the others hold what the source admits."""
+        admits = exc.max_episodes if exc.max_episodes > 0 else self.active - 1
+        self.limit = max(1, min(self.limit, admits))
+
+
 class Coordinator:
     """Runs episodes of text envs against policies; see the module docstring for the protocol."""
 
     def __init__(self, config: CoordinatorConfig | None = None) -> None:
         self.config = config or CoordinatorConfig()
+        # Over this coordinator's runs: opens refused for now (EnvBusy) and opens that failed.
+        self.stats = {"open_refused": 0, "open_failed": 0}
 
     async def run(
         self,
@@ -136,21 +170,51 @@ class Coordinator:
         *,
         env_id: str = "",
     ) -> list[EpisodeResult]:
-        """One episode per seed, at most ``max_concurrent_episodes`` at once, results in seed order.
-        ``make_env()`` may return an env or an awaitable of one; each episode gets a fresh env."""
-        gate = asyncio.Semaphore(self.config.max_concurrent_episodes)
+        """One episode per seed, at most ``max_concurrent_episodes`` at once (fewer when the env
+        source refuses opens), results in seed order. ``make_env()`` may return an env or an
+        awaitable of one; each episode gets a fresh env. A failed open or step aborts its episode."""
+        gate = _Gate(self.config.max_concurrent_episodes)
 
         async def one(seed: int | None) -> EpisodeResult:
-            async with gate:
+            start = time.perf_counter()
+            env, why = await self._open(make_env, gate)
+            if env is None:
+                return _not_opened(seed, env_id, why, time.perf_counter() - start)
+            try:
+                return await self.run_episode(env, policy, seed=seed, env_id=env_id)
+            finally:
+                try:
+                    await _maybe_await(getattr(env, "aclose", None) or env.close)
+                finally:
+                    await gate.release()
+
+        return list(await asyncio.gather(*(one(s) for s in seeds)))
+
+    async def _open(self, make_env: EnvFactory, gate: _Gate) -> tuple[Any, str]:
+        """(env, "") holding a gate slot, or (None, why) holding none. A refusal for now gives
+        the slot back, waits and tries again, so refused episodes queue behind the lowered limit."""
+        deadline = time.monotonic() + self.config.open_wait_s
+        tries = 0
+        while True:
+            await gate.acquire()
+            try:
                 env = make_env()
                 if inspect.isawaitable(env):
                     env = await env
-                try:
-                    return await self.run_episode(env, policy, seed=seed, env_id=env_id)
-                finally:
-                    await _maybe_await(getattr(env, "aclose", None) or env.close)
-
-        return list(await asyncio.gather(*(one(s) for s in seeds)))
+                return env, ""
+            except EnvBusy as exc:
+                self.stats["open_refused"] += 1
+                gate.refused(exc)
+                await gate.release()
+                if time.monotonic() >= deadline:
+                    return None, f"not opened in open_wait_s={self.config.open_wait_s:g}: {exc}"
+                ceiling = min(self.config.open_backoff_cap_s, exc.retry_after_s * 2.0 ** min(tries, 16))
+                await asyncio.sleep(random.uniform(0.0, ceiling))
+                tries += 1
+            except Exception as exc:
+                self.stats["open_failed"] += 1
+                await gate.release()
+                return None, f"open failed: {type(exc).__name__}: {exc}"
 
     def run_sync(
         self,
@@ -282,6 +346,10 @@ class Coordinator:
                 truncated = bool(truncations.get(a, False))
                 if terminated or truncated:
                     book.done[a] = (bool(terminated), truncated)
+
+
+def _not_opened(seed: int | None, env_id: str, why: str, wall_s: float) -> EpisodeResult:
+    return EpisodeResult(uuid.uuid4().hex[:12], env_id, seed, {}, 0, wall_s, aborted=why)
 
 
 async def _all(decisions: Sequence[Coroutine[Any, Any, str]]) -> list[str]:

@@ -9,6 +9,8 @@ transport connection.
 A server that dies mid-episode makes the next call fail within ``request_timeout_s`` (or
 sooner, when the transport's heartbeats stop) with ``RequestTimeout``/``PeerDeadError``
 naming the server and the episode; an env that raised on the server arrives as ``EnvError``.
+A server with ``max_episodes`` open answers the open "busy": the open raises ``EnvBusy`` (with
+the server's ``retry_after_s`` and ``max_episodes``), which the coordinator waits out.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pettingzoo import AECEnv, ParallelEnv
 from polytinker.envs.base import text_spaces
 from polytinker.envs.config import EnvConfig, RemoteEnvConfig
 from polytinker.envs.remote import messages as m
-from polytinker.envs.types import AgentID, InvalidAction
+from polytinker.envs.types import AgentID, EnvBusy, InvalidAction
 from polytinker.errors import EnvError, PeerDeadError, ProtocolError, RemoteError, RequestTimeout
 from polytinker.transport.rpc import ClientCurve, RpcClient
 
@@ -197,6 +199,13 @@ def _open_payload(env_id: str, env_kwargs: dict[str, Any] | None, env_config: di
 
 
 def _opened(key: _Key, env_id: str, client: RpcClient, hello: Any, config: RemoteEnvConfig) -> Any:
+    if isinstance(hello, dict) and hello.get("busy"):
+        _release(key)
+        raise EnvBusy(
+            f"opening {env_id} at {key[0]}: {hello.get('reason', 'the server is busy')}",
+            float(hello.get("retry_after_s", 0.5)),
+            int(hello.get("max_episodes", 0)),
+        )
     if not isinstance(hello, dict) or hello.get("kind") not in ("aec", "parallel"):
         _release(key)
         raise ProtocolError(f"opening {env_id} at {key[0]}: the reply is not an env.open reply: {hello!r:.200}")

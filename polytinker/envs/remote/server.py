@@ -5,6 +5,9 @@ are kinds on that envelope (docs/remote-envs.md). Every episode has its own env 
 lock, so episodes run concurrently and one episode's calls are serialised. Env calls run on a
 separate executor with ``step_timeout_s``: an env that hangs or raises aborts its episode (the
 client gets an error reply naming the reason) while the server keeps serving the others.
+With ``max_episodes`` open, ``env.open`` is answered ``{"busy": true, ...}`` (the client raises
+``EnvBusy``; the coordinator waits and opens again) rather than an error: a full server is a
+state to wait out, not a failure.
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ from polytinker.envs.remote import messages as m
 from polytinker.envs.types import InvalidAction
 from polytinker.errors import ConfigError, EnvError, ProtocolError
 from polytinker.transport.config import TransportConfig
+from polytinker.transport.protocol import RateLimitedLog
 from polytinker.transport.rpc import RpcServer, ServerCurve
 
 log = logging.getLogger(__name__)
 _TOMBSTONES = 4096  # aborted episodes remembered, so late requests learn why
+BUSY_RETRY_S = 0.5  # the wait a busy answer suggests
 
 
 @dataclass
@@ -80,6 +85,7 @@ class EnvServer:
         # Binding beyond loopback needs Curve (or an explicit insecure=True): the transport's rule.
         self._rpc = RpcServer(address, wrapped, config=transport, curve=curve, insecure=insecure)
         self._stopped = threading.Event()
+        self._busy_log = RateLimitedLog(log)
 
     @property
     def address(self) -> str:
@@ -171,7 +177,7 @@ class EnvServer:
             raise EnvError(f"this server does not serve {req.env_id!r}; it serves: {', '.join(self.env_ids)}")
         self._reap_idle()
         if len(self._episodes) >= self.config.max_episodes:
-            raise EnvError(f"the server has max_episodes={self.config.max_episodes} open; close some first")
+            return self._busy()
         try:
             env_config = EnvConfig(**req.config)
         except TypeError as exc:
@@ -179,8 +185,16 @@ class EnvServer:
         env = make(req.env_id, config=env_config, **req.kwargs)
         episode = uuid.uuid4().hex
         aec = isinstance(env, AECEnv)
-        with self._lock:
-            self._episodes[episode] = _Episode(env, req.env_id, aec)
+        with self._lock:  # the bound holds under concurrent opens: counted and taken at once
+            full = len(self._episodes) >= self.config.max_episodes
+            if not full:
+                self._episodes[episode] = _Episode(env, req.env_id, aec)
+        if full:
+            try:
+                env.close()
+            except Exception:
+                log.debug("closing an env opened past max_episodes failed", exc_info=True)
+            return self._busy()
         cfg = getattr(env, "config", env_config)
         return {
             "episode": episode,
@@ -192,6 +206,12 @@ class EnvServer:
             "max_observation_chars": cfg.max_observation_chars,
             "max_action_chars": cfg.max_action_chars,
         }
+
+    def _busy(self) -> dict[str, Any]:
+        limit = self.config.max_episodes
+        self._busy_log("env.open refused: max_episodes=%d open", limit)
+        reason = f"the server has max_episodes={limit} open; try again after a close"
+        return {"busy": True, "reason": reason, "max_episodes": limit, "retry_after_s": BUSY_RETRY_S}
 
     def _on_reset(self, req: m.ResetRequest) -> dict[str, Any]:
         ep = self._episode(req.episode)
