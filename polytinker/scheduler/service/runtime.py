@@ -218,7 +218,7 @@ class LocalRuntime:
                 self._report_now.wait(wait_s)
 
     def status(self, timeout_s: float = 10.0) -> dict[str, Any]:
-        """The scheduler's ``runtime_status`` (workers, their stats, learner switches)."""
+        """The scheduler's ``runtime_status`` (workers, supervised actors, their stats, learner switches)."""
         with RpcClient(self.local_address) as client:
             out: dict[str, Any] = client.call("sched.runtime_status", RuntimeStatus(self.api_key), timeout_s=timeout_s)
             return out
