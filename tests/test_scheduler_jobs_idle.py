@@ -104,6 +104,8 @@ def test_a_forgotten_sampler_is_finished_and_finished_samplers_are_pruned(tmp_pa
     assert mgr.pause_idle() == [forgotten]
     row = mgr.get("alice", forgotten)
     assert row.state == "done" and row.reason.startswith("idle:") and kinds(mgr, forgotten)[-2:] == ["pause", "finish"]
+    assert mgr.running("alice", forgotten)[0].state == "running"  # its client was only quiet: resumed
+    mgr.action("alice", forgotten, "finish")
     closed = [create(mgr, "inference") for _ in range(3)]
     for job_id in closed:
         mgr.action("alice", job_id, "finish")

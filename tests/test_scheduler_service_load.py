@@ -20,6 +20,7 @@ import pytest
 
 from polytinker.scheduler.client import ServiceClient
 from polytinker.scheduler.service import EngineWorkerConfig, LocalRuntime, RuntimeConfig, TenantConfig
+from polytinker.scheduler.service.jobs import JobNotRunning
 
 MODEL = "tiny-random"
 KEYS = {"alice": "alice-load-key-0123456789", "bob": "bob-load-key-0123456789ab"}
@@ -158,6 +159,22 @@ def test_a_dead_clients_sampler_is_paused_then_finished_and_a_busy_one_stays_run
         assert gone["job"]["state"] == "done" and gone["job"]["reason"].startswith("idle:"), gone["job"]
         assert [e["kind"] for e in gone["events"]][-2:] == ["pause", "finish"]
         assert busy.job_id in live_ids(runtime, "bob")
+
+
+def test_a_sampler_whose_job_was_deleted_samples_on_a_new_one(runtime):
+    with client(runtime, "alice") as sc:
+        sampler = sc.create_sampling_client(base_model=MODEL)
+        first = sampler.job_id
+        sc.cancel_job(first)
+        with pytest.raises(JobNotRunning, match="cancelled"):  # the tenant's cancel holds while the job is listed
+            sampler.sample([1, 2], 1, PARAMS).result()
+        for _ in range(KEEP_FINISHED):  # newer finished samplers: the cancelled one is pruned
+            sc.cancel_job(sc.create_sampling_client(base_model=MODEL).job_id)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and first in {j["job_id"] for j in inference_jobs(runtime, "alice")}:
+            time.sleep(0.5)
+        assert len(sampler.sample([1, 2], 1, PARAMS).result().sequences) == 1
+        assert sampler.job_id != first and sampler.job_id in live_ids(runtime, "alice")
 
 
 def test_jobs_list_into_a_closed_pipe_exits_quietly(runtime):

@@ -7,11 +7,15 @@ many clients (and tenants) meet in the engines' mixed batches.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 from polytinker.scheduler.client._connection import Connection, SampledSequence, SampleResponse
 from polytinker.scheduler.service.messages import ComputeLogprobs, Sample, SamplingMsg
+from polytinker.scheduler.service.tenants import AuthError
 
 
 def prompt_tokens(prompt: Any) -> tuple[int, ...]:
@@ -48,11 +52,20 @@ class SamplingClient:
     base model, whose calls name ``job_id``: the inference job ``create_sampling_client`` made,
     which the scheduler's policy gates (its calls wait while it is queued) and accounts."""
 
-    def __init__(self, connection: Connection, base_model: str, model_path: str = "", job_id: str = "") -> None:
+    def __init__(
+        self,
+        connection: Connection,
+        base_model: str,
+        model_path: str = "",
+        job_id: str = "",
+        reopen: Callable[[], str] | None = None,
+    ) -> None:
         self._conn = connection
         self.base_model = base_model
         self.model_path = model_path
         self.job_id = job_id
+        self._reopen = reopen  # makes a new inference job when the scheduler deleted this one
+        self._reopen_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"<SamplingClient {self.model_path or self.base_model}>"
@@ -70,8 +83,21 @@ class SamplingClient:
         )
         return self._conn.pool.submit(self._sample, msg)
 
+    def _request(self, kind: str, msg: Sample | ComputeLogprobs) -> dict[str, Any]:
+        """The call; once more on a new inference job when this one is gone from the job table
+        (finished while its client was quiet for hours, then pruned: docs/scheduler-service.md)."""
+        try:
+            return self._conn.request(kind, msg)
+        except AuthError as exc:
+            if self._reopen is None or not msg.job_id or repr(msg.job_id) not in str(exc):
+                raise
+            with self._reopen_lock:
+                if self.job_id == msg.job_id:  # not yet replaced by a concurrent call
+                    self.job_id = self._reopen()
+            return self._conn.request(kind, dataclasses.replace(msg, job_id=self.job_id))
+
     def _sample(self, msg: Sample) -> SampleResponse:
-        reply = self._conn.request("sched.sample", msg)
+        reply = self._request("sched.sample", msg)
         return SampleResponse([SampledSequence(**s) for s in reply["sequences"]])
 
     async def sample_async(self, prompt: Any, num_samples: int = 1, sampling_params: Any = None) -> SampleResponse:
@@ -85,7 +111,7 @@ class SamplingClient:
         return self._conn.pool.submit(self._logprobs, msg)
 
     def _logprobs(self, msg: ComputeLogprobs) -> list[float | None]:
-        reply = self._conn.request("sched.compute_logprobs", msg)
+        reply = self._request("sched.compute_logprobs", msg)
         return [None, *reply["logprobs"][0]]
 
     async def compute_logprobs_async(self, prompt: Any) -> list[float | None]:

@@ -154,8 +154,11 @@ class ServiceClient:
             return SamplingClient(conn, base_model or self._model_of(conn), model_path)
         if not base_model:
             raise ConfigError("create_sampling_client needs model_path or base_model")
-        job = self._admitted(self._create("inference", base_model, priority=priority))
-        return SamplingClient(self._connection(), base_model, job_id=job["job_id"])
+
+        def reopen() -> str:
+            return str(self._admitted(self._create("inference", base_model, priority=priority))["job_id"])
+
+        return SamplingClient(self._connection(), base_model, job_id=reopen(), reopen=reopen)
 
     def _model_of(self, conn: Connection) -> str:
         reply = conn.request("sched.runtime_status", m.RuntimeStatus(conn.api_key))

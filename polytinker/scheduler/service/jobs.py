@@ -331,12 +331,15 @@ class JobManager:
 
     def running(self, tenant: str, job_id: str) -> tuple[JobRow, Placement]:
         """The job and where it runs; JobNotRunning when it cannot take work now. A job paused
-        for being idle is resumed by this call."""
+        for being idle is resumed by this call, and so is an inference job finished for being
+        idle (its client was only quiet, not gone: a base sampler has no state to lose)."""
         row = self.get(tenant, job_id)
         with self._lock:
-            if row.state not in FINAL_STATES:
+            idle_done = row.kind == "inference" and row.state == "done"
+            resume = row.reason.startswith(IDLE_REASON) and (row.state == "paused" or idle_done)
+            if row.state not in FINAL_STATES or resume:
                 self._mark(job_id)
-            if row.state == "paused" and row.reason.startswith(IDLE_REASON):
+            if resume:
                 self._idle_paused.discard(job_id)
                 self._submit(row, steps_done=self._steps_of(row))
                 self.schedule()
