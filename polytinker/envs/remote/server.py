@@ -164,9 +164,10 @@ class EnvServer:
 
     def _reap_idle(self) -> None:
         cutoff = time.monotonic() - self.config.idle_episode_s
-        for episode, ep in list(self._episodes.items()):
-            if ep.last_used < cutoff:
-                self._abort(episode, f"idle for more than idle_episode_s={self.config.idle_episode_s}")
+        with self._lock:  # a copy taken while other handler threads open and close episodes failed
+            idle = [episode for episode, ep in self._episodes.items() if ep.last_used < cutoff]
+        for episode in idle:
+            self._abort(episode, f"idle for more than idle_episode_s={self.config.idle_episode_s}")
 
     # -- handlers
     def _on_list(self, req: m.ListRequest) -> dict[str, Any]:
