@@ -83,7 +83,9 @@ class EnvServer:
         }
         wrapped = {kind: self._typed(kind, fn) for kind, fn in handlers.items()}
         # Binding beyond loopback needs Curve (or an explicit insecure=True): the transport's rule.
-        self._rpc = RpcServer(address, wrapped, config=transport, curve=curve, insecure=insecure)
+        # arrays=False: env messages are text and token ids; a peer that sends a tensor is refused
+        # without this process ever importing torch.
+        self._rpc = RpcServer(address, wrapped, config=transport, curve=curve, insecure=insecure, arrays=False)
         self._stopped = threading.Event()
         self._busy_log = RateLimitedLog(log)
 
