@@ -123,3 +123,28 @@ def test_the_back_off_is_exponential_with_full_jitter_and_capped() -> None:
         ceiling = min(10.0, 2.0**tries)
         assert min(w) >= 0.0 and max(w) <= ceiling
         assert abs(sum(w) / len(w) - ceiling / 2) < 0.1 * ceiling  # uniform over [0, ceiling]
+
+
+def test_refusals_are_counted_per_tenant_and_logged_rate_limited(tmp_path: Path, caplog) -> None:
+    from polytinker.scheduler.service.jobs import OverloadedError
+    from polytinker.scheduler.service.load import Admission
+
+    cfg = RuntimeConfig(model="tiny-random", max_inflight_per_tenant=2, retry_after_s=0.5)
+    admission = Admission(cfg, log_period_s=60.0)
+    with caplog.at_level("WARNING", logger="polytinker.scheduler.service"):
+        with admission.admit("alice", "sample"), admission.admit("alice", "train"):
+            for _ in range(5):
+                try:
+                    with admission.admit("alice", "sample"):
+                        raise AssertionError("admitted past the per-tenant bound")
+                except OverloadedError as exc:
+                    assert exc.retry_after_s == 0.5 and "max_inflight_per_tenant=2" in str(exc)
+            with admission.admit("bob", "sample"):  # another tenant's bound is its own
+                assert admission.tenant_status("alice")["in_flight"] == 2
+        admission.waited("bob")
+    assert admission.tenant_status("alice") == {"in_flight": 0, "completed": 2, "failed": 0, "refused": 5, "waiting": 0}
+    assert admission.tenant_status("bob") == {"in_flight": 0, "completed": 1, "failed": 0, "refused": 0, "waiting": 1}
+    totals = admission.totals()
+    assert totals["refused"] == 5 and totals["completed"] == 3 and totals["in_flight"] == {"sample": 0, "train": 0}
+    refusals = [r for r in caplog.records if "overloaded: refused" in r.getMessage()]
+    assert len(refusals) == 1 and "tenant alice" in refusals[0].getMessage()  # the rest wait for the next summary
