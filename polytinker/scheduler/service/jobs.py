@@ -333,8 +333,8 @@ class JobManager:
         """The job and where it runs; JobNotRunning when it cannot take work now. A job paused
         for being idle is resumed by this call, and so is an inference job finished for being
         idle (its client was only quiet, not gone: a base sampler has no state to lose)."""
-        row = self.get(tenant, job_id)
-        with self._lock:
+        with self._lock:  # read under the lock that pruning and the idle rules take
+            row = self.get(tenant, job_id)
             idle_done = row.kind == "inference" and row.state == "done"
             resume = row.reason.startswith(IDLE_REASON) and (row.state == "paused" or idle_done)
             if row.state not in FINAL_STATES or resume:
@@ -407,15 +407,17 @@ class JobManager:
         ago. A base sampler leaves nothing else behind; training jobs are never deleted."""
         cutoff = time.time() - self.config.finished_inference_keep_s
         by_tenant: dict[str, list[JobRow]] = {}
-        for row in self.store.jobs_of("inference", FINAL_STATES):
-            by_tenant.setdefault(row.tenant, []).append(row)
-        doomed = []
-        for rows in by_tenant.values():
-            rows.sort(key=lambda r: r.updated_s, reverse=True)
-            keep = self.config.keep_finished_inference
-            doomed += [r.job_id for i, r in enumerate(rows) if i >= keep or r.updated_s < cutoff]
+        with self._lock:  # a call resumes an idle-finished job under this lock: never delete one it revived
+            for row in self.store.jobs_of("inference", FINAL_STATES):
+                by_tenant.setdefault(row.tenant, []).append(row)
+            doomed = []
+            for rows in by_tenant.values():
+                rows.sort(key=lambda r: r.updated_s, reverse=True)
+                keep = self.config.keep_finished_inference
+                doomed += [r.job_id for i, r in enumerate(rows) if i >= keep or r.updated_s < cutoff]
+            if doomed:
+                self.store.delete_jobs(doomed)
         if doomed:
-            self.store.delete_jobs(doomed)
             log.info("pruned %d finished inference jobs from the job table", len(doomed))
         return doomed
 
