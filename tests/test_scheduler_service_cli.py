@@ -69,6 +69,7 @@ def served(tmp_path: Path) -> Iterator[tuple[str, Path]]:
         secret, scheduler_key = clients / "learner-remote.key_secret", keys / "scheduler.key"
         curve = ["--curve-secret", str(secret), "--scheduler-key", str(scheduler_key)]
         worker_args = [*cmd, "worker", *config, "--id", "learner-remote", "--scheduler", address, "--token", TOKEN]
+        worker_args += ["--state-dir", str(tmp_path / "worker-state")]  # its own root, as on another machine
         worker = subprocess.Popen([*worker_args, *curve], stdout=subprocess.PIPE, text=True, env=env)
         read_until(worker, "serving at")
         yield address, keys
@@ -108,3 +109,28 @@ def test_serve_and_a_remote_worker_with_curve(served: tuple[str, Path], capsys: 
     assert cli.main(["jobs", "--scheduler", address, "--api-key", KEY, *curve_args, "list"]) == 0
     out = capsys.readouterr().out
     assert job_id in out and "done" in out
+    # The remote learner wrote the job's checkpoints under its own --state-dir, from ids alone.
+    assert list((keys.parent / "worker-state" / "checkpoints" / "team" / job_id).glob("*/v1"))
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--bind", "0.0.0.0:7100"], "--bind '0.0.0.0:7100': use tcp://HOST:PORT or ipc://PATH"),
+        (["--scheduler", "tcp://10.1.2.3:7000"], "pass --curve-secret"),
+        (["--curve-secret", "w.key_secret"], "with --scheduler-key"),
+    ],
+)
+def test_worker_refuses_bad_addresses_and_missing_keys_before_loading_a_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], args: list[str], says: str
+) -> None:
+    from polytinker.scheduler.service import workers
+
+    def no_model(*_a: object) -> None:
+        raise AssertionError("the worker loaded a model before checking its arguments")
+
+    monkeypatch.setattr(workers, "build_worker", no_model)
+    base = ["worker", "--id", "learner-0", "--token", TOKEN, "--scheduler", "tcp://127.0.0.1:7000"]
+    base += ["--state-dir", str(tmp_path)]
+    assert cli.main([*base, *args]) == 1
+    assert says in capsys.readouterr().err

@@ -250,7 +250,8 @@ def test_malformed_and_hostile_requests_never_take_the_scheduler_down(service) -
         with pytest.raises(RemoteError, match="unknown API key"):
             client.call("sched.list_jobs", m.ListJobs("wrong-key-wrong-key"))
         with pytest.raises(RemoteError, match="worker token"):
-            client.call("sched.w.register", m.Register("bad", "engine-0", "engine", "tcp://x:1", "i", "tiny-random"))
+            forged = m.Register("bad", "engine-0", "engine", "tcp://x:1", "i", "tiny-random", "k" * 40)
+            client.call("sched.w.register", forged)
         reply = client.call("sched.create_job", m.CreateJob(KEY_A, "lora_rl", "tiny-random", rank=4))
         assert reply["status"] == "ok" and reply["job"]["state"] == "running"
         jobs = client.call("sched.list_jobs", m.ListJobs(KEY_B))["jobs"]
@@ -378,10 +379,8 @@ def test_a_replacement_learner_answers_a_resent_step_its_predecessor_took(tmp_pa
     adapter = "alice/job/agent"
     batch = tuple(m.DatumMsg((5, 6, 7, 8), (6, 7, 8, 9), (0.0, 1.0, 1.0, 1.0)) for _ in range(2))
     fb = m.LearnerForwardBackward(adapter, batch, "cross_entropy", request_id="fb-1", from_version=0)
-    step = m.LearnerStep(
-        adapter, 1e-2, 0.9, 0.95, 1e-12, 0.0, str(tmp_path / "ckpt"), request_id="st-1", from_version=0
-    )
-    first = LearnerWorker("tiny-random", cfg)
+    step = m.LearnerStep(adapter, 1e-2, 0.9, 0.95, 1e-12, 0.0, request_id="st-1", from_version=0)
+    first = LearnerWorker("tiny-random", cfg, tmp_path)
     try:
         first.ensure(m.EnsureAdapter(adapter, 0, rank=4))
         once = first.forward_backward(fb)
@@ -394,7 +393,7 @@ def test_a_replacement_learner_answers_a_resent_step_its_predecessor_took(tmp_pa
     finally:
         first.close()
     # The answer never reached the scheduler: it still records version 0, and a new process starts there.
-    second = LearnerWorker("tiny-random", cfg)
+    second = LearnerWorker("tiny-random", cfg, tmp_path)
     try:
         second.ensure(m.EnsureAdapter(adapter, 0, rank=4))
         assert second.step(dataclasses.replace(step, attempt=1)) == stepped
@@ -421,10 +420,9 @@ def test_a_step_whose_forward_backward_calls_a_restarted_learner_lost_is_refused
         return m.LearnerForwardBackward(adapter, batch, "cross_entropy", request_id=request_id, from_version=0)
 
     def step(request_id: str, expected_fb: int) -> m.LearnerStep:
-        ckpt = str(tmp_path / request_id)
-        return m.LearnerStep(adapter, 1e-2, 0.9, 0.95, 1e-12, 0.0, ckpt, request_id=request_id, expected_fb=expected_fb)
+        return m.LearnerStep(adapter, 1e-2, 0.9, 0.95, 1e-12, 0.0, request_id=request_id, expected_fb=expected_fb)
 
-    worker = LearnerWorker("tiny-random", cfg)
+    worker = LearnerWorker("tiny-random", cfg, tmp_path / "first")
     try:
         worker.ensure(m.EnsureAdapter(adapter, 0, rank=4))
         worker.forward_backward(fb("a"))
@@ -435,7 +433,8 @@ def test_a_step_whose_forward_backward_calls_a_restarted_learner_lost_is_refused
     finally:
         worker.close()
 
-    replacement = LearnerWorker("tiny-random", cfg)  # the first forward_backward died with the old process
+    # The first forward_backward died with the old process.
+    replacement = LearnerWorker("tiny-random", cfg, tmp_path / "replacement")
     try:
         replacement.ensure(m.EnsureAdapter(adapter, 0, rank=4))
         replacement.forward_backward(fb("b"))
@@ -500,38 +499,39 @@ def test_a_data_parallel_learner_worker_runs_a_full_parameter_job_then_lora_agai
     rows = [(5, 6, 7, 8, 9), (10, 11, 12), (13, 14, 15, 16), (17, 18, 19, 20, 21, 22), (23, 24, 25)]
     batch = tuple(m.DatumMsg(r, (*r[1:], 3), (0.0,) + (1.0,) * (len(r) - 1)) for r in rows)
 
-    def step(adapter: str, is_full: bool, where: str) -> m.LearnerStep:
+    def step(adapter: str, is_full: bool) -> m.LearnerStep:
         # Adam's eps at 1e-3: a weight whose gradient is float noise (summed in another order
         # across replicas) then moves by noise, not by a whole learning rate of either sign.
-        return m.LearnerStep(adapter, 1e-2, 0.9, 0.95, 1e-3, 0.0, str(tmp_path / where), full=is_full)
+        return m.LearnerStep(adapter, 1e-2, 0.9, 0.95, 1e-3, 0.0, full=is_full)
 
-    def run(worker: LearnerWorker, where: str) -> dict[str, object]:
+    def run(worker: LearnerWorker) -> dict[str, object]:
         worker.ensure(m.EnsureAdapter(lora, 0, rank=4))
         worker.forward_backward(m.LearnerForwardBackward(lora, batch, "cross_entropy"))
-        lora_step = worker.step(step(lora, False, f"{where}/lora"))
+        lora_step = worker.step(step(lora, False))
         lora_after = worker.forward(m.LearnerForward(lora, batch))["logprobs"]
         worker.ensure(m.EnsureAdapter(full, 0, full=True))
         worker.forward_backward(m.LearnerForwardBackward(full, batch, "cross_entropy", full=True))
-        full_step = worker.step(step(full, True, f"{where}/full"))
+        full_step = worker.step(step(full, True))
         full_after = worker.forward(m.LearnerForward(full, batch, full=True))["logprobs"]
         if worker.cfg.world_size > 1:
             with pytest.raises(NotResident, match="adapter alice/lora/agent is not resident"):
                 worker.forward(m.LearnerForward(lora, batch))
-        worker.ensure(m.EnsureAdapter(lora, 1, lora_step["checkpoint"], rank=4))
+        assert lora_step["checkpoint"] == "checkpoints/alice/lora/agent/v1"  # under the worker's own root
+        worker.ensure(m.EnsureAdapter(lora, 1, m.WeightsRef(lora, 1), rank=4))
         lora_again = worker.forward(m.LearnerForward(lora, batch))["logprobs"]
         if worker.cfg.world_size > 1:
             with pytest.raises(NotResident, match="full-parameter model alice/full/agent"):
                 worker.forward(m.LearnerForward(full, batch, full=True))
         return {"lora": lora_after, "full": full_after, "lora_again": lora_again, "full_version": full_step["version"]}
 
-    one = LearnerWorker("tiny-random", LearnerWorkerConfig(micro_batch_size=8))
+    one = LearnerWorker("tiny-random", LearnerWorkerConfig(micro_batch_size=8), tmp_path / "k1")
     try:
-        single = run(one, "k1")
+        single = run(one)
     finally:
         one.close()
-    two = LearnerWorker("tiny-random", LearnerWorkerConfig(world_size=2, micro_batch_size=8))
+    two = LearnerWorker("tiny-random", LearnerWorkerConfig(world_size=2, micro_batch_size=8), tmp_path / "k2")
     try:
-        group = run(two, "k2")
+        group = run(two)
         assert two.stats["loads"] == 1  # the LoRA adapter, from its checkpoint after the switch back
     finally:
         two.close()
@@ -551,17 +551,17 @@ def test_a_learner_worker_holds_one_full_parameter_model_at_a_time(tmp_path: Pat
     from polytinker.scheduler.service.learner_worker import LearnerWorker, NotResident
 
     batch = (m.DatumMsg((5, 6, 7, 8), (6, 7, 8, 9), (0.0, 1.0, 1.0, 1.0)),)
-    worker = LearnerWorker("tiny-random", LearnerWorkerConfig(micro_batch_size=8))
+    worker = LearnerWorker("tiny-random", LearnerWorkerConfig(micro_batch_size=8), tmp_path)
     try:
         worker.ensure(m.EnsureAdapter("a/1/x", 0, full=True))
         worker.forward_backward(m.LearnerForwardBackward("a/1/x", batch, "cross_entropy", full=True))
-        stepped = worker.step(m.LearnerStep("a/1/x", 1e-3, 0.9, 0.95, 1e-8, 0.0, str(tmp_path), full=True))
+        stepped = worker.step(m.LearnerStep("a/1/x", 1e-3, 0.9, 0.95, 1e-8, 0.0, full=True))
         trained = worker.forward(m.LearnerForward("a/1/x", batch, full=True))
         worker.ensure(m.EnsureAdapter("a/2/y", 0, full=True))  # the next job's model replaces it
         assert worker.get_stats(m.WorkerStats())["full_slots"] == 1
         with pytest.raises(NotResident):
             worker.forward(m.LearnerForward("a/1/x", batch, full=True))
-        worker.ensure(m.EnsureAdapter("a/1/x", 1, stepped["checkpoint"], full=True))
+        worker.ensure(m.EnsureAdapter("a/1/x", 1, m.WeightsRef("a/1/x", stepped["version"]), full=True))
         assert worker.forward(m.LearnerForward("a/1/x", batch, full=True)) == trained
     finally:
         worker.close()

@@ -72,28 +72,52 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _loopback(address: str) -> bool:
+    host = address.removeprefix("tcp://").rsplit(":", 1)[0]
+    return not address.startswith("tcp://") or host.startswith("127.") or host in ("localhost", "[::1]", "::1")
+
+
+def _check_worker_addresses(args: argparse.Namespace) -> None:
+    """Refuse a bad --bind or --scheduler, or missing Curve keys, before any model is loaded."""
+    for flag, value in (("--bind", args.bind), ("--scheduler", args.scheduler)):
+        scheme, sep, rest = value.partition("://")
+        if not sep or scheme not in ("tcp", "ipc") or not rest or (scheme == "tcp" and ":" not in rest):
+            raise ConfigError(f"{flag} {value!r}: use tcp://HOST:PORT or ipc://PATH")
+    if bool(args.curve_secret) != bool(args.scheduler_key):
+        raise ConfigError("pass --curve-secret (this worker's .key_secret) with --scheduler-key (the scheduler's .key)")
+    if not _loopback(args.scheduler) and not args.curve_secret:
+        # serve refuses a public address without Curve: a scheduler on another host serves with it.
+        raise ConfigError(
+            f"--scheduler {args.scheduler} is not on this machine, so it serves with Curve: pass --curve-secret "
+            "(this worker's .key_secret from `polytinker keys generate`, its .key in the scheduler's "
+            "curve_clients_dir) and --scheduler-key (the scheduler's .key)"
+        )
+
+
 def _worker(args: argparse.Namespace) -> int:
     from polytinker.scheduler.service.workers import WorkerServer, build_worker
-    from polytinker.transport import ClientCurve, ServerCurve, load_keypair
+    from polytinker.transport import ClientCurve, load_keypair
 
     os.umask(0o077)  # the checkpoints and exports it writes hold a tenant's weights
     cfg = _runtime_config(args)
+    if not cfg.state_dir:
+        cfg = dataclasses.replace(cfg, state_dir=str(Path("polytinker-runtime").resolve()))
     roles = {e.engine_id: "engine" for e in cfg.engines} | {g.learner_id: "learner" for g in cfg.learners}
     if args.id not in roles:
         raise ConfigError(f"--id {args.id!r} is not an engine or learner of the config; declared: {sorted(roles)}")
     token = args.token or os.environ.get("POLYTINKER_WORKER_TOKEN", "")
     if not token:
         raise ConfigError("pass --token (the runtime's worker.token) or set POLYTINKER_WORKER_TOKEN")
-    server_curve = client_curve = None
+    _check_worker_addresses(args)
+    # The worker always serves with Curve (keys derived from the token, or these); these keys also
+    # take it into a scheduler that serves with Curve.
+    keypair, client_curve = None, None
     if args.curve_secret:
-        if not args.scheduler_key:
-            raise ConfigError("--curve-secret needs --scheduler-key (the scheduler's .key file)")
         public, secret = load_keypair(args.curve_secret)
         if secret is None:
-            raise ConfigError(f"{args.curve_secret} holds no secret key")
-        scheduler_public = load_keypair(args.scheduler_key)[0]
-        server_curve = ServerCurve(public, secret, frozenset({scheduler_public}))
-        client_curve = ClientCurve(public, secret, scheduler_public)
+            raise ConfigError(f"{args.curve_secret} holds no secret key: pass the .key_secret file")
+        keypair = (public, secret)
+        client_curve = ClientCurve(public, secret, load_keypair(args.scheduler_key)[0])
     worker = build_worker(roles[args.id], args.id, cfg)
     server = WorkerServer(
         worker_id=args.id,
@@ -105,7 +129,7 @@ def _worker(args: argparse.Namespace) -> int:
         bind=args.bind,
         heartbeat_s=cfg.worker_heartbeat_s,
         handler_threads=256 if roles[args.id] == "engine" else 1,
-        server_curve=server_curve,
+        keypair=keypair,
         client_curve=client_curve,
     )
     print(f"{args.id} serving at {server.server.address}, registering with {args.scheduler}", flush=True)
@@ -234,7 +258,14 @@ def register(sub: Any) -> None:
     w.add_argument("--scheduler", required=True, help="the scheduler's address, tcp://HOST:PORT")
     w.add_argument("--id", required=True, help="the engine or learner id this worker takes (from the config)")
     w.add_argument("--token", help="the runtime's worker token (default $POLYTINKER_WORKER_TOKEN)")
-    w.add_argument("--bind", default="tcp://127.0.0.1:0", help="where this worker serves the scheduler")
+    w.add_argument(
+        "--bind", default="tcp://127.0.0.1:0", help="where this worker serves the scheduler (always with Curve)"
+    )
+    w.add_argument(
+        "--state-dir",
+        help="where this worker keeps checkpoints and adapter exports (default ./polytinker-runtime); "
+        "engines must see the learners' files there",
+    )
     w.add_argument("--curve-secret", help="this worker's Curve .key_secret (polytinker keys generate)")
     w.add_argument("--scheduler-key", help="the scheduler's Curve .key (public) file")
     w.set_defaults(func=_worker)

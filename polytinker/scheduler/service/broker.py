@@ -1,5 +1,9 @@
 """The broker: engines and learner groups register here; requests are forwarded to them.
 
+- A ``Register`` proves the worker token without carrying it (``worker_auth.register_proof`` of its
+  fields, the worker's Curve key among them). Every worker serves with Curve and admits only the
+  scheduler's client key; the broker connects to the key the worker registered, with the client
+  keypair derived from the token, so no other process on the host can send a worker a request.
 - Workers (``Register``) re-register every ``worker_heartbeat_s``. Each process start has a new
   ``incarnation``: when it changes, the broker forgets what the old process held in memory (the
   adapters a learner had loaded), so the next request reloads them from their checkpoints.
@@ -39,6 +43,7 @@ from polytinker.scheduler.placement import next_learner_job
 from polytinker.scheduler.service.config import RuntimeConfig
 from polytinker.scheduler.service.messages import ActorsReport, ActorState, Register, WorkersQuery
 from polytinker.scheduler.service.tenants import AuthError
+from polytinker.scheduler.service.worker_auth import register_proof, same, scheduler_client_keypair
 from polytinker.transport import ClientCurve, RpcClient, TransportConfig
 
 
@@ -71,10 +76,10 @@ class WorkerHandle:
 class Broker:
     """The registry of workers and the forwarding of requests to them (thread-safe)."""
 
-    def __init__(self, config: RuntimeConfig, token: str, curve: tuple[bytes, bytes] | None = None) -> None:
+    def __init__(self, config: RuntimeConfig, token: str) -> None:
         self.config = config
         self._token = token
-        self._curve = curve  # the scheduler's own (public, secret) Curve keys, to talk to Curve workers
+        self._curve = scheduler_client_keypair(token)  # what this scheduler's connections to workers present
         self._declared = {e.engine_id: "engine" for e in config.engines} | {
             g.learner_id: "learner" for g in config.learners
         }
@@ -89,7 +94,8 @@ class Broker:
 
     # --- registration ------------------------------------------------------------------------------
     def register(self, msg: Register) -> dict[str, Any]:
-        if msg.token != self._token:
+        fields = (msg.worker_id, msg.role, msg.address, msg.incarnation, msg.base_model, msg.curve_public_key)
+        if not same(msg.proof, register_proof(self._token, *fields)):
             raise AuthError("worker token rejected: start the worker with the runtime's --token")
         role = self._declared.get(msg.worker_id)
         if role is None:
@@ -155,11 +161,7 @@ class Broker:
         h.client.close()  # its pending calls raise TransportError: Broker.call waits for the restart
 
     def _client_for(self, msg: Register) -> RpcClient:
-        curve = None
-        if msg.curve_public_key:
-            if self._curve is None:
-                raise ConfigError("the worker serves with Curve but this scheduler has no Curve keys")
-            curve = ClientCurve(self._curve[0], self._curve[1], msg.curve_public_key.encode())
+        curve = ClientCurve(self._curve[0], self._curve[1], msg.curve_public_key.encode())
         return RpcClient(msg.address, config=self._transport, curve=curve)
 
     def workers(self) -> list[dict[str, Any]]:

@@ -2,8 +2,9 @@
 
 Sample requests from every job and tenant go into the engine's one queue and are served in mixed
 batches: each request names its own adapter version, so requests of different jobs share the base
-model's matmuls. Adapter versions are registered from the peft directory the scheduler names and
-made resident by the engine when a batch needs them (least recently used evicted beyond
+model's matmuls. Adapter versions are registered from the peft directory the scheduler names by
+ids (``WeightsRef``: the path is made under this worker's state root, never taken from a message)
+and made resident by the engine when a batch needs them (least recently used evicted beyond
 ``adapter_slots``). ``stats`` counts batches, and those that mixed adapters.
 
 A full-parameter job's version (``full`` in the request) is a whole model: it is served by an
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,7 +25,8 @@ from typing import Any
 from polytinker.errors import ConfigError
 from polytinker.scheduler.service.config import EngineWorkerConfig
 from polytinker.scheduler.service.full_weights import FullWeightEngines
-from polytinker.scheduler.service.messages import EngineLogprobs, EngineSample, SamplingMsg, WorkerStats
+from polytinker.scheduler.service.layout import under
+from polytinker.scheduler.service.messages import EngineLogprobs, EngineSample, SamplingMsg, WeightsRef, WorkerStats
 
 log = logging.getLogger("polytinker.scheduler.engine_worker")
 
@@ -58,11 +61,12 @@ def _params(p: SamplingMsg, n: int) -> Any:
 class EngineWorker:
     """Handlers for the scheduler: ``sched.w.sample``, ``sched.w.logprobs``, ``sched.w.stats``."""
 
-    def __init__(self, model: str, cfg: EngineWorkerConfig, backend: Any = None) -> None:
+    def __init__(self, model: str, cfg: EngineWorkerConfig, root: str | os.PathLike[str], backend: Any = None) -> None:
         from polytinker.engine.inference.config import EngineConfig
         from polytinker.engine.inference.engine import InferenceEngine
 
         self.cfg = cfg
+        self.root = Path(root)  # the weights this worker loads are under it (the learners write there)
         engine_cfg = EngineConfig(
             batch_window_s=cfg.batch_window_s,
             max_batch_size=cfg.max_batch_size,
@@ -70,9 +74,9 @@ class EngineWorker:
         )
         self.engine = InferenceEngine(backend if backend is not None else make_backend(model, cfg), engine_cfg)
         self.full = FullWeightEngines(model, cfg.full_weight_slots, engine_cfg)
-        # The directory each version was registered from: a version reloaded from another checkpoint
-        # (load_state) keeps its number but not its weights, so a new directory re-registers it.
-        self._dirs: dict[Any, str] = {}
+        # The weights each version was registered from: a version reloaded from another checkpoint
+        # (load_state) keeps its number but not its weights, so other weights re-register it.
+        self._dirs: dict[Any, WeightsRef] = {}
         self._lock = threading.Lock()
 
     def handlers(self) -> dict[str, Callable[[Any], Any]]:
@@ -83,16 +87,25 @@ class EngineWorker:
         self.engine.close()
 
     @contextlib.contextmanager
-    def _target(self, adapter: str, version: int, adapter_dir: str, full: bool) -> Iterator[tuple[Any, Any]]:
+    def _target(self, adapter: str, version: int, weights: WeightsRef | None, full: bool) -> Iterator[tuple[Any, Any]]:
         """(engine, adapter ref) that serve a request: the shared engine with the LoRA version (None:
         the base model), or the engine of a full-parameter version with no adapter."""
         if not full:
-            yield self.engine, self._ref(adapter, version, adapter_dir)
+            yield self.engine, self._ref(adapter, version, weights)
             return
-        with self.full.use(adapter, version, adapter_dir) as engine:
+        with self.full.use(adapter, version, str(self._path(adapter, weights))) as engine:
             yield engine, None
 
-    def _ref(self, adapter: str, version: int, adapter_dir: str) -> Any:
+    def _path(self, adapter: str, weights: WeightsRef | None) -> Path:
+        if weights is None or weights.adapter.split("/")[0] != adapter.split("/")[0]:
+            # The scheduler resolves a version to its own tenant's weights: another tenant's is a bug.
+            raise ConfigError(f"adapter {adapter}: no stored weights named for it")
+        path = under(self.root, weights.relative_path)
+        if not path.is_dir():
+            raise ConfigError(f"adapter {adapter} v{weights.version}: no stored weights {weights.relative_path!r}")
+        return path
+
+    def _ref(self, adapter: str, version: int, weights: WeightsRef | None) -> Any:
         """The engine's ref for the version, registered (loaded lazily by the engine) if it is new."""
         from polytinker.engine.types import AdapterRef
 
@@ -100,19 +113,19 @@ class EngineWorker:
             return None
         ref = AdapterRef(adapter, version)
         with self._lock:
-            if self._dirs.get(ref) == adapter_dir and ref in self.engine.slots.known():
+            if weights is not None and self._dirs.get(ref) == weights and ref in self.engine.slots.known():
                 return ref
-            if not adapter_dir or not Path(adapter_dir).is_dir():
-                raise ConfigError(f"adapter {ref}: no exported weights at {adapter_dir!r}")
-            self.engine.load_adapter_dir(ref, Path(adapter_dir))
-            self._dirs[ref] = adapter_dir
+            path = self._path(adapter, weights)
+            assert weights is not None  # _path refuses None
+            self.engine.load_adapter_dir(ref, path)
+            self._dirs[ref] = weights
         return ref
 
     def sample(self, msg: EngineSample) -> list[dict[str, Any]]:
         from polytinker.engine.types import SampleRequest
 
         params = _params(msg.params, msg.num_samples)
-        with self._target(msg.adapter, msg.version, msg.adapter_dir, msg.full) as (engine, ref):
+        with self._target(msg.adapter, msg.version, msg.weights, msg.full) as (engine, ref):
             result = engine.submit(
                 SampleRequest(prompt_token_ids=tuple(msg.prompt_token_ids), adapter=ref, params=params)
             ).result()
@@ -127,7 +140,7 @@ class EngineWorker:
         ]
 
     def logprobs(self, msg: EngineLogprobs) -> list[list[float]]:
-        with self._target(msg.adapter, msg.version, msg.adapter_dir, msg.full) as (engine, ref):
+        with self._target(msg.adapter, msg.version, msg.weights, msg.full) as (engine, ref):
             out: list[list[float]] = engine.compute_logprobs([list(s) for s in msg.sequences], ref)
         return out
 

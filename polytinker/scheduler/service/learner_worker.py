@@ -12,6 +12,8 @@ never interleave inside the model.
 
 ``sched.w.step`` steps and then writes the new version's checkpoint (and the peft directory the
 engines load) before it answers: the scheduler records the version only once it is on disk.
+Every path is the worker's own, made from the adapter key, version and name under its state root
+(``layout``): a message names weights by ids (``WeightsRef``), never by path.
 
 Idempotent training calls. ``sched.w.fb`` and ``sched.w.step`` carry a ``request_id`` that is the
 same on every resend of one call (the client makes it; the scheduler makes one for clients that do
@@ -40,6 +42,7 @@ from typing import Any
 from polytinker.errors import ConfigError, PolytinkerError
 from polytinker.scheduler.service.broker import NotResident
 from polytinker.scheduler.service.config import LearnerWorkerConfig
+from polytinker.scheduler.service.layout import under
 from polytinker.scheduler.service.messages import (
     DatumMsg,
     EnsureAdapter,
@@ -49,6 +52,7 @@ from polytinker.scheduler.service.messages import (
     LearnerLoad,
     LearnerSave,
     LearnerStep,
+    WeightsRef,
     WorkerStats,
 )
 
@@ -78,8 +82,9 @@ def _data(msgs: tuple[DatumMsg, ...]) -> list[Any]:
 class LearnerWorker:
     """Handlers for the scheduler: ensure, fb, forward, step, save, load, export, stats."""
 
-    def __init__(self, model: str, cfg: LearnerWorkerConfig) -> None:
+    def __init__(self, model: str, cfg: LearnerWorkerConfig, root: str | os.PathLike[str]) -> None:
         self.model, self.cfg = model, cfg
+        self.root = Path(root)  # every checkpoint and export this worker writes or reads is under it
         self._lora: Any = None  # the LearnerGroup of every LoRA adapter (None while a full model holds the replicas)
         self._full: dict[str, Any] = {}  # the full-parameter job served -> its own model's LearnerGroup (one)
         self._lora_group()
@@ -164,6 +169,9 @@ class LearnerWorker:
             return self._lora, adapter
         raise NotResident(f"{'full-parameter model' if full else 'adapter'} {adapter} is not resident on this learner")
 
+    def _path(self, weights: WeightsRef) -> Path:
+        return under(self.root, weights.relative_path)
+
     def _versions(self) -> dict[str, int]:
         """LoRA adapters resident, with their versions."""
         return {} if self._lora is None else {r.name: r.version for r in self._lora.adapters()}
@@ -175,7 +183,7 @@ class LearnerWorker:
             if self._version(msg.adapter, True) != msg.version:
                 if not msg.checkpoint:
                     raise ConfigError(f"full-parameter slot {msg.adapter} needs a checkpoint for v{msg.version}")
-                group.load_state(msg.checkpoint, None)
+                group.load_state(self._path(msg.checkpoint), None)
                 self._gradient_gone(msg.adapter)
                 self.stats["loads"] += 1
             return {"version": self._version(msg.adapter, True)}
@@ -185,7 +193,7 @@ class LearnerWorker:
             return {"version": have}
         self._gradient_gone(msg.adapter)
         if msg.checkpoint:
-            ref = lora.load_state(msg.checkpoint, msg.adapter)
+            ref = lora.load_state(self._path(msg.checkpoint), msg.adapter)
             self.stats["loads"] += 1
             return {"version": ref.version}
         if msg.version != 0:
@@ -243,14 +251,14 @@ class LearnerWorker:
             return
         self._gradient_gone(adapter)
         group, name = self._slot(adapter, full)
-        group.load_state(result["checkpoint"], name)
+        group.load_state(self._path(WeightsRef(adapter, result["version"])), name)
         self.stats["loads"] += 1
 
     def _recorded_step(self, msg: LearnerStep) -> dict[str, Any] | None:
         """The result an earlier process wrote for this step's key next to its checkpoint, if any."""
         if not msg.request_id or msg.from_version < 0:
             return None
-        path = Path(msg.checkpoint_dir) / f"v{msg.from_version + 1}" / REQUEST_FILE
+        path = self._path(WeightsRef(msg.adapter, msg.from_version + 1)) / REQUEST_FILE
         try:
             record = json.loads(path.read_text())
         except (OSError, ValueError):
@@ -307,7 +315,7 @@ class LearnerWorker:
             self._gradient_gone(msg.adapter)  # spent by the step: a late resend of a call belongs to no step
             self._remember(msg.adapter, msg.request_id, "step", result)
             if msg.request_id:
-                record = Path(result["checkpoint"]) / REQUEST_FILE
+                record = self._path(WeightsRef(msg.adapter, result["version"])) / REQUEST_FILE
                 tmp = record.with_suffix(".tmp")
                 tmp.write_text(json.dumps({"request_id": msg.request_id, "result": result}))
                 os.replace(tmp, record)
@@ -325,38 +333,47 @@ class LearnerWorker:
         )
         group, name = self._slot(msg.adapter, msg.full)
         ref = group.optim_step(adam, name)
-        ckpt = group.save_state(Path(msg.checkpoint_dir) / f"v{ref.version}", name)
+        ckpt = WeightsRef(msg.adapter, ref.version)
+        group.save_state(self._path(ckpt), name)
         export = ""
-        if msg.export_dir and msg.full:
+        if msg.export and msg.full:
             # An engine serves a full-parameter version from its checkpoint's weights file: writing
             # the whole model a second time every step would double the disk traffic.
-            export = str(ckpt)
-        elif msg.export_dir:
-            export = str(self._export(msg.adapter, Path(msg.export_dir) / f"v{ref.version}"))
+            export = ckpt.relative_path
+        elif msg.export:
+            export = self._export(WeightsRef(msg.adapter, ref.version, "export"))
         self.stats["optim_steps"] += 1
         metrics = dict(getattr(group.learner, "last_step_metrics", {}) or {})
-        return {"version": ref.version, "checkpoint": str(ckpt), "export_dir": export, "metrics": metrics}
+        return {"version": ref.version, "checkpoint": ckpt.relative_path, "export_dir": export, "metrics": metrics}
 
-    def _export(self, adapter: str, path: Path) -> Path:
-        group, _ = self._slot(adapter, False)
-        out: Path = group.learner.export_adapter_dir(adapter, path)
-        return out
+    def _export(self, weights: WeightsRef) -> str:
+        group, _ = self._slot(weights.adapter, False)
+        group.learner.export_adapter_dir(weights.adapter, self._path(weights))
+        return weights.relative_path
 
     def save(self, msg: LearnerSave) -> dict[str, Any]:
         group, name = self._slot(msg.adapter, msg.full)
-        path = group.save_state(msg.path, name)
-        return {"path": str(path), "version": self._version(msg.adapter, msg.full)}
+        version = self._version(msg.adapter, msg.full)
+        assert version is not None  # resident: _slot found it
+        ckpt = WeightsRef(msg.adapter, version, "checkpoint", msg.name)
+        group.save_state(self._path(ckpt), name)
+        return {"checkpoint": ckpt.relative_path, "version": version}
 
     def load(self, msg: LearnerLoad) -> dict[str, Any]:
         self._gradient_gone(msg.adapter)
         group, name = self._slot(msg.adapter, msg.full)
-        return {"version": group.load_state(msg.path, name).version}
+        return {"version": group.load_state(self._path(msg.checkpoint), name).version}
 
     def export(self, msg: LearnerExport) -> dict[str, Any]:
+        group, _ = self._slot(msg.adapter, msg.full)  # NotResident first: the broker prepares it again
+        have = self._version(msg.adapter, msg.full)
+        if have != msg.version:
+            raise ConfigError(f"export of {msg.adapter} v{msg.version}: this learner holds v{have}")
         if msg.full:  # the weights as a checkpoint, which is what an engine loads a full version from
-            group, _ = self._slot(msg.adapter, True)
-            return {"path": str(group.save_state(msg.path, None))}
-        return {"path": str(self._export(msg.adapter, Path(msg.path)))}
+            ckpt = WeightsRef(msg.adapter, msg.version)
+            group.save_state(self._path(ckpt), None)
+            return {"weights": ckpt.relative_path}
+        return {"weights": self._export(WeightsRef(msg.adapter, msg.version, "export", msg.loaded_from))}
 
     def get_stats(self, _msg: WorkerStats) -> dict[str, Any]:
         return {**self.stats, "adapters": len(self._versions()), "full_slots": len(self._full), "pid": os.getpid()}

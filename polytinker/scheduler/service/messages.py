@@ -13,7 +13,9 @@ Worker <-> scheduler: ``Register`` (worker -> scheduler), ``ActorsReport`` of ``
 ``LearnerForwardBackward``, ``LearnerForward``, ``LearnerStep``, ``LearnerSave``, ``LearnerLoad``,
 ``LearnerExport``, ``EngineSample``, ``EngineLogprobs``, ``WorkerStats``.
 
-Nested values: ``DatumMsg`` (one training example) and ``SamplingMsg`` (sampling parameters).
+Nested values: ``DatumMsg`` (one training example), ``SamplingMsg`` (sampling parameters) and
+``WeightsRef`` (a stored version's weights, by ids: no message to a worker names a filesystem
+path; each worker makes the path under its own state root, see ``layout``).
 Replies are plain maps whose keys docs/scheduler-service.md lists; the client turns them into types.
 """
 
@@ -23,6 +25,7 @@ import math
 from dataclasses import dataclass
 
 from polytinker.errors import ConfigError
+from polytinker.scheduler.service.layout import KINDS, check_adapter_key, check_name, relative_path
 from polytinker.transport.messages import message
 
 JOB_KINDS = ("lora_rl", "full_rl", "sft", "inference")
@@ -104,6 +107,7 @@ class CreateJob:
 
     def __post_init__(self) -> None:
         _need(self.kind in JOB_KINDS, f"job kind must be one of {JOB_KINDS}, got {self.kind!r}")
+        check_name("agent", self.agent)  # part of the adapter key, and so of its paths on the workers
         _need(self.max_staleness >= 0, "max_staleness must be >= 0")
         _need(
             not self.max_staleness or self.kind in ("lora_rl", "full_rl"),
@@ -199,7 +203,7 @@ class SaveState:
 class LoadState:
     api_key: str
     job_id: str
-    path: str  # a name given to save_state, or the path it returned
+    path: str  # a name given to save_state, or the polytinker-ckpt://JOB/NAME it returned; never a filesystem path
 
 
 @message("sched.save_weights")
@@ -252,16 +256,17 @@ class RuntimeStatus:
 @message("sched.w.register")
 @dataclass(frozen=True)
 class Register:
-    token: str
+    proof: str  # worker_auth.register_proof of the fields below: made with the worker token, not the token
     worker_id: str
     role: str  # "engine" or "learner"
     address: str  # where the worker serves the scheduler's requests
     incarnation: str  # new at every process start: a change means its memory is empty again
     base_model: str
-    curve_public_key: str = ""  # the worker's Curve key, when it serves with Curve
+    curve_public_key: str  # the Curve key the worker serves with (every worker serves with Curve)
 
     def __post_init__(self) -> None:
         _need(self.role in ("engine", "learner"), f"role must be 'engine' or 'learner', got {self.role!r}")
+        _need(len(self.curve_public_key) == 40, "curve_public_key must be the worker's 40-character Z85 key")
 
 
 @message("sched.w.workers")
@@ -297,6 +302,36 @@ class ActorsReport:
     actors: tuple[ActorState, ...]
 
 
+@message("sched.w.weights")
+@dataclass(frozen=True)
+class WeightsRef:
+    """A stored version's weights by ids: ``adapter`` (the key TENANT/JOB/AGENT), ``version``,
+    ``kind`` ("checkpoint": learner state; "export": the peft directory engines load) and ``name``
+    (a save_state name; for an export, the checkpoint it was loaded from). A worker reads and
+    writes ``relative_path`` under its own state root, never a path a message names."""
+
+    adapter: str
+    version: int
+    kind: str = "checkpoint"
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        check_adapter_key(self.adapter)
+        _need(isinstance(self.version, int) and self.version >= 0, "a weights version must be an int >= 0")
+        _need(self.kind in KINDS, f"weights kind must be one of {KINDS}, got {self.kind!r}")
+        if self.name:
+            check_name("weights name", self.name)
+
+    @property
+    def relative_path(self) -> str:
+        return relative_path(self.adapter, self.version, self.kind, self.name)
+
+
+def _adapter_ok(adapter: str, base_allowed: bool = False) -> None:
+    if not (base_allowed and adapter == ""):
+        check_adapter_key(adapter)
+
+
 @message("sched.w.ensure")
 @dataclass(frozen=True)
 class EnsureAdapter:
@@ -305,12 +340,16 @@ class EnsureAdapter:
 
     adapter: str
     version: int
-    checkpoint: str = ""
+    checkpoint: WeightsRef | None = None
     rank: int = 16
     alpha: int = 32
     target_modules: tuple[str, ...] = ()
     seed: int = 0
     full: bool = False
+
+    def __post_init__(self) -> None:
+        _adapter_ok(self.adapter)
+        _need(self.checkpoint is None or isinstance(self.checkpoint, WeightsRef), "checkpoint must be a WeightsRef")
 
 
 @message("sched.w.fb")
@@ -325,6 +364,9 @@ class LearnerForwardBackward:
     from_version: int = -1  # the adapter version the gradient is taken at (the step it belongs to)
     attempt: int = 0  # resends so far, by the client and the scheduler together
 
+    def __post_init__(self) -> None:
+        _adapter_ok(self.adapter)
+
 
 @message("sched.w.forward")
 @dataclass(frozen=True)
@@ -333,11 +375,16 @@ class LearnerForward:
     data: tuple[DatumMsg, ...]
     full: bool = False
 
+    def __post_init__(self) -> None:
+        _adapter_ok(self.adapter)
+
 
 @message("sched.w.step")
 @dataclass(frozen=True)
 class LearnerStep:
-    """Step, then write the new version's checkpoint (and, for LoRA, its peft export) before answering."""
+    """Step, then write the new version's checkpoint (and, with ``export``, what engines load: for
+    LoRA its peft export, for full parameters the checkpoint itself) before answering; the paths
+    are the learner's own (``WeightsRef`` of ``adapter`` and the new version)."""
 
     adapter: str
     learning_rate: float
@@ -345,40 +392,61 @@ class LearnerStep:
     beta2: float
     eps: float
     weight_decay: float
-    checkpoint_dir: str  # the new version's checkpoint goes to <checkpoint_dir>/v<version>
-    export_dir: str = ""  # LoRA: the peft directory an engine loads goes to <export_dir>/v<version>;
-    # full: any value asks for an export, which is the checkpoint itself
+    export: bool = True
     full: bool = False
     request_id: str = ""  # with ``adapter``, the idempotency key: a duplicate answers the first result
     from_version: int = -1  # the version this step starts from: it makes from_version + 1
     attempt: int = 0  # resends so far, by the client and the scheduler together
     expected_fb: int = -1  # forward_backward calls the scheduler saw answered for this step (-1: unknown)
 
+    def __post_init__(self) -> None:
+        _adapter_ok(self.adapter)
+
 
 @message("sched.w.save")
 @dataclass(frozen=True)
 class LearnerSave:
+    """Checkpoint the adapter as ``name`` (``WeightsRef(adapter, version, "checkpoint", name)``)."""
+
     adapter: str
-    path: str
+    name: str
     full: bool = False
+
+    def __post_init__(self) -> None:
+        _adapter_ok(self.adapter)
+        check_name("checkpoint name", self.name)
 
 
 @message("sched.w.load")
 @dataclass(frozen=True)
 class LearnerLoad:
+    """Load ``checkpoint`` (one of the same tenant's, the scheduler checked) into the adapter."""
+
     adapter: str
-    path: str
+    checkpoint: WeightsRef
     full: bool = False
+
+    def __post_init__(self) -> None:
+        _adapter_ok(self.adapter)
+        _need(isinstance(self.checkpoint, WeightsRef), "checkpoint must be a WeightsRef")
 
 
 @message("sched.w.export")
 @dataclass(frozen=True)
 class LearnerExport:
-    """Write the adapter's peft directory (``full``: the model's weights, as a checkpoint) to ``path``."""
+    """Write what engines load of the adapter at its resident ``version`` (LoRA: the peft export,
+    ``WeightsRef(adapter, version, "export", loaded_from)``; ``full``: the weights as the checkpoint
+    ``WeightsRef(adapter, version)``). A version other than the resident one is refused."""
 
     adapter: str
-    path: str
+    version: int
     full: bool = False
+    loaded_from: str = ""  # the checkpoint name load_state just loaded: its export gets a path of its own
+
+    def __post_init__(self) -> None:
+        _adapter_ok(self.adapter)
+        if self.loaded_from:
+            check_name("checkpoint name", self.loaded_from)
 
 
 @message("sched.w.sample")
@@ -386,12 +454,15 @@ class LearnerExport:
 class EngineSample:
     adapter: str  # "" for the base model
     version: int
-    adapter_dir: str  # where the engine loads the version from if it is not resident
+    weights: WeightsRef | None  # what the engine loads the version from if it is not resident
     prompt_token_ids: tuple[int, ...]
     num_samples: int
     params: SamplingMsg
     tag: str = ""  # the tenant, for the engine's mixed-batch statistics only
-    full: bool = False  # a full-parameter job's version: adapter_dir is its checkpoint
+    full: bool = False  # a full-parameter job's version: weights is its checkpoint
+
+    def __post_init__(self) -> None:
+        _adapter_ok(self.adapter, base_allowed=True)
 
 
 @message("sched.w.logprobs")
@@ -399,9 +470,12 @@ class EngineSample:
 class EngineLogprobs:
     adapter: str
     version: int
-    adapter_dir: str
+    weights: WeightsRef | None
     sequences: tuple[tuple[int, ...], ...]
     full: bool = False
+
+    def __post_init__(self) -> None:
+        _adapter_ok(self.adapter, base_allowed=True)
 
 
 @message("sched.w.stats")
@@ -441,6 +515,7 @@ __all__ = [
     "SamplingMsg",
     "SaveState",
     "SaveWeights",
+    "WeightsRef",
     "WorkerStats",
     "WorkersQuery",
 ]

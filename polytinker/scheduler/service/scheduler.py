@@ -17,6 +17,11 @@ its resends; one made here for a client that sends none), with the adapter versi
 on. The learner answers a key it already ran with its first result, so the broker may resend them
 to a worker it wrongly declared dead, and the client may resend them to a restarted scheduler: a
 gradient is applied once, and a completed step is recorded, not lost or taken twice.
+
+Paths: a tenant names its weights by name (``save_state``'s name, or the ``polytinker-ckpt://JOB/NAME``
+it returned) or by model path (``polytinker://JOB/AGENT@VERSION``), never by a filesystem path, and
+only its own jobs' resolve. What the database keeps for a version is its path relative to the
+state root (``layout``); the workers are sent ids (``WeightsRef``) and make the paths themselves.
 """
 
 from __future__ import annotations
@@ -37,11 +42,12 @@ from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service.broker import Broker, WorkerHandle
 from polytinker.scheduler.service.config import RuntimeConfig
 from polytinker.scheduler.service.jobs import FINAL_STATES, JobManager, JobNotRunning, OverloadedError, adapter_key
+from polytinker.scheduler.service.layout import check_name, parse_relative, under
 from polytinker.scheduler.service.learner_worker import GradientLost
 from polytinker.scheduler.service.load import Admission
 from polytinker.scheduler.service.state import AdapterRow, JobRow, StateStore
 from polytinker.scheduler.service.tenants import AuthError, Tenants
-from polytinker.transport import RpcServer, ServerCurve, TransportConfig, load_keypair
+from polytinker.transport import RpcServer, ServerCurve, TransportConfig
 from polytinker.transport.server import peer_user_id
 
 log = logging.getLogger("polytinker.scheduler.service")
@@ -81,12 +87,7 @@ class SchedulerService:
         self.tenants = Tenants(self.store)
         for t in config.tenants:
             self.tenants.add(t)
-        curve_keys = None
-        if config.curve_secret_file:
-            public, secret = load_keypair(config.curve_secret_file)
-            assert secret is not None
-            curve_keys = (public, secret)
-        self.broker = Broker(config, token, curve_keys)
+        self.broker = Broker(config, token)
         self.jobs = JobManager(config, self.store, self.tenants.weights())
         # forward_backward request ids answered since each adapter's last step: optim_step tells the
         # learner how many it must hold, so a learner restarted between a step's calls refuses the
@@ -269,7 +270,7 @@ class SchedulerService:
             msg = m.EnsureAdapter(
                 current.adapter_key,
                 current.version,
-                current.checkpoint,
+                self._stored(current.checkpoint, current.version) if current.checkpoint else None,
                 lora["rank"],
                 lora["alpha"],
                 tuple(lora["target_modules"]),
@@ -306,13 +307,16 @@ class SchedulerService:
             out = self.broker.call(learner, "sched.w.forward", req, prepare=self._prepare(row, a))
         return {"status": "ok", **out}
 
-    def _dirs(self, a: AdapterRow) -> tuple[Path, Path]:
-        base = Path(*a.adapter_key.split("/"))
-        return self.root / "checkpoints" / base, self.root / "adapters" / base
+    def _stored(self, text: str, version: int) -> m.WeightsRef:
+        """The ``WeightsRef`` of a checkpoint or export path this scheduler stored."""
+        if os.path.isabs(text):  # a database written when absolute paths were kept
+            with contextlib.suppress(ValueError):
+                text = Path(text).relative_to(self.root).as_posix()
+        adapter, kind, stored_version, name = parse_relative(text)
+        return m.WeightsRef(adapter, version if stored_version is None else stored_version, kind, name)
 
     def optim_step(self, msg: m.OptimStep) -> dict[str, Any]:
         row, a, learner = self._training(msg.api_key, msg.job_id)
-        ckpt_dir, export_dir = self._dirs(a)
         full = row.kind == "full_rl"
         fb_ids = self._fb_ids.get(a.adapter_key)
         req = m.LearnerStep(
@@ -322,8 +326,7 @@ class SchedulerService:
             msg.beta2,
             msg.eps,
             msg.weight_decay,
-            str(ckpt_dir),
-            str(export_dir),
+            True,
             full,
             request_id=msg.request_id or uuid.uuid4().hex,
             from_version=a.version,
@@ -345,7 +348,9 @@ class SchedulerService:
                 else:
                     self._fb_ids.pop(a.adapter_key, None)
                 raise
-            self.store.record_version(a.adapter_key, out["version"], out["checkpoint"], out["export_dir"])
+            ckpt = m.WeightsRef(a.adapter_key, out["version"])  # where the learner wrote them (layout)
+            export = ckpt if full else m.WeightsRef(a.adapter_key, out["version"], "export")
+            self.store.record_version(a.adapter_key, out["version"], ckpt.relative_path, export.relative_path)
             self._fb_ids[a.adapter_key] = set()
         self._prune(a, out["version"])
         self.jobs.step_boundary(row.job_id, out["version"])
@@ -354,69 +359,84 @@ class SchedulerService:
     def _prune(self, a: AdapterRow, version: int) -> None:
         """Delete the per-step checkpoints and exports older than the last ``keep_checkpoints``;
         named ones (save_state, save_weights_for_sampler with a name) and other jobs' files stay."""
-        own = tuple(str(d) + os.sep for d in self._dirs(a))
         named = {c["path"] for c in self.store.checkpoints(a.job_id)}
         for ckpt, export in self.store.drop_versions_below(a.adapter_key, version - self.config.keep_checkpoints + 1):
             for p in (ckpt, export):
-                if p.startswith(own) and p not in named and f"{os.sep}named{os.sep}" not in p:
-                    shutil.rmtree(p, ignore_errors=True)
+                try:
+                    ref = self._stored(p, 0)
+                except ConfigError:  # "" (never exported), or nothing this runtime made
+                    continue
+                if ref.adapter == a.adapter_key and not ref.name and p not in named:
+                    shutil.rmtree(under(self.root, ref.relative_path), ignore_errors=True)
 
     def save_state(self, msg: m.SaveState) -> dict[str, Any]:
+        check_name("checkpoint name", msg.name)
         row, a, learner = self._training(msg.api_key, msg.job_id)
-        if not msg.name or "/" in msg.name or msg.name.startswith("."):
-            raise ConfigError(f"checkpoint name {msg.name!r}: use a plain file name")
-        path = self._dirs(a)[0] / "named" / msg.name
-        req = m.LearnerSave(a.adapter_key, str(path), row.kind == "full_rl")
+        req = m.LearnerSave(a.adapter_key, msg.name, row.kind == "full_rl")
         with self._admit(row.tenant, "train"), self.broker.slicers[learner].turn(row.job_id, row.priority):
             out = self.broker.call(learner, "sched.w.save", req, prepare=self._prepare(row, a))
-        self.store.add_checkpoint(row.job_id, msg.name, out["path"], out["version"])
+        saved = m.WeightsRef(a.adapter_key, out["version"], "checkpoint", msg.name)
+        self.store.add_checkpoint(row.job_id, msg.name, saved.relative_path, out["version"])
         return {"status": "ok", "path": f"{CKPT_PREFIX}{row.job_id}/{msg.name}", "version": out["version"]}
 
     def load_state(self, msg: m.LoadState) -> dict[str, Any]:
         row, a, learner = self._training(msg.api_key, msg.job_id)
-        src_job, name = row.job_id, msg.path
-        if msg.path.startswith(CKPT_PREFIX):
-            src_job, _, name = msg.path.removeprefix(CKPT_PREFIX).partition("/")
-            self.jobs.get(row.tenant, src_job)  # only the tenant's own jobs' checkpoints
+        src_job, name = self._checkpoint_name(row, msg.path)
         found = self.store.checkpoint(src_job, name)
         if found is None:
             raise ConfigError(f"no checkpoint {name!r} of job {src_job}; save_state names them")
-        path, _version = found
-        req = m.LearnerLoad(a.adapter_key, path, row.kind == "full_rl")
+        path, version = found
+        req = m.LearnerLoad(a.adapter_key, self._stored(path, version), row.kind == "full_rl")
         with self._admit(row.tenant, "train"), self.broker.slicers[learner].turn(row.job_id, row.priority):
             out = self.broker.call(learner, "sched.w.load", req, prepare=self._prepare(row, a), retry=False)
             export = path  # full parameters: engines load the version from its checkpoint
             if row.kind != "full_rl":
-                export_path = self._dirs(a)[1] / f"v{out['version']}-loaded-{name}"
-                export = self.broker.call(
-                    learner, "sched.w.export", m.LearnerExport(a.adapter_key, str(export_path)), retry=False
-                )["path"]
+                # Its own export path: the loaded weights are not the ones this version had before.
+                loaded = name if src_job == row.job_id else f"{src_job}.{name}"[:128]
+                req_export = m.LearnerExport(a.adapter_key, out["version"], loaded_from=loaded)
+                export = self.broker.call(learner, "sched.w.export", req_export, retry=False)["weights"]
             self.store.record_version(a.adapter_key, out["version"], path, export)
         self._fb_ids[a.adapter_key] = set()  # loading replaced the adapter's state, gradient included
         return {"status": "ok", "version": out["version"]}
 
+    def _checkpoint_name(self, row: JobRow, path: str) -> tuple[str, str]:
+        """(job, name) of what load_state names: a name of this job's, or ``polytinker-ckpt://JOB/NAME``
+        of one of the tenant's jobs; never a filesystem path."""
+        job_id, name = row.job_id, path
+        if path.startswith(CKPT_PREFIX):
+            job_id, _, name = path.removeprefix(CKPT_PREFIX).partition("/")
+            self.jobs.get(row.tenant, job_id)  # only the tenant's own jobs' checkpoints (AuthError)
+        try:
+            return job_id, check_name("checkpoint name", name)
+        except ConfigError:
+            raise ConfigError(
+                f"load_state({path!r}): pass a name given to save_state, or the {CKPT_PREFIX}JOB/NAME path it"
+                " returned (never a filesystem path)"
+            ) from None
+
     # --- sampling --------------------------------------------------------------------------------
     def save_weights(self, msg: m.SaveWeights) -> dict[str, Any]:
+        if msg.name:
+            check_name("sampler name", f"sampler-{msg.name}")
         row, a, learner = self._training(msg.api_key, msg.job_id)
         if not a.export_dir:  # version 0 was never stepped: export the fresh weights once
-            full = row.kind == "full_rl"
-            path = self._dirs(a)[0 if full else 1] / f"v{a.version}"  # full: a checkpoint, kept with them
-            req = m.LearnerExport(a.adapter_key, str(path), full)
+            full = row.kind == "full_rl"  # full: the export is a checkpoint, kept with them
+            req = m.LearnerExport(a.adapter_key, a.version, full)
             with self.broker.slicers[learner].turn(row.job_id, row.priority):
                 out = self.broker.call(learner, "sched.w.export", req, prepare=self._prepare(row, a))
-            self.store.set_export(a.adapter_key, a.version, out["path"])
+            self.store.set_export(a.adapter_key, a.version, out["weights"])
             if self.store.version_row(a.adapter_key, a.version) is None:
-                self.store.record_version(a.adapter_key, a.version, a.checkpoint, out["path"])
+                self.store.record_version(a.adapter_key, a.version, a.checkpoint, out["weights"])
             a = self.store.adapter(a.adapter_key) or a
         if msg.name:
             self.store.add_checkpoint(row.job_id, f"sampler-{msg.name}", a.export_dir, a.version)
         return {"status": "ok", "model_path": model_path(row.job_id, row.agent, a.version), "version": a.version}
 
-    def _resolve(self, tenant: str, path: str) -> tuple[str, int, str, bool]:
-        """(adapter key, version, export dir, full parameters?) of a tenant's model path;
-        ('', 0, '', False) for the base model."""
+    def _resolve(self, tenant: str, path: str) -> tuple[str, int, m.WeightsRef | None, bool]:
+        """(adapter key, version, its export, full parameters?) of a tenant's model path;
+        ('', 0, None, False) for the base model."""
         if not path:
-            return "", 0, "", False
+            return "", 0, None, False
         job_id, agent, version = parse_model_path(path)
         key = adapter_key(tenant, job_id, agent)  # another tenant's path resolves to nothing here
         a = self.store.adapter(key)
@@ -424,7 +444,7 @@ class SchedulerService:
         if found is None or not found[1]:
             raise AuthError(f"no saved weights {path!r} for this tenant (save_weights_for_sampler makes them)")
         job = self.store.job(job_id)
-        return key, version, found[1], job is not None and job.kind == "full_rl"
+        return key, version, self._stored(found[1], version), job is not None and job.kind == "full_rl"
 
     def sample(self, msg: m.Sample) -> dict[str, Any]:
         tenant = self._tenant(msg.api_key)

@@ -2,7 +2,10 @@
 
 ``WorkerServer`` serves a worker's handlers on its own RPC server and re-registers with the
 scheduler every ``heartbeat_s`` from a background thread: a restarted scheduler learns about it
-within one interval, and a restarted worker (new incarnation) is picked up the same way.
+within one interval, and a restarted worker (new incarnation) is picked up the same way. It always
+serves with Curve and admits only the scheduler (keys derived from the worker token, see
+``worker_auth``): no other process on the host, tenant or not, gets an answer from it. Its
+checkpoints and exports live under the state root it is built with (``build_worker``).
 
 ``EngineActor`` and ``LearnerActor`` are the process actors the runtime supervises: each builds
 its worker in ``on_start`` (so ``spawn`` returns once the model is loaded and it is registered)
@@ -23,13 +26,17 @@ from polytinker.engine.actors import Actor
 from polytinker.errors import ConfigError
 from polytinker.scheduler.service.config import RuntimeConfig
 from polytinker.scheduler.service.messages import Register
-from polytinker.transport import ClientCurve, RpcClient, RpcServer, ServerCurve, TransportConfig
+from polytinker.scheduler.service.worker_auth import register_proof, worker_server_curve
+from polytinker.transport import ClientCurve, RpcClient, RpcServer, TransportConfig
 
 log = logging.getLogger("polytinker.scheduler.workers")
 
 
 class WorkerServer:
-    """Serve ``handlers`` at ``bind`` and keep ``worker_id`` registered with the scheduler."""
+    """Serve ``handlers`` at ``bind`` (with Curve: only the scheduler is admitted) and keep
+    ``worker_id`` registered with the scheduler. ``keypair``: the worker's own Curve keys (public,
+    secret) to serve with instead of the ones derived from ``token``; ``client_curve``: how to reach
+    a scheduler that serves with Curve."""
 
     def __init__(
         self,
@@ -43,14 +50,15 @@ class WorkerServer:
         bind: str = "tcp://127.0.0.1:0",
         heartbeat_s: float = 0.5,
         handler_threads: int = 1,
-        server_curve: ServerCurve | None = None,
+        keypair: tuple[bytes, bytes] | None = None,
         client_curve: ClientCurve | None = None,
     ) -> None:
         self.worker_id, self.role, self.base_model = worker_id, role, base_model
         self.incarnation = uuid.uuid4().hex[:12]
         cfg = TransportConfig(handler_threads=handler_threads, request_timeout_s=10.0)
-        self.server = RpcServer(bind, handlers, config=cfg, curve=server_curve).start()
-        self._public = server_curve.public_key.decode() if server_curve is not None else ""
+        curve = worker_server_curve(token, worker_id, keypair)
+        self.server = RpcServer(bind, handlers, config=cfg, curve=curve).start()
+        self._public = curve.public_key.decode()
         self._client = RpcClient(scheduler, config=cfg, curve=client_curve)
         self._token, self._heartbeat_s = token, heartbeat_s
         self._stop = threading.Event()
@@ -59,9 +67,8 @@ class WorkerServer:
         self._thread.start()
 
     def _message(self) -> Register:
-        return Register(
-            self._token, self.worker_id, self.role, self.server.address, self.incarnation, self.base_model, self._public
-        )
+        fields = (self.worker_id, self.role, self.server.address, self.incarnation, self.base_model, self._public)
+        return Register(register_proof(self._token, *fields), *fields)
 
     def _loop(self) -> None:
         failing = False
@@ -86,19 +93,22 @@ class WorkerServer:
 
 
 def build_worker(role: str, worker_id: str, config: RuntimeConfig) -> Any:
-    """The EngineWorker or LearnerWorker that ``worker_id`` names in ``config``."""
+    """The EngineWorker or LearnerWorker that ``worker_id`` names in ``config``, keeping its
+    checkpoints and exports under ``config.state_dir`` (a local runtime's, or ``polytinker worker
+    --state-dir``): no message names a path."""
+    root = config.state_path
     if role == "engine":
         from polytinker.scheduler.service.engine_worker import EngineWorker
 
         for e in config.engines:
             if e.engine_id == worker_id:
-                return EngineWorker(config.model, e)
+                return EngineWorker(config.model, e, root)
     elif role == "learner":
         from polytinker.scheduler.service.learner_worker import LearnerWorker
 
         for g in config.learners:
             if g.learner_id == worker_id:
-                return LearnerWorker(config.model, g)
+                return LearnerWorker(config.model, g, root)
     raise ConfigError(f"no {role} {worker_id!r} in the runtime config")
 
 
