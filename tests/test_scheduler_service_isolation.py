@@ -156,6 +156,17 @@ def test_a_tenant_names_checkpoints_never_paths_and_only_its_own(tmp_path: Path)
             forged = m.Register("x" * 64, "engine-0", "engine", "tcp://127.0.0.1:1", "i", MODEL, "k" * 40)
             with pytest.raises(RemoteError, match="worker token"):
                 rpc.call("sched.w.register", forged, timeout_s=10.0)
+            # No key at all: nothing of anyone's is touched or shown.
+            sampler_path = victim.save_weights_and_get_sampling_client().model_path
+            keyless = [
+                ("sched.save_state", m.SaveState("", victim.job_id, "evil")),
+                ("sched.load_state", m.LoadState("", victim.job_id, "mine")),
+                ("sched.sample", m.Sample("", sampler_path, MODEL, (1, 2, 3))),
+                ("sched.job_query", m.JobQuery("", victim.job_id)),
+            ]
+            for kind, payload in keyless:
+                with pytest.raises(RemoteError, match="no API key"):
+                    rpc.call(kind, payload, timeout_s=10.0)
     assert not evil.exists()
     assert not [p for p in state.rglob("*evil*")]
     assert not (state.parent / "evil").exists()
