@@ -18,7 +18,7 @@ from test_client_fixtures import data
 
 from polytinker import cli
 from polytinker.engine.learner.config import AdamParams
-from polytinker.errors import PeerDeadError, RequestTimeout
+from polytinker.errors import PeerDeadError, RequestTimeout, TransportError
 from polytinker.scheduler.client import ServiceClient
 from polytinker.scheduler.service.runtime import resolve_address
 from polytinker.transport import ClientCurve, generate_keypair, load_keypair
@@ -134,3 +134,46 @@ def test_worker_refuses_bad_addresses_and_missing_keys_before_loading_a_model(
     base += ["--state-dir", str(tmp_path)]
     assert cli.main([*base, *args]) == 1
     assert says in capsys.readouterr().err
+
+
+def test_a_remote_worker_without_keys_of_its_own_serves_with_the_tokens_keys(tmp_path: Path) -> None:
+    """A scheduler without Curve (loopback) and a `polytinker worker` given only the token: the
+    worker still serves with Curve (keys derived from the token), the scheduler reaches it, and a
+    process without the token does not."""
+    from polytinker.scheduler.service import messages as m
+    from polytinker.transport import RpcClient
+
+    address = resolve_address("tcp://127.0.0.1:0")
+    (tmp_path / "runtime.toml").write_text(
+        f'model = "tiny-random"\naddress = "{address}"\nworker_token = "{TOKEN}"\nengines = []\n'
+        '[[learners]]\nlearner_id = "learner-remote"\nlocal = false\n'
+        f'[[tenants]]\nname = "team"\napi_key = "{KEY}"\n'
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    config = ["--config", str(tmp_path / "runtime.toml")]
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(*args: str) -> subprocess.Popen[str]:
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "polytinker.cli", *args], stdout=subprocess.PIPE, text=True, env=env
+            )
+        )
+        return procs[-1]
+
+    try:
+        read_until(start("serve", *config, "--state-dir", str(tmp_path / "state")), "scheduler at")
+        joins = ["--id", "learner-remote", "--scheduler", address, "--token", TOKEN]  # no keys of its own
+        worker = start("worker", *config, *joins, "--state-dir", str(tmp_path / "worker-state"))
+        worker_address = read_until(worker, "serving at").split("serving at ")[1].split(",")[0]
+        with ServiceClient(address, api_key=KEY) as service:
+            trainer = service.create_lora_training_client("tiny-random", rank=4, kind="sft")
+            trainer.forward_backward(data(22))
+            assert trainer.optim_step(AdamParams(learning_rate=1e-2)).result().version == 1
+        with RpcClient(worker_address) as stranger, pytest.raises((RequestTimeout, TransportError)):
+            stranger.call("sched.w.stats", m.WorkerStats(), timeout_s=2.0)
+    finally:
+        for proc in reversed(procs):
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            assert proc.wait(60) == 0

@@ -120,7 +120,7 @@ def test_a_co_tenant_without_the_worker_token_gets_no_answer_from_any_worker(tmp
 def _forged(cls: type, **fields: Any) -> Any:
     """A message of type ``cls`` holding ``fields`` as given: what a hostile client can put on the
     wire (``__post_init__`` would refuse to build it here; the scheduler's edge must refuse it)."""
-    msg = object.__new__(cls)
+    msg: Any = object.__new__(cls)
     for f in dataclasses.fields(cls):
         object.__setattr__(msg, f.name, fields.get(f.name, f.default))
     return msg
