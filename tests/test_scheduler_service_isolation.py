@@ -241,3 +241,41 @@ def test_a_tenant_may_not_name_an_agent_that_is_a_path() -> None:
     for agent in ("../x", "a/b", ".x", ""):
         with pytest.raises(ConfigError, match="agent"):
             m.CreateJob(KEY_BOB, "lora_rl", MODEL, agent=agent)
+
+
+def test_pruning_deletes_only_this_adapters_old_step_files_under_the_root(tmp_path: Path) -> None:
+    from polytinker.scheduler.service import RuntimeConfig, SchedulerService, TenantConfig
+
+    cfg = RuntimeConfig(
+        model=MODEL,
+        state_dir=str(tmp_path / "state"),
+        tenants=(TenantConfig("alice", api_key=KEY_ALICE),),
+        worker_token="prune-token-0123456789",
+        keep_checkpoints=1,
+    )
+    svc = SchedulerService(cfg, cfg.worker_token)  # not started: its store and layout are enough here
+    try:
+        key, other = "alice/job-1/hero", "alice/job-2/hero"
+        outside = tmp_path / "outside" / "v1"  # a path an old database might hold: never deleted
+        made = [
+            m.WeightsRef(key, 1).relative_path,
+            m.WeightsRef(key, 1, "export", "best").relative_path,  # the export after a load: a step file
+            m.WeightsRef(key, 1, "checkpoint", "best").relative_path,  # save_state's: kept
+            m.WeightsRef(other, 1).relative_path,  # another adapter's version loaded into this one
+            m.WeightsRef(key, 3).relative_path,
+            m.WeightsRef(key, 3, "export").relative_path,
+        ]
+        for rel in made:
+            (svc.root / rel).mkdir(parents=True)
+        outside.mkdir(parents=True)
+        a = svc.store.ensure_adapter(key, "alice", "job-1", "hero")
+        svc.store.record_version(key, 0, made[2], "")
+        svc.store.record_version(key, 1, made[0], made[1])
+        svc.store.record_version(key, 2, made[3], str(outside))
+        svc.store.record_version(key, 3, made[4], made[5])
+        svc.store.add_checkpoint("job-1", "best", made[2], 1)
+        svc._prune(a, 3)  # keeps version 3 alone
+        assert [rel for rel in made if (svc.root / rel).exists()] == made[2:]
+        assert outside.exists()
+    finally:
+        svc.stop()

@@ -366,7 +366,8 @@ class SchedulerService:
                     ref = self._stored(p, 0)
                 except ConfigError:  # "" (never exported), or nothing this runtime made
                     continue
-                if ref.adapter == a.adapter_key and not ref.name and p not in named:
+                named_checkpoint = ref.kind == "checkpoint" and bool(ref.name)  # save_state's: kept
+                if ref.adapter == a.adapter_key and not named_checkpoint and p not in named:
                     shutil.rmtree(under(self.root, ref.relative_path), ignore_errors=True)
 
     def save_state(self, msg: m.SaveState) -> dict[str, Any]:
