@@ -371,8 +371,8 @@ class SchedulerService:
                     shutil.rmtree(under(self.root, ref.relative_path), ignore_errors=True)
 
     def save_state(self, msg: m.SaveState) -> dict[str, Any]:
-        check_name("checkpoint name", msg.name)
         row, a, learner = self._training(msg.api_key, msg.job_id)
+        check_name("checkpoint name", msg.name)
         req = m.LearnerSave(a.adapter_key, msg.name, row.kind == "full_rl")
         with self._admit(row.tenant, "train"), self.broker.slicers[learner].turn(row.job_id, row.priority):
             out = self.broker.call(learner, "sched.w.save", req, prepare=self._prepare(row, a))
@@ -417,9 +417,9 @@ class SchedulerService:
 
     # --- sampling --------------------------------------------------------------------------------
     def save_weights(self, msg: m.SaveWeights) -> dict[str, Any]:
+        row, a, learner = self._training(msg.api_key, msg.job_id)
         if msg.name:
             check_name("sampler name", f"sampler-{msg.name}")
-        row, a, learner = self._training(msg.api_key, msg.job_id)
         if not a.export_dir:  # version 0 was never stepped: export the fresh weights once
             full = row.kind == "full_rl"  # full: the export is a checkpoint, kept with them
             req = m.LearnerExport(a.adapter_key, a.version, full)
