@@ -129,7 +129,7 @@ class Broker:
         return {"status": "ok", "known": False}
 
     def workers_query(self, msg: WorkersQuery) -> list[dict[str, Any]]:
-        if msg.token != self._token:
+        if not hmac.compare_digest(msg.token.encode(), self._token.encode()):
             raise AuthError("worker token rejected")
         return self.workers()
 
