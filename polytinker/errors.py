@@ -11,7 +11,10 @@ do not know polytinker.
 - ``RequestTimeout``: a call did not finish in its time (also ``TimeoutError``).
 - ``RemoteError``: the peer ran the request and it raised; carries the error's wire code, the
   remote type name and the error id the server logged its traceback under.
-- ``ActorError`` / ``ActorDeadError``: an actor failed or is no longer running.
+- ``ActorError`` / ``ActorDeadError``: an actor failed or is no longer running; ``RuntimeDead``:
+  an actor a runtime cannot do without stayed down, and the runtime stopped.
+- ``OverloadedError``, ``JobNotRunning``: the scheduler refused a call for now (retry later).
+- ``WorkerUnavailable``, ``NotResident``, ``GradientLost``: between the scheduler and its workers.
 - ``ModelError``: a model could not be found, fetched or loaded.
 - ``EnvError``: an environment broke its contract or raised.
 - ``NotBuiltError``: a documented part that this version does not implement yet.
@@ -115,6 +118,55 @@ class ActorDeadError(ActorError):
     """A message was sent to an actor that is not running."""
 
 
+class RuntimeDead(ActorError):
+    """An actor the runtime cannot do without stayed down (its supervisor gave up on it), and the
+    runtime stopped; the message names the actor, its last exit code, restarts and error."""
+
+    code = "runtime_dead"
+
+
+class OverloadedError(PolytinkerError):
+    """The scheduler is at a bound; try again after ``retry_after_s`` seconds."""
+
+    code = "overloaded"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class JobNotRunning(PolytinkerError):
+    """The job exists but cannot take this call now (queued, paused, finished); ``state`` says which,
+    ``tenant`` whose job it is (for the scheduler's counts; empty on the client side)."""
+
+    code = "job_not_running"
+
+    def __init__(self, message: str, state: str = "", tenant: str = "") -> None:
+        super().__init__(message)
+        self.state = state
+        self.tenant = tenant
+
+
+class WorkerUnavailable(TransportError):
+    """A worker did not come back within the scheduler's ``worker_retry_s``."""
+
+    code = "worker_unavailable"
+
+
+class NotResident(PolytinkerError):
+    """A worker's answer: what the request names (an adapter, a full-parameter model) is not loaded
+    there, never prepared or dropped since; the scheduler prepares it again and resends."""
+
+    code = "not_resident"
+
+
+class GradientLost(PolytinkerError):
+    """A resent optim_step reached a learner process that holds no gradient for it (the one that
+    took the step's forward_backward calls died before stepping): redo the step's calls."""
+
+    code = "gradient_lost"
+
+
 class ModelError(PolytinkerError, RuntimeError):
     """A model could not be found, fetched or loaded."""
 
@@ -139,13 +191,19 @@ __all__ = [
     "AuthError",
     "ConfigError",
     "EnvError",
+    "GradientLost",
+    "JobNotRunning",
     "ModelError",
     "NotBuiltError",
+    "NotResident",
+    "OverloadedError",
     "PeerDeadError",
     "PolytinkerError",
     "ProtocolError",
     "RemoteError",
     "RequestTimeout",
+    "RuntimeDead",
     "TransportError",
+    "WorkerUnavailable",
     "error_class",
 ]

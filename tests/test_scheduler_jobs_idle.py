@@ -126,7 +126,7 @@ def test_the_back_off_is_exponential_with_full_jitter_and_capped() -> None:
 
 
 def test_refusals_are_counted_per_tenant_and_logged_rate_limited(tmp_path: Path, caplog) -> None:
-    from polytinker.scheduler.service.jobs import OverloadedError
+    from polytinker.errors import OverloadedError
     from polytinker.scheduler.service.load import Admission
 
     cfg = RuntimeConfig(model="tiny-random", max_inflight_per_tenant=2, retry_after_s=0.5)

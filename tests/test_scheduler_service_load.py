@@ -18,9 +18,9 @@ from concurrent.futures import wait
 
 import pytest
 
+from polytinker.errors import JobNotRunning
 from polytinker.scheduler.client import ServiceClient
 from polytinker.scheduler.service import EngineWorkerConfig, LocalRuntime, RuntimeConfig, TenantConfig
-from polytinker.scheduler.service.jobs import JobNotRunning
 
 MODEL = "tiny-random"
 KEYS = {"alice": "alice-load-key-0123456789", "bob": "bob-load-key-0123456789ab"}

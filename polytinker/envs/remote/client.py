@@ -70,7 +70,7 @@ def _opening(key: _Key, env_id: str) -> Iterator[None]:
 def _translate(exc: BaseException, what: str) -> BaseException:
     """Transport errors to errors that name the env and say what to check."""
     if isinstance(exc, RemoteError):
-        if exc.remote_type == "ProtocolError":
+        if exc.code == ProtocolError.code:
             return ProtocolError(f"{what}: the server refused the request: {exc.args[0]}")
         return EnvError(f"{what}: {exc.args[0]}")
     if isinstance(exc, RequestTimeout):

@@ -31,25 +31,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from polytinker.errors import (
-    ConfigError,
-    NotBuiltError,
+    JobNotRunning,
+    OverloadedError,
     PeerDeadError,
-    PolytinkerError,
     RemoteError,
     RequestTimeout,
     TransportError,
+    error_class,
 )
-from polytinker.scheduler.service.jobs import JobNotRunning, OverloadedError
-from polytinker.scheduler.service.tenants import AuthError
 from polytinker.transport import ClientCurve, RpcClient, TransportConfig
-
-_REMOTE_TYPES: dict[str, type[PolytinkerError]] = {
-    "AuthError": AuthError,
-    "ConfigError": ConfigError,
-    "NotBuiltError": NotBuiltError,
-    "WorkerUnavailable": TransportError,
-}
-
 
 OVERLOAD_CAP_S = 10.0  # the longest back-off after an "overloaded" answer
 WAITING_CAP_S = 2.0  # ... after a "waiting" one (a queued job starts in its own time: ask again soon)
@@ -154,11 +144,10 @@ class Connection:
 
 
 def _local(exc: RemoteError) -> Exception:
-    message = Exception.__str__(exc)  # without the "Type: " prefix RemoteError adds
-    if exc.remote_type == "JobNotRunning":
-        return JobNotRunning(message, "")
-    cls = _REMOTE_TYPES.get(exc.remote_type)
-    return cls(message) if cls is not None else exc
+    """The error the scheduler raised, as its own type when its wire code names one (AuthError,
+    ConfigError, NotBuiltError, JobNotRunning, WorkerUnavailable, ...); else the RemoteError."""
+    cls = error_class(exc.code)
+    return cls(Exception.__str__(exc)) if cls is not None else exc  # the message without "Type: "
 
 
 __all__ = [

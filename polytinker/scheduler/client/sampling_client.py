@@ -13,9 +13,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from polytinker.errors import AuthError
 from polytinker.scheduler.client._connection import Connection, SampledSequence, SampleResponse
 from polytinker.scheduler.service.messages import ComputeLogprobs, Sample, SamplingMsg
-from polytinker.scheduler.service.tenants import AuthError
 
 
 def prompt_tokens(prompt: Any) -> tuple[int, ...]:

@@ -6,14 +6,16 @@
   ``RuntimeDead`` when one of them stayed down and it stopped.
 - ``SchedulerService``: the request handlers; ``StateStore``: the SQLite (WAL) state;
   ``JobManager``: job lifecycle over the policy; ``Broker``: worker registry and forwarding.
-- ``AuthError``, ``JobNotRunning``, ``OverloadedError``: what a request can be refused with.
+- ``AuthError``, ``JobNotRunning``, ``OverloadedError`` (from ``polytinker.errors``, re-exported
+  here): what a request can be refused with.
 
 See docs/scheduler-service.md.
 """
 
 from __future__ import annotations
 
-from polytinker.scheduler.service.broker import Broker, LearnerSlicer, WorkerUnavailable
+from polytinker.errors import AuthError, JobNotRunning, OverloadedError, RuntimeDead, WorkerUnavailable
+from polytinker.scheduler.service.broker import Broker, LearnerSlicer
 from polytinker.scheduler.service.config import (
     EngineWorkerConfig,
     JobDefaults,
@@ -21,11 +23,11 @@ from polytinker.scheduler.service.config import (
     RuntimeConfig,
     TenantConfig,
 )
-from polytinker.scheduler.service.jobs import JobManager, JobNotRunning, OverloadedError
-from polytinker.scheduler.service.runtime import LocalRuntime, RuntimeDead
+from polytinker.scheduler.service.jobs import JobManager
+from polytinker.scheduler.service.runtime import LocalRuntime
 from polytinker.scheduler.service.scheduler import SchedulerService
 from polytinker.scheduler.service.state import StateStore
-from polytinker.scheduler.service.tenants import AuthError, new_api_key
+from polytinker.scheduler.service.tenants import new_api_key
 
 __all__ = [
     "AuthError",

@@ -38,25 +38,23 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from polytinker.errors import ConfigError, PeerDeadError, PolytinkerError, ProtocolError, RemoteError, TransportError
+from polytinker.errors import (
+    AuthError,
+    ConfigError,
+    NotResident,
+    PeerDeadError,
+    ProtocolError,
+    RemoteError,
+    TransportError,
+    WorkerUnavailable,
+)
 from polytinker.scheduler.placement import next_learner_job
 from polytinker.scheduler.service.config import RuntimeConfig
 from polytinker.scheduler.service.messages import ActorsReport, ActorState, Register, WorkersQuery
-from polytinker.scheduler.service.tenants import AuthError
 from polytinker.scheduler.service.worker_auth import register_proof, same, scheduler_client_keypair
 from polytinker.transport import ClientCurve, RpcClient, TransportConfig
 
-
-class NotResident(PolytinkerError):
-    """A worker's answer: what the request names (an adapter, a full-parameter model) is not loaded
-    there, never prepared or dropped since; ``Broker.call`` runs ``prepare`` again and resends."""
-
-
 log = logging.getLogger("polytinker.scheduler.broker")
-
-
-class WorkerUnavailable(TransportError):
-    """A worker did not come back within ``worker_retry_s``."""
 
 
 @dataclass
@@ -229,7 +227,7 @@ class Broker:
                     h.prepared.add(prepare[0])
                 return h.client.call(kind, payload, timeout_s=timeout_s or self.config.request_timeout_s)
             except RemoteError as exc:
-                if exc.remote_type != NotResident.__name__ or prepare is None or reprepared:
+                if exc.code != NotResident.code or prepare is None or reprepared:
                     raise
                 log.info("%s on %s: %s; preparing it again", kind, worker_id, exc)
                 h.prepared.discard(prepare[0])
@@ -303,4 +301,4 @@ class LearnerSlicer:
             self._cv.notify_all()
 
 
-__all__ = ["Broker", "LearnerSlicer", "NotResident", "WorkerHandle", "WorkerUnavailable"]
+__all__ = ["Broker", "LearnerSlicer", "WorkerHandle"]

@@ -30,13 +30,12 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from polytinker.errors import ConfigError, PolytinkerError
+from polytinker.errors import AuthError, ConfigError, JobNotRunning, OverloadedError
 from polytinker.scheduler.config import SchedulerPolicyConfig
 from polytinker.scheduler.policy import FairSharePolicy
 from polytinker.scheduler.service.config import RuntimeConfig
 from polytinker.scheduler.service.messages import CreateJob
 from polytinker.scheduler.service.state import JobRow, StateStore
-from polytinker.scheduler.service.tenants import AuthError
 from polytinker.scheduler.types import (
     Accepted,
     ClusterSpec,
@@ -78,24 +77,6 @@ def idle_verdict(
             return "finish"
         return None
     return "pause" if placed and idle_s >= config.job_idle_pause_s else None
-
-
-class JobNotRunning(PolytinkerError):
-    """The job exists but cannot take this call now (queued, paused, finished); ``state`` says which,
-    ``tenant`` whose job it is (for the scheduler's counts; empty on the client side)."""
-
-    def __init__(self, message: str, state: str, tenant: str = "") -> None:
-        super().__init__(message)
-        self.state = state
-        self.tenant = tenant
-
-
-class OverloadedError(PolytinkerError):
-    """The scheduler is at a bound; try again after ``retry_after_s`` seconds."""
-
-    def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
 
 
 def adapter_key(tenant: str, job_id: str, agent: str) -> str:
@@ -494,8 +475,6 @@ __all__ = [
     "FINAL_STATES",
     "LIVE_STATES",
     "JobManager",
-    "JobNotRunning",
-    "OverloadedError",
     "adapter_key",
     "cluster_spec",
     "idle_verdict",

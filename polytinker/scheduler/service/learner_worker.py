@@ -39,8 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from polytinker.errors import ConfigError, PolytinkerError
-from polytinker.scheduler.service.broker import NotResident
+from polytinker.errors import ConfigError, GradientLost, NotResident
 from polytinker.scheduler.service.config import LearnerWorkerConfig
 from polytinker.scheduler.service.layout import under
 from polytinker.scheduler.service.messages import (
@@ -60,11 +59,6 @@ log = logging.getLogger("polytinker.scheduler.learner_worker")
 
 REQUEST_FILE = "request.json"  # in a step's checkpoint directory: the key of the call that made it
 MAX_REMEMBERED = 1024  # keyed results kept in memory (the newest)
-
-
-class GradientLost(PolytinkerError):
-    """A resent optim_step reached a learner process that holds no gradient for it (the one that
-    took the step's forward_backward calls died before stepping): redo the step's calls."""
 
 
 def _data(msgs: tuple[DatumMsg, ...]) -> list[Any]:
@@ -379,4 +373,4 @@ class LearnerWorker:
         return {**self.stats, "adapters": len(self._versions()), "full_slots": len(self._full), "pid": os.getpid()}
 
 
-__all__ = ["GradientLost", "LearnerWorker", "NotResident"]
+__all__ = ["LearnerWorker"]

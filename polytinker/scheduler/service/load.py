@@ -17,8 +17,8 @@ from collections import Counter, defaultdict
 from collections.abc import Iterator
 from typing import Any
 
+from polytinker.errors import OverloadedError
 from polytinker.scheduler.service.config import RuntimeConfig
-from polytinker.scheduler.service.jobs import OverloadedError
 from polytinker.transport.protocol import RateLimitedLog
 
 log = logging.getLogger("polytinker.scheduler.service")

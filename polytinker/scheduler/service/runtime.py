@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from polytinker.engine.actors import ActorConfig, ActorRef, ChildReport, RestartPolicy, Supervisor
-from polytinker.errors import ActorError, ConfigError, RequestTimeout
+from polytinker.errors import ConfigError, RequestTimeout, RuntimeDead
 from polytinker.scheduler.service.config import RuntimeConfig, TenantConfig
 from polytinker.scheduler.service.messages import ActorsReport, ActorState, RuntimeStatus, WorkersQuery
 from polytinker.scheduler.service.scheduler import SchedulerActor, local_address
@@ -47,11 +47,6 @@ from polytinker.transport import RpcClient
 
 log = logging.getLogger("polytinker.scheduler.runtime")
 REPORT_EVERY_S = 5.0  # the actors' states are sent this often too, so a lost report heals itself
-
-
-class RuntimeDead(ActorError):
-    """An actor the runtime cannot do without stayed down (its supervisor gave up on it), and the
-    runtime stopped; the message names the actor, its last exit code, restarts and error."""
 
 
 def resolve_address(address: str) -> str:
@@ -271,4 +266,4 @@ def check_servable(config: RuntimeConfig) -> None:
         )
 
 
-__all__ = ["LocalRuntime", "RuntimeDead", "check_servable", "prepared", "resolve_address"]
+__all__ = ["LocalRuntime", "check_servable", "prepared", "resolve_address"]

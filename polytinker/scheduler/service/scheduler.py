@@ -37,16 +37,15 @@ from pathlib import Path
 from typing import Any
 
 from polytinker.engine.actors import Actor
-from polytinker.errors import ConfigError, RemoteError
+from polytinker.errors import AuthError, ConfigError, GradientLost, JobNotRunning, OverloadedError, RemoteError
 from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service.broker import Broker, WorkerHandle
 from polytinker.scheduler.service.config import RuntimeConfig
-from polytinker.scheduler.service.jobs import FINAL_STATES, JobManager, JobNotRunning, OverloadedError, adapter_key
+from polytinker.scheduler.service.jobs import FINAL_STATES, JobManager, adapter_key
 from polytinker.scheduler.service.layout import check_name, parse_relative, under
-from polytinker.scheduler.service.learner_worker import GradientLost
 from polytinker.scheduler.service.load import Admission
 from polytinker.scheduler.service.state import AdapterRow, JobRow, StateStore
-from polytinker.scheduler.service.tenants import AuthError, Tenants
+from polytinker.scheduler.service.tenants import Tenants
 from polytinker.transport import RpcServer, ServerCurve, TransportConfig
 from polytinker.transport.server import peer_user_id
 
@@ -343,7 +342,7 @@ class SchedulerService:
             except BaseException as exc:
                 # GradientLost: the learner dropped what it held and the client redoes the step's
                 # calls from nothing. Any other failure leaves the count unknown.
-                if isinstance(exc, RemoteError) and exc.remote_type == GradientLost.__name__:
+                if isinstance(exc, RemoteError) and exc.code == GradientLost.code:
                     self._fb_ids[a.adapter_key] = set()
                 else:
                     self._fb_ids.pop(a.adapter_key, None)

@@ -62,4 +62,4 @@ class Tenants:
         return tuple(self._store.tenants())
 
 
-__all__ = ["AuthError", "Tenants", "hash_key", "new_api_key"]
+__all__ = ["Tenants", "hash_key", "new_api_key"]
