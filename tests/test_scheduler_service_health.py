@@ -28,6 +28,7 @@ from polytinker.scheduler.service import (
 )
 from polytinker.scheduler.service.messages import WorkersQuery
 from polytinker.scheduler.service.runtime import resolve_address
+from polytinker.scheduler.service.worker_auth import launcher_credential
 from polytinker.transport import RpcClient
 
 KEY = "health-tenant-key-0123456789"
@@ -174,7 +175,9 @@ def test_a_call_in_flight_to_a_killed_engine_fails_over_before_the_heartbeat_tim
         def watch() -> None:  # what the broker believes, every 20 ms
             with RpcClient(runtime.local_address) as rpc:
                 while not stop.is_set():
-                    workers = rpc.call("sched.w.workers", WorkersQuery(runtime.config.worker_token), timeout_s=5)
+                    workers = rpc.call(
+                        "sched.w.workers", WorkersQuery(launcher_credential(runtime.config.worker_token)), timeout_s=5
+                    )
                     seen.extend((w["incarnation"], w["alive"]) for w in workers)
                     time.sleep(0.02)
 
@@ -197,5 +200,7 @@ def test_a_call_in_flight_to_a_killed_engine_fails_over_before_the_heartbeat_tim
 
 def _incarnation(runtime: LocalRuntime) -> str:
     with RpcClient(runtime.local_address) as rpc:
-        workers = rpc.call("sched.w.workers", WorkersQuery(runtime.config.worker_token), timeout_s=5)
+        workers = rpc.call(
+            "sched.w.workers", WorkersQuery(launcher_credential(runtime.config.worker_token)), timeout_s=5
+        )
     return str(workers[0]["incarnation"])

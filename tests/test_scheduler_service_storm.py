@@ -11,7 +11,7 @@ from test_client_fixtures import KEY_ALICE, MODEL, client, data, shared_runtime
 
 from polytinker.engine.types import SamplingParams
 from polytinker.scheduler.service.messages import WorkersQuery
-from polytinker.scheduler.service.worker_auth import scheduler_client_keypair, worker_keypair
+from polytinker.scheduler.service.worker_auth import launcher_credential, scheduler_client_keypair, worker_keypair
 from polytinker.transport import ClientCurve, RpcClient
 
 SCHEDULER_KINDS = ["sched.create_job", "sched.sample", "sched.forward_backward", "sched.runtime_status"]
@@ -45,7 +45,7 @@ def test_the_workers_survive_the_storm_and_serve_after_it():
     runtime = shared_runtime()
     token = runtime.config.worker_token
     with RpcClient(runtime.address) as c:
-        workers = c.call("sched.w.workers", WorkersQuery(token), timeout_s=10)
+        workers = c.call("sched.w.workers", WorkersQuery(launcher_credential(token)), timeout_s=10)
     assert {w["role"] for w in workers} == {"engine", "learner"}
     for w in workers:
         pid = _pid(w["worker_id"])

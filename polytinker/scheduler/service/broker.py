@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hmac
 import logging
 import threading
 import time
@@ -51,7 +50,12 @@ from polytinker.errors import (
 from polytinker.scheduler.placement import next_learner_job
 from polytinker.scheduler.service.config import RuntimeConfig
 from polytinker.scheduler.service.messages import ActorsReport, ActorState, Register, WorkersQuery
-from polytinker.scheduler.service.worker_auth import register_proof, same, scheduler_client_keypair
+from polytinker.scheduler.service.worker_auth import (
+    launcher_credential,
+    register_proof,
+    same,
+    scheduler_client_keypair,
+)
 from polytinker.transport import ClientCurve, RpcClient, TransportConfig
 
 log = logging.getLogger("polytinker.scheduler.broker")
@@ -127,13 +131,13 @@ class Broker:
         return {"status": "ok", "known": False}
 
     def workers_query(self, msg: WorkersQuery) -> list[dict[str, Any]]:
-        if not hmac.compare_digest(msg.token.encode(), self._token.encode()):
+        if not same(msg.credential, launcher_credential(self._token)):
             raise AuthError("worker token rejected")
         return self.workers()
 
     def supervised(self, msg: ActorsReport) -> dict[str, Any]:
         """The local runtime's supervisor reports its actors (see the module docstring)."""
-        if not hmac.compare_digest(msg.token.encode(), self._token.encode()):
+        if not same(msg.credential, launcher_credential(self._token)):
             raise AuthError("worker token rejected")
         with self._cv:
             self._actors = msg.actors

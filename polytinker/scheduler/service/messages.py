@@ -272,9 +272,10 @@ class Register:
 @message("sched.w.workers")
 @dataclass(frozen=True)
 class WorkersQuery:
-    """The registered workers, for the launcher (authenticated by the worker token, not a tenant)."""
+    """The registered workers, for the launcher (authenticated by a credential derived from the
+    worker token, ``worker_auth.launcher_credential``: the token itself never goes on the wire)."""
 
-    token: str
+    credential: str
 
 
 @message("sched.actor_state")
@@ -298,7 +299,7 @@ class ActorsReport:
     """The launcher -> scheduler: every supervised actor's state, sent at each exit and restart
     (and every few seconds). A worker's exit fails the calls in flight to it at once."""
 
-    token: str
+    credential: str  # worker_auth.launcher_credential(worker token)
     actors: tuple[ActorState, ...]
 
 

@@ -42,6 +42,7 @@ from polytinker.scheduler.service.messages import ActorsReport, ActorState, Runt
 from polytinker.scheduler.service.scheduler import SchedulerActor, local_address
 from polytinker.scheduler.service.state import private_state_dir
 from polytinker.scheduler.service.tenants import new_api_key
+from polytinker.scheduler.service.worker_auth import launcher_credential
 from polytinker.scheduler.service.workers import EngineActor, LearnerActor
 from polytinker.transport import RpcClient
 
@@ -204,7 +205,7 @@ class LocalRuntime:
             while self._reporting.is_set():
                 self._report_now.clear()
                 try:
-                    report = ActorsReport(self.config.worker_token, self.actors())
+                    report = ActorsReport(launcher_credential(self.config.worker_token), self.actors())
                     client.call("sched.w.actors", report, timeout_s=2.0)
                     wait_s = REPORT_EVERY_S
                 except Exception as exc:  # the scheduler may be restarting: soon again
@@ -225,7 +226,9 @@ class LocalRuntime:
             while True:
                 self.check()
                 try:
-                    workers = client.call("sched.w.workers", WorkersQuery(self.config.worker_token), timeout_s=5.0)
+                    workers = client.call(
+                        "sched.w.workers", WorkersQuery(launcher_credential(self.config.worker_token)), timeout_s=5.0
+                    )
                     alive = {w["worker_id"] for w in workers if w["alive"]}
                     if set(worker_ids) <= alive:
                         return

@@ -10,7 +10,7 @@ one shared secret. Keyed hashes (HMAC-SHA256) of it with fixed labels give:
 - the proof a ``Register`` carries (``register_proof``): it binds the worker id, role, address,
   incarnation, base model and the worker's Curve public key, so a process without the token cannot
   register a worker or swap in its own key, and the token itself never goes on the wire;
-- the credential of ``WorkersQuery`` (``workers_credential``).
+- the credential of the launcher's ``WorkersQuery`` and ``ActorsReport`` (``launcher_credential``).
 
 Every worker serves with Curve and admits only the scheduler's client key (``worker_server_curve``),
 so a process on the host without the token gets no answer from any worker socket.
@@ -62,8 +62,9 @@ def register_proof(
     return hmac.new(_mac(token, "register"), fields.encode("utf-8"), hashlib.sha256).hexdigest()
 
 
-def workers_credential(token: str) -> str:
-    return _mac(token, "workers-query").hex()
+def launcher_credential(token: str) -> str:
+    """What the runtime that launched the workers shows the scheduler (list workers, report actors)."""
+    return _mac(token, "launcher").hex()
 
 
 def same(a: str, b: str) -> bool:
@@ -73,10 +74,10 @@ def same(a: str, b: str) -> bool:
 
 __all__ = [
     "derive_keypair",
+    "launcher_credential",
     "register_proof",
     "same",
     "scheduler_client_keypair",
     "worker_keypair",
     "worker_server_curve",
-    "workers_credential",
 ]
