@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -46,7 +48,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, not at exit, so that a closed pipe is caught below
+        return code
+    except BrokenPipeError:
+        # The reader went away (`polytinker jobs list | head`): stop quietly with SIGPIPE's status,
+        # as a Unix tool does. Python flushes stdout again at exit, so that goes to /dev/null.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except PolytinkerError as exc:
         print(f"polytinker {args.command}: error: {exc}", file=sys.stderr)
         return 1

@@ -42,3 +42,14 @@ def test_a_client_script_imports_no_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_every_command_into_a_closed_pipe_exits_quietly():
+    """`polytinker env list | head -1` (or any command whose reader goes away): SIGPIPE's status, no traceback."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "polytinker.cli", "env", "list"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone before the first line is written
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141 and "Traceback" not in err, err

@@ -179,20 +179,6 @@ def _print_jobs(jobs: list[dict[str, Any]], load: dict[str, Any]) -> None:
 
 
 def _jobs(args: argparse.Namespace) -> int:
-    import sys
-
-    try:
-        code = _jobs_command(args)
-        sys.stdout.flush()  # here, not at exit, so that a closed pipe is caught below
-        return code
-    except BrokenPipeError:
-        # The reader went away (`polytinker jobs list | head`): stop quietly, as a Unix tool
-        # does on SIGPIPE. Python flushes stdout again at exit, so that goes to /dev/null.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 128 + signal.SIGPIPE
-
-
-def _jobs_command(args: argparse.Namespace) -> int:
     with _client(args) as client:
         if args.jobs_command == "list":
             report = client.jobs_report(include_finished=not args.live)
