@@ -26,7 +26,7 @@ def test_the_state_directory_and_everything_in_it_is_private_to_its_user() -> No
         trainer.forward_backward(data(31))
         trainer.optim_step(AdamParams(learning_rate=1e-2)).result()
         trainer.save_weights_and_get_sampling_client()
-        trainer.save_state("mine")
+        trainer.save_state("mine").result()  # done before the files are looked at (no temp file in flight)
     state = runtime.config.state_path
     assert stat.S_IMODE(state.stat().st_mode) == 0o700  # nothing under it is reachable by others
     weights = [state / "checkpoints", state / "adapters"]
