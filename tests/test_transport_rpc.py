@@ -316,3 +316,30 @@ def test_no_threads_or_fds_leak(tmp_path):
     time.sleep(0.2)
     assert threading.active_count() <= before_threads + 1
     assert len(os.listdir("/proc/self/fd")) <= before_fds + 4
+
+
+def test_calls_racing_a_close_all_end():
+    """Calls made while another thread closes the client each return or raise; none waits for ever."""
+    with RpcServer(f"inproc://close-race-{uuid.uuid4().hex}", HANDLERS, config=FAST) as srv:
+        for _ in range(5):
+            c = RpcClient(srv.address, config=FAST)
+            outcomes: list[str] = []
+
+            def caller(c: RpcClient = c, outcomes: list[str] = outcomes) -> None:
+                for i in range(200):
+                    try:
+                        c.call("echo", i)
+                        outcomes.append("ok")
+                    except TransportError:
+                        outcomes.append("closed")
+                        return
+
+            threads = [threading.Thread(target=caller) for _ in range(4)]
+            for t in threads:
+                t.start()
+            time.sleep(0.02)
+            c.close()
+            for t in threads:
+                t.join(10)
+            assert not any(t.is_alive() for t in threads), "a call hung across close()"
+            assert "closed" in outcomes or len(outcomes) == 800

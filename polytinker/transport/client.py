@@ -81,8 +81,12 @@ class _Waiter:
             self._exc = exc
             self._lock.release()
 
-    def result(self) -> Any:
-        self._lock.acquire()
+    def result(self, io_thread: threading.Thread) -> Any:
+        # The I/O thread answers, fails or (closing) drains every call; should a close race with
+        # this call's queueing, the I/O thread's end is what tells.
+        while not self._lock.acquire(timeout=1.0):
+            if not io_thread.is_alive() and self._lock.locked():
+                raise TransportError("the client was closed during the call")
         self._lock.release()
         if self._exc is not None:
             raise self._exc
@@ -169,7 +173,7 @@ class RpcClient:
         waiter = _Waiter()
         timeout = self._cfg.request_timeout_s if timeout_s is None else timeout_s
         self._queue((MsgType.REQUEST, next(self._ids), kind, frames, waiter, timeout))
-        return waiter.result()
+        return waiter.result(self._thread)
 
     def send_oneway(self, kind: str, payload: Any = None) -> None:
         """A tell: the server runs the handler and answers nothing, not even on error."""
@@ -245,7 +249,12 @@ class RpcClient:
                     except Exception as exc:  # keep serving the other calls
                         log.exception("client I/O thread of %s: unexpected error: %r", self._address, exc)
         finally:
-            st.fail_all(TransportError(f"the client of {self._address} is closed"))
+            closed = TransportError(f"the client of {self._address} is closed")
+            st.fail_all(closed)
+            while self._ops:  # queued by a caller just before the close: its waiter must not wait for ever
+                fut = self._ops.popleft()[4]
+                if fut is not None:
+                    _settle(fut, exc=closed)
             self._close_socket()
 
     def _step(self, st: PendingCalls, ready: set[Any]) -> None:
