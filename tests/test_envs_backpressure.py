@@ -9,17 +9,9 @@ import threading
 
 import pytest
 
-from polytinker.envs import Coordinator, CoordinatorConfig, EnvBusy, EnvServer, EnvServerConfig, RemoteEnv, register
-from polytinker.envs.registry import unregister
+from polytinker.envs import Coordinator, CoordinatorConfig, EnvBusy, EnvServer, EnvServerConfig, RemoteEnv
 
 LOOPBACK = "tcp://127.0.0.1:0"
-
-
-@pytest.fixture(scope="module")
-def flaky_id():
-    register("flaky-v0", "test_envs_fixtures:FlakyEnv")
-    yield "flaky-v0"
-    unregister("flaky-v0")
 
 
 def test_a_full_server_is_waited_out_and_a_crashing_step_aborts_only_its_episode(flaky_id):

@@ -23,22 +23,13 @@ from polytinker.envs import (
     RemoteEnvConfig,
     RemoteParallelEnv,
     make,
-    register,
 )
 from polytinker.envs.opponents import scripted_policy
-from polytinker.envs.registry import unregister
 from polytinker.errors import EnvError, PeerDeadError, ProtocolError, RemoteError, RequestTimeout
 from polytinker.transport.rpc import RpcClient
 
 ROOT = Path(__file__).resolve().parent.parent
 LOOPBACK = "tcp://127.0.0.1:0"
-
-
-@pytest.fixture(scope="module")
-def flaky_id():
-    register("flaky-v0", "test_envs_fixtures:FlakyEnv")
-    yield "flaky-v0"
-    unregister("flaky-v0")
 
 
 @pytest.fixture(scope="module")
