@@ -262,7 +262,7 @@ def test_training_without_a_learner_waits_then_the_bound_answers_overloaded(serv
     svc, address = service
     with RpcClient(address) as client:
         job = client.call("sched.create_job", m.CreateJob(KEY_A, "lora_rl", "tiny-random", rank=4))["job"]
-        with svc._admit("alice", "train"):  # one training call in flight: the bound (1) is reached
+        with svc.admission.admit("alice", "train"):  # one training call in flight: the bound (1) is reached
             reply = client.call("sched.optim_step", m.OptimStep(KEY_A, job["job_id"]))
         assert reply["status"] == "overloaded" and reply["retry_after_s"] > 0
 

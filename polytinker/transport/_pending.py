@@ -73,7 +73,7 @@ class PendingCalls:
             _, rid = heapq.heappop(dl)
             p = self.pending.pop(rid, None)
             if p is not None:
-                _settle(p.future, RequestTimeout(f"{p.kind!r} got no reply within {p.timeout_s} s"))
+                settle(p.future, exc=RequestTimeout(f"{p.kind!r} got no reply within {p.timeout_s} s"))
                 out.append((rid, p.kind))
         return out
 
@@ -81,12 +81,16 @@ class PendingCalls:
         pending, self.pending, self.deadlines = self.pending, {}, []
         self.backlog.clear()
         for p in pending.values():
-            _settle(p.future, exc)
+            settle(p.future, exc=exc)
 
 
-def _settle(fut: Future[Any], exc: BaseException) -> None:
-    with contextlib.suppress(InvalidStateError):  # the caller cancelled it meanwhile
-        fut.set_exception(exc)
+def settle(fut: Future[Any], value: Any = None, exc: BaseException | None = None) -> None:
+    """Resolve a call's future (or waiter) unless its caller cancelled it meanwhile."""
+    with contextlib.suppress(InvalidStateError):
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(value)
 
 
-__all__ = ["Pending", "PendingCalls"]
+__all__ = ["Pending", "PendingCalls", "settle"]

@@ -19,7 +19,7 @@ import itertools
 import logging
 import threading
 import time
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from typing import Any
 
 import zmq
@@ -27,7 +27,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from polytinker.errors import AuthError, PeerDeadError, ProtocolError, TransportError
 from polytinker.transport import auth
-from polytinker.transport._pending import Pending, PendingCalls
+from polytinker.transport._pending import Pending, PendingCalls, settle
 from polytinker.transport._wakeup import WakePipe
 from polytinker.transport.codec import decode, encode
 from polytinker.transport.config import DEFAULT_CONFIG, TransportConfig
@@ -93,17 +93,6 @@ class _Waiter:
         return self._value
 
 
-def _settle(fut: Future[Any], value: Any = None, exc: BaseException | None = None) -> None:
-    """Resolve ``fut`` unless the caller cancelled it meanwhile."""
-    try:
-        if exc is not None:
-            fut.set_exception(exc)
-        else:
-            fut.set_result(value)
-    except InvalidStateError:
-        pass
-
-
 class RpcClient:
     """Calls into one ``RpcServer``. Thread-safe: any thread may call, many calls may be in flight."""
 
@@ -140,15 +129,12 @@ class RpcClient:
         is sent CANCEL, so a request it has not started is dropped and a running handler can see it
         (``current_call().cancelled``); a timeout sends CANCEL too. The future's callbacks run on the
         client's I/O thread: keep them short and never block in them."""
-        if self._closed:
-            raise TransportError(f"the client of {self._address} is closed")
-        frames = encode(payload, config=self._cfg)
         fut: Future[Any] = Future()
-        if self._refused:
-            fut.set_exception(AuthError(f"{self._address} refused this client: {self._refused}"))
+        if self._refused and not self._closed:  # a future's errors arrive through the future
+            fut.set_exception(self._refusal())
             return fut
+        frames, timeout = self._request(payload, timeout_s)
         rid = next(self._ids)
-        timeout = self._cfg.request_timeout_s if timeout_s is None else timeout_s
 
         def on_done(f: Future[Any]) -> None:
             if f.cancelled() and not self._closed:
@@ -165,27 +151,29 @@ class RpcClient:
                 "a blocking call() from a callback of this client's futures would wait for itself; "
                 "use call_async() there"
             )
-        if self._closed:
-            raise TransportError(f"the client of {self._address} is closed")
-        frames = encode(payload, config=self._cfg)
-        if self._refused:
-            raise AuthError(f"{self._address} refused this client: {self._refused}")
+        frames, timeout = self._request(payload, timeout_s)
         waiter = _Waiter()
-        timeout = self._cfg.request_timeout_s if timeout_s is None else timeout_s
         self._queue((MsgType.REQUEST, next(self._ids), kind, frames, waiter, timeout))
         return waiter.result(self._thread)
+
+    def _request(self, payload: Any, timeout_s: float | None) -> tuple[list[Any], float | None]:
+        """A request's frames (encoded in the caller's thread) and its timeout; raises at once on a
+        closed client or one the server has refused."""
+        if self._closed:
+            raise TransportError(f"the client of {self._address} is closed")
+        if self._refused:
+            raise self._refusal()
+        timeout = self._cfg.request_timeout_s if timeout_s is None else timeout_s
+        return encode(payload, config=self._cfg), timeout
+
+    def _refusal(self) -> AuthError:
+        return AuthError(f"{self._address} refused this client: {self._refused}")
 
     def send_oneway(self, kind: str, payload: Any = None) -> None:
         """A tell: the server runs the handler and answers nothing, not even on error."""
         if self._closed:
             raise TransportError(f"the client of {self._address} is closed")
         self._queue((MsgType.TELL, next(self._ids), kind, encode(payload, config=self._cfg), None, None))
-
-    def abandon(self, reason: str) -> None:
-        """The server is known to be gone (its process exited): fail the pending calls with
-        PeerDeadError now, instead of after the heartbeat timeout, and connect afresh."""
-        if not self._closed:
-            self._queue(("abandon", 0, reason, None, None, None))
 
     def close(self) -> None:
         """Fail the pending calls with TransportError and close the socket."""
@@ -254,7 +242,7 @@ class RpcClient:
             while self._ops:  # queued by a caller just before the close: its waiter must not wait for ever
                 fut = self._ops.popleft()[4]
                 if fut is not None:
-                    _settle(fut, exc=closed)
+                    settle(fut, exc=closed)
             self._close_socket()
 
     def _step(self, st: PendingCalls, ready: set[Any]) -> None:
@@ -307,7 +295,7 @@ class RpcClient:
                 if fut.cancelled():
                     continue
                 if self._refused:  # refused since the call was made: the server will not serve it
-                    _settle(fut, exc=AuthError(f"{self._address} refused this client: {self._refused}"))
+                    settle(fut, exc=self._refusal())
                     continue
                 st.add(rid, Pending(fut, kind, timeout_s))  # pending from here: a deadline or a death fails it
             if backlog or not self._send_one(st, op):
@@ -323,9 +311,6 @@ class RpcClient:
     def _send_one(self, st: PendingCalls, op: tuple[Any, ...]) -> bool:
         """False when the socket cannot take it now (no peer or queue full)."""
         mtype, rid, kind, frames, fut, _ = op
-        if mtype == "abandon":
-            self._peer_died(st, time.monotonic(), reason=kind)
-            return True
         if mtype == MsgType.CANCEL:  # only for a request sent and not yet answered
             if st.pop(rid) is not None:
                 self._send_cancel(rid, kind)
@@ -339,7 +324,7 @@ class RpcClient:
         except zmq.ZMQError as exc:
             st.pop(rid)
             if fut is not None:
-                _settle(fut, exc=TransportError(f"cannot send {kind!r} to {self._address}: {exc}"))
+                settle(fut, exc=TransportError(f"cannot send {kind!r} to {self._address}: {exc}"))
         return True
 
     def _on_answer(self, st: PendingCalls, frames: list[zmq.Frame]) -> None:
@@ -357,14 +342,14 @@ class RpcClient:
         try:
             body = decode(frames[1:], config=self._cfg)
         except ProtocolError as exc:
-            _settle(pending.future, exc=exc)
+            settle(pending.future, exc=exc)
             return
         if mtype == MsgType.REPLY:
-            _settle(pending.future, body)
+            settle(pending.future, body)
         elif mtype == MsgType.ERROR:
-            _settle(pending.future, exc=error_from_body(body, pending.kind))
+            settle(pending.future, exc=error_from_body(body, pending.kind))
         else:
-            _settle(pending.future, exc=ProtocolError(f"unexpected {MsgType(mtype).name} in reply to {kind!r}"))
+            settle(pending.future, exc=ProtocolError(f"unexpected {MsgType(mtype).name} in reply to {kind!r}"))
 
     def _handshakes(self) -> None:
         assert self._monitor is not None
@@ -382,10 +367,10 @@ class RpcClient:
                 else "the Curve handshake failed (is the server key right?)"
             )
             log.warning("%s: %s", self._address, self._refused)
-            self._st.fail_all(AuthError(f"{self._address} refused this client: {self._refused}"))
+            self._st.fail_all(self._refusal())
 
-    def _peer_died(self, st: PendingCalls, now: float, reason: str = "") -> None:
-        why = reason or f"did not answer heartbeats for {self._cfg.dead_after_s:.1f} s"
+    def _peer_died(self, st: PendingCalls, now: float) -> None:
+        why = f"did not answer heartbeats for {self._cfg.dead_after_s:.1f} s"
         if st.pending:
             self._silence("%s %s: failing %d pending calls, reconnecting", self._address, why, len(st.pending))
         st.fail_all(PeerDeadError(f"{self._address} {why}"))

@@ -33,6 +33,7 @@ import zmq
 from polytinker.errors import ProtocolError
 from polytinker.transport import messages
 from polytinker.transport.config import DEFAULT_CONFIG, TransportConfig
+from polytinker.transport.protocol import describe
 
 EXT_NDARRAY = 1
 EXT_TENSOR = 2
@@ -129,16 +130,7 @@ def decode(frames: Sequence[Frame], *, config: TransportConfig | None = None, ar
     except ProtocolError:
         raise
     except Exception as exc:  # msgpack and numpy raise many types on hostile bytes
-        raise ProtocolError(f"malformed message body: {_describe(exc)}") from exc
-
-
-def _describe(exc: BaseException) -> str:
-    """``Type: message`` of an exception, bounded, and never raising (str() of a hostile value may)."""
-    try:
-        text = str(exc)
-    except Exception:
-        text = "(unprintable)"
-    return f"{type(exc).__name__}: {text[:500]}"
+        raise ProtocolError(f"malformed message body: {type(exc).__name__}: {describe(exc)}") from exc
 
 
 # Containers the depth check descends into (typed messages too; tuples are what they turn lists into).
@@ -244,7 +236,7 @@ class _Encoder:
 class _Decoder:
     """One decode: the message's buffer frames, and how deep its typed messages nest so far."""
 
-    __slots__ = ("arrays", "bufs", "depth", "ext_budget", "limits", "max_depth", "unpack")
+    __slots__ = ("arrays", "bufs", "cfg", "depth", "ext_budget", "unpack")
 
     def __init__(self, bufs: list[bytes | bytearray | memoryview], cfg: TransportConfig, arrays: bool) -> None:
         self.bufs = bufs
@@ -254,8 +246,7 @@ class _Decoder:
         # its bytes once per level: bound the copies at _EXT_COPIES times the body (a real payload's
         # messages nest a few levels; a hostile one would otherwise cost depth x body in memory).
         self.ext_budget = _EXT_COPIES * len(bufs[0]) + 4096
-        self.max_depth = cfg.max_depth
-        self.limits = cfg
+        self.cfg = cfg
         n = cfg.max_body_bytes
         self.unpack = functools.partial(
             msgpack.unpackb,
@@ -273,8 +264,8 @@ class _Decoder:
         if code == EXT_MESSAGE:
             # The one place decoding recurses (a message's fields are a msgpack value of their own):
             # count the levels before going down, so a hostile body cannot exhaust the C stack.
-            if self.depth >= self.max_depth:
-                raise ProtocolError(f"typed messages nest deeper than max_depth={self.max_depth}")
+            if self.depth >= self.cfg.max_depth:
+                raise ProtocolError(f"typed messages nest deeper than max_depth={self.cfg.max_depth}")
             self.ext_budget -= len(data)
             if self.ext_budget < 0:
                 raise ProtocolError(f"typed messages nest more than {_EXT_COPIES} levels deep around most of the body")
@@ -321,7 +312,7 @@ class _Decoder:
             count *= d
             extent *= max(d, 1)
         size = itemsize if itemsize is not None else dtype.itemsize
-        if extent * size > self.limits.max_message_bytes:
+        if extent * size > self.cfg.max_message_bytes:
             # An empty array of huge dimensions holds no bytes, but its strides overflow.
             raise ProtocolError(f"array of shape {shape} spans more than max_message_bytes")
         nbytes = buf.nbytes if isinstance(buf, memoryview) else len(buf)

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from polytinker.errors import ConfigError, ProtocolError
+from polytinker.transport.protocol import describe
 
 T = TypeVar("T")
 
@@ -99,10 +100,7 @@ def from_fields(name: str, fields: Any) -> Any:
         kwargs = {k: (conv[k](v) if k in conv and v is not None else v) for k, v in fields.items()}
         return cls(**kwargs)
     except Exception as exc:  # a hostile peer controls every field: any failure is its fault
-        try:
-            why = str(exc)[:500]
-        except Exception:  # str() of a value a hostile peer built may raise too
-            why = "(unprintable)"
+        why = describe(exc)  # bounded, and it cannot raise: str() of a value a peer built may
         raise ProtocolError(f"message {name!r} does not fit {cls.__qualname__}: {type(exc).__name__}: {why}") from exc
 
 

@@ -211,6 +211,8 @@ class RateLimitedLog:
     fails on every call, must not become a flood of log lines. Keys are kept for at most
     ``max_keys`` distinct values (then they share one budget), so a hostile peer cannot grow it."""
 
+    max_keys = 256
+
     def __init__(self, log: logging.Logger, period_s: float = 5.0, level: int = logging.WARNING) -> None:
         self._log = log
         self._period_s = period_s
@@ -218,8 +220,6 @@ class RateLimitedLog:
         self._next: dict[Any, float] = {}
         self._suppressed: dict[Any, int] = {}
         self._lock = threading.Lock()
-
-    max_keys = 256
 
     def __call__(self, msg: str, *args: Any, key: Any = None, exc_info: BaseException | None = None) -> None:
         self._log.debug(msg, *args)

@@ -227,7 +227,7 @@ class RpcServer:
                 return
             frames = recv_frames(sock)
             try:
-                self._route(sock, frames)
+                self._route(frames)
             except Exception as exc:  # the server must outlive any one message
                 self._bad("unexpected error while routing a message, serving on: %r", exc, key="route", exc_info=exc)
 
@@ -247,7 +247,7 @@ class RpcServer:
         self._outbox.append(frames)
         self._waker.wake()
 
-    def _route(self, sock: zmq.Socket, frames: list[zmq.Frame]) -> None:
+    def _route(self, frames: list[zmq.Frame]) -> None:
         ident = frames[0].bytes
         if len(frames) < 2:
             self._reject(ident, 0, "", HeaderError("empty message: a header frame is required"))

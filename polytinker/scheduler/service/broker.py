@@ -82,6 +82,7 @@ class Broker:
         self.config = config
         self._token = token
         self._curve = scheduler_client_keypair(token)  # what this scheduler's connections to workers present
+        self._launcher = launcher_credential(token)  # what the runtime that launched the workers shows
         self._declared = {e.engine_id: "engine" for e in config.engines} | {
             g.learner_id: "learner" for g in config.learners
         }
@@ -130,15 +131,17 @@ class Broker:
         )
         return {"status": "ok", "known": False}
 
-    def workers_query(self, msg: WorkersQuery) -> list[dict[str, Any]]:
-        if not same(msg.credential, launcher_credential(self._token)):
+    def _check_launcher(self, credential: str) -> None:
+        if not same(credential, self._launcher):
             raise AuthError("worker token rejected")
+
+    def workers_query(self, msg: WorkersQuery) -> list[dict[str, Any]]:
+        self._check_launcher(msg.credential)
         return self.workers()
 
     def supervised(self, msg: ActorsReport) -> dict[str, Any]:
         """The local runtime's supervisor reports its actors (see the module docstring)."""
-        if not same(msg.credential, launcher_credential(self._token)):
-            raise AuthError("worker token rejected")
+        self._check_launcher(msg.credential)
         with self._cv:
             self._actors = msg.actors
         for actor in msg.actors:

@@ -174,10 +174,6 @@ class SchedulerService:
 
         return run
 
-    def _admit(self, tenant: str, what: str) -> contextlib.AbstractContextManager[None]:
-        """Bounded in-flight work: per kind of work and per tenant; refusals counted and logged."""
-        return self.admission.admit(tenant, what)
-
     def _tenant(self, api_key: str) -> str:
         return self.tenants.authenticate(api_key, peer_user_id())
 
@@ -292,7 +288,7 @@ class SchedulerService:
             from_version=a.version,
             attempt=msg.attempt,
         )
-        with self._admit(row.tenant, "train"), self.broker.slicers[learner].turn(row.job_id, row.priority):
+        with self.admission.admit(row.tenant, "train"), self.broker.slicers[learner].turn(row.job_id, row.priority):
             out = self.broker.call(learner, "sched.w.fb", req, prepare=self._prepare(row, a), keyed=True)
         ids = self._fb_ids.get(a.adapter_key)
         if ids is not None:
@@ -302,7 +298,7 @@ class SchedulerService:
     def forward(self, msg: m.Forward) -> dict[str, Any]:
         row, a, learner = self._training(msg.api_key, msg.job_id)
         req = m.LearnerForward(a.adapter_key, msg.data, row.kind == "full_rl")
-        with self._admit(row.tenant, "train"), self.broker.slicers[learner].turn(row.job_id, row.priority):
+        with self.admission.admit(row.tenant, "train"), self.broker.slicers[learner].turn(row.job_id, row.priority):
             out = self.broker.call(learner, "sched.w.forward", req, prepare=self._prepare(row, a))
         return {"status": "ok", **out}
 
@@ -333,7 +329,7 @@ class SchedulerService:
             expected_fb=-1 if fb_ids is None else len(fb_ids),
         )
         slicer = self.broker.slicers[learner]
-        with self._admit(row.tenant, "train"), slicer.turn(row.job_id, row.priority, ends_step=True):
+        with self.admission.admit(row.tenant, "train"), slicer.turn(row.job_id, row.priority, ends_step=True):
             # Resent when the learner goes silent: the same process answers a step it took once; a
             # replacement answers it from the key written next to its checkpoint, or refuses
             # (GradientLost) when the step's gradient died with the old process.
@@ -373,7 +369,7 @@ class SchedulerService:
         row, a, learner = self._training(msg.api_key, msg.job_id)
         check_name("checkpoint name", msg.name)
         req = m.LearnerSave(a.adapter_key, msg.name, row.kind == "full_rl")
-        with self._admit(row.tenant, "train"), self.broker.slicers[learner].turn(row.job_id, row.priority):
+        with self.admission.admit(row.tenant, "train"), self.broker.slicers[learner].turn(row.job_id, row.priority):
             out = self.broker.call(learner, "sched.w.save", req, prepare=self._prepare(row, a))
         saved = m.WeightsRef(a.adapter_key, out["version"], "checkpoint", msg.name)
         self.store.add_checkpoint(row.job_id, msg.name, saved.relative_path, out["version"])
@@ -387,7 +383,7 @@ class SchedulerService:
             raise ConfigError(f"no checkpoint {name!r} of job {src_job}; save_state names them")
         path, version = found
         req = m.LearnerLoad(a.adapter_key, self._stored(path, version), row.kind == "full_rl")
-        with self._admit(row.tenant, "train"), self.broker.slicers[learner].turn(row.job_id, row.priority):
+        with self.admission.admit(row.tenant, "train"), self.broker.slicers[learner].turn(row.job_id, row.priority):
             out = self.broker.call(learner, "sched.w.load", req, prepare=self._prepare(row, a), retry=False)
             export = path  # full parameters: engines load the version from its checkpoint
             if row.kind != "full_rl":
@@ -450,7 +446,7 @@ class SchedulerService:
         tenant = self._tenant(msg.api_key)
         key, version, export, full = self._resolve(tenant, msg.model_path)
         self._sampling_job(tenant, msg)
-        with self._admit(tenant, "sample"):
+        with self.admission.admit(tenant, "sample"):
             engine = self.jobs.route(key or None, msg.base_model)
             req = m.EngineSample(
                 key, version, export, msg.prompt_token_ids, msg.num_samples, msg.params, tenant, full=full
@@ -462,7 +458,7 @@ class SchedulerService:
         tenant = self._tenant(msg.api_key)
         key, version, export, full = self._resolve(tenant, msg.model_path)
         self._sampling_job(tenant, msg)
-        with self._admit(tenant, "sample"):
+        with self.admission.admit(tenant, "sample"):
             engine = self.jobs.route(key or None, msg.base_model)
             req = m.EngineLogprobs(key, version, export, msg.sequences, full=full)
             out = self.broker.call(engine, "sched.w.logprobs", req)
