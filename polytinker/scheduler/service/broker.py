@@ -150,9 +150,11 @@ class Broker:
         return {"status": "ok"}
 
     def actors(self) -> list[dict[str, Any]]:
-        """The supervised actors as last reported (empty for a scheduler no local runtime launched)."""
+        """The supervised actors as last reported (empty for a scheduler no local runtime launched),
+        for tenants: without ``last_error``, a line of a server traceback, which may name paths or
+        another tenant's jobs (the operator reads it in the runtime's log)."""
         with self._cv:
-            return [dataclasses.asdict(a) for a in self._actors]
+            return [{k: v for k, v in dataclasses.asdict(a).items() if k != "last_error"} for a in self._actors]
 
     def _exited(self, worker_id: str, at: float) -> None:
         """The process of ``worker_id`` that registered before ``at`` exited: fail its calls now."""
