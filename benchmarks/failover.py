@@ -24,6 +24,7 @@ from polytinker.engine.types import SamplingParams
 from polytinker.scheduler.client import ServiceClient
 from polytinker.scheduler.service import EngineWorkerConfig, LocalRuntime, RuntimeConfig, TenantConfig
 from polytinker.scheduler.service.messages import WorkersQuery
+from polytinker.scheduler.service.worker_auth import launcher_credential
 from polytinker.transport import RpcClient
 
 KEY = "failover-benchmark-key-0123"
@@ -33,7 +34,9 @@ def _registered_after(runtime: LocalRuntime, old: str, killed: float, out: dict[
     """Poll the broker until a new incarnation of the engine is alive; note when."""
     with RpcClient(runtime.local_address) as rpc:
         while True:
-            workers = rpc.call("sched.w.workers", WorkersQuery(runtime.config.worker_token), timeout_s=5)
+            workers = rpc.call(
+                "sched.w.workers", WorkersQuery(launcher_credential(runtime.config.worker_token)), timeout_s=5
+            )
             if any(w["incarnation"] != old and w["alive"] for w in workers):
                 out["restart_registered_s"] = time.monotonic() - killed
                 return
@@ -67,7 +70,9 @@ def main() -> None:
         sampler.sample([3, 4, 5], 1, params).result()
         figures = {"sample_alone_s": time.monotonic() - started}
         with RpcClient(runtime.local_address) as rpc:
-            old = rpc.call("sched.w.workers", WorkersQuery(runtime.config.worker_token), timeout_s=5)[0]["incarnation"]
+            old = rpc.call(
+                "sched.w.workers", WorkersQuery(launcher_credential(runtime.config.worker_token)), timeout_s=5
+            )[0]["incarnation"]
         future = sampler.sample([3, 4, 5], 1, params)
         time.sleep(0.3)
         assert not future.done(), "the sample finished before the kill: raise --tokens"
@@ -82,9 +87,11 @@ def main() -> None:
         watcher.join(30)
         time.sleep(0.2)  # the scheduler's log line is written by its own process
         figures["failover_s"] = _failed_over_after(runtime, killed_wall)
-    print(f"heartbeat_timeout_s {3 * args.heartbeat:.1f}")
+    timeout_s = 3 * args.heartbeat  # what a call to a dead worker waited before: its connection's silence
+    print(f"heartbeat_timeout_s: {timeout_s:.1f}")
     for name in ("failover_s", "restart_registered_s", "call_done_s", "sample_alone_s"):
-        print(f"{name} {figures.get(name, float('nan')):.2f}")
+        print(f"{name}: {figures.get(name, float('nan')):.2f}")
+    print(f"failover_vs_heartbeat_timeout_ratio: {figures.get('failover_s', float('nan')) / timeout_s:.3f}")
 
 
 if __name__ == "__main__":
