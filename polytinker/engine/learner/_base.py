@@ -204,7 +204,9 @@ class Learner:
             for p in params:
                 if p.grad is not None:
                     p.grad.mul_(scale)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm or math.inf))
+        # The tighter of the learner's clip and the step's (AdamParams.grad_clip_norm; 0: none).
+        clip = min(self.config.max_grad_norm or math.inf, adam_params.grad_clip_norm or math.inf)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
         optimizer = slot.make_optimizer(adam_params)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

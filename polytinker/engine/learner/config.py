@@ -72,6 +72,8 @@ class AdamParams:
     # Added to the denominator for numerical safety (Tinker's default).
     weight_decay: float = 0.0
     # Decoupled weight decay (AdamW), applied only to the stepped parameters.
+    grad_clip_norm: float = 0.0
+    # Clip the gradient's global norm to this before the step; 0: no clip (Tinker's meaning).
 
     def __post_init__(self) -> None:
         if self.learning_rate < 0:
@@ -82,6 +84,8 @@ class AdamParams:
                 raise ConfigError(f"AdamParams.{name} must be in [0, 1), got {value}")
         if self.eps <= 0:
             raise ConfigError(f"AdamParams.eps must be positive, got {self.eps}")
+        if not self.grad_clip_norm >= 0:
+            raise ConfigError(f"AdamParams.grad_clip_norm must be >= 0 (0: no clip), got {self.grad_clip_norm}")
         if self.weight_decay < 0:
             raise ConfigError(f"AdamParams.weight_decay must be >= 0, got {self.weight_decay}")
 

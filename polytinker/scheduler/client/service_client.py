@@ -143,6 +143,11 @@ class ServiceClient:
         )
         return TrainingClient(self._connection(), self._admitted(job))
 
+    def attach_training_client(self, job_id: str) -> TrainingClient:
+        """A TrainingClient on one of this tenant's existing jobs (made by another process, or by
+        this one before a restart); ``close()`` leaves the job alone."""
+        return TrainingClient(self._connection(), self.get_job(job_id)["job"])
+
     def create_sampling_client(
         self, model_path: str | None = None, base_model: str | None = None, *, priority: int = 0
     ) -> SamplingClient:

@@ -72,7 +72,8 @@ def _adam(params: Any) -> dict[str, float]:
     p = params if params is not None else AdamParams()
     if isinstance(p, dict):
         p = AdamParams(**p)
-    return {k: float(getattr(p, k)) for k in ("learning_rate", "beta1", "beta2", "eps", "weight_decay")}
+    keys = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+    return {k: float(getattr(p, k)) for k in keys}
 
 
 class TrainingClient:
@@ -129,6 +130,7 @@ class TrainingClient:
             a["eps"],
             a["weight_decay"],
             request_id=uuid.uuid4().hex,
+            grad_clip_norm=a["grad_clip_norm"],
         )
 
         def run() -> OptimStepResult:

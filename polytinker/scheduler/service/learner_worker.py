@@ -324,6 +324,7 @@ class LearnerWorker:
             beta2=msg.beta2,
             eps=msg.eps,
             weight_decay=msg.weight_decay,
+            grad_clip_norm=msg.grad_clip_norm,
         )
         group, name = self._slot(msg.adapter, msg.full)
         ref = group.optim_step(adam, name)

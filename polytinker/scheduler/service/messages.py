@@ -185,9 +185,11 @@ class OptimStep:
     weight_decay: float = 0.0
     request_id: str = ""  # the same on every resend of one call: the learner steps once
     attempt: int = 0  # 0 the first time, then 1, 2, ... on resends
+    grad_clip_norm: float = 0.0  # clip the gradient's norm to this before the step; 0: no clip
 
     def __post_init__(self) -> None:
         _request_id_ok(self.request_id, self.attempt)
+        _need(math.isfinite(self.grad_clip_norm) and self.grad_clip_norm >= 0, "grad_clip_norm must be >= 0")
 
 
 @message("sched.save_state")
@@ -399,6 +401,7 @@ class LearnerStep:
     from_version: int = -1  # the version this step starts from: it makes from_version + 1
     attempt: int = 0  # resends so far, by the client and the scheduler together
     expected_fb: int = -1  # forward_backward calls the scheduler saw answered for this step (-1: unknown)
+    grad_clip_norm: float = 0.0  # 0: no clip
 
     def __post_init__(self) -> None:
         _adapter_ok(self.adapter)

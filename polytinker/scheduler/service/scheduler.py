@@ -327,6 +327,7 @@ class SchedulerService:
             from_version=a.version,
             attempt=msg.attempt,
             expected_fb=-1 if fb_ids is None else len(fb_ids),
+            grad_clip_norm=msg.grad_clip_norm,
         )
         slicer = self.broker.slicers[learner]
         with self.admission.admit(row.tenant, "train"), slicer.turn(row.job_id, row.priority, ends_step=True):

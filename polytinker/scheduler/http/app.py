@@ -1,0 +1,161 @@
+"""The HTTP front door: the Tinker API and OpenAI-compatible inference in front of one scheduler.
+
+``Gateway(scheduler_address, state_dir, config)`` builds the FastAPI app and serves it with
+uvicorn on its own thread; ``polytinker serve --http HOST:PORT`` runs one next to the scheduler
+(and ``polytinker gateway`` alone, for a scheduler elsewhere). It is a client of the scheduler:
+the scheduler authenticates every API key and decides every job; the gateway keeps only the
+names the Tinker API needs (``gateway.sqlite``) and the results waiting to be polled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from polytinker.errors import ConfigError
+from polytinker.scheduler.http.errors import classify, user_error
+from polytinker.scheduler.http.futures import FutureTable
+from polytinker.scheduler.http.tinker_api import tinker_router
+from polytinker.scheduler.http.tinker_backend import TinkerBackend
+from polytinker.transport import ClientCurve
+
+log = logging.getLogger("polytinker.http")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """``[http]`` of a runtime config (docs/tinker.md)."""
+
+    address: str = ""
+    """``HOST:PORT`` to serve on; "" serves no HTTP. Off loopback, put TLS in front (a reverse proxy)."""
+    max_body_bytes: int = 256 << 20
+    """Largest request body accepted (a forward_backward carries its whole batch)."""
+    long_poll_s: float = 20.0
+    """How long one retrieve_future waits for its call before answering try_again."""
+    future_ttl_s: float = 3600.0
+    """How long a finished call's result waits to be retrieved."""
+    max_futures_per_tenant: int = 10_000
+    """Unretrieved calls one tenant may have; past it, calls answer 429."""
+    default_max_tokens: int = 256
+    """max_tokens of a sample that names none (Tinker's SamplingParams default is None)."""
+
+    def __post_init__(self) -> None:
+        if self.address:
+            host_port(self.address)
+        if self.max_body_bytes <= 0 or self.long_poll_s <= 0 or self.future_ttl_s <= 0:
+            raise ConfigError("[http] max_body_bytes, long_poll_s and future_ttl_s must be > 0")
+
+
+def host_port(address: str) -> tuple[str, int]:
+    host, sep, port = address.removeprefix("http://").rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ConfigError(f"an HTTP address is HOST:PORT (e.g. 127.0.0.1:8000), got {address!r}")
+    return host, int(port)
+
+
+def create_app(backend: TinkerBackend, config: GatewayConfig) -> FastAPI:
+    app = FastAPI(title="polytinker", docs_url=None, redoc_url=None, openapi_url=None)
+    futures = FutureTable(ttl_s=config.future_ttl_s, max_per_tenant=config.max_futures_per_tenant)
+    app.include_router(
+        tinker_router(backend, futures, long_poll_s=config.long_poll_s, max_body_bytes=config.max_body_bytes)
+    )
+    import importlib.util  # TEMP until openai_api lands
+
+    if importlib.util.find_spec("polytinker.scheduler.http.openai_api") is not None:
+        from polytinker.scheduler.http.openai_api import openai_router
+
+        app.include_router(openai_router(backend, default_max_tokens=config.default_max_tokens))
+
+    @app.exception_handler(Exception)
+    async def any_error(request: Request, exc: Exception) -> JSONResponse:
+        status, body = classify(exc)
+        return JSONResponse(body, status_code=status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(
+            user_error(str(exc.detail), "not_found" if exc.status_code == 404 else "http_error"),
+            status_code=exc.status_code,
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(user_error(f"invalid request: {exc.errors()[:3]}"), status_code=400)
+
+    return app
+
+
+class Gateway:
+    """The app served by uvicorn on a daemon thread; ``address`` is where it listens."""
+
+    def __init__(
+        self,
+        scheduler_address: str,
+        state_dir: Path | str,
+        config: GatewayConfig,
+        *,
+        base_models: tuple[str, ...] = (),
+        curve: ClientCurve | None = None,
+        tokenizer_ids: dict[str, str] | None = None,
+    ) -> None:
+        import uvicorn
+
+        self.config = config
+        self.backend = TinkerBackend(
+            scheduler_address,
+            Path(state_dir),
+            curve=curve,
+            base_models=base_models,
+            default_max_tokens=config.default_max_tokens,
+            tokenizer_ids=tokenizer_ids,
+        )
+        host, port = host_port(config.address or "127.0.0.1:0")
+        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self.address = f"{host}:{self._sock.getsockname()[1]}"
+        self.url = f"http://{self.address}"
+        server_config = uvicorn.Config(
+            create_app(self.backend, config), log_level="warning", lifespan="off", timeout_keep_alive=30
+        )
+        self._server = uvicorn.Server(server_config)
+        self._thread = threading.Thread(target=self._run, name="polytinker-http", daemon=True)
+
+    def _run(self) -> None:
+        asyncio.run(self._server.serve(sockets=[self._sock]))
+
+    def start(self) -> Gateway:
+        self._thread.start()
+        for _ in range(500):
+            if self._server.started or not self._thread.is_alive():
+                break
+            threading.Event().wait(0.01)
+        if not self._server.started:
+            raise ConfigError(f"the HTTP gateway did not start on {self.address}")
+        log.info("HTTP gateway (Tinker API, OpenAI-compatible) at %s", self.url)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self._sock.close()
+        self.backend.close()
+
+    def __enter__(self) -> Gateway:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+__all__ = ["Gateway", "GatewayConfig", "create_app", "host_port"]

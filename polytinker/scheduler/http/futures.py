@@ -1,0 +1,99 @@
+"""The futures the Tinker API hands out: a request id for each submitted call, polled until done.
+
+Every training and sampling call of the Tinker API answers at once with a request id; the client
+then polls ``retrieve_future`` with it. ``FutureTable`` keeps, per tenant, the running call's
+``concurrent.futures.Future`` and how to render its result. A finished entry is dropped once it
+was read, or ``ttl_s`` after it finished; a tenant can hold at most ``max_per_tenant``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from polytinker.errors import OverloadedError
+
+
+@dataclass
+class Pending:
+    """One submitted call: its future and the function that renders its result for the wire."""
+
+    owner: str
+    future: Future[Any]
+    render: Callable[[Any], Any]
+    created_s: float = field(default_factory=time.monotonic)
+    done_s: float | None = None
+
+
+class FutureTable:
+    def __init__(self, *, ttl_s: float = 3600.0, max_per_tenant: int = 10_000) -> None:
+        self.ttl_s, self.max_per_tenant = ttl_s, max_per_tenant
+        self._entries: dict[str, Pending] = {}
+        self._per_owner: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def put(self, owner: str, future: Future[Any], render: Callable[[Any], Any]) -> str:
+        """A new request id for ``future`` of tenant ``owner``."""
+        self._expire()
+        with self._lock:
+            if self._per_owner.get(owner, 0) >= self.max_per_tenant:
+                raise OverloadedError(f"more than {self.max_per_tenant} unretrieved requests", 1.0)
+            request_id = uuid.uuid4().hex
+            entry = Pending(owner, future, render)
+            self._entries[request_id] = entry
+            self._per_owner[owner] = self._per_owner.get(owner, 0) + 1
+
+        def finished(_: Future[Any]) -> None:
+            entry.done_s = time.monotonic()
+
+        future.add_done_callback(finished)
+        return request_id
+
+    def get(self, owner: str, request_id: str) -> Pending | None:
+        """The entry, when it exists and belongs to ``owner`` (another tenant's id reads as unknown)."""
+        with self._lock:
+            entry = self._entries.get(request_id)
+        return entry if entry is not None and entry.owner == owner else None
+
+    async def wait(self, entry: Pending, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the call; True when it is done."""
+        if not entry.future.done():
+            # A timeout, or the call's own error (which retrieve_future reports from the future).
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(entry.future)), timeout_s)
+        return entry.future.done()
+
+    def drop(self, request_id: str) -> None:
+        with self._lock:
+            entry = self._entries.pop(request_id, None)
+            if entry is not None:
+                self._per_owner[entry.owner] -= 1
+
+    def cancel(self, owner: str, request_id: str) -> bool:
+        entry = self.get(owner, request_id)
+        if entry is None:
+            return False
+        entry.future.cancel()  # a call already running finishes; its result is dropped
+        self.drop(request_id)
+        return True
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            stale = [k for k, e in self._entries.items() if e.done_s is not None and now - e.done_s > self.ttl_s]
+        for k in stale:
+            self.drop(k)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+
+__all__ = ["FutureTable", "Pending"]

@@ -1,0 +1,287 @@
+"""The Tinker HTTP API (``/api/v1/...``), as the official ``tinker`` SDK speaks it.
+
+Every call authenticates with ``X-API-Key`` (a key of this runtime's tenants; the SDK wants it
+to start with ``tml-``). Calls that take time answer ``{"request_id": ...}`` at once; the SDK
+then polls ``/api/v1/retrieve_future``, which waits up to ``long_poll_s`` and answers the result,
+``{"type": "try_again"}``, or ``{"error": ..., "category": "user" | "server"}``.
+``forward_backward`` arrives as protobuf, and its result (and a sample's) goes back as protobuf
+when the SDK asks for it (``Accept: application/x-protobuf``); everything else is JSON.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+
+from polytinker.errors import ConfigError, NotBuiltError
+from polytinker.scheduler.http import _proto
+from polytinker.scheduler.http.errors import user_error
+from polytinker.scheduler.http.futures import FutureTable
+from polytinker.scheduler.http.tinker_backend import Tenant, TinkerBackend, to_tinker_path
+from polytinker.scheduler.http.wire import api_key, read_body, read_json
+
+PROTO = "application/x-protobuf"
+
+# What the SDK reads at start (ClientConfigResponse): API keys, no JWT exchange; one
+# forward_backward per call (the learner batches them itself); uncompressed bodies.
+CLIENT_CONFIG = {
+    "pjwt_auth_enabled": False,
+    "parallel_fwdbwd_chunks": False,
+    "proto_compress_fwdbwd": False,
+    "fwdbwd_max_chunk_len": 100_000,
+    "fwdbwd_max_chunk_bytes_count": 48_000_000,
+    "sample_use_retrieve_futures": False,
+    "custom_loss_server_side": False,
+    "sample_join_sampling_session": False,
+}
+
+
+def _metrics(loss: float, metrics: dict[str, float], n_tokens: float) -> dict[str, float]:
+    """Tinker's metric names (``loss:sum``; ``name:mean`` style) from polytinker's (``loss/x``)."""
+    out = {"loss:sum": float(loss)}
+    for k, v in metrics.items():
+        if isinstance(v, int | float) and math.isfinite(float(v)):
+            out[k.replace("/", ":") if ":" in k or "/" in k else f"{k}:mean"] = float(v)
+    out.setdefault("tokens:sum", float(n_tokens))
+    return out
+
+
+def tinker_router(
+    backend: TinkerBackend, futures: FutureTable, *, long_poll_s: float, max_body_bytes: int
+) -> APIRouter:
+    r = APIRouter(prefix="/api/v1")
+
+    def tenant(request: Request) -> Tenant:
+        return backend.tenant(api_key(request))
+
+    def submit(
+        t: Tenant, fut: Future[Any], render: Callable[[Any], Any], model_id: str | None = None
+    ) -> dict[str, Any]:
+        out: dict[str, Any] = {"request_id": futures.put(t.owner, fut, render)}
+        if model_id is not None:
+            out["model_id"] = model_id
+        return out
+
+    # --- service --------------------------------------------------------------------------------
+    @r.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {"status": "ok"}
+
+    @r.post("/client/config")
+    async def client_config(request: Request) -> dict[str, Any]:
+        return CLIENT_CONFIG
+
+    @r.post("/client/dynamic_config")
+    async def client_dynamic_config(request: Request) -> dict[str, Any]:
+        return {"refresh_interval_sec": 3600, "sample_cancel_enabled": False}
+
+    @r.get("/get_server_capabilities")
+    async def capabilities(request: Request) -> dict[str, Any]:
+        tenant(request)
+        return {
+            "supported_models": [
+                {"model_name": name, "trainable": True, "sampleable": True, "max_context_length": None}
+                for name in backend.base_models
+            ]
+        }
+
+    @r.post("/create_session")
+    async def create_session(request: Request) -> dict[str, Any]:
+        t = tenant(request)
+        await read_json(request, max_body_bytes)
+        return {"type": "create_session", "session_id": backend.create_session(t)}
+
+    @r.post("/session_heartbeat")
+    async def heartbeat(request: Request) -> dict[str, Any]:
+        t = tenant(request)
+        body = await read_json(request, max_body_bytes)
+        backend.check_session(t, str(body.get("session_id", "")))
+        backend.store.heartbeat(str(body["session_id"]))
+        return {"type": "session_heartbeat"}
+
+    @r.post("/telemetry")
+    async def telemetry(request: Request) -> dict[str, Any]:
+        await read_body(request, max_body_bytes)  # accepted and dropped: nothing leaves this machine
+        return {"status": "accepted"}
+
+    # --- models ---------------------------------------------------------------------------------
+    @r.post("/create_model")
+    async def create_model(request: Request) -> dict[str, Any]:
+        t = tenant(request)
+        body = await read_json(request, max_body_bytes)
+        return submit(t, backend.create_model(t, body), lambda out: out)
+
+    @r.post("/get_info")
+    async def get_info(request: Request) -> dict[str, Any]:
+        t = tenant(request)
+        body = await read_json(request, max_body_bytes)
+        return backend.info(t, str(body.get("model_id", "")))
+
+    @r.post("/unload_model")
+    async def unload_model(request: Request) -> dict[str, Any]:
+        t = tenant(request)
+        body = await read_json(request, max_body_bytes)
+        model_id = str(body.get("model_id", ""))
+        tc = backend.training_client(t, model_id)
+        fut: Future[Any] = Future()
+        try:
+            tc.finish()
+            fut.set_result({"type": "unload_model", "model_id": model_id})
+        except Exception as exc:
+            fut.set_exception(exc)
+        return submit(t, fut, lambda out: out, model_id)
+
+    # --- training -------------------------------------------------------------------------------
+    @r.post("/forward_backward")
+    async def forward_backward(request: Request) -> dict[str, Any]:
+        t = tenant(request)
+        if PROTO not in request.headers.get("content-type", ""):
+            raise ConfigError(f"forward_backward takes a protobuf body ({PROTO}), as the tinker SDK sends it")
+        if request.headers.get("content-encoding"):
+            raise NotBuiltError("compressed request bodies are not accepted (client config says so)")
+        req = _proto.decode_forward_backward(await read_body(request, max_body_bytes))
+        fut = backend.forward_backward(t, req)
+        return submit(t, fut, _fb_render(req), req["model_id"])
+
+    @r.post("/optim_step")
+    async def optim_step(request: Request) -> dict[str, Any]:
+        t = tenant(request)
+        body = await read_json(request, max_body_bytes)
+        return submit(
+            t, backend.optim_step(t, body), lambda out: {"metrics": _step_metrics(out.metrics)}, body.get("model_id")
+        )
+
+    # --- weights --------------------------------------------------------------------------------
+    @r.post("/save_weights")
+    async def save_weights(request: Request) -> dict[str, Any]:
+        t = tenant(request)
+        body = await read_json(request, max_body_bytes)
+        render = lambda path: {"type": "save_weights", "path": to_tinker_path(path)}  # noqa: E731
+        return submit(t, backend.save_state(t, body), render, body.get("model_id"))
+
+    @r.post("/save_weights_for_sampler")
+    async def save_for_sampler(request: Request) -> dict[str, Any]:
+        t = tenant(request)
+        body = await read_json(request, max_body_bytes)
+        return submit(t, backend.save_for_sampler(t, body), lambda out: out, body.get("model_id"))
+
+    @r.post("/load_weights")
+    async def load_weights(request: Request) -> dict[str, Any]:
+        t = tenant(request)
+        body = await read_json(request, max_body_bytes)
+        return submit(t, backend.load_state(t, body), lambda out: out, body.get("model_id"))
+
+    @r.get("/weights_info")
+    @r.post("/weights_info")
+    async def weights_info(request: Request) -> dict[str, Any]:
+        t = tenant(request)
+        body = await read_json(request, max_body_bytes) if request.method == "POST" else dict(request.query_params)
+        return backend.weights_info(t, str(body.get("tinker_path", "")))
+
+    # --- sampling -------------------------------------------------------------------------------
+    @r.post("/create_sampling_session")
+    async def create_sampling_session(request: Request) -> dict[str, Any]:
+        t = tenant(request)
+        body = await read_json(request, max_body_bytes)
+        return {"type": "create_sampling_session", "sampling_session_id": backend.create_sampler(t, body)}
+
+    @r.get("/samplers/{sampler_id}")
+    async def get_sampler(sampler_id: str, request: Request) -> dict[str, Any]:
+        t = tenant(request)
+        row = backend.sampler_row(t, sampler_id)
+        return {
+            "sampler_id": row.sampler_id,
+            "base_model": row.base_model,
+            "model_path": to_tinker_path(row.model_path) if row.model_path else None,
+        }
+
+    @r.post("/asample")
+    async def asample(request: Request) -> dict[str, Any]:
+        t = tenant(request)
+        body = await read_json(request, max_body_bytes)
+        out = submit(t, backend.sample(t, body), _sample_render)
+        # Each sequence's id, in the response's order (the SDK names its SampledSequences by them).
+        out["sample_sequence_ids"] = [f"{out['request_id']}-{i}" for i in range(int(body.get("num_samples", 1)))]
+        return out
+
+    # --- futures --------------------------------------------------------------------------------
+    @r.post("/retrieve_future")
+    async def retrieve_future(request: Request) -> Response:
+        t = tenant(request)
+        body = await read_json(request, max_body_bytes)
+        request_id = str(body.get("request_id", ""))
+        entry = futures.get(t.owner, request_id)
+        if entry is None:
+            return JSONResponse(user_error(f"unknown request id {request_id!r}", "not_found"), status_code=404)
+        if not await futures.wait(entry, long_poll_s):
+            return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+        futures.drop(request_id)
+        exc = entry.future.exception() if not entry.future.cancelled() else ConfigError("the request was cancelled")
+        if exc is not None:
+            return JSONResponse(failed(exc))
+        rendered = entry.render(entry.future.result())
+        if isinstance(rendered, bytes):
+            return Response(rendered, media_type=PROTO)
+        return JSONResponse(rendered)
+
+    @r.post("/cancel_future")
+    async def cancel_future(request: Request) -> dict[str, Any]:
+        t = tenant(request)
+        body = await read_json(request, max_body_bytes)
+        return {"cancelled": futures.cancel(t.owner, str(body.get("request_id", "")))}
+
+    return r
+
+
+def failed(exc: BaseException) -> dict[str, Any]:
+    """A failed call as the SDK reads it: the message, and whether the caller (``user``) or the
+    runtime (``server``) was at fault; a runtime fault names only an error id."""
+    from polytinker.scheduler.http.errors import classify
+
+    status, body = classify(exc)
+    err = body["error"]
+    message = err["message"] if status < 500 else f"internal error (error id {err['error_id']})"
+    return {"error": message, "category": "user" if status < 500 else "server", "error_id": err["error_id"]}
+
+
+def _step_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    return {k.replace("/", ":"): float(v) for k, v in metrics.items() if isinstance(v, int | float)}
+
+
+def _fb_render(req: dict[str, Any]) -> Callable[[Any], bytes]:
+    weights = [
+        np.asarray(d["loss_fn_inputs"].get("weights", [1.0] * len(d["tokens"])), dtype=np.float64).reshape(-1)
+        for d in req["data"]
+    ]
+
+    def render(out: Any) -> bytes:
+        if isinstance(out, list):  # forward: per-datum logprobs; the loss is cross entropy's
+            logprobs = out
+            loss = -sum(float(np.dot(w, lp)) for w, lp in zip(weights, logprobs, strict=True))
+            metrics: dict[str, float] = {}
+        else:
+            logprobs, loss, metrics = out.logprobs, out.loss, out.metrics
+        n = float(sum(w.sum() for w in weights))
+        outputs = [{"logprobs": np.asarray(lp, dtype=np.float32)} for lp in logprobs]
+        return _proto.encode_forward_backward_output(outputs, _metrics(loss, metrics, n))
+
+    return render
+
+
+def _sample_render(out: tuple[Any, list[float | None] | None]) -> bytes:
+    response, prompt_logprobs = out
+    seqs = (
+        []
+        if response is None
+        else [{"tokens": s.tokens, "logprobs": s.logprobs, "stop_reason": s.stop_reason} for s in response.sequences]
+    )
+    return _proto.encode_sample_response(seqs, prompt_logprobs)
+
+
+__all__ = ["CLIENT_CONFIG", "tinker_router"]

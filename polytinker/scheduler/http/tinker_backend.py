@@ -1,0 +1,447 @@
+"""What the Tinker API's calls do, in terms of polytinker's own client API.
+
+The gateway is a client of the scheduler like any other: for each API key it holds one
+``ServiceClient`` to the scheduler (which authenticates the key and stays the one authority on
+tenants, jobs and priorities), and it turns each Tinker call into the polytinker call that does
+the same thing. A Tinker training run (model id) is a polytinker job; ``tinker://`` paths name
+the job and a checkpoint or sampler version in it, so they stay valid across gateway restarts:
+
+    tinker://JOB/weights/NAME           <->  polytinker-ckpt://JOB/NAME   (save_state / load_state)
+    tinker://JOB/sampler_weights/A@V    <->  polytinker://JOB/A@V         (save_weights_for_sampler)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from polytinker.errors import AuthError, ConfigError, NotBuiltError
+from polytinker.scheduler.client.sampling_client import SamplingClient
+from polytinker.scheduler.client.service_client import ServiceClient
+from polytinker.scheduler.client.training_client import TrainingClient
+from polytinker.scheduler.http.store import GatewayStore, ModelRow, SamplerRow
+from polytinker.scheduler.service import messages as m
+from polytinker.scheduler.service.scheduler import CKPT_PREFIX, MODEL_PREFIX, parse_model_path
+from polytinker.transport import ClientCurve
+
+TINKER_PREFIX = "tinker://"
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+
+
+def owner_of(api_key: str) -> str:
+    """The tenant's handle in the gateway's tables: a hash of its key (the key itself is not kept)."""
+    return hashlib.sha256(api_key.encode("utf-8")).hexdigest()
+
+
+def to_tinker_path(path: str) -> str:
+    """The ``tinker://`` path of a polytinker checkpoint or sampler path."""
+    if path.startswith(CKPT_PREFIX):
+        job_id, _, name = path.removeprefix(CKPT_PREFIX).partition("/")
+        return f"{TINKER_PREFIX}{job_id}/weights/{name}"
+    if path.startswith(MODEL_PREFIX):
+        job_id, agent, version = parse_model_path(path)
+        return f"{TINKER_PREFIX}{job_id}/sampler_weights/{agent}@{version}"
+    raise ConfigError(f"{path!r} is not a polytinker path")
+
+
+def from_tinker_path(path: str, kind: str) -> str:
+    """The polytinker path of a ``tinker://JOB/weights/NAME`` (``kind="weights"``) or
+    ``tinker://JOB/sampler_weights/AGENT@V`` (``kind="sampler_weights"``) path; ConfigError else."""
+    parts = path.removeprefix(TINKER_PREFIX).split("/") if path.startswith(TINKER_PREFIX) else []
+    if len(parts) != 3 or parts[1] != kind or not parts[0] or not parts[2]:
+        example = "tinker://RUN/weights/NAME" if kind == "weights" else "tinker://RUN/sampler_weights/AGENT@VERSION"
+        raise ConfigError(f"{path!r} is not a path of the form {example}")
+    job_id, _, name = parts
+    if kind == "weights":
+        return f"{CKPT_PREFIX}{job_id}/{name}"
+    out = f"{MODEL_PREFIX}{job_id}/{name}"
+    parse_model_path(out)  # ConfigError when malformed
+    return out
+
+
+@dataclass
+class Tenant:
+    """One API key's view: its ServiceClient and the polytinker clients made for its calls."""
+
+    owner: str
+    service: ServiceClient
+    training: dict[str, TrainingClient] = field(default_factory=dict)  # by job id
+    samplers: dict[str, SamplingClient] = field(default_factory=dict)  # by sampler id
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _floats(v: Any) -> list[float]:
+    return np.asarray(v, dtype=np.float64).reshape(-1).tolist()
+
+
+def tinker_datum(d: dict[str, Any]) -> m.DatumMsg:
+    """A polytinker datum from a decoded Tinker datum (``tokens`` and ``loss_fn_inputs``).
+
+    Tinker's RL datums carry no ``weights``: a position counts where its advantage is non-zero
+    (the prompt's positions have advantage 0), as in Tinker's own losses."""
+    inputs = d["loss_fn_inputs"]
+    if "target_tokens" not in inputs:
+        raise ConfigError("each datum needs loss_fn_inputs['target_tokens']")
+    targets = [int(t) for t in np.asarray(inputs["target_tokens"]).reshape(-1)]
+    advantages = _floats(inputs["advantages"]) if "advantages" in inputs else None
+    if "weights" in inputs:
+        weights = _floats(inputs["weights"])
+    elif advantages is not None:
+        weights = [1.0 if a != 0.0 else 0.0 for a in advantages]
+    else:
+        weights = [1.0] * len(targets)
+    logprobs = _floats(inputs["logprobs"]) if "logprobs" in inputs else None
+    if len(d["tokens"]) != len(targets):
+        raise ConfigError(
+            f"a datum's model_input has {len(d['tokens'])} tokens and its target_tokens {len(targets)}: "
+            "they must be of one length"
+        )
+    return m.DatumMsg(tuple(d["tokens"]), tuple(targets), tuple(weights), _opt(advantages), _opt(logprobs))
+
+
+def _opt(v: list[float] | None) -> tuple[float, ...] | None:
+    return None if v is None else tuple(v)
+
+
+class TinkerBackend:
+    """The Tinker API's operations over one scheduler. Each returns at once; calls that take time
+    return a ``concurrent.futures.Future`` that the route files under a request id."""
+
+    def __init__(
+        self,
+        scheduler_address: str,
+        state_dir: Path,
+        *,
+        curve: ClientCurve | None = None,
+        base_models: tuple[str, ...] = (),
+        default_max_tokens: int = 256,
+        tokenizer_ids: dict[str, str] | None = None,
+    ) -> None:
+        self.address, self.curve = scheduler_address, curve
+        self.base_models = base_models
+        self.default_max_tokens = default_max_tokens
+        self.tokenizer_ids = dict(tokenizer_ids or {})
+        self.store = GatewayStore(Path(state_dir) / "gateway.sqlite")
+        self._tenants: dict[str, Tenant] = {}
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            tenants, self._tenants = list(self._tenants.values()), {}
+        for t in tenants:
+            t.service.close(keep_jobs=True)  # the jobs outlive the gateway: a restarted one serves them
+        self.store.close()
+
+    # --- tenants -------------------------------------------------------------------------------------
+    def tenant(self, api_key: str) -> Tenant:
+        """The tenant of ``api_key``; AuthError when the scheduler does not know the key."""
+        if not api_key:
+            raise AuthError("no API key: set TINKER_API_KEY (or pass api_key=) to a key of this runtime")
+        owner = owner_of(api_key)
+        with self._lock:
+            found = self._tenants.get(owner)
+        if found is not None:
+            return found
+        service = ServiceClient(self.address, api_key=api_key, curve=self.curve, job_wait_s=3600.0)
+        try:
+            service.list_jobs(include_finished=False)  # the scheduler checks the key
+        except Exception:
+            service.close(keep_jobs=True)
+            raise
+        with self._lock:
+            return self._tenants.setdefault(owner, Tenant(owner, service))
+
+    def create_session(self, t: Tenant) -> str:
+        session_id = f"session-{uuid.uuid4().hex[:16]}"
+        self.store.add_session(session_id, t.owner)
+        return session_id
+
+    def check_session(self, t: Tenant, session_id: str) -> None:
+        if self.store.session_owner(session_id) != t.owner:
+            raise ConfigError(f"unknown session {session_id!r}")
+
+    # --- models --------------------------------------------------------------------------------------
+    def model(self, t: Tenant, model_id: str) -> ModelRow:
+        row = self.store.model(t.owner, model_id)
+        if row is None:
+            raise ConfigError(f"unknown model {model_id!r}: create_model (a training client) makes one")
+        return row
+
+    def training_client(self, t: Tenant, model_id: str) -> TrainingClient:
+        row = self.model(t, model_id)
+        with t.lock:
+            tc = t.training.get(row.job_id)
+            if tc is None:
+                tc = t.training[row.job_id] = t.service.attach_training_client(row.job_id)
+        return tc
+
+    def create_model(self, t: Tenant, req: dict[str, Any]) -> Future[dict[str, Any]]:
+        session_id = str(req.get("session_id", ""))
+        self.check_session(t, session_id)
+        model_id = f"{session_id}:train:{int(req.get('model_seq_id', 0))}"
+        base_model = self._base_model(req.get("base_model"))
+        lora = req.get("lora_config")
+        fut: Future[dict[str, Any]] = Future()
+
+        def run() -> None:
+            try:
+                if lora is None:
+                    tc = t.service.create_training_client(base_model)
+                    rank = 0
+                else:
+                    rank = int(lora["rank"])
+                    tc = t.service.create_lora_training_client(
+                        base_model, rank, seed=int(lora.get("seed") or 0), target_modules=_modules(lora)
+                    )
+                self.store.add_model(ModelRow(model_id, t.owner, tc.job_id, base_model, rank))
+                with t.lock:
+                    t.training[tc.job_id] = tc
+                fut.set_result({"model_id": model_id, "type": "create_model"})
+            except BaseException as exc:
+                fut.set_exception(exc)
+
+        threading.Thread(target=run, name="polytinker-create-model", daemon=True).start()
+        return fut
+
+    def _base_model(self, name: Any) -> str:
+        if not isinstance(name, str) or not name:
+            raise ConfigError("base_model must be named")
+        if self.base_models and name not in self.base_models:
+            raise ConfigError(
+                f"base model {name!r} is not served here; get_server_capabilities lists {self.base_models}"
+            )
+        return name
+
+    def info(self, t: Tenant, model_id: str) -> dict[str, Any]:
+        row = self.model(t, model_id)
+        return {
+            "type": "get_info",
+            "model_id": row.model_id,
+            "model_data": {
+                "arch": "llama",
+                "model_name": row.base_model,
+                "tokenizer_id": self.tokenizer_ids.get(row.base_model, row.base_model),
+            },
+            "is_lora": row.lora_rank > 0,
+            "lora_rank": row.lora_rank or None,
+            "model_name": row.base_model,
+        }
+
+    # --- training ------------------------------------------------------------------------------------
+    def forward_backward(self, t: Tenant, req: dict[str, Any]) -> Future[Any]:
+        tc = self.training_client(t, req["model_id"])
+        data = [tinker_datum(d) for d in req["data"]]
+        config = {k: v for k, v in req["loss_fn_config"].items() if isinstance(v, float)} or None
+        if req["forward_only"]:
+            return tc.forward(data)
+        return tc.forward_backward(data, req["loss_fn"], config)
+
+    def optim_step(self, t: Tenant, req: dict[str, Any]) -> Future[Any]:
+        tc = self.training_client(t, str(req.get("model_id", "")))
+        params = req.get("adam_params") or req.get("optim_params") or {}
+        if req.get("optimizer_params") is not None:
+            raise NotBuiltError("only the Adam optimizer is built (optimizer_params of another kind was sent)")
+        return tc.optim_step(params)
+
+    def save_state(self, t: Tenant, req: dict[str, Any]) -> Future[str]:
+        tc = self.training_client(t, str(req.get("model_id", "")))
+        name = str(req.get("path") or f"state-{uuid.uuid4().hex[:8]}")
+        return tc.save_state(name)
+
+    def save_for_sampler(self, t: Tenant, req: dict[str, Any]) -> Future[dict[str, Any]]:
+        """Make the current version sampleable. Named (``path``): answer its ``tinker://`` path;
+        unnamed (``save_weights_and_get_sampling_client``): also open a sampling session on it."""
+        row = self.model(t, str(req.get("model_id", "")))
+        tc = self.training_client(t, row.model_id)
+        name = str(req.get("path") or "")
+        saved = tc.save_weights_for_sampler(name)
+        fut: Future[dict[str, Any]] = Future()
+
+        def done(f: Future[str]) -> None:
+            try:
+                out: dict[str, Any] = {"type": "save_weights_for_sampler", "path": to_tinker_path(f.result())}
+                if not name:
+                    sampler_id = f"sampler-{uuid.uuid4().hex[:16]}"
+                    self.store.add_sampler(SamplerRow(sampler_id, t.owner, row.base_model, f.result()))
+                    out["sampling_session_id"] = sampler_id
+                fut.set_result(out)
+            except BaseException as exc:
+                fut.set_exception(exc)
+
+        saved.add_done_callback(done)
+        return fut
+
+    def load_state(self, t: Tenant, req: dict[str, Any]) -> Future[dict[str, Any]]:
+        path = from_tinker_path(str(req.get("path", "")), "weights")
+        if req.get("model_id"):
+            model_id = str(req["model_id"])
+            created: Future[dict[str, Any]] | None = None
+        else:  # create_training_client_from_state: a new run with the checkpoint's shape
+            model_id = f"{req.get('session_id', '')}:train:{int(req.get('model_seq_id', 0))}"
+            source = self._checkpoint_model(t, path)
+            lora = {"rank": source.lora_rank} if source.lora_rank else None
+            created = self.create_model(
+                t, {**req, "base_model": req.get("base_model") or source.base_model, "lora_config": lora}
+            )
+        fut: Future[dict[str, Any]] = Future()
+
+        def run() -> None:
+            try:
+                if created is not None:
+                    created.result()
+                tc = self.training_client(t, model_id)
+                tc.load_state(path).result()
+                fut.set_result({"type": "load_weights", "path": req.get("path"), "model_id": model_id})
+            except BaseException as exc:
+                fut.set_exception(exc)
+
+        threading.Thread(target=run, name="polytinker-load-state", daemon=True).start()
+        return fut
+
+    def _checkpoint_model(self, t: Tenant, path: str) -> ModelRow:
+        job_id = path.removeprefix(CKPT_PREFIX).partition("/")[0]
+        return self.model(t, job_id)
+
+    def weights_info(self, t: Tenant, tinker_path: str) -> dict[str, Any]:
+        kind = "weights" if "/weights/" in tinker_path else "sampler_weights"
+        path = from_tinker_path(tinker_path, kind)
+        job_id = (path.removeprefix(CKPT_PREFIX) if kind == "weights" else path.removeprefix(MODEL_PREFIX)).split("/")[
+            0
+        ]
+        row = self.model(t, job_id)
+        return {
+            "base_model": row.base_model,
+            "is_lora": row.lora_rank > 0,
+            "lora_rank": row.lora_rank or None,
+            "train_unembed": False,
+            "train_mlp": True,
+            "train_attn": True,
+        }
+
+    # --- sampling ------------------------------------------------------------------------------------
+    def create_sampler(self, t: Tenant, req: dict[str, Any]) -> str:
+        self.check_session(t, str(req.get("session_id", "")))
+        tinker_path = req.get("model_path")
+        if tinker_path:
+            path = from_tinker_path(str(tinker_path), "sampler_weights")
+            base_model = self.model(t, parse_model_path(path)[0]).base_model
+        else:
+            path, base_model = "", self._base_model(req.get("base_model"))
+        sampler_id = f"sampler-{uuid.uuid4().hex[:16]}"
+        self.store.add_sampler(SamplerRow(sampler_id, t.owner, base_model, path))
+        return sampler_id
+
+    def sampler_row(self, t: Tenant, sampler_id: str) -> SamplerRow:
+        row = self.store.sampler(t.owner, sampler_id)
+        if row is None:
+            raise ConfigError(f"unknown sampling session {sampler_id!r}")
+        return row
+
+    def sampling_client(self, t: Tenant, req: dict[str, Any]) -> SamplingClient:
+        """The client of the request's sampling session, or of its model_path / base_model."""
+        sampler_id = req.get("sampling_session_id")
+        if sampler_id:
+            row = self.sampler_row(t, str(sampler_id))
+            key, path, base = row.sampler_id, row.model_path, row.base_model
+        elif req.get("model_path"):
+            path = from_tinker_path(str(req["model_path"]), "sampler_weights")
+            key, base = path, self.model(t, parse_model_path(path)[0]).base_model
+        else:
+            base = self._base_model(req.get("base_model"))
+            key, path = f"base:{base}", ""
+        with t.lock:
+            sc = t.samplers.get(key)
+        if sc is None:
+            sc = t.service.create_sampling_client(model_path=path or None, base_model=base)
+            with t.lock:
+                sc = t.samplers.setdefault(key, sc)
+        return sc
+
+    def sampling_params(self, p: dict[str, Any]) -> m.SamplingMsg:
+        """polytinker's sampling parameters from Tinker's (``top_k=-1``: none; ``max_tokens=None``:
+        the gateway's default; ``stop``: a string, strings, or token ids)."""
+        stop = p.get("stop")
+        strs: tuple[str, ...] = ()
+        ids: tuple[int, ...] = ()
+        if isinstance(stop, str):
+            strs = (stop,)
+        elif isinstance(stop, list | tuple) and stop:
+            if all(isinstance(s, str) for s in stop):
+                strs = tuple(stop)
+            elif all(isinstance(s, int) and not isinstance(s, bool) for s in stop):
+                ids = tuple(stop)
+            else:
+                raise ConfigError("sampling_params.stop must be a string, a list of strings or a list of token ids")
+        top_k = p.get("top_k", -1)
+        seed = p.get("seed")
+        return m.SamplingMsg(
+            max_tokens=int(p.get("max_tokens") or self.default_max_tokens),
+            temperature=float(p.get("temperature", 1.0)),
+            top_p=float(p.get("top_p", 1.0)),
+            top_k=0 if top_k is None or int(top_k) < 0 else int(top_k),
+            stop=strs,
+            stop_token_ids=ids,
+            seed=None if seed is None else int(seed),
+        )
+
+    def sample(self, t: Tenant, req: dict[str, Any]) -> Future[tuple[Any, list[float | None] | None]]:
+        for unsupported in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+            if req.get(unsupported):
+                raise NotBuiltError(f"{unsupported} is not built in polytinker (prompt_logprobs is)")
+        if req.get("target_prompt_logprobs") is not None:
+            raise NotBuiltError("target_prompt_logprobs is not built in polytinker (prompt_logprobs is)")
+        sc = self.sampling_client(t, req)
+        tokens = prompt_ints(req.get("prompt"))
+        params = self.sampling_params(req.get("sampling_params") or {})
+        num = int(req.get("num_samples", 1))
+        want_prompt = bool(req.get("prompt_logprobs"))
+        fut: Future[tuple[Any, list[float | None] | None]] = Future()
+
+        def run() -> None:
+            try:
+                scored = sc.compute_logprobs(tokens) if want_prompt else None
+                # max_tokens == 0 asks for prompt logprobs alone (compute_logprobs)
+                out = sc.sample(tokens, num, params).result() if params.max_tokens else None
+                fut.set_result((out, None if scored is None else scored.result()))
+            except BaseException as exc:
+                fut.set_exception(exc)
+
+        threading.Thread(target=run, name="polytinker-sample", daemon=True).start()
+        return fut
+
+
+def _modules(lora: dict[str, Any]) -> tuple[str, ...]:
+    modules = (ATTN_MODULES if lora.get("train_attn", True) else ()) + (
+        MLP_MODULES if lora.get("train_mlp", True) else ()
+    )
+    if not modules:
+        raise NotBuiltError("LoRA on the unembedding alone is not built: set train_attn or train_mlp")
+    return modules
+
+
+def prompt_ints(prompt: Any) -> tuple[int, ...]:
+    """Token ids of a Tinker ModelInput as JSON (``{"chunks": [{"type": "encoded_text", "tokens": [...]}]}``)."""
+    if not isinstance(prompt, dict) or not isinstance(prompt.get("chunks"), list):
+        raise ConfigError("prompt must be a ModelInput: {'chunks': [{'type': 'encoded_text', 'tokens': [...]}]}")
+    out: list[int] = []
+    for chunk in prompt["chunks"]:
+        if not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text":
+            raise NotBuiltError("only encoded_text prompt chunks are built (no images or audio)")
+        tokens = chunk.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in tokens):
+            raise ConfigError("an encoded_text chunk's tokens must be a list of ints")
+        out.extend(tokens)
+    if not out:
+        raise ConfigError("the prompt needs at least one token")
+    return tuple(out)
+
+
+__all__ = ["TINKER_PREFIX", "Tenant", "TinkerBackend", "from_tinker_path", "owner_of", "to_tinker_path"]
