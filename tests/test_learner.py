@@ -102,6 +102,14 @@ def test_losses_against_formulas() -> None:
     clipped = torch.clamp(ratio, 0.9, 1.1)
     torch.testing.assert_close(ppo_loss, -(w * torch.minimum(ratio * a, clipped * a)).sum())
     assert 0 < extra["clipped_tokens"] <= float((w != 0).sum())
+    # cispo: the clipped ratio is a constant weight on the log-likelihood gradient.
+    cispo_loss, extra = policy_loss("cispo", logp_BT, batch, cfg)
+    torch.testing.assert_close(cispo_loss, -(w * clipped.detach() * a * logp_BT).sum())
+    (grad,) = torch.autograd.grad(cispo_loss, logp_BT)
+    torch.testing.assert_close(grad, -(w * clipped.detach() * a))  # no gradient through the ratio
+    assert 0 < extra["clipped_tokens"] <= float((w != 0).sum())
+    dro_loss, _ = policy_loss("dro", logp_BT, batch, LossConfig.from_mapping({"beta": 0.3}))
+    torch.testing.assert_close(dro_loss, -(w * (logp_BT * a - 0.15 * (logp_BT - s) ** 2)).sum())
     # With zero advantages the policy-gradient losses have no gradient at all.
     zero = collate(
         [Datum(d.input_tokens, d.target_tokens_T, d.weights_T, [0.0] * 10, d.sampling_logprobs_T) for d in data]

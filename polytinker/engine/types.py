@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # only a type here: client processes that import these messag
     import torch
 
 AdapterName = str
-LossFnName = Literal["cross_entropy", "importance_sampling", "ppo"]
+LossFnName = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
 
 DEFAULT_TARGET_MODULES: tuple[str, ...] = (
     "q_proj",

@@ -39,6 +39,8 @@ def _runtime_config(args: argparse.Namespace) -> Any:
         changes["address"] = args.address
     if getattr(args, "state_dir", None):
         changes["state_dir"] = args.state_dir
+    if getattr(args, "http", None):
+        changes["http"] = dataclasses.replace(cfg.http, address=args.http)
     return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
@@ -63,6 +65,8 @@ def _serve(args: argparse.Namespace) -> int:
         token_file.write_text(runtime.config.worker_token + "\n")
         os.chmod(token_file, 0o600)
         print(f"scheduler at {runtime.address}  (state in {state}; worker token in {token_file})", flush=True)
+        if runtime.http_url:
+            print(f"HTTP at {runtime.http_url}: the Tinker API (TINKER_BASE_URL) and OpenAI's at /v1", flush=True)
         _wait_for_signal(runtime.dead)
     finally:
         runtime.stop()
@@ -237,6 +241,7 @@ def register(sub: Any) -> None:
     _add_config_args(p)
     p.add_argument("--address", help="where the scheduler listens, e.g. tcp://127.0.0.1:7000 (overrides the config)")
     p.add_argument("--state-dir", help="SQLite state, checkpoints, adapters (default ./polytinker-runtime)")
+    p.add_argument("--http", metavar="HOST:PORT", help="serve the Tinker API and OpenAI-compatible inference here")
     p.set_defaults(func=_serve)
 
     w = sub.add_parser("worker", help="run an engine or learner group that joins a remote scheduler")

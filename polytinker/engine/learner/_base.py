@@ -276,8 +276,8 @@ def _metrics(loss_fn: str, kl_coef: float, sums: dict[str, float]) -> dict[str, 
         metrics["kl/coef"] = kl_coef
     if loss_fn != "cross_entropy":
         metrics[f"{loss_fn}/ratio_mean"] = sums["ratio_sum"] / tokens
-    if loss_fn == "ppo":
-        metrics["ppo/clip_fraction"] = sums["clipped_tokens"] / tokens
+    if loss_fn in ("ppo", "cispo"):
+        metrics[f"{loss_fn}/clip_fraction"] = sums["clipped_tokens"] / tokens
     return metrics
 
 

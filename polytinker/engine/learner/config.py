@@ -100,6 +100,8 @@ class LossConfig:
     # ppo: upper bound of the clipped probability ratio (1 + epsilon).
     kl_coef: float | None = None
     # Weight of the KL penalty against the base model; None: the learner's default.
+    beta: float = 0.05
+    # dro: weight of the quadratic penalty 0.5 * beta * (logp - sampling_logp)^2.
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.clip_low_threshold <= 1.0 <= self.clip_high_threshold:
@@ -109,6 +111,8 @@ class LossConfig:
             )
         if self.kl_coef is not None and self.kl_coef < 0:
             raise ConfigError(f"LossConfig.kl_coef must be >= 0, got {self.kl_coef}")
+        if not self.beta >= 0:
+            raise ConfigError(f"LossConfig.beta must be >= 0, got {self.beta}")
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, float] | None) -> LossConfig:

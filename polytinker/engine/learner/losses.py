@@ -10,6 +10,10 @@ per call stay sums either way.
 - ``importance_sampling``: ``-sum(w * exp(logp - sampling_logp) * advantage)``; its gradient is the
   off-policy-corrected policy gradient.
 - ``ppo``: ``-sum(w * min(r * A, clip(r, low, high) * A))`` with ``r = exp(logp - sampling_logp)``.
+- ``cispo``: ``-sum(w * sg(clip(r, low, high)) * A * logp)``: the clipped ratio weighs the
+  log-likelihood gradient and is not itself differentiated (``sg``), so clipped tokens still learn.
+- ``dro``: ``-sum(w * (logp * A - beta / 2 * (logp - sampling_logp)^2))``: a quadratic penalty
+  keeps the policy near the sampler's (``loss_fn_config={"beta": ...}``).
 - KL against the base model (any loss, when ``kl_coef > 0``): ``kl_coef * sum(w * k3)`` with the
   non-negative estimator ``k3 = exp(ref - logp) - (ref - logp) - 1``.
 
@@ -28,7 +32,7 @@ from polytinker.engine.learner.config import LossConfig
 from polytinker.engine.types import Datum, LossFnName
 from polytinker.errors import ConfigError
 
-LOSS_FNS: tuple[str, ...] = ("cross_entropy", "importance_sampling", "ppo")
+LOSS_FNS: tuple[str, ...] = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
 
 
 @dataclass
@@ -127,6 +131,17 @@ def policy_loss(
             "ratio_sum": float((ratio_BT.detach() * mask_BT).sum()),
             "clipped_tokens": float((was_clipped * mask_BT).sum()),
         }
+    if loss_fn == "cispo":
+        weight_BT = ratio_BT.detach().clamp(cfg.clip_low_threshold, cfg.clip_high_threshold)
+        was_clipped = (weight_BT != ratio_BT.detach()).float()
+        return -(w_BT * weight_BT * adv_BT * logprobs_BT).sum(), {
+            "ratio_sum": float((ratio_BT.detach() * mask_BT).sum()),
+            "clipped_tokens": float((was_clipped * mask_BT).sum()),
+        }
+    if loss_fn == "dro":
+        penalty_BT = (logprobs_BT - batch.sampling_logprobs_BT) ** 2
+        loss = -(w_BT * (logprobs_BT * adv_BT - 0.5 * cfg.beta * penalty_BT)).sum()
+        return loss, {"ratio_sum": float((ratio_BT.detach() * mask_BT).sum())}
     raise ConfigError(f"unknown loss_fn {loss_fn!r}; choose one of {list(LOSS_FNS)}")
 
 

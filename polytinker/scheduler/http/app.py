@@ -13,7 +13,6 @@ import asyncio
 import logging
 import socket
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,43 +26,13 @@ from polytinker.scheduler.http.errors import classify, user_error
 from polytinker.scheduler.http.futures import FutureTable
 from polytinker.scheduler.http.tinker_api import tinker_router
 from polytinker.scheduler.http.tinker_backend import TinkerBackend
+from polytinker.scheduler.service.config import HttpConfig, host_port
 from polytinker.transport import ClientCurve
 
 log = logging.getLogger("polytinker.http")
 
 
-@dataclass(frozen=True)
-class GatewayConfig:
-    """``[http]`` of a runtime config (docs/tinker.md)."""
-
-    address: str = ""
-    """``HOST:PORT`` to serve on; "" serves no HTTP. Off loopback, put TLS in front (a reverse proxy)."""
-    max_body_bytes: int = 256 << 20
-    """Largest request body accepted (a forward_backward carries its whole batch)."""
-    long_poll_s: float = 20.0
-    """How long one retrieve_future waits for its call before answering try_again."""
-    future_ttl_s: float = 3600.0
-    """How long a finished call's result waits to be retrieved."""
-    max_futures_per_tenant: int = 10_000
-    """Unretrieved calls one tenant may have; past it, calls answer 429."""
-    default_max_tokens: int = 256
-    """max_tokens of a sample that names none (Tinker's SamplingParams default is None)."""
-
-    def __post_init__(self) -> None:
-        if self.address:
-            host_port(self.address)
-        if self.max_body_bytes <= 0 or self.long_poll_s <= 0 or self.future_ttl_s <= 0:
-            raise ConfigError("[http] max_body_bytes, long_poll_s and future_ttl_s must be > 0")
-
-
-def host_port(address: str) -> tuple[str, int]:
-    host, sep, port = address.removeprefix("http://").rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ConfigError(f"an HTTP address is HOST:PORT (e.g. 127.0.0.1:8000), got {address!r}")
-    return host, int(port)
-
-
-def create_app(backend: TinkerBackend, config: GatewayConfig) -> FastAPI:
+def create_app(backend: TinkerBackend, config: HttpConfig) -> FastAPI:
     app = FastAPI(title="polytinker", docs_url=None, redoc_url=None, openapi_url=None)
     futures = FutureTable(ttl_s=config.future_ttl_s, max_per_tenant=config.max_futures_per_tenant)
     app.include_router(
@@ -102,7 +71,7 @@ class Gateway:
         self,
         scheduler_address: str,
         state_dir: Path | str,
-        config: GatewayConfig,
+        config: HttpConfig,
         *,
         base_models: tuple[str, ...] = (),
         curve: ClientCurve | None = None,
@@ -158,4 +127,4 @@ class Gateway:
         self.stop()
 
 
-__all__ = ["Gateway", "GatewayConfig", "create_app", "host_port"]
+__all__ = ["Gateway", "HttpConfig", "create_app"]

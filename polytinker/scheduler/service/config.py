@@ -148,6 +148,40 @@ class JobDefaults:
 
 
 @dataclass(frozen=True)
+class HttpConfig:
+    """``[http]`` of a runtime config: the HTTP front door (Tinker API, OpenAI-compatible; docs/tinker.md)."""
+
+    address: str = ""
+    # ``HOST:PORT`` to serve on; "" serves no HTTP. Off loopback, put TLS in front (a reverse proxy).
+    max_body_bytes: int = 256 << 20
+    # Largest request body accepted (a forward_backward carries its whole batch).
+    long_poll_s: float = 20.0
+    # How long one retrieve_future waits for its call before answering try_again.
+    future_ttl_s: float = 3600.0
+    # How long a finished call's result waits to be retrieved.
+    max_futures_per_tenant: int = 10_000
+    # Unretrieved calls one tenant may have; past it, calls answer 429.
+    default_max_tokens: int = 256
+    # max_tokens of a sample that names none (Tinker's SamplingParams default is None).
+    tokenizer_id: str = ""
+    # What get_info answers as the tokenizer to load (a hub id, or a directory clients can read);
+    # "": the base model's directory on this machine (right for clients on the same machine).
+
+    def __post_init__(self) -> None:
+        if self.address:
+            host_port(self.address)
+        if self.max_body_bytes <= 0 or self.long_poll_s <= 0 or self.future_ttl_s <= 0:
+            raise ConfigError("[http] max_body_bytes, long_poll_s and future_ttl_s must be > 0")
+
+
+def host_port(address: str) -> tuple[str, int]:
+    host, sep, port = address.removeprefix("http://").rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ConfigError(f"an HTTP address is HOST:PORT (e.g. 127.0.0.1:8000), got {address!r}")
+    return host, int(port)
+
+
+@dataclass(frozen=True)
 class RuntimeConfig:
     """One runtime: a scheduler plus the engines and learner groups it starts or admits."""
 
@@ -165,6 +199,8 @@ class RuntimeConfig:
     # Tenants and their API keys; empty: one tenant "local" with a generated key.
     jobs: JobDefaults = field(default_factory=JobDefaults)
     # What jobs declare to the policy by default.
+    http: HttpConfig = field(default_factory=HttpConfig)
+    # The HTTP front door ([http] address = "127.0.0.1:8000"); off by default.
     worker_token: str = ""
     # Shared secret workers present when they register; empty: generated at start (local workers get it).
     curve_secret_file: str = ""
@@ -288,6 +324,7 @@ class RuntimeConfig:
             "learners": (LearnerWorkerConfig, True),
             "tenants": (TenantConfig, True),
             "jobs": (JobDefaults, False),
+            "http": (HttpConfig, False),
         }
         for key, (sub, many) in nested.items():
             if key not in data:
@@ -327,6 +364,7 @@ def _build(cls: type, item: Any, what: str) -> Any:
 __all__ = [
     "BackendName",
     "EngineWorkerConfig",
+    "HttpConfig",
     "JobDefaults",
     "LearnerWorkerConfig",
     "RuntimeConfig",

@@ -30,7 +30,7 @@ from polytinker.transport.messages import message
 
 JOB_KINDS = ("lora_rl", "full_rl", "sft", "inference")
 JOB_ACTIONS = ("cancel", "pause", "resume", "finish")
-LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo")
+LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
 MAX_DATA = 100_000  # datums in one call
 MAX_PROMPTS = 4096
 

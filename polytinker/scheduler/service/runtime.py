@@ -89,6 +89,7 @@ class LocalRuntime:
         self._report_now = threading.Event()
         self._reporting = threading.Event()  # cleared to end the reporter thread
         self._reporter: threading.Thread | None = None
+        self.gateway: Any = None  # the HTTP front door, when config.http.address is set
 
     @property
     def address(self) -> str:
@@ -140,11 +141,30 @@ class LocalRuntime:
                     self.workers[wid] = fut.result()
             self.wait_ready([wid for _, wid in todo])
             self._report_now.set()  # every actor is up: the scheduler's view should say so now
+            if cfg.http.address:
+                self.gateway = self._start_gateway()
         except BaseException:
             self.stop()
             raise
         log.info("runtime up at %s (state in %s)", cfg.address, cfg.state_dir)
         return self
+
+    def _start_gateway(self) -> Any:
+        """The HTTP front door on a thread of this process, a client of the scheduler like any other."""
+        from polytinker.engine.models import resolve_model
+        from polytinker.scheduler.http.app import Gateway
+
+        cfg = self.config
+        tokenizer = cfg.http.tokenizer_id or str(resolve_model(cfg.model))
+        gateway = Gateway(
+            self.local_address, cfg.state_path, cfg.http, base_models=(cfg.model,), tokenizer_ids={cfg.model: tokenizer}
+        )
+        return gateway.start()
+
+    @property
+    def http_url(self) -> str:
+        """``http://HOST:PORT`` of the HTTP front door ("" when it is off)."""
+        return self.gateway.url if self.gateway is not None else ""
 
     def _spawn_worker(self, cls: type, worker_id: str) -> ActorRef:
         assert self.supervisor is not None
@@ -246,6 +266,9 @@ class LocalRuntime:
                 self._reporter.join(5.0)
             with self._lock:
                 sup, self.supervisor = self.supervisor, None
+                gateway, self.gateway = self.gateway, None
+            if gateway is not None:
+                gateway.stop()
             if sup is not None:
                 sup.stop()
             if self._fresh:

@@ -24,7 +24,7 @@ def hash_key(api_key: str) -> str:
 
 def new_api_key() -> str:
     """A fresh random API key (URL-safe, 256 bits)."""
-    return "pt-" + secrets.token_urlsafe(32)
+    return "tml-" + secrets.token_urlsafe(32)  # the tinker SDK accepts only keys that start with "tml-"
 
 
 class Tenants:
