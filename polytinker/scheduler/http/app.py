@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from polytinker.errors import ConfigError
+from polytinker.errors import ConfigError, PolytinkerError
 from polytinker.scheduler.http.errors import classify, user_error
 from polytinker.scheduler.http.futures import FutureTable
 from polytinker.scheduler.http.tinker_api import tinker_router
@@ -45,10 +45,14 @@ def create_app(backend: TinkerBackend, config: HttpConfig) -> FastAPI:
 
         app.include_router(openai_router(backend, default_max_tokens=config.default_max_tokens))
 
-    @app.exception_handler(Exception)
-    async def any_error(request: Request, exc: Exception) -> JSONResponse:
+    async def answer(request: Request, exc: Exception) -> JSONResponse:
         status, body = classify(exc)
         return JSONResponse(body, status_code=status)
+
+    # The caller's errors by class (Starlette re-raises what reaches the catch-all Exception
+    # handler, so the server logs it as a crash); everything else through the catch-all.
+    for cls in (PolytinkerError, ValueError, TypeError, KeyError, Exception):
+        app.add_exception_handler(cls, answer)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -23,7 +23,8 @@ from polytinker.errors import ConfigError, NotBuiltError
 from polytinker.scheduler.http import _proto
 from polytinker.scheduler.http.errors import user_error
 from polytinker.scheduler.http.futures import FutureTable
-from polytinker.scheduler.http.tinker_backend import Tenant, TinkerBackend, to_tinker_path
+from polytinker.scheduler.http.tinker_backend import Tenant, TinkerBackend, tinker_datum, to_tinker_path
+from polytinker.scheduler.service.messages import DatumMsg
 from polytinker.scheduler.http.wire import api_key, read_body, read_json
 
 PROTO = "application/x-protobuf"
@@ -146,8 +147,9 @@ def tinker_router(
         if request.headers.get("content-encoding"):
             raise NotBuiltError("compressed request bodies are not accepted (client config says so)")
         req = _proto.decode_forward_backward(await read_body(request, max_body_bytes))
+        req["datums"] = [tinker_datum(d) for d in req["data"]]
         fut = backend.forward_backward(t, req)
-        return submit(t, fut, _fb_render(req), req["model_id"])
+        return submit(t, fut, _fb_render(req["datums"]), req["model_id"])
 
     @r.post("/optim_step")
     async def optim_step(request: Request) -> dict[str, Any]:
@@ -254,11 +256,8 @@ def _step_metrics(metrics: dict[str, float]) -> dict[str, float]:
     return {k.replace("/", ":"): float(v) for k, v in metrics.items() if isinstance(v, int | float)}
 
 
-def _fb_render(req: dict[str, Any]) -> Callable[[Any], bytes]:
-    weights = [
-        np.asarray(d["loss_fn_inputs"].get("weights", [1.0] * len(d["tokens"])), dtype=np.float64).reshape(-1)
-        for d in req["data"]
-    ]
+def _fb_render(datums: list[DatumMsg]) -> Callable[[Any], bytes]:
+    weights = [np.asarray(d.weights, dtype=np.float64) for d in datums]
 
     def render(out: Any) -> bytes:
         if isinstance(out, list):  # forward: per-datum logprobs; the loss is cross entropy's
@@ -267,7 +266,7 @@ def _fb_render(req: dict[str, Any]) -> Callable[[Any], bytes]:
             metrics: dict[str, float] = {}
         else:
             logprobs, loss, metrics = out.logprobs, out.loss, out.metrics
-        n = float(sum(w.sum() for w in weights))
+        n = float(sum((w != 0).sum() for w in weights))
         outputs = [{"logprobs": np.asarray(lp, dtype=np.float32)} for lp in logprobs]
         return _proto.encode_forward_backward_output(outputs, _metrics(loss, metrics, n))
 

@@ -237,8 +237,9 @@ class TinkerBackend:
 
     # --- training ------------------------------------------------------------------------------------
     def forward_backward(self, t: Tenant, req: dict[str, Any]) -> Future[Any]:
+        """``req["datums"]``: the call's data as polytinker datums (``tinker_datum``)."""
         tc = self.training_client(t, req["model_id"])
-        data = [tinker_datum(d) for d in req["data"]]
+        data = req["datums"]
         config = {k: v for k, v in req["loss_fn_config"].items() if isinstance(v, float)} or None
         if req["forward_only"]:
             return tc.forward(data)
