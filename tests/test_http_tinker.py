@@ -5,7 +5,6 @@ restart of the service. The SDK is configured only by its base URL and API key."
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import socket
 import subprocess

@@ -24,8 +24,8 @@ from polytinker.scheduler.http import _proto
 from polytinker.scheduler.http.errors import user_error
 from polytinker.scheduler.http.futures import FutureTable
 from polytinker.scheduler.http.tinker_backend import Tenant, TinkerBackend, tinker_datum, to_tinker_path
-from polytinker.scheduler.service.messages import DatumMsg
 from polytinker.scheduler.http.wire import api_key, read_body, read_json
+from polytinker.scheduler.service.messages import DatumMsg
 
 PROTO = "application/x-protobuf"
 
