@@ -22,8 +22,9 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from polytinker.errors import ConfigError, PolytinkerError
-from polytinker.scheduler.http.errors import classify, user_error
+from polytinker.scheduler.http.errors import error_body, error_response
 from polytinker.scheduler.http.futures import FutureTable
+from polytinker.scheduler.http.openai_api import openai_router
 from polytinker.scheduler.http.tinker_api import tinker_router
 from polytinker.scheduler.http.tinker_backend import TinkerBackend
 from polytinker.scheduler.service.config import HttpConfig, host_port
@@ -38,16 +39,10 @@ def create_app(backend: TinkerBackend, config: HttpConfig) -> FastAPI:
     app.include_router(
         tinker_router(backend, futures, long_poll_s=config.long_poll_s, max_body_bytes=config.max_body_bytes)
     )
-    import importlib.util  # TEMP until openai_api lands
-
-    if importlib.util.find_spec("polytinker.scheduler.http.openai_api") is not None:
-        from polytinker.scheduler.http.openai_api import openai_router
-
-        app.include_router(openai_router(backend, default_max_tokens=config.default_max_tokens))
+    app.include_router(openai_router(backend, default_max_tokens=config.default_max_tokens))
 
     async def answer(request: Request, exc: Exception) -> JSONResponse:
-        status, body = classify(exc)
-        return JSONResponse(body, status_code=status)
+        return error_response(exc)
 
     # The caller's errors by class (Starlette re-raises what reaches the catch-all Exception
     # handler, so the server logs it as a crash); everything else through the catch-all.
@@ -57,13 +52,13 @@ def create_app(backend: TinkerBackend, config: HttpConfig) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(
-            user_error(str(exc.detail), "not_found" if exc.status_code == 404 else "http_error"),
+            error_body(str(exc.detail), "not_found" if exc.status_code == 404 else "http_error"),
             status_code=exc.status_code,
         )
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(user_error(f"invalid request: {exc.errors()[:3]}"), status_code=400)
+        return JSONResponse(error_body(f"invalid request: {exc.errors()[:3]}"), status_code=400)
 
     return app
 

@@ -3,7 +3,7 @@
 A caller's mistake (a malformed body, an unknown model, a bad key, a feature not built) is a 4xx
 with the message; anything else is a 500 that names only an error id, which the gateway's log
 carries next to the traceback. The body has OpenAI's shape, which both the ``openai`` and the
-``tinker`` SDK print: ``{"error": {"message", "type", "code", "error_id"}}``.
+``tinker`` SDK print: ``{"error": {"message", "type", "param", "code", "error_id"}}``.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import uuid
 from typing import Any
+
+from fastapi.responses import JSONResponse
 
 from polytinker.errors import (
     AuthError,
@@ -20,40 +22,61 @@ from polytinker.errors import (
     OverloadedError,
     PolytinkerError,
     ProtocolError,
+    RequestTimeout,
 )
 
 log = logging.getLogger("polytinker.http")
 
-# (error class, HTTP status, OpenAI-style type); the first match wins.
-_STATUS: tuple[tuple[type[BaseException], int, str], ...] = (
-    (AuthError, 401, "authentication_error"),
-    (NotBuiltError, 400, "not_built"),
-    (OverloadedError, 429, "rate_limit_error"),
-    (JobNotRunning, 409, "job_not_running"),
-    (ConfigError, 400, "invalid_request_error"),
-    (ProtocolError, 400, "invalid_request_error"),
-    (ValueError, 400, "invalid_request_error"),
-    (TypeError, 400, "invalid_request_error"),
-    (KeyError, 400, "invalid_request_error"),
+
+class HttpError(PolytinkerError):
+    """A request answered with ``status`` (413, 404, ...) and this message, raised at the edge."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str = "") -> None:
+        super().__init__(message)
+        self.status, self.kind, self.error_code = status, kind, code or kind
+
+
+# (error class, HTTP status, error type, code); the first match wins. ValueError, TypeError and
+# KeyError come from reading a request's fields (int("x"), a missing key): the caller's mistake.
+_STATUS: tuple[tuple[type[BaseException], int, str, str], ...] = (
+    (AuthError, 401, "authentication_error", "invalid_api_key"),
+    (NotBuiltError, 400, "invalid_request_error", "not_built"),
+    (OverloadedError, 429, "rate_limit_error", "overloaded"),
+    (JobNotRunning, 409, "invalid_request_error", "job_not_running"),
+    (RequestTimeout, 504, "server_error", "timeout"),
+    (ConfigError, 400, "invalid_request_error", "invalid_request"),
+    (ProtocolError, 400, "invalid_request_error", "invalid_request"),
+    (KeyError, 400, "invalid_request_error", "invalid_request"),
+    (ValueError, 400, "invalid_request_error", "invalid_request"),
+    (TypeError, 400, "invalid_request_error", "invalid_request"),
 )
 
 
-def user_error(message: str, kind: str = "invalid_request_error", code: str = "") -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "code": code or kind, "error_id": uuid.uuid4().hex[:12]}}
+def error_body(message: str, kind: str = "invalid_request_error", code: str = "") -> dict[str, Any]:
+    error = {"message": message, "type": kind, "param": None, "code": code or kind, "error_id": uuid.uuid4().hex[:12]}
+    return {"error": error}
 
 
 def classify(exc: BaseException) -> tuple[int, dict[str, Any]]:
     """The HTTP status and body of ``exc``; a 500 is logged with its traceback under its error id."""
-    for cls, status, kind in _STATUS:
+    if isinstance(exc, HttpError):
+        return exc.status, error_body(str(exc), exc.kind, exc.error_code)
+    for cls, status, kind, code in _STATUS:
         if isinstance(exc, cls):
-            message = str(exc) if not isinstance(exc, KeyError) else f"missing field {exc}"
-            code = getattr(exc, "code", "") if isinstance(exc, PolytinkerError) else ""
-            return status, user_error(message[:2000], kind, code or kind)
-    body = user_error("", "server_error", "internal")
+            message = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
+            return status, error_body(message[:2000], kind, code)
+    body = error_body("", "server_error", "internal_error")
     error_id = body["error"]["error_id"]
     body["error"]["message"] = f"internal error (error id {error_id}); the runtime's log has the details"
     log.error("internal error %s: %s", error_id, type(exc).__name__, exc_info=exc)
     return 500, body
 
 
-__all__ = ["classify", "user_error"]
+def error_response(exc: BaseException) -> JSONResponse:
+    """The answer to a request that raised ``exc`` (with ``retry-after`` when overloaded)."""
+    status, body = classify(exc)
+    headers = {"retry-after": str(max(1, round(exc.retry_after_s)))} if isinstance(exc, OverloadedError) else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+__all__ = ["HttpError", "classify", "error_body", "error_response"]

@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import Request
 
 from polytinker.errors import ConfigError
+from polytinker.scheduler.http.errors import HttpError
 
 MAX_JSON_DEPTH = 32
 
@@ -26,13 +27,13 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     """The body, refused past ``max_bytes`` while it streams in (not after it is all in memory)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise ConfigError(f"the request body is larger than {max_bytes} bytes")
+        raise HttpError(413, f"the request body is larger than {max_bytes} bytes")
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > max_bytes:
-            raise ConfigError(f"the request body is larger than {max_bytes} bytes")
+            raise HttpError(413, f"the request body is larger than {max_bytes} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
 
