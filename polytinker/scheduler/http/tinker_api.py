@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 
 from polytinker.errors import ConfigError, NotBuiltError
 from polytinker.scheduler.http import _proto
-from polytinker.scheduler.http.errors import user_error
+from polytinker.scheduler.http.errors import error_body
 from polytinker.scheduler.http.futures import FutureTable
 from polytinker.scheduler.http.tinker_backend import Tenant, TinkerBackend, tinker_datum, to_tinker_path
 from polytinker.scheduler.http.wire import api_key, read_body, read_json
@@ -220,7 +220,7 @@ def tinker_router(
         request_id = str(body.get("request_id", ""))
         entry = futures.get(t.owner, request_id)
         if entry is None:
-            return JSONResponse(user_error(f"unknown request id {request_id!r}", "not_found"), status_code=404)
+            return JSONResponse(error_body(f"unknown request id {request_id!r}", "not_found"), status_code=404)
         if not await futures.wait(entry, long_poll_s):
             return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"})
         futures.drop(request_id)

@@ -144,7 +144,7 @@ class TinkerBackend:
     def tenant(self, api_key: str) -> Tenant:
         """The tenant of ``api_key``; AuthError when the scheduler does not know the key."""
         if not api_key:
-            raise AuthError("no API key: set TINKER_API_KEY (or pass api_key=) to a key of this runtime")
+            raise AuthError("no API key: pass a key of this runtime (the tinker SDK: TINKER_API_KEY; openai: api_key=)")
         owner = owner_of(api_key)
         with self._lock:
             found = self._tenants.get(owner)
