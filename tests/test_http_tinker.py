@@ -183,6 +183,21 @@ def test_rl_losses_without_weights_train_only_where_advantages_are(service: tink
     tc.optim_step(types.AdamParams(learning_rate=1e-4)).result()
 
 
+def test_custom_loss_runs_through_the_sdk(service: tinker.ServiceClient) -> None:
+    import torch
+
+    tc = service.create_lora_training_client(base_model=MODEL, rank=4).result()
+    data = [_sft_datum(tc.get_tokenizer(), "Two plus two is", " four")]
+
+    def squared_logprob(batch: list[types.Datum], logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        loss = sum((lp**2).sum() for lp in logprobs)
+        return loss, {"squared:sum": float(loss)}
+
+    out = tc.forward_backward_custom(data, squared_logprob).result()
+    assert out.metrics["squared:sum"] > 0
+    tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+
+
 def test_checkpoints_resume_in_a_new_training_client(service: tinker.ServiceClient) -> None:
     tc = service.create_lora_training_client(base_model=MODEL, rank=4, seed=3).result()
     tokenizer = tc.get_tokenizer()
