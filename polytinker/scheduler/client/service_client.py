@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import os
 import threading
+from pathlib import Path
 from typing import Any
 
 from polytinker.errors import ConfigError, PolytinkerError, TransportError
@@ -200,6 +201,16 @@ class ServiceClient:
 
     def resume_job(self, job_id: str) -> dict[str, Any]:
         return self._action(job_id, "resume")
+
+    def export_weights(
+        self, model_path: str, out_dir: str | os.PathLike[str], *, merged: bool = False, overwrite: bool = False
+    ) -> Path:
+        """Write a saved version (``polytinker://JOB/AGENT@VERSION`` or a Tinker sampler path) as a
+        peft adapter directory, or with ``merged`` as a whole Hugging Face model directory
+        (``polytinker.scheduler.client.export``)."""
+        from polytinker.scheduler.client.export import export_weights
+
+        return export_weights(self._connection(), model_path, out_dir, merged=merged, overwrite=overwrite)
 
     def runtime_status(self) -> dict[str, Any]:
         """Workers, their statistics (batches, mixed batches, adapter loads) and learner switches."""

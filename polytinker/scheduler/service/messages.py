@@ -6,7 +6,7 @@ This module imports no torch: the scheduler process stays light.
 
 Client -> scheduler (every one carries ``api_key``): ``CreateJob``, ``JobQuery``, ``JobAction``,
 ``ListJobs``, ``ForwardBackward``, ``Forward``, ``OptimStep``, ``SaveState``, ``LoadState``,
-``SaveWeights``, ``Sample``, ``ComputeLogprobs``, ``RuntimeStatus``.
+``SaveWeights``, ``Sample``, ``ComputeLogprobs``, ``ExportWeights``, ``RuntimeStatus``.
 
 Worker <-> scheduler: ``Register`` (worker -> scheduler), ``ActorsReport`` of ``ActorState``
 (the local runtime's supervisor -> scheduler), and to workers ``EnsureAdapter``,
@@ -244,6 +244,18 @@ class ComputeLogprobs:
 
     def __post_init__(self) -> None:
         _need(0 < len(self.sequences) <= MAX_PROMPTS and all(self.sequences), "1..4096 non-empty sequences")
+
+
+@message("sched.export_weights")
+@dataclass(frozen=True)
+class ExportWeights:
+    """The peft files of one of the tenant's saved versions (``polytinker://JOB/AGENT@VERSION``)."""
+
+    api_key: str
+    model_path: str
+
+    def __post_init__(self) -> None:
+        _need(self.model_path.startswith("polytinker://"), "model_path must be polytinker://JOB/AGENT@VERSION")
 
 
 @message("sched.runtime_status")

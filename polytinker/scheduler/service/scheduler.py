@@ -37,7 +37,15 @@ from pathlib import Path
 from typing import Any
 
 from polytinker.engine.actors import Actor
-from polytinker.errors import AuthError, ConfigError, GradientLost, JobNotRunning, OverloadedError, RemoteError
+from polytinker.errors import (
+    AuthError,
+    ConfigError,
+    GradientLost,
+    JobNotRunning,
+    NotBuiltError,
+    OverloadedError,
+    RemoteError,
+)
 from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service.broker import Broker, WorkerHandle
 from polytinker.scheduler.service.config import RuntimeConfig
@@ -147,6 +155,7 @@ class SchedulerService:
             "save_state": self.save_state,
             "load_state": self.load_state,
             "save_weights": self.save_weights,
+            "export_weights": self.export_weights,
             "sample": self.sample,
             "compute_logprobs": self.compute_logprobs,
             "runtime_status": self.runtime_status,
@@ -428,6 +437,31 @@ class SchedulerService:
         if msg.name:
             self.store.add_checkpoint(row.job_id, f"sampler-{msg.name}", a.export_dir, a.version)
         return {"status": "ok", "model_path": model_path(row.job_id, row.agent, a.version), "version": a.version}
+
+    def export_weights(self, msg: m.ExportWeights) -> dict[str, Any]:
+        """A saved LoRA version's peft files (``adapter_config.json`` as text, the weights as one
+        uint8 array, which travels as a raw frame), read from this scheduler's state root."""
+        import numpy as np
+
+        tenant = self._tenant(msg.api_key)
+        _, version, export, full = self._resolve(tenant, msg.model_path)
+        if full:
+            raise NotBuiltError("exporting a full-parameter version is not built (LoRA versions export)")
+        assert export is not None
+        where = under(self.root, export.relative_path)
+        config, weights = where / "adapter_config.json", where / "adapter_model.safetensors"
+        if not (config.is_file() and weights.is_file()):
+            raise ConfigError(
+                f"the files of {msg.model_path} are not on the scheduler's machine (its learner keeps them elsewhere)"
+            )
+        data = np.fromfile(weights, dtype=np.uint8)
+        return {
+            "status": "ok",
+            "version": version,
+            "base_model": self.config.model,
+            "adapter_config": config.read_text(),
+            "weights": data,
+        }
 
     def _resolve(self, tenant: str, path: str) -> tuple[str, int, m.WeightsRef | None, bool]:
         """(adapter key, version, its export, full parameters?) of a tenant's model path;

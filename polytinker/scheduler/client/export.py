@@ -1,0 +1,113 @@
+"""Trained adapters out of polytinker, as directories other tools load.
+
+``ServiceClient.export_weights(model_path, out_dir)`` writes a saved version
+(``polytinker://JOB/AGENT@VERSION``, or Tinker's ``tinker://JOB/sampler_weights/AGENT@VERSION``)
+as a peft adapter directory:
+
+- ``adapter_config.json``: peft's config, whose ``base_model_name_or_path`` is the base model's hub
+  id where polytinker knows one (a preset's, or the hub id the runtime was started with), else the
+  runtime's model name; never a path of the serving machine;
+- ``adapter_model.safetensors``: the weights;
+- ``polytinker.json``: what the adapter was trained on exactly: the runtime's model, the hub id,
+  how the preset differs from the hub checkpoint, the version.
+
+With ``merged=True`` it writes instead a whole Hugging Face model directory (the base model with
+the adapter merged into its weights, and the tokenizer), which stock ``transformers`` and vLLM load
+without peft. The base model is loaded on this machine for that (``resolve_model``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from polytinker.errors import ConfigError
+from polytinker.scheduler.client._connection import Connection
+from polytinker.scheduler.service import messages as m
+
+MANIFEST = "polytinker.json"
+
+
+def _model_path(path: str) -> str:
+    if path.startswith("tinker://"):
+        parts = path.removeprefix("tinker://").split("/")
+        if len(parts) != 3 or parts[1] != "sampler_weights":
+            raise ConfigError(f"{path!r}: export takes tinker://RUN/sampler_weights/AGENT@VERSION (a sampler path)")
+        return f"polytinker://{parts[0]}/{parts[2]}"
+    return path
+
+
+def base_identity(base_model: str) -> dict[str, str]:
+    """``{"base_model", "hub_id", "note"}``: the runtime's model and the hub id it stands for."""
+    from polytinker.engine.models import PRESET_HUB_IDS, _looks_like_hub_id
+
+    if base_model in PRESET_HUB_IDS:
+        hub_id, note = PRESET_HUB_IDS[base_model]
+    elif _looks_like_hub_id(base_model):
+        hub_id, note = base_model, "the hub checkpoint itself"
+    else:
+        hub_id, note = "", "a preset or local directory with no hub id: load the base as the runtime did"
+    return {"base_model": base_model, "hub_id": hub_id, "note": note}
+
+
+def _write_dir(out: Path, write: Any, overwrite: bool) -> Path:
+    """Write into a temporary sibling of ``out``, then rename it into place."""
+    out = Path(out).expanduser()
+    if out.exists() and not overwrite:
+        raise ConfigError(f"{out} exists: pick another directory or pass overwrite")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        write(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def export_weights(
+    conn: Connection, model_path: str, out_dir: str | os.PathLike[str], *, merged: bool = False, overwrite: bool = False
+) -> Path:
+    """Write the saved version ``model_path`` of this tenant to ``out_dir`` (see the module docstring)."""
+    path = _model_path(model_path)
+    reply = conn.request("sched.export_weights", m.ExportWeights(conn.api_key, path))
+    identity = base_identity(str(reply["base_model"]))
+    config = json.loads(reply["adapter_config"])
+    config["base_model_name_or_path"] = identity["hub_id"] or identity["base_model"]
+    manifest = {**identity, "model_path": path, "version": int(reply["version"]), "merged": merged}
+    weights = bytes(reply["weights"])
+
+    def write_adapter(d: Path) -> None:
+        (d / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (d / "adapter_model.safetensors").write_bytes(weights)
+        (d / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
+    if not merged:
+        return _write_dir(Path(out_dir), write_adapter, overwrite)
+
+    def write_merged(d: Path) -> None:
+        from peft import PeftModel
+
+        from polytinker.engine.models import load_model
+
+        with tempfile.TemporaryDirectory(prefix="polytinker-adapter-") as adapter:
+            write_adapter(Path(adapter))
+            model, tokenizer = load_model(identity["base_model"])
+            peft_model = PeftModel.from_pretrained(model, adapter)
+            merged_model = peft_model.merge_and_unload()
+        merged_model.config.name_or_path = identity["hub_id"] or identity["base_model"]
+        merged_model.save_pretrained(str(d), safe_serialization=True)
+        tokenizer.save_pretrained(str(d))
+        (d / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
+    return _write_dir(Path(out_dir), write_merged, overwrite)
+
+
+__all__ = ["MANIFEST", "base_identity", "export_weights"]

@@ -1,0 +1,119 @@
+"""A trained adapter out of polytinker: a peft directory plain peft loads, a merged model stock
+transformers (and vLLM) load, with the numbers the runtime computed; only the owner exports."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from test_client_fixtures import KEY_ALICE, KEY_BOB, MODEL, client, data, shared_runtime
+
+from polytinker.cli import main as cli_main
+from polytinker.errors import AuthError
+
+SEQUENCE = [5, 17, 230, 1400, 9, 77, 3020, 12]
+
+
+def _logprobs(model: torch.nn.Module) -> list[float]:
+    ids = torch.tensor([SEQUENCE])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0].tolist()
+
+
+@pytest.fixture(scope="module")
+def trained() -> tuple[str, list[float]]:
+    """A version one step away from the fresh adapter (so the export is not the identity), and
+    what the runtime's engine computes with it."""
+    with client(KEY_ALICE) as service:
+        trainer = service.create_lora_training_client(MODEL, rank=4, agent="exporter", seed=1)
+        trainer.forward_backward(data(1), "cross_entropy").result()
+        trainer.optim_step({"learning_rate": 0.05}).result()
+        sampler = trainer.save_weights_and_get_sampling_client("exported")
+        scored = sampler.compute_logprobs(SEQUENCE).result()[1:]
+        service.close(keep_jobs=True)
+    return sampler.model_path, [float(x) for x in scored]
+
+
+def test_peft_directory_loads_with_plain_peft(trained: tuple[str, list[float]], tmp_path: Path) -> None:
+    from peft import PeftModel
+
+    from polytinker.engine.models import load_model
+
+    path, expected = trained
+    with client(KEY_ALICE) as service:
+        out = service.export_weights(path, tmp_path / "adapter")
+        service.close(keep_jobs=True)
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["r"] == 4 and "/" not in config["base_model_name_or_path"]  # no path of the serving machine
+    manifest = json.loads((out / "polytinker.json").read_text())
+    assert manifest["base_model"] == MODEL and manifest["model_path"] == path and manifest["merged"] is False
+    base, _ = load_model(MODEL)
+    fresh = _logprobs(base)
+    model = PeftModel.from_pretrained(base, str(out)).eval()
+    got = _logprobs(model)
+    assert got == pytest.approx(expected, abs=2e-4)
+    assert max(abs(a - b) for a, b in zip(got, fresh, strict=True)) > 1e-3  # the adapter changed something
+
+
+def test_merged_model_loads_with_stock_transformers(trained: tuple[str, list[float]], tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    path, expected = trained
+    with client(KEY_ALICE) as service:
+        out = service.export_weights(path, tmp_path / "merged", merged=True)
+        service.close(keep_jobs=True)
+    assert not (out / "adapter_config.json").exists()
+    model = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    assert _logprobs(model) == pytest.approx(expected, abs=2e-4)
+
+
+def test_only_the_owner_exports(trained: tuple[str, list[float]], tmp_path: Path) -> None:
+    with client(KEY_BOB) as service, pytest.raises(AuthError):
+        service.export_weights(trained[0], tmp_path / "stolen")
+    assert not (tmp_path / "stolen").exists()
+
+
+def test_cli_lists_and_exports(
+    trained: tuple[str, list[float]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["--scheduler", shared_runtime().address, "--api-key", KEY_ALICE]
+    assert cli_main(["checkpoints", *base, "list", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    mine = [r for r in rows if r["agent"] == "exporter"]
+    assert mine and "sampler-exported" in mine[0]["checkpoints"]
+    tinker_path = trained[0].replace("polytinker://", "tinker://").replace("/exporter@", "/sampler_weights/exporter@")
+    assert cli_main(["checkpoints", *base, "export", tinker_path, "--out", str(tmp_path / "cli")]) == 0
+    assert (tmp_path / "cli" / "adapter_model.safetensors").is_file()
+    assert cli_main(["checkpoints", *base, "export", trained[0], "--out", str(tmp_path / "cli")]) == 1  # exists
+
+
+@pytest.mark.vllm
+def test_merged_model_loads_with_stock_vllm(trained: tuple[str, list[float]], tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    with client(KEY_ALICE) as service:
+        out = service.export_weights(trained[0], tmp_path / "merged", merged=True)
+        service.close(keep_jobs=True)
+    script = textwrap.dedent(
+        f"""
+        import json
+        from vllm import LLM, SamplingParams
+        if __name__ == "__main__":
+            llm = LLM(model={str(out)!r}, dtype="float32", max_model_len=256, kv_cache_memory_bytes=1 << 28)
+            out = llm.generate([{{"prompt_token_ids": {SEQUENCE!r}}}], SamplingParams(max_tokens=6, temperature=0))
+            print("TOKENS", json.dumps(list(out[0].outputs[0].token_ids)))
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    tokens = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("TOKENS"))[7:])
+    model = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    with torch.no_grad():
+        greedy = model.generate(torch.tensor([SEQUENCE]), max_new_tokens=6, do_sample=False)[0, len(SEQUENCE) :]
+    assert tokens == greedy.tolist()
