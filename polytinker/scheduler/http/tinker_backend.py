@@ -368,7 +368,7 @@ class TinkerBackend:
 
     def sampling_params(self, p: dict[str, Any]) -> m.SamplingMsg:
         """polytinker's sampling parameters from Tinker's (``top_k=-1``: none; ``max_tokens=None``:
-        the gateway's default; ``stop``: a string, strings, or token ids)."""
+        the gateway's default; ``stop``: a string, strings, or token ids; ``[]``: not even EOS)."""
         stop = p.get("stop")
         strs: tuple[str, ...] = ()
         ids: tuple[int, ...] = ()
@@ -391,6 +391,7 @@ class TinkerBackend:
             stop=strs,
             stop_token_ids=ids,
             seed=None if seed is None else int(seed),
+            ignore_eos=isinstance(stop, list | tuple) and not stop,  # Tinker: stop=[] disables EOS too
         )
 
     def sample(self, t: Tenant, req: dict[str, Any]) -> Future[tuple[Any, list[float | None] | None]]:
