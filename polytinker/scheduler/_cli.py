@@ -76,6 +76,31 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gateway(args: argparse.Namespace) -> int:
+    """The HTTP front door alone, in front of a scheduler that runs elsewhere."""
+    from polytinker.scheduler.http.app import Gateway
+    from polytinker.scheduler.service.config import HttpConfig
+
+    curve = None
+    if args.curve_secret:
+        from polytinker.transport import ClientCurve
+
+        if not args.scheduler_key:
+            raise ConfigError("--curve-secret needs --scheduler-key (the scheduler's .key file)")
+        curve = ClientCurve.from_files(args.curve_secret, args.scheduler_key)
+    config = HttpConfig(address=args.http, tokenizer_id=args.tokenizer_id or "")
+    tokenizers = {args.model: args.tokenizer_id} if args.tokenizer_id else None
+    state = Path(args.state_dir).expanduser()
+    gateway = Gateway(args.scheduler, state, config, base_models=(args.model,), curve=curve, tokenizer_ids=tokenizers)
+    gateway.start()
+    print(f"HTTP at {gateway.url} in front of {args.scheduler}: the Tinker API and OpenAI's at /v1", flush=True)
+    try:
+        _wait_for_signal()
+    finally:
+        gateway.stop()
+    return 0
+
+
 def _loopback(address: str) -> bool:
     host = address.removeprefix("tcp://").rsplit(":", 1)[0]
     return not address.startswith("tcp://") or host.startswith("127.") or host in ("localhost", "[::1]", "::1")
@@ -275,6 +300,16 @@ def register(sub: Any) -> None:
     p.add_argument("--state-dir", help="SQLite state, checkpoints, adapters (default ./polytinker-runtime)")
     p.add_argument("--http", metavar="HOST:PORT", help="serve the Tinker API and OpenAI-compatible inference here")
     p.set_defaults(func=_serve)
+
+    g = sub.add_parser("gateway", help="serve the Tinker API and OpenAI-compatible inference for a scheduler elsewhere")
+    g.add_argument("--scheduler", required=True, help="the scheduler's address, tcp://HOST:PORT")
+    g.add_argument("--http", required=True, metavar="HOST:PORT", help="where to serve HTTP")
+    g.add_argument("--model", required=True, help="the scheduler's base model, by the name clients use")
+    g.add_argument("--state-dir", default="polytinker-gateway", help="where the gateway keeps its names (SQLite)")
+    g.add_argument("--tokenizer-id", help="what get_info names as the tokenizer (a hub id or a directory)")
+    g.add_argument("--curve-secret", help="your Curve .key_secret, for a scheduler that serves with Curve")
+    g.add_argument("--scheduler-key", help="the scheduler's Curve .key (public) file")
+    g.set_defaults(func=_gateway)
 
     w = sub.add_parser("worker", help="run an engine or learner group that joins a remote scheduler")
     _add_config_args(w)
