@@ -5,83 +5,16 @@ restart of the service. The SDK is configured only by its base URL and API key."
 from __future__ import annotations
 
 import asyncio
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
+from _serve import KEY, KEY_BOB, MODEL, Serve
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-MODEL = "smollm2-135m-instruct"
-KEY = "tml-alice-test-key-0123456789"
-KEY_BOB = "tml-bob-test-key-0123456789ab"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Serve:
-    """``polytinker serve --http`` as a child process (restartable on the same state directory)."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
-        (root / "runtime.toml").write_text(
-            f'model = "{MODEL}"\naddress = "tcp://127.0.0.1:{_free_port()}"\n'
-            f'[[tenants]]\nname = "alice"\napi_key = "{KEY}"\n[[tenants]]\nname = "bob"\napi_key = "{KEY_BOB}"\n'
-        )
-
-    def start(self) -> None:
-        log = open(self.root / "serve.log", "ab")  # noqa: SIM115 (the child writes to it)
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "polytinker.cli",
-                "serve",
-                "--config",
-                str(self.root / "runtime.toml"),
-                "--state-dir",
-                str(self.root / "state"),
-                "--http",
-                f"127.0.0.1:{self.port}",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, (self.root / "serve.log").read_text()[-3000:]
-            try:
-                if httpx.get(f"{self.url}/api/v1/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise AssertionError("serve did not come up: " + (self.root / "serve.log").read_text()[-3000:])
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +122,9 @@ def test_custom_loss_runs_through_the_sdk(service: tinker.ServiceClient) -> None
     tc = service.create_lora_training_client(base_model=MODEL, rank=4).result()
     data = [_sft_datum(tc.get_tokenizer(), "Two plus two is", " four")]
 
-    def squared_logprob(batch: list[types.Datum], logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+    def squared_logprob(
+        batch: list[types.Datum], logprobs: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         loss = sum((lp**2).sum() for lp in logprobs)
         return loss, {"squared:sum": float(loss)}
 
