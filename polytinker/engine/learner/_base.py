@@ -133,8 +133,11 @@ class Learner:
         """Write ``adapter``'s weights, optimizer state and version atomically to directory ``path``."""
         raise NotImplementedError
 
-    def load_state(self, path: str | os.PathLike[str], adapter: AdapterName | None = None) -> AdapterRef:
-        """Restore what :meth:`save_state` wrote into ``adapter``; returns its version."""
+    def load_state(
+        self, path: str | os.PathLike[str], adapter: AdapterName | None = None, *, optimizer: bool = True
+    ) -> AdapterRef:
+        """Restore what :meth:`save_state` wrote into ``adapter``; returns its version. With
+        ``optimizer=False`` the weights only: the optimizer starts afresh (Tinker's ``load_state``)."""
         raise NotImplementedError
 
     # -- primitives -----------------------------------------------------------------------------

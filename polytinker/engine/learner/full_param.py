@@ -68,14 +68,16 @@ class FullParamLearner(Learner):
         # Tied weights (embeddings / lm_head) share storage; save each parameter once, by parameter name.
         return save_checkpoint(path, Checkpoint({k: p.detach() for k, p in slot.params.items()}, opt_state, meta))
 
-    def load_state(self, path: str | os.PathLike[str], adapter: AdapterName | None = None) -> AdapterRef:
+    def load_state(
+        self, path: str | os.PathLike[str], adapter: AdapterName | None = None, *, optimizer: bool = True
+    ) -> AdapterRef:
         slot = self._slot(adapter)
         ckpt = load_checkpoint(path)
         copy_full_weights(path, ckpt, slot.params)
         for p in slot.params.values():
             p.grad = None
         slot.optimizer = None
-        if ckpt.optimizer_state is not None:
+        if optimizer and ckpt.optimizer_state is not None:
             slot.optimizer = torch.optim.AdamW(list(slot.params.values()), foreach=False)
             slot.optimizer.load_state_dict(ckpt.optimizer_state)
         slot.version = int(ckpt.meta["version"])

@@ -105,7 +105,7 @@ def _execute(learner: AnyLearner, info: DistInfo, group: Any, op: str, args: dic
         assert isinstance(learner, MultiAdapterLearner)
         return learner.remove_adapter(args["name"])
     if op == "load_state":
-        return learner.load_state(args["path"], args["adapter"])
+        return learner.load_state(args["path"], args["adapter"], optimizer=args.get("optimizer", True))
     raise ConfigError(f"unknown learner group op {op!r}")
 
 
@@ -228,10 +228,12 @@ class LearnerGroup:
             self._check(adapter)
             self._call("discard_gradient", adapter=adapter)
 
-    def load_state(self, path: str | os.PathLike[str], adapter: AdapterName | None = None) -> AdapterRef:
+    def load_state(
+        self, path: str | os.PathLike[str], adapter: AdapterName | None = None, *, optimizer: bool = True
+    ) -> AdapterRef:
         if self._group is None:
-            return self.learner.load_state(path, adapter)
-        ref: AdapterRef = self._call("load_state", path=str(path), adapter=adapter)
+            return self.learner.load_state(path, adapter, optimizer=optimizer)
+        ref: AdapterRef = self._call("load_state", path=str(path), adapter=adapter, optimizer=optimizer)
         return ref
 
     def save_state(self, path: str | os.PathLike[str], adapter: AdapterName | None = None) -> Any:

@@ -198,8 +198,11 @@ class MultiAdapterLearner(Learner):
         opt_state = slot.optimizer.state_dict() if slot.optimizer is not None else None
         return save_checkpoint(path, Checkpoint(self.export_adapter(slot.name).tensors, opt_state, meta))
 
-    def load_state(self, path: str | os.PathLike[str], adapter: AdapterName | None = None) -> AdapterRef:
-        """Restore weights, optimizer and version into ``adapter`` (created if missing); drops pending grads."""
+    def load_state(
+        self, path: str | os.PathLike[str], adapter: AdapterName | None = None, *, optimizer: bool = True
+    ) -> AdapterRef:
+        """Restore weights, optimizer (unless ``optimizer=False``) and version into ``adapter``
+        (created if missing); drops pending grads."""
         if adapter is None:
             raise ConfigError("load_state on a LoRA learner needs adapter=<name> to load into")
         ckpt = load_checkpoint(path)
@@ -226,10 +229,10 @@ class MultiAdapterLearner(Learner):
         for p in slot.params.values():
             p.grad = None
         slot.optimizer = None
-        if ckpt.optimizer_state is not None:
-            optimizer = torch.optim.AdamW(list(slot.params.values()), foreach=False)
-            optimizer.load_state_dict(ckpt.optimizer_state)
-            slot.optimizer = optimizer
+        if optimizer and ckpt.optimizer_state is not None:
+            adamw = torch.optim.AdamW(list(slot.params.values()), foreach=False)
+            adamw.load_state_dict(ckpt.optimizer_state)
+            slot.optimizer = adamw
         slot.version = int(ckpt.meta["version"])
         slot.pending_tokens = 0.0
         return slot.ref()

@@ -357,7 +357,7 @@ class LearnerWorker:
     def load(self, msg: LearnerLoad) -> dict[str, Any]:
         self._gradient_gone(msg.adapter)
         group, name = self._slot(msg.adapter, msg.full)
-        return {"version": group.load_state(self._path(msg.checkpoint), name).version}
+        return {"version": group.load_state(self._path(msg.checkpoint), name, optimizer=msg.optimizer).version}
 
     def export(self, msg: LearnerExport) -> dict[str, Any]:
         group, _ = self._slot(msg.adapter, msg.full)  # NotResident first: the broker prepares it again

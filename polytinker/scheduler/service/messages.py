@@ -206,6 +206,7 @@ class LoadState:
     api_key: str
     job_id: str
     path: str  # a name given to save_state, or the polytinker-ckpt://JOB/NAME it returned; never a filesystem path
+    optimizer: bool = True  # False: the weights only (Tinker's load_state), the optimizer starts afresh
 
 
 @message("sched.save_weights")
@@ -441,6 +442,7 @@ class LearnerLoad:
     adapter: str
     checkpoint: WeightsRef
     full: bool = False
+    optimizer: bool = True  # False: the weights only, the optimizer starts afresh
 
     def __post_init__(self) -> None:
         _adapter_ok(self.adapter)

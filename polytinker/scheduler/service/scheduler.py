@@ -392,7 +392,7 @@ class SchedulerService:
         if found is None:
             raise ConfigError(f"no checkpoint {name!r} of job {src_job}; save_state names them")
         path, version = found
-        req = m.LearnerLoad(a.adapter_key, self._stored(path, version), row.kind == "full_rl")
+        req = m.LearnerLoad(a.adapter_key, self._stored(path, version), row.kind == "full_rl", msg.optimizer)
         with self.admission.admit(row.tenant, "train"), self.broker.slicers[learner].turn(row.job_id, row.priority):
             out = self.broker.call(learner, "sched.w.load", req, prepare=self._prepare(row, a), retry=False)
             export = path  # full parameters: engines load the version from its checkpoint
