@@ -208,6 +208,8 @@ class SchedulerService:
             "status": "ok",
             "job": row.public(),
             "adapter": adapter,
+            # The adapter's shape: what a new job resuming one of its checkpoints needs (rank, ...).
+            "lora": dict(row.lora) if row.kind in ("lora_rl", "sft") else None,
             "checkpoints": [c["name"] for c in self.store.checkpoints(row.job_id)],
             "events": self.store.events(row.job_id),
         }
