@@ -1,6 +1,9 @@
 """polytinker: infrastructure for training many LLM agents together with reinforcement learning.
 
-The public surface is re-exported here; subpackages:
+The public surface is re-exported here. Code written for the ``tinker`` SDK runs on it with the
+import changed: ``import polytinker as tinker``, ``from polytinker import types`` (the Tinker
+vocabulary: ``ModelInput``, ``Datum``, ``SamplingParams``, ... also importable from here), then
+``tinker.ServiceClient()`` (docs/client.md). Subpackages:
 
 - ``polytinker.transport``: ZeroMQ sockets, msgpack codec with out-of-band tensors, RPC, auth.
 - ``polytinker.engine``: process actors and supervision, models, inference engines, learners.
@@ -47,12 +50,27 @@ _LAZY = {
     "MappingConfig": "polytinker.agents",
     "RunSummary": "polytinker.agents",
     "SamplingConfig": "polytinker.agents",
+    "APIFuture": "polytinker.scheduler.client",
     "SamplingClient": "polytinker.scheduler.client",
     "ServiceClient": "polytinker.scheduler.client",
     "TrainingClient": "polytinker.scheduler.client",
+    # Tinker's commonly used types, as the tinker package exports them
+    "AdamParams": "polytinker.types",
+    "Datum": "polytinker.types",
+    "EncodedTextChunk": "polytinker.types",
+    "ForwardBackwardOutput": "polytinker.types",
+    "ModelInput": "polytinker.types",
+    "OptimStepResponse": "polytinker.types",
+    "SampleResponse": "polytinker.types",
+    "SampledSequence": "polytinker.types",
+    "SamplingParams": "polytinker.types",
+    "StopReason": "polytinker.types",
+    "TensorData": "polytinker.types",
+    "TensorDtype": "polytinker.types",
 }
 
 if TYPE_CHECKING:
+    from polytinker import types
     from polytinker.agents import (
         AdapterSpec,
         AgentSpec,
@@ -63,10 +81,28 @@ if TYPE_CHECKING:
         RunSummary,
         SamplingConfig,
     )
-    from polytinker.scheduler.client import SamplingClient, ServiceClient, TrainingClient
+    from polytinker.scheduler.client import APIFuture, SamplingClient, ServiceClient, TrainingClient
+    from polytinker.types import (
+        AdamParams,
+        Datum,
+        EncodedTextChunk,
+        ForwardBackwardOutput,
+        ModelInput,
+        OptimStepResponse,
+        SampledSequence,
+        SampleResponse,
+        SamplingParams,
+        StopReason,
+        TensorData,
+        TensorDtype,
+    )
 
 
 def __getattr__(name: str) -> Any:
+    if name == "types":  # the module polytinker.types, loaded on first use
+        module_types = importlib.import_module("polytinker.types")
+        globals()["types"] = module_types
+        return module_types
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'polytinker' has no attribute {name!r}")
@@ -76,20 +112,27 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "APIFuture",
     "ActorDeadError",
     "ActorError",
+    "AdamParams",
     "AdapterSpec",
     "AgentSpec",
     "AlgorithmConfig",
     "AuthError",
     "ConfigError",
+    "Datum",
+    "EncodedTextChunk",
     "EnvError",
     "Experiment",
     "ExperimentConfig",
+    "ForwardBackwardOutput",
     "JobNotRunning",
     "MappingConfig",
     "ModelError",
+    "ModelInput",
     "NotBuiltError",
+    "OptimStepResponse",
     "OverloadedError",
     "PeerDeadError",
     "PolytinkerError",
@@ -98,11 +141,18 @@ __all__ = [
     "RequestTimeout",
     "RunSummary",
     "RuntimeDead",
+    "SampleResponse",
+    "SampledSequence",
     "SamplingClient",
     "SamplingConfig",
+    "SamplingParams",
     "ServiceClient",
+    "StopReason",
+    "TensorData",
+    "TensorDtype",
     "TrainingClient",
     "TransportError",
     "WorkerUnavailable",
     "__version__",
+    "types",
 ]

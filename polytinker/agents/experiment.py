@@ -199,8 +199,8 @@ class Experiment:
                 version = trainer.players.current[agent]
                 client = trainer.learners.clients[agent]
                 # A named export survives the runtime's pruning of old versions.
-                path = await asyncio.wrap_future(client.save_weights_for_sampler(f"pool-v{version}"))
-                self._state.pool_paths[f"{agent}@{version}"] = path
+                saved = await client.save_weights_for_sampler(f"pool-v{version}")
+                self._state.pool_paths[f"{agent}@{version}"] = saved.path
 
     async def end_step(self, step: int, metrics: dict[str, float]) -> None:
         assert self._logger is not None and self._trainer is not None
@@ -221,7 +221,7 @@ class Experiment:
         assert trainer is not None
         for agent in trainer.trainable:
             client = trainer.learners.clients[agent]
-            self._state.checkpoints[agent] = await client.save_state_async(f"step-{next_step}")
+            self._state.checkpoints[agent] = (await client.save_state(f"step-{next_step}")).path
             self._state.versions[agent] = trainer.players.current[agent]
             self._state.algorithms[agent] = trainer.learners.algorithms[agent].state_dict()
         self._state.step = next_step
@@ -324,7 +324,8 @@ class Experiment:
         self._state = state = RunState.load(self.run_dir)
         for agent, client in clients.items():
             if agent in state.checkpoints:
-                players.current[agent] = await client.load_state_async(state.checkpoints[agent])
+                # A resumed run: the optimizer's state too, as it was at the checkpoint.
+                players.current[agent] = (await client.load_state_with_optimizer(state.checkpoints[agent])).version
             algorithms[agent].load_state_dict(state.algorithms.get(agent, {}))
         mapping.pool = {a: list(v) for a, v in state.pool.items()}
         for key, path in state.pool_paths.items():

@@ -66,9 +66,9 @@ class Learners:
         fb_s = optim_s = 0.0
         for batch in batches:
             t0 = time.perf_counter()
-            fb = await client.forward_backward_async(batch, algo.loss_fn, algo.loss_fn_config())
+            fb = await client.forward_backward(batch, algo.loss_fn, algo.loss_fn_config())
             t1 = time.perf_counter()
-            opt = await client.optim_step_async(AdamParams(learning_rate=self.lr[agent]))
+            opt = await client.optim_step(AdamParams(learning_rate=self.lr[agent]))
             fb_s, optim_s = fb_s + t1 - t0, optim_s + time.perf_counter() - t1
             losses.append(fb.loss)
             # The weights of a batch sum to 1, so the learner's kl/base x weighted tokens is the mean KL.

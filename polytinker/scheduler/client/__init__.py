@@ -1,10 +1,13 @@
-"""The Tinker-style client API of the central scheduler.
+"""The client API of the central scheduler, with Tinker's names and semantics.
 
 - ``ServiceClient``: connects to a scheduler (or starts a local runtime) and creates clients.
 - ``TrainingClient``: ``forward_backward``, ``forward``, ``optim_step``, ``save_state``,
-  ``load_state``, ``save_weights_and_get_sampling_client``; calls return futures.
-- ``SamplingClient``: ``sample``, ``compute_logprobs``; calls return futures.
-- Results: ``ForwardBackwardOutput``, ``OptimStepResult``, ``SampleResponse``, ``SampledSequence``.
+  ``load_state``, ``load_state_with_optimizer``, ``save_weights_for_sampler``,
+  ``save_weights_and_get_sampling_client``, ``get_info``, ``get_tokenizer``.
+- ``SamplingClient``: ``sample``, ``compute_logprobs``, ``get_tokenizer``.
+- ``APIFuture``: what the calls return at once; ``.result()``, or ``await`` it.
+- Results (``polytinker.types``): ``ForwardBackwardOutput``, ``OptimStepResponse`` (also
+  ``OptimStepResult``), ``SampleResponse``, ``SampledSequence``.
 
 See docs/client.md.
 """
@@ -13,16 +16,20 @@ from __future__ import annotations
 
 from polytinker.scheduler.client._connection import (
     ForwardBackwardOutput,
+    OptimStepResponse,
     OptimStepResult,
     SampledSequence,
     SampleResponse,
 )
+from polytinker.scheduler.client._future import APIFuture
 from polytinker.scheduler.client.sampling_client import SamplingClient
 from polytinker.scheduler.client.service_client import ServiceClient
 from polytinker.scheduler.client.training_client import TrainingClient
 
 __all__ = [
+    "APIFuture",
     "ForwardBackwardOutput",
+    "OptimStepResponse",
     "OptimStepResult",
     "SampleResponse",
     "SampledSequence",

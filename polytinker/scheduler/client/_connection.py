@@ -17,7 +17,8 @@ Every call goes through ``Connection.request``:
 - errors the scheduler raised come back as their own types (``AuthError``, ``ConfigError``,
   ``NotBuiltError``, ``JobNotRunning``), with the ``RemoteError`` as ``__cause__``.
 
-Results are typed (``ForwardBackwardOutput``, ``OptimStepResult``, ``SampleResponse``, ...).
+Results are ``polytinker.types``'s (``ForwardBackwardOutput``, ``OptimStepResponse``, also known
+here as ``OptimStepResult``, ``SampleResponse``, ...).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import random
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 from polytinker.errors import (
@@ -40,6 +40,7 @@ from polytinker.errors import (
     error_class,
 )
 from polytinker.transport import ClientCurve, RpcClient, TransportConfig
+from polytinker.types import ForwardBackwardOutput, OptimStepResponse, SampledSequence, SampleResponse
 
 OVERLOAD_CAP_S = 10.0  # the longest back-off after an "overloaded" answer
 WAITING_CAP_S = 2.0  # ... after a "waiting" one (a queued job starts in its own time: ask again soon)
@@ -51,30 +52,8 @@ def backoff_s(base_s: float, tries: int, cap_s: float, rng: random.Random | None
     return (rng or random).uniform(0.0, ceiling)
 
 
-@dataclass(frozen=True)
-class ForwardBackwardOutput:
-    loss: float  # summed over the weighted tokens of the call
-    logprobs: list[list[float]]  # per datum, one per target token, before the step
-    metrics: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class OptimStepResult:
-    version: int  # the adapter version the step made (durable when this arrives)
-    metrics: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class SampledSequence:
-    tokens: list[int]
-    logprobs: list[float]
-    text: str
-    stop_reason: str
-
-
-@dataclass(frozen=True)
-class SampleResponse:
-    sequences: list[SampledSequence]
+# The results are Tinker's types (polytinker.types); the names polytinker's client used stay.
+OptimStepResult = OptimStepResponse
 
 
 class Connection:
@@ -155,6 +134,7 @@ __all__ = [
     "WAITING_CAP_S",
     "Connection",
     "ForwardBackwardOutput",
+    "OptimStepResponse",
     "OptimStepResult",
     "SampleResponse",
     "SampledSequence",

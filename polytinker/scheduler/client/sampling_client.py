@@ -1,53 +1,26 @@
 """``SamplingClient``: sample from, and score with, one saved adapter version (or the base model).
 
-Calls return ``concurrent.futures.Future``; the ``_async`` variants are awaitable. Requests of
-many clients (and tenants) meet in the engines' mixed batches.
+Calls return an ``APIFuture`` at once (``.result()``, or ``await`` it). As in Tinker,
+``sample_async`` and ``compute_logprobs_async`` answer the result itself after one ``await``.
+Requests of many clients (and tenants) meet in the engines' mixed batches.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any
 
-from polytinker.errors import AuthError
-from polytinker.scheduler.client._connection import Connection, SampledSequence, SampleResponse
-from polytinker.scheduler.service.messages import ComputeLogprobs, Sample, SamplingMsg
+from polytinker.errors import AuthError, ConfigError, NotBuiltError
+from polytinker.scheduler.client._connection import Connection
+from polytinker.scheduler.client._convert import prompt_tokens, samples_nothing, sampling_msg
+from polytinker.scheduler.client._future import APIFuture, ReadyClient, submit
+from polytinker.scheduler.service.messages import ComputeLogprobs, Sample
+from polytinker.types import SampledSequence, SampleResponse
 
 
-def prompt_tokens(prompt: Any) -> tuple[int, ...]:
-    """Token ids of a prompt: a sequence of ints, or an object with ``to_ints()`` (Tinker's ModelInput)."""
-    if hasattr(prompt, "to_ints"):
-        prompt = prompt.to_ints()
-    if isinstance(prompt, str) or not all(isinstance(t, int) for t in prompt):
-        raise TypeError("a prompt is a list of token ids (tokenize text with the model's tokenizer first)")
-    return tuple(int(t) for t in prompt)
-
-
-def sampling_msg(params: Any) -> SamplingMsg:
-    """SamplingMsg from ``polytinker.SamplingParams`` (or any object with its fields), a dict, or None."""
-    if params is None:
-        return SamplingMsg()
-    if isinstance(params, SamplingMsg):
-        return params
-    get = params.get if isinstance(params, dict) else lambda k, d: getattr(params, k, d)
-    d = SamplingMsg()
-    return SamplingMsg(
-        max_tokens=int(get("max_tokens", d.max_tokens)),
-        temperature=float(get("temperature", d.temperature)),
-        top_p=float(get("top_p", d.top_p)),
-        top_k=int(get("top_k", d.top_k)),
-        stop=tuple(get("stop", ()) or ()),
-        stop_token_ids=tuple(get("stop_token_ids", ()) or ()),
-        seed=get("seed", None),
-        ignore_eos=bool(get("ignore_eos", False)),
-    )
-
-
-class SamplingClient:
+class SamplingClient(ReadyClient):
     """Samples one model: ``model_path`` (``polytinker://JOB/AGENT@VERSION``) or, when empty, the
     base model, whose calls name ``job_id``: the inference job ``create_sampling_client`` made,
     which the scheduler's policy gates (its calls wait while it is queued) and accounts."""
@@ -66,22 +39,33 @@ class SamplingClient:
         self.job_id = job_id
         self._reopen = reopen  # makes a new inference job when the scheduler deleted this one
         self._reopen_lock = threading.Lock()
+        self._tokenizer: Any = None
 
     def __repr__(self) -> str:
         return f"<SamplingClient {self.model_path or self.base_model}>"
 
-    def sample(self, prompt: Any, num_samples: int = 1, sampling_params: Any = None) -> Future[SampleResponse]:
-        """``num_samples`` completions of ``prompt`` (token ids)."""
-        msg = Sample(
-            self._conn.api_key,
-            self.model_path,
-            self.base_model,
-            prompt_tokens(prompt),
-            num_samples,
-            sampling_msg(sampling_params),
-            self.job_id,
-        )
-        return self._conn.pool.submit(self._sample, msg)
+    def sample(
+        self,
+        prompt: Any,
+        num_samples: int = 1,
+        sampling_params: Any = None,
+        include_prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+    ) -> APIFuture[SampleResponse]:
+        """``num_samples`` completions of ``prompt`` (a ``ModelInput`` or token ids).
+        ``sampling_params``: ``polytinker.types.SamplingParams`` (Tinker's), or
+        ``polytinker.engine.types.SamplingParams`` / a dict of its fields; None: polytinker's
+        defaults. ``include_prompt_logprobs``: also score the prompt (``prompt_logprobs``)."""
+        if topk_prompt_logprobs:
+            raise NotBuiltError("topk_prompt_logprobs is not built in polytinker (include_prompt_logprobs is)")
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+            raise ConfigError(f"num_samples must be a positive int, got {num_samples!r}")
+        tokens = prompt_tokens(prompt)
+        nothing = samples_nothing(sampling_params)
+        params = sampling_msg(None if nothing else sampling_params)  # checks the seed here, at the call
+        msg = Sample(self._conn.api_key, self.model_path, self.base_model, tokens, num_samples, params, self.job_id)
+        scored = self._logprobs_msg(tokens) if include_prompt_logprobs else None
+        return submit(self._conn.pool, lambda: self._sample(None if nothing else msg, scored))
 
     def _request(self, kind: str, msg: Sample | ComputeLogprobs) -> dict[str, Any]:
         """The call; once more on a new inference job when this one is gone from the job table
@@ -96,26 +80,58 @@ class SamplingClient:
                     self.job_id = self._reopen()
             return self._conn.request(kind, dataclasses.replace(msg, job_id=self.job_id))
 
-    def _sample(self, msg: Sample) -> SampleResponse:
+    def _sample(self, msg: Sample | None, scored: ComputeLogprobs | None) -> SampleResponse:
+        prompt_logprobs = self._logprobs(scored) if scored is not None else None
+        if msg is None:
+            return SampleResponse([], prompt_logprobs)
         reply = self._request("sched.sample", msg)
-        return SampleResponse([SampledSequence(**s) for s in reply["sequences"]])
+        sequences = [
+            SampledSequence(s["stop_reason"], list(s["tokens"]), list(s["logprobs"]), s.get("text", ""))
+            for s in reply["sequences"]
+        ]
+        return SampleResponse(sequences, prompt_logprobs)
 
-    async def sample_async(self, prompt: Any, num_samples: int = 1, sampling_params: Any = None) -> SampleResponse:
-        return await asyncio.wrap_future(self.sample(prompt, num_samples, sampling_params))
+    async def sample_async(
+        self,
+        prompt: Any,
+        num_samples: int = 1,
+        sampling_params: Any = None,
+        include_prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+    ) -> SampleResponse:
+        """``sample``, awaited: the response itself (Tinker's ``sample_async``)."""
+        return await self.sample(prompt, num_samples, sampling_params, include_prompt_logprobs, topk_prompt_logprobs)
 
-    def compute_logprobs(self, prompt: Any) -> Future[list[float | None]]:
+    def compute_logprobs(self, prompt: Any) -> APIFuture[list[float | None]]:
         """Log-probability of each token of ``prompt`` given the ones before it (``None`` for the first)."""
-        msg = ComputeLogprobs(
-            self._conn.api_key, self.model_path, self.base_model, (prompt_tokens(prompt),), self.job_id
-        )
-        return self._conn.pool.submit(self._logprobs, msg)
+        msg = self._logprobs_msg(prompt_tokens(prompt))
+        return submit(self._conn.pool, lambda: self._logprobs(msg))
+
+    def _logprobs_msg(self, tokens: tuple[int, ...]) -> ComputeLogprobs:
+        return ComputeLogprobs(self._conn.api_key, self.model_path, self.base_model, (tokens,), self.job_id)
 
     def _logprobs(self, msg: ComputeLogprobs) -> list[float | None]:
         reply = self._request("sched.compute_logprobs", msg)
         return [None, *reply["logprobs"][0]]
 
     async def compute_logprobs_async(self, prompt: Any) -> list[float | None]:
-        return await asyncio.wrap_future(self.compute_logprobs(prompt))
+        """``compute_logprobs``, awaited: the list itself."""
+        return await self.compute_logprobs(prompt)
+
+    # --- the model -----------------------------------------------------------------------------------
+    def get_base_model(self) -> str:
+        return self.base_model
+
+    async def get_base_model_async(self) -> str:
+        return self.base_model
+
+    def get_tokenizer(self) -> Any:
+        """The base model's tokenizer (``polytinker.engine.models.load_tokenizer``; loaded once)."""
+        if self._tokenizer is None:
+            from polytinker.engine.models import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.base_model)
+        return self._tokenizer
 
 
 __all__ = ["SamplingClient", "prompt_tokens", "sampling_msg"]

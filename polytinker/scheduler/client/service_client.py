@@ -1,7 +1,8 @@
 """``ServiceClient``: the entry point of the client API (Tinker's names and semantics).
 
-``ServiceClient(address)`` talks to a running scheduler (``polytinker serve``);
-``ServiceClient()`` with no address (and no ``$POLYTINKER_SCHEDULER``) starts a ``LocalRuntime``
+``ServiceClient(address)`` (or Tinker's ``base_url=``, a ``tcp://`` or ``ipc://`` address) talks to
+a running scheduler (``polytinker serve``); ``ServiceClient()`` with no address (and no
+``$POLYTINKER_SCHEDULER``) starts a ``LocalRuntime``
 for the script on first use, with the base model the first ``create_*`` call names, and stops it
 at ``close()``; if it stops by itself (an actor stayed down), calls raise its ``RuntimeDead``.
 The API key comes from ``api_key=`` or ``$POLYTINKER_API_KEY`` (a local runtime makes its own).
@@ -9,23 +10,56 @@ The API key comes from ``api_key=`` or ``$POLYTINKER_API_KEY`` (a local runtime 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import os
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from polytinker.errors import ConfigError, PolytinkerError, TransportError
+from polytinker.errors import ConfigError, NotBuiltError, PolytinkerError, TransportError
 from polytinker.scheduler.client._connection import Connection
 from polytinker.scheduler.client.sampling_client import SamplingClient
 from polytinker.scheduler.client.training_client import TrainingClient
 from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service.config import RuntimeConfig
+from polytinker.scheduler.service.scheduler import CKPT_PREFIX
 from polytinker.transport import ClientCurve
+from polytinker.types import GetServerCapabilitiesResponse, SupportedModel
 
 ADDRESS_ENV = "POLYTINKER_SCHEDULER"
 API_KEY_ENV = "POLYTINKER_API_KEY"
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+
+
+def scheduler_address(address: str | None, base_url: str | None) -> str | None:
+    """The scheduler address of ``address`` or Tinker's ``base_url`` (one of them, or both the same)."""
+    if base_url is not None and base_url.startswith(("http://", "https://")):
+        raise ConfigError(
+            f"base_url={base_url!r} is an HTTP address: polytinker's ServiceClient talks ZeroMQ to a "
+            "scheduler (tcp:// or ipc://). For HTTP, use the official tinker SDK against "
+            "`polytinker serve --http` (docs/tinker.md)"
+        )
+    if base_url is not None and not base_url.startswith(("tcp://", "ipc://")):
+        raise ConfigError(f"base_url must be a tcp:// or ipc:// scheduler address, got {base_url!r}")
+    if address and base_url and address != base_url:
+        raise ConfigError(f"address {address!r} and base_url {base_url!r} differ: pass one")
+    return address or base_url
+
+
+def lora_modules(train_mlp: bool, train_attn: bool, target_modules: tuple[str, ...]) -> tuple[str, ...]:
+    """The LoRA target modules: ``target_modules`` when given, else Tinker's switches (both: all
+    of them, which is the learner's default ``()``)."""
+    if target_modules:
+        return tuple(target_modules)
+    if train_mlp and train_attn:
+        return ()
+    if not (train_mlp or train_attn):
+        raise NotBuiltError("LoRA on the unembedding alone is not built: set train_attn or train_mlp")
+    return ATTN_MODULES if train_attn else MLP_MODULES
 
 
 class ServiceClient:
@@ -35,13 +69,14 @@ class ServiceClient:
         self,
         address: str | None = None,
         *,
+        base_url: str | None = None,
         api_key: str | None = None,
         runtime_config: RuntimeConfig | None = None,
         curve: ClientCurve | None = None,
         timeout_s: float = 600.0,
         job_wait_s: float = 600.0,
     ) -> None:
-        self._address = address or os.environ.get(ADDRESS_ENV) or None
+        self._address = scheduler_address(address, base_url) or os.environ.get(ADDRESS_ENV) or None
         self._api_key = api_key or os.environ.get(API_KEY_ENV) or ""
         self._runtime_config = runtime_config
         self._curve, self._timeout_s, self._job_wait_s = curve, timeout_s, job_wait_s
@@ -105,10 +140,14 @@ class ServiceClient:
         self,
         base_model: str,
         rank: int = 32,
+        seed: int | None = None,
+        train_mlp: bool = True,
+        train_attn: bool = True,
+        train_unembed: bool = True,
+        user_metadata: Mapping[str, str] | None = None,
         *,
         agent: str = "default",
         alpha: int | None = None,
-        seed: int = 0,
         target_modules: tuple[str, ...] = (),
         priority: int = 0,
         steps: int = 0,
@@ -116,24 +155,27 @@ class ServiceClient:
         max_staleness: int = 0,
     ) -> TrainingClient:
         """A job training a fresh LoRA adapter (rank ``rank``) for ``agent`` on ``base_model``.
-        ``kind``: ``lora_rl`` (samples too) or ``sft`` (no engine); ``steps``: declared length;
-        ``max_staleness``: how many steps the script samples ahead of training (0: sync), which
-        the scheduler's policy plans with."""
+        ``seed``: of the adapter's initialisation (None: 0); ``train_attn`` / ``train_mlp``: LoRA
+        on the attention (q, k, v, o) / MLP (gate, up, down) projections, unless
+        ``target_modules`` names them; the unembedding is never trained (``train_unembed`` is
+        accepted, as is ``user_metadata``, which is not kept). ``kind``: ``lora_rl`` (samples too)
+        or ``sft`` (no engine); ``steps``: declared length; ``max_staleness``: how many steps the
+        script samples ahead of training (0: sync), which the scheduler's policy plans with."""
         if kind not in ("lora_rl", "sft"):
             raise ConfigError(f"kind must be 'lora_rl' or 'sft' for a LoRA training client, got {kind!r}")
+        lora = {
+            "rank": rank,
+            "alpha": alpha or rank,
+            "seed": 0 if seed is None else int(seed),
+            "target_modules": lora_modules(train_mlp, train_attn, tuple(target_modules)),
+        }
         job = self._create(
-            kind,
-            base_model,
-            agent=agent,
-            rank=rank,
-            alpha=alpha or rank,
-            seed=seed,
-            target_modules=tuple(target_modules),
-            priority=priority,
-            steps=steps,
-            max_staleness=max_staleness,
+            kind, base_model, agent=agent, priority=priority, steps=steps, max_staleness=max_staleness, **lora
         )
-        return TrainingClient(self._connection(), self._admitted(job))
+        return TrainingClient(self._connection(), self._admitted(job), lora)
+
+    async def create_lora_training_client_async(self, base_model: str, rank: int = 32, **kw: Any) -> TrainingClient:
+        return await asyncio.to_thread(self.create_lora_training_client, base_model, rank, **kw)
 
     def create_training_client(
         self, base_model: str, *, agent: str = "default", priority: int = 0, steps: int = 0, max_staleness: int = 0
@@ -144,10 +186,49 @@ class ServiceClient:
         )
         return TrainingClient(self._connection(), self._admitted(job))
 
+    def create_training_client_from_state(
+        self, path: str, user_metadata: Mapping[str, str] | None = None, *, optimizer: bool = False, **kw: Any
+    ) -> TrainingClient:
+        """A new job shaped like the one that saved checkpoint ``path`` (``polytinker-ckpt://JOB/NAME``,
+        from ``save_state``: its base model, kind, agent and LoRA rank), holding the checkpoint's
+        weights (and with ``optimizer`` its optimizer state). ``kw``: the ``create_*`` keywords
+        (``priority``, ``steps``, ...)."""
+        path = str(path)
+        source_id = path.removeprefix(CKPT_PREFIX).partition("/")[0] if path.startswith(CKPT_PREFIX) else ""
+        if not source_id:
+            raise ConfigError(f"pass a path that save_state gave ({CKPT_PREFIX}JOB/NAME), got {path!r}")
+        source = self.get_job(source_id)
+        job, lora = source["job"], source.get("lora") or {}
+        kw.setdefault("agent", job["agent"])
+        if job["kind"] == "full_rl":
+            tc = self.create_training_client(job["base_model"], **kw)
+        else:
+            kind = job["kind"] if job["kind"] in ("lora_rl", "sft") else "lora_rl"
+            rank, alpha = int(lora.get("rank", 32)), int(lora.get("alpha") or 0) or None
+            modules = tuple(lora.get("target_modules") or ())
+            tc = self.create_lora_training_client(
+                job["base_model"], rank, lora.get("seed"), alpha=alpha, target_modules=modules, kind=kind, **kw
+            )
+        (tc.load_state_with_optimizer(path) if optimizer else tc.load_state(path)).result()
+        return tc
+
+    def create_training_client_from_state_with_optimizer(
+        self, path: str, user_metadata: Mapping[str, str] | None = None, **kw: Any
+    ) -> TrainingClient:
+        """``create_training_client_from_state`` with the checkpoint's optimizer state too (a resumed run)."""
+        return self.create_training_client_from_state(path, user_metadata, optimizer=True, **kw)
+
+    async def create_training_client_from_state_async(self, path: str, **kw: Any) -> TrainingClient:
+        return await asyncio.to_thread(self.create_training_client_from_state, path, **kw)
+
+    async def create_training_client_from_state_with_optimizer_async(self, path: str, **kw: Any) -> TrainingClient:
+        return await asyncio.to_thread(self.create_training_client_from_state_with_optimizer, path, **kw)
+
     def attach_training_client(self, job_id: str) -> TrainingClient:
         """A TrainingClient on one of this tenant's existing jobs (made by another process, or by
         this one before a restart); ``close()`` leaves the job alone."""
-        return TrainingClient(self._connection(), self.get_job(job_id)["job"])
+        found = self.get_job(job_id)
+        return TrainingClient(self._connection(), found["job"], found.get("lora"))
 
     def create_sampling_client(
         self, model_path: str | None = None, base_model: str | None = None, *, priority: int = 0
@@ -157,7 +238,7 @@ class ServiceClient:
         finishes it, and the scheduler pauses it when idle)."""
         if model_path:
             conn = self._connection(base_model)
-            return SamplingClient(conn, base_model or self._model_of(conn), model_path)
+            return SamplingClient(conn, base_model or self._model_of(conn), str(model_path))
         if not base_model:
             raise ConfigError("create_sampling_client needs model_path or base_model")
 
@@ -165,6 +246,20 @@ class ServiceClient:
             return str(self._admitted(self._create("inference", base_model, priority=priority))["job_id"])
 
         return SamplingClient(self._connection(), base_model, job_id=reopen(), reopen=reopen)
+
+    async def create_sampling_client_async(
+        self, model_path: str | None = None, base_model: str | None = None, *, priority: int = 0
+    ) -> SamplingClient:
+        return await asyncio.to_thread(self.create_sampling_client, model_path, base_model, priority=priority)
+
+    def get_server_capabilities(self) -> GetServerCapabilitiesResponse:
+        """The base model this runtime serves (trainable and sampleable). With no address, this
+        starts the local runtime (with its configured model)."""
+        model = self._model_of(self._connection())
+        return GetServerCapabilitiesResponse([SupportedModel(model_name=model, trainable=True, sampleable=True)])
+
+    async def get_server_capabilities_async(self) -> GetServerCapabilitiesResponse:
+        return await asyncio.to_thread(self.get_server_capabilities)
 
     def _model_of(self, conn: Connection) -> str:
         reply = conn.request("sched.runtime_status", m.RuntimeStatus(conn.api_key))

@@ -1,69 +1,43 @@
 """``TrainingClient``: Tinker's training primitives on one job's adapter (or full weights).
 
-Calls return ``concurrent.futures.Future`` at once and run in the order they were made (one
-ordered lane per client), so ``fb = tc.forward_backward(...); st = tc.optim_step(...)`` is safe
-without waiting in between. The ``_async`` variants are awaitable. ``optim_step`` resolves only
+Calls return an ``APIFuture`` at once and run in the order they were made (one ordered lane per
+client), so ``fb = tc.forward_backward(...); st = tc.optim_step(...)`` is safe without waiting in
+between; ``fb.result()`` or ``await fb`` then. As in Tinker, each ``*_async`` twin is a
+coroutine that answers the same ``APIFuture`` (``await (await tc.optim_step_async(...))``), so
+an ``async`` loop can submit calls back to back before it waits. ``optim_step`` resolves only
 once the new version is durable in the scheduler's state (a checkpoint on disk, the version in
 SQLite).
 """
 
 from __future__ import annotations
 
-import asyncio
 import uuid
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar, overload
 
-from polytinker.scheduler.client._connection import Connection, ForwardBackwardOutput, OptimStepResult
+from polytinker.errors import ConfigError, NotBuiltError
+from polytinker.scheduler.client._connection import Connection
+from polytinker.scheduler.client._convert import datum_msg, fb_output, forward_metrics
+from polytinker.scheduler.client._future import APIFuture, ReadyClient, submit
 from polytinker.scheduler.client.sampling_client import SamplingClient
 from polytinker.scheduler.service import messages as m
+from polytinker.types import (
+    ForwardBackwardOutput,
+    GetInfoResponse,
+    LoadWeightsResponse,
+    ModelData,
+    OptimStepResponse,
+    SaveWeightsForSamplerResponse,
+    SaveWeightsResponse,
+    tinker_metrics,
+)
 
 T = TypeVar("T")
-
-
-def datum_msg(d: Any) -> m.DatumMsg:
-    """DatumMsg from ``polytinker.engine.types.Datum`` (or any object with its fields), or from
-    Tinker's shape: ``model_input`` (token ids, or an object with ``to_ints()``) and ``loss_fn_inputs``
-    (``target_tokens``, ``weights``, and ``advantages`` / ``logprobs`` for the RL losses), as an
-    object or a dict."""
-    if isinstance(d, m.DatumMsg):
-        return d
-
-    def get(key: str) -> Any:
-        return d.get(key) if isinstance(d, dict) else getattr(d, key, None)
-
-    if get("model_input") is not None:
-        return _tinker_datum(get("model_input"), get("loss_fn_inputs") or {})
-
-    def opt(v: Any) -> tuple[float, ...] | None:
-        return None if v is None else tuple(float(x) for x in v)
-
-    return m.DatumMsg(
-        tuple(int(t) for t in get("input_tokens")),
-        tuple(int(t) for t in get("target_tokens_T")),
-        tuple(float(w) for w in get("weights_T")),
-        opt(get("advantages_T")),
-        opt(get("sampling_logprobs_T")),
-    )
-
-
-def _tinker_datum(model_input: Any, inputs: Any) -> m.DatumMsg:
-    def floats(key: str) -> tuple[float, ...] | None:
-        v = inputs.get(key)
-        if v is None:
-            return None
-        v = v.tolist() if hasattr(v, "tolist") else v
-        return tuple(float(x) for x in v)
-
-    tokens = model_input.to_ints() if hasattr(model_input, "to_ints") else model_input
-    targets = floats("target_tokens")
-    if targets is None:
-        raise TypeError("a Tinker-style datum needs loss_fn_inputs['target_tokens']")
-    weights = floats("weights") or tuple(1.0 for _ in targets)
-    return m.DatumMsg(
-        tuple(int(t) for t in tokens), tuple(int(t) for t in targets), weights, floats("advantages"), floats("logprobs")
-    )
+# The save calls answer SaveWeightsResponse / SaveWeightsForSamplerResponse, which are str: typed
+# Any, so that code written for the Future[str] these calls answered before still type-checks
+# (a Future is invariant in its result type).
+_Path = Any
 
 
 def _adam(params: Any) -> dict[str, float]:
@@ -76,51 +50,93 @@ def _adam(params: Any) -> dict[str, float]:
     return {k: float(getattr(p, k)) for k in keys}
 
 
-class TrainingClient:
+def _no_token(token: str | None) -> None:
+    if token is not None:
+        raise NotBuiltError("weights_access_token is not built: load your own tenant's checkpoints")
+
+
+class TrainingClient(ReadyClient):
     """Trains one job's model; made by ``ServiceClient.create_lora_training_client`` (or
     ``create_training_client`` for full parameters)."""
 
-    def __init__(self, connection: Connection, job: dict[str, Any]) -> None:
+    def __init__(self, connection: Connection, job: dict[str, Any], lora: Mapping[str, Any] | None = None) -> None:
         self._conn = connection
         self.job_id: str = job["job_id"]
         self.base_model: str = job["base_model"]
         self.agent: str = job["agent"]
         self.kind: str = job["kind"]
+        self.lora: dict[str, Any] | None = dict(lora) if lora and self.kind != "full_rl" else None
         self._lane = ThreadPoolExecutor(1, thread_name_prefix=f"polytinker-{self.job_id}")
+        self._tokenizer: Any = None
 
     def __repr__(self) -> str:
         return f"<TrainingClient {self.job_id} ({self.kind}, agent {self.agent})>"
 
-    def _submit(self, fn: Callable[[], T]) -> Future[T]:
-        return self._lane.submit(fn)
+    @property
+    def model_id(self) -> str:
+        """Tinker's name for the training run: the job id."""
+        return self.job_id
+
+    def _submit(self, fn: Callable[[], T]) -> APIFuture[T]:
+        return submit(self._lane, fn)
 
     def _key(self) -> str:
         return self._conn.api_key
 
     # --- Tinker primitives ---------------------------------------------------------------------------
     def forward_backward(
-        self, data: Sequence[Any], loss_fn: str = "cross_entropy", loss_fn_config: dict[str, float] | None = None
-    ) -> Future[ForwardBackwardOutput]:
-        """Loss and gradient of ``data`` (``Datum`` objects); the gradient accumulates until ``optim_step``.
-        A resend of the call (after a lost connection) carries the same request id: applied once."""
+        self, data: Sequence[Any], loss_fn: str = "cross_entropy", loss_fn_config: Mapping[str, float] | None = None
+    ) -> APIFuture[ForwardBackwardOutput]:
+        """Loss and gradient of ``data`` (``polytinker.types.Datum``, or ``polytinker.engine.types.Datum``);
+        the gradient accumulates until ``optim_step``. A resend of the call (after a lost connection)
+        carries the same request id: applied once."""
         data_msgs = tuple(datum_msg(d) for d in data)
-        msg = m.ForwardBackward(self._key(), self.job_id, data_msgs, loss_fn, loss_fn_config, uuid.uuid4().hex)
+        config = dict(loss_fn_config) if loss_fn_config is not None else None
+        msg = m.ForwardBackward(self._key(), self.job_id, data_msgs, loss_fn, config, uuid.uuid4().hex)
 
         def run() -> ForwardBackwardOutput:
             r = self._conn.request("sched.forward_backward", msg)
-            return ForwardBackwardOutput(r["loss"], r["logprobs"], r["metrics"])
+            return fb_output(r["loss"], r["logprobs"], r["metrics"])
 
         return self._submit(run)
 
-    def forward(self, data: Sequence[Any]) -> Future[list[list[float]]]:
-        """Per-datum log-probabilities of the target tokens; no gradient."""
-        msg = m.Forward(self._key(), self.job_id, tuple(datum_msg(d) for d in data))
-        return self._submit(lambda: self._conn.request("sched.forward", msg)["logprobs"])
+    @overload
+    def forward(
+        self, data: Sequence[Any], loss_fn: None = None, loss_fn_config: None = None
+    ) -> APIFuture[list[list[float]]]: ...
 
-    def optim_step(self, adam_params: Any = None) -> Future[OptimStepResult]:
-        """Apply the accumulated gradient with AdamW (``AdamParams`` or a dict; defaults if None).
-        A resend of the call (after a lost connection) carries the same request id: one step."""
-        a = _adam(adam_params)
+    @overload
+    def forward(
+        self, data: Sequence[Any], loss_fn: str, loss_fn_config: Mapping[str, float] | None = None
+    ) -> APIFuture[ForwardBackwardOutput]: ...
+
+    def forward(
+        self, data: Sequence[Any], loss_fn: str | None = None, loss_fn_config: Mapping[str, float] | None = None
+    ) -> APIFuture[Any]:
+        """The target tokens' log-probabilities, no gradient. With ``loss_fn`` (Tinker's form):
+        a ``ForwardBackwardOutput`` whose loss and metrics are computed from them here (no KL
+        term); without: the per-datum lists themselves."""
+        data_msgs = tuple(datum_msg(d) for d in data)
+        msg = m.Forward(self._key(), self.job_id, data_msgs)
+        if loss_fn is None:
+            return self._submit(lambda: self._conn.request("sched.forward", msg)["logprobs"])
+        config = dict(loss_fn_config) if loss_fn_config is not None else None
+        forward_metrics(loss_fn, (), (), config)  # a bad loss_fn or config fails here, at the call
+
+        def run() -> ForwardBackwardOutput:
+            logprobs = self._conn.request("sched.forward", msg)["logprobs"]
+            loss, metrics = forward_metrics(loss_fn, data_msgs, logprobs, config)
+            return fb_output(loss, logprobs, metrics)
+
+        return self._submit(run)
+
+    def optim_step(self, adam_params: Any = None, *, optim_params: Any = None) -> APIFuture[OptimStepResponse]:
+        """Apply the accumulated gradient with AdamW (``AdamParams`` or a dict; defaults if None;
+        ``optim_params=`` is Tinker's newer name). A resend of the call (after a lost connection)
+        carries the same request id: one step."""
+        if adam_params is not None and optim_params is not None:
+            raise ConfigError("pass adam_params or optim_params, not both")
+        a = _adam(adam_params if adam_params is not None else optim_params)
         msg = m.OptimStep(
             self._key(),
             self.job_id,
@@ -133,55 +149,118 @@ class TrainingClient:
             grad_clip_norm=a["grad_clip_norm"],
         )
 
-        def run() -> OptimStepResult:
+        def run() -> OptimStepResponse:
             r = self._conn.request("sched.optim_step", msg)
-            return OptimStepResult(r["version"], r["metrics"])
+            return OptimStepResponse(metrics=tinker_metrics(r["metrics"]), version=int(r["version"]))
 
         return self._submit(run)
 
-    def save_state(self, name: str) -> Future[str]:
-        """Checkpoint weights and optimizer state as ``name``; resolves to a path ``load_state`` takes."""
+    def save_state(self, name: str, ttl_seconds: int | None = None) -> APIFuture[_Path]:
+        """Checkpoint weights and optimizer state as ``name``; resolves to its path
+        (``polytinker-ckpt://JOB/NAME``, a ``str`` with ``.path``) that ``load_state`` takes.
+        Checkpoints do not expire: ``ttl_seconds`` is accepted and not applied."""
         msg = m.SaveState(self._key(), self.job_id, name)
-        return self._submit(lambda: str(self._conn.request("sched.save_state", msg)["path"]))
+        return self._submit(lambda: SaveWeightsResponse(str(self._conn.request("sched.save_state", msg)["path"])))
 
-    def load_state(self, path: str) -> Future[int]:
-        """Restore a checkpoint of this tenant (a name or a path ``save_state`` gave); resolves to the version."""
-        msg = m.LoadState(self._key(), self.job_id, path)
-        return self._submit(lambda: int(self._conn.request("sched.load_state", msg, idempotent=False)["version"]))
+    def load_state(self, path: str, weights_access_token: str | None = None) -> APIFuture[LoadWeightsResponse]:
+        """Restore a checkpoint's weights (a name, or a path ``save_state`` gave, of this tenant);
+        the optimizer starts afresh, as in Tinker. ``.version``: the job's version after it."""
+        return self._load(path, weights_access_token, optimizer=False)
 
-    def save_weights_for_sampler(self, name: str = "") -> Future[str]:
-        """Make the current version sampleable; resolves to its model path."""
-        msg = m.SaveWeights(self._key(), self.job_id, name)
-        return self._submit(lambda: str(self._conn.request("sched.save_weights", msg)["model_path"]))
+    def load_state_with_optimizer(
+        self, path: str, weights_access_token: str | None = None
+    ) -> APIFuture[LoadWeightsResponse]:
+        """Restore a checkpoint's weights and optimizer state (resuming a run)."""
+        return self._load(path, weights_access_token, optimizer=True)
 
-    def save_weights_and_get_sampling_client(self, name: str = "") -> SamplingClient:
-        """A SamplingClient on the current version (after every call made before this one)."""
-        return SamplingClient(self._conn, self.base_model, self.save_weights_for_sampler(name).result())
+    def _load(self, path: str, token: str | None, *, optimizer: bool) -> APIFuture[LoadWeightsResponse]:
+        _no_token(token)
+        msg = m.LoadState(self._key(), self.job_id, str(path), optimizer=optimizer)
+
+        def run() -> LoadWeightsResponse:
+            version = int(self._conn.request("sched.load_state", msg, idempotent=False)["version"])
+            return LoadWeightsResponse(path=str(path), model_id=self.job_id, version=version)
+
+        return self._submit(run)
+
+    def save_weights_for_sampler(self, name: str = "", ttl_seconds: int | None = None) -> APIFuture[_Path]:
+        """Make the current version sampleable; resolves to its model path
+        (``polytinker://JOB/AGENT@VERSION``, a ``str`` with ``.path``)."""
+        msg = m.SaveWeights(self._key(), self.job_id, name or "")
+        return self._submit(
+            lambda: SaveWeightsForSamplerResponse(str(self._conn.request("sched.save_weights", msg)["model_path"]))
+        )
+
+    def save_weights_and_get_sampling_client(self, name: str | None = None) -> SamplingClient:
+        """A SamplingClient on the current version (after every call made before this one).
+        A ``name`` keeps the version sampleable for good (Tinker ignores it)."""
+        return SamplingClient(self._conn, self.base_model, self.save_weights_for_sampler(name or "").result().path)
 
     def create_sampling_client(self, model_path: str) -> SamplingClient:
-        return SamplingClient(self._conn, self.base_model, model_path)
+        return SamplingClient(self._conn, self.base_model, str(model_path))
 
-    # --- asyncio -------------------------------------------------------------------------------------
+    # --- the model -----------------------------------------------------------------------------------
+    def get_info(self) -> GetInfoResponse:
+        """The base model and the adapter's shape (from the job; no request)."""
+        rank = int(self.lora["rank"]) if self.lora and self.lora.get("rank") else None
+        return GetInfoResponse(
+            model_data=ModelData(model_name=self.base_model, tokenizer_id=self.base_model),
+            model_id=self.job_id,
+            is_lora=self.kind != "full_rl",
+            lora_rank=rank,
+            model_name=self.base_model,
+        )
+
+    def get_tokenizer(self) -> Any:
+        """The base model's tokenizer (``polytinker.engine.models.load_tokenizer``; loaded once)."""
+        if self._tokenizer is None:
+            from polytinker.engine.models import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.base_model)
+        return self._tokenizer
+
+    # --- asyncio: coroutines answering the call's APIFuture (Tinker's rule) --------------------------
     async def forward_backward_async(
-        self, data: Sequence[Any], loss_fn: str = "cross_entropy", loss_fn_config: dict[str, float] | None = None
-    ) -> ForwardBackwardOutput:
-        return await asyncio.wrap_future(self.forward_backward(data, loss_fn, loss_fn_config))
+        self, data: Sequence[Any], loss_fn: str = "cross_entropy", loss_fn_config: Mapping[str, float] | None = None
+    ) -> APIFuture[ForwardBackwardOutput]:
+        return self.forward_backward(data, loss_fn, loss_fn_config)
 
-    async def forward_async(self, data: Sequence[Any]) -> list[list[float]]:
-        return await asyncio.wrap_future(self.forward(data))
+    async def forward_async(
+        self, data: Sequence[Any], loss_fn: str | None = None, loss_fn_config: Mapping[str, float] | None = None
+    ) -> APIFuture[Any]:
+        return self.forward(data) if loss_fn is None else self.forward(data, loss_fn, loss_fn_config)
 
-    async def optim_step_async(self, adam_params: Any = None) -> OptimStepResult:
-        return await asyncio.wrap_future(self.optim_step(adam_params))
+    async def optim_step_async(
+        self, adam_params: Any = None, *, optim_params: Any = None
+    ) -> APIFuture[OptimStepResponse]:
+        return self.optim_step(adam_params, optim_params=optim_params)
 
-    async def save_state_async(self, name: str) -> str:
-        return await asyncio.wrap_future(self.save_state(name))
+    async def save_state_async(self, name: str, ttl_seconds: int | None = None) -> APIFuture[_Path]:
+        return self.save_state(name, ttl_seconds)
 
-    async def load_state_async(self, path: str) -> int:
-        return await asyncio.wrap_future(self.load_state(path))
+    async def load_state_async(
+        self, path: str, weights_access_token: str | None = None
+    ) -> APIFuture[LoadWeightsResponse]:
+        return self.load_state(path, weights_access_token)
 
-    async def save_weights_and_get_sampling_client_async(self, name: str = "") -> SamplingClient:
-        path = await asyncio.wrap_future(self.save_weights_for_sampler(name))
-        return SamplingClient(self._conn, self.base_model, path)
+    async def load_state_with_optimizer_async(
+        self, path: str, weights_access_token: str | None = None
+    ) -> APIFuture[LoadWeightsResponse]:
+        return self.load_state_with_optimizer(path, weights_access_token)
+
+    async def save_weights_for_sampler_async(self, name: str = "", ttl_seconds: int | None = None) -> APIFuture[_Path]:
+        return self.save_weights_for_sampler(name, ttl_seconds)
+
+    async def save_weights_and_get_sampling_client_async(self, name: str | None = None) -> SamplingClient:
+        """The SamplingClient itself after one ``await``, as in Tinker."""
+        saved = await self.save_weights_for_sampler(name or "")
+        return SamplingClient(self._conn, self.base_model, saved.path)
+
+    async def create_sampling_client_async(self, model_path: str) -> SamplingClient:
+        return self.create_sampling_client(model_path)
+
+    async def get_info_async(self) -> GetInfoResponse:
+        return self.get_info()
 
     # --- the job -------------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
