@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -55,21 +54,13 @@ def base_identity(base_model: str) -> dict[str, str]:
 
 
 def _write_dir(out: Path, write: Any, overwrite: bool) -> Path:
-    """Write into a temporary sibling of ``out``, then rename it into place."""
+    """``write(tmp)`` fills a fresh directory that then replaces ``out`` in one rename."""
+    from polytinker.engine.learner.state import write_atomic_dir
+
     out = Path(out).expanduser()
     if out.exists() and not overwrite:
         raise ConfigError(f"{out} exists: pick another directory or pass overwrite")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        write(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return write_atomic_dir(out, write)
 
 
 def export_weights(
