@@ -24,7 +24,11 @@ class APIFuture(Future[T]):
     """A ``concurrent.futures.Future`` that is also awaitable (Tinker's ``APIFuture``)."""
 
     async def result_async(self, timeout: float | None = None) -> T:
-        """The result, awaited; ``TimeoutError`` after ``timeout`` seconds (the call goes on)."""
+        """The result, awaited; ``TimeoutError`` after ``timeout`` seconds (the call goes on).
+        Cancelling the awaiting task without a timeout cancels a call still queued, as
+        ``asyncio.wrap_future`` does."""
+        if timeout is None:
+            return await asyncio.wrap_future(self)
         return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self)), timeout)
 
     def __await__(self) -> Generator[Any, None, T]:
@@ -55,21 +59,6 @@ def submit(executor: Executor, fn: Callable[[], T]) -> APIFuture[T]:
     return fut
 
 
-def resolved(fut: Future[Any], fn: Callable[[Any], T]) -> APIFuture[T]:
-    """A future of ``fn(fut.result())``, resolved when ``fut`` is (errors pass through)."""
-    out: APIFuture[T] = APIFuture()
-    out.set_running_or_notify_cancel()
-
-    def done(f: Future[Any]) -> None:
-        try:
-            out.set_result(fn(f.result()))
-        except BaseException as exc:
-            out.set_exception(exc)
-
-    fut.add_done_callback(done)
-    return out
-
-
 class ReadyClient:
     """A client that is its own (finished) future: ``client.result()`` and ``await client`` give it back."""
 
@@ -83,4 +72,4 @@ class ReadyClient:
         return self.result_async().__await__()
 
 
-__all__ = ["APIFuture", "ReadyClient", "resolved", "submit"]
+__all__ = ["APIFuture", "ReadyClient", "submit"]

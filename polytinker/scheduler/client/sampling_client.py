@@ -17,7 +17,7 @@ from polytinker.scheduler.client._connection import Connection
 from polytinker.scheduler.client._convert import prompt_tokens, samples_nothing, sampling_msg
 from polytinker.scheduler.client._future import APIFuture, ReadyClient, submit
 from polytinker.scheduler.service.messages import ComputeLogprobs, Sample
-from polytinker.types import SampledSequence, SampleResponse
+from polytinker.types import SampledSequence, SampleResponse, check_seed
 
 
 class SamplingClient(ReadyClient):
@@ -62,6 +62,8 @@ class SamplingClient(ReadyClient):
             raise ConfigError(f"num_samples must be a positive int, got {num_samples!r}")
         tokens = prompt_tokens(prompt)
         nothing = samples_nothing(sampling_params)
+        if nothing:
+            check_seed(getattr(sampling_params, "seed", None))
         params = sampling_msg(None if nothing else sampling_params)  # checks the seed here, at the call
         msg = Sample(self._conn.api_key, self.model_path, self.base_model, tokens, num_samples, params, self.job_id)
         scored = self._logprobs_msg(tokens) if include_prompt_logprobs else None
