@@ -1,4 +1,5 @@
-"""What the HTTP gateway remembers across restarts: Tinker sessions, models and sampling sessions.
+"""What the HTTP gateway remembers across restarts: Tinker sessions, models and sampling sessions,
+the user metadata the SDK attached to them, and the checkpoints saved through it.
 
 The Tinker SDK names a training run by a model id it can derive itself
 (``SESSION:train:SEQ``) and a sampler by a session id the server chose, and a script keeps both
@@ -9,6 +10,7 @@ hash of the API key), in ``gateway.sqlite`` under the runtime's state directory 
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 import threading
@@ -24,6 +26,10 @@ CREATE TABLE IF NOT EXISTS models (model_id TEXT PRIMARY KEY, owner TEXT NOT NUL
 CREATE INDEX IF NOT EXISTS models_by_job ON models (job_id);
 CREATE TABLE IF NOT EXISTS samplers (sampler_id TEXT PRIMARY KEY, owner TEXT NOT NULL, base_model TEXT NOT NULL,
     model_path TEXT NOT NULL, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS user_metadata (id TEXT PRIMARY KEY, metadata TEXT NOT NULL, display_name TEXT);
+CREATE TABLE IF NOT EXISTS sampler_sessions (sampler_id TEXT PRIMARY KEY, session_id TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS saved (job_id TEXT NOT NULL, kind TEXT NOT NULL, name TEXT NOT NULL,
+    tinker_path TEXT NOT NULL, created REAL NOT NULL, PRIMARY KEY (job_id, kind, name));
 """
 
 
@@ -34,6 +40,18 @@ class ModelRow:
     job_id: str
     base_model: str
     lora_rank: int  # 0: full parameters
+
+
+@dataclass(frozen=True)
+class SavedRow:
+    """A checkpoint saved through the gateway: ``kind`` "training" (save_state) or "sampler"
+    (save_weights_for_sampler with a name), its name, its ``tinker://`` path and when."""
+
+    job_id: str
+    kind: str
+    name: str
+    tinker_path: str
+    created: float
 
 
 @dataclass(frozen=True)
@@ -90,6 +108,11 @@ class GatewayStore:
             ).fetchone()
         return None if row is None else ModelRow(*row)
 
+    def model_created(self, model_id: str) -> float:
+        with self._lock:
+            row = self._db.execute("SELECT created FROM models WHERE model_id = ?", (model_id,)).fetchone()
+        return 0.0 if row is None else float(row[0])
+
     def models(self, owner: str) -> list[ModelRow]:
         with self._lock:
             rows = self._db.execute(
@@ -105,6 +128,53 @@ class GatewayStore:
                 (row.sampler_id, row.owner, row.base_model, row.model_path, time.time()),
             )
 
+    def add_sampler_session(self, sampler_id: str, session_id: str) -> None:
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO sampler_sessions VALUES (?, ?)", (sampler_id, session_id))
+
+    def session_samplers(self, session_id: str) -> list[str]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT s.sampler_id FROM sampler_sessions s JOIN samplers USING (sampler_id)"
+                " WHERE s.session_id = ? ORDER BY samplers.created",
+                (session_id,),
+            ).fetchall()
+        return [str(r[0]) for r in rows]
+
+    def sessions(self, owner: str) -> list[str]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT session_id FROM sessions WHERE owner = ? ORDER BY created", (owner,)
+            ).fetchall()
+        return [str(r[0]) for r in rows]
+
+    def set_metadata(self, id_: str, metadata: dict[str, str], display_name: str | None = None) -> None:
+        """A session's or a model's user metadata (and a session's display name), as the SDK sent them."""
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO user_metadata VALUES (?, ?, ?)", (id_, json.dumps(metadata), display_name)
+            )
+
+    def metadata(self, id_: str) -> tuple[dict[str, str] | None, str | None]:
+        with self._lock:
+            row = self._db.execute("SELECT metadata, display_name FROM user_metadata WHERE id = ?", (id_,)).fetchone()
+        return (None, None) if row is None else (json.loads(row[0]), row[1])
+
+    def add_saved(self, row: SavedRow) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO saved VALUES (?, ?, ?, ?, ?)",
+                (row.job_id, row.kind, row.name, row.tinker_path, row.created),
+            )
+
+    def saved(self, job_id: str) -> list[SavedRow]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT job_id, kind, name, tinker_path, created FROM saved WHERE job_id = ? ORDER BY created",
+                (job_id,),
+            ).fetchall()
+        return [SavedRow(*r) for r in rows]
+
     def sampler(self, owner: str, sampler_id: str) -> SamplerRow | None:
         with self._lock:
             row = self._db.execute(
@@ -114,4 +184,4 @@ class GatewayStore:
         return None if row is None else SamplerRow(*row)
 
 
-__all__ = ["GatewayStore", "ModelRow", "SamplerRow"]
+__all__ = ["GatewayStore", "ModelRow", "SamplerRow", "SavedRow"]

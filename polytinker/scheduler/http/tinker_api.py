@@ -24,6 +24,7 @@ from polytinker.scheduler.http import _proto
 from polytinker.scheduler.http.errors import error_body
 from polytinker.scheduler.http.futures import FutureTable
 from polytinker.scheduler.http.tinker_backend import Tenant, TinkerBackend, tinker_datum, to_tinker_path
+from polytinker.scheduler.http.tinker_runs import TinkerRuns
 from polytinker.scheduler.http.wire import api_key, read_body, read_json
 from polytinker.scheduler.service.messages import DatumMsg
 
@@ -57,6 +58,7 @@ def tinker_router(
     backend: TinkerBackend, futures: FutureTable, *, long_poll_s: float, max_body_bytes: int
 ) -> APIRouter:
     r = APIRouter(prefix="/api/v1")
+    runs = TinkerRuns(backend)
 
     def tenant(request: Request) -> Tenant:
         return backend.tenant(api_key(request))
@@ -95,8 +97,8 @@ def tinker_router(
     @r.post("/create_session")
     async def create_session(request: Request) -> dict[str, Any]:
         t = tenant(request)
-        await read_json(request, max_body_bytes)
-        return {"type": "create_session", "session_id": backend.create_session(t)}
+        body = await read_json(request, max_body_bytes)
+        return {"type": "create_session", "session_id": backend.create_session(t, body)}
 
     @r.post("/session_heartbeat")
     async def heartbeat(request: Request) -> dict[str, Any]:
@@ -186,6 +188,37 @@ def tinker_router(
         body = await read_json(request, max_body_bytes) if request.method == "POST" else dict(request.query_params)
         return backend.weights_info(t, str(body.get("tinker_path", "")))
 
+    # --- training runs, checkpoints, sessions (the SDK's RestClient) ---------------------------------
+    # Plain functions: FastAPI runs them on its thread pool, as they wait on the scheduler.
+    @r.get("/training_runs")
+    def list_training_runs(request: Request, limit: int = 20, offset: int = 0) -> dict[str, Any]:
+        return runs.training_runs(tenant(request), _page(limit), _page(offset))
+
+    @r.get("/training_runs/{run_id}")
+    def get_training_run(run_id: str, request: Request) -> dict[str, Any]:
+        return runs.training_run(tenant(request), run_id)
+
+    @r.get("/training_runs/{run_id}/checkpoints")
+    def list_checkpoints(run_id: str, request: Request) -> dict[str, Any]:
+        return {"checkpoints": runs.checkpoints(tenant(request), run_id), "cursor": None}
+
+    @r.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
+    def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
+        runs.delete_checkpoint(tenant(request), run_id, checkpoint_id)
+        return {}
+
+    @r.get("/checkpoints")
+    def list_user_checkpoints(request: Request, limit: int = 100, offset: int = 0) -> dict[str, Any]:
+        return runs.user_checkpoints(tenant(request), _page(limit), _page(offset))
+
+    @r.get("/sessions")
+    def list_sessions(request: Request, limit: int = 20, offset: int = 0) -> dict[str, Any]:
+        return runs.sessions(tenant(request), _page(limit), _page(offset))
+
+    @r.get("/sessions/{session_id}")
+    def get_session(session_id: str, request: Request) -> dict[str, Any]:
+        return runs.session(tenant(request), session_id)
+
     # --- sampling -------------------------------------------------------------------------------
     @r.post("/create_sampling_session")
     async def create_sampling_session(request: Request) -> dict[str, Any]:
@@ -250,6 +283,13 @@ def failed(exc: BaseException) -> dict[str, Any]:
     err = body["error"]
     message = err["message"] if status < 500 else f"internal error (error id {err['error_id']})"
     return {"error": message, "category": "user" if status < 500 else "server", "error_id": err["error_id"]}
+
+
+def _page(n: int) -> int:
+    """A pagination bound from the query string: at least 0, at most 10000."""
+    if n < 0:
+        raise ConfigError("limit and offset must not be negative")
+    return min(n, 10_000)
 
 
 def _step_metrics(metrics: dict[str, float]) -> dict[str, float]:

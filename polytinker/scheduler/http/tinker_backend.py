@@ -13,7 +13,9 @@ the job and a checkpoint or sampler version in it, so they stay valid across gat
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
+import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -26,7 +28,7 @@ from polytinker.errors import AuthError, ConfigError, NotBuiltError
 from polytinker.scheduler.client.sampling_client import SamplingClient
 from polytinker.scheduler.client.service_client import ServiceClient
 from polytinker.scheduler.client.training_client import TrainingClient
-from polytinker.scheduler.http.store import GatewayStore, ModelRow, SamplerRow
+from polytinker.scheduler.http.store import GatewayStore, ModelRow, SamplerRow, SavedRow
 from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service.scheduler import CKPT_PREFIX, MODEL_PREFIX, parse_model_path
 from polytinker.transport import ClientCurve
@@ -159,9 +161,12 @@ class TinkerBackend:
         with self._lock:
             return self._tenants.setdefault(owner, Tenant(owner, service))
 
-    def create_session(self, t: Tenant) -> str:
+    def create_session(self, t: Tenant, req: dict[str, Any]) -> str:
         session_id = f"session-{uuid.uuid4().hex[:16]}"
         self.store.add_session(session_id, t.owner)
+        display_name = req.get("display_name")
+        if req.get("user_metadata") or display_name:
+            self.store.set_metadata(session_id, _str_dict(req.get("user_metadata")), display_name and str(display_name))
         return session_id
 
     def check_session(self, t: Tenant, session_id: str) -> None:
@@ -202,6 +207,8 @@ class TinkerBackend:
                         base_model, rank, seed=int(lora.get("seed") or 0), target_modules=_modules(lora)
                     )
                 self.store.add_model(ModelRow(model_id, t.owner, tc.job_id, base_model, rank))
+                if req.get("user_metadata"):
+                    self.store.set_metadata(model_id, _str_dict(req["user_metadata"]))
                 with t.lock:
                     t.training[tc.job_id] = tc
                 fut.set_result({"model_id": model_id, "type": "create_model"})
@@ -253,9 +260,19 @@ class TinkerBackend:
         return tc.optim_step(params)
 
     def save_state(self, t: Tenant, req: dict[str, Any]) -> Future[str]:
+        """Save the run's weights and optimizer state as ``path`` (a name); the future answers the
+        polytinker path. The gateway notes when, for the run's checkpoint listing."""
         tc = self.training_client(t, str(req.get("model_id", "")))
         name = str(req.get("path") or f"state-{uuid.uuid4().hex[:8]}")
-        return tc.save_state(name)
+        saved = tc.save_state(name)
+
+        def note(f: Future[str]) -> None:
+            if f.exception() is None:
+                path = f.result()
+                self.store.add_saved(SavedRow(tc.job_id, "training", name, to_tinker_path(path), time.time()))
+
+        saved.add_done_callback(note)
+        return saved
 
     def save_for_sampler(self, t: Tenant, req: dict[str, Any]) -> Future[dict[str, Any]]:
         """Make the current version sampleable. Named (``path``): answer its ``tinker://`` path;
@@ -268,10 +285,14 @@ class TinkerBackend:
 
         def done(f: Future[str]) -> None:
             try:
-                out: dict[str, Any] = {"type": "save_weights_for_sampler", "path": to_tinker_path(f.result())}
-                if not name:
+                path = to_tinker_path(f.result())
+                out: dict[str, Any] = {"type": "save_weights_for_sampler", "path": path}
+                if name:
+                    self.store.add_saved(SavedRow(row.job_id, "sampler", name, path, time.time()))
+                else:
                     sampler_id = f"sampler-{uuid.uuid4().hex[:16]}"
                     self.store.add_sampler(SamplerRow(sampler_id, t.owner, row.base_model, f.result()))
+                    self.store.add_sampler_session(sampler_id, row.model_id.partition(":")[0])
                     out["sampling_session_id"] = sampler_id
                 fut.set_result(out)
             except BaseException as exc:
@@ -281,30 +302,40 @@ class TinkerBackend:
         return fut
 
     def load_state(self, t: Tenant, req: dict[str, Any]) -> Future[dict[str, Any]]:
+        """Load a checkpoint's weights (``optimizer``: and its optimizer state, as
+        ``load_state_with_optimizer`` asks) into the request's model, or, without a ``model_id``
+        (``create_training_client_from_state``), into a new run shaped like the one that saved it."""
         path = from_tinker_path(str(req.get("path", "")), "weights")
+        optimizer = bool(req.get("optimizer"))
+        fut: Future[dict[str, Any]] = Future()
         if req.get("model_id"):
             model_id = str(req["model_id"])
-            created: Future[dict[str, Any]] | None = None
-        else:  # create_training_client_from_state: a new run with the checkpoint's shape
-            model_id = f"{req.get('session_id', '')}:train:{int(req.get('model_seq_id', 0))}"
-            source = self._checkpoint_model(t, path)
-            lora = {"rank": source.lora_rank} if source.lora_rank else None
-            created = self.create_model(
-                t, {**req, "base_model": req.get("base_model") or source.base_model, "lora_config": lora}
-            )
-        fut: Future[dict[str, Any]] = Future()
+            tc = self.training_client(t, model_id)
 
-        def run() -> None:
+            def run() -> None:
+                (tc.load_state_with_optimizer(path) if optimizer else tc.load_state(path)).result()
+        else:
+            session_id = str(req.get("session_id", ""))
+            self.check_session(t, session_id)
+            model_id = f"{session_id}:train:{int(req.get('model_seq_id', 0))}"
+            source = self._checkpoint_model(t, path)
+
+            def run() -> None:
+                made = t.service.create_training_client_from_state(path, optimizer=optimizer)
+                self.store.add_model(ModelRow(model_id, t.owner, made.job_id, source.base_model, source.lora_rank))
+                if req.get("user_metadata"):
+                    self.store.set_metadata(model_id, _str_dict(req["user_metadata"]))
+                with t.lock:
+                    t.training[made.job_id] = made
+
+        def guarded() -> None:
             try:
-                if created is not None:
-                    created.result()
-                tc = self.training_client(t, model_id)
-                tc.load_state(path).result()
+                run()
                 fut.set_result({"type": "load_weights", "path": req.get("path"), "model_id": model_id})
             except BaseException as exc:
                 fut.set_exception(exc)
 
-        threading.Thread(target=run, name="polytinker-load-state", daemon=True).start()
+        threading.Thread(target=guarded, name="polytinker-load-state", daemon=True).start()
         return fut
 
     def _checkpoint_model(self, t: Tenant, path: str) -> ModelRow:
@@ -318,18 +349,21 @@ class TinkerBackend:
             0
         ]
         row = self.model(t, job_id)
+        lora = t.service.get_job(row.job_id).get("lora") or {}
+        modules = set(lora.get("target_modules") or ATTN_MODULES + MLP_MODULES)  # none named: every linear
         return {
             "base_model": row.base_model,
             "is_lora": row.lora_rank > 0,
             "lora_rank": row.lora_rank or None,
             "train_unembed": False,
-            "train_mlp": True,
-            "train_attn": True,
+            "train_mlp": bool(modules & set(MLP_MODULES)),
+            "train_attn": bool(modules & set(ATTN_MODULES)),
         }
 
     # --- sampling ------------------------------------------------------------------------------------
     def create_sampler(self, t: Tenant, req: dict[str, Any]) -> str:
-        self.check_session(t, str(req.get("session_id", "")))
+        session_id = str(req.get("session_id", ""))
+        self.check_session(t, session_id)
         tinker_path = req.get("model_path")
         if tinker_path:
             path = from_tinker_path(str(tinker_path), "sampler_weights")
@@ -338,6 +372,7 @@ class TinkerBackend:
             path, base_model = "", self._base_model(req.get("base_model"))
         sampler_id = f"sampler-{uuid.uuid4().hex[:16]}"
         self.store.add_sampler(SamplerRow(sampler_id, t.owner, base_model, path))
+        self.store.add_sampler_session(sampler_id, session_id)
         return sampler_id
 
     def sampler_row(self, t: Tenant, sampler_id: str) -> SamplerRow:
@@ -418,6 +453,15 @@ class TinkerBackend:
 
         threading.Thread(target=run, name="polytinker-sample", daemon=True).start()
         return fut
+
+
+def _str_dict(d: Any) -> dict[str, str]:
+    """User metadata as Tinker keeps it: string keys and values."""
+    if d is None:
+        return {}
+    if not isinstance(d, dict):
+        raise ConfigError("user_metadata must be an object")
+    return {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in d.items()}
 
 
 def _modules(lora: dict[str, Any]) -> tuple[str, ...]:

@@ -1,0 +1,140 @@
+"""What the Tinker SDK's ``RestClient`` reads back: training runs, their checkpoints, sessions.
+
+A training run is a polytinker job (its id is the ``RUN`` of ``tinker://RUN/...`` paths; the SDK's
+model id names it too). The scheduler is the authority on which checkpoints a job has (its job
+query lists them by name); the gateway adds what the SDK shows and the scheduler does not keep:
+when each was saved through it, a named sampler save's path, and the user metadata the SDK sent.
+Answers follow the SDK's types (``TrainingRun``, ``Checkpoint``, ``CheckpointsListResponse``,
+``TrainingRunsResponse``, ``GetSessionResponse``, ``ListSessionsResponse``); times are ISO 8601.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from polytinker.errors import NotBuiltError
+from polytinker.scheduler.http.errors import HttpError
+from polytinker.scheduler.http.store import ModelRow
+from polytinker.scheduler.http.tinker_backend import TINKER_PREFIX, Tenant, TinkerBackend
+
+SAMPLER_NAME_PREFIX = "sampler-"  # how the scheduler names a named sampler save among a job's checkpoints
+
+
+def _iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).isoformat()
+
+
+class TinkerRuns:
+    """The read side of the Tinker API over one gateway's backend."""
+
+    def __init__(self, backend: TinkerBackend) -> None:
+        self.backend = backend
+
+    def _run_row(self, t: Tenant, run_id: str) -> ModelRow:
+        """The tenant's run ``run_id`` (a job id or a model id); 404 for any other."""
+        row = self.backend.store.model(t.owner, run_id)
+        if row is None:
+            raise HttpError(404, f"unknown training run {run_id!r}", "not_found")
+        return row
+
+    def _job(self, t: Tenant, row: ModelRow) -> dict[str, Any]:
+        return t.service.get_job(row.job_id)
+
+    def checkpoints(self, t: Tenant, run_id: str) -> list[dict[str, Any]]:
+        """The run's checkpoints, oldest first: each training checkpoint the scheduler names, and
+        each named sampler save; a sampler save of a version already listed appears once."""
+        row = self._run_row(t, run_id)
+        job = self._job(t, row)
+        return self._checkpoints(row, job)
+
+    def _checkpoints(self, row: ModelRow, job: dict[str, Any]) -> list[dict[str, Any]]:
+        names = [str(n) for n in job.get("checkpoints", [])]
+        saved = {(s.kind, s.name): s for s in self.backend.store.saved(row.job_id)}
+        created = float(job.get("job", {}).get("created_s") or self.backend.store.model_created(row.model_id))
+        out: dict[str, dict[str, Any]] = {}
+        for name in names:
+            if name.startswith(SAMPLER_NAME_PREFIX):
+                s = saved.get(("sampler", name.removeprefix(SAMPLER_NAME_PREFIX)))
+                if s is None:  # saved by polytinker's own client: no tinker:// path names it
+                    continue
+                kind, path, when = "sampler", s.tinker_path, s.created
+            else:
+                s = saved.get(("training", name))
+                kind, path = "training", f"{TINKER_PREFIX}{row.job_id}/weights/{name}"
+                when = s.created if s is not None else created
+            out.pop(path, None)  # the latest save of a path stands for it
+            out[path] = {
+                "checkpoint_id": path.removeprefix(f"{TINKER_PREFIX}{row.job_id}/"),
+                "checkpoint_type": kind,
+                "time": when,
+                "tinker_path": path,
+                "size_bytes": None,
+                "public": False,
+                "expires_at": None,
+            }
+        listed = sorted(out.values(), key=lambda c: c["time"])
+        return [{**c, "time": _iso(c["time"])} for c in listed]
+
+    def training_run(self, t: Tenant, run_id: str) -> dict[str, Any]:
+        row = self._run_row(t, run_id)
+        job = self._job(t, row)
+        listed = self._checkpoints(row, job)
+        last = {
+            kind: next((c for c in reversed(listed) if c["checkpoint_type"] == kind), None)
+            for kind in ("training", "sampler")
+        }
+        metadata, _ = self.backend.store.metadata(row.model_id)
+        updated = float(job.get("job", {}).get("updated_s") or self.backend.store.model_created(row.model_id))
+        return {
+            "training_run_id": row.job_id,
+            "base_model": row.base_model,
+            "model_owner": t.owner[:16],
+            "is_lora": row.lora_rank > 0,
+            "corrupted": False,
+            "lora_rank": row.lora_rank or None,
+            "last_request_time": _iso(updated),
+            "last_checkpoint": last["training"],
+            "last_sampler_checkpoint": last["sampler"],
+            "user_metadata": metadata,
+        }
+
+    def training_runs(self, t: Tenant, limit: int, offset: int) -> dict[str, Any]:
+        rows = self.backend.store.models(t.owner)
+        page = rows[offset : offset + limit] if limit > 0 else []
+        return {
+            "training_runs": [self.training_run(t, r.job_id) for r in page],
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(rows)},
+        }
+
+    def user_checkpoints(self, t: Tenant, limit: int, offset: int) -> dict[str, Any]:
+        every = [c for r in self.backend.store.models(t.owner) for c in self.checkpoints(t, r.job_id)]
+        every.sort(key=lambda c: c["time"], reverse=True)  # newest first, as Tinker lists them
+        page = every[offset : offset + limit] if limit > 0 else []
+        return {"checkpoints": page, "cursor": {"offset": offset, "limit": limit, "total_count": len(every)}}
+
+    def session(self, t: Tenant, session_id: str) -> dict[str, Any]:
+        if self.backend.store.session_owner(session_id) != t.owner:
+            raise HttpError(404, f"unknown session {session_id!r}", "not_found")
+        runs = [r.job_id for r in self.backend.store.models(t.owner) if r.model_id.startswith(f"{session_id}:")]
+        metadata, display_name = self.backend.store.metadata(session_id)
+        return {
+            "training_run_ids": runs,
+            "sampler_ids": self.backend.store.session_samplers(session_id),
+            "user_metadata": metadata,
+            "display_name": display_name,
+        }
+
+    def sessions(self, t: Tenant, limit: int, offset: int) -> dict[str, Any]:
+        every = self.backend.store.sessions(t.owner)
+        return {"sessions": every[offset : offset + limit] if limit > 0 else []}
+
+    def delete_checkpoint(self, t: Tenant, run_id: str, checkpoint_id: str) -> None:
+        self._run_row(t, run_id)
+        raise NotBuiltError(
+            f"deleting checkpoints is not built in polytinker ({checkpoint_id!r} of {run_id} stays; "
+            "polytinker keeps named checkpoints until their job's state directory is removed)"
+        )
+
+
+__all__ = ["TinkerRuns"]
