@@ -34,6 +34,8 @@ class Serve:
         (root / "runtime.toml").write_text(
             f'model = "{MODEL}"\naddress = "tcp://127.0.0.1:{_free_port()}"\n'
             f'[[tenants]]\nname = "alice"\napi_key = "{KEY}"\n[[tenants]]\nname = "bob"\napi_key = "{KEY_BOB}"\n'
+            # A test module's runs stay live (Tinker code never ends them): room for all of them.
+            "[[engines]]\nadapter_slots = 16\n"
         )
 
     def start(self) -> None:

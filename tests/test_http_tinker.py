@@ -5,7 +5,11 @@ restart of the service. The SDK is configured only by its base URL and API key."
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -184,6 +188,22 @@ def test_errors_are_4xx_with_a_message_never_a_traceback(serve: Serve, service: 
     with pytest.raises(tinker.BadRequestError, match="loss_fn must be one of"):
         datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2]), loss_fn_inputs={"target_tokens": [2, 3]})
         tc.forward_backward([datum], "no-such-loss").result()
+
+
+def test_the_openai_agent_example_trains_through_both_front_doors(serve: Serve) -> None:
+    """examples/openai_agent_rl.py as a user runs it: the openai client acts, the tinker SDK trains."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "openai_agent_rl.py"
+    env = {**os.environ, "TINKER_API_KEY": KEY}
+    run = subprocess.run(
+        [sys.executable, str(example), "--base-url", serve.url, "--steps", "2", "--group", "4"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    steps = [line for line in run.stdout.splitlines() if line.startswith("step ")]
+    assert len(steps) == 2 and "mean reward" in steps[0]
 
 
 def test_paths_outlive_a_restart_of_serve(serve: Serve, service: tinker.ServiceClient) -> None:
