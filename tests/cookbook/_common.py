@@ -12,6 +12,9 @@ import json
 import logging
 import os
 import sys
+import tempfile
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -75,3 +78,16 @@ def sampler_version(tinker_path: str) -> int:
 def fail(message: str) -> NoReturn:
     print(f"FAIL: {message}", flush=True)
     sys.exit(1)
+
+
+def run_script(main: Callable[[Path], None]) -> None:
+    """A script's entry: quiet logs, the tokenizer registered, then ``main(log_dir)`` with the
+    directory the test passes (or a temporary one)."""
+    warnings.filterwarnings("ignore", category=FutureWarning)  # the cookbook calls the SDK's older *_async forms
+    quiet_logs()
+    register_tokenizer()
+    if len(sys.argv) > 1:
+        main(Path(sys.argv[1]))
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            main(Path(tmp))

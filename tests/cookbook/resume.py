@@ -16,14 +16,11 @@ exits non-zero unless the second run resumed where the checkpoint says and from 
 from __future__ import annotations
 
 import asyncio
-import sys
-import tempfile
-import warnings
 from pathlib import Path
 
 import chz
 import tinker
-from _common import MODEL, RENDERER, checkpoints, fail, metrics, quiet_logs, register_tokenizer
+from _common import MODEL, RENDERER, checkpoints, fail, metrics, run_script
 from sl_loop import write_conversations
 from tinker_cookbook import checkpoint_utils
 from tinker_cookbook.supervised import train
@@ -144,11 +141,4 @@ def main(log_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    warnings.filterwarnings("ignore", category=FutureWarning)  # the cookbook calls the SDK's older *_async forms
-    quiet_logs()
-    register_tokenizer()
-    if len(sys.argv) > 1:
-        main(Path(sys.argv[1]))
-    else:
-        with tempfile.TemporaryDirectory() as tmp:
-            main(Path(tmp))
+    run_script(main)

@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import math
-import sys
-import tempfile
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 import chz
-from _common import MODEL, RENDERER, checkpoints, fail, metrics, quiet_logs, register_tokenizer, sampler_version
+from _common import MODEL, RENDERER, checkpoints, fail, metrics, run_script, sampler_version
 from tinker_cookbook import renderers
 from tinker_cookbook.rl import train
 from tinker_cookbook.rl.problem_env import ProblemEnv, ProblemGroupBuilder
@@ -134,11 +131,4 @@ def main(log_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    warnings.filterwarnings("ignore", category=FutureWarning)  # the cookbook calls the SDK's older *_async forms
-    quiet_logs()
-    register_tokenizer()
-    if len(sys.argv) > 1:
-        main(Path(sys.argv[1]))
-    else:
-        with tempfile.TemporaryDirectory() as tmp:
-            main(Path(tmp))
+    run_script(main)

@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
-import tempfile
-import warnings
 from pathlib import Path
 
-from _common import MODEL, RENDERER, fail, metrics, quiet_logs, register_tokenizer
+from _common import MODEL, RENDERER, fail, metrics, run_script
 
 FACTS = [
     ("What colour is the sky?", "Blue."),
@@ -85,11 +82,4 @@ def main(log_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    warnings.filterwarnings("ignore", category=FutureWarning)  # the cookbook calls the SDK's older *_async forms
-    quiet_logs()
-    register_tokenizer()
-    if len(sys.argv) > 1:
-        main(Path(sys.argv[1]))
-    else:
-        with tempfile.TemporaryDirectory() as tmp:
-            main(Path(tmp))
+    run_script(main)
