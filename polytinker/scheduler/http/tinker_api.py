@@ -10,6 +10,7 @@ when the SDK asks for it (``Accept: application/x-protobuf``); everything else i
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -63,6 +64,10 @@ def tinker_router(
     def tenant(request: Request) -> Tenant:
         return backend.tenant(api_key(request))
 
+    async def tenant_of(request: Request) -> Tenant:
+        # The first request of a key asks the scheduler: never on the event loop.
+        return await asyncio.to_thread(tenant, request)
+
     def submit(
         t: Tenant, fut: Future[Any], render: Callable[[Any], Any], model_id: str | None = None
     ) -> dict[str, Any]:
@@ -86,7 +91,7 @@ def tinker_router(
 
     @r.get("/get_server_capabilities")
     async def capabilities(request: Request) -> dict[str, Any]:
-        tenant(request)
+        await tenant_of(request)
         return {
             "supported_models": [
                 {"model_name": name, "trainable": True, "sampleable": True, "max_context_length": None}
@@ -96,13 +101,13 @@ def tinker_router(
 
     @r.post("/create_session")
     async def create_session(request: Request) -> dict[str, Any]:
-        t = tenant(request)
+        t = await tenant_of(request)
         body = await read_json(request, max_body_bytes)
         return {"type": "create_session", "session_id": backend.create_session(t, body)}
 
     @r.post("/session_heartbeat")
     async def heartbeat(request: Request) -> dict[str, Any]:
-        t = tenant(request)
+        t = await tenant_of(request)
         body = await read_json(request, max_body_bytes)
         backend.check_session(t, str(body.get("session_id", "")))
         backend.store.heartbeat(str(body["session_id"]))
@@ -116,25 +121,25 @@ def tinker_router(
     # --- models ---------------------------------------------------------------------------------
     @r.post("/create_model")
     async def create_model(request: Request) -> dict[str, Any]:
-        t = tenant(request)
+        t = await tenant_of(request)
         body = await read_json(request, max_body_bytes)
-        return submit(t, backend.create_model(t, body), lambda out: out)
+        return submit(t, await asyncio.to_thread(backend.create_model, t, body), lambda out: out)
 
     @r.post("/get_info")
     async def get_info(request: Request) -> dict[str, Any]:
-        t = tenant(request)
+        t = await tenant_of(request)
         body = await read_json(request, max_body_bytes)
-        return backend.info(t, str(body.get("model_id", "")))
+        return await asyncio.to_thread(backend.info, t, str(body.get("model_id", "")))
 
     @r.post("/unload_model")
     async def unload_model(request: Request) -> dict[str, Any]:
-        t = tenant(request)
+        t = await tenant_of(request)
         body = await read_json(request, max_body_bytes)
         model_id = str(body.get("model_id", ""))
-        tc = backend.training_client(t, model_id)
+        tc = await asyncio.to_thread(backend.training_client, t, model_id)
         fut: Future[Any] = Future()
         try:
-            tc.finish()
+            await asyncio.to_thread(tc.finish)
             fut.set_result({"type": "unload_model", "model_id": model_id})
         except Exception as exc:
             fut.set_exception(exc)
@@ -143,50 +148,55 @@ def tinker_router(
     # --- training -------------------------------------------------------------------------------
     @r.post("/forward_backward")
     async def forward_backward(request: Request) -> dict[str, Any]:
-        t = tenant(request)
+        t = await tenant_of(request)
         if PROTO not in request.headers.get("content-type", ""):
             raise ConfigError(f"forward_backward takes a protobuf body ({PROTO}), as the tinker SDK sends it")
         if request.headers.get("content-encoding"):
             raise NotBuiltError("compressed request bodies are not accepted (client config says so)")
         req = _proto.decode_forward_backward(await read_body(request, max_body_bytes))
         req["datums"] = [tinker_datum(d) for d in req["data"]]
-        fut = backend.forward_backward(t, req)
+        fut = await asyncio.to_thread(backend.forward_backward, t, req)
         return submit(t, fut, _fb_render(req["datums"]), req["model_id"])
 
     @r.post("/optim_step")
     async def optim_step(request: Request) -> dict[str, Any]:
-        t = tenant(request)
+        t = await tenant_of(request)
         body = await read_json(request, max_body_bytes)
         return submit(
-            t, backend.optim_step(t, body), lambda out: {"metrics": _step_metrics(out.metrics)}, body.get("model_id")
+            t,
+            await asyncio.to_thread(backend.optim_step, t, body),
+            lambda out: {"metrics": _step_metrics(out.metrics)},
+            body.get("model_id"),
         )
 
     # --- weights --------------------------------------------------------------------------------
     @r.post("/save_weights")
     async def save_weights(request: Request) -> dict[str, Any]:
-        t = tenant(request)
+        t = await tenant_of(request)
         body = await read_json(request, max_body_bytes)
         render = lambda path: {"type": "save_weights", "path": to_tinker_path(path)}  # noqa: E731
-        return submit(t, backend.save_state(t, body), render, body.get("model_id"))
+        return submit(t, await asyncio.to_thread(backend.save_state, t, body), render, body.get("model_id"))
 
     @r.post("/save_weights_for_sampler")
     async def save_for_sampler(request: Request) -> dict[str, Any]:
-        t = tenant(request)
+        t = await tenant_of(request)
         body = await read_json(request, max_body_bytes)
-        return submit(t, backend.save_for_sampler(t, body), lambda out: out, body.get("model_id"))
+        return submit(
+            t, await asyncio.to_thread(backend.save_for_sampler, t, body), lambda out: out, body.get("model_id")
+        )
 
     @r.post("/load_weights")
     async def load_weights(request: Request) -> dict[str, Any]:
-        t = tenant(request)
+        t = await tenant_of(request)
         body = await read_json(request, max_body_bytes)
-        return submit(t, backend.load_state(t, body), lambda out: out, body.get("model_id"))
+        return submit(t, await asyncio.to_thread(backend.load_state, t, body), lambda out: out, body.get("model_id"))
 
     @r.get("/weights_info")
     @r.post("/weights_info")
     async def weights_info(request: Request) -> dict[str, Any]:
-        t = tenant(request)
+        t = await tenant_of(request)
         body = await read_json(request, max_body_bytes) if request.method == "POST" else dict(request.query_params)
-        return backend.weights_info(t, str(body.get("tinker_path", "")))
+        return await asyncio.to_thread(backend.weights_info, t, str(body.get("tinker_path", "")))
 
     # --- training runs, checkpoints, sessions (the SDK's RestClient) ---------------------------------
     # Plain functions: FastAPI runs them on its thread pool, as they wait on the scheduler.
@@ -222,13 +232,16 @@ def tinker_router(
     # --- sampling -------------------------------------------------------------------------------
     @r.post("/create_sampling_session")
     async def create_sampling_session(request: Request) -> dict[str, Any]:
-        t = tenant(request)
+        t = await tenant_of(request)
         body = await read_json(request, max_body_bytes)
-        return {"type": "create_sampling_session", "sampling_session_id": backend.create_sampler(t, body)}
+        return {
+            "type": "create_sampling_session",
+            "sampling_session_id": await asyncio.to_thread(backend.create_sampler, t, body),
+        }
 
     @r.get("/samplers/{sampler_id}")
     async def get_sampler(sampler_id: str, request: Request) -> dict[str, Any]:
-        t = tenant(request)
+        t = await tenant_of(request)
         row = backend.sampler_row(t, sampler_id)
         return {
             "sampler_id": row.sampler_id,
@@ -238,9 +251,9 @@ def tinker_router(
 
     @r.post("/asample")
     async def asample(request: Request) -> dict[str, Any]:
-        t = tenant(request)
+        t = await tenant_of(request)
         body = await read_json(request, max_body_bytes)
-        out = submit(t, backend.sample(t, body), _sample_render)
+        out = submit(t, await asyncio.to_thread(backend.sample, t, body), _sample_render)
         # Each sequence's id, in the response's order (the SDK names its SampledSequences by them).
         out["sample_sequence_ids"] = [f"{out['request_id']}-{i}" for i in range(int(body.get("num_samples", 1)))]
         return out
@@ -248,7 +261,7 @@ def tinker_router(
     # --- futures --------------------------------------------------------------------------------
     @r.post("/retrieve_future")
     async def retrieve_future(request: Request) -> Response:
-        t = tenant(request)
+        t = await tenant_of(request)
         body = await read_json(request, max_body_bytes)
         request_id = str(body.get("request_id", ""))
         entry = futures.get(t.owner, request_id)
@@ -267,7 +280,7 @@ def tinker_router(
 
     @r.post("/cancel_future")
     async def cancel_future(request: Request) -> dict[str, Any]:
-        t = tenant(request)
+        t = await tenant_of(request)
         body = await read_json(request, max_body_bytes)
         return {"cancelled": futures.cancel(t.owner, str(body.get("request_id", "")))}
 

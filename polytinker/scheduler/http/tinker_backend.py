@@ -17,7 +17,7 @@ import json
 import threading
 import time
 import uuid
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -132,6 +132,9 @@ class TinkerBackend:
         self.default_max_tokens = default_max_tokens
         self.tokenizer_ids = dict(tokenizer_ids or {})
         self.store = GatewayStore(Path(state_dir) / "gateway.sqlite")
+        # Calls made of several client calls run here; bounded, so a burst of requests queues
+        # rather than starting a thread each.
+        self._pool = ThreadPoolExecutor(32, thread_name_prefix="polytinker-http")
         self._tenants: dict[str, Tenant] = {}
         self._lock = threading.Lock()
 
@@ -140,6 +143,7 @@ class TinkerBackend:
             tenants, self._tenants = list(self._tenants.values()), {}
         for t in tenants:
             t.service.close(keep_jobs=True)  # the jobs outlive the gateway: a restarted one serves them
+        self._pool.shutdown(wait=False, cancel_futures=True)
         self.store.close()
 
     # --- tenants -------------------------------------------------------------------------------------
@@ -194,29 +198,24 @@ class TinkerBackend:
         model_id = f"{session_id}:train:{int(req.get('model_seq_id', 0))}"
         base_model = self._base_model(req.get("base_model"))
         lora = req.get("lora_config")
-        fut: Future[dict[str, Any]] = Future()
 
-        def run() -> None:
-            try:
-                if lora is None:
-                    tc = t.service.create_training_client(base_model)
-                    rank = 0
-                else:
-                    rank = int(lora["rank"])
-                    tc = t.service.create_lora_training_client(
-                        base_model, rank, seed=int(lora.get("seed") or 0), target_modules=_modules(lora)
-                    )
-                self.store.add_model(ModelRow(model_id, t.owner, tc.job_id, base_model, rank))
-                if req.get("user_metadata"):
-                    self.store.set_metadata(model_id, _str_dict(req["user_metadata"]))
-                with t.lock:
-                    t.training[tc.job_id] = tc
-                fut.set_result({"model_id": model_id, "type": "create_model"})
-            except BaseException as exc:
-                fut.set_exception(exc)
+        def run() -> dict[str, Any]:
+            if lora is None:
+                tc = t.service.create_training_client(base_model)
+                rank = 0
+            else:
+                rank = int(lora["rank"])
+                tc = t.service.create_lora_training_client(
+                    base_model, rank, seed=int(lora.get("seed") or 0), target_modules=_modules(lora)
+                )
+            self.store.add_model(ModelRow(model_id, t.owner, tc.job_id, base_model, rank))
+            if req.get("user_metadata"):
+                self.store.set_metadata(model_id, _str_dict(req["user_metadata"]))
+            with t.lock:
+                t.training[tc.job_id] = tc
+            return {"model_id": model_id, "type": "create_model"}
 
-        threading.Thread(target=run, name="polytinker-create-model", daemon=True).start()
-        return fut
+        return self._pool.submit(run)
 
     def _base_model(self, name: Any) -> str:
         if not isinstance(name, str) or not name:
@@ -307,7 +306,6 @@ class TinkerBackend:
         (``create_training_client_from_state``), into a new run shaped like the one that saved it."""
         path = from_tinker_path(str(req.get("path", "")), "weights")
         optimizer = bool(req.get("optimizer"))
-        fut: Future[dict[str, Any]] = Future()
         if req.get("model_id"):
             model_id = str(req["model_id"])
             tc = self.training_client(t, model_id)
@@ -328,15 +326,11 @@ class TinkerBackend:
                 with t.lock:
                     t.training[made.job_id] = made
 
-        def guarded() -> None:
-            try:
-                run()
-                fut.set_result({"type": "load_weights", "path": req.get("path"), "model_id": model_id})
-            except BaseException as exc:
-                fut.set_exception(exc)
+        def loaded() -> dict[str, Any]:
+            run()
+            return {"type": "load_weights", "path": req.get("path"), "model_id": model_id}
 
-        threading.Thread(target=guarded, name="polytinker-load-state", daemon=True).start()
-        return fut
+        return self._pool.submit(loaded)
 
     def _checkpoint_model(self, t: Tenant, path: str) -> ModelRow:
         job_id = path.removeprefix(CKPT_PREFIX).partition("/")[0]
@@ -440,19 +434,13 @@ class TinkerBackend:
         params = self.sampling_params(req.get("sampling_params") or {})
         num = int(req.get("num_samples", 1))
         want_prompt = bool(req.get("prompt_logprobs"))
-        fut: Future[tuple[Any, list[float | None] | None]] = Future()
 
-        def run() -> None:
-            try:
-                scored = sc.compute_logprobs(tokens) if want_prompt else None
-                # max_tokens == 0 asks for prompt logprobs alone (compute_logprobs)
-                out = sc.sample(tokens, num, params).result() if params.max_tokens else None
-                fut.set_result((out, None if scored is None else scored.result()))
-            except BaseException as exc:
-                fut.set_exception(exc)
+        def run() -> tuple[Any, list[float | None] | None]:
+            scored = sc.compute_logprobs(tokens) if want_prompt else None
+            out = sc.sample(tokens, num, params).result()
+            return out, None if scored is None else scored.result()
 
-        threading.Thread(target=run, name="polytinker-sample", daemon=True).start()
-        return fut
+        return self._pool.submit(run)
 
 
 def _str_dict(d: Any) -> dict[str, str]:
