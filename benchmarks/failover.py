@@ -19,9 +19,9 @@ import threading
 import time
 from datetime import datetime
 
-from polytinker.engine.actors import read_log
+from polytinker.actors import read_log
+from polytinker.client import ServiceClient
 from polytinker.engine.types import SamplingParams
-from polytinker.scheduler.client import ServiceClient
 from polytinker.scheduler.service import EngineWorkerConfig, LocalRuntime, RuntimeConfig, TenantConfig
 from polytinker.scheduler.service.messages import WorkersQuery
 from polytinker.scheduler.service.worker_auth import launcher_credential

@@ -6,8 +6,10 @@ vocabulary: ``ModelInput``, ``Datum``, ``SamplingParams``, ... also importable f
 ``tinker.ServiceClient()`` (docs/client.md). Subpackages:
 
 - ``polytinker.transport``: ZeroMQ sockets, msgpack codec with out-of-band tensors, RPC, auth.
-- ``polytinker.engine``: process actors and supervision, models, inference engines, learners.
-- ``polytinker.scheduler``: the central scheduler, its policy, and the clients (``ServiceClient``).
+- ``polytinker.actors``: process actors and their supervision.
+- ``polytinker.engine``: models, inference engines and learners, and the worker processes of each.
+- ``polytinker.scheduler``: the central scheduler service, its policy, and its HTTP gateway.
+- ``polytinker.client``: the clients (``ServiceClient``, ``TrainingClient``, ``SamplingClient``).
 - ``polytinker.agents``: agents, algorithms, the training loop (``Experiment``).
 - ``polytinker.envs``: text multi-agent environments on PettingZoo, registry, coordinator.
 """
@@ -50,10 +52,10 @@ _LAZY = {
     "MappingConfig": "polytinker.agents",
     "RunSummary": "polytinker.agents",
     "SamplingConfig": "polytinker.agents",
-    "APIFuture": "polytinker.scheduler.client",
-    "SamplingClient": "polytinker.scheduler.client",
-    "ServiceClient": "polytinker.scheduler.client",
-    "TrainingClient": "polytinker.scheduler.client",
+    "APIFuture": "polytinker.client",
+    "SamplingClient": "polytinker.client",
+    "ServiceClient": "polytinker.client",
+    "TrainingClient": "polytinker.client",
     # Tinker's commonly used types, as the tinker package exports them
     "AdamParams": "polytinker.types",
     "Datum": "polytinker.types",
@@ -81,7 +83,7 @@ if TYPE_CHECKING:
         RunSummary,
         SamplingConfig,
     )
-    from polytinker.scheduler.client import APIFuture, SamplingClient, ServiceClient, TrainingClient
+    from polytinker.client import APIFuture, SamplingClient, ServiceClient, TrainingClient
     from polytinker.types import (
         AdamParams,
         Datum,

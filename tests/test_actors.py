@@ -15,7 +15,7 @@ import psutil
 import pytest
 from test_actors_fixtures import Counter, Crashy, FailsOnStart, Nest, Overlap, Scale, StubbornStop
 
-from polytinker.engine.actors import (
+from polytinker.actors import (
     EXIT_FAILED,
     Actor,
     ActorConfig,
@@ -257,9 +257,7 @@ def test_typed_messages_arrive_as_their_type_and_other_payloads_are_refused(coun
 
 def test_the_actor_process_stays_light(counter):
     # Startup time: the machinery must not pull in torch or transformers for an actor that does not.
-    assert counter.ask("modules", ["torch", "transformers", "polytinker.engine.actors._actor"]) == [
-        "polytinker.engine.actors._actor"
-    ]
+    assert counter.ask("modules", ["torch", "transformers", "polytinker.actors._actor"]) == ["polytinker.actors._actor"]
     assert counter.ping() == {"name": "counter", "pid": counter.pid}
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from polytinker.engine.actors import Actor, handler, spawn
+from polytinker.actors import Actor, handler, spawn
 from polytinker.transport import message
 
 

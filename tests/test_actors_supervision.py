@@ -13,7 +13,7 @@ import psutil
 import pytest
 from test_actors_fixtures import Counter, Crashy, DiesSoon
 
-from polytinker.engine.actors import ActorConfig, RestartPolicy, Supervisor, read_log
+from polytinker.actors import ActorConfig, RestartPolicy, Supervisor, read_log
 from polytinker.errors import ActorDeadError
 
 pytestmark = pytest.mark.timeout(60)
@@ -125,7 +125,7 @@ PARENT = textwrap.dedent(
     """
     import sys, time
     from test_actors_fixtures import Marker
-    from polytinker.engine.actors import spawn
+    from polytinker.actors import spawn
     ref = spawn(Marker, sys.argv[2], name="orphan-candidate", run_dir=sys.argv[1])
     print(ref.pid, flush=True)
     time.sleep(60)
@@ -159,7 +159,7 @@ def test_a_parent_that_exits_normally_stops_its_actors_gracefully(tmp_path):
         """
         import sys
         from test_actors_fixtures import Counter
-        from polytinker.engine.actors import ActorConfig, RestartPolicy, Supervisor, spawn
+        from polytinker.actors import ActorConfig, RestartPolicy, Supervisor, spawn
         ref = spawn(Counter, 7, name="left-behind", run_dir=sys.argv[1])
         sup = Supervisor(run_dir=sys.argv[1])
         # permanent: even a clean exit would be restarted, were the process not exiting

@@ -8,8 +8,8 @@ import atexit
 import functools
 import random
 
+from polytinker.client import ServiceClient
 from polytinker.engine.types import Datum
-from polytinker.scheduler.client import ServiceClient
 from polytinker.scheduler.service import (
     EngineWorkerConfig,
     LearnerWorkerConfig,

@@ -12,9 +12,9 @@ import pytest
 from test_client_fixtures import KEY_ALICE, KEY_BOB, MODEL, client, data, shared_runtime
 
 from polytinker import cli
+from polytinker.client import SamplingClient, ServiceClient, TrainingClient
 from polytinker.engine.learner.config import AdamParams
 from polytinker.engine.types import SamplingParams
-from polytinker.scheduler.client import SamplingClient, ServiceClient, TrainingClient
 from polytinker.scheduler.service import AuthError, JobNotRunning, StateStore
 
 ADAM = AdamParams(learning_rate=1e-2)

@@ -15,10 +15,10 @@ from test_client_fixtures import KEY_ALICE, MODEL, shared_runtime
 
 import polytinker as tinker
 from polytinker import types
+from polytinker.client._convert import datum_msg, forward_metrics, sampling_msg
+from polytinker.client._future import APIFuture, submit
+from polytinker.client.service_client import lora_modules
 from polytinker.errors import ConfigError, NotBuiltError
-from polytinker.scheduler.client._convert import datum_msg, forward_metrics, sampling_msg
-from polytinker.scheduler.client._future import APIFuture, submit
-from polytinker.scheduler.client.service_client import lora_modules
 
 # --- the vocabulary, no runtime -----------------------------------------------------------------
 
@@ -144,7 +144,7 @@ def test_api_futures_are_concurrent_futures_that_can_be_awaited() -> None:
 
 
 def test_metrics_use_tinkers_names_and_answer_the_old_ones() -> None:
-    from polytinker.scheduler.client._convert import fb_output
+    from polytinker.client._convert import fb_output
 
     out = fb_output(3.0, [[-1.0, -2.0]], {"loss/sum": 3.0, "loss/tokens": 2.0, "kl/base": 0.1})
     assert set(out.metrics) == {"loss:sum", "loss:tokens", "kl:base", "tokens:sum"}

@@ -141,7 +141,7 @@ def test_compute_logprobs_and_errors_go_back_to_the_caller(backend: HFBackend) -
 
 def test_engine_actor_samples_in_a_child_process(backend: HFBackend, tmp_path: Path) -> None:
     """The engine as an actor: adapter tensors sent out of band, concurrent asks batched together."""
-    from polytinker.engine.actors import ActorConfig, spawn
+    from polytinker.actors import ActorConfig, spawn
     from polytinker.engine.inference.actor import EngineActor, EngineClient
 
     for ref in backend.loaded_adapters():
@@ -174,7 +174,7 @@ def test_engine_actor_samples_in_a_child_process(backend: HFBackend, tmp_path: P
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_engine_actor_on_vllm(backend: HFBackend, tmp_path: Path) -> None:
-    from polytinker.engine.actors import ActorConfig, spawn
+    from polytinker.actors import ActorConfig, spawn
     from polytinker.engine.inference.actor import EngineActor, EngineClient
 
     weights = _adapter(backend, "on-vllm", seed=8)

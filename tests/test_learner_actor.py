@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from polytinker.engine.actors import ActorConfig, spawn
+from polytinker.actors import ActorConfig, spawn
 from polytinker.engine.inference.hf import HFBackend
 from polytinker.engine.learner import AdamParams, LearnerConfig, MultiAdapterLearner
 from polytinker.engine.learner.actor import LearnerActor, LearnerClient

@@ -10,7 +10,7 @@ import threading
 import time
 from pathlib import Path
 
-from polytinker.scheduler.client._connection import backoff_s
+from polytinker.client._connection import backoff_s
 from polytinker.scheduler.service import RuntimeConfig, TenantConfig
 from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service.jobs import JobManager, idle_verdict

@@ -17,9 +17,9 @@ import pytest
 from test_client_fixtures import data
 
 from polytinker import cli
+from polytinker.client import ServiceClient
 from polytinker.engine.learner.config import AdamParams
 from polytinker.errors import PeerDeadError, RequestTimeout, TransportError
-from polytinker.scheduler.client import ServiceClient
 from polytinker.scheduler.service.runtime import resolve_address
 from polytinker.transport import ClientCurve, generate_keypair, load_keypair
 

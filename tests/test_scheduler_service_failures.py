@@ -12,7 +12,7 @@ import time
 import pytest
 from test_client_fixtures import KEY_ALICE, KEY_BOB, MODEL, client, data, shared_runtime
 
-from polytinker.engine.actors import ActorRef
+from polytinker.actors import ActorRef
 from polytinker.engine.learner.config import AdamParams
 from polytinker.engine.types import SamplingParams
 from polytinker.errors import RemoteError

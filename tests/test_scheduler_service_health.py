@@ -17,8 +17,8 @@ import pytest
 from test_client_fixtures import MODEL
 from test_scheduler_service_cli import read_until
 
+from polytinker.client import ServiceClient
 from polytinker.engine.types import SamplingParams
-from polytinker.scheduler.client import ServiceClient
 from polytinker.scheduler.service import (
     EngineWorkerConfig,
     LocalRuntime,

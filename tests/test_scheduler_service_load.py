@@ -18,8 +18,8 @@ from concurrent.futures import wait
 
 import pytest
 
+from polytinker.client import ServiceClient
 from polytinker.errors import JobNotRunning
-from polytinker.scheduler.client import ServiceClient
 from polytinker.scheduler.service import EngineWorkerConfig, LocalRuntime, RuntimeConfig, TenantConfig
 
 MODEL = "tiny-random"

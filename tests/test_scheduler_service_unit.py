@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import zmq
 
+from polytinker.client._connection import Connection
 from polytinker.errors import ConfigError, ProtocolError, RemoteError
-from polytinker.scheduler.client._connection import Connection
 from polytinker.scheduler.service import (
     AuthError,
     EngineWorkerConfig,
@@ -321,8 +321,8 @@ def test_a_higher_priority_job_preempts_at_the_next_step_boundary(tmp_path: Path
 
 
 def test_a_closed_service_client_refuses_calls_instead_of_starting_a_runtime() -> None:
+    from polytinker.client import ServiceClient
     from polytinker.errors import TransportError
-    from polytinker.scheduler.client import ServiceClient
 
     service = ServiceClient("tcp://127.0.0.1:9", api_key=KEY_A)
     service.close()
@@ -334,8 +334,8 @@ def test_a_closed_service_client_refuses_calls_instead_of_starting_a_runtime() -
 def test_training_data_in_polytinker_and_tinker_shapes_become_the_same_message() -> None:
     import numpy as np
 
+    from polytinker.client.training_client import datum_msg
     from polytinker.engine.types import Datum
-    from polytinker.scheduler.client.training_client import datum_msg
 
     ours = datum_msg(Datum([1, 2, 3], [2, 3, 4], [0.0, 1.0, 1.0], [0.5] * 3, [-1.0] * 3))
     tinker = datum_msg(
@@ -373,8 +373,8 @@ def test_a_replacement_learner_answers_a_resent_step_its_predecessor_took(tmp_pa
     gradient died with the old process is refused."""
     import dataclasses
 
+    from polytinker.engine.learner.worker import LearnerWorker
     from polytinker.errors import GradientLost
-    from polytinker.scheduler.service.learner_worker import LearnerWorker
 
     cfg = LearnerWorkerConfig(micro_batch_size=8)
     adapter = "alice/job/agent"
@@ -411,8 +411,8 @@ def test_a_step_whose_forward_backward_calls_a_restarted_learner_lost_is_refused
     """optim_step carries how many forward_backward calls the scheduler saw answered since the last
     step: a learner holding fewer (it restarted between them) refuses the step, even on its first
     send, and drops the part it holds, so the redone calls make the same step as an unbroken run."""
+    from polytinker.engine.learner.worker import LearnerWorker
     from polytinker.errors import GradientLost
-    from polytinker.scheduler.service.learner_worker import LearnerWorker
 
     cfg = LearnerWorkerConfig(micro_batch_size=8)
     adapter = "alice/job/agent"
@@ -495,8 +495,8 @@ def test_a_data_parallel_learner_worker_runs_a_full_parameter_job_then_lora_agai
     equals one process's (same data, same update), and the LoRA adapter comes back from its
     checkpoint afterwards. A call for a slot the switch dropped is refused (NotResident), never
     served from fresh weights."""
+    from polytinker.engine.learner.worker import LearnerWorker
     from polytinker.errors import NotResident
-    from polytinker.scheduler.service.learner_worker import LearnerWorker
 
     lora, full = "alice/lora/agent", "alice/full/agent"
     rows = [(5, 6, 7, 8, 9), (10, 11, 12), (13, 14, 15, 16), (17, 18, 19, 20, 21, 22), (23, 24, 25)]
@@ -551,8 +551,8 @@ def test_a_data_parallel_learner_worker_runs_a_full_parameter_job_then_lora_agai
 
 
 def test_a_learner_worker_holds_one_full_parameter_model_at_a_time(tmp_path: Path) -> None:
+    from polytinker.engine.learner.worker import LearnerWorker
     from polytinker.errors import NotResident
-    from polytinker.scheduler.service.learner_worker import LearnerWorker
 
     batch = (m.DatumMsg((5, 6, 7, 8), (6, 7, 8, 9), (0.0, 1.0, 1.0, 1.0)),)
     worker = LearnerWorker("tiny-random", LearnerWorkerConfig(micro_batch_size=8), tmp_path)

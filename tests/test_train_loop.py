@@ -34,7 +34,7 @@ pytestmark = pytest.mark.timeout(600)
 
 @pytest.fixture(scope="module")
 def service():
-    from polytinker.scheduler.client import ServiceClient
+    from polytinker.client import ServiceClient
     from polytinker.scheduler.service.config import LearnerWorkerConfig, RuntimeConfig
 
     client = ServiceClient(

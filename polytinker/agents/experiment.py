@@ -98,7 +98,7 @@ class Experiment:
         (self.run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(self.config), indent=1, default=str))
 
     def _service(self) -> Any:
-        from polytinker.scheduler.client import ServiceClient
+        from polytinker.client import ServiceClient
         from polytinker.scheduler.service.config import (
             EngineWorkerConfig,
             LearnerWorkerConfig,

@@ -1,4 +1,10 @@
-"""polytinker.engine."""
+"""polytinker.engine: what runs on the accelerators.
 
-from polytinker.engine.actors import Actor, ActorConfig, ActorRef, Supervisor, handler, spawn  # noqa: F401 (actors)
+- ``models``: the model presets and ``load_model``;
+- ``inference``: inference engines (one base model, many LoRA adapters), and ``worker.py``, the
+  engine process the runtime starts;
+- ``learner``: LoRA and full-parameter learners, and ``worker.py``, the learner process the
+  runtime starts.
+"""
+
 from polytinker.engine.models import DEFAULT_MODEL, TINY_RANDOM, ModelConfig, load_model, resolve_model  # noqa: F401 (models)

@@ -8,7 +8,7 @@ See docs/scheduler.md.
 
 The service that calls this policy (``polytinker serve``, workers, the SQLite job table, the
 ``jobs`` command, Tinker-style clients) is a separate part, in ``polytinker.scheduler.service`` and
-``polytinker.scheduler.client`` (docs/scheduler-service.md); nothing here imports it.
+``polytinker.client`` (docs/scheduler-service.md); nothing here imports it.
 """
 
 from polytinker.scheduler.cluster import ClusterState
@@ -74,9 +74,9 @@ __all__ = [
 
 # The service and client API, re-exported lazily: importing the decision core stays free of them.
 _SERVICE_NAMES = {
-    "ServiceClient": "polytinker.scheduler.client",
-    "TrainingClient": "polytinker.scheduler.client",
-    "SamplingClient": "polytinker.scheduler.client",
+    "ServiceClient": "polytinker.client",
+    "TrainingClient": "polytinker.client",
+    "SamplingClient": "polytinker.client",
     "LocalRuntime": "polytinker.scheduler.service",
     "RuntimeConfig": "polytinker.scheduler.service",
 }

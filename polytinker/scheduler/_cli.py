@@ -171,7 +171,7 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _client(args: argparse.Namespace) -> Any:
-    from polytinker.scheduler.client import ServiceClient
+    from polytinker.client import ServiceClient
 
     address = args.scheduler or os.environ.get("POLYTINKER_SCHEDULER")
     if not address:

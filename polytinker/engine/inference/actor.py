@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from polytinker.engine.actors import Actor, ActorRef, handler
+from polytinker.actors import Actor, ActorRef, handler
 from polytinker.engine.models import DEFAULT_MODEL, ModelConfig
 from polytinker.engine.types import (
     AdapterRef,

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from polytinker.engine.actors import Actor, ActorRef, handler
+from polytinker.actors import Actor, ActorRef, handler
 from polytinker.engine.learner._base import ForwardBackwardResult
 from polytinker.engine.learner.config import AdamParams, LearnerConfig
 from polytinker.engine.learner.distributed import SINGLE

@@ -34,8 +34,8 @@ from polytinker.scheduler.http.wire import api_key, read_json
 from polytinker.scheduler.service.messages import SamplingMsg
 
 if TYPE_CHECKING:
-    from polytinker.scheduler.client._connection import SampledSequence
-    from polytinker.scheduler.client.sampling_client import SamplingClient
+    from polytinker.client._connection import SampledSequence
+    from polytinker.client.sampling_client import SamplingClient
     from polytinker.scheduler.http.tinker_backend import Tenant, TinkerBackend
 
 log = logging.getLogger("polytinker.http")

@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
+from polytinker.client.sampling_client import SamplingClient
+from polytinker.client.service_client import ServiceClient
+from polytinker.client.training_client import TrainingClient
 from polytinker.errors import AuthError, ConfigError, NotBuiltError
-from polytinker.scheduler.client.sampling_client import SamplingClient
-from polytinker.scheduler.client.service_client import ServiceClient
-from polytinker.scheduler.client.training_client import TrainingClient
 from polytinker.scheduler.http.store import GatewayStore, ModelRow, SamplerRow, SavedRow
 from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service.scheduler import CKPT_PREFIX, MODEL_PREFIX, parse_model_path

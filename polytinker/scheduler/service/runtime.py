@@ -35,7 +35,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from polytinker.engine.actors import ActorConfig, ActorRef, ChildReport, RestartPolicy, Supervisor
+from polytinker.actors import ActorConfig, ActorRef, ChildReport, RestartPolicy, Supervisor
 from polytinker.errors import ConfigError, RequestTimeout, RuntimeDead
 from polytinker.scheduler.service.config import RuntimeConfig, TenantConfig
 from polytinker.scheduler.service.messages import ActorsReport, ActorState, RuntimeStatus, WorkersQuery

@@ -36,7 +36,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from polytinker.engine.actors import Actor
+from polytinker.actors import Actor
 from polytinker.errors import (
     AuthError,
     ConfigError,

@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from polytinker.engine.actors import Actor
+from polytinker.actors import Actor
 from polytinker.errors import ConfigError
 from polytinker.scheduler.service.config import RuntimeConfig
 from polytinker.scheduler.service.messages import Register
@@ -98,13 +98,13 @@ def build_worker(role: str, worker_id: str, config: RuntimeConfig) -> Any:
     --state-dir``): no message names a path."""
     root = config.state_path
     if role == "engine":
-        from polytinker.scheduler.service.engine_worker import EngineWorker
+        from polytinker.engine.inference.worker import EngineWorker
 
         for e in config.engines:
             if e.engine_id == worker_id:
                 return EngineWorker(config.model, e, root)
     elif role == "learner":
-        from polytinker.scheduler.service.learner_worker import LearnerWorker
+        from polytinker.engine.learner.worker import LearnerWorker
 
         for g in config.learners:
             if g.learner_id == worker_id:

@@ -9,13 +9,13 @@ See ``docs/actors.md``.
 
 from __future__ import annotations
 
-from polytinker.engine.actors._actor import Actor, HandlerSpec, handler
-from polytinker.engine.actors._logs import log_path, read_log
-from polytinker.engine.actors._protocol import EXIT_FAILED, EXIT_OK, EXIT_ORPHANED
-from polytinker.engine.actors._ref import ActorRef
-from polytinker.engine.actors._spawn import ActorStartError, default_run_dir, spawn
-from polytinker.engine.actors._supervisor import ChildExit, ChildReport, Supervisor
-from polytinker.engine.actors.config import ActorConfig, RestartPolicy
+from polytinker.actors._actor import Actor, HandlerSpec, handler
+from polytinker.actors._logs import log_path, read_log
+from polytinker.actors._protocol import EXIT_FAILED, EXIT_OK, EXIT_ORPHANED
+from polytinker.actors._ref import ActorRef
+from polytinker.actors._spawn import ActorStartError, default_run_dir, spawn
+from polytinker.actors._supervisor import ChildExit, ChildReport, Supervisor
+from polytinker.actors.config import ActorConfig, RestartPolicy
 
 __all__ = [
     "EXIT_FAILED",

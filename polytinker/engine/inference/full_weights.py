@@ -27,7 +27,7 @@ from typing import Any
 
 from polytinker.errors import ConfigError
 
-log = logging.getLogger("polytinker.scheduler.full_weights")
+log = logging.getLogger("polytinker.engine.inference.full_weights")
 
 
 @dataclass

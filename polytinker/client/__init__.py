@@ -14,17 +14,17 @@ See docs/client.md.
 
 from __future__ import annotations
 
-from polytinker.scheduler.client._connection import (
+from polytinker.client._connection import (
     ForwardBackwardOutput,
     OptimStepResponse,
     OptimStepResult,
     SampledSequence,
     SampleResponse,
 )
-from polytinker.scheduler.client._future import APIFuture
-from polytinker.scheduler.client.sampling_client import SamplingClient
-from polytinker.scheduler.client.service_client import ServiceClient
-from polytinker.scheduler.client.training_client import TrainingClient
+from polytinker.client._future import APIFuture
+from polytinker.client.sampling_client import SamplingClient
+from polytinker.client.service_client import ServiceClient
+from polytinker.client.training_client import TrainingClient
 
 __all__ = [
     "APIFuture",

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from polytinker.engine.actors import _logs, _spawn
-from polytinker.engine.actors._ref import ActorRef
-from polytinker.engine.actors._spawn import ActorStartError
-from polytinker.engine.actors.config import ActorConfig
+from polytinker.actors import _logs, _spawn
+from polytinker.actors._ref import ActorRef
+from polytinker.actors._spawn import ActorStartError
+from polytinker.actors.config import ActorConfig
 from polytinker.errors import ActorError, ConfigError
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Starting, watching and ending actor processes.
 
-A child is ``python -m polytinker.engine.actors._child`` started with ``subprocess`` (a fresh
+A child is ``python -m polytinker.actors._child`` started with ``subprocess`` (a fresh
 interpreter, as multiprocessing's "spawn" method gives, never a fork of a threaded parent).
 It gets its :class:`~._protocol.ChildSpec` on stdin and answers the readiness handshake on an
 inherited pipe. Its stdout and stderr are read here, line by line, into its JSON-lines log.
@@ -34,9 +34,9 @@ from typing import IO, Any
 
 import msgpack
 
-from polytinker.engine.actors import _logs, _protocol
-from polytinker.engine.actors._ref import ActorRef
-from polytinker.engine.actors.config import ActorConfig
+from polytinker.actors import _logs, _protocol
+from polytinker.actors._ref import ActorRef
+from polytinker.actors.config import ActorConfig
 from polytinker.errors import ActorError, ConfigError, RemoteError
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}$")
@@ -305,7 +305,7 @@ class ChildProcess:
 
 def _popen(env: dict[str, str], ready_w: int) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "polytinker.engine.actors._child"],
+        [sys.executable, "-m", "polytinker.actors._child"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

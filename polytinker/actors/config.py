@@ -25,7 +25,7 @@ def _positive(owner: str, name: str, value: float) -> None:
 
 @dataclass(frozen=True)
 class RestartPolicy:
-    """When and how fast a :class:`~polytinker.engine.actors.Supervisor` restarts a child (Erlang/OTP style)."""
+    """When and how fast a :class:`~polytinker.actors.Supervisor` restarts a child (Erlang/OTP style)."""
 
     mode: RestartMode = "transient"
     """``permanent``: restart after any exit; ``transient``: only after an abnormal exit (non-zero

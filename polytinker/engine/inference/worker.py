@@ -22,13 +22,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from polytinker.engine.inference.full_weights import FullWeightEngines
 from polytinker.errors import ConfigError
 from polytinker.scheduler.service.config import EngineWorkerConfig
-from polytinker.scheduler.service.full_weights import FullWeightEngines
 from polytinker.scheduler.service.layout import under
 from polytinker.scheduler.service.messages import EngineLogprobs, EngineSample, SamplingMsg, WeightsRef, WorkerStats
 
-log = logging.getLogger("polytinker.scheduler.engine_worker")
+log = logging.getLogger("polytinker.engine.inference.worker")
 
 
 def make_backend(model: str, cfg: EngineWorkerConfig) -> Any:

@@ -16,11 +16,11 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar, overload
 
+from polytinker.client._connection import Connection
+from polytinker.client._convert import datum_msg, fb_output, forward_metrics
+from polytinker.client._future import APIFuture, ReadyClient, submit
+from polytinker.client.sampling_client import SamplingClient
 from polytinker.errors import ConfigError, NotBuiltError
-from polytinker.scheduler.client._connection import Connection
-from polytinker.scheduler.client._convert import datum_msg, fb_output, forward_metrics
-from polytinker.scheduler.client._future import APIFuture, ReadyClient, submit
-from polytinker.scheduler.client.sampling_client import SamplingClient
 from polytinker.scheduler.service import messages as m
 from polytinker.types import (
     ForwardBackwardOutput,

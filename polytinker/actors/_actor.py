@@ -1,6 +1,6 @@
 """The :class:`Actor` base class: lifecycle hooks and handlers by message kind.
 
-An actor lives in its own process (see :func:`~polytinker.engine.actors.spawn`) and serves its
+An actor lives in its own process (see :func:`~polytinker.actors.spawn`) and serves its
 mailbox one message at a time: two handlers of the same actor never run at once, unless a
 handler is declared ``concurrent=True`` (then it runs as soon as it arrives, next to whatever
 else is running, and must guard its own state).

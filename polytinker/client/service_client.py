@@ -19,10 +19,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from polytinker.client._connection import Connection
+from polytinker.client.sampling_client import SamplingClient
+from polytinker.client.training_client import TrainingClient
 from polytinker.errors import ConfigError, NotBuiltError, PolytinkerError, TransportError
-from polytinker.scheduler.client._connection import Connection
-from polytinker.scheduler.client.sampling_client import SamplingClient
-from polytinker.scheduler.client.training_client import TrainingClient
 from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service.config import RuntimeConfig
 from polytinker.scheduler.service.scheduler import CKPT_PREFIX
@@ -302,8 +302,8 @@ class ServiceClient:
     ) -> Path:
         """Write a saved version (``polytinker://JOB/AGENT@VERSION`` or a Tinker sampler path) as a
         peft adapter directory, or with ``merged`` as a whole Hugging Face model directory
-        (``polytinker.scheduler.client.export``)."""
-        from polytinker.scheduler.client.export import export_weights
+        (``polytinker.client.export``)."""
+        from polytinker.client.export import export_weights
 
         return export_weights(self._connection(), model_path, out_dir, merged=merged, overwrite=overwrite)
 

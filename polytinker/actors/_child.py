@@ -1,6 +1,6 @@
-"""Entry point of an actor process: ``python -m polytinker.engine.actors._child``.
+"""Entry point of an actor process: ``python -m polytinker.actors._child``.
 
-It reads a :class:`~polytinker.engine.actors._protocol.ChildSpec` from stdin, arranges to die
+It reads a :class:`~polytinker.actors._protocol.ChildSpec` from stdin, arranges to die
 with its parent, sets up the JSON-lines log, builds the actor, runs ``on_start``, binds the
 mailbox, reports ready on the inherited pipe, and serves until asked to stop (SIGTERM,
 ``stop_self()``, or a failed tell). This module imports no torch: an actor that needs it
@@ -24,8 +24,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from polytinker.engine.actors import _actor, _logs, _protocol, _spawn
-from polytinker.engine.actors._mailbox import MailboxServer
+from polytinker.actors import _actor, _logs, _protocol, _spawn
+from polytinker.actors._mailbox import MailboxServer
 from polytinker.errors import ActorDeadError, ActorError, ProtocolError
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
@@ -85,7 +85,7 @@ def _resolve(target: str) -> type[_actor.Actor]:
     for part in rest:
         obj = getattr(obj, part)
     if not (isinstance(obj, type) and issubclass(obj, _actor.Actor)):
-        raise ActorError(f"actor target {target!r} is not a subclass of polytinker.engine.actors.Actor")
+        raise ActorError(f"actor target {target!r} is not a subclass of polytinker.actors.Actor")
     return obj
 
 

@@ -24,8 +24,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from polytinker.client._connection import Connection
 from polytinker.errors import ConfigError
-from polytinker.scheduler.client._connection import Connection
 from polytinker.scheduler.service import messages as m
 
 MANIFEST = "polytinker.json"

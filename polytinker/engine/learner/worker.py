@@ -55,7 +55,7 @@ from polytinker.scheduler.service.messages import (
     WorkerStats,
 )
 
-log = logging.getLogger("polytinker.scheduler.learner_worker")
+log = logging.getLogger("polytinker.engine.learner.worker")
 
 REQUEST_FILE = "request.json"  # in a step's checkpoint directory: the key of the call that made it
 MAX_REMEMBERED = 1024  # keyed results kept in memory (the newest)

@@ -12,10 +12,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from polytinker.client._connection import Connection
+from polytinker.client._convert import prompt_tokens, samples_nothing, sampling_msg
+from polytinker.client._future import APIFuture, ReadyClient, submit
 from polytinker.errors import AuthError, ConfigError, NotBuiltError
-from polytinker.scheduler.client._connection import Connection
-from polytinker.scheduler.client._convert import prompt_tokens, samples_nothing, sampling_msg
-from polytinker.scheduler.client._future import APIFuture, ReadyClient, submit
 from polytinker.scheduler.service.messages import ComputeLogprobs, Sample
 from polytinker.types import SampledSequence, SampleResponse, check_seed
 
