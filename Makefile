@@ -44,8 +44,9 @@ test-learning: venv
 	$(PY) -m pytest -q -m learning
 
 lint: venv
-	$(VENV)/bin/ruff check polytinker tests benchmarks examples
+	$(VENV)/bin/ruff check polytinker tests benchmarks examples scripts
 	$(VENV)/bin/mypy
+	$(PY) scripts/check_sizes.py
 
 # The main job: two agents with their own LoRA adapters on SmolLM2-135M, on the CPU; it prints
 # their win rates against the random opponent before and after, and writes runs/pd-two-agents/.
