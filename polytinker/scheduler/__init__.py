@@ -15,7 +15,8 @@ from polytinker.scheduler.cluster import ClusterState
 from polytinker.scheduler.config import SchedulerPolicyConfig, SimulatorConfig
 from polytinker.scheduler.placement import AdapterLoad, AdapterPlacement, next_learner_job
 from polytinker.scheduler.policy import FairSharePolicy, FifoPolicy, SchedulingPolicy
-from polytinker.scheduler.simulator import JobOutcome, SimResult, SimulationError, Simulator, simulate
+from polytinker.scheduler.sim_result import JobOutcome, SimResult
+from polytinker.scheduler.simulator import SimulationError, Simulator, simulate
 from polytinker.scheduler.trace import TraceConfig, default_cluster, generate_trace, load_trace, save_trace
 from polytinker.scheduler.types import (
     Accepted,

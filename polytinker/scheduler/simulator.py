@@ -23,11 +23,11 @@ scheduler service is to run) and acts out its decisions:
   finishes discards nothing. An Overloaded submission is retried after the ``retry_after_s`` it
   was given.
 
-Outputs: per-job completion times (JCT = finish - arrival); utilization: busy resource-time over
-available resource-time, counting for each engine or learner group only the time when some queued
-job needed that kind of resource of that base model (idle capacity then had work it could have been
-given); the full decision log. There is no
-randomness here: the same trace and policy give the same result.
+Outputs (a ``SimResult``, in ``polytinker.scheduler.sim_result``): per-job completion times
+(JCT = finish - arrival); utilization: busy resource-time over available resource-time, counting
+for each engine or learner group only the time when some queued job needed that kind of resource
+of that base model (idle capacity then had work it could have been given); the full decision log.
+There is no randomness here: the same trace and policy give the same result.
 """
 
 from __future__ import annotations
@@ -36,20 +36,20 @@ import heapq
 import itertools
 import math
 from collections import defaultdict, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from polytinker.errors import PolytinkerError
 from polytinker.scheduler.config import SchedulerPolicyConfig, SimulatorConfig
 from polytinker.scheduler.placement import next_learner_job
 from polytinker.scheduler.policy import SchedulingPolicy
+from polytinker.scheduler.sim_result import JobOutcome, SimResult, time_shares
 from polytinker.scheduler.types import (
     ClusterSpec,
     Decision,
     DecisionKind,
     Job,
     JobID,
-    JobKind,
     Overloaded,
     Placement,
     Rejected,
@@ -59,58 +59,6 @@ from polytinker.scheduler.types import (
 
 class SimulationError(PolytinkerError, AssertionError):
     """The simulated cluster reached an impossible state (an over-committed resource, say)."""
-
-
-@dataclass(frozen=True)
-class JobOutcome:
-    job_id: JobID
-    tenant: str
-    kind: JobKind
-    priority: int
-    arrival_s: float
-    first_start_s: float | None
-    finish_s: float | None  # None: rejected, or not finished by max_time_s
-    preemptions: int
-    retries: int  # Overloaded answers it got before being queued
-    rejected: str | None  # the reason, if rejected
-    discarded_samples: int = 0  # rollouts sampled ahead and thrown away at a preemption (async jobs)
-    staleness: int = 0  # most steps any of its rollouts was sampled behind (0: always on-policy)
-
-    @property
-    def jct_s(self) -> float | None:
-        return None if self.finish_s is None else self.finish_s - self.arrival_s
-
-
-@dataclass(frozen=True)
-class SimResult:
-    policy: str
-    outcomes: tuple[JobOutcome, ...]
-    decisions: tuple[Decision, ...]
-    utilization: float  # busy resource-time / resource-time while a queued job needed that kind of resource
-    learner_utilization: float
-    engine_utilization: float
-    end_s: float
-    # Where learner and engine time went while work for them was queued, as fractions: learners
-    # "train", "swap", "full_rl_sampling" (a full-parameter job's group waits for its engine),
-    # "shared_sampling" (every job on the group is sampling, loading or saving), "empty"; engines
-    # "sampling", "discarded_sampling" (rollouts sampled ahead by an async job and thrown away when
-    # it was preempted: not busy), "idle_with_jobs", "idle_empty".
-    learner_time: dict[str, float] = field(default_factory=dict)
-    engine_time: dict[str, float] = field(default_factory=dict)
-
-    def jcts_s(self) -> list[float]:
-        return sorted(o.jct_s for o in self.outcomes if o.jct_s is not None)
-
-    def mean_jct_s(self) -> float:
-        jcts = self.jcts_s()
-        return sum(jcts) / len(jcts) if jcts else math.nan
-
-    def percentile_jct_s(self, p: float) -> float:
-        """Nearest-rank percentile, p in [0, 100]."""
-        jcts = self.jcts_s()
-        if not jcts:
-            return math.nan
-        return jcts[min(len(jcts) - 1, max(0, math.ceil(p / 100 * len(jcts)) - 1))]
 
 
 @dataclass
@@ -516,14 +464,9 @@ class Simulator:
             learner_utilization=util(learners),
             engine_utilization=util(engines),
             end_s=self.now_s,
-            learner_time=_shares(self._learner_time),
-            engine_time=_shares(self._engine_time),
+            learner_time=time_shares(self._learner_time),
+            engine_time=time_shares(self._engine_time),
         )
-
-
-def _shares(times: Mapping[str, float]) -> dict[str, float]:
-    total = sum(times.values())
-    return {k: v / total for k, v in sorted(times.items())} if total else {}
 
 
 def simulate(
@@ -539,4 +482,4 @@ def simulate(
     return Simulator(cluster, policy(cluster, policy_config), config, audit=audit).run(trace)
 
 
-__all__ = ["JobOutcome", "SimResult", "SimulationError", "Simulator", "simulate"]
+__all__ = ["SimulationError", "Simulator", "simulate"]
