@@ -21,8 +21,7 @@ expected to be free, and whether a job is done within a reservation's window, ar
 declared time alone (``Job.span_s``: the same for a sync job, shorter for an async RL job, whose
 sampling overlaps its training).
 
-``FifoPolicy`` is the baseline: one queue in arrival order; the head waits until it fits and
-nothing behind it runs (head-of-line blocking); no priorities, no preemption.
+``FifoPolicy`` (``polytinker.scheduler.fifo``) is the baseline behind the same interface.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from dataclasses import dataclass
 from polytinker.errors import ConfigError
 from polytinker.scheduler.cluster import ClusterState
 from polytinker.scheduler.config import SchedulerPolicyConfig
-from polytinker.scheduler.queue import FifoQueue, RetryEstimator, TenantQueue
+from polytinker.scheduler.queue import RetryEstimator, TenantQueue
 from polytinker.scheduler.types import (
     Accepted,
     ClusterSpec,
@@ -56,7 +55,7 @@ from polytinker.scheduler.types import (
 
 
 @dataclass
-class _Entry:
+class PolicyEntry:
     """The policy's mutable record of one job."""
 
     job: Job
@@ -87,7 +86,7 @@ class SchedulingPolicy(ABC):
     def __init__(self, cluster: ClusterSpec, config: SchedulerPolicyConfig | None = None) -> None:
         self.config = config or SchedulerPolicyConfig()
         self.cluster = ClusterState(cluster)
-        self._entries: dict[JobID, _Entry] = {}
+        self._entries: dict[JobID, PolicyEntry] = {}
         self._seq = itertools.count()
         self._queued_by_tenant: Counter[TenantID] = Counter()
         self._queued_by_need: Counter[tuple[str, str]] = Counter()  # (base model, "engine"/"learner")
@@ -132,7 +131,7 @@ class SchedulingPolicy(ABC):
             )
             reason += f"; retry after {retry_s:.1f} s"
             return Overloaded(Decision(DecisionKind.OVERLOADED, now_s, job.job_id, reason, job.tenant), retry_s)
-        entry = _Entry(job, next(self._seq))
+        entry = PolicyEntry(job, next(self._seq))
         self._entries[job.job_id] = entry
         self._enqueue(entry, now_s, new=True)
         return Accepted(Decision(DecisionKind.ADMIT, now_s, job.job_id, "fits the cluster; queued", job.tenant))
@@ -180,7 +179,7 @@ class SchedulingPolicy(ABC):
         return Decision(DecisionKind.CANCEL, now_s, job_id, "cancelled by its tenant", e.job.tenant)
 
     # --- shared machinery ------------------------------------------------------------------------
-    def _enqueue(self, e: _Entry, now_s: float, *, new: bool) -> None:
+    def _enqueue(self, e: PolicyEntry, now_s: float, *, new: bool) -> None:
         e.state = JobState.QUEUED
         self._count_queued(e.job, +1)
         self._push(e, now_s, new=new)
@@ -192,11 +191,11 @@ class SchedulingPolicy(ABC):
         if job.kind.needs_learner:
             self._queued_by_need[(job.base_model, "learner")] += sign
 
-    def _unqueue(self, e: _Entry) -> None:
+    def _unqueue(self, e: PolicyEntry) -> None:
         self._count_queued(e.job, -1)
         self._pop(e)
 
-    def _start(self, e: _Entry, placement: Placement, now_s: float, reason: str) -> Decision:
+    def _start(self, e: PolicyEntry, placement: Placement, now_s: float, reason: str) -> Decision:
         self._unqueue(e)
         load = self.cluster.allocate(e.job, placement, now_s)
         e.state, e.placement, e.started_s = JobState.RUNNING, placement, now_s
@@ -213,48 +212,22 @@ class SchedulingPolicy(ABC):
         )
 
     @abstractmethod
-    def _push(self, e: _Entry, now_s: float, *, new: bool) -> None: ...
+    def _push(self, e: PolicyEntry, now_s: float, *, new: bool) -> None: ...
 
     @abstractmethod
-    def _pop(self, e: _Entry) -> None: ...
+    def _pop(self, e: PolicyEntry) -> None: ...
 
-    def _on_started(self, e: _Entry) -> None:
+    def _on_started(self, e: PolicyEntry) -> None:
         """Hook: a job took its resources."""
         return None
 
-    def _on_stopped(self, e: _Entry, steps_ran: int) -> None:
+    def _on_stopped(self, e: PolicyEntry, steps_ran: int) -> None:
         """Hook: a preempted job gave its resources back after ``steps_ran`` steps."""
         return None
 
-    def _on_gone(self, e: _Entry, was_running: bool) -> None:
+    def _on_gone(self, e: PolicyEntry, was_running: bool) -> None:
         """Hook: a job finished or was cancelled (``was_running``: it held resources)."""
         return None
-
-
-class FifoPolicy(SchedulingPolicy):
-    """Plain FIFO with head-of-line blocking: the baseline."""
-
-    name = "fifo"
-
-    def __init__(self, cluster: ClusterSpec, config: SchedulerPolicyConfig | None = None) -> None:
-        super().__init__(cluster, config)
-        self._queue = FifoQueue()
-
-    def _push(self, e: _Entry, now_s: float, *, new: bool) -> None:
-        self._queue.push(e.job.job_id, e.seq)
-
-    def _pop(self, e: _Entry) -> None:
-        self._queue.remove(e.job.job_id)
-
-    def schedule(self, now_s: float) -> list[Decision]:
-        decisions = []
-        while (head := self._queue.head()) is not None:
-            e = self._entries[head]
-            placement = self.cluster.fit(e.job, now_s)
-            if placement is None:
-                break  # the head waits, and so does everything behind it
-            decisions.append(self._start(e, placement, now_s, "head of the FIFO queue and it fits"))
-        return decisions
 
 
 class FairSharePolicy(SchedulingPolicy):
@@ -282,7 +255,7 @@ class FairSharePolicy(SchedulingPolicy):
         return dict(self._reserved)
 
     # --- queue hooks -----------------------------------------------------------------------------
-    def _push(self, e: _Entry, now_s: float, *, new: bool) -> None:
+    def _push(self, e: PolicyEntry, now_s: float, *, new: bool) -> None:
         t = e.job.tenant
         if new:
             if self._active[t] == 0:
@@ -294,10 +267,10 @@ class FairSharePolicy(SchedulingPolicy):
         size = e.remaining_work_s if self.config.order_by_size else 0.0
         self._queues.setdefault(t, TenantQueue()).push(e.job.job_id, e.job.priority, size, e.seq)
 
-    def _pop(self, e: _Entry) -> None:
+    def _pop(self, e: PolicyEntry) -> None:
         self._queues[e.job.tenant].remove(e.job.job_id)
 
-    def _charge(self, e: _Entry) -> float:
+    def _charge(self, e: PolicyEntry) -> float:
         job = e.job
         share = max(
             job.learner_mem_gb / self.cluster.total_learner_gb if self.cluster.total_learner_gb else 0.0,
@@ -305,13 +278,13 @@ class FairSharePolicy(SchedulingPolicy):
         )
         return share * e.remaining_work_s / self.config.weight(job.tenant)
 
-    def _on_started(self, e: _Entry) -> None:
+    def _on_started(self, e: PolicyEntry) -> None:
         self._running_prio[e.job.priority] += 1
         e.charged = self._charge(e)
         self._vtime[e.job.tenant] = self.vtime(e.job.tenant) + e.charged
         self._drop_claims(e.job.job_id)
 
-    def _on_stopped(self, e: _Entry, steps_ran: int) -> None:
+    def _on_stopped(self, e: PolicyEntry, steps_ran: int) -> None:
         self._running_prio[e.job.priority] -= 1
         # Charged for all remaining work at start; give back what it did not get to run.
         unused = e.charged * (1 - steps_ran / max(1, e.job.steps - e.steps_done + steps_ran))
@@ -321,7 +294,7 @@ class FairSharePolicy(SchedulingPolicy):
             if not victims:
                 del self._draining_for[waiting]
 
-    def _on_gone(self, e: _Entry, was_running: bool) -> None:
+    def _on_gone(self, e: PolicyEntry, was_running: bool) -> None:
         self._active[e.job.tenant] -= 1
         if was_running:
             self._running_prio[e.job.priority] -= 1
@@ -359,7 +332,7 @@ class FairSharePolicy(SchedulingPolicy):
                 break
         return decisions
 
-    def _candidates(self) -> Iterator[_Entry]:
+    def _candidates(self) -> Iterator[PolicyEntry]:
         """Queued jobs in decision order: higher priority first; at one priority, the tenant with the
         least weighted charge; within a tenant, its queue order. Charges move as jobs start, so the
         tenant order is re-read after every job taken."""
@@ -379,7 +352,7 @@ class FairSharePolicy(SchedulingPolicy):
             if nxt is not None:
                 heapq.heappush(heap, (nxt[0], self.vtime(t), t, nxt[3]))
 
-    def _allowed_for(self, e: _Entry, now_s: float) -> Callable[[ResourceID], bool]:
+    def _allowed_for(self, e: PolicyEntry, now_s: float) -> Callable[[ResourceID], bool]:
         job = e.job
 
         def allowed(rid: ResourceID) -> bool:
@@ -390,7 +363,7 @@ class FairSharePolicy(SchedulingPolicy):
 
         return allowed
 
-    def _done_before_reserved(self, e: _Entry, rid: ResourceID, now_s: float) -> bool:
+    def _done_before_reserved(self, e: PolicyEntry, rid: ResourceID, now_s: float) -> bool:
         """EASY backfilling on a reserved resource: ``e`` may use it if, by declared sizes, it is done
         before the resource is expected to be free for its owner, and the work already there plus its
         own fits in that window on the resource (so it does not slow the others past it either)."""
@@ -415,7 +388,7 @@ class FairSharePolicy(SchedulingPolicy):
                 load += left_s * on_resource(job) / job.step_work_s
         return load <= window
 
-    def _start_reason(self, e: _Entry, misses: int) -> str:
+    def _start_reason(self, e: PolicyEntry, misses: int) -> str:
         t = e.job.tenant
         why = f"priority {e.job.priority}; tenant {t} has the least weighted charge among waiting tenants "
         why += f"({self.vtime(t):.4g}, weight {self.config.weight(t):g}); "
@@ -428,7 +401,7 @@ class FairSharePolicy(SchedulingPolicy):
         lowest = min((p for p, n in self._running_prio.items() if n > 0), default=None)
         return lowest is not None and lowest < job.priority and job.job_id not in self._draining_for
 
-    def _preempt_for(self, e: _Entry, now_s: float) -> list[Decision]:
+    def _preempt_for(self, e: PolicyEntry, now_s: float) -> list[Decision]:
         job = e.job
         if job.job_id in self._draining_for:
             return []  # its victims are still stopping
