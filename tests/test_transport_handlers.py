@@ -20,7 +20,7 @@ import pytest
 import zmq
 
 from polytinker.errors import ConfigError, RemoteError, RequestTimeout
-from polytinker.transport import AsyncRpcClient, RpcClient, RpcServer, TransportConfig, current_call
+from polytinker.transport import RpcClient, RpcServer, TransportConfig, current_call
 from polytinker.transport.protocol import pack_header
 
 # Dead after 1 s of silence, as in test_transport_rpc.py.
@@ -123,15 +123,14 @@ def test_a_timeout_cancels_the_call_on_the_server(rec):
 
 
 def test_asyncio_cancellation_cancels_the_call_on_the_server(rec):
-    async def main(address: str) -> None:
-        async with AsyncRpcClient(address, config=FAST) as c:
-            with pytest.raises(asyncio.TimeoutError):
-                await asyncio.wait_for(c.call("until_cancelled", 10.0), 0.3)
-            assert await asyncio.to_thread(rec.saw_cancel.wait, 5)
-            assert await c.call("echo", "after") == "after"
+    async def main(c: RpcClient) -> None:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.wrap_future(c.call_async("until_cancelled", 10.0)), 0.3)
+        assert await asyncio.to_thread(rec.saw_cancel.wait, 5)
+        assert await asyncio.wrap_future(c.call_async("echo", "after")) == "after"
 
-    with RpcServer(_inproc(), rec.handlers(), config=FAST) as srv:
-        asyncio.run(main(srv.address))
+    with RpcServer(_inproc(), rec.handlers(), config=FAST) as srv, RpcClient(srv.address, config=FAST) as c:
+        asyncio.run(main(c))
 
 
 def test_cancelling_does_not_disturb_other_calls(rec):

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from polytinker.errors import PeerDeadError, ProtocolError, RemoteError, RequestTimeout, TransportError
-from polytinker.transport import AsyncRpcClient, RpcClient, RpcServer, TransportConfig, message
+from polytinker.transport import RpcClient, RpcServer, TransportConfig, message
 from polytinker.transport._echo import HANDLERS
 
 # Dead after 1 s of silence: quick, yet tolerant of a loaded two-core CI machine.
@@ -178,17 +178,21 @@ def test_blocking_call_inside_a_future_callback_fails_loudly(client):
     assert seen and "call_async" in str(seen[0])
 
 
-def test_async_client(server):
-    async def main() -> None:
-        async with AsyncRpcClient(server.address, config=FAST) as c:
-            assert await asyncio.gather(*(c.call("echo", i) for i in range(200))) == list(range(200))
-            with pytest.raises(RemoteError):
-                await c.call("fail", "x")
-            with pytest.raises(asyncio.TimeoutError):
-                await asyncio.wait_for(c.call("sleep", 1.0), 0.1)  # cancels the call
-            assert await c.call("echo", "ok") == "ok"
+def test_client_futures_awaited_from_asyncio(server):
+    with RpcClient(server.address, config=FAST) as c:
 
-    asyncio.run(main())
+        def call(kind: str, payload: object) -> asyncio.Future[object]:
+            return asyncio.wrap_future(c.call_async(kind, payload))
+
+        async def main() -> None:
+            assert await asyncio.gather(*(call("echo", i) for i in range(200))) == list(range(200))
+            with pytest.raises(RemoteError):
+                await call("fail", "x")
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(call("sleep", 1.0), 0.1)  # cancels the call
+            assert await call("echo", "ok") == "ok"
+
+        asyncio.run(main())
 
 
 def test_tells_run_without_a_reply(tmp_path):

@@ -2,7 +2,7 @@
 
 - ``encode`` / ``decode``: msgpack bodies with arrays and tensors as out-of-band frames.
 - ``message`` / ``register_message``: typed messages (frozen dataclasses) by name.
-- ``RpcServer``, ``RpcClient``, ``AsyncRpcClient``: request/reply and tells over ROUTER/DEALER;
+- ``RpcServer``, ``RpcClient``: request/reply and tells over ROUTER/DEALER;
   ``current_call()`` tells a handler which request it serves and whether it was cancelled.
 - ``ServerCurve``, ``ClientCurve``, ``generate_keypair``: CurveZMQ keys and allow-lists.
 - ``TransportConfig``: timeouts, heartbeats, limits and queue depths.
@@ -15,11 +15,10 @@ from polytinker.transport.codec import decode, encode
 from polytinker.transport.config import TransportConfig
 from polytinker.transport.messages import message, message_name, message_type, register_message
 from polytinker.transport.protocol import PROTOCOL_VERSION, ErrorCode, MsgType
-from polytinker.transport.rpc import AsyncRpcClient, CallContext, Handler, RpcClient, RpcServer, current_call
+from polytinker.transport.rpc import CallContext, Handler, RpcClient, RpcServer, current_call
 
 __all__ = [
     "PROTOCOL_VERSION",
-    "AsyncRpcClient",
     "CallContext",
     "ClientCurve",
     "ErrorCode",

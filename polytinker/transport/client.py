@@ -1,4 +1,4 @@
-"""``RpcClient`` (thread-safe, futures) and ``AsyncRpcClient`` (asyncio) over one DEALER socket.
+"""``RpcClient`` (thread-safe, futures) over one DEALER socket.
 
 One I/O thread owns the socket. A caller encodes its payload in its own thread, queues the
 request and wakes the I/O thread through a pipe; the I/O thread sends it, matches answers to
@@ -13,7 +13,6 @@ fails the calls with AuthError at once, instead of leaving them to time out.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import itertools
 import logging
@@ -380,42 +379,4 @@ class RpcClient:
         st.last_recv = now
 
 
-class AsyncRpcClient:
-    """The asyncio face of :class:`RpcClient`: the same calls, awaitable. Cancelling the awaiting
-    task abandons the call and cancels it on the server (CANCEL)."""
-
-    def __init__(
-        self,
-        address: str,
-        *,
-        config: TransportConfig | None = None,
-        curve: auth.ClientCurve | None = None,
-        context: zmq.Context | None = None,
-    ) -> None:
-        self._client = RpcClient(address, config=config, curve=curve, context=context)
-
-    @property
-    def address(self) -> str:
-        return self._client.address
-
-    def call_async(self, kind: str, payload: Any = None, *, timeout_s: float | None = None) -> asyncio.Future[Any]:
-        """An asyncio future of the reply (call from inside a running loop)."""
-        return asyncio.wrap_future(self._client.call_async(kind, payload, timeout_s=timeout_s))
-
-    async def call(self, kind: str, payload: Any = None, *, timeout_s: float | None = None) -> Any:
-        return await self.call_async(kind, payload, timeout_s=timeout_s)
-
-    async def send_oneway(self, kind: str, payload: Any = None) -> None:
-        self._client.send_oneway(kind, payload)
-
-    async def close(self) -> None:
-        await asyncio.to_thread(self._client.close)
-
-    async def __aenter__(self) -> AsyncRpcClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-
-__all__ = ["AsyncRpcClient", "RpcClient"]
+__all__ = ["RpcClient"]

@@ -1,4 +1,4 @@
-"""RPC over ZeroMQ: ``RpcServer`` (ROUTER) and ``RpcClient`` / ``AsyncRpcClient`` (DEALER).
+"""RPC over ZeroMQ: ``RpcServer`` (ROUTER) and ``RpcClient`` (DEALER).
 
 The same API serves ``inproc://``, ``ipc://`` and ``tcp://`` addresses. The wire format is in
 ``docs/wire-protocol.md``; the envelope in :mod:`polytinker.transport.protocol`.
@@ -7,12 +7,11 @@ The same API serves ``inproc://``, ``ipc://`` and ``tcp://`` addresses. The wire
 from __future__ import annotations
 
 from polytinker.transport.auth import ClientCurve, ServerCurve
-from polytinker.transport.client import AsyncRpcClient, RpcClient
+from polytinker.transport.client import RpcClient
 from polytinker.transport.config import TransportConfig
 from polytinker.transport.server import CallContext, Handler, RpcServer, current_call
 
 __all__ = [
-    "AsyncRpcClient",
     "CallContext",
     "ClientCurve",
     "Handler",
