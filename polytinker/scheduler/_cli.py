@@ -294,6 +294,17 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub: Any) -> None:
+    """The scheduler's subcommands, in the order ``polytinker --help`` lists them."""
+    _add_serve_parser(sub)
+    _add_gateway_parser(sub)
+    _add_worker_parser(sub)
+    _add_jobs_parser(sub)
+    _add_checkpoints_parser(sub)
+    _add_status_parser(sub)
+
+
+def _add_serve_parser(sub: Any) -> None:
+    """``serve``: the scheduler service, with its local engines and learners."""
     p = sub.add_parser("serve", help="run the scheduler service (and its local engines and learners)")
     _add_config_args(p)
     p.add_argument("--address", help="where the scheduler listens, e.g. tcp://127.0.0.1:7000 (overrides the config)")
@@ -301,6 +312,9 @@ def register(sub: Any) -> None:
     p.add_argument("--http", metavar="HOST:PORT", help="serve the Tinker API and OpenAI-compatible inference here")
     p.set_defaults(func=_serve)
 
+
+def _add_gateway_parser(sub: Any) -> None:
+    """``gateway``: the HTTP APIs in front of a scheduler elsewhere."""
     g = sub.add_parser("gateway", help="serve the Tinker API and OpenAI-compatible inference for a scheduler elsewhere")
     g.add_argument("--scheduler", required=True, help="the scheduler's address, tcp://HOST:PORT")
     g.add_argument("--http", required=True, metavar="HOST:PORT", help="where to serve HTTP")
@@ -311,6 +325,9 @@ def register(sub: Any) -> None:
     g.add_argument("--scheduler-key", help="the scheduler's Curve .key (public) file")
     g.set_defaults(func=_gateway)
 
+
+def _add_worker_parser(sub: Any) -> None:
+    """``worker``: an engine or learner group joining a remote scheduler."""
     w = sub.add_parser("worker", help="run an engine or learner group that joins a remote scheduler")
     _add_config_args(w)
     w.add_argument("--scheduler", required=True, help="the scheduler's address, tcp://HOST:PORT")
@@ -328,6 +345,9 @@ def register(sub: Any) -> None:
     w.add_argument("--scheduler-key", help="the scheduler's Curve .key (public) file")
     w.set_defaults(func=_worker)
 
+
+def _add_jobs_parser(sub: Any) -> None:
+    """``jobs list|show|cancel|pause|resume``."""
     j = sub.add_parser("jobs", help="list, show, cancel, pause and resume this tenant's jobs")
     _add_client_args(j)
     jobs_sub = j.add_subparsers(dest="jobs_command", metavar="JOBS_COMMAND", required=True)
@@ -339,6 +359,9 @@ def register(sub: Any) -> None:
         c.add_argument("job_id")
     j.set_defaults(func=_jobs)
 
+
+def _add_checkpoints_parser(sub: Any) -> None:
+    """``checkpoints list|export``."""
     ck = sub.add_parser("checkpoints", help="list this tenant's saved versions and checkpoints; export one")
     _add_client_args(ck)
     ck_sub = ck.add_subparsers(dest="checkpoints_command", metavar="CHECKPOINTS_COMMAND", required=True)
@@ -351,6 +374,9 @@ def register(sub: Any) -> None:
     ex.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     ck.set_defaults(func=_checkpoints)
 
+
+def _add_status_parser(sub: Any) -> None:
+    """``status``: the runtime's actors and workers."""
     st = sub.add_parser("status", help="the runtime's actors (alive, pid, restarts, last exit) and workers")
     _add_client_args(st)
     st.add_argument("--json", action="store_true", help="print JSON")
