@@ -24,7 +24,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from polytinker.actors import _actor, _logs, _protocol, _spawn
+from polytinker.actors import _actor, _logs, _process, _protocol, _spawn
 from polytinker.actors._mailbox import MailboxServer
 from polytinker.errors import ActorDeadError, ActorError, ProtocolError
 
@@ -245,7 +245,7 @@ def _serve(spec: _protocol.ChildSpec, runner: _Runner) -> int:
     for server in runner.servers:
         with contextlib.suppress(Exception):
             server.stop()
-        _spawn.remove_ipc_files(server.address)
+        _process.remove_ipc_files(server.address)
     log.info("stopped", extra={"exit_code": runner.exit_code})
     return runner.exit_code
 

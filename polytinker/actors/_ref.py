@@ -13,16 +13,14 @@ import signal
 import threading
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from polytinker.actors._actor import RESERVED_PREFIX, check_payload_type
 from polytinker.actors._mailbox import MailboxClient
+from polytinker.actors._process import ChildProcess
 from polytinker.actors._protocol import PING_KIND, STOP_KIND, TELL_KIND
 from polytinker.actors.config import ActorConfig
 from polytinker.errors import ActorDeadError, ProtocolError, RemoteError, RequestTimeout, TransportError
-
-if TYPE_CHECKING:  # _spawn imports this module
-    from polytinker.actors._spawn import ChildProcess
 
 
 class ActorRef:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from polytinker.actors import _logs, _spawn
+from polytinker.actors._process import ChildProcess
 from polytinker.actors._ref import ActorRef
 from polytinker.actors._spawn import ActorStartError
 from polytinker.actors.config import ActorConfig
@@ -187,7 +188,7 @@ class Supervisor:
 
     # -- restarts ---------------------------------------------------------------------------------
 
-    def _attach(self, entry: _Entry, child: _spawn.ChildProcess) -> None:
+    def _attach(self, entry: _Entry, child: ChildProcess) -> None:
         entry.ref._attach(child)
         child.on_exit(lambda c, code: self._child_exited(entry, c.pid, code, c.last_traceback()))
 
