@@ -13,6 +13,7 @@ import zmq
 
 from polytinker.client._connection import Connection
 from polytinker.errors import ConfigError, ProtocolError, RemoteError
+from polytinker.model_path import ModelPath
 from polytinker.scheduler.service import (
     AuthError,
     EngineWorkerConfig,
@@ -27,7 +28,6 @@ from polytinker.scheduler.service import (
     TenantConfig,
 )
 from polytinker.scheduler.service import messages as m
-from polytinker.scheduler.service.scheduler import parse_model_path
 from polytinker.scheduler.service.tenants import Tenants, hash_key
 from polytinker.transport import RpcClient, RpcServer
 
@@ -298,9 +298,15 @@ def test_message_validation_and_model_paths() -> None:
         m.CreateJob(KEY_A, "training", "tiny-random")
     with pytest.raises(ConfigError):
         m.Sample(KEY_A, "", "tiny-random", (), 1)
-    assert parse_model_path("polytinker://job-1/agent@3") == ("job-1", "agent", 3)
+    path = ModelPath.parse("polytinker://job-1/agent@3")
+    assert (path.job_id, path.agent, path.version) == ("job-1", "agent", 3)
+    assert str(path) == "polytinker://job-1/agent@3"
+    assert path.tinker == "tinker://job-1/sampler_weights/agent@3"
+    assert ModelPath.from_tinker(path.tinker) == path
     with pytest.raises(ConfigError):
-        parse_model_path("polytinker://job-1@x")
+        ModelPath.parse("polytinker://job-1@x")
+    with pytest.raises(ConfigError):
+        ModelPath.from_tinker("tinker://job-1/weights/agent@3")
 
 
 def test_a_higher_priority_job_preempts_at_the_next_step_boundary(tmp_path: Path) -> None:

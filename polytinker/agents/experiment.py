@@ -35,6 +35,7 @@ from polytinker.agents.rollout import Players
 from polytinker.agents.types import AlgorithmName, LoopMode, MappingKind, StepRecord
 from polytinker.envs import EnvConfig, make, scripted_policy
 from polytinker.errors import ConfigError, NotBuiltError, PolytinkerError
+from polytinker.model_path import ModelPath
 
 log = logging.getLogger("polytinker.agents.experiment")
 
@@ -290,7 +291,7 @@ class Experiment:
         for agent, client in clients.items():
             if (agent, players.current.get(agent, 0)) not in players.samplers:
                 sampler = await client.save_weights_and_get_sampling_client_async()
-                players.current[agent] = int(sampler.model_path.rsplit("@", 1)[1])
+                players.current[agent] = ModelPath.parse(sampler.model_path).version
                 players.samplers[(agent, players.current[agent])] = sampler
         self._logger = MetricsLogger(
             self.run_dir, tensorboard=config.output.tensorboard, wandb=config.output.wandb, name=config.name

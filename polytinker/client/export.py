@@ -26,18 +26,17 @@ from typing import Any
 
 from polytinker.client._connection import Connection
 from polytinker.errors import ConfigError
+from polytinker.model_path import TINKER_PREFIX, ModelPath
 from polytinker.scheduler.service import messages as m
+from polytinker.scheduler.service.replies import ExportWeightsReply
 
 MANIFEST = "polytinker.json"
 
 
 def _model_path(path: str) -> str:
-    if path.startswith("tinker://"):
-        parts = path.removeprefix("tinker://").split("/")
-        if len(parts) != 3 or parts[1] != "sampler_weights":
-            raise ConfigError(f"{path!r}: export takes tinker://RUN/sampler_weights/AGENT@VERSION (a sampler path)")
-        return f"polytinker://{parts[0]}/{parts[2]}"
-    return path
+    """A Tinker sampler path as the model path it names; any other path as it is (the scheduler
+    checks it)."""
+    return str(ModelPath.from_tinker(path)) if path.startswith(TINKER_PREFIX) else path
 
 
 def base_identity(base_model: str) -> dict[str, str]:
@@ -68,12 +67,12 @@ def export_weights(
 ) -> Path:
     """Write the saved version ``model_path`` of this tenant to ``out_dir`` (see the module docstring)."""
     path = _model_path(model_path)
-    reply = conn.request("sched.export_weights", m.ExportWeights(conn.api_key, path))
-    identity = base_identity(str(reply["base_model"]))
-    config = json.loads(reply["adapter_config"])
+    reply = conn.request("sched.export_weights", m.ExportWeights(conn.api_key, path), ExportWeightsReply)
+    identity = base_identity(reply.base_model)
+    config = json.loads(reply.adapter_config)
     config["base_model_name_or_path"] = identity["hub_id"] or identity["base_model"]
-    manifest = {**identity, "model_path": path, "version": int(reply["version"]), "merged": merged}
-    weights = bytes(reply["weights"])
+    manifest = {**identity, "model_path": path, "version": reply.version, "merged": merged}
+    weights = bytes(reply.weights)
 
     def write_adapter(d: Path) -> None:
         (d / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -23,9 +23,9 @@ from polytinker.client._connection import Connection
 from polytinker.client.sampling_client import SamplingClient
 from polytinker.client.training_client import TrainingClient
 from polytinker.errors import ConfigError, NotBuiltError, PolytinkerError, TransportError
+from polytinker.model_path import CKPT_PREFIX
 from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service.config import RuntimeConfig
-from polytinker.scheduler.service.scheduler import CKPT_PREFIX
 from polytinker.transport import ClientCurve
 from polytinker.types import GetServerCapabilitiesResponse, SupportedModel
 

@@ -28,12 +28,11 @@ from polytinker.client.sampling_client import SamplingClient
 from polytinker.client.service_client import ServiceClient
 from polytinker.client.training_client import TrainingClient
 from polytinker.errors import AuthError, ConfigError, NotBuiltError
+from polytinker.model_path import CKPT_PREFIX, MODEL_PREFIX, TINKER_PREFIX, ModelPath
 from polytinker.scheduler.http.store import GatewayStore, ModelRow, SamplerRow, SavedRow
 from polytinker.scheduler.service import messages as m
-from polytinker.scheduler.service.scheduler import CKPT_PREFIX, MODEL_PREFIX, parse_model_path
 from polytinker.transport import ClientCurve
 
-TINKER_PREFIX = "tinker://"
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 
@@ -49,24 +48,19 @@ def to_tinker_path(path: str) -> str:
         job_id, _, name = path.removeprefix(CKPT_PREFIX).partition("/")
         return f"{TINKER_PREFIX}{job_id}/weights/{name}"
     if path.startswith(MODEL_PREFIX):
-        job_id, agent, version = parse_model_path(path)
-        return f"{TINKER_PREFIX}{job_id}/sampler_weights/{agent}@{version}"
+        return ModelPath.parse(path).tinker
     raise ConfigError(f"{path!r} is not a polytinker path")
 
 
 def from_tinker_path(path: str, kind: str) -> str:
     """The polytinker path of a ``tinker://JOB/weights/NAME`` (``kind="weights"``) or
     ``tinker://JOB/sampler_weights/AGENT@V`` (``kind="sampler_weights"``) path; ConfigError else."""
+    if kind != "weights":
+        return str(ModelPath.from_tinker(path))
     parts = path.removeprefix(TINKER_PREFIX).split("/") if path.startswith(TINKER_PREFIX) else []
     if len(parts) != 3 or parts[1] != kind or not parts[0] or not parts[2]:
-        example = "tinker://RUN/weights/NAME" if kind == "weights" else "tinker://RUN/sampler_weights/AGENT@VERSION"
-        raise ConfigError(f"{path!r} is not a path of the form {example}")
-    job_id, _, name = parts
-    if kind == "weights":
-        return f"{CKPT_PREFIX}{job_id}/{name}"
-    out = f"{MODEL_PREFIX}{job_id}/{name}"
-    parse_model_path(out)  # ConfigError when malformed
-    return out
+        raise ConfigError(f"{path!r} is not a path of the form {TINKER_PREFIX}RUN/weights/NAME")
+    return f"{CKPT_PREFIX}{parts[0]}/{parts[2]}"
 
 
 @dataclass
@@ -339,9 +333,7 @@ class TinkerBackend:
     def weights_info(self, t: Tenant, tinker_path: str) -> dict[str, Any]:
         kind = "weights" if "/weights/" in tinker_path else "sampler_weights"
         path = from_tinker_path(tinker_path, kind)
-        job_id = (path.removeprefix(CKPT_PREFIX) if kind == "weights" else path.removeprefix(MODEL_PREFIX)).split("/")[
-            0
-        ]
+        job_id = path.removeprefix(CKPT_PREFIX).partition("/")[0] if kind == "weights" else ModelPath.parse(path).job_id
         row = self.model(t, job_id)
         lora = t.service.get_job(row.job_id).get("lora") or {}
         modules = set(lora.get("target_modules") or ATTN_MODULES + MLP_MODULES)  # none named: every linear
@@ -361,7 +353,7 @@ class TinkerBackend:
         tinker_path = req.get("model_path")
         if tinker_path:
             path = from_tinker_path(str(tinker_path), "sampler_weights")
-            base_model = self.model(t, parse_model_path(path)[0]).base_model
+            base_model = self.model(t, ModelPath.parse(path).job_id).base_model
         else:
             path, base_model = "", self._base_model(req.get("base_model"))
         sampler_id = f"sampler-{uuid.uuid4().hex[:16]}"
@@ -383,7 +375,7 @@ class TinkerBackend:
             key, path, base = row.sampler_id, row.model_path, row.base_model
         elif req.get("model_path"):
             path = from_tinker_path(str(req["model_path"]), "sampler_weights")
-            key, base = path, self.model(t, parse_model_path(path)[0]).base_model
+            key, base = path, self.model(t, ModelPath.parse(path).job_id).base_model
         else:
             base = self._base_model(req.get("base_model"))
             key, path = f"base:{base}", ""

@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 
 from polytinker.errors import ConfigError
+from polytinker.model_path import MODEL_PREFIX
 from polytinker.scheduler.service.layout import KINDS, check_adapter_key, check_name, relative_path
 from polytinker.transport.messages import message
 
@@ -256,7 +257,7 @@ class ExportWeights:
     model_path: str
 
     def __post_init__(self) -> None:
-        _need(self.model_path.startswith("polytinker://"), "model_path must be polytinker://JOB/AGENT@VERSION")
+        _need(self.model_path.startswith(MODEL_PREFIX), f"model_path must be {MODEL_PREFIX}JOB/AGENT@VERSION")
 
 
 @message("sched.runtime_status")

@@ -46,6 +46,7 @@ from polytinker.errors import (
     OverloadedError,
     RemoteError,
 )
+from polytinker.model_path import CKPT_PREFIX, ModelPath
 from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service.broker import Broker, WorkerHandle
 from polytinker.scheduler.service.config import RuntimeConfig
@@ -58,8 +59,6 @@ from polytinker.transport import RpcServer, ServerCurve, TransportConfig
 from polytinker.transport.server import peer_user_id
 
 log = logging.getLogger("polytinker.scheduler.service")
-MODEL_PREFIX = "polytinker://"
-CKPT_PREFIX = "polytinker-ckpt://"
 
 
 def local_address(config: RuntimeConfig) -> str:
@@ -67,21 +66,6 @@ def local_address(config: RuntimeConfig) -> str:
     if not config.curve_secret_file:
         return config.address
     return f"ipc://{config.state_path / 'scheduler.sock'}"
-
-
-def model_path(job_id: str, agent: str, version: int) -> str:
-    return f"{MODEL_PREFIX}{job_id}/{agent}@{version}"
-
-
-def parse_model_path(path: str) -> tuple[str, str, int]:
-    """(job_id, agent, version) of ``polytinker://JOB/AGENT@VERSION``."""
-    body = path.removeprefix(MODEL_PREFIX)
-    try:
-        where, version = body.rsplit("@", 1)
-        job_id, agent = where.split("/", 1)
-        return job_id, agent, int(version)
-    except ValueError:
-        raise ConfigError(f"model_path {path!r} is not {MODEL_PREFIX}JOB/AGENT@VERSION") from None
 
 
 class SchedulerService:
@@ -202,7 +186,7 @@ class SchedulerService:
         adapter = (
             None
             if a is None
-            else {"agent": a.agent, "version": a.version, "model_path": model_path(row.job_id, a.agent, a.version)}
+            else {"agent": a.agent, "version": a.version, "model_path": str(ModelPath(row.job_id, a.agent, a.version))}
         )
         return {
             "status": "ok",
@@ -438,7 +422,7 @@ class SchedulerService:
             a = self.store.adapter(a.adapter_key) or a
         if msg.name:
             self.store.add_checkpoint(row.job_id, f"sampler-{msg.name}", a.export_dir, a.version)
-        return {"status": "ok", "model_path": model_path(row.job_id, row.agent, a.version), "version": a.version}
+        return {"status": "ok", "model_path": str(ModelPath(row.job_id, row.agent, a.version)), "version": a.version}
 
     def export_weights(self, msg: m.ExportWeights) -> dict[str, Any]:
         """A saved LoRA version's peft files (``adapter_config.json`` as text, the weights as one
@@ -470,7 +454,8 @@ class SchedulerService:
         ('', 0, None, False) for the base model."""
         if not path:
             return "", 0, None, False
-        job_id, agent, version = parse_model_path(path)
+        parsed = ModelPath.parse(path)
+        job_id, agent, version = parsed.job_id, parsed.agent, parsed.version
         key = adapter_key(tenant, job_id, agent)  # another tenant's path resolves to nothing here
         a = self.store.adapter(key)
         found = self.store.version_row(key, version) if a is not None else None
@@ -507,7 +492,7 @@ class SchedulerService:
         call is answered "waiting" (paused for idleness, the call resumes it). A model path names
         its training job (``_resolve`` checked it is the tenant's)."""
         if msg.model_path:
-            self.jobs.touch(parse_model_path(msg.model_path)[0])
+            self.jobs.touch(ModelPath.parse(msg.model_path).job_id)
             return
         if not msg.job_id:
             raise ConfigError(
@@ -536,12 +521,4 @@ class SchedulerActor(Actor):
             self._service.stop()
 
 
-__all__ = [
-    "CKPT_PREFIX",
-    "MODEL_PREFIX",
-    "SchedulerActor",
-    "SchedulerService",
-    "local_address",
-    "model_path",
-    "parse_model_path",
-]
+__all__ = ["SchedulerActor", "SchedulerService", "local_address"]

@@ -1,0 +1,64 @@
+"""Model paths: the names of saved weights, parsed here and nowhere else.
+
+- ``ModelPath``: one saved version of an agent's weights, ``polytinker://JOB/AGENT@VERSION``
+  (what ``save_weights_for_sampler`` answers and ``create_sampling_client`` takes). Its Tinker
+  spelling is ``tinker://JOB/sampler_weights/AGENT@VERSION`` (``tinker`` / ``from_tinker``).
+- ``MODEL_PREFIX`` (``polytinker://``) and ``CKPT_PREFIX`` (``polytinker-ckpt://``, the
+  checkpoints of ``save_state``: ``polytinker-ckpt://JOB/NAME``), ``TINKER_PREFIX`` (``tinker://``).
+
+Paths travel as strings (in messages, in ``state.json``, over HTTP); each layer turns one into a
+``ModelPath`` with ``ModelPath.parse`` where it needs its parts, and back with ``str()``. This
+module imports nothing of polytinker but its errors, so that every layer may use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from polytinker.errors import ConfigError
+
+MODEL_PREFIX = "polytinker://"
+CKPT_PREFIX = "polytinker-ckpt://"
+TINKER_PREFIX = "tinker://"
+_TINKER_SAMPLER = "sampler_weights"
+
+
+@dataclass(frozen=True)
+class ModelPath:
+    """``polytinker://JOB/AGENT@VERSION``: version ``version`` of agent ``agent``'s weights in job ``job_id``."""
+
+    job_id: str
+    agent: str
+    version: int
+
+    @classmethod
+    def parse(cls, path: str) -> ModelPath:
+        """The parts of ``polytinker://JOB/AGENT@VERSION`` (the prefix may be left out); a
+        ``ConfigError`` when ``path`` has no job, agent and integer version."""
+        body = path.removeprefix(MODEL_PREFIX)
+        try:
+            where, version = body.rsplit("@", 1)
+            job_id, agent = where.split("/", 1)
+            return cls(job_id, agent, int(version))
+        except ValueError:
+            raise ConfigError(f"model_path {path!r} is not {MODEL_PREFIX}JOB/AGENT@VERSION") from None
+
+    @classmethod
+    def from_tinker(cls, path: str) -> ModelPath:
+        """The model path of Tinker's ``tinker://JOB/sampler_weights/AGENT@VERSION``; a
+        ``ConfigError`` for any other path."""
+        parts = path.removeprefix(TINKER_PREFIX).split("/") if path.startswith(TINKER_PREFIX) else []
+        if len(parts) != 3 or parts[1] != _TINKER_SAMPLER or not parts[0] or not parts[2]:
+            raise ConfigError(f"{path!r} is not a path of the form {TINKER_PREFIX}RUN/{_TINKER_SAMPLER}/AGENT@VERSION")
+        return cls.parse(f"{MODEL_PREFIX}{parts[0]}/{parts[2]}")
+
+    @property
+    def tinker(self) -> str:
+        """Tinker's spelling: ``tinker://JOB/sampler_weights/AGENT@VERSION``."""
+        return f"{TINKER_PREFIX}{self.job_id}/{_TINKER_SAMPLER}/{self.agent}@{self.version}"
+
+    def __str__(self) -> str:
+        return f"{MODEL_PREFIX}{self.job_id}/{self.agent}@{self.version}"
+
+
+__all__ = ["CKPT_PREFIX", "MODEL_PREFIX", "TINKER_PREFIX", "ModelPath"]
