@@ -49,11 +49,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="module")
 def flaky_id():
-    """``flaky-v0`` (test_envs_fixtures.FlakyEnv: 'boom' raises, 'sleep' hangs), registered for the
+    """``flaky-v0`` (fixtures.envs.FlakyEnv: 'boom' raises, 'sleep' hangs), registered for the
     module that asks for it."""
     from polytinker.envs import register
     from polytinker.envs.registry import unregister
 
-    register("flaky-v0", "test_envs_fixtures:FlakyEnv")
+    register("flaky-v0", "fixtures.envs:FlakyEnv")
     yield "flaky-v0"
     unregister("flaky-v0")

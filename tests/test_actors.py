@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from test_actors_fixtures import Counter, Crashy, FailsOnStart, Nest, Overlap, Scale, StubbornStop
+from fixtures.actors import Counter, Crashy, FailsOnStart, Nest, Overlap, Scale, StubbornStop
 
 from polytinker.actors import (
     EXIT_FAILED,

@@ -11,7 +11,7 @@ import time
 
 import psutil
 import pytest
-from test_actors_fixtures import Counter, Crashy, DiesSoon
+from fixtures.actors import Counter, Crashy, DiesSoon
 
 from polytinker.actors import ActorConfig, RestartPolicy, Supervisor, read_log
 from polytinker.errors import ActorDeadError
@@ -124,7 +124,7 @@ def test_a_stopped_or_transient_clean_exit_is_not_restarted(tmp_path):
 PARENT = textwrap.dedent(
     """
     import sys, time
-    from test_actors_fixtures import Marker
+    from fixtures.actors import Marker
     from polytinker.actors import spawn
     ref = spawn(Marker, sys.argv[2], name="orphan-candidate", run_dir=sys.argv[1])
     print(ref.pid, flush=True)
@@ -158,7 +158,7 @@ def test_a_parent_that_exits_normally_stops_its_actors_gracefully(tmp_path):
     script = textwrap.dedent(
         """
         import sys
-        from test_actors_fixtures import Counter
+        from fixtures.actors import Counter
         from polytinker.actors import ActorConfig, RestartPolicy, Supervisor, spawn
         ref = spawn(Counter, 7, name="left-behind", run_dir=sys.argv[1])
         sup = Supervisor(run_dir=sys.argv[1])

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_client_fixtures import KEY_ALICE, KEY_BOB, MODEL, client, data, shared_runtime
+from fixtures.client import KEY_ALICE, KEY_BOB, MODEL, client, data, shared_runtime
 
 from polytinker.cli import main as cli_main
 from polytinker.errors import AuthError

@@ -9,7 +9,7 @@ import time
 from concurrent.futures import wait
 
 import pytest
-from test_client_fixtures import KEY_ALICE, KEY_BOB, MODEL, client, data, shared_runtime
+from fixtures.client import KEY_ALICE, KEY_BOB, MODEL, client, data, shared_runtime
 
 from polytinker import cli
 from polytinker.client import SamplingClient, ServiceClient, TrainingClient

@@ -11,7 +11,7 @@ from concurrent.futures import wait
 import numpy as np
 import pytest
 import torch
-from test_client_fixtures import KEY_ALICE, MODEL, shared_runtime
+from fixtures.client import KEY_ALICE, MODEL, shared_runtime
 
 import polytinker as tinker
 from polytinker import types

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from test_envs_fixtures import FlakyEnv
+from fixtures.envs import FlakyEnv
 
 from polytinker.envs import (
     AgentAction,

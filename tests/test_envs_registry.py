@@ -55,8 +55,8 @@ def test_ids_are_versioned_and_unique(scratch_ids):
 def test_plugins_come_from_the_entry_point_group(monkeypatch, scratch_ids):
     registry_module = importlib.import_module("polytinker.envs.registry")
     eps = [
-        importlib.metadata.EntryPoint("plugged-v0", "test_envs_fixtures:FlakyEnv", "polytinker.envs"),
-        importlib.metadata.EntryPoint("tictactoe-v0", "test_envs_fixtures:FlakyEnv", "polytinker.envs"),
+        importlib.metadata.EntryPoint("plugged-v0", "fixtures.envs:FlakyEnv", "polytinker.envs"),
+        importlib.metadata.EntryPoint("tictactoe-v0", "fixtures.envs:FlakyEnv", "polytinker.envs"),
     ]
     seen_groups = []
 
@@ -69,14 +69,14 @@ def test_plugins_come_from_the_entry_point_group(monkeypatch, scratch_ids):
     scratch_ids.append("plugged-v0")
     specs = env_specs()
     assert seen_groups == ["polytinker.envs"]
-    assert specs["plugged-v0"].entry_point == "test_envs_fixtures:FlakyEnv"
+    assert specs["plugged-v0"].entry_point == "fixtures.envs:FlakyEnv"
     # A plugin may not take a built-in's id: it is skipped, the built-in stays.
     assert specs["tictactoe-v0"].source == "builtin"
     assert make("plugged-v0").metadata["name"] == "flaky_v0"
 
 
 def test_checker_says_what_to_fix():
-    findings = {f.check: f for f in check_env("test_envs_fixtures:SloppyEnv")}
+    findings = {f.check: f for f in check_env("fixtures.envs:SloppyEnv")}
     assert findings["pettingzoo api test"].passed
     assert not findings["instructions"].passed and "define instructions" in findings["instructions"].detail
     assert not findings["legal moves parse back"].passed and "'right'" in findings["legal moves parse back"].detail
@@ -101,7 +101,7 @@ def test_adapter_turns_pettingzoo_classic_into_text():
 
 
 def test_adapter_on_a_small_discrete_env_with_the_mask_in_info():
-    from test_envs_fixtures import CountdownAEC
+    from fixtures.envs import CountdownAEC
 
     env = PettingZooTextEnv(CountdownAEC(), action_names=["take one", "take two"], describe="Reach zero first.")
     with warnings.catch_warnings():
@@ -123,7 +123,7 @@ def test_cli_list_and_check(capsys):
         assert env_id in out
     assert cli.main(["env", "check", "signal-v0"]) == 0
     assert "signal-v0: 9 passed, 0 failed" in capsys.readouterr().out
-    assert cli.main(["env", "check", "test_envs_fixtures:SloppyEnv"]) == 1
+    assert cli.main(["env", "check", "fixtures.envs:SloppyEnv"]) == 1
     assert "fix: define instructions" in capsys.readouterr().out
 
 

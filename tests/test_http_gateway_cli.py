@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
-from test_client_fixtures import KEY_ALICE, MODEL, shared_runtime
+from fixtures.client import KEY_ALICE, MODEL, shared_runtime
 
 
 def _port() -> int:

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_client_fixtures import data
+from fixtures.client import data
 
 from polytinker import cli
 from polytinker.client import ServiceClient

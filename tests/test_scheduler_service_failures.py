@@ -10,7 +10,7 @@ import signal
 import time
 
 import pytest
-from test_client_fixtures import KEY_ALICE, KEY_BOB, MODEL, client, data, shared_runtime
+from fixtures.client import KEY_ALICE, KEY_BOB, MODEL, client, data, shared_runtime
 
 from polytinker.actors import ActorRef
 from polytinker.engine.learner.config import AdamParams

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_client_fixtures import MODEL
+from fixtures.client import MODEL
 from test_scheduler_service_cli import read_until
 
 from polytinker.client import ServiceClient

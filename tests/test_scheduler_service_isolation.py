@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import zmq
-from test_client_fixtures import KEY_ALICE, KEY_BOB, MODEL, client, data, shared_runtime
+from fixtures.client import KEY_ALICE, KEY_BOB, MODEL, client, data, shared_runtime
 
 from polytinker.engine.learner.config import AdamParams
 from polytinker.errors import ConfigError, ProtocolError, RemoteError, RequestTimeout, TransportError

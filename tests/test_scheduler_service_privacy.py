@@ -7,7 +7,7 @@ import logging
 import stat
 from pathlib import Path
 
-from test_client_fixtures import KEY_ALICE, MODEL, client, data, shared_runtime
+from fixtures.client import KEY_ALICE, MODEL, client, data, shared_runtime
 
 from polytinker.engine.learner.config import AdamParams
 from polytinker.scheduler.service.state import StateStore, private_state_dir

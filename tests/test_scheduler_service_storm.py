@@ -6,8 +6,8 @@ real requests afterwards (a training step and a sample through the real client).
 from __future__ import annotations
 
 import psutil
+from fixtures.client import KEY_ALICE, MODEL, client, data, shared_runtime
 from storm import storm
-from test_client_fixtures import KEY_ALICE, MODEL, client, data, shared_runtime
 
 from polytinker.engine.types import SamplingParams
 from polytinker.scheduler.service.messages import WorkersQuery
