@@ -266,3 +266,43 @@ def test_run_state_round_trips(tmp_path):
     assert RunState.load(tmp_path) == state
     with pytest.raises(ConfigError, match="nothing to resume"):
         RunState.load(tmp_path / "other")
+
+
+def test_sampled_turns_reach_the_training_samples_typed(tokenizer):
+    import asyncio
+
+    from polytinker.agents.rollout import Players, collect_samples
+    from polytinker.agents.types import Slot
+    from polytinker.envs import Coordinator, CoordinatorConfig, EnvConfig, make
+
+    class Sampler(_RecordingSampler):
+        async def sample_async(self, prompt, n, params):
+            if len(self.seeds) == 1:  # the second call outlives the policy's timeout
+                self.seeds.append(params.seed)
+                await asyncio.sleep(30)
+            return await super().sample_async(prompt, n, params)
+
+    players = Players({"a": AgentSpec("a")}, {"a": Renderer(tokenizer)}, {})
+    players.samplers[("a", 3)] = Sampler()
+    players.current["a"] = 3
+    slots = {5: {"player_0": Slot(SlotKind.LEARNER, "a")}}
+    env_config = EnvConfig(max_retries=0)
+    coordinator = Coordinator(CoordinatorConfig(policy_timeout_s=2.0))
+    (result,) = asyncio.run(
+        coordinator.run(lambda: make("guess_number-v0", config=env_config, max_guesses=3), players.policy(slots), [5])
+    )
+    turns = result.trajectories["player_0"].turns
+    assert [t.sample is None for t in turns] == [False, True, False]  # the timed-out call sampled nothing
+    first = turns[0].sample
+    assert first is not None and (first.agent, first.version) == ("a", 3)
+    assert first.completion_tokens == (16,) and first.logprobs_T == (-0.5,) and first.prompt_tokens
+    samples = collect_samples([result], slots)["a"]
+    assert [s.turn_index for s in samples] == [0, 2]
+    for s in samples:
+        sampled = turns[s.turn_index].sample
+        assert sampled is not None and s.version == sampled.version == 3
+        assert (s.prompt_tokens, s.completion_tokens, s.logprobs_T) == (
+            sampled.prompt_tokens,
+            sampled.completion_tokens,
+            sampled.logprobs_T,
+        )

@@ -4,8 +4,9 @@
 of each adapter version in use, and the env's scripted opponents. ``Players.policy(slots_by_seed)``
 is the coordinator's policy for one batch of episodes: it looks up the role's ``Slot`` for the
 episode's seed, renders the prompt, samples from that version's ``SamplingClient`` and returns the
-action with its tokens and logprobs in ``AgentAction.meta``. ``collect_samples`` turns the
-trajectories of learning roles back into ``TurnSample``s.
+action with what was sampled (``AgentAction.sample``, a ``ModelSample``: the agent and version, the
+prompt and completion tokens, their logprobs). ``collect_samples`` turns the trajectories of
+learning roles back into ``TurnSample``s.
 
 Sampling is seeded: each model call's seed derives from the loop's seed, the episode's seed, the
 episode's place among those of its batch that share that seed (the order their first calls
@@ -27,7 +28,7 @@ from polytinker.agents.render import Renderer
 from polytinker.agents.spec import AgentSpec
 from polytinker.agents.types import Slot, SlotKind, TurnSample
 from polytinker.engine.types import SamplingParams
-from polytinker.envs.types import AgentAction, EpisodeResult, PolicyInput
+from polytinker.envs.types import AgentAction, EpisodeResult, ModelSample, PolicyInput
 from polytinker.errors import ConfigError
 
 SlotsBySeed = Mapping[int, Mapping[str, Slot]]
@@ -83,8 +84,8 @@ class Players:
             )
             response = await samplers[(slot.name, version)].sample_async(prompt, 1, params)
             seq = response.sequences[0]
-            meta = {"agent": slot.name, "version": version, "prompt_tokens": prompt}
-            return AgentAction(seq.text, meta={**meta, "tokens": list(seq.tokens), "logprobs": list(seq.logprobs)})
+            sample = ModelSample(slot.name, version, tuple(prompt), tuple(seq.tokens), tuple(seq.logprobs))
+            return AgentAction(seq.text, sample=sample)
 
         return policy
 
@@ -108,20 +109,20 @@ def collect_samples(results: Sequence[EpisodeResult], slots_by_seed: SlotsBySeed
             if not slot.trains:
                 continue
             for index, turn in enumerate(traj.turns):
-                meta = turn.meta
-                if "tokens" not in meta:  # a timed-out call: nothing was sampled
+                sample = turn.sample
+                if sample is None:  # a timed-out call: nothing was sampled
                     continue
                 out.setdefault(slot.name, []).append(
                     TurnSample(
                         agent=slot.name,
                         role=role,
-                        version=int(meta["version"]),
+                        version=sample.version,
                         group=str(result.seed),
                         episode_id=result.episode_id,
                         turn_index=index,
-                        prompt_tokens=tuple(meta["prompt_tokens"]),
-                        completion_tokens=tuple(meta["tokens"]),
-                        logprobs_T=tuple(meta["logprobs"]),
+                        prompt_tokens=sample.prompt_tokens,
+                        completion_tokens=sample.completion_tokens,
+                        logprobs_T=sample.logprobs_T,
                         reward=turn.reward,
                         episode_reward=traj.total_reward,
                         invalid=turn.invalid_reason is not None,

@@ -10,7 +10,8 @@ For each decision the coordinator calls ``policy(agent_id, PolicyInput)``. ``Pol
 the agent's instructions (system prompt), its current ``TextObservation`` (text, legal moves,
 whose turn, info) and the agent's own earlier turns (``history``); ``PolicyInput.to_messages()``
 gives the chat list. The policy answers with the action text, or an ``AgentAction`` whose
-``meta`` (token ids, logprobs, adapter version...) is kept in the ``Turn``. A policy may be
+``sample`` (a model's ``ModelSample``: tokens, logprobs, adapter version) and free-form ``meta``
+are kept in the ``Turn``. A policy may be
 a coroutine function (awaited, with ``policy_timeout_s``) or a plain function (scripted
 opponents); one policy for all agents, or a mapping from agent id to policy.
 
@@ -51,6 +52,7 @@ from polytinker.envs.types import (
     AgentID,
     EnvBusy,
     EpisodeResult,
+    ModelSample,
     PolicyInput,
     TextObservation,
     Trajectory,
@@ -67,6 +69,7 @@ class _OpenTurn:
     observation: TextObservation
     action: str
     meta: Mapping[str, Any]
+    sample: ModelSample | None
     timed_out: bool
     latency_s: float
     invalid_reason: str | None = None
@@ -92,7 +95,7 @@ class _Book:
     def close(self, agent: AgentID) -> None:
         t = self.open.pop(agent, None)
         if t is not None:
-            turn = Turn(t.observation, t.action, t.reward, t.invalid_reason, t.timed_out, t.latency_s, t.meta)
+            turn = Turn(t.observation, t.action, t.reward, t.invalid_reason, t.timed_out, t.latency_s, t.meta, t.sample)
             self.turns.setdefault(agent, []).append(turn)
 
     def mark_invalid(self, agent: AgentID, info: Mapping[str, Any] | None) -> None:
@@ -295,7 +298,8 @@ class Coordinator:
         elif not isinstance(result, AgentAction):
             bad = TypeError(f"policy for {agent} returned {type(result).__name__}; return str or AgentAction")
             raise _PolicyFailed() from bad
-        book.open[agent] = _OpenTurn(obs, result.text, result.meta, timed_out, time.perf_counter() - start)
+        latency_s = time.perf_counter() - start
+        book.open[agent] = _OpenTurn(obs, result.text, result.meta, result.sample, timed_out, latency_s)
         return result.text
 
     # -- turn-taking

@@ -5,8 +5,10 @@
 - ``TextObservation``: what one agent sees: text, plus the legal moves, whose turn it is and the
   agent's info dict (structured, agent-visible state such as ``view``; invalid-action feedback).
 - ``InvalidAction``: what ``parse_action`` returns when the text names no legal move, with the reason.
-- ``AgentAction``: a policy's answer: the action text and opaque metadata (token ids, logprobs,
-  adapter version) that the coordinator stores untouched in the trajectory.
+- ``ModelSample``: what a model policy sampled for one decision: the agent and adapter version,
+  the prompt tokens, the completion tokens and their logprobs (what training needs of the turn).
+- ``AgentAction``: a policy's answer: the action text, the ``ModelSample`` when a model answered,
+  and free-form ``meta``; the coordinator stores both untouched in the trajectory.
 - ``PolicyInput``: everything a policy needs to build a chat prompt for one decision.
 - ``Turn`` / ``Trajectory``: one agent's decisions in one episode and what they earned.
 - ``EpisodeResult``: the outcome of one episode driven by the coordinator.
@@ -81,12 +83,26 @@ class InvalidAction:
 
 
 @dataclass(frozen=True)
+class ModelSample:
+    """What a model policy sampled for one decision; the coordinator keeps it in the ``Turn``
+    and the training loop turns it into a training sample (``polytinker.agents.TurnSample``)."""
+
+    agent: str  # the agent (adapter) whose model answered
+    version: int  # the adapter version that sampled it
+    prompt_tokens: tuple[int, ...]
+    completion_tokens: tuple[int, ...]
+    logprobs_T: tuple[float, ...]  # one per completion token, the sampling model's own
+
+
+@dataclass(frozen=True)
 class AgentAction:
     """A policy's answer. A plain ``str`` from a policy means ``AgentAction(text)``."""
 
     text: str
-    # Opaque to the coordinator, kept in the Turn: token ids, logprobs, adapter version, ...
+    # Opaque to the coordinator, kept in the Turn: whatever the policy wants to find there again.
     meta: Mapping[str, Any] = field(default_factory=dict)
+    # What the model sampled, when a model answered (None: a scripted policy, a plain string).
+    sample: ModelSample | None = None
 
 
 @dataclass(frozen=True)
@@ -105,6 +121,8 @@ class Turn:
     # Seconds the policy took to answer.
     latency_s: float = 0.0
     meta: Mapping[str, Any] = field(default_factory=dict)
+    # The policy's ``AgentAction.sample``; None when no model answered (scripted, timed out).
+    sample: ModelSample | None = None
 
 
 @dataclass(frozen=True)
@@ -178,6 +196,7 @@ __all__ = [
     "EnvKind",
     "EpisodeResult",
     "InvalidAction",
+    "ModelSample",
     "PolicyInput",
     "TextObservation",
     "Trajectory",
