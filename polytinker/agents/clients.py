@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
-
+from polytinker.agents.protocols import ServiceClientLike, TrainingClientLike
 from polytinker.agents.spec import AgentSpec
 
 
-def training_client(service: Any, spec: AgentSpec, steps: int, max_staleness: int = 0) -> Any:
+def training_client(
+    service: ServiceClientLike, spec: AgentSpec, steps: int, max_staleness: int = 0
+) -> TrainingClientLike:
     """A ``TrainingClient`` for ``spec``'s weights on ``service`` (a ``ServiceClient``), for a job
     of ``steps`` optimizer steps whose loop samples up to ``max_staleness`` steps ahead."""
     if spec.adapter.full:

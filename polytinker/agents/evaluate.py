@@ -10,7 +10,7 @@ and ``.../reward``, averaged over roles.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from polytinker.agents.config import EvalConfig
@@ -18,6 +18,7 @@ from polytinker.agents.mapping import PolicyMapping
 from polytinker.agents.metrics import transcript
 from polytinker.agents.rollout import Players, is_win
 from polytinker.envs import Coordinator
+from polytinker.envs.coordinator import EnvFactory
 from polytinker.envs.types import EpisodeResult
 
 
@@ -25,7 +26,7 @@ async def evaluate(
     players: Players,
     mapping: PolicyMapping,
     agents: Sequence[str],
-    make_env: Callable[[], Any],
+    make_env: EnvFactory,
     coordinator: Coordinator,
     config: EvalConfig,
     step: int,

@@ -23,13 +23,14 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from polytinker.agents.algorithms import make_algorithm
+from polytinker.agents.algorithms import Algorithm, make_algorithm
 from polytinker.agents.checkpoint import RunState, tenant_key
 from polytinker.agents.clients import training_client
 from polytinker.agents.config import ExperimentConfig
 from polytinker.agents.loop import Learners, Trainer, league_update
 from polytinker.agents.mapping import PolicyMapping
 from polytinker.agents.metrics import MetricsLogger, append_jsonl, plot_curves
+from polytinker.agents.protocols import ServiceClientLike, TrainingClientLike
 from polytinker.agents.render import Renderer
 from polytinker.agents.rollout import Players
 from polytinker.agents.types import AlgorithmName, LoopMode, MappingKind, StepRecord
@@ -98,7 +99,7 @@ class Experiment:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(self.config), indent=1, default=str))
 
-    def _service(self) -> Any:
+    def _service(self) -> ServiceClientLike:
         from polytinker.client import ServiceClient
         from polytinker.scheduler.service.config import (
             EngineWorkerConfig,
@@ -135,7 +136,7 @@ class Experiment:
         lora = any(a.trainable and not a.adapter.full for a in self.config.agents)
         return max(1, self._full_agents() + lora)
 
-    def _check_learner_groups(self, service: Any) -> None:
+    def _check_learner_groups(self, service: ServiceClientLike) -> None:
         """Refuse a runtime with too few learner groups: the agents' jobs would wait on each other
         for ever (a full-parameter job keeps its group until it finishes)."""
         need = self._learner_groups_needed()
@@ -230,7 +231,9 @@ class Experiment:
         self._state.save(self.run_dir)
 
     # --- the run -------------------------------------------------------------------------------------
-    def train(self, *, resume: bool = False, overwrite: bool = False, service: Any = None) -> RunSummary:
+    def train(
+        self, *, resume: bool = False, overwrite: bool = False, service: ServiceClientLike | None = None
+    ) -> RunSummary:
         """Run the experiment (or continue it from its last checkpoint with ``resume``)."""
         if any(a.algorithm.name is AlgorithmName.SFT for a in self.config.agents):
             raise NotBuiltError("SFT agents inside an RL experiment; run SFT with polytinker.agents.train_sft")
@@ -248,14 +251,14 @@ class Experiment:
             if self._progress is not None:
                 self._progress.close()
 
-    def _clients(self, service: Any) -> dict[str, Any]:
+    def _clients(self, service: ServiceClientLike) -> dict[str, TrainingClientLike]:
         self._check_learner_groups(service)
         train = self.config.train
         staleness = train.max_staleness if train.mode is LoopMode.ASYNC else 0  # the policy plans with it
         specs = [spec for spec in self.config.agents if spec.trainable]
         return {spec.name: training_client(service, spec, train.steps, staleness) for spec in specs}
 
-    async def _run(self, service: Any, resume: bool) -> RunSummary:
+    async def _run(self, service: ServiceClientLike, resume: bool) -> RunSummary:
         config = self.config
         probe = _make_env(config)
         players = self._players(probe)
@@ -272,12 +275,12 @@ class Experiment:
 
     async def _train(
         self,
-        service: Any,
+        service: ServiceClientLike,
         resume: bool,
         probe: Any,
         players: Players,
         mapping: PolicyMapping,
-        clients: dict[str, Any],
+        clients: dict[str, TrainingClientLike],
     ) -> RunSummary:
         config = self.config
         algorithms = {a.name: make_algorithm(a.algorithm) for a in config.agents if a.trainable}
@@ -314,11 +317,11 @@ class Experiment:
     async def _restore(
         self,
         resume: bool,
-        clients: dict[str, Any],
-        algorithms: dict[str, Any],
+        clients: dict[str, TrainingClientLike],
+        algorithms: dict[str, Algorithm],
         players: Players,
         mapping: PolicyMapping,
-        service: Any,
+        service: ServiceClientLike,
     ) -> int:
         if not resume or not (self.run_dir / "state.json").exists():
             return 0
@@ -340,7 +343,7 @@ class Experiment:
         return state.step
 
 
-def _finish_jobs(clients: dict[str, Any]) -> None:
+def _finish_jobs(clients: dict[str, TrainingClientLike]) -> None:
     for agent, client in clients.items():
         try:
             client.finish()

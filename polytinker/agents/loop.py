@@ -20,17 +20,18 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
 
 from polytinker.agents.algorithms import Algorithm
 from polytinker.agents.config import ExperimentConfig
 from polytinker.agents.evaluate import evaluate
 from polytinker.agents.mapping import PolicyMapping
 from polytinker.agents.metrics import transcript
+from polytinker.agents.protocols import RunHooks, TrainingClientLike
 from polytinker.agents.rollout import Players, SlotsBySeed, collect_samples, rollout_metrics
 from polytinker.agents.types import LoopMode, TurnSample
 from polytinker.engine.learner.config import AdamParams
 from polytinker.envs import Coordinator, CoordinatorConfig
+from polytinker.envs.coordinator import EnvFactory
 from polytinker.envs.types import EpisodeResult
 
 log = logging.getLogger("polytinker.agents")
@@ -46,7 +47,9 @@ def step_seeds(config: ExperimentConfig, step: int) -> tuple[list[int], list[int
 class Learners:
     """The trainable agents' training clients and algorithms, and the updates they make."""
 
-    def __init__(self, clients: dict[str, Any], algorithms: dict[str, Algorithm], config: ExperimentConfig) -> None:
+    def __init__(
+        self, clients: dict[str, TrainingClientLike], algorithms: dict[str, Algorithm], config: ExperimentConfig
+    ) -> None:
         self.clients = clients
         self.algorithms = algorithms
         self.config = config
@@ -96,8 +99,8 @@ class Trainer:
         players: Players,
         mapping: PolicyMapping,
         learners: Learners,
-        make_env: Any,
-        hooks: Any,
+        make_env: EnvFactory,
+        hooks: RunHooks,
     ) -> None:
         self.config = config
         self.players = players

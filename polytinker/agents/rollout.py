@@ -18,12 +18,13 @@ random draws, so they differ only where the weights do.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 
+from polytinker.agents.protocols import SamplingClientLike
 from polytinker.agents.render import Renderer
 from polytinker.agents.spec import AgentSpec
 from polytinker.agents.types import Slot, SlotKind, TurnSample
@@ -42,13 +43,13 @@ class Players:
     renderers: dict[str, Renderer]
     scripted: dict[str, Callable[[str, PolicyInput], str]]
     # (agent, version) -> SamplingClient; frozen agents are at version 0.
-    samplers: dict[tuple[str, int], Any] = field(default_factory=dict)
+    samplers: dict[tuple[str, int], SamplingClientLike] = field(default_factory=dict)
     # The version each agent samples from now.
     current: dict[str, int] = field(default_factory=dict)
 
     def policy(
         self, slots_by_seed: SlotsBySeed, *, evaluation: bool = False, sample_seed: int = 0
-    ) -> Callable[[str, PolicyInput], Any]:
+    ) -> Callable[[str, PolicyInput], Awaitable[str | AgentAction]]:
         """The coordinator's policy for episodes whose seeds are keys of ``slots_by_seed``.
         The versions are fixed when it is made (a snapshot), so one batch never mixes versions.
         ``sample_seed`` seeds its sampling (with each call's episode seed, place, role and turn)."""

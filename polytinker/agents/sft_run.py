@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from polytinker.agents.algorithms.sft import read_conversations, sft_batches
 from polytinker.agents.clients import training_client
+from polytinker.agents.protocols import ServiceClientLike, TrainingClientLike
 from polytinker.agents.render import Renderer
 from polytinker.agents.spec import AgentSpec
 from polytinker.agents.types import AlgorithmName
@@ -13,7 +12,9 @@ from polytinker.engine.learner.config import AdamParams
 from polytinker.errors import ConfigError
 
 
-def train_sft(spec: AgentSpec, service: Any, *, epochs: int = 1, batch_size: int = 8) -> tuple[Any, list[float]]:
+def train_sft(
+    spec: AgentSpec, service: ServiceClientLike, *, epochs: int = 1, batch_size: int = 8
+) -> tuple[TrainingClientLike, list[float]]:
     """Train ``spec``'s adapter (or full weights) on ``spec.algorithm.sft_data``; returns the
     training client (to sample from or keep training with RL) and the loss of each step."""
     if spec.algorithm.name is not AlgorithmName.SFT:
