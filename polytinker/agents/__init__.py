@@ -8,6 +8,8 @@
 - Algorithms: ``GRPO``, ``PPO``, ``Reinforce``; SFT from JSONL conversations (``train_sft``).
 - ``Experiment`` / ``ExperimentConfig`` (TOML): the training loop, sync or async, with evaluation
   against scripted opponents, metrics, transcripts, curves and checkpoints (``resume``).
+- ``ServiceClientLike``, ``TrainingClientLike``, ``SamplingClientLike``: the client calls the loop
+  makes (``polytinker.agents.protocols``), which ``polytinker.client``'s clients satisfy.
 
 See docs/training.md.
 """
@@ -23,6 +25,7 @@ from polytinker.agents.config import (
 )
 from polytinker.agents.experiment import Experiment, RunSummary
 from polytinker.agents.mapping import MappingConfig, PolicyMapping
+from polytinker.agents.protocols import SamplingClientLike, ServiceClientLike, TrainingClientLike
 from polytinker.agents.render import Renderer, turn_datum
 from polytinker.agents.sft_run import train_sft
 from polytinker.agents.spec import AdapterSpec, AgentSpec, AlgorithmConfig, RendererConfig, SamplingConfig
@@ -60,11 +63,14 @@ __all__ = [
     "RendererConfig",
     "RunSummary",
     "RuntimeSetup",
+    "SamplingClientLike",
     "SamplingConfig",
+    "ServiceClientLike",
     "Slot",
     "SlotKind",
     "StepRecord",
     "TrainConfig",
+    "TrainingClientLike",
     "TurnSample",
     "make_algorithm",
     "train_sft",
