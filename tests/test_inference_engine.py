@@ -1,26 +1,31 @@
 """InferenceEngine: dynamic batching, adapter slots (LRU, pinning, versions held by requests),
-on the real hf backend with the tiny model."""
+on the real hf backend with the tiny model; and the engine worker the runtime runs, in a child
+process."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from _worker import worker_process
 
-from polytinker.engine.inference import random_adapter
-from polytinker.engine.inference.actor import request_to_wire, result_from_wire
+from polytinker.engine.inference import random_adapter, write_adapter_dir
 from polytinker.engine.inference.config import EngineConfig, HFBackendConfig
 from polytinker.engine.inference.engine import InferenceEngine
 from polytinker.engine.inference.hf import HFBackend
 from polytinker.engine.models import TINY_RANDOM
 from polytinker.engine.types import AdapterRef, AdapterWeights, SampleRequest, SampleResult, SamplingParams
 from polytinker.errors import ConfigError, ModelError, RemoteError
+from polytinker.scheduler.service import messages as m
+from polytinker.scheduler.service.config import EngineWorkerConfig
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 PROMPT = (1, 9690, 198, 2683, 359, 253)
+REMOTE, ON_VLLM = "alice/job/remote", "alice/job/on-vllm"  # adapter keys (tenant/job/agent) as the scheduler names them
 
 
 @pytest.fixture(scope="module")
@@ -139,54 +144,71 @@ def test_compute_logprobs_and_errors_go_back_to_the_caller(backend: HFBackend) -
         engine.submit(_request(None))
 
 
-def test_engine_actor_samples_in_a_child_process(backend: HFBackend, tmp_path: Path) -> None:
-    """The engine as an actor: adapter tensors sent out of band, concurrent asks batched together."""
-    from polytinker.actors import ActorConfig, spawn
-    from polytinker.engine.inference.actor import EngineActor, EngineClient
+def _store(root: Path, weights: AdapterWeights, adapter: str) -> m.WeightsRef:
+    """Write ``weights`` as the export a learner leaves for the engines of ``adapter``; its ids."""
+    stored = m.WeightsRef(adapter, weights.ref.version, "export")
+    write_adapter_dir(weights, root / stored.relative_path)
+    return stored
 
+
+def _sample_msg(adapter: str, weights: m.WeightsRef | None, version: int = 0) -> m.EngineSample:
+    params = m.SamplingMsg(max_tokens=GREEDY.max_tokens, temperature=GREEDY.temperature, ignore_eos=GREEDY.ignore_eos)
+    return m.EngineSample(adapter, version, weights, PROMPT, 1, params)
+
+
+def _same_reply(reply: list[dict[str, Any]], result: SampleResult) -> bool:
+    """An engine worker's reply holds ``result``'s tokens and (up to float noise) logprobs."""
+    return [s["tokens"] for s in reply] == [list(s.token_ids) for s in result.sequences] and all(
+        r["logprobs"] == pytest.approx(s.logprobs, abs=1e-4) for r, s in zip(reply, result.sequences, strict=True)
+    )
+
+
+def test_engine_worker_samples_in_a_child_process(backend: HFBackend, tmp_path: Path) -> None:
+    """The engine worker the runtime runs, in its own process and called over its Curve RPC server
+    with the scheduler's messages: an adapter version served from the peft directory a learner
+    left, concurrent requests batched together, logprobs as in-process, and a version with no
+    stored weights refused back to the caller while the worker serves on."""
     for ref in backend.loaded_adapters():
         backend.unload_adapter(ref)
     weights = _adapter(backend, "remote", seed=4)
     backend.load_adapter(weights)
     expected = backend.sample([_request(weights.ref), _request(None)])
-    config = ActorConfig(start_timeout_s=240, ask_timeout_s=240)
-    actor = spawn(EngineActor, TINY_RANDOM, num_threads=1, batch_window_s=1.0, run_dir=tmp_path, config=config)
-    try:
-        client = EngineClient(actor)
-        client.load_adapter(weights)
+    root = tmp_path / "state"
+    stored = _store(root, weights, REMOTE)
+    config = EngineWorkerConfig(batch_window_s=1.0)
+    with worker_process(config, model=TINY_RANDOM, state_dir=root, run_dir=tmp_path) as engine:
         futures = [
-            actor.ask_async("sample", {"requests": [request_to_wire(r)]})
-            for r in (_request(weights.ref), _request(None))
+            engine.call_async("sched.w.sample", msg) for msg in (_sample_msg(REMOTE, stored), _sample_msg("", None))
         ]
-        got = [result_from_wire(f.result(timeout=240)[0]) for f in futures]
-        assert all(_same(g, e) for g, e in zip(got, expected, strict=True))
-        assert client.stats()["batch_sizes"] == [2], "two concurrent asks should share one batch"
-        sequence = list(PROMPT) + list(got[0].sequences[0].token_ids)
-        remote = client.compute_logprobs([sequence], weights.ref)[0]
-        assert remote == pytest.approx(backend.compute_logprobs([sequence], weights.ref)[0], abs=1e-4)
-        client.unload_adapter(weights.ref)
-        with pytest.raises(RemoteError, match="not loaded"):
-            client.sample([_request(weights.ref)])
-    finally:
-        actor.stop()
+        got = [f.result(timeout=240) for f in futures]
+        assert all(_same_reply(g, e) for g, e in zip(got, expected, strict=True))
+        stats = engine.call("sched.w.stats", m.WorkerStats())
+        assert (stats["batches"], stats["max_batch_sequences"]) == (1, 2), (
+            "two concurrent requests should share one batch"
+        )
+        assert stats["mixed_adapter_batches"] == 1 and stats["resident"] == [f"{REMOTE}@0"]
+        sequence = (*PROMPT, *got[0][0]["tokens"])
+        remote = engine.call("sched.w.logprobs", m.EngineLogprobs(REMOTE, 0, stored, (sequence,)))[0]
+        assert remote == pytest.approx(backend.compute_logprobs([list(sequence)], weights.ref)[0], abs=1e-4)
+        with pytest.raises(RemoteError, match="no stored weights"):
+            engine.call("sched.w.sample", _sample_msg(REMOTE, m.WeightsRef(REMOTE, 1, "export"), version=1))
+        assert _same_reply(engine.call("sched.w.sample", _sample_msg("", None)), expected[1])
 
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_engine_actor_on_vllm(backend: HFBackend, tmp_path: Path) -> None:
-    from polytinker.actors import ActorConfig, spawn
-    from polytinker.engine.inference.actor import EngineActor, EngineClient
-
+def test_engine_worker_on_vllm(backend: HFBackend, tmp_path: Path) -> None:
     weights = _adapter(backend, "on-vllm", seed=8)
-    config = ActorConfig(start_timeout_s=400, ask_timeout_s=400)
-    actor = spawn(EngineActor, TINY_RANDOM, backend="vllm", max_resident_adapters=2, run_dir=tmp_path, config=config)
-    try:
-        client = EngineClient(actor)
-        client.load_adapter(weights)
-        results = client.sample([_request(weights.ref), _request(None)])
-        assert [len(r.sequences[0].token_ids) for r in results] == [GREEDY.max_tokens] * 2
-        assert results[0].sequences[0].token_ids != results[1].sequences[0].token_ids, "the adapter must matter"
-        sequence = list(PROMPT) + list(results[0].sequences[0].token_ids)
-        assert len(client.compute_logprobs([sequence], weights.ref)[0]) == len(sequence) - 1
-    finally:
-        actor.stop()
+    root = tmp_path / "state"
+    stored = _store(root, weights, ON_VLLM)
+    config = EngineWorkerConfig(backend="vllm", adapter_slots=2)
+    with worker_process(config, model=TINY_RANDOM, state_dir=root, run_dir=tmp_path, timeout_s=400) as engine:
+        futures = [
+            engine.call_async("sched.w.sample", msg) for msg in (_sample_msg(ON_VLLM, stored), _sample_msg("", None))
+        ]
+        results = [f.result(timeout=400) for f in futures]
+        assert [len(r[0]["tokens"]) for r in results] == [GREEDY.max_tokens] * 2
+        assert results[0][0]["tokens"] != results[1][0]["tokens"], "the adapter must matter"
+        sequence = (*PROMPT, *results[0][0]["tokens"])
+        logprobs = engine.call("sched.w.logprobs", m.EngineLogprobs(ON_VLLM, 0, stored, (sequence,)))
+        assert len(logprobs[0]) == len(sequence) - 1

@@ -7,11 +7,11 @@
 - ``InferenceEngine`` (``engine.py``): thread-safe ``submit`` with dynamic batching over a
   backend; ``AdapterSlots`` (``slots.py``): LRU residency, pinning, versions held by requests.
 - ``EngineConfig`` / ``HFBackendConfig`` (``config.py``).
-- ``EngineActor`` / ``EngineClient`` (``actor.py``): the engine in its own process, and typed calls to it.
+- ``EngineWorker`` (``worker.py``, not re-exported: it speaks the scheduler's messages): the
+  engine process the runtime runs, serving ``sched.w.sample`` / ``logprobs`` / ``stats``.
 - ``adapter_io``: adapter versions to and from peft directories; random adapters for tests.
 """
 
-from polytinker.engine.inference.actor import EngineActor, EngineClient
 from polytinker.engine.inference.adapter_io import random_adapter, read_adapter_dir, write_adapter_dir
 from polytinker.engine.inference.base import InferenceBackend, cut_at_stop, render_prompt
 from polytinker.engine.inference.config import EngineConfig, HFBackendConfig
@@ -21,8 +21,6 @@ from polytinker.engine.inference.slots import AdapterSlots
 
 __all__ = [
     "AdapterSlots",
-    "EngineActor",
-    "EngineClient",
     "EngineConfig",
     "EngineStats",
     "HFBackend",

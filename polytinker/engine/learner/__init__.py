@@ -6,7 +6,8 @@
 - ``ForwardBackwardResult``: loss, per-datum logprobs and metrics of one ``forward_backward``.
 - ``LearnerConfig``, ``AdamParams``, ``LossConfig``: configuration.
 - ``LearnerGroup``: K data-parallel replicas led by rank 0 (``LearnerGroup.start``, or ``run_rank`` under torchrun).
-- ``LearnerActor`` / ``LearnerClient``: the learner in its own process, and its typed client.
+- ``LearnerWorker`` (``worker.py``, not re-exported: it speaks the scheduler's messages): the
+  learner process the runtime runs, one ``LearnerGroup`` serving the ``sched.w.*`` training calls.
 - ``init_distributed``, ``DistInfo``: torch.distributed plumbing (gloo on CPU, NCCL on GPU).
 - ``save_checkpoint`` / ``load_checkpoint``: the atomic on-disk state format.
 """
@@ -22,7 +23,6 @@ if TYPE_CHECKING:
     from torch import nn
 
     from polytinker.engine.learner._base import ForwardBackwardResult, Learner
-    from polytinker.engine.learner.actor import LearnerActor, LearnerClient
     from polytinker.engine.learner.distributed import SINGLE, DistInfo, init_distributed
     from polytinker.engine.learner.full_param import FULL_SLOT, FullParamLearner
     from polytinker.engine.learner.group import LearnerGroup, run_rank
@@ -35,8 +35,6 @@ if TYPE_CHECKING:
 _LAZY = {
     "ForwardBackwardResult": "_base",
     "Learner": "_base",
-    "LearnerActor": "actor",
-    "LearnerClient": "actor",
     "SINGLE": "distributed",
     "DistInfo": "distributed",
     "init_distributed": "distributed",
@@ -84,8 +82,6 @@ __all__ = [
     "ForwardBackwardResult",
     "FullParamLearner",
     "Learner",
-    "LearnerActor",
-    "LearnerClient",
     "LearnerConfig",
     "LearnerGroup",
     "LossConfig",

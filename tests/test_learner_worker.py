@@ -1,0 +1,139 @@
+"""The learner worker the runtime runs, in a real child process (tiny-random model): called over
+its Curve RPC server with the scheduler's messages, it gives the same results as an in-process
+``MultiAdapterLearner``, and what it exports is what an engine then scores with."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _worker import worker_process
+
+from polytinker.engine.inference.adapter_io import read_adapter_dir
+from polytinker.engine.inference.hf import HFBackend
+from polytinker.engine.learner import AdamParams, LearnerConfig, MultiAdapterLearner
+from polytinker.engine.models import TINY_RANDOM, load_model
+from polytinker.engine.types import AdapterRef, Datum, LoraConfig
+from polytinker.errors import RemoteError
+from polytinker.scheduler.service import messages as m
+from polytinker.scheduler.service.config import LearnerWorkerConfig
+
+LORA = LoraConfig(rank=4, alpha=8)
+ADAM = AdamParams(learning_rate=1e-2)
+ALICE = "alice/job/agent"  # an adapter key (tenant/job/agent), as the scheduler names adapters
+
+
+def data() -> list[Datum]:
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for n in (7, 9):
+        tokens = torch.randint(1, 4000, (n + 1,), generator=g).tolist()
+        out.append(Datum(tokens[:-1], tokens[1:], [0.0] * 3 + [1.0] * (n - 3)))
+    return out
+
+
+def wire(rows: list[Datum]) -> tuple[m.DatumMsg, ...]:
+    return tuple(m.DatumMsg(tuple(d.input_tokens), tuple(d.target_tokens_T), tuple(d.weights_T)) for d in rows)
+
+
+def ensure(adapter: str, version: int = 0) -> m.EnsureAdapter:
+    return m.EnsureAdapter(adapter, version, rank=LORA.rank, alpha=LORA.alpha, seed=7)
+
+
+def fb(adapter: str = ALICE) -> m.LearnerForwardBackward:
+    return m.LearnerForwardBackward(adapter, wire(data()), "cross_entropy")
+
+
+def step(adapter: str = ALICE) -> m.LearnerStep:
+    return m.LearnerStep(adapter, **dataclasses.asdict(ADAM))
+
+
+def forward(adapter: str, rows: list[Datum]) -> m.LearnerForward:
+    return m.LearnerForward(adapter, wire(rows))
+
+
+def local_learner() -> MultiAdapterLearner:
+    local = MultiAdapterLearner(load_model(TINY_RANDOM)[0], LearnerConfig(micro_batch_size=4))
+    local.add_adapter(ALICE, LORA, seed=7)
+    return local
+
+
+@pytest.mark.timeout(300)
+def test_worker_matches_in_process_learner(tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    local = local_learner()
+    root = tmp_path / "state"
+    with worker_process(
+        LearnerWorkerConfig(micro_batch_size=4), model=TINY_RANDOM, state_dir=root, run_dir=tmp_path
+    ) as learner:
+        assert learner.call("sched.w.ensure", ensure(ALICE)) == {"version": 0}
+        remote_fb = learner.call("sched.w.fb", fb())
+        local_fb = local.forward_backward(data(), "cross_entropy", ALICE)
+        assert remote_fb["loss"] == pytest.approx(local_fb.loss, rel=1e-5)
+        assert remote_fb["metrics"]["loss/tokens"] == local_fb.metrics["loss/tokens"] == 10.0
+        stepped: dict[str, Any] = learner.call("sched.w.step", step())
+        ref = AdapterRef(ALICE, stepped["version"])
+        assert ref == local.optim_step(ADAM, ALICE)
+        # The worker holds alice at v1 and nothing else: ensuring v1 loads nothing.
+        assert learner.call("sched.w.ensure", ensure(ALICE, 1)) == {"version": 1}
+        stats = learner.call("sched.w.stats", m.WorkerStats())
+        assert (stats["adapters"], stats["loads"], stats["adapters_created"]) == (1, 0, 1)
+
+        # The step wrote what engines load (a peft directory under the worker's state root); an
+        # export of the resident version names the same one.
+        assert learner.call("sched.w.export", m.LearnerExport(ALICE, 1)) == {"weights": stepped["export_dir"]}
+        exported, expected = read_adapter_dir(ref, root / stepped["export_dir"]), local.export_adapter(ALICE)
+        assert exported.ref == ref and set(exported.config.target_modules) == set(LORA.target_modules)
+        assert dataclasses.replace(exported.config, target_modules=LORA.target_modules) == LORA  # peft keeps a set
+        assert set(exported.tensors) == set(expected.tensors)
+        for k, v in expected.tensors.items():
+            torch.testing.assert_close(exported.tensors[k], v, rtol=1e-5, atol=1e-6)
+
+        # Weight sync across the process boundary: an engine loads what the worker exported and
+        # scores the probe exactly as the learner does.
+        model, tokenizer = load_model(TINY_RANDOM)
+        engine = HFBackend(model=model, tokenizer=tokenizer)
+        engine.load_adapter(exported)
+        probe = data()[1]
+        sequence = [*probe.input_tokens, probe.target_tokens_T[-1]]
+        torch.testing.assert_close(
+            torch.tensor(engine.compute_logprobs([sequence], ref)[0]),
+            torch.tensor(learner.call("sched.w.forward", forward(ALICE, [probe]))["logprobs"][0]),
+            rtol=1e-4,
+            atol=1e-4,
+        )
+
+        saved = learner.call("sched.w.save", m.LearnerSave(ALICE, "ckpt"))
+        assert saved == {"checkpoint": m.WeightsRef(ALICE, 1, "checkpoint", "ckpt").relative_path, "version": 1}
+        learner.call("sched.w.fb", fb())
+        assert learner.call("sched.w.step", step())["version"] == 2
+        loaded = learner.call("sched.w.load", m.LearnerLoad(ALICE, m.WeightsRef(ALICE, 1, "checkpoint", "ckpt")))
+        assert loaded == {"version": 1}
+        torch.testing.assert_close(
+            torch.tensor(learner.call("sched.w.forward", forward(ALICE, data()[:1]))["logprobs"][0]),
+            torch.tensor(local.forward(data()[:1], ALICE)[0]),
+        )
+        with pytest.raises(RemoteError, match="adapter bob/job/agent is not resident") as err:
+            learner.call("sched.w.step", step("bob/job/agent"))
+        assert err.value.remote_type == "NotResident"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_worker_leading_a_group_of_two(tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    root = tmp_path / "state"
+    config = LearnerWorkerConfig(world_size=2, micro_batch_size=4)
+    with worker_process(config, model=TINY_RANDOM, state_dir=root, run_dir=tmp_path, timeout_s=360) as learner:
+        learner.call("sched.w.ensure", ensure(ALICE))
+        remote = learner.call("sched.w.fb", fb())
+        stepped = learner.call("sched.w.step", step())
+    exported = read_adapter_dir(AdapterRef(ALICE, stepped["version"]), root / stepped["export_dir"])
+    local = local_learner()
+    assert remote["loss"] == pytest.approx(local.forward_backward(data(), "cross_entropy", ALICE).loss, rel=1e-5)
+    local.optim_step(ADAM, ALICE)
+    for k, v in local.export_adapter(ALICE).tensors.items():
+        torch.testing.assert_close(exported.tensors[k], v, rtol=1e-4, atol=1e-6)
