@@ -14,6 +14,7 @@ import asyncio
 import math
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -55,28 +56,54 @@ def _metrics(loss: float, metrics: dict[str, float], n_tokens: float) -> dict[st
     return out
 
 
-def tinker_router(
-    backend: TinkerBackend, futures: FutureTable, *, long_poll_s: float, max_body_bytes: int
-) -> APIRouter:
-    r = APIRouter(prefix="/api/v1")
-    runs = TinkerRuns(backend)
+@dataclass(frozen=True)
+class _Api:
+    """What the routes share: the backend, the table of pending calls, and the limits."""
 
-    def tenant(request: Request) -> Tenant:
-        return backend.tenant(api_key(request))
+    backend: TinkerBackend
+    futures: FutureTable
+    runs: TinkerRuns
+    long_poll_s: float
+    max_body_bytes: int
 
-    async def tenant_of(request: Request) -> Tenant:
+    def tenant(self, request: Request) -> Tenant:
+        return self.backend.tenant(api_key(request))
+
+    async def tenant_of(self, request: Request) -> Tenant:
         # The first request of a key asks the scheduler: never on the event loop.
-        return await asyncio.to_thread(tenant, request)
+        return await asyncio.to_thread(self.tenant, request)
+
+    async def json(self, request: Request) -> dict[str, Any]:
+        return await read_json(request, self.max_body_bytes)
 
     def submit(
-        t: Tenant, fut: Future[Any], render: Callable[[Any], Any], model_id: str | None = None
+        self, t: Tenant, fut: Future[Any], render: Callable[[Any], Any], model_id: str | None = None
     ) -> dict[str, Any]:
-        out: dict[str, Any] = {"request_id": futures.put(t.owner, fut, render)}
+        """Answer a call that takes time: its request id (the SDK polls ``retrieve_future`` with it)."""
+        out: dict[str, Any] = {"request_id": self.futures.put(t.owner, fut, render)}
         if model_id is not None:
             out["model_id"] = model_id
         return out
 
-    # --- service --------------------------------------------------------------------------------
+
+def tinker_router(
+    backend: TinkerBackend, futures: FutureTable, *, long_poll_s: float, max_body_bytes: int
+) -> APIRouter:
+    r = APIRouter(prefix="/api/v1")
+    api = _Api(backend, futures, TinkerRuns(backend), long_poll_s, max_body_bytes)
+    _add_service_routes(r, api)
+    _add_model_routes(r, api)
+    _add_training_routes(r, api)
+    _add_weights_routes(r, api)
+    _add_run_routes(r, api)
+    _add_sampling_routes(r, api)
+    _add_future_routes(r, api)
+    return r
+
+
+def _add_service_routes(r: APIRouter, api: _Api) -> None:
+    """Health, the client's configuration, sessions and telemetry."""
+
     @r.get("/healthz")
     async def healthz() -> dict[str, Any]:
         return {"status": "ok"}
@@ -91,158 +118,175 @@ def tinker_router(
 
     @r.get("/get_server_capabilities")
     async def capabilities(request: Request) -> dict[str, Any]:
-        await tenant_of(request)
+        await api.tenant_of(request)
         return {
             "supported_models": [
                 {"model_name": name, "trainable": True, "sampleable": True, "max_context_length": None}
-                for name in backend.base_models
+                for name in api.backend.base_models
             ]
         }
 
     @r.post("/create_session")
     async def create_session(request: Request) -> dict[str, Any]:
-        t = await tenant_of(request)
-        body = await read_json(request, max_body_bytes)
-        return {"type": "create_session", "session_id": backend.create_session(t, body)}
+        t = await api.tenant_of(request)
+        body = await api.json(request)
+        return {"type": "create_session", "session_id": api.backend.create_session(t, body)}
 
     @r.post("/session_heartbeat")
     async def heartbeat(request: Request) -> dict[str, Any]:
-        t = await tenant_of(request)
-        body = await read_json(request, max_body_bytes)
-        backend.check_session(t, str(body.get("session_id", "")))
-        backend.store.heartbeat(str(body["session_id"]))
+        t = await api.tenant_of(request)
+        body = await api.json(request)
+        api.backend.check_session(t, str(body.get("session_id", "")))
+        api.backend.store.heartbeat(str(body["session_id"]))
         return {"type": "session_heartbeat"}
 
     @r.post("/telemetry")
     async def telemetry(request: Request) -> dict[str, Any]:
-        await read_body(request, max_body_bytes)  # accepted and dropped: nothing leaves this machine
+        await read_body(request, api.max_body_bytes)  # accepted and dropped: nothing leaves this machine
         return {"status": "accepted"}
 
-    # --- models ---------------------------------------------------------------------------------
+
+def _add_model_routes(r: APIRouter, api: _Api) -> None:
+    """Creating a training model, its info, and unloading it."""
+
     @r.post("/create_model")
     async def create_model(request: Request) -> dict[str, Any]:
-        t = await tenant_of(request)
-        body = await read_json(request, max_body_bytes)
-        return submit(t, await asyncio.to_thread(backend.create_model, t, body), lambda out: out)
+        t = await api.tenant_of(request)
+        body = await api.json(request)
+        return api.submit(t, await asyncio.to_thread(api.backend.create_model, t, body), lambda out: out)
 
     @r.post("/get_info")
     async def get_info(request: Request) -> dict[str, Any]:
-        t = await tenant_of(request)
-        body = await read_json(request, max_body_bytes)
-        return await asyncio.to_thread(backend.info, t, str(body.get("model_id", "")))
+        t = await api.tenant_of(request)
+        body = await api.json(request)
+        return await asyncio.to_thread(api.backend.info, t, str(body.get("model_id", "")))
 
     @r.post("/unload_model")
     async def unload_model(request: Request) -> dict[str, Any]:
-        t = await tenant_of(request)
-        body = await read_json(request, max_body_bytes)
+        t = await api.tenant_of(request)
+        body = await api.json(request)
         model_id = str(body.get("model_id", ""))
-        tc = await asyncio.to_thread(backend.training_client, t, model_id)
+        tc = await asyncio.to_thread(api.backend.training_client, t, model_id)
         fut: Future[Any] = Future()
         try:
             await asyncio.to_thread(tc.finish)
             fut.set_result({"type": "unload_model", "model_id": model_id})
         except Exception as exc:
             fut.set_exception(exc)
-        return submit(t, fut, lambda out: out, model_id)
+        return api.submit(t, fut, lambda out: out, model_id)
 
-    # --- training -------------------------------------------------------------------------------
+
+def _add_training_routes(r: APIRouter, api: _Api) -> None:
+    """``forward_backward`` (a protobuf body) and ``optim_step``."""
+
     @r.post("/forward_backward")
     async def forward_backward(request: Request) -> dict[str, Any]:
-        t = await tenant_of(request)
+        t = await api.tenant_of(request)
         if PROTO not in request.headers.get("content-type", ""):
             raise ConfigError(f"forward_backward takes a protobuf body ({PROTO}), as the tinker SDK sends it")
         if request.headers.get("content-encoding"):
             raise NotBuiltError("compressed request bodies are not accepted (client config says so)")
-        req = _proto.decode_forward_backward(await read_body(request, max_body_bytes))
+        req = _proto.decode_forward_backward(await read_body(request, api.max_body_bytes))
         req["datums"] = [tinker_datum(d) for d in req["data"]]
-        fut = await asyncio.to_thread(backend.forward_backward, t, req)
-        return submit(t, fut, _fb_render(req["datums"]), req["model_id"])
+        fut = await asyncio.to_thread(api.backend.forward_backward, t, req)
+        return api.submit(t, fut, _fb_render(req["datums"]), req["model_id"])
 
     @r.post("/optim_step")
     async def optim_step(request: Request) -> dict[str, Any]:
-        t = await tenant_of(request)
-        body = await read_json(request, max_body_bytes)
-        return submit(
+        t = await api.tenant_of(request)
+        body = await api.json(request)
+        return api.submit(
             t,
-            await asyncio.to_thread(backend.optim_step, t, body),
+            await asyncio.to_thread(api.backend.optim_step, t, body),
             lambda out: {"metrics": _step_metrics(out.metrics)},
             body.get("model_id"),
         )
 
-    # --- weights --------------------------------------------------------------------------------
+
+def _add_weights_routes(r: APIRouter, api: _Api) -> None:
+    """Saving and loading state, weights for a sampler, and what a checkpoint holds."""
+
     @r.post("/save_weights")
     async def save_weights(request: Request) -> dict[str, Any]:
-        t = await tenant_of(request)
-        body = await read_json(request, max_body_bytes)
+        t = await api.tenant_of(request)
+        body = await api.json(request)
         render = lambda path: {"type": "save_weights", "path": to_tinker_path(path)}  # noqa: E731
-        return submit(t, await asyncio.to_thread(backend.save_state, t, body), render, body.get("model_id"))
+        return api.submit(t, await asyncio.to_thread(api.backend.save_state, t, body), render, body.get("model_id"))
 
     @r.post("/save_weights_for_sampler")
     async def save_for_sampler(request: Request) -> dict[str, Any]:
-        t = await tenant_of(request)
-        body = await read_json(request, max_body_bytes)
-        return submit(
-            t, await asyncio.to_thread(backend.save_for_sampler, t, body), lambda out: out, body.get("model_id")
+        t = await api.tenant_of(request)
+        body = await api.json(request)
+        return api.submit(
+            t, await asyncio.to_thread(api.backend.save_for_sampler, t, body), lambda out: out, body.get("model_id")
         )
 
     @r.post("/load_weights")
     async def load_weights(request: Request) -> dict[str, Any]:
-        t = await tenant_of(request)
-        body = await read_json(request, max_body_bytes)
-        return submit(t, await asyncio.to_thread(backend.load_state, t, body), lambda out: out, body.get("model_id"))
+        t = await api.tenant_of(request)
+        body = await api.json(request)
+        fut = await asyncio.to_thread(api.backend.load_state, t, body)
+        return api.submit(t, fut, lambda out: out, body.get("model_id"))
 
     @r.get("/weights_info")
     @r.post("/weights_info")
     async def weights_info(request: Request) -> dict[str, Any]:
-        t = await tenant_of(request)
-        body = await read_json(request, max_body_bytes) if request.method == "POST" else dict(request.query_params)
-        return await asyncio.to_thread(backend.weights_info, t, str(body.get("tinker_path", "")))
+        t = await api.tenant_of(request)
+        body = await api.json(request) if request.method == "POST" else dict(request.query_params)
+        return await asyncio.to_thread(api.backend.weights_info, t, str(body.get("tinker_path", "")))
 
-    # --- training runs, checkpoints, sessions (the SDK's RestClient) ---------------------------------
-    # Plain functions: FastAPI runs them on its thread pool, as they wait on the scheduler.
+
+def _add_run_routes(r: APIRouter, api: _Api) -> None:
+    """Training runs, checkpoints and sessions, as the SDK's RestClient reads them. Plain functions:
+    FastAPI runs them on its thread pool, as they wait on the scheduler."""
+    runs = api.runs
+
     @r.get("/training_runs")
     def list_training_runs(request: Request, limit: int = 20, offset: int = 0) -> dict[str, Any]:
-        return runs.training_runs(tenant(request), _page(limit), _page(offset))
+        return runs.training_runs(api.tenant(request), _page(limit), _page(offset))
 
     @r.get("/training_runs/{run_id}")
     def get_training_run(run_id: str, request: Request) -> dict[str, Any]:
-        return runs.training_run(tenant(request), run_id)
+        return runs.training_run(api.tenant(request), run_id)
 
     @r.get("/training_runs/{run_id}/checkpoints")
     def list_checkpoints(run_id: str, request: Request) -> dict[str, Any]:
-        return {"checkpoints": runs.checkpoints(tenant(request), run_id), "cursor": None}
+        return {"checkpoints": runs.checkpoints(api.tenant(request), run_id), "cursor": None}
 
     @r.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
     def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
-        runs.delete_checkpoint(tenant(request), run_id, checkpoint_id)
+        runs.delete_checkpoint(api.tenant(request), run_id, checkpoint_id)
         return {}
 
     @r.get("/checkpoints")
     def list_user_checkpoints(request: Request, limit: int = 100, offset: int = 0) -> dict[str, Any]:
-        return runs.user_checkpoints(tenant(request), _page(limit), _page(offset))
+        return runs.user_checkpoints(api.tenant(request), _page(limit), _page(offset))
 
     @r.get("/sessions")
     def list_sessions(request: Request, limit: int = 20, offset: int = 0) -> dict[str, Any]:
-        return runs.sessions(tenant(request), _page(limit), _page(offset))
+        return runs.sessions(api.tenant(request), _page(limit), _page(offset))
 
     @r.get("/sessions/{session_id}")
     def get_session(session_id: str, request: Request) -> dict[str, Any]:
-        return runs.session(tenant(request), session_id)
+        return runs.session(api.tenant(request), session_id)
 
-    # --- sampling -------------------------------------------------------------------------------
+
+def _add_sampling_routes(r: APIRouter, api: _Api) -> None:
+    """Sampling sessions, a sampler's description, and ``asample``."""
+
     @r.post("/create_sampling_session")
     async def create_sampling_session(request: Request) -> dict[str, Any]:
-        t = await tenant_of(request)
-        body = await read_json(request, max_body_bytes)
+        t = await api.tenant_of(request)
+        body = await api.json(request)
         return {
             "type": "create_sampling_session",
-            "sampling_session_id": await asyncio.to_thread(backend.create_sampler, t, body),
+            "sampling_session_id": await asyncio.to_thread(api.backend.create_sampler, t, body),
         }
 
     @r.get("/samplers/{sampler_id}")
     async def get_sampler(sampler_id: str, request: Request) -> dict[str, Any]:
-        t = await tenant_of(request)
-        row = backend.sampler_row(t, sampler_id)
+        t = await api.tenant_of(request)
+        row = api.backend.sampler_row(t, sampler_id)
         return {
             "sampler_id": row.sampler_id,
             "base_model": row.base_model,
@@ -251,25 +295,28 @@ def tinker_router(
 
     @r.post("/asample")
     async def asample(request: Request) -> dict[str, Any]:
-        t = await tenant_of(request)
-        body = await read_json(request, max_body_bytes)
-        out = submit(t, await asyncio.to_thread(backend.sample, t, body), _sample_render)
+        t = await api.tenant_of(request)
+        body = await api.json(request)
+        out = api.submit(t, await asyncio.to_thread(api.backend.sample, t, body), _sample_render)
         # Each sequence's id, in the response's order (the SDK names its SampledSequences by them).
         out["sample_sequence_ids"] = [f"{out['request_id']}-{i}" for i in range(int(body.get("num_samples", 1)))]
         return out
 
-    # --- futures --------------------------------------------------------------------------------
+
+def _add_future_routes(r: APIRouter, api: _Api) -> None:
+    """The long poll for a call's result (``retrieve_future``), and cancelling a call."""
+
     @r.post("/retrieve_future")
     async def retrieve_future(request: Request) -> Response:
-        t = await tenant_of(request)
-        body = await read_json(request, max_body_bytes)
+        t = await api.tenant_of(request)
+        body = await api.json(request)
         request_id = str(body.get("request_id", ""))
-        entry = futures.get(t.owner, request_id)
+        entry = api.futures.get(t.owner, request_id)
         if entry is None:
             return JSONResponse(error_body(f"unknown request id {request_id!r}", "not_found"), status_code=404)
-        if not await futures.wait(entry, long_poll_s):
+        if not await api.futures.wait(entry, api.long_poll_s):
             return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"})
-        futures.drop(request_id)
+        api.futures.drop(request_id)
         exc = entry.future.exception() if not entry.future.cancelled() else ConfigError("the request was cancelled")
         if exc is not None:
             return JSONResponse(failed(exc))
@@ -280,11 +327,9 @@ def tinker_router(
 
     @r.post("/cancel_future")
     async def cancel_future(request: Request) -> dict[str, Any]:
-        t = await tenant_of(request)
-        body = await read_json(request, max_body_bytes)
-        return {"cancelled": futures.cancel(t.owner, str(body.get("request_id", "")))}
-
-    return r
+        t = await api.tenant_of(request)
+        body = await api.json(request)
+        return {"cancelled": api.futures.cancel(t.owner, str(body.get("request_id", "")))}
 
 
 def failed(exc: BaseException) -> dict[str, Any]:
