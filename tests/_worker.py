@@ -17,7 +17,7 @@ import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
-from polytinker.actors import ActorConfig, spawn
+from polytinker.actors import Actor, ActorConfig, spawn
 from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service.config import EngineWorkerConfig, LearnerWorkerConfig, RuntimeConfig
 from polytinker.scheduler.service.worker_auth import scheduler_client_keypair
@@ -36,17 +36,22 @@ def worker_process(
 ) -> Iterator[RpcClient]:
     """The worker ``worker`` describes, on ``model``, keeping its weights under ``state_dir``;
     yields a client of its RPC server (calls time out after ``timeout_s``), stops it on exit."""
-    engine = isinstance(worker, EngineWorkerConfig)
+    actor: type[Actor]
+    engines: tuple[EngineWorkerConfig, ...] = ()
+    learners: tuple[LearnerWorkerConfig, ...] = ()
+    if isinstance(worker, EngineWorkerConfig):
+        actor, worker_id, engines = EngineActor, worker.engine_id, (worker,)
+    else:
+        actor, worker_id, learners = LearnerActor, worker.learner_id, (worker,)
     token = secrets.token_hex(16)
     config = RuntimeConfig(
         model=model,
         state_dir=str(state_dir),
-        engines=(worker,) if engine else (),
-        learners=() if engine else (worker,),
+        engines=engines,
+        learners=learners,
         worker_token=token,
         worker_heartbeat_s=0.5,
     )
-    worker_id = worker.engine_id if isinstance(worker, EngineWorkerConfig) else worker.learner_id
     registered: queue.Queue[m.Register] = queue.Queue()
 
     def register(msg: m.Register) -> dict[str, str]:
@@ -56,7 +61,7 @@ def worker_process(
     actor_config = ActorConfig(start_timeout_s=timeout_s, stop_timeout_s=60.0, env=(("OMP_NUM_THREADS", "1"),))
     with RpcServer("tcp://127.0.0.1:0", {"sched.w.register": register}) as scheduler:
         ref = spawn(
-            EngineActor if engine else LearnerActor,
+            actor,
             config.to_dict(),
             worker_id,
             scheduler.address,
