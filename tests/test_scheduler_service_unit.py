@@ -28,7 +28,9 @@ from polytinker.scheduler.service import (
     TenantConfig,
 )
 from polytinker.scheduler.service import messages as m
+from polytinker.scheduler.service import replies as r
 from polytinker.scheduler.service.tenants import Tenants, hash_key
+from polytinker.scheduler.types import JobState
 from polytinker.transport import RpcClient, RpcServer
 
 KEY_A = "alice-key-0123456789"
@@ -253,40 +255,40 @@ def test_malformed_and_hostile_requests_never_take_the_scheduler_down(service) -
             forged = m.Register("bad", "engine-0", "engine", "tcp://x:1", "i", "tiny-random", "k" * 40)
             client.call("sched.w.register", forged)
         reply = client.call("sched.create_job", m.CreateJob(KEY_A, "lora_rl", "tiny-random", rank=4))
-        assert reply["status"] == "ok" and reply["job"]["state"] == "running"
-        jobs = client.call("sched.list_jobs", m.ListJobs(KEY_B))["jobs"]
+        assert isinstance(reply, r.JobReply) and reply.job["state"] == "running"
+        jobs = client.call("sched.list_jobs", m.ListJobs(KEY_B)).jobs
         assert jobs == []  # bob sees none of alice's jobs
 
 
 def test_training_without_a_learner_waits_then_the_bound_answers_overloaded(service) -> None:
     svc, address = service
     with RpcClient(address) as client:
-        job = client.call("sched.create_job", m.CreateJob(KEY_A, "lora_rl", "tiny-random", rank=4))["job"]
+        job = client.call("sched.create_job", m.CreateJob(KEY_A, "lora_rl", "tiny-random", rank=4)).job
         with svc.admission.admit("alice", "train"):  # one training call in flight: the bound (1) is reached
             reply = client.call("sched.optim_step", m.OptimStep(KEY_A, job["job_id"]))
-        assert reply["status"] == "overloaded" and reply["retry_after_s"] > 0
+        assert isinstance(reply, r.OverloadedReply) and reply.retry_after_s > 0
 
 
 def test_client_connection_retries_overloaded_answers_then_succeeds() -> None:
     answers = iter(
         [
-            {"status": "overloaded", "retry_after_s": 0.05, "reason": "busy"},
-            {"status": "waiting", "state": "queued", "retry_after_s": 0.05, "reason": "queued"},
-            {"status": "ok", "jobs": []},
+            r.OverloadedReply(0.05, "busy"),
+            r.WaitingReply(JobState.QUEUED, 0.05, "queued"),
+            r.JobListReply([], {}),
         ]
     )
     with RpcServer("tcp://127.0.0.1:0", {"sched.list_jobs": lambda _msg: next(answers)}) as server:
         conn = Connection(server.address, KEY_A)
         try:
-            assert conn.request("sched.list_jobs", m.ListJobs(KEY_A)) == {"status": "ok", "jobs": []}
+            assert conn.request("sched.list_jobs", m.ListJobs(KEY_A), r.JobListReply) == r.JobListReply([], {})
         finally:
             conn.close()
-    busy = {"status": "overloaded", "retry_after_s": 0.01, "reason": "busy"}
+    busy = r.OverloadedReply(0.01, "busy")
     with RpcServer("tcp://127.0.0.1:0", {"x": lambda _msg: busy}) as server:
         conn = Connection(server.address, KEY_A, overload_wait_s=0.05)
         try:
             with pytest.raises(OverloadedError):
-                conn.request("x", None)
+                conn.request("x", None, r.JobListReply)
         finally:
             conn.close()
 

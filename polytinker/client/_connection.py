@@ -17,7 +17,9 @@ Every call goes through ``Connection.request``:
 - errors the scheduler raised come back as their own types (``AuthError``, ``ConfigError``,
   ``NotBuiltError``, ``JobNotRunning``), with the ``RemoteError`` as ``__cause__``.
 
-Results are ``polytinker.types``'s (``ForwardBackwardOutput``, ``OptimStepResponse``, also known
+The scheduler answers typed replies (``polytinker.scheduler.service.replies``): ``request``
+returns the one it was told to expect, and the clients turn it into ``polytinker.types``'s
+results (``ForwardBackwardOutput``, ``OptimStepResponse``, also known
 here as ``OptimStepResult``, ``SampleResponse``, ...).
 """
 
@@ -28,7 +30,7 @@ import random
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from polytinker.errors import (
     JobNotRunning,
@@ -39,9 +41,11 @@ from polytinker.errors import (
     TransportError,
     error_class,
 )
+from polytinker.scheduler.service.replies import OverloadedReply, WaitingReply
 from polytinker.transport import ClientCurve, RpcClient, TransportConfig
 from polytinker.types import ForwardBackwardOutput, OptimStepResponse, SampledSequence, SampleResponse
 
+R = TypeVar("R")
 OVERLOAD_CAP_S = 10.0  # the longest back-off after an "overloaded" answer
 WAITING_CAP_S = 2.0  # ... after a "waiting" one (a queued job starts in its own time: ask again soon)
 
@@ -82,14 +86,16 @@ class Connection:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.rpc.close()
 
-    def request(self, kind: str, msg: Any, *, idempotent: bool = True) -> dict[str, Any]:
+    def request(self, kind: str, msg: Any, reply: type[R], *, idempotent: bool = True) -> R:
+        """The scheduler's answer to ``msg``, of type ``reply`` (a class of ``replies``), after the
+        retries the module docstring lists; any other answer is a ``TransportError``."""
         start = time.monotonic()
         overloaded = waiting = 0  # refusals of this call so far: the back-off doubles with each
         while True:
             if self.check is not None:
                 self.check()
             try:
-                reply = self.rpc.call(kind, msg, timeout_s=self.timeout_s)
+                answer = self.rpc.call(kind, msg, timeout_s=self.timeout_s)
             except (PeerDeadError, RequestTimeout) as exc:
                 if self.check is not None:
                     self.check()  # the scheduler is gone for good, not restarting: say why
@@ -104,22 +110,21 @@ class Connection:
                 if local is exc:
                     raise
                 raise local from exc
-            status = reply.get("status") if isinstance(reply, dict) else None
             waited = time.monotonic() - start
-            if status == "overloaded":
+            if isinstance(answer, reply):
+                return answer
+            if isinstance(answer, OverloadedReply):
                 if waited > self.overload_wait_s:
-                    raise OverloadedError(str(reply.get("reason", "overloaded")), float(reply["retry_after_s"]))
-                time.sleep(backoff_s(float(reply["retry_after_s"]), overloaded, OVERLOAD_CAP_S))
+                    raise OverloadedError(answer.reason or "overloaded", answer.retry_after_s)
+                time.sleep(backoff_s(answer.retry_after_s, overloaded, OVERLOAD_CAP_S))
                 overloaded += 1
-            elif status == "waiting":
+            elif isinstance(answer, WaitingReply):
                 if waited > self.job_wait_s:
-                    raise JobNotRunning(str(reply.get("reason", "")), str(reply.get("state", "")))
-                time.sleep(backoff_s(float(reply["retry_after_s"]), waiting, WAITING_CAP_S))
+                    raise JobNotRunning(answer.reason, str(answer.state))
+                time.sleep(backoff_s(answer.retry_after_s, waiting, WAITING_CAP_S))
                 waiting += 1
-            elif status == "ok":
-                return reply
             else:
-                raise TransportError(f"the scheduler answered {kind} with {reply!r}")
+                raise TransportError(f"the scheduler answered {kind} with {answer!r}, not a {reply.__qualname__}")
 
 
 def _local(exc: RemoteError) -> Exception:

@@ -28,6 +28,7 @@ from polytinker.client._connection import Connection
 from polytinker.errors import ConfigError
 from polytinker.model_path import TINKER_PREFIX, ModelPath
 from polytinker.scheduler.service import messages as m
+from polytinker.scheduler.service.replies import ExportWeightsReply
 
 MANIFEST = "polytinker.json"
 
@@ -66,12 +67,12 @@ def export_weights(
 ) -> Path:
     """Write the saved version ``model_path`` of this tenant to ``out_dir`` (see the module docstring)."""
     path = _model_path(model_path)
-    reply = conn.request("sched.export_weights", m.ExportWeights(conn.api_key, path))
-    identity = base_identity(str(reply["base_model"]))
-    config = json.loads(reply["adapter_config"])
+    reply = conn.request("sched.export_weights", m.ExportWeights(conn.api_key, path), ExportWeightsReply)
+    identity = base_identity(reply.base_model)
+    config = json.loads(reply.adapter_config)
     config["base_model_name_or_path"] = identity["hub_id"] or identity["base_model"]
-    manifest = {**identity, "model_path": path, "version": int(reply["version"]), "merged": merged}
-    weights = bytes(reply["weights"])
+    manifest = {**identity, "model_path": path, "version": reply.version, "merged": merged}
+    weights = bytes(reply.weights)
 
     def write_adapter(d: Path) -> None:
         (d / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -10,14 +10,17 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from polytinker.client._connection import Connection
 from polytinker.client._convert import prompt_tokens, samples_nothing, sampling_msg
 from polytinker.client._future import APIFuture, ReadyClient, submit
 from polytinker.errors import AuthError, ConfigError, NotBuiltError
 from polytinker.scheduler.service.messages import ComputeLogprobs, Sample
+from polytinker.scheduler.service.replies import LogprobsReply, SampleReply
 from polytinker.types import SampledSequence, SampleResponse, check_seed
+
+R = TypeVar("R", SampleReply, LogprobsReply)
 
 
 class SamplingClient(ReadyClient):
@@ -69,27 +72,27 @@ class SamplingClient(ReadyClient):
         scored = self._logprobs_msg(tokens) if include_prompt_logprobs else None
         return submit(self._conn.pool, lambda: self._sample(None if nothing else msg, scored))
 
-    def _request(self, kind: str, msg: Sample | ComputeLogprobs) -> dict[str, Any]:
+    def _request(self, kind: str, msg: Sample | ComputeLogprobs, reply: type[R]) -> R:
         """The call; once more on a new inference job when this one is gone from the job table
         (finished while its client was quiet for hours, then pruned: docs/scheduler-service.md)."""
         try:
-            return self._conn.request(kind, msg)
+            return self._conn.request(kind, msg, reply)
         except AuthError as exc:
             if self._reopen is None or not msg.job_id or repr(msg.job_id) not in str(exc):
                 raise
             with self._reopen_lock:
                 if self.job_id == msg.job_id:  # not yet replaced by a concurrent call
                     self.job_id = self._reopen()
-            return self._conn.request(kind, dataclasses.replace(msg, job_id=self.job_id))
+            return self._conn.request(kind, dataclasses.replace(msg, job_id=self.job_id), reply)
 
     def _sample(self, msg: Sample | None, scored: ComputeLogprobs | None) -> SampleResponse:
         prompt_logprobs = self._logprobs(scored) if scored is not None else None
         if msg is None:
             return SampleResponse([], prompt_logprobs)
-        reply = self._request("sched.sample", msg)
+        reply = self._request("sched.sample", msg, SampleReply)
         sequences = [
             SampledSequence(s["stop_reason"], list(s["tokens"]), list(s["logprobs"]), s.get("text", ""))
-            for s in reply["sequences"]
+            for s in reply.sequences
         ]
         return SampleResponse(sequences, prompt_logprobs)
 
@@ -113,8 +116,8 @@ class SamplingClient(ReadyClient):
         return ComputeLogprobs(self._conn.api_key, self.model_path, self.base_model, (tokens,), self.job_id)
 
     def _logprobs(self, msg: ComputeLogprobs) -> list[float | None]:
-        reply = self._request("sched.compute_logprobs", msg)
-        return [None, *reply["logprobs"][0]]
+        reply = self._request("sched.compute_logprobs", msg, LogprobsReply)
+        return [None, *reply.logprobs[0]]
 
     async def compute_logprobs_async(self, prompt: Any) -> list[float | None]:
         """``compute_logprobs``, awaited: the list itself."""

@@ -25,6 +25,7 @@ from polytinker.client.training_client import TrainingClient
 from polytinker.errors import ConfigError, NotBuiltError, PolytinkerError, TransportError
 from polytinker.model_path import CKPT_PREFIX
 from polytinker.scheduler.service import messages as m
+from polytinker.scheduler.service import replies as r
 from polytinker.scheduler.service.config import RuntimeConfig
 from polytinker.transport import ClientCurve
 from polytinker.types import GetServerCapabilitiesResponse, SupportedModel
@@ -123,9 +124,7 @@ class ServiceClient:
 
     def _create(self, kind: str, base_model: str, **fields: Any) -> dict[str, Any]:
         conn = self._connection(base_model)
-        job: dict[str, Any] = conn.request("sched.create_job", m.CreateJob(conn.api_key, kind, base_model, **fields))[
-            "job"
-        ]
+        job = conn.request("sched.create_job", m.CreateJob(conn.api_key, kind, base_model, **fields), r.JobReply).job
         self._created.append(job["job_id"])
         return job
 
@@ -262,31 +261,30 @@ class ServiceClient:
         return await asyncio.to_thread(self.get_server_capabilities)
 
     def _model_of(self, conn: Connection) -> str:
-        reply = conn.request("sched.runtime_status", m.RuntimeStatus(conn.api_key))
-        return str(reply.get("base_model", ""))
+        return conn.request("sched.runtime_status", m.RuntimeStatus(conn.api_key), r.RuntimeStatusReply).base_model
 
     # --- jobs ----------------------------------------------------------------------------------------
     def list_jobs(self, include_finished: bool = True) -> list[dict[str, Any]]:
         conn = self._connection()
-        jobs: list[dict[str, Any]] = conn.request("sched.list_jobs", m.ListJobs(conn.api_key, include_finished))["jobs"]
-        return jobs
+        return conn.request("sched.list_jobs", m.ListJobs(conn.api_key, include_finished), r.JobListReply).jobs
 
     def jobs_report(self, include_finished: bool = True) -> dict[str, Any]:
         """``{"jobs": [...], "load": {...}}``: the jobs with what this scheduler process saw of
         them (``calls``, ``in_flight``, ``idle_s``, for jobs it knows), and the tenant's load
         (calls ``in_flight``, ``completed``, ``failed``, ``refused``, ``waiting``; live ``jobs`` by state)."""
         conn = self._connection()
-        reply = conn.request("sched.list_jobs", m.ListJobs(conn.api_key, include_finished))
-        return {"jobs": reply["jobs"], "load": reply.get("load", {})}
+        reply = conn.request("sched.list_jobs", m.ListJobs(conn.api_key, include_finished), r.JobListReply)
+        return {"jobs": reply.jobs, "load": reply.load}
 
     def get_job(self, job_id: str) -> dict[str, Any]:
+        """The job (``job``), its ``adapter`` (agent, version, model_path), ``lora`` shape,
+        ``checkpoints`` and last ``events``: ``JobQueryReply.as_dict()``."""
         conn = self._connection()
-        return conn.request("sched.job_query", m.JobQuery(conn.api_key, job_id))
+        return conn.request("sched.job_query", m.JobQuery(conn.api_key, job_id), r.JobQueryReply).as_dict()
 
     def _action(self, job_id: str, action: str) -> dict[str, Any]:
         conn = self._connection()
-        job: dict[str, Any] = conn.request("sched.job_action", m.JobAction(conn.api_key, job_id, action))["job"]
-        return job
+        return conn.request("sched.job_action", m.JobAction(conn.api_key, job_id, action), r.JobReply).job
 
     def cancel_job(self, job_id: str) -> dict[str, Any]:
         return self._action(job_id, "cancel")
@@ -310,7 +308,7 @@ class ServiceClient:
     def runtime_status(self) -> dict[str, Any]:
         """Workers, their statistics (batches, mixed batches, adapter loads) and learner switches."""
         conn = self._connection()
-        return conn.request("sched.runtime_status", m.RuntimeStatus(conn.api_key))
+        return conn.request("sched.runtime_status", m.RuntimeStatus(conn.api_key), r.RuntimeStatusReply).as_dict()
 
     # --- lifecycle -----------------------------------------------------------------------------------
     def close(self, *, keep_jobs: bool = False) -> None:
@@ -320,7 +318,9 @@ class ServiceClient:
         if not keep_jobs and self._conn is not None:
             for job_id in self._created:
                 with contextlib.suppress(PolytinkerError):
-                    self._conn.request("sched.job_action", m.JobAction(self._conn.api_key, job_id, "finish"))
+                    self._conn.request(
+                        "sched.job_action", m.JobAction(self._conn.api_key, job_id, "finish"), r.JobReply
+                    )
         with self._lock:
             self._closed = True
             conn, self._conn = self._conn, None

@@ -22,6 +22,7 @@ from polytinker.client._future import APIFuture, ReadyClient, submit
 from polytinker.client.sampling_client import SamplingClient
 from polytinker.errors import ConfigError, NotBuiltError
 from polytinker.scheduler.service import messages as m
+from polytinker.scheduler.service import replies as r
 from polytinker.types import (
     ForwardBackwardOutput,
     GetInfoResponse,
@@ -95,8 +96,8 @@ class TrainingClient(ReadyClient):
         msg = m.ForwardBackward(self._key(), self.job_id, data_msgs, loss_fn, config, uuid.uuid4().hex)
 
         def run() -> ForwardBackwardOutput:
-            r = self._conn.request("sched.forward_backward", msg)
-            return fb_output(r["loss"], r["logprobs"], r["metrics"])
+            out = self._conn.request("sched.forward_backward", msg, r.ForwardBackwardReply)
+            return fb_output(out.loss, out.logprobs, out.metrics)
 
         return self._submit(run)
 
@@ -119,12 +120,12 @@ class TrainingClient(ReadyClient):
         data_msgs = tuple(datum_msg(d) for d in data)
         msg = m.Forward(self._key(), self.job_id, data_msgs)
         if loss_fn is None:
-            return self._submit(lambda: self._conn.request("sched.forward", msg)["logprobs"])
+            return self._submit(lambda: self._conn.request("sched.forward", msg, r.ForwardReply).logprobs)
         config = dict(loss_fn_config) if loss_fn_config is not None else None
         forward_metrics(loss_fn, (), (), config)  # a bad loss_fn or config fails here, at the call
 
         def run() -> ForwardBackwardOutput:
-            logprobs = self._conn.request("sched.forward", msg)["logprobs"]
+            logprobs = self._conn.request("sched.forward", msg, r.ForwardReply).logprobs
             loss, metrics = forward_metrics(loss_fn, data_msgs, logprobs, config)
             return fb_output(loss, logprobs, metrics)
 
@@ -150,8 +151,8 @@ class TrainingClient(ReadyClient):
         )
 
         def run() -> OptimStepResponse:
-            r = self._conn.request("sched.optim_step", msg)
-            return OptimStepResponse(metrics=tinker_metrics(r["metrics"]), version=int(r["version"]))
+            out = self._conn.request("sched.optim_step", msg, r.OptimStepReply)
+            return OptimStepResponse(metrics=tinker_metrics(out.metrics), version=int(out.version))
 
         return self._submit(run)
 
@@ -160,7 +161,9 @@ class TrainingClient(ReadyClient):
         (``polytinker-ckpt://JOB/NAME``, a ``str`` with ``.path``) that ``load_state`` takes.
         Checkpoints do not expire: ``ttl_seconds`` is accepted and not applied."""
         msg = m.SaveState(self._key(), self.job_id, name)
-        return self._submit(lambda: SaveWeightsResponse(str(self._conn.request("sched.save_state", msg)["path"])))
+        return self._submit(
+            lambda: SaveWeightsResponse(self._conn.request("sched.save_state", msg, r.SaveStateReply).path)
+        )
 
     def load_state(self, path: str, weights_access_token: str | None = None) -> APIFuture[LoadWeightsResponse]:
         """Restore a checkpoint's weights (a name, or a path ``save_state`` gave, of this tenant);
@@ -178,7 +181,7 @@ class TrainingClient(ReadyClient):
         msg = m.LoadState(self._key(), self.job_id, str(path), optimizer=optimizer)
 
         def run() -> LoadWeightsResponse:
-            version = int(self._conn.request("sched.load_state", msg, idempotent=False)["version"])
+            version = int(self._conn.request("sched.load_state", msg, r.LoadStateReply, idempotent=False).version)
             return LoadWeightsResponse(path=str(path), model_id=self.job_id, version=version)
 
         return self._submit(run)
@@ -188,7 +191,9 @@ class TrainingClient(ReadyClient):
         (``polytinker://JOB/AGENT@VERSION``, a ``str`` with ``.path``)."""
         msg = m.SaveWeights(self._key(), self.job_id, name or "")
         return self._submit(
-            lambda: SaveWeightsForSamplerResponse(str(self._conn.request("sched.save_weights", msg)["model_path"]))
+            lambda: SaveWeightsForSamplerResponse(
+                self._conn.request("sched.save_weights", msg, r.SaveWeightsReply).model_path
+            )
         )
 
     def save_weights_and_get_sampling_client(self, name: str | None = None) -> SamplingClient:
@@ -265,12 +270,12 @@ class TrainingClient(ReadyClient):
     # --- the job -------------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         """The job as the scheduler sees it (state, reason, adapter version, checkpoints, decisions)."""
-        return self._conn.request("sched.job_query", m.JobQuery(self._key(), self.job_id))
+        return self._conn.request("sched.job_query", m.JobQuery(self._key(), self.job_id), r.JobQueryReply).as_dict()
 
     def finish(self) -> None:
         """Mark the job done and free its resources (after the calls already made)."""
         action = m.JobAction(self._key(), self.job_id, "finish")
-        self._submit(lambda: self._conn.request("sched.job_action", action)).result()
+        self._submit(lambda: self._conn.request("sched.job_action", action, r.JobReply)).result()
         self._lane.shutdown(wait=True)
 
 

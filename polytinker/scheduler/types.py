@@ -2,7 +2,7 @@
 
 - ``JobID``, ``TenantID``, ``ResourceID``, ``AdapterID``, ``BaseModelID``: names (plain strings).
 - ``JobKind``: LoRA RL, full-parameter RL, SFT, inference; what each needs (engine, learner, exclusivity).
-- ``JobState``: where a job is in its life (queued, running, preempting, done, ...).
+- ``JobState``: where a job is in its life (queued, running, preempting, paused, done, ...).
 - ``Job``: one submitted job: tenant, kind, base model, priority, size (steps, seconds per step), memory,
   and for RL jobs how far its sampling may run ahead of its training (``max_staleness``: 0 sync, >= 1 async).
 - ``EngineSpec`` / ``LearnerSpec`` / ``ClusterSpec``: the machines a policy places jobs on.
@@ -51,6 +51,7 @@ class JobState(StrEnum):
     QUEUED = "queued"
     RUNNING = "running"
     PREEMPTING = "preempting"  # told to stop at its next step boundary and save its state
+    PAUSED = "paused"  # the service's: paused by its tenant or for being idle (out of the policy until resumed)
     DONE = "done"
     REJECTED = "rejected"
     CANCELLED = "cancelled"

@@ -44,6 +44,7 @@ from polytinker.scheduler.types import (
     EngineSpec,
     Job,
     JobKind,
+    JobState,
     LearnerSpec,
     Overloaded,
     Placement,
@@ -51,13 +52,15 @@ from polytinker.scheduler.types import (
 
 log = logging.getLogger("polytinker.scheduler.service")
 
-LIVE_STATES = ("queued", "running", "preempting")
-FINAL_STATES = ("done", "cancelled", "rejected")
+LIVE_STATES = (JobState.QUEUED, JobState.RUNNING, JobState.PREEMPTING)
+FINAL_STATES = (JobState.DONE, JobState.CANCELLED, JobState.REJECTED)
 IDLE_REASON = "idle:"
+# The state each of a tenant's job actions (but resume) leaves the job in.
+_ACTION_STATES = {"cancel": JobState.CANCELLED, "pause": JobState.PAUSED, "finish": JobState.DONE}
 
 
 def idle_verdict(
-    config: RuntimeConfig, kind: str, state: str, reason: str, *, placed: bool, idle_s: float, in_flight: int
+    config: RuntimeConfig, kind: JobKind, state: JobState, reason: str, *, placed: bool, idle_s: float, in_flight: int
 ) -> str | None:
     """What the idle rules do to a job now: "pause", "finish" or None.
 
@@ -69,10 +72,10 @@ def idle_verdict(
     client is gone; finished ones are pruned). Paused training jobs stay paused: they hold state."""
     if in_flight > 0:
         return None
-    if kind == "inference":
-        if (placed or state == "queued") and idle_s >= config.inference_idle_s:
+    if kind == JobKind.INFERENCE:
+        if (placed or state == JobState.QUEUED) and idle_s >= config.inference_idle_s:
             return "pause"
-        idle_paused = state == "paused" and reason.startswith(IDLE_REASON)
+        idle_paused = state == JobState.PAUSED and reason.startswith(IDLE_REASON)
         if idle_paused and idle_s >= config.inference_idle_s + config.job_idle_pause_s:
             return "finish"
         return None
@@ -97,7 +100,7 @@ class _Live:
     policy_id: str
     start_version: int  # the adapter version when this run was submitted: the policy counts steps from it
     placement: Placement | None = None
-    kind: str = ""
+    kind: JobKind = JobKind.LORA_RL
 
 
 _calls = threading.local()  # the jobs the current handler thread's call named (see JobManager.activity)
@@ -138,7 +141,11 @@ class JobManager:
                 if row.state in LIVE_STATES:
                     self._submit(row, steps_done=self._steps_of(row))
                     n += 1
-                elif row.kind == "inference" and row.state == "paused" and row.reason.startswith(IDLE_REASON):
+                elif (
+                    row.kind == JobKind.INFERENCE
+                    and row.state == JobState.PAUSED
+                    and row.reason.startswith(IDLE_REASON)
+                ):
                     self._idle_paused.add(row.job_id)  # its idle time counts again from now
                     self._touched[row.job_id] = time.monotonic()
             self.schedule()
@@ -152,7 +159,7 @@ class JobManager:
     def create(self, tenant: str, msg: CreateJob) -> JobRow:
         if msg.base_model != self.config.model:
             raise ConfigError(f"this runtime serves base model {self.config.model!r}, not {msg.base_model!r}")
-        if msg.kind == "inference" and msg.adapter:
+        if msg.kind == JobKind.INFERENCE and msg.adapter:
             raise ConfigError("inference jobs sample the base model here; sample adapters with their model_path")
         now = time.time()
         job_id = f"{msg.kind.replace('_', '')}-{uuid.uuid4().hex[:10]}"
@@ -160,11 +167,11 @@ class JobManager:
         row = JobRow(
             job_id,
             tenant,
-            msg.kind,
+            JobKind(msg.kind),
             msg.base_model,
             msg.agent,
             lora,
-            "queued",
+            JobState.QUEUED,
             msg.priority,
             msg.steps or self.config.jobs.steps,
             "",
@@ -183,7 +190,7 @@ class JobManager:
 
     def _policy_job(self, row: JobRow, policy_id: str, steps_done: int) -> Job:
         d = self.config.jobs
-        kind = JobKind(row.kind)
+        kind = row.kind
         full = kind is JobKind.FULL_RL
         return Job(
             job_id=policy_id,
@@ -207,7 +214,7 @@ class JobManager:
         if isinstance(result, Overloaded):
             self._log(result.decision)
             if not new:
-                self._set_state(row.job_id, "queued", result.decision.reason)
+                self._set_state(row.job_id, JobState.QUEUED, result.decision.reason)
             return result
         if new:
             self.store.insert_job(row)
@@ -216,9 +223,9 @@ class JobManager:
             self._live[row.job_id] = _Live(policy_id, start_version=steps_done, kind=row.kind)
             self._touched[row.job_id] = time.monotonic()
             self._by_policy_id[policy_id] = row.job_id
-            self._set_state(row.job_id, "queued", result.decision.reason)
+            self._set_state(row.job_id, JobState.QUEUED, result.decision.reason)
             return result
-        self._set_state(row.job_id, "rejected", result.decision.reason)
+        self._set_state(row.job_id, JobState.REJECTED, result.decision.reason)
         return None
 
     # --- the scheduling pass -----------------------------------------------------------------------
@@ -233,11 +240,11 @@ class JobManager:
                 if d.kind is DecisionKind.START:
                     self._live[job_id].placement = d.placement
                     self._touched[job_id] = time.monotonic()  # idle time counts from its start
-                    self._set_state(job_id, "running", d.reason)
+                    self._set_state(job_id, JobState.RUNNING, d.reason)
                 elif d.kind is DecisionKind.PREEMPT:
-                    self._set_state(job_id, "preempting", d.reason)
+                    self._set_state(job_id, JobState.PREEMPTING, d.reason)
                     row = self.store.job(job_id)
-                    if row is not None and row.kind == "inference":  # no step to wait for: stop now
+                    if row is not None and row.kind == JobKind.INFERENCE:  # no step to wait for: stop now
                         self.step_boundary(job_id, self._live[job_id].start_version)
             return decisions
 
@@ -252,7 +259,7 @@ class JobManager:
                 placed = live.placement is not None
                 idle_s = now - self._touched.get(job_id, now)
                 verdict = idle_verdict(
-                    self.config, live.kind, "running" if placed else "queued", "", placed=placed,
+                    self.config, live.kind, JobState.RUNNING if placed else JobState.QUEUED, "", placed=placed,
                     idle_s=idle_s, in_flight=self._busy[job_id],
                 )  # fmt: skip
                 if verdict == "pause":
@@ -261,12 +268,12 @@ class JobManager:
             for job_id in list(self._idle_paused):
                 idle_s = now - self._touched.get(job_id, now)
                 verdict = idle_verdict(
-                    self.config, "inference", "paused", IDLE_REASON, placed=False, idle_s=idle_s,
+                    self.config, JobKind.INFERENCE, JobState.PAUSED, IDLE_REASON, placed=False, idle_s=idle_s,
                     in_flight=self._busy[job_id],
                 )  # fmt: skip
                 if verdict == "finish":
                     reason = f"{IDLE_REASON} no call for {idle_s:.0f} s; finished (its client is gone)"
-                    self._set_state(job_id, "done", reason)
+                    self._set_state(job_id, JobState.DONE, reason)
                     self.store.log_event(job_id, "finish", reason)
                     self._forget(job_id)
                     changed.append(job_id)
@@ -274,16 +281,16 @@ class JobManager:
                 self.schedule()
         return changed
 
-    def _pause_for_idle(self, job_id: str, kind: str, placed: bool) -> None:
-        limit = self.config.inference_idle_s if kind == "inference" else self.config.job_idle_pause_s
+    def _pause_for_idle(self, job_id: str, kind: JobKind, placed: bool) -> None:
+        limit = self.config.inference_idle_s if kind == JobKind.INFERENCE else self.config.job_idle_pause_s
         self._leave_policy(job_id, "pause")
         if placed:
             reason = f"{IDLE_REASON} no call for {limit:g} s; paused to free its resources (a call resumes it)"
         else:
             reason = f"{IDLE_REASON} no client asked for it for {limit:g} s while queued; paused (a call resumes it)"
-        self._set_state(job_id, "paused", reason)
+        self._set_state(job_id, JobState.PAUSED, reason)
         self.store.log_event(job_id, "pause", reason)
-        if kind == "inference":
+        if kind == JobKind.INFERENCE:
             self._idle_paused.add(job_id)
 
     def step_boundary(self, job_id: str, version: int) -> None:
@@ -293,13 +300,13 @@ class JobManager:
             if live is None:
                 return
             row = self.store.job(job_id)
-            if row is None or row.state != "preempting":
+            if row is None or row.state != JobState.PREEMPTING:
                 return
             declared = max(1, row.steps - min(live.start_version, row.steps - 1))
             done = min(max(version - live.start_version, self.policy.steps_done(live.policy_id)), declared - 1)
             self._log(self.policy.job_stopped(live.policy_id, self.now(), done))
             live.placement = None
-            self._set_state(job_id, "queued", "preempted at a step boundary; its state is saved; queued again")
+            self._set_state(job_id, JobState.QUEUED, "preempted at a step boundary; its state is saved; queued again")
             self.schedule()
 
     # --- queries and actions -------------------------------------------------------------------------
@@ -316,8 +323,8 @@ class JobManager:
         idle (its client was only quiet, not gone: a base sampler has no state to lose)."""
         with self._lock:  # read under the lock that pruning and the idle rules take
             row = self.get(tenant, job_id)
-            idle_done = row.kind == "inference" and row.state == "done"
-            resume = row.reason.startswith(IDLE_REASON) and (row.state == "paused" or idle_done)
+            idle_done = row.kind == JobKind.INFERENCE and row.state == JobState.DONE
+            resume = row.reason.startswith(IDLE_REASON) and (row.state == JobState.PAUSED or idle_done)
             if row.state not in FINAL_STATES or resume:
                 self._mark(job_id)
             if resume:
@@ -327,7 +334,7 @@ class JobManager:
                 row = self.get(tenant, job_id)
             live = self._live.get(job_id)
             placement = live.placement if live is not None else None
-        if row.state not in ("running", "preempting") or placement is None:
+        if row.state not in (JobState.RUNNING, JobState.PREEMPTING) or placement is None:
             raise JobNotRunning(f"job {job_id} is {row.state}: {row.reason}", row.state, tenant)
         return row, placement
 
@@ -389,7 +396,7 @@ class JobManager:
         cutoff = time.time() - self.config.finished_inference_keep_s
         by_tenant: dict[str, list[JobRow]] = {}
         with self._lock:  # a call resumes an idle-finished job under this lock: never delete one it revived
-            for row in self.store.jobs_of("inference", FINAL_STATES):
+            for row in self.store.jobs_of(JobKind.INFERENCE, FINAL_STATES):
                 by_tenant.setdefault(row.tenant, []).append(row)
             doomed = []
             for rows in by_tenant.values():
@@ -406,16 +413,16 @@ class JobManager:
         row = self.get(tenant, job_id)
         with self._lock:
             if action == "resume":
-                if row.state != "paused":
+                if row.state != JobState.PAUSED:
                     raise ConfigError(f"job {job_id} is {row.state}; only a paused job can be resumed")
                 self._idle_paused.discard(job_id)
                 self._submit(row, steps_done=self._steps_of(row))
                 self.schedule()
-            elif row.state in FINAL_STATES or (row.state == "paused" and action == "pause"):
+            elif row.state in FINAL_STATES or (row.state == JobState.PAUSED and action == "pause"):
                 raise ConfigError(f"job {job_id} is {row.state}; it cannot be {action}d")
             else:
                 self._leave_policy(job_id, action)
-                new_state = {"cancel": "cancelled", "pause": "paused", "finish": "done"}[action]
+                new_state = _ACTION_STATES[action]
                 self._set_state(job_id, new_state, f"{action} requested by its tenant")
                 self.store.log_event(job_id, action, f"{action} requested by its tenant")
                 self._idle_paused.discard(job_id)
@@ -462,7 +469,7 @@ class JobManager:
                 raise OverloadedError("every adapter slot of every engine is pinned by running jobs", 5.0)
             return placed.engine
 
-    def _set_state(self, job_id: str, state: str, reason: str) -> None:
+    def _set_state(self, job_id: str, state: JobState, reason: str) -> None:
         self.store.set_job_state(job_id, state, reason)
 
     def _log(self, d: Decision) -> None:

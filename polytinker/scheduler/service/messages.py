@@ -16,7 +16,7 @@ Worker <-> scheduler: ``Register`` (worker -> scheduler), ``ActorsReport`` of ``
 Nested values: ``DatumMsg`` (one training example), ``SamplingMsg`` (sampling parameters) and
 ``WeightsRef`` (a stored version's weights, by ids: no message to a worker names a filesystem
 path; each worker makes the path under its own state root, see ``layout``).
-Replies are plain maps whose keys docs/scheduler-service.md lists; the client turns them into types.
+The replies to the client requests are typed too: ``polytinker.scheduler.service.replies``.
 """
 
 from __future__ import annotations
@@ -27,9 +27,11 @@ from dataclasses import dataclass
 from polytinker.errors import ConfigError
 from polytinker.model_path import MODEL_PREFIX
 from polytinker.scheduler.service.layout import KINDS, check_adapter_key, check_name, relative_path
+from polytinker.scheduler.types import JobKind
 from polytinker.transport.messages import message
 
-JOB_KINDS = ("lora_rl", "full_rl", "sft", "inference")
+JOB_KINDS = tuple(str(k) for k in JobKind)  # ("lora_rl", "full_rl", "sft", "inference")
+_RL_KINDS = (JobKind.LORA_RL, JobKind.FULL_RL)  # they sample and train
 JOB_ACTIONS = ("cancel", "pause", "resume", "finish")
 LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
 MAX_DATA = 100_000  # datums in one call
@@ -94,7 +96,7 @@ class SamplingMsg:
 @dataclass(frozen=True)
 class CreateJob:
     api_key: str
-    kind: str
+    kind: str  # a JobKind value; __post_init__ checks it and makes it the JobKind
     base_model: str
     agent: str = "default"
     rank: int = 16
@@ -108,10 +110,11 @@ class CreateJob:
 
     def __post_init__(self) -> None:
         _need(self.kind in JOB_KINDS, f"job kind must be one of {JOB_KINDS}, got {self.kind!r}")
+        object.__setattr__(self, "kind", JobKind(self.kind))
         check_name("agent", self.agent)  # part of the adapter key, and so of its paths on the workers
         _need(self.max_staleness >= 0, "max_staleness must be >= 0")
         _need(
-            not self.max_staleness or self.kind in ("lora_rl", "full_rl"),
+            not self.max_staleness or self.kind in _RL_KINDS,
             f"max_staleness is for RL jobs (they sample and train); a {self.kind} job leaves it at 0",
         )
         _need(bool(self.base_model), "base_model must be named")

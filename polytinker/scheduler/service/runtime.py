@@ -39,6 +39,7 @@ from polytinker.actors import ActorConfig, ActorRef, ChildReport, RestartPolicy,
 from polytinker.errors import ConfigError, RequestTimeout, RuntimeDead
 from polytinker.scheduler.service.config import RuntimeConfig, TenantConfig
 from polytinker.scheduler.service.messages import ActorsReport, ActorState, RuntimeStatus, WorkersQuery
+from polytinker.scheduler.service.replies import RuntimeStatusReply
 from polytinker.scheduler.service.scheduler import SchedulerActor, local_address
 from polytinker.scheduler.service.state import private_state_dir
 from polytinker.scheduler.service.tenants import new_api_key
@@ -236,8 +237,10 @@ class LocalRuntime:
     def status(self, timeout_s: float = 10.0) -> dict[str, Any]:
         """The scheduler's ``runtime_status`` (workers, supervised actors, their stats, learner switches)."""
         with RpcClient(self.local_address) as client:
-            out: dict[str, Any] = client.call("sched.runtime_status", RuntimeStatus(self.api_key), timeout_s=timeout_s)
-            return out
+            reply: RuntimeStatusReply = client.call(
+                "sched.runtime_status", RuntimeStatus(self.api_key), timeout_s=timeout_s
+            )
+            return reply.as_dict()
 
     def wait_ready(self, worker_ids: list[str], timeout_s: float | None = None) -> None:
         """Wait until the scheduler answers and every worker in ``worker_ids`` is registered and alive."""

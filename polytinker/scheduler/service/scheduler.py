@@ -48,13 +48,15 @@ from polytinker.errors import (
 )
 from polytinker.model_path import CKPT_PREFIX, ModelPath
 from polytinker.scheduler.service import messages as m
+from polytinker.scheduler.service import replies as r
 from polytinker.scheduler.service.broker import Broker, WorkerHandle
 from polytinker.scheduler.service.config import RuntimeConfig
-from polytinker.scheduler.service.jobs import FINAL_STATES, JobManager, adapter_key
+from polytinker.scheduler.service.jobs import FINAL_STATES, LIVE_STATES, JobManager, adapter_key
 from polytinker.scheduler.service.layout import check_name, parse_relative, under
 from polytinker.scheduler.service.load import Admission
 from polytinker.scheduler.service.state import AdapterRow, JobRow, StateStore
 from polytinker.scheduler.service.tenants import Tenants
+from polytinker.scheduler.types import JobKind, JobState
 from polytinker.transport import RpcServer, ServerCurve, TransportConfig
 from polytinker.transport.server import peer_user_id
 
@@ -151,19 +153,20 @@ class SchedulerService:
         }
 
     def _guard(self, fn: Any) -> Any:
-        """Answer the expected refusals as data (overloaded, not running) instead of errors."""
+        """Answer the expected refusals as typed retry answers (``OverloadedReply``, ``WaitingReply``)
+        instead of errors."""
 
         def run(msg: Any) -> Any:
             try:
                 with self.jobs.activity():  # the job the call names is busy until it ends
                     return fn(msg)
             except OverloadedError as exc:
-                return {"status": "overloaded", "retry_after_s": exc.retry_after_s, "reason": str(exc)}
+                return r.OverloadedReply(exc.retry_after_s, str(exc))
             except JobNotRunning as exc:
                 if exc.state in FINAL_STATES:
                     raise  # it will never run again: fail now instead of making the client wait
                 self.admission.waited(exc.tenant)
-                return {"status": "waiting", "state": exc.state, "retry_after_s": 0.25, "reason": str(exc)}
+                return r.WaitingReply(JobState(exc.state), 0.25, str(exc))
 
         return run
 
@@ -171,16 +174,16 @@ class SchedulerService:
         return self.tenants.authenticate(api_key, peer_user_id())
 
     # --- jobs ------------------------------------------------------------------------------------
-    def create_job(self, msg: m.CreateJob) -> dict[str, Any]:
+    def create_job(self, msg: m.CreateJob) -> r.JobReply:
         tenant = self._tenant(msg.api_key)
         row = self.jobs.create(tenant, msg)
-        if row.kind != "inference":
+        if row.kind != JobKind.INFERENCE:
             key = adapter_key(tenant, row.job_id, row.agent)
             self.store.ensure_adapter(key, tenant, row.job_id, row.agent)
             self._fb_ids[key] = set()
-        return {"status": "ok", "job": row.public()}
+        return r.JobReply(row.public())
 
-    def job_query(self, msg: m.JobQuery) -> dict[str, Any]:
+    def job_query(self, msg: m.JobQuery) -> r.JobQueryReply:
         row = self.jobs.get(self._tenant(msg.api_key), msg.job_id)
         a = self.store.adapter(adapter_key(row.tenant, row.job_id, row.agent))
         adapter = (
@@ -188,38 +191,37 @@ class SchedulerService:
             if a is None
             else {"agent": a.agent, "version": a.version, "model_path": str(ModelPath(row.job_id, a.agent, a.version))}
         )
-        return {
-            "status": "ok",
-            "job": row.public(),
-            "adapter": adapter,
+        return r.JobQueryReply(
+            row.public(),
+            adapter,
             # The adapter's shape: what a new job resuming one of its checkpoints needs (rank, ...).
-            "lora": dict(row.lora) if row.kind in ("lora_rl", "sft") else None,
-            "checkpoints": [c["name"] for c in self.store.checkpoints(row.job_id)],
-            "events": self.store.events(row.job_id),
-        }
+            dict(row.lora) if row.kind in (JobKind.LORA_RL, JobKind.SFT) else None,
+            [c["name"] for c in self.store.checkpoints(row.job_id)],
+            self.store.events(row.job_id),
+        )
 
-    def job_action(self, msg: m.JobAction) -> dict[str, Any]:
+    def job_action(self, msg: m.JobAction) -> r.JobReply:
         row = self.jobs.action(self._tenant(msg.api_key), msg.job_id, msg.action)
         for slicer in self.broker.slicers.values():
             slicer.release(row.job_id)
-        return {"status": "ok", "job": row.public()}
+        return r.JobReply(row.public())
 
-    def list_jobs(self, msg: m.ListJobs) -> dict[str, Any]:
+    def list_jobs(self, msg: m.ListJobs) -> r.JobListReply:
         tenant = self._tenant(msg.api_key)
         rows = self.store.jobs(tenant)
         if not msg.include_finished:
-            rows = [r for r in rows if r.state not in ("done", "cancelled", "rejected")]
+            rows = [row for row in rows if row.state not in FINAL_STATES]
         activity = self.jobs.job_stats()
-        jobs = [r.public() | activity.get(r.job_id, {}) for r in rows]
-        return {"status": "ok", "jobs": jobs, "load": self._load(tenant)}
+        jobs = [row.public() | activity.get(row.job_id, {}) for row in rows]
+        return r.JobListReply(jobs, self._load(tenant))
 
     def _load(self, tenant: str) -> dict[str, Any]:
         """The tenant's own call figures (see ``Admission``) and how many of its jobs are in each live state."""
-        states = Counter(r.state for r in self.store.jobs(tenant))
-        jobs = {s: states[s] for s in ("queued", "running", "preempting", "paused")}
+        states = Counter(row.state for row in self.store.jobs(tenant))
+        jobs = {str(s): states[s] for s in (*LIVE_STATES, JobState.PAUSED)}
         return {"tenant": tenant, **self.admission.tenant_status(tenant), "jobs": jobs}
 
-    def runtime_status(self, msg: m.RuntimeStatus) -> dict[str, Any]:
+    def runtime_status(self, msg: m.RuntimeStatus) -> r.RuntimeStatusReply:
         tenant = self._tenant(msg.api_key)
         stats: dict[str, Any] = {}
         for w in self.broker.workers():
@@ -229,22 +231,21 @@ class SchedulerService:
                         w["worker_id"], "sched.w.stats", m.WorkerStats(), timeout_s=10.0, retry=False
                     )
         switches = {k: s.switches for k, s in self.broker.slicers.items()}
-        return {
-            "status": "ok",
-            "base_model": self.config.model,
-            "workers": self.broker.workers(),
-            "actors": self.broker.actors(),
-            "stats": stats,
-            "learner_switches": switches,
-            "tenants": {tenant: self._load(tenant)},  # a tenant sees its own figures only
-            "totals": self.admission.totals(),
-        }
+        return r.RuntimeStatusReply(
+            base_model=self.config.model,
+            workers=self.broker.workers(),
+            actors=self.broker.actors(),
+            stats=stats,
+            learner_switches=switches,
+            tenants={tenant: self._load(tenant)},  # a tenant sees its own figures only
+            totals=self.admission.totals(),
+        )
 
     # --- training --------------------------------------------------------------------------------
     def _training(self, api_key: str, job_id: str) -> tuple[JobRow, AdapterRow, str]:
         tenant = self._tenant(api_key)
         row, placement = self.jobs.running(tenant, job_id)
-        if row.kind == "inference" or placement.learner is None:
+        if row.kind == JobKind.INFERENCE or placement.learner is None:
             raise ConfigError(f"job {job_id} is an inference job: it has no learner")
         a = self.store.adapter(adapter_key(tenant, job_id, row.agent))
         assert a is not None
@@ -252,7 +253,7 @@ class SchedulerService:
 
     def _prepare(self, row: JobRow, a: AdapterRow) -> tuple[str, Any]:
         """Make the learner hold the adapter at its recorded version (once per learner process)."""
-        full = row.kind == "full_rl"
+        full = row.kind == JobKind.FULL_RL
         lora = row.lora
 
         def ensure(h: WorkerHandle) -> None:
@@ -271,14 +272,14 @@ class SchedulerService:
 
         return f"ensure:{a.adapter_key}", ensure
 
-    def forward_backward(self, msg: m.ForwardBackward) -> dict[str, Any]:
+    def forward_backward(self, msg: m.ForwardBackward) -> r.ForwardBackwardReply:
         row, a, learner = self._training(msg.api_key, msg.job_id)
         req = m.LearnerForwardBackward(
             a.adapter_key,
             msg.data,
             msg.loss_fn,
             msg.loss_fn_config,
-            row.kind == "full_rl",
+            row.kind == JobKind.FULL_RL,
             request_id=msg.request_id or uuid.uuid4().hex,
             from_version=a.version,
             attempt=msg.attempt,
@@ -288,14 +289,14 @@ class SchedulerService:
         ids = self._fb_ids.get(a.adapter_key)
         if ids is not None:
             ids.add(req.request_id)
-        return {"status": "ok", **out}
+        return r.ForwardBackwardReply(out["loss"], out["logprobs"], out["metrics"])
 
-    def forward(self, msg: m.Forward) -> dict[str, Any]:
+    def forward(self, msg: m.Forward) -> r.ForwardReply:
         row, a, learner = self._training(msg.api_key, msg.job_id)
-        req = m.LearnerForward(a.adapter_key, msg.data, row.kind == "full_rl")
+        req = m.LearnerForward(a.adapter_key, msg.data, row.kind == JobKind.FULL_RL)
         with self.admission.admit(row.tenant, "train"), self.broker.slicers[learner].turn(row.job_id, row.priority):
             out = self.broker.call(learner, "sched.w.forward", req, prepare=self._prepare(row, a))
-        return {"status": "ok", **out}
+        return r.ForwardReply(out["logprobs"])
 
     def _stored(self, text: str, version: int) -> m.WeightsRef:
         """The ``WeightsRef`` of a checkpoint or export path this scheduler stored."""
@@ -305,9 +306,9 @@ class SchedulerService:
         adapter, kind, stored_version, name = parse_relative(text)
         return m.WeightsRef(adapter, version if stored_version is None else stored_version, kind, name)
 
-    def optim_step(self, msg: m.OptimStep) -> dict[str, Any]:
+    def optim_step(self, msg: m.OptimStep) -> r.OptimStepReply:
         row, a, learner = self._training(msg.api_key, msg.job_id)
-        full = row.kind == "full_rl"
+        full = row.kind == JobKind.FULL_RL
         fb_ids = self._fb_ids.get(a.adapter_key)
         req = m.LearnerStep(
             a.adapter_key,
@@ -345,7 +346,7 @@ class SchedulerService:
             self._fb_ids[a.adapter_key] = set()
         self._prune(a, out["version"])
         self.jobs.step_boundary(row.job_id, out["version"])
-        return {"status": "ok", "version": out["version"], "metrics": out["metrics"]}
+        return r.OptimStepReply(out["version"], out["metrics"])
 
     def _prune(self, a: AdapterRow, version: int) -> None:
         """Delete the per-step checkpoints and exports older than the last ``keep_checkpoints``;
@@ -361,35 +362,35 @@ class SchedulerService:
                 if ref.adapter == a.adapter_key and not named_checkpoint and p not in named:
                     shutil.rmtree(under(self.root, ref.relative_path), ignore_errors=True)
 
-    def save_state(self, msg: m.SaveState) -> dict[str, Any]:
+    def save_state(self, msg: m.SaveState) -> r.SaveStateReply:
         row, a, learner = self._training(msg.api_key, msg.job_id)
         check_name("checkpoint name", msg.name)
-        req = m.LearnerSave(a.adapter_key, msg.name, row.kind == "full_rl")
+        req = m.LearnerSave(a.adapter_key, msg.name, row.kind == JobKind.FULL_RL)
         with self.admission.admit(row.tenant, "train"), self.broker.slicers[learner].turn(row.job_id, row.priority):
             out = self.broker.call(learner, "sched.w.save", req, prepare=self._prepare(row, a))
         saved = m.WeightsRef(a.adapter_key, out["version"], "checkpoint", msg.name)
         self.store.add_checkpoint(row.job_id, msg.name, saved.relative_path, out["version"])
-        return {"status": "ok", "path": f"{CKPT_PREFIX}{row.job_id}/{msg.name}", "version": out["version"]}
+        return r.SaveStateReply(f"{CKPT_PREFIX}{row.job_id}/{msg.name}", out["version"])
 
-    def load_state(self, msg: m.LoadState) -> dict[str, Any]:
+    def load_state(self, msg: m.LoadState) -> r.LoadStateReply:
         row, a, learner = self._training(msg.api_key, msg.job_id)
         src_job, name = self._checkpoint_name(row, msg.path)
         found = self.store.checkpoint(src_job, name)
         if found is None:
             raise ConfigError(f"no checkpoint {name!r} of job {src_job}; save_state names them")
         path, version = found
-        req = m.LearnerLoad(a.adapter_key, self._stored(path, version), row.kind == "full_rl", msg.optimizer)
+        req = m.LearnerLoad(a.adapter_key, self._stored(path, version), row.kind == JobKind.FULL_RL, msg.optimizer)
         with self.admission.admit(row.tenant, "train"), self.broker.slicers[learner].turn(row.job_id, row.priority):
             out = self.broker.call(learner, "sched.w.load", req, prepare=self._prepare(row, a), retry=False)
             export = path  # full parameters: engines load the version from its checkpoint
-            if row.kind != "full_rl":
+            if row.kind != JobKind.FULL_RL:
                 # Its own export path: the loaded weights are not the ones this version had before.
                 loaded = name if src_job == row.job_id else f"{src_job}.{name}"[:128]
                 req_export = m.LearnerExport(a.adapter_key, out["version"], loaded_from=loaded)
                 export = self.broker.call(learner, "sched.w.export", req_export, retry=False)["weights"]
             self.store.record_version(a.adapter_key, out["version"], path, export)
         self._fb_ids[a.adapter_key] = set()  # loading replaced the adapter's state, gradient included
-        return {"status": "ok", "version": out["version"]}
+        return r.LoadStateReply(out["version"])
 
     def _checkpoint_name(self, row: JobRow, path: str) -> tuple[str, str]:
         """(job, name) of what load_state names: a name of this job's, or ``polytinker-ckpt://JOB/NAME``
@@ -407,12 +408,12 @@ class SchedulerService:
             ) from None
 
     # --- sampling --------------------------------------------------------------------------------
-    def save_weights(self, msg: m.SaveWeights) -> dict[str, Any]:
+    def save_weights(self, msg: m.SaveWeights) -> r.SaveWeightsReply:
         row, a, learner = self._training(msg.api_key, msg.job_id)
         if msg.name:
             check_name("sampler name", f"sampler-{msg.name}")
         if not a.export_dir:  # version 0 was never stepped: export the fresh weights once
-            full = row.kind == "full_rl"  # full: the export is a checkpoint, kept with them
+            full = row.kind == JobKind.FULL_RL  # full: the export is a checkpoint, kept with them
             req = m.LearnerExport(a.adapter_key, a.version, full)
             with self.broker.slicers[learner].turn(row.job_id, row.priority):
                 out = self.broker.call(learner, "sched.w.export", req, prepare=self._prepare(row, a))
@@ -422,9 +423,9 @@ class SchedulerService:
             a = self.store.adapter(a.adapter_key) or a
         if msg.name:
             self.store.add_checkpoint(row.job_id, f"sampler-{msg.name}", a.export_dir, a.version)
-        return {"status": "ok", "model_path": str(ModelPath(row.job_id, row.agent, a.version)), "version": a.version}
+        return r.SaveWeightsReply(str(ModelPath(row.job_id, row.agent, a.version)), a.version)
 
-    def export_weights(self, msg: m.ExportWeights) -> dict[str, Any]:
+    def export_weights(self, msg: m.ExportWeights) -> r.ExportWeightsReply:
         """A saved LoRA version's peft files (``adapter_config.json`` as text, the weights as one
         uint8 array, which travels as a raw frame), read from this scheduler's state root."""
         import numpy as np
@@ -441,13 +442,7 @@ class SchedulerService:
                 f"the files of {msg.model_path} are not on the scheduler's machine (its learner keeps them elsewhere)"
             )
         data = np.fromfile(weights, dtype=np.uint8)
-        return {
-            "status": "ok",
-            "version": version,
-            "base_model": self.config.model,
-            "adapter_config": config.read_text(),
-            "weights": data,
-        }
+        return r.ExportWeightsReply(version, self.config.model, config.read_text(), data)
 
     def _resolve(self, tenant: str, path: str) -> tuple[str, int, m.WeightsRef | None, bool]:
         """(adapter key, version, its export, full parameters?) of a tenant's model path;
@@ -462,9 +457,9 @@ class SchedulerService:
         if found is None or not found[1]:
             raise AuthError(f"no saved weights {path!r} for this tenant (save_weights_for_sampler makes them)")
         job = self.store.job(job_id)
-        return key, version, self._stored(found[1], version), job is not None and job.kind == "full_rl"
+        return key, version, self._stored(found[1], version), job is not None and job.kind == JobKind.FULL_RL
 
-    def sample(self, msg: m.Sample) -> dict[str, Any]:
+    def sample(self, msg: m.Sample) -> r.SampleReply:
         tenant = self._tenant(msg.api_key)
         key, version, export, full = self._resolve(tenant, msg.model_path)
         self._sampling_job(tenant, msg)
@@ -474,9 +469,9 @@ class SchedulerService:
                 key, version, export, msg.prompt_token_ids, msg.num_samples, msg.params, tenant, full=full
             )
             out = self.broker.call(engine, "sched.w.sample", req)
-        return {"status": "ok", "sequences": out}
+        return r.SampleReply(out)
 
-    def compute_logprobs(self, msg: m.ComputeLogprobs) -> dict[str, Any]:
+    def compute_logprobs(self, msg: m.ComputeLogprobs) -> r.LogprobsReply:
         tenant = self._tenant(msg.api_key)
         key, version, export, full = self._resolve(tenant, msg.model_path)
         self._sampling_job(tenant, msg)
@@ -484,7 +479,7 @@ class SchedulerService:
             engine = self.jobs.route(key or None, msg.base_model)
             req = m.EngineLogprobs(key, version, export, msg.sequences, full=full)
             out = self.broker.call(engine, "sched.w.logprobs", req)
-        return {"status": "ok", "logprobs": out}
+        return r.LogprobsReply(out)
 
     def _sampling_job(self, tenant: str, msg: m.Sample | m.ComputeLogprobs) -> None:
         """The job a sampling call belongs to, which the call counts as activity of. A base-model
@@ -500,7 +495,7 @@ class SchedulerService:
                 "makes one"
             )
         row, _ = self.jobs.running(tenant, msg.job_id)
-        if row.kind != "inference":
+        if row.kind != JobKind.INFERENCE:
             raise ConfigError(f"job {msg.job_id} is a {row.kind} job; a base-model call names an inference job")
 
 

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from polytinker.scheduler.types import JobKind, JobState
+
 log = logging.getLogger("polytinker.scheduler.state")
 
 _SCHEMA = """
@@ -66,11 +68,11 @@ CREATE INDEX IF NOT EXISTS events_by_job ON events (job_id, id);
 class JobRow:
     job_id: str
     tenant: str
-    kind: str
+    kind: JobKind  # stored as its string value, as is ``state``
     base_model: str
     agent: str
     lora: dict[str, Any]
-    state: str
+    state: JobState
     priority: int
     steps: int
     reason: str
@@ -82,10 +84,10 @@ class JobRow:
         """What a tenant sees of its job."""
         return {
             "job_id": self.job_id,
-            "kind": self.kind,
+            "kind": str(self.kind),  # plain strings, whichever transport carries the map
             "base_model": self.base_model,
             "agent": self.agent,
-            "state": self.state,
+            "state": str(self.state),
             "priority": self.priority,
             "steps": self.steps,
             "max_staleness": self.max_staleness,
@@ -200,7 +202,7 @@ class StateStore:
                 ),
             )
 
-    def set_job_state(self, job_id: str, state: str, reason: str) -> None:
+    def set_job_state(self, job_id: str, state: JobState, reason: str) -> None:
         with self._tx() as db:
             db.execute(
                 "UPDATE jobs SET state = ?, reason = ?, updated_s = ? WHERE job_id = ?",
@@ -216,7 +218,7 @@ class StateStore:
             return [_job(r) for r in self._query("SELECT * FROM jobs ORDER BY created_s")]
         return [_job(r) for r in self._query("SELECT * FROM jobs WHERE tenant = ? ORDER BY created_s", (tenant,))]
 
-    def jobs_of(self, kind: str, states: tuple[str, ...]) -> list[JobRow]:
+    def jobs_of(self, kind: JobKind, states: tuple[JobState, ...]) -> list[JobRow]:
         marks = ", ".join("?" * len(states))
         rows = self._query(f"SELECT * FROM jobs WHERE kind = ? AND state IN ({marks})", (kind, *states))
         return [_job(r) for r in rows]
@@ -326,11 +328,11 @@ def _job(r: sqlite3.Row) -> JobRow:
     return JobRow(
         job_id=r["job_id"],
         tenant=r["tenant"],
-        kind=r["kind"],
+        kind=JobKind(r["kind"]),
         base_model=r["base_model"],
         agent=r["agent"],
         lora=json.loads(r["lora"]),
-        state=r["state"],
+        state=JobState(r["state"]),
         priority=int(r["priority"]),
         steps=int(r["steps"]),
         reason=r["reason"],

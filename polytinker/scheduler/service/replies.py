@@ -1,0 +1,185 @@
+"""Typed replies of the scheduler service: one frozen dataclass per answer a client handler gives.
+
+Each is registered with the transport (``sched.r.*``), so a reply travels as a typed message and
+the client decodes it into the same class (``polytinker.client`` imports this module). This
+module imports no torch.
+
+Retry answers (any call that names a job or does work may get one instead of its result):
+``OverloadedReply`` (a bound is reached: retry after ``retry_after_s``) and ``WaitingReply`` (the
+job is queued, preempting or paused: ask again soon).
+
+Results: ``JobReply`` (``create_job``, ``job_action``), ``JobQueryReply``, ``JobListReply``,
+``RuntimeStatusReply``, ``ForwardBackwardReply``, ``ForwardReply``, ``OptimStepReply``,
+``SaveStateReply``, ``LoadStateReply``, ``SaveWeightsReply``, ``ExportWeightsReply``,
+``SampleReply``, ``LogprobsReply``.
+
+A job is the map ``JobRow.public()`` makes; statistics, events and sampled sequences stay maps
+(their keys are listed in docs/scheduler-service.md). ``as_dict()`` gives the map a
+``ServiceClient`` method answers for the replies it hands to its caller unchanged (``get_job``,
+``runtime_status``): ``status`` ``"ok"`` and the fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from polytinker.scheduler.types import JobState
+from polytinker.transport.messages import message, to_fields
+
+
+class _Ok:
+    """A result (not a retry answer)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """``{"status": "ok", **fields}``: the map the scheduler answered before replies were typed."""
+        return {"status": "ok", **to_fields(self)}
+
+
+# --- retry answers -----------------------------------------------------------------------------
+
+
+@message("sched.r.overloaded")
+@dataclass(frozen=True)
+class OverloadedReply:
+    """A bound on calls in flight or queued jobs is reached: retry after ``retry_after_s``."""
+
+    retry_after_s: float
+    reason: str = ""
+
+
+@message("sched.r.waiting")
+@dataclass(frozen=True)
+class WaitingReply:
+    """The job the call names cannot run it now (``state``: queued, preempting or paused)."""
+
+    state: JobState
+    retry_after_s: float
+    reason: str = ""
+
+
+# --- jobs --------------------------------------------------------------------------------------
+
+
+@message("sched.r.job")
+@dataclass(frozen=True)
+class JobReply(_Ok):
+    """``create_job`` and ``job_action``: the job as its tenant sees it (``JobRow.public()``)."""
+
+    job: dict[str, Any]
+
+
+@message("sched.r.job_query")
+@dataclass(frozen=True)
+class JobQueryReply(_Ok):
+    job: dict[str, Any]
+    adapter: dict[str, Any] | None  # agent, version, model_path of its adapter; None for inference jobs
+    lora: dict[str, Any] | None  # the adapter's shape (rank, alpha, target_modules, seed) for LoRA jobs
+    checkpoints: list[str]  # its save_state names
+    events: list[dict[str, Any]]  # its last decisions: time_s, kind, reason
+
+
+@message("sched.r.jobs")
+@dataclass(frozen=True)
+class JobListReply(_Ok):
+    jobs: list[dict[str, Any]]  # public() of each, with calls, in_flight, idle_s where this process knows them
+    load: dict[str, Any]  # the tenant's call figures and live jobs by state
+
+
+@message("sched.r.runtime_status")
+@dataclass(frozen=True)
+class RuntimeStatusReply(_Ok):
+    base_model: str
+    workers: list[dict[str, Any]]
+    actors: list[dict[str, Any]]
+    stats: dict[str, Any]  # per worker id: its own statistics
+    learner_switches: dict[str, int]
+    tenants: dict[str, Any]  # the caller's own load only
+    totals: dict[str, Any]
+
+
+# --- training ----------------------------------------------------------------------------------
+
+
+@message("sched.r.forward_backward")
+@dataclass(frozen=True)
+class ForwardBackwardReply:
+    loss: float
+    logprobs: list[list[float]]  # per datum, per target token
+    metrics: dict[str, Any]
+
+
+@message("sched.r.forward")
+@dataclass(frozen=True)
+class ForwardReply:
+    logprobs: list[list[float]]
+
+
+@message("sched.r.optim_step")
+@dataclass(frozen=True)
+class OptimStepReply:
+    version: int  # the new version, durable
+    metrics: dict[str, Any]
+
+
+@message("sched.r.save_state")
+@dataclass(frozen=True)
+class SaveStateReply:
+    path: str  # polytinker-ckpt://JOB/NAME
+    version: int
+
+
+@message("sched.r.load_state")
+@dataclass(frozen=True)
+class LoadStateReply:
+    version: int  # the job's version after the load
+
+
+@message("sched.r.save_weights")
+@dataclass(frozen=True)
+class SaveWeightsReply:
+    model_path: str  # polytinker://JOB/AGENT@VERSION
+    version: int
+
+
+@message("sched.r.export_weights")
+@dataclass(frozen=True)
+class ExportWeightsReply:
+    version: int
+    base_model: str
+    adapter_config: str  # adapter_config.json as text
+    weights: Any  # adapter_model.safetensors as one uint8 numpy array (a raw frame on the wire)
+
+
+# --- sampling ----------------------------------------------------------------------------------
+
+
+@message("sched.r.sample")
+@dataclass(frozen=True)
+class SampleReply:
+    sequences: list[dict[str, Any]]  # per sample: tokens, logprobs, stop_reason, text
+
+
+@message("sched.r.logprobs")
+@dataclass(frozen=True)
+class LogprobsReply:
+    logprobs: list[list[float]]  # per sequence, per token after the first
+
+
+__all__ = [
+    "ExportWeightsReply",
+    "ForwardBackwardReply",
+    "ForwardReply",
+    "JobListReply",
+    "JobQueryReply",
+    "JobReply",
+    "LoadStateReply",
+    "LogprobsReply",
+    "OptimStepReply",
+    "OverloadedReply",
+    "RuntimeStatusReply",
+    "SampleReply",
+    "SaveStateReply",
+    "SaveWeightsReply",
+    "WaitingReply",
+]
