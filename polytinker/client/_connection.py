@@ -43,6 +43,7 @@ from polytinker.errors import (
 )
 from polytinker.scheduler.service.replies import OverloadedReply, WaitingReply
 from polytinker.transport import ClientCurve, RpcClient, TransportConfig
+from polytinker.transport.direct import Link
 from polytinker.types import ForwardBackwardOutput, OptimStepResponse, SampledSequence, SampleResponse
 
 R = TypeVar("R")
@@ -74,12 +75,14 @@ class Connection:
         overload_wait_s: float = 300.0,
         job_wait_s: float = 600.0,
         check: Callable[[], None] | None = None,
+        rpc: Link | None = None,
     ) -> None:
         self.address, self.api_key = address, api_key
         self.check = check
         self.timeout_s, self.reconnect_s = timeout_s, reconnect_s
         self.overload_wait_s, self.job_wait_s = overload_wait_s, job_wait_s
-        self.rpc = RpcClient(address, config=TransportConfig(request_timeout_s=timeout_s), curve=curve)
+        # rpc: an in-process runtime's DirectClient (InprocRuntime.client()) instead of a socket to address.
+        self.rpc: Link = rpc or RpcClient(address, config=TransportConfig(request_timeout_s=timeout_s), curve=curve)
         self.pool = ThreadPoolExecutor(64, thread_name_prefix="polytinker-client")
 
     def close(self) -> None:

@@ -5,6 +5,8 @@ a running scheduler (``polytinker serve``); ``ServiceClient()`` with no address 
 ``$POLYTINKER_SCHEDULER``) starts a ``LocalRuntime``
 for the script on first use, with the base model the first ``create_*`` call names, and stops it
 at ``close()``; if it stops by itself (an actor stayed down), calls raise its ``RuntimeDead``.
+``ServiceClient(inproc=True)`` starts an ``InprocRuntime`` instead: the same scheduler, engine and
+learner as objects in this process, no sockets (one process to step through with a debugger).
 The API key comes from ``api_key=`` or ``$POLYTINKER_API_KEY`` (a local runtime makes its own).
 """
 
@@ -76,8 +78,13 @@ class ServiceClient:
         curve: ClientCurve | None = None,
         timeout_s: float = 600.0,
         job_wait_s: float = 600.0,
+        inproc: bool = False,
     ) -> None:
-        self._address = scheduler_address(address, base_url) or os.environ.get(ADDRESS_ENV) or None
+        given = scheduler_address(address, base_url)
+        if inproc and given:
+            raise ConfigError(f"inproc=True runs its own runtime in this process: pass no address, not {given!r}")
+        self._address = given or (None if inproc else os.environ.get(ADDRESS_ENV)) or None
+        self._inproc = inproc
         self._api_key = api_key or os.environ.get(API_KEY_ENV) or ""
         self._runtime_config = runtime_config
         self._curve, self._timeout_s, self._job_wait_s = curve, timeout_s, job_wait_s
@@ -98,7 +105,7 @@ class ServiceClient:
 
     @property
     def runtime(self) -> Any:
-        """The LocalRuntime this client started (None when it talks to a remote scheduler)."""
+        """The LocalRuntime (or InprocRuntime) this client started (None when it talks to a remote scheduler)."""
         return self._runtime
 
     def _connection(self, base_model: str | None = None) -> Connection:
@@ -106,12 +113,13 @@ class ServiceClient:
             if self._closed:
                 raise TransportError("this ServiceClient is closed")
             if self._conn is None:
+                from polytinker.scheduler.service.inproc import InprocRuntime
                 from polytinker.scheduler.service.runtime import LocalRuntime
 
                 cfg = self._runtime_config or RuntimeConfig()
                 if base_model:
                     cfg = dataclasses.replace(cfg, model=base_model)
-                self._runtime = LocalRuntime(cfg).start()
+                self._runtime = (InprocRuntime if self._inproc else LocalRuntime)(cfg).start()
                 self._api_key = self._runtime.api_key
                 self._conn = Connection(
                     self._runtime.local_address,
@@ -119,6 +127,7 @@ class ServiceClient:
                     timeout_s=self._timeout_s,
                     job_wait_s=self._job_wait_s,
                     check=self._runtime.check,
+                    rpc=self._runtime.client() if self._inproc else None,
                 )
             return self._conn
 

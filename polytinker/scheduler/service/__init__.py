@@ -3,7 +3,8 @@
 - ``RuntimeConfig`` (and ``EngineWorkerConfig``, ``LearnerWorkerConfig``, ``TenantConfig``,
   ``JobDefaults``): what a runtime runs; ``RuntimeConfig.from_toml``.
 - ``LocalRuntime``: scheduler + engines + learner groups as supervised processes on this machine;
-  ``RuntimeDead`` when one of them stayed down and it stopped.
+  ``RuntimeDead`` when one of them stayed down and it stopped. ``InprocRuntime``: the same as
+  objects in this process, no sockets (``ServiceClient(inproc=True)``).
 - ``SchedulerService``: the request handlers; ``StateStore``: the SQLite (WAL) state;
   ``JobManager``: job lifecycle over the policy; ``Broker``: worker registry and forwarding.
 - ``AuthError``, ``JobNotRunning``, ``OverloadedError`` (from ``polytinker.errors``, re-exported
@@ -23,6 +24,7 @@ from polytinker.scheduler.service.config import (
     RuntimeConfig,
     TenantConfig,
 )
+from polytinker.scheduler.service.inproc import InprocRuntime
 from polytinker.scheduler.service.jobs import JobManager
 from polytinker.scheduler.service.runtime import LocalRuntime
 from polytinker.scheduler.service.scheduler import SchedulerService
@@ -33,6 +35,7 @@ __all__ = [
     "AuthError",
     "Broker",
     "EngineWorkerConfig",
+    "InprocRuntime",
     "JobDefaults",
     "JobManager",
     "JobNotRunning",

@@ -57,6 +57,7 @@ from polytinker.scheduler.service.worker_auth import (
     scheduler_client_keypair,
 )
 from polytinker.transport import ClientCurve, RpcClient, TransportConfig
+from polytinker.transport.direct import Link
 
 log = logging.getLogger("polytinker.scheduler.broker")
 
@@ -67,7 +68,7 @@ class WorkerHandle:
     role: str
     address: str
     incarnation: str
-    client: RpcClient
+    client: Link  # an RpcClient to its address (in process: a DirectClient to its handlers)
     last_seen: float
     prepared: set[str] = field(default_factory=set)  # keys `prepare` already ran for on this incarnation
     dead: bool = False
@@ -82,6 +83,9 @@ class Broker:
         self.config = config
         self._token = token
         self._curve = scheduler_client_keypair(token)  # what this scheduler's connections to workers present
+        # How a registered worker is reached: a Curve RpcClient to its address; an in-process
+        # runtime (InprocRuntime) replaces it with direct links to its workers' handlers.
+        self.connect: Callable[[Register], Link] = self._client_for
         self._launcher = launcher_credential(token)  # what the runtime that launched the workers shows
         self._declared = {e.engine_id: "engine" for e in config.engines} | {
             g.learner_id: "learner" for g in config.learners
@@ -117,7 +121,7 @@ class Broker:
             if old is not None and old.incarnation == msg.incarnation and old.address == msg.address:
                 old.last_seen, old.dead = now, False
                 return {"status": "ok", "known": True}
-        client = self._client_for(msg)
+        client = self.connect(msg)
         with self._cv:
             old = self._workers.get(msg.worker_id)
             self._workers[msg.worker_id] = WorkerHandle(

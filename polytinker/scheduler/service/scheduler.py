@@ -94,8 +94,13 @@ class SchedulerService:
 
     # --- lifecycle -------------------------------------------------------------------------------
     def start(self, address: str) -> SchedulerService:
+        """Recover the jobs, serve ``handlers()`` at ``address`` and start the scheduling passes.
+        ``address=""`` serves no socket: an in-process runtime (``InprocRuntime``) calls the handlers."""
         recovered = self.jobs.recover()
         log.info("recovered %d live jobs from %s", recovered, self.store.path)
+        if not address:
+            threading.Thread(target=self._tick, name="scheduler-tick", daemon=True).start()
+            return self
         curve = None
         if self.config.curve_secret_file:
             curve = ServerCurve.from_files(self.config.curve_secret_file, [self.config.curve_clients_dir])
