@@ -11,12 +11,15 @@ do not know polytinker.
 - ``RequestTimeout``: a call did not finish in its time (also ``TimeoutError``).
 - ``RemoteError``: the peer ran the request and it raised; carries the error's wire code, the
   remote type name and the error id the server logged its traceback under.
-- ``ActorError`` / ``ActorDeadError``: an actor failed or is no longer running; ``RuntimeDead``:
-  an actor a runtime cannot do without stayed down, and the runtime stopped.
+- ``ActorError`` / ``ActorDeadError``: an actor failed or is no longer running;
+  ``ActorStartError``: an actor process failed to start; ``RuntimeDead``: an actor a runtime
+  cannot do without stayed down, and the runtime stopped.
 - ``OverloadedError``, ``JobNotRunning``: the scheduler refused a call for now (retry later).
 - ``WorkerUnavailable``, ``NotResident``, ``GradientLost``: between the scheduler and its workers.
 - ``ModelError``: a model could not be found, fetched or loaded.
-- ``EnvError``: an environment broke its contract or raised.
+- ``EnvError``: an environment broke its contract or raised; ``EnvBusy``: an env source refuses a
+  new episode for now (retry after ``retry_after_s``).
+- ``SimulationError``: the scheduler's simulator reached an impossible state (also ``AssertionError``).
 - ``NotBuiltError``: a documented part that this version does not implement yet.
 
 Errors a caller acts on declare a wire ``code``: a server that raises one in a handler answers
@@ -114,6 +117,18 @@ class ActorError(PolytinkerError, RuntimeError):
     """An actor failed to start or a handler failed."""
 
 
+class ActorStartError(ActorError):
+    """An actor process failed to start: its ``on_start`` raised, it exited early, or it was too slow."""
+
+    def __init__(self, message: str, *, name: str, pid: int, child_traceback: str = "") -> None:
+        super().__init__(message)
+        self.name = name
+        self.pid = pid
+        self.child_traceback = child_traceback
+        # Filled in once the failed process is gone (negative for a signal).
+        self.exit_code: int | None = None
+
+
 class ActorDeadError(ActorError):
     """A message was sent to an actor that is not running."""
 
@@ -179,6 +194,20 @@ class EnvError(PolytinkerError, RuntimeError):
     code = "env"
 
 
+class EnvBusy(EnvError):
+    """No episode can be opened now (the server has ``max_episodes`` open); try after
+    ``retry_after_s``. ``max_episodes`` is the server's bound (0 when unknown)."""
+
+    def __init__(self, message: str, retry_after_s: float = 0.5, max_episodes: int = 0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.max_episodes = max_episodes
+
+
+class SimulationError(PolytinkerError, AssertionError):
+    """The simulated cluster reached an impossible state (an over-committed resource, say)."""
+
+
 class NotBuiltError(PolytinkerError, NotImplementedError):
     """A documented capability that this version of polytinker does not implement yet."""
 
@@ -188,8 +217,10 @@ class NotBuiltError(PolytinkerError, NotImplementedError):
 __all__ = [
     "ActorDeadError",
     "ActorError",
+    "ActorStartError",
     "AuthError",
     "ConfigError",
+    "EnvBusy",
     "EnvError",
     "GradientLost",
     "JobNotRunning",
@@ -203,6 +234,7 @@ __all__ = [
     "RemoteError",
     "RequestTimeout",
     "RuntimeDead",
+    "SimulationError",
     "TransportError",
     "WorkerUnavailable",
     "error_class",

@@ -53,3 +53,22 @@ def test_every_command_into_a_closed_pipe_exits_quietly():
     proc.stdout.close()  # the reader is gone before the first line is written
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 141 and "Traceback" not in err, err
+
+
+def test_every_error_class_lives_in_errors_and_is_exported():
+    import polytinker.errors as errors
+
+    classes = {n for n, v in vars(errors).items() if isinstance(v, type) and issubclass(v, PolytinkerError)}
+    assert classes <= set(errors.__all__), sorted(classes - set(errors.__all__))
+    assert classes <= set(polytinker.__all__), sorted(classes - set(polytinker.__all__))
+    for name in classes:
+        assert getattr(polytinker, name) is getattr(errors, name)
+    from polytinker.actors import ActorStartError
+    from polytinker.envs import EnvBusy
+    from polytinker.scheduler import SimulationError
+
+    assert (ActorStartError, EnvBusy, SimulationError) == (
+        errors.ActorStartError,
+        errors.EnvBusy,
+        errors.SimulationError,
+    )

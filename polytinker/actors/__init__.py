@@ -13,9 +13,10 @@ from polytinker.actors._actor import Actor, HandlerSpec, handler
 from polytinker.actors._logs import log_path, read_log
 from polytinker.actors._protocol import EXIT_FAILED, EXIT_OK, EXIT_ORPHANED
 from polytinker.actors._ref import ActorRef
-from polytinker.actors._spawn import ActorStartError, default_run_dir, spawn
+from polytinker.actors._spawn import default_run_dir, spawn
 from polytinker.actors._supervisor import ChildExit, ChildReport, Supervisor
 from polytinker.actors.config import ActorConfig, RestartPolicy
+from polytinker.errors import ActorStartError  # its home is polytinker.errors; docs/actors.md names it here
 
 __all__ = [
     "EXIT_FAILED",

@@ -37,23 +37,11 @@ from polytinker.actors import _logs, _protocol
 from polytinker.actors._process import ChildProcess
 from polytinker.actors._ref import ActorRef
 from polytinker.actors.config import ActorConfig
-from polytinker.errors import ActorError, ConfigError, RemoteError
+from polytinker.errors import ActorError, ActorStartError, ConfigError, RemoteError
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}$")
 _IPC_PATH_MAX = 100  # sun_path holds 108 bytes on Linux; keep a margin
 _REAP_PERIOD_S = 0.05
-
-
-class ActorStartError(ActorError):
-    """An actor process failed to start: its ``on_start`` raised, it exited early, or it was too slow."""
-
-    def __init__(self, message: str, *, name: str, pid: int, child_traceback: str = "") -> None:
-        super().__init__(message)
-        self.name = name
-        self.pid = pid
-        self.child_traceback = child_traceback
-        # Filled in once the failed process is gone (negative for a signal).
-        self.exit_code: int | None = None
 
 
 class _Launcher:

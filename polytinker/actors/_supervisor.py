@@ -25,9 +25,8 @@ from typing import Any
 from polytinker.actors import _logs, _spawn
 from polytinker.actors._process import ChildProcess
 from polytinker.actors._ref import ActorRef
-from polytinker.actors._spawn import ActorStartError
 from polytinker.actors.config import ActorConfig
-from polytinker.errors import ActorError, ConfigError
+from polytinker.errors import ActorError, ActorStartError, ConfigError
 
 log = logging.getLogger(__name__)
 

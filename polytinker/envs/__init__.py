@@ -25,7 +25,6 @@ from polytinker.envs.remote import EnvServer, RemoteAECEnv, RemoteEnv, RemotePar
 from polytinker.envs.types import (
     AgentAction,
     AgentID,
-    EnvBusy,
     EpisodeResult,
     InvalidAction,
     ModelSample,
@@ -34,6 +33,7 @@ from polytinker.envs.types import (
     Trajectory,
     Turn,
 )
+from polytinker.errors import EnvBusy
 
 __all__ = [
     "AgentAction",

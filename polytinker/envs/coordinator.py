@@ -50,7 +50,6 @@ from polytinker.envs.config import CoordinatorConfig
 from polytinker.envs.types import (
     AgentAction,
     AgentID,
-    EnvBusy,
     EpisodeResult,
     ModelSample,
     PolicyInput,
@@ -58,6 +57,7 @@ from polytinker.envs.types import (
     Trajectory,
     Turn,
 )
+from polytinker.errors import EnvBusy
 
 PolicyResult = str | AgentAction
 Policy = Callable[[AgentID, PolicyInput], Awaitable[PolicyResult] | PolicyResult]

@@ -12,8 +12,9 @@
 - ``PolicyInput``: everything a policy needs to build a chat prompt for one decision.
 - ``Turn`` / ``Trajectory``: one agent's decisions in one episode and what they earned.
 - ``EpisodeResult``: the outcome of one episode driven by the coordinator.
-- ``EnvBusy``: an env source (a remote env server at ``max_episodes``) refuses a new episode for
-  now; the coordinator waits and opens it again.
+- ``EnvBusy`` lives in ``polytinker.errors`` (re-exported from ``polytinker.envs``): an env source
+  (a remote env server at ``max_episodes``) refuses a new episode for now; the coordinator waits
+  and opens it again.
 
 Observations on the PettingZoo side are dicts ``{"text", "legal_moves", "current_player"}``
 (see ``polytinker.envs.base``); ``TextObservation.from_raw`` turns one into the typed form.
@@ -25,20 +26,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from polytinker.errors import EnvError
-
 AgentID = str
 EnvKind = Literal["aec", "parallel"]
-
-
-class EnvBusy(EnvError):
-    """No episode can be opened now (the server has ``max_episodes`` open); try after
-    ``retry_after_s``. ``max_episodes`` is the server's bound (0 when unknown)."""
-
-    def __init__(self, message: str, retry_after_s: float = 0.5, max_episodes: int = 0) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-        self.max_episodes = max_episodes
 
 
 @dataclass(frozen=True)
@@ -192,7 +181,6 @@ class EpisodeResult:
 __all__ = [
     "AgentAction",
     "AgentID",
-    "EnvBusy",
     "EnvKind",
     "EpisodeResult",
     "InvalidAction",

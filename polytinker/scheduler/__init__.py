@@ -11,13 +11,14 @@ The service that calls this policy (``polytinker serve``, workers, the SQLite jo
 ``polytinker.client`` (docs/scheduler-service.md); nothing here imports it.
 """
 
+from polytinker.errors import SimulationError
 from polytinker.scheduler.cluster import ClusterState
 from polytinker.scheduler.config import SchedulerPolicyConfig, SimulatorConfig
 from polytinker.scheduler.fifo import FifoPolicy
 from polytinker.scheduler.placement import AdapterLoad, AdapterPlacement, next_learner_job
 from polytinker.scheduler.policy import FairSharePolicy, SchedulingPolicy
 from polytinker.scheduler.sim_result import JobOutcome, SimResult
-from polytinker.scheduler.simulator import SimulationError, Simulator, simulate
+from polytinker.scheduler.simulator import Simulator, simulate
 from polytinker.scheduler.trace import TraceConfig, default_cluster, generate_trace, load_trace, save_trace
 from polytinker.scheduler.types import (
     Accepted,

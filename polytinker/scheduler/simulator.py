@@ -39,7 +39,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from polytinker.errors import PolytinkerError
+from polytinker.errors import SimulationError
 from polytinker.scheduler.config import SchedulerPolicyConfig, SimulatorConfig
 from polytinker.scheduler.placement import next_learner_job
 from polytinker.scheduler.policy import SchedulingPolicy
@@ -55,10 +55,6 @@ from polytinker.scheduler.types import (
     Rejected,
     ResourceID,
 )
-
-
-class SimulationError(PolytinkerError, AssertionError):
-    """The simulated cluster reached an impossible state (an over-committed resource, say)."""
 
 
 @dataclass
@@ -482,4 +478,4 @@ def simulate(
     return Simulator(cluster, policy(cluster, policy_config), config, audit=audit).run(trace)
 
 
-__all__ = ["SimulationError", "Simulator", "simulate"]
+__all__ = ["Simulator", "simulate"]

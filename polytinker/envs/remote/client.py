@@ -26,8 +26,8 @@ from pettingzoo import AECEnv, ParallelEnv
 from polytinker.envs.base import text_spaces
 from polytinker.envs.config import EnvConfig, RemoteEnvConfig
 from polytinker.envs.remote import messages as m
-from polytinker.envs.types import AgentID, EnvBusy, InvalidAction
-from polytinker.errors import EnvError, PeerDeadError, ProtocolError, RemoteError, RequestTimeout
+from polytinker.envs.types import AgentID, InvalidAction
+from polytinker.errors import EnvBusy, EnvError, PeerDeadError, ProtocolError, RemoteError, RequestTimeout
 from polytinker.transport.rpc import ClientCurve, RpcClient
 
 _Key = tuple[str, ClientCurve | None]

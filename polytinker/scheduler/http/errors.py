@@ -28,6 +28,9 @@ from polytinker.errors import (
 log = logging.getLogger("polytinker.http")
 
 
+# Not in polytinker.errors: no polytinker caller ever catches it. The gateway raises it inside its
+# own request handling and turns it into the HTTP error body at once; an HTTP client (the tinker
+# or openai SDK) sees the status and the body, never this class.
 class HttpError(PolytinkerError):
     """A request answered with ``status`` (413, 404, ...) and this message, raised at the edge."""
 
