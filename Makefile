@@ -7,7 +7,7 @@ PYTHON ?= python3
 # cookbook needs transformers <= 5.5.4, polytinker's vLLM CPU build a newer one.
 COOKBOOK_VENV ?= .venv-cookbook
 
-.PHONY: venv cookbook-venv test test-learning lint train bench clean
+.PHONY: venv cookbook-venv test test-fast test-learning lint train bench clean
 
 venv: $(VENV)/.installed
 
@@ -37,6 +37,11 @@ $(COOKBOOK_VENV)/.installed: tests/cookbook/requirements.txt
 
 test: venv cookbook-venv
 	$(PY) -m pytest -q
+
+# The unit tier alone (`make test` runs it too): no real model and no process that loads one;
+# tests/conftest.py sets the marks and fails a test that breaks the tier's rules.
+test-fast: venv
+	$(PY) -m pytest -q --unit
 
 # The learning tests alone (`make test` runs them too): each trains the real model for a few
 # steps and checks the reward rises (minutes each on two cores).

