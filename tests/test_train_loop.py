@@ -1,9 +1,14 @@
-"""The training loop end to end on the tiny-random model, against one real local runtime
-(scheduler, engine and learner as child processes) shared by the tests of this module."""
+"""The training loop end to end on the tiny-random model, against one local runtime shared by the
+tests of this module. They test the loop, not the processes: the runtime is the in-process one
+(``ServiceClient(inproc=True)``: the same scheduler, engine and learner, no sockets), whose results
+match the process runtime's (tests/test_client_inproc.py); tests/test_client_runtime.py drives the
+processes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,16 +24,18 @@ from polytinker.agents import (
     ExperimentConfig,
     MappingConfig,
     OutputConfig,
+    RuntimeSetup,
     SamplingConfig,
     TrainConfig,
     train_sft,
 )
 from polytinker.agents.checkpoint import RunState
 from polytinker.agents.metrics import read_metrics
+from polytinker.errors import ConfigError
 
 TINY = "tiny-random"
 
-# A local runtime starts three processes; on a busy 2-core machine that alone takes a minute.
+# Training loops on a busy 2-core machine take minutes.
 pytestmark = pytest.mark.timeout(600)
 
 
@@ -38,7 +45,7 @@ def service():
     from polytinker.scheduler.service.config import LearnerWorkerConfig, RuntimeConfig
 
     client = ServiceClient(
-        runtime_config=RuntimeConfig(model=TINY, learners=(LearnerWorkerConfig(micro_batch_size=32),))
+        runtime_config=RuntimeConfig(model=TINY, learners=(LearnerWorkerConfig(micro_batch_size=32),)), inproc=True
     )
     yield client
     client.close()
@@ -149,6 +156,26 @@ def test_sft_from_jsonl_lowers_the_loss(service, tmp_path):
 def test_train_command_reports_a_bad_config(tmp_path, capsys):
     assert cli.main(["train", str(tmp_path / "missing.toml")]) == 1
     assert "cannot read experiment config" in capsys.readouterr().err
+
+
+def test_runtime_mode_inproc_trains_in_this_process(tmp_path, monkeypatch):
+    """``[runtime] mode = "inproc"``: the experiment's own runtime starts no process."""
+
+    def no_process(*args, **kw):
+        raise AssertionError(f"an in-process runtime started a process: {args}")
+
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    config = dataclasses.replace(
+        pd_config(tmp_path, "here", steps=1),
+        eval=EvalConfig(episodes=1, at_start=False),
+        runtime=RuntimeSetup(micro_batch_size=32, mode="inproc"),  # type: ignore[arg-type]
+    )
+    Experiment(config).train()
+    assert [r["step"] for r in read_metrics(tmp_path / "here")] == [1, 1]
+    assert RunState.load(tmp_path / "here").step == 1
+    for bad, match in ((dict(mode="threads"), "runtime.mode"), (dict(mode="inproc", address="tcp://h:1"), "address")):
+        with pytest.raises(ConfigError, match=match):
+            RuntimeSetup(**bad)  # type: ignore[arg-type]
 
 
 def full_agent(name: str) -> AgentSpec:

@@ -121,10 +121,17 @@ class RuntimeSetup:
     # Engine backend of a local runtime.
     micro_batch_size: int = 32
     # Datums per forward/backward pass of a local runtime's learner.
+    mode: Literal["processes", "inproc"] = "processes"
+    # How a local runtime runs: "processes" (scheduler, engine and learners as supervised child
+    # processes) or "inproc" (the same objects in this process, no sockets: one process to debug).
 
     def __post_init__(self) -> None:
         if self.backend not in ("hf", "vllm"):
             raise ConfigError(f"runtime.backend must be 'hf' or 'vllm', got {self.backend!r}")
+        if self.mode not in ("processes", "inproc"):
+            raise ConfigError(f"runtime.mode must be 'processes' or 'inproc', got {self.mode!r}")
+        if self.mode == "inproc" and self.address:
+            raise ConfigError("runtime.mode = 'inproc' runs a runtime in this process: leave runtime.address empty")
         if self.micro_batch_size < 1:
             raise ConfigError("runtime.micro_batch_size must be >= 1")
 

@@ -125,7 +125,7 @@ class Experiment:
             learners=learners,
             tenants=(TenantConfig("local", api_key=tenant_key(runtime_dir)),),
         )
-        return ServiceClient(runtime_config=runtime)
+        return ServiceClient(runtime_config=runtime, inproc=rt.mode == "inproc")
 
     def _full_agents(self) -> int:
         return sum(1 for a in self.config.agents if a.trainable and a.adapter.full)
