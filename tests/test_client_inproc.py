@@ -16,7 +16,7 @@ import zmq
 from polytinker.client import ServiceClient
 from polytinker.engine.learner.config import AdamParams
 from polytinker.engine.types import Datum, SamplingParams
-from polytinker.errors import ConfigError
+from polytinker.errors import ConfigError, PolytinkerError, RemoteError
 from polytinker.scheduler.service import LearnerWorkerConfig, RuntimeConfig
 
 MODEL = "tiny-random"
@@ -53,7 +53,15 @@ def experiment(service: ServiceClient) -> dict[str, Any]:
     seen["scored"] = sampler.compute_logprobs(prompt + out.sequences[0].tokens).result()
     base = service.create_sampling_client(base_model=MODEL)
     seen["base_tokens"] = [list(s.tokens) for s in base.sample(prompt, 1, SAMPLING).result().sequences]
+    for name, call in (("unknown_job", lambda: service.get_job("no-such-job")), ("bad_load", _bad_load(trainer))):
+        with pytest.raises(PolytinkerError) as err:
+            call()
+        seen[name] = (type(err.value), str(err.value), type(err.value.__cause__))
     return seen
+
+
+def _bad_load(trainer: Any) -> Any:
+    return lambda: trainer.load_state("/etc/passwd").result()  # a path, not a checkpoint name: refused
 
 
 def config() -> RuntimeConfig:
@@ -95,6 +103,8 @@ def test_inproc_gives_the_real_runtimes_results_without_processes_or_sockets(
     assert inproc["sample_logprobs"] == real["sample_logprobs"]
     assert inproc["scored"] == real["scored"]
     assert inproc["base_tokens"] == real["base_tokens"]
+    assert inproc["unknown_job"] == real["unknown_job"] and inproc["bad_load"] == real["bad_load"]
+    assert inproc["bad_load"][0] is ConfigError and inproc["bad_load"][2] is RemoteError
 
 
 def test_inproc_takes_no_address() -> None:
