@@ -17,7 +17,8 @@ from polytinker.client import ServiceClient
 from polytinker.engine.learner.config import AdamParams
 from polytinker.engine.types import Datum, SamplingParams
 from polytinker.errors import ConfigError, PolytinkerError, RemoteError
-from polytinker.scheduler.service import LearnerWorkerConfig, RuntimeConfig
+from polytinker.scheduler.service import InprocRuntime, LearnerWorkerConfig, RuntimeConfig
+from polytinker.scheduler.service.config import HttpConfig
 
 MODEL = "tiny-random"
 ADAM = AdamParams(learning_rate=1e-2)
@@ -107,6 +108,8 @@ def test_inproc_gives_the_real_runtimes_results_without_processes_or_sockets(
     assert inproc["bad_load"][0] is ConfigError and inproc["bad_load"][2] is RemoteError
 
 
-def test_inproc_takes_no_address() -> None:
+def test_inproc_refuses_an_address_and_the_http_front_door() -> None:
     with pytest.raises(ConfigError, match="inproc=True"):
         ServiceClient("tcp://127.0.0.1:7000", api_key="k" * 20, inproc=True)
+    with pytest.raises(ConfigError, match="HTTP front door"):
+        InprocRuntime(RuntimeConfig(model=MODEL, http=HttpConfig(address="127.0.0.1:8000")))

@@ -47,9 +47,10 @@ class InprocRuntime:
     """A scheduler, engines and learner groups as objects in this process (see the module docstring)."""
 
     def __init__(self, config: RuntimeConfig | None = None) -> None:
-        self.config, self._fresh = prepared(config or RuntimeConfig())
-        if self.config.http.address:
+        config = config or RuntimeConfig()
+        if config.http.address:  # before prepared(), which may make a temporary directory
             raise ConfigError("the HTTP front door needs the process runtime: unset [http] address for inproc")
+        self.config, self._fresh = prepared(config)
         self.service: SchedulerService | None = None
         self.workers: dict[str, Any] = {}  # worker id -> its EngineWorker or LearnerWorker
         self._links: dict[str, DirectClient] = {}  # worker id -> the broker's link to its handlers
