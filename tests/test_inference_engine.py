@@ -7,7 +7,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ from polytinker.engine.types import AdapterRef, AdapterWeights, SampleRequest, S
 from polytinker.errors import ConfigError, ModelError, RemoteError
 from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service.config import EngineWorkerConfig
+from polytinker.scheduler.service.replies import SampleReply
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 PROMPT = (1, 9690, 198, 2683, 359, 253)
@@ -156,10 +156,11 @@ def _sample_msg(adapter: str, weights: m.WeightsRef | None, version: int = 0) ->
     return m.EngineSample(adapter, version, weights, PROMPT, 1, params)
 
 
-def _same_reply(reply: list[dict[str, Any]], result: SampleResult) -> bool:
+def _same_reply(reply: SampleReply, result: SampleResult) -> bool:
     """An engine worker's reply holds ``result``'s tokens and (up to float noise) logprobs."""
-    return [s["tokens"] for s in reply] == [list(s.token_ids) for s in result.sequences] and all(
-        r["logprobs"] == pytest.approx(s.logprobs, abs=1e-4) for r, s in zip(reply, result.sequences, strict=True)
+    got = reply.sequences
+    return [s["tokens"] for s in got] == [list(s.token_ids) for s in result.sequences] and all(
+        r["logprobs"] == pytest.approx(s.logprobs, abs=1e-4) for r, s in zip(got, result.sequences, strict=True)
     )
 
 
@@ -187,8 +188,8 @@ def test_engine_worker_samples_in_a_child_process(backend: HFBackend, tmp_path: 
             "two concurrent requests should share one batch"
         )
         assert stats["mixed_adapter_batches"] == 1 and stats["resident"] == [f"{REMOTE}@0"]
-        sequence = (*PROMPT, *got[0][0]["tokens"])
-        remote = engine.call("sched.w.logprobs", m.EngineLogprobs(REMOTE, 0, stored, (sequence,)))[0]
+        sequence = (*PROMPT, *got[0].sequences[0]["tokens"])
+        remote = engine.call("sched.w.logprobs", m.EngineLogprobs(REMOTE, 0, stored, (sequence,))).logprobs[0]
         assert remote == pytest.approx(backend.compute_logprobs([list(sequence)], weights.ref)[0], abs=1e-4)
         with pytest.raises(RemoteError, match="no stored weights"):
             engine.call("sched.w.sample", _sample_msg(REMOTE, m.WeightsRef(REMOTE, 1, "export"), version=1))
@@ -207,8 +208,8 @@ def test_engine_worker_on_vllm(backend: HFBackend, tmp_path: Path) -> None:
             engine.call_async("sched.w.sample", msg) for msg in (_sample_msg(ON_VLLM, stored), _sample_msg("", None))
         ]
         results = [f.result(timeout=400) for f in futures]
-        assert [len(r[0]["tokens"]) for r in results] == [GREEDY.max_tokens] * 2
-        assert results[0][0]["tokens"] != results[1][0]["tokens"], "the adapter must matter"
-        sequence = (*PROMPT, *results[0][0]["tokens"])
-        logprobs = engine.call("sched.w.logprobs", m.EngineLogprobs(ON_VLLM, 0, stored, (sequence,)))
+        assert [len(r.sequences[0]["tokens"]) for r in results] == [GREEDY.max_tokens] * 2
+        assert results[0].sequences[0]["tokens"] != results[1].sequences[0]["tokens"], "the adapter must matter"
+        sequence = (*PROMPT, *results[0].sequences[0]["tokens"])
+        logprobs = engine.call("sched.w.logprobs", m.EngineLogprobs(ON_VLLM, 0, stored, (sequence,))).logprobs
         assert len(logprobs[0]) == len(sequence) - 1

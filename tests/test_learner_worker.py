@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from polytinker.engine.models import TINY_RANDOM, load_model
 from polytinker.engine.types import AdapterRef, Datum, LoraConfig
 from polytinker.errors import RemoteError
 from polytinker.scheduler.service import messages as m
+from polytinker.scheduler.service import replies as r
 from polytinker.scheduler.service.config import LearnerWorkerConfig
 
 LORA = LoraConfig(rank=4, alpha=8)
@@ -69,23 +69,23 @@ def test_worker_matches_in_process_learner(tmp_path: Path) -> None:
     with worker_process(
         LearnerWorkerConfig(micro_batch_size=4), model=TINY_RANDOM, state_dir=root, run_dir=tmp_path
     ) as learner:
-        assert learner.call("sched.w.ensure", ensure(ALICE)) == {"version": 0}
+        assert learner.call("sched.w.ensure", ensure(ALICE)) == r.WorkerVersion(0)
         remote_fb = learner.call("sched.w.fb", fb())
         local_fb = local.forward_backward(data(), "cross_entropy", ALICE)
-        assert remote_fb["loss"] == pytest.approx(local_fb.loss, rel=1e-5)
-        assert remote_fb["metrics"]["loss/tokens"] == local_fb.metrics["loss/tokens"] == 10.0
-        stepped: dict[str, Any] = learner.call("sched.w.step", step())
-        ref = AdapterRef(ALICE, stepped["version"])
+        assert remote_fb.loss == pytest.approx(local_fb.loss, rel=1e-5)
+        assert remote_fb.metrics["loss/tokens"] == local_fb.metrics["loss/tokens"] == 10.0
+        stepped: r.StepResult = learner.call("sched.w.step", step())
+        ref = AdapterRef(ALICE, stepped.version)
         assert ref == local.optim_step(ADAM, ALICE)
         # The worker holds alice at v1 and nothing else: ensuring v1 loads nothing.
-        assert learner.call("sched.w.ensure", ensure(ALICE, 1)) == {"version": 1}
+        assert learner.call("sched.w.ensure", ensure(ALICE, 1)) == r.WorkerVersion(1)
         stats = learner.call("sched.w.stats", m.WorkerStats())
         assert (stats["adapters"], stats["loads"], stats["adapters_created"]) == (1, 0, 1)
 
         # The step wrote what engines load (a peft directory under the worker's state root); an
         # export of the resident version names the same one.
-        assert learner.call("sched.w.export", m.LearnerExport(ALICE, 1)) == {"weights": stepped["export_dir"]}
-        exported, expected = read_adapter_dir(ref, root / stepped["export_dir"]), local.export_adapter(ALICE)
+        assert learner.call("sched.w.export", m.LearnerExport(ALICE, 1)) == r.ExportedWeights(stepped.export_dir)
+        exported, expected = read_adapter_dir(ref, root / stepped.export_dir), local.export_adapter(ALICE)
         assert exported.ref == ref and set(exported.config.target_modules) == set(LORA.target_modules)
         assert dataclasses.replace(exported.config, target_modules=LORA.target_modules) == LORA  # peft keeps a set
         assert set(exported.tensors) == set(expected.tensors)
@@ -101,19 +101,19 @@ def test_worker_matches_in_process_learner(tmp_path: Path) -> None:
         sequence = [*probe.input_tokens, probe.target_tokens_T[-1]]
         torch.testing.assert_close(
             torch.tensor(engine.compute_logprobs([sequence], ref)[0]),
-            torch.tensor(learner.call("sched.w.forward", forward(ALICE, [probe]))["logprobs"][0]),
+            torch.tensor(learner.call("sched.w.forward", forward(ALICE, [probe])).logprobs[0]),
             rtol=1e-4,
             atol=1e-4,
         )
 
         saved = learner.call("sched.w.save", m.LearnerSave(ALICE, "ckpt"))
-        assert saved == {"checkpoint": m.WeightsRef(ALICE, 1, "checkpoint", "ckpt").relative_path, "version": 1}
+        assert saved == r.SavedCheckpoint(m.WeightsRef(ALICE, 1, "checkpoint", "ckpt").relative_path, 1)
         learner.call("sched.w.fb", fb())
-        assert learner.call("sched.w.step", step())["version"] == 2
+        assert learner.call("sched.w.step", step()).version == 2
         loaded = learner.call("sched.w.load", m.LearnerLoad(ALICE, m.WeightsRef(ALICE, 1, "checkpoint", "ckpt")))
-        assert loaded == {"version": 1}
+        assert loaded == r.WorkerVersion(1)
         torch.testing.assert_close(
-            torch.tensor(learner.call("sched.w.forward", forward(ALICE, data()[:1]))["logprobs"][0]),
+            torch.tensor(learner.call("sched.w.forward", forward(ALICE, data()[:1])).logprobs[0]),
             torch.tensor(local.forward(data()[:1], ALICE)[0]),
         )
         with pytest.raises(RemoteError, match="adapter bob/job/agent is not resident") as err:
@@ -131,9 +131,9 @@ def test_worker_leading_a_group_of_two(tmp_path: Path) -> None:
         learner.call("sched.w.ensure", ensure(ALICE))
         remote = learner.call("sched.w.fb", fb())
         stepped = learner.call("sched.w.step", step())
-    exported = read_adapter_dir(AdapterRef(ALICE, stepped["version"]), root / stepped["export_dir"])
+    exported = read_adapter_dir(AdapterRef(ALICE, stepped.version), root / stepped.export_dir)
     local = local_learner()
-    assert remote["loss"] == pytest.approx(local.forward_backward(data(), "cross_entropy", ALICE).loss, rel=1e-5)
+    assert remote.loss == pytest.approx(local.forward_backward(data(), "cross_entropy", ALICE).loss, rel=1e-5)
     local.optim_step(ADAM, ALICE)
     for k, v in local.export_adapter(ALICE).tensors.items():
         torch.testing.assert_close(exported.tensors[k], v, rtol=1e-4, atol=1e-6)

@@ -397,8 +397,8 @@ def test_a_replacement_learner_answers_a_resent_step_its_predecessor_took(tmp_pa
         stepped = first.step(step)
         assert first.step(dataclasses.replace(step, attempt=1)) == stepped
         assert (first.stats["forward_backward"], first.stats["optim_steps"], first.stats["duplicates"]) == (1, 1, 2)
-        assert stepped["version"] == 1 and stepped["metrics"]["optim/tokens"] == 6.0  # one gradient, not two
-        weights = first.forward(m.LearnerForward(adapter, batch))["logprobs"]
+        assert stepped.version == 1 and stepped.metrics["optim/tokens"] == 6.0  # one gradient, not two
+        weights = first.forward(m.LearnerForward(adapter, batch)).logprobs
     finally:
         first.close()
     # The answer never reached the scheduler: it still records version 0, and a new process starts there.
@@ -407,7 +407,7 @@ def test_a_replacement_learner_answers_a_resent_step_its_predecessor_took(tmp_pa
         second.ensure(m.EnsureAdapter(adapter, 0, rank=4))
         assert second.step(dataclasses.replace(step, attempt=1)) == stepped
         assert second.stats["optim_steps"] == 0 and second._versions()[adapter] == 1
-        assert second.forward(m.LearnerForward(adapter, batch))["logprobs"] == weights
+        assert second.forward(m.LearnerForward(adapter, batch)).logprobs == weights
         with pytest.raises(GradientLost, match="redo this step"):
             second.step(dataclasses.replace(step, request_id="st-2", from_version=1, attempt=1))
         assert second.stats["optim_steps"] == 0 and second._versions()[adapter] == 1
@@ -437,9 +437,9 @@ def test_a_step_whose_forward_backward_calls_a_restarted_learner_lost_is_refused
         worker.ensure(m.EnsureAdapter(adapter, 0, rank=4))
         worker.forward_backward(fb("a"))
         worker.forward_backward(fb("b"))
-        unbroken = worker.forward(m.LearnerForward(adapter, batch))["logprobs"]
+        unbroken = worker.forward(m.LearnerForward(adapter, batch)).logprobs
         worker.step(step("s-unbroken", 2))
-        stepped = worker.forward(m.LearnerForward(adapter, batch))["logprobs"]
+        stepped = worker.forward(m.LearnerForward(adapter, batch)).logprobs
     finally:
         worker.close()
 
@@ -451,16 +451,16 @@ def test_a_step_whose_forward_backward_calls_a_restarted_learner_lost_is_refused
         with pytest.raises(GradientLost, match="holds 1 of the step's 2 forward_backward calls"):
             replacement.step(step("s-1", 2))
         assert replacement.stats["optim_steps"] == 0 and replacement._versions()[adapter] == 0
-        assert replacement.forward(m.LearnerForward(adapter, batch))["logprobs"] == unbroken
+        assert replacement.forward(m.LearnerForward(adapter, batch)).logprobs == unbroken
         with pytest.raises(GradientLost, match="holds 0 of the step's 1"):
             replacement.step(step("s-2", 1))
         replacement.forward_backward(fb("a2"))  # the client redoes the step's calls
         replacement.forward_backward(fb("b2"))
-        assert replacement.step(step("s-3", 2))["version"] == 1
-        redone = replacement.forward(m.LearnerForward(adapter, batch))["logprobs"]
+        assert replacement.step(step("s-3", 2)).version == 1
+        redone = replacement.forward(m.LearnerForward(adapter, batch)).logprobs
         flat = [x for row in redone for x in row]
         assert flat == pytest.approx([x for row in stepped for x in row], abs=1e-6)  # the dropped half counted once
-        assert replacement.step(step("s-4", -1))["version"] == 2  # an unknown count is not checked
+        assert replacement.step(step("s-4", -1)).version == 2  # an unknown count is not checked
     finally:
         replacement.close()
 
@@ -519,21 +519,21 @@ def test_a_data_parallel_learner_worker_runs_a_full_parameter_job_then_lora_agai
         worker.ensure(m.EnsureAdapter(lora, 0, rank=4))
         worker.forward_backward(m.LearnerForwardBackward(lora, batch, "cross_entropy"))
         lora_step = worker.step(step(lora, False))
-        lora_after = worker.forward(m.LearnerForward(lora, batch))["logprobs"]
+        lora_after = worker.forward(m.LearnerForward(lora, batch)).logprobs
         worker.ensure(m.EnsureAdapter(full, 0, full=True))
         worker.forward_backward(m.LearnerForwardBackward(full, batch, "cross_entropy", full=True))
         full_step = worker.step(step(full, True))
-        full_after = worker.forward(m.LearnerForward(full, batch, full=True))["logprobs"]
+        full_after = worker.forward(m.LearnerForward(full, batch, full=True)).logprobs
         if worker.cfg.world_size > 1:
             with pytest.raises(NotResident, match="adapter alice/lora/agent is not resident"):
                 worker.forward(m.LearnerForward(lora, batch))
-        assert lora_step["checkpoint"] == "checkpoints/alice/lora/agent/v1"  # under the worker's own root
+        assert lora_step.checkpoint == "checkpoints/alice/lora/agent/v1"  # under the worker's own root
         worker.ensure(m.EnsureAdapter(lora, 1, m.WeightsRef(lora, 1), rank=4))
-        lora_again = worker.forward(m.LearnerForward(lora, batch))["logprobs"]
+        lora_again = worker.forward(m.LearnerForward(lora, batch)).logprobs
         if worker.cfg.world_size > 1:
             with pytest.raises(NotResident, match="full-parameter model alice/full/agent"):
                 worker.forward(m.LearnerForward(full, batch, full=True))
-        return {"lora": lora_after, "full": full_after, "lora_again": lora_again, "full_version": full_step["version"]}
+        return {"lora": lora_after, "full": full_after, "lora_again": lora_again, "full_version": full_step.version}
 
     one = LearnerWorker("tiny-random", LearnerWorkerConfig(micro_batch_size=8), tmp_path / "k1")
     try:
@@ -573,7 +573,7 @@ def test_a_learner_worker_holds_one_full_parameter_model_at_a_time(tmp_path: Pat
         assert worker.get_stats(m.WorkerStats())["full_slots"] == 1
         with pytest.raises(NotResident):
             worker.forward(m.LearnerForward("a/1/x", batch, full=True))
-        worker.ensure(m.EnsureAdapter("a/1/x", 1, m.WeightsRef("a/1/x", stepped["version"]), full=True))
+        worker.ensure(m.EnsureAdapter("a/1/x", 1, m.WeightsRef("a/1/x", stepped.version), full=True))
         assert worker.forward(m.LearnerForward("a/1/x", batch, full=True)) == trained
     finally:
         worker.close()

@@ -27,6 +27,7 @@ from polytinker.errors import ConfigError
 from polytinker.scheduler.service.config import EngineWorkerConfig
 from polytinker.scheduler.service.layout import under
 from polytinker.scheduler.service.messages import EngineLogprobs, EngineSample, SamplingMsg, WeightsRef, WorkerStats
+from polytinker.scheduler.service.replies import LogprobsReply, SampleReply
 
 log = logging.getLogger("polytinker.engine.inference.worker")
 
@@ -121,7 +122,7 @@ class EngineWorker:
             self._dirs[ref] = weights
         return ref
 
-    def sample(self, msg: EngineSample) -> list[dict[str, Any]]:
+    def sample(self, msg: EngineSample) -> SampleReply:
         from polytinker.engine.types import SampleRequest
 
         params = _params(msg.params, msg.num_samples)
@@ -129,20 +130,22 @@ class EngineWorker:
             result = engine.submit(
                 SampleRequest(prompt_token_ids=tuple(msg.prompt_token_ids), adapter=ref, params=params)
             ).result()
-        return [
-            {
-                "tokens": list(s.token_ids),
-                "logprobs": list(s.logprobs),
-                "text": s.text,
-                "stop_reason": str(s.finish_reason),
-            }
-            for s in result.sequences
-        ]
+        return SampleReply(
+            [
+                {
+                    "tokens": list(s.token_ids),
+                    "logprobs": list(s.logprobs),
+                    "text": s.text,
+                    "stop_reason": str(s.finish_reason),
+                }
+                for s in result.sequences
+            ]
+        )
 
-    def logprobs(self, msg: EngineLogprobs) -> list[list[float]]:
+    def logprobs(self, msg: EngineLogprobs) -> LogprobsReply:
         with self._target(msg.adapter, msg.version, msg.weights, msg.full) as (engine, ref):
             out: list[list[float]] = engine.compute_logprobs([list(s) for s in msg.sequences], ref)
-        return out
+        return LogprobsReply(out)
 
     def get_stats(self, _msg: WorkerStats) -> dict[str, Any]:
         st = self.engine.stats

@@ -54,6 +54,15 @@ from polytinker.scheduler.service.messages import (
     WeightsRef,
     WorkerStats,
 )
+from polytinker.scheduler.service.replies import (
+    ExportedWeights,
+    ForwardBackwardReply,
+    ForwardReply,
+    SavedCheckpoint,
+    StepResult,
+    WorkerVersion,
+)
+from polytinker.transport.messages import to_fields
 
 log = logging.getLogger("polytinker.engine.learner.worker")
 
@@ -84,7 +93,7 @@ class LearnerWorker:
         self._lora_group()
         self.stats = {"forward_backward": 0, "optim_steps": 0, "loads": 0, "adapters_created": 0, "duplicates": 0}
         # Keyed calls: (adapter, request_id) -> ("fb" | "step", result), newest last.
-        self._done: OrderedDict[tuple[str, str], tuple[str, dict[str, Any]]] = OrderedDict()
+        self._done: OrderedDict[tuple[str, str], tuple[str, Any]] = OrderedDict()
         self._fb_since_step: dict[str, int] = {}  # forward_backward calls held in each adapter's gradient
         self._keyed = threading.Lock()  # one keyed call at a time: a duplicate waits for the first
 
@@ -170,7 +179,7 @@ class LearnerWorker:
         """LoRA adapters resident, with their versions."""
         return {} if self._lora is None else {r.name: r.version for r in self._lora.adapters()}
 
-    def ensure(self, msg: EnsureAdapter) -> dict[str, Any]:
+    def ensure(self, msg: EnsureAdapter) -> WorkerVersion:
         """Make the slot resident at ``msg.version``; reloads from the checkpoint when it differs."""
         if msg.full:
             group = self._full_group(msg.adapter)
@@ -180,16 +189,16 @@ class LearnerWorker:
                 group.load_state(self._path(msg.checkpoint), None)
                 self._gradient_gone(msg.adapter)
                 self.stats["loads"] += 1
-            return {"version": self._version(msg.adapter, True)}
+            return WorkerVersion(self._version(msg.adapter, True))
         lora = self._lora_group()
         have = self._versions().get(msg.adapter)
         if have == msg.version:
-            return {"version": have}
+            return WorkerVersion(have)
         self._gradient_gone(msg.adapter)
         if msg.checkpoint:
             ref = lora.load_state(self._path(msg.checkpoint), msg.adapter)
             self.stats["loads"] += 1
-            return {"version": ref.version}
+            return WorkerVersion(ref.version)
         if msg.version != 0:
             raise ConfigError(f"adapter {msg.adapter} v{msg.version} has no checkpoint to load")
         if have is not None:
@@ -201,17 +210,17 @@ class LearnerWorker:
         )
         lora.add_adapter(msg.adapter, shape, msg.seed)
         self.stats["adapters_created"] += 1
-        return {"version": 0}
+        return WorkerVersion(0)
 
     # --- idempotency ------------------------------------------------------------------------------
-    def _remember(self, adapter: str, request_id: str, kind: str, result: dict[str, Any]) -> None:
+    def _remember(self, adapter: str, request_id: str, kind: str, result: Any) -> None:
         if not request_id:
             return
         self._done[(adapter, request_id)] = (kind, result)
         while len(self._done) > MAX_REMEMBERED:
             self._done.popitem(last=False)
 
-    def _duplicate(self, adapter: str, request_id: str, kind: str) -> dict[str, Any] | None:
+    def _duplicate(self, adapter: str, request_id: str, kind: str) -> Any:
         found = self._done.get((adapter, request_id)) if request_id else None
         if found is None:
             return None
@@ -239,16 +248,16 @@ class LearnerWorker:
             return None if group is None else int(group.adapters()[0].version)
         return self._versions().get(adapter)
 
-    def _restore(self, adapter: str, full: bool, result: dict[str, Any]) -> None:
+    def _restore(self, adapter: str, full: bool, result: StepResult) -> None:
         """Put the adapter back at the version a step made (something reloaded an older one since)."""
-        if self._version(adapter, full) == result["version"]:
+        if self._version(adapter, full) == result.version:
             return
         self._gradient_gone(adapter)
         group, name = self._slot(adapter, full)
-        group.load_state(self._path(WeightsRef(adapter, result["version"])), name)
+        group.load_state(self._path(WeightsRef(adapter, result.version)), name)
         self.stats["loads"] += 1
 
-    def _recorded_step(self, msg: LearnerStep) -> dict[str, Any] | None:
+    def _recorded_step(self, msg: LearnerStep) -> StepResult | None:
         """The result an earlier process wrote for this step's key next to its checkpoint, if any."""
         if not msg.request_id or msg.from_version < 0:
             return None
@@ -260,10 +269,13 @@ class LearnerWorker:
         if not isinstance(record, dict) or record.get("request_id") != msg.request_id:
             return None
         result = record.get("result")
-        return result if isinstance(result, dict) else None
+        try:
+            return StepResult(**result) if isinstance(result, dict) else None
+        except TypeError:  # not the fields a step result has: not a record this worker can answer from
+            return None
 
     # --- training --------------------------------------------------------------------------------
-    def forward_backward(self, msg: LearnerForwardBackward) -> dict[str, Any]:
+    def forward_backward(self, msg: LearnerForwardBackward) -> ForwardBackwardReply:
         with self._keyed:
             first = self._duplicate(msg.adapter, msg.request_id, "fb")
             if first is not None:
@@ -272,15 +284,15 @@ class LearnerWorker:
             r = group.forward_backward(_data(msg.data), msg.loss_fn, name, msg.loss_fn_config)
             self.stats["forward_backward"] += 1
             self._fb_since_step[msg.adapter] = self._fb_since_step.get(msg.adapter, 0) + 1
-            result = {"loss": r.loss, "logprobs": r.logprobs, "metrics": r.metrics}
+            result = ForwardBackwardReply(r.loss, r.logprobs, r.metrics)
             self._remember(msg.adapter, msg.request_id, "fb", result)
             return result
 
-    def forward(self, msg: LearnerForward) -> dict[str, Any]:
+    def forward(self, msg: LearnerForward) -> ForwardReply:
         group, name = self._slot(msg.adapter, msg.full)
-        return {"logprobs": group.forward(_data(msg.data), name)}
+        return ForwardReply(group.forward(_data(msg.data), name))
 
-    def step(self, msg: LearnerStep) -> dict[str, Any]:
+    def step(self, msg: LearnerStep) -> StepResult:
         with self._keyed:
             first = self._duplicate(msg.adapter, msg.request_id, "step")
             if first is None and (first := self._recorded_step(msg)) is not None:
@@ -309,13 +321,13 @@ class LearnerWorker:
             self._gradient_gone(msg.adapter)  # spent by the step: a late resend of a call belongs to no step
             self._remember(msg.adapter, msg.request_id, "step", result)
             if msg.request_id:
-                record = self._path(WeightsRef(msg.adapter, result["version"])) / REQUEST_FILE
+                record = self._path(WeightsRef(msg.adapter, result.version)) / REQUEST_FILE
                 tmp = record.with_suffix(".tmp")
-                tmp.write_text(json.dumps({"request_id": msg.request_id, "result": result}))
+                tmp.write_text(json.dumps({"request_id": msg.request_id, "result": to_fields(result)}))
                 os.replace(tmp, record)
             return result
 
-    def _step(self, msg: LearnerStep) -> dict[str, Any]:
+    def _step(self, msg: LearnerStep) -> StepResult:
         from polytinker.engine.learner import AdamParams
 
         adam = AdamParams(
@@ -339,27 +351,27 @@ class LearnerWorker:
             export = self._export(WeightsRef(msg.adapter, ref.version, "export"))
         self.stats["optim_steps"] += 1
         metrics = dict(getattr(group.learner, "last_step_metrics", {}) or {})
-        return {"version": ref.version, "checkpoint": ckpt.relative_path, "export_dir": export, "metrics": metrics}
+        return StepResult(ref.version, ckpt.relative_path, export, metrics)
 
     def _export(self, weights: WeightsRef) -> str:
         group, _ = self._slot(weights.adapter, False)
         group.learner.export_adapter_dir(weights.adapter, self._path(weights))
         return weights.relative_path
 
-    def save(self, msg: LearnerSave) -> dict[str, Any]:
+    def save(self, msg: LearnerSave) -> SavedCheckpoint:
         group, name = self._slot(msg.adapter, msg.full)
         version = self._version(msg.adapter, msg.full)
         assert version is not None  # resident: _slot found it
         ckpt = WeightsRef(msg.adapter, version, "checkpoint", msg.name)
         group.save_state(self._path(ckpt), name)
-        return {"checkpoint": ckpt.relative_path, "version": version}
+        return SavedCheckpoint(ckpt.relative_path, version)
 
-    def load(self, msg: LearnerLoad) -> dict[str, Any]:
+    def load(self, msg: LearnerLoad) -> WorkerVersion:
         self._gradient_gone(msg.adapter)
         group, name = self._slot(msg.adapter, msg.full)
-        return {"version": group.load_state(self._path(msg.checkpoint), name, optimizer=msg.optimizer).version}
+        return WorkerVersion(group.load_state(self._path(msg.checkpoint), name, optimizer=msg.optimizer).version)
 
-    def export(self, msg: LearnerExport) -> dict[str, Any]:
+    def export(self, msg: LearnerExport) -> ExportedWeights:
         group, _ = self._slot(msg.adapter, msg.full)  # NotResident first: the broker prepares it again
         have = self._version(msg.adapter, msg.full)
         if have != msg.version:
@@ -367,8 +379,8 @@ class LearnerWorker:
         if msg.full:  # the weights as a checkpoint, which is what an engine loads a full version from
             ckpt = WeightsRef(msg.adapter, msg.version)
             group.save_state(self._path(ckpt), None)
-            return {"weights": ckpt.relative_path}
-        return {"weights": self._export(WeightsRef(msg.adapter, msg.version, "export", msg.loaded_from))}
+            return ExportedWeights(ckpt.relative_path)
+        return ExportedWeights(self._export(WeightsRef(msg.adapter, msg.version, "export", msg.loaded_from)))
 
     def get_stats(self, _msg: WorkerStats) -> dict[str, Any]:
         return {**self.stats, "adapters": len(self._versions()), "full_slots": len(self._full), "pid": os.getpid()}

@@ -7,6 +7,8 @@
   objects in this process, no sockets (``ServiceClient(inproc=True)``).
 - ``SchedulerService``: the request handlers; ``StateStore``: the SQLite (WAL) state;
   ``JobManager``: job lifecycle over the policy; ``Broker``: worker registry and forwarding.
+- ``messages`` and ``replies`` (modules): the typed requests and the typed replies on the wire,
+  between clients and the scheduler and between the scheduler and its workers.
 - ``AuthError``, ``JobNotRunning``, ``OverloadedError`` (from ``polytinker.errors``, re-exported
   here): what a request can be refused with.
 

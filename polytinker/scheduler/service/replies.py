@@ -13,6 +13,13 @@ Results: ``JobReply`` (``create_job``, ``job_action``), ``JobQueryReply``, ``Job
 ``SaveStateReply``, ``LoadStateReply``, ``SaveWeightsReply``, ``ExportWeightsReply``,
 ``SampleReply``, ``LogprobsReply``.
 
+Workers answer the scheduler with typed replies too: the learner ``WorkerVersion`` (``sched.w.ensure``,
+``sched.w.load``), ``ForwardBackwardReply`` (``sched.w.fb``), ``ForwardReply`` (``sched.w.forward``),
+``StepResult`` (``sched.w.step``), ``SavedCheckpoint`` (``sched.w.save``), ``ExportedWeights``
+(``sched.w.export``); the engine ``SampleReply`` (``sched.w.sample``) and ``LogprobsReply``
+(``sched.w.logprobs``). The scheduler hands the ones a client gets unchanged on. Statistics
+(``sched.w.stats``) stay a map of counters.
+
 A job is the map ``JobRow.public()`` makes; statistics, events and sampled sequences stay maps
 (their keys are listed in docs/scheduler-service.md). ``as_dict()`` gives the map a
 ``ServiceClient`` method answers for the replies it hands to its caller unchanged (``get_job``,
@@ -166,8 +173,44 @@ class LogprobsReply:
     logprobs: list[list[float]]  # per sequence, per token after the first
 
 
+# --- workers -> scheduler (besides the results above that go on to the client as they are) ----------
+
+
+@message("sched.wr.version")
+@dataclass(frozen=True)
+class WorkerVersion:
+    """``ensure`` and ``load``: the adapter's (or full-parameter model's) version now resident."""
+
+    version: int | None
+
+
+@message("sched.wr.step")
+@dataclass(frozen=True)
+class StepResult:
+    """``step``: the new version and where this learner wrote it (paths relative to its state root)."""
+
+    version: int
+    checkpoint: str
+    export_dir: str  # what engines load ("" without export; a full-parameter version: the checkpoint)
+    metrics: dict[str, Any]
+
+
+@message("sched.wr.save")
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    checkpoint: str  # relative to the learner's state root
+    version: int
+
+
+@message("sched.wr.export")
+@dataclass(frozen=True)
+class ExportedWeights:
+    weights: str  # relative to the learner's state root
+
+
 __all__ = [
     "ExportWeightsReply",
+    "ExportedWeights",
     "ForwardBackwardReply",
     "ForwardReply",
     "JobListReply",
@@ -181,5 +224,8 @@ __all__ = [
     "SampleReply",
     "SaveStateReply",
     "SaveWeightsReply",
+    "SavedCheckpoint",
+    "StepResult",
     "WaitingReply",
+    "WorkerVersion",
 ]

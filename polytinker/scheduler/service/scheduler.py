@@ -290,18 +290,20 @@ class SchedulerService:
             attempt=msg.attempt,
         )
         with self.admission.admit(row.tenant, "train"), self.broker.slicers[learner].turn(row.job_id, row.priority):
-            out = self.broker.call(learner, "sched.w.fb", req, prepare=self._prepare(row, a), keyed=True)
+            out: r.ForwardBackwardReply = self.broker.call(
+                learner, "sched.w.fb", req, prepare=self._prepare(row, a), keyed=True
+            )
         ids = self._fb_ids.get(a.adapter_key)
         if ids is not None:
             ids.add(req.request_id)
-        return r.ForwardBackwardReply(out["loss"], out["logprobs"], out["metrics"])
+        return out  # the learner's answer goes on to the client as it is
 
     def forward(self, msg: m.Forward) -> r.ForwardReply:
         row, a, learner = self._training(msg.api_key, msg.job_id)
         req = m.LearnerForward(a.adapter_key, msg.data, row.kind == JobKind.FULL_RL)
         with self.admission.admit(row.tenant, "train"), self.broker.slicers[learner].turn(row.job_id, row.priority):
-            out = self.broker.call(learner, "sched.w.forward", req, prepare=self._prepare(row, a))
-        return r.ForwardReply(out["logprobs"])
+            out: r.ForwardReply = self.broker.call(learner, "sched.w.forward", req, prepare=self._prepare(row, a))
+        return out
 
     def _stored(self, text: str, version: int) -> m.WeightsRef:
         """The ``WeightsRef`` of a checkpoint or export path this scheduler stored."""
@@ -336,7 +338,9 @@ class SchedulerService:
             # replacement answers it from the key written next to its checkpoint, or refuses
             # (GradientLost) when the step's gradient died with the old process.
             try:
-                out = self.broker.call(learner, "sched.w.step", req, prepare=self._prepare(row, a), keyed=True)
+                out: r.StepResult = self.broker.call(
+                    learner, "sched.w.step", req, prepare=self._prepare(row, a), keyed=True
+                )
             except BaseException as exc:
                 # GradientLost: the learner dropped what it held and the client redoes the step's
                 # calls from nothing. Any other failure leaves the count unknown.
@@ -345,13 +349,13 @@ class SchedulerService:
                 else:
                     self._fb_ids.pop(a.adapter_key, None)
                 raise
-            ckpt = m.WeightsRef(a.adapter_key, out["version"])  # where the learner wrote them (layout)
-            export = ckpt if full else m.WeightsRef(a.adapter_key, out["version"], "export")
-            self.store.record_version(a.adapter_key, out["version"], ckpt.relative_path, export.relative_path)
+            ckpt = m.WeightsRef(a.adapter_key, out.version)  # where the learner wrote them (layout)
+            export = ckpt if full else m.WeightsRef(a.adapter_key, out.version, "export")
+            self.store.record_version(a.adapter_key, out.version, ckpt.relative_path, export.relative_path)
             self._fb_ids[a.adapter_key] = set()
-        self._prune(a, out["version"])
-        self.jobs.step_boundary(row.job_id, out["version"])
-        return r.OptimStepReply(out["version"], out["metrics"])
+        self._prune(a, out.version)
+        self.jobs.step_boundary(row.job_id, out.version)
+        return r.OptimStepReply(out.version, out.metrics)
 
     def _prune(self, a: AdapterRow, version: int) -> None:
         """Delete the per-step checkpoints and exports older than the last ``keep_checkpoints``;
@@ -372,10 +376,10 @@ class SchedulerService:
         check_name("checkpoint name", msg.name)
         req = m.LearnerSave(a.adapter_key, msg.name, row.kind == JobKind.FULL_RL)
         with self.admission.admit(row.tenant, "train"), self.broker.slicers[learner].turn(row.job_id, row.priority):
-            out = self.broker.call(learner, "sched.w.save", req, prepare=self._prepare(row, a))
-        saved = m.WeightsRef(a.adapter_key, out["version"], "checkpoint", msg.name)
-        self.store.add_checkpoint(row.job_id, msg.name, saved.relative_path, out["version"])
-        return r.SaveStateReply(f"{CKPT_PREFIX}{row.job_id}/{msg.name}", out["version"])
+            out: r.SavedCheckpoint = self.broker.call(learner, "sched.w.save", req, prepare=self._prepare(row, a))
+        saved = m.WeightsRef(a.adapter_key, out.version, "checkpoint", msg.name)
+        self.store.add_checkpoint(row.job_id, msg.name, saved.relative_path, out.version)
+        return r.SaveStateReply(f"{CKPT_PREFIX}{row.job_id}/{msg.name}", out.version)
 
     def load_state(self, msg: m.LoadState) -> r.LoadStateReply:
         row, a, learner = self._training(msg.api_key, msg.job_id)
@@ -386,16 +390,19 @@ class SchedulerService:
         path, version = found
         req = m.LearnerLoad(a.adapter_key, self._stored(path, version), row.kind == JobKind.FULL_RL, msg.optimizer)
         with self.admission.admit(row.tenant, "train"), self.broker.slicers[learner].turn(row.job_id, row.priority):
-            out = self.broker.call(learner, "sched.w.load", req, prepare=self._prepare(row, a), retry=False)
+            out: r.WorkerVersion = self.broker.call(
+                learner, "sched.w.load", req, prepare=self._prepare(row, a), retry=False
+            )
+            assert out.version is not None  # a load leaves the checkpoint's version resident
             export = path  # full parameters: engines load the version from its checkpoint
             if row.kind != JobKind.FULL_RL:
                 # Its own export path: the loaded weights are not the ones this version had before.
                 loaded = name if src_job == row.job_id else f"{src_job}.{name}"[:128]
-                req_export = m.LearnerExport(a.adapter_key, out["version"], loaded_from=loaded)
-                export = self.broker.call(learner, "sched.w.export", req_export, retry=False)["weights"]
-            self.store.record_version(a.adapter_key, out["version"], path, export)
+                req_export = m.LearnerExport(a.adapter_key, out.version, loaded_from=loaded)
+                export = self.broker.call(learner, "sched.w.export", req_export, retry=False).weights
+            self.store.record_version(a.adapter_key, out.version, path, export)
         self._fb_ids[a.adapter_key] = set()  # loading replaced the adapter's state, gradient included
-        return r.LoadStateReply(out["version"])
+        return r.LoadStateReply(out.version)
 
     def _checkpoint_name(self, row: JobRow, path: str) -> tuple[str, str]:
         """(job, name) of what load_state names: a name of this job's, or ``polytinker-ckpt://JOB/NAME``
@@ -421,10 +428,10 @@ class SchedulerService:
             full = row.kind == JobKind.FULL_RL  # full: the export is a checkpoint, kept with them
             req = m.LearnerExport(a.adapter_key, a.version, full)
             with self.broker.slicers[learner].turn(row.job_id, row.priority):
-                out = self.broker.call(learner, "sched.w.export", req, prepare=self._prepare(row, a))
-            self.store.set_export(a.adapter_key, a.version, out["weights"])
+                out: r.ExportedWeights = self.broker.call(learner, "sched.w.export", req, prepare=self._prepare(row, a))
+            self.store.set_export(a.adapter_key, a.version, out.weights)
             if self.store.version_row(a.adapter_key, a.version) is None:
-                self.store.record_version(a.adapter_key, a.version, a.checkpoint, out["weights"])
+                self.store.record_version(a.adapter_key, a.version, a.checkpoint, out.weights)
             a = self.store.adapter(a.adapter_key) or a
         if msg.name:
             self.store.add_checkpoint(row.job_id, f"sampler-{msg.name}", a.export_dir, a.version)
@@ -473,8 +480,8 @@ class SchedulerService:
             req = m.EngineSample(
                 key, version, export, msg.prompt_token_ids, msg.num_samples, msg.params, tenant, full=full
             )
-            out = self.broker.call(engine, "sched.w.sample", req)
-        return r.SampleReply(out)
+            out: r.SampleReply = self.broker.call(engine, "sched.w.sample", req)
+        return out  # the engine's answer goes on to the client as it is
 
     def compute_logprobs(self, msg: m.ComputeLogprobs) -> r.LogprobsReply:
         tenant = self._tenant(msg.api_key)
@@ -483,8 +490,8 @@ class SchedulerService:
         with self.admission.admit(tenant, "sample"):
             engine = self.jobs.route(key or None, msg.base_model)
             req = m.EngineLogprobs(key, version, export, msg.sequences, full=full)
-            out = self.broker.call(engine, "sched.w.logprobs", req)
-        return r.LogprobsReply(out)
+            out: r.LogprobsReply = self.broker.call(engine, "sched.w.logprobs", req)
+        return out
 
     def _sampling_job(self, tenant: str, msg: m.Sample | m.ComputeLogprobs) -> None:
         """The job a sampling call belongs to, which the call counts as activity of. A base-model
