@@ -44,10 +44,12 @@ RUNTIME_NAMES = frozenset({"LocalRuntime", "EngineActor", "LearnerActor", "Sched
 # ... and so does a call with this keyword: ServiceClient(runtime_config=...) starts a LocalRuntime.
 RUNTIME_KEYWORDS = frozenset({"runtime_config"})
 # What those rules cannot see: the CLI in a child process (``polytinker serve``, ``worker``), a
-# learner worker that spawns its data-parallel ranks. A module name (every test in it) or
-# "module::test". An entry that names no collected test fails the collection.
+# learner worker that spawns its data-parallel ranks, an experiment that starts its own runtime
+# (in this process with ``[runtime] mode = "inproc"``: a model loads all the same). A module name
+# (every test in it) or "module::test". An entry that names no collected test fails the collection.
 RUNTIME_TESTS = frozenset(
     {
+        "test_train_loop::test_runtime_mode_inproc_trains_in_this_process",
         "test_scheduler_service_cli",
         "test_scheduler_service_health",
         "test_scheduler_service_unit::test_a_data_parallel_learner_worker_runs_a_full_parameter_job_then_lora_again",
