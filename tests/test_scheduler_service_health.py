@@ -178,7 +178,7 @@ def test_a_call_in_flight_to_a_killed_engine_fails_over_before_the_heartbeat_tim
                 while not stop.is_set():
                     workers = rpc.call(
                         "sched.w.workers", WorkersQuery(launcher_credential(runtime.config.worker_token)), timeout_s=5
-                    )
+                    ).workers
                     seen.extend((w["incarnation"], w["alive"]) for w in workers)
                     time.sleep(0.02)
 
@@ -203,5 +203,5 @@ def _incarnation(runtime: LocalRuntime) -> str:
     with RpcClient(runtime.local_address) as rpc:
         workers = rpc.call(
             "sched.w.workers", WorkersQuery(launcher_credential(runtime.config.worker_token)), timeout_s=5
-        )
+        ).workers
     return str(workers[0]["incarnation"])

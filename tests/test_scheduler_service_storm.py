@@ -45,7 +45,7 @@ def test_the_workers_survive_the_storm_and_serve_after_it():
     runtime = shared_runtime()
     token = runtime.config.worker_token
     with RpcClient(runtime.address) as c:
-        workers = c.call("sched.w.workers", WorkersQuery(launcher_credential(token)), timeout_s=10)
+        workers = c.call("sched.w.workers", WorkersQuery(launcher_credential(token)), timeout_s=10).workers
     assert {w["role"] for w in workers} == {"engine", "learner"}
     for w in workers:
         pid = _pid(w["worker_id"])

@@ -50,6 +50,7 @@ from polytinker.errors import (
 from polytinker.scheduler.placement import next_learner_job
 from polytinker.scheduler.service.config import RuntimeConfig
 from polytinker.scheduler.service.messages import ActorsReport, ActorState, Register, WorkersQuery
+from polytinker.scheduler.service.replies import ActorsNoted, Registered, WorkersReply
 from polytinker.scheduler.service.worker_auth import (
     launcher_credential,
     register_proof,
@@ -100,7 +101,7 @@ class Broker:
         self.slicers = {g.learner_id: LearnerSlicer(config.learner_slice_idle_s) for g in config.learners}
 
     # --- registration ------------------------------------------------------------------------------
-    def register(self, msg: Register) -> dict[str, Any]:
+    def register(self, msg: Register) -> Registered:
         fields = (msg.worker_id, msg.role, msg.address, msg.incarnation, msg.base_model, msg.curve_public_key)
         if not same(msg.proof, register_proof(self._token, *fields)):
             raise AuthError("worker token rejected: start the worker with the runtime's --token")
@@ -117,10 +118,10 @@ class Broker:
         with self._cv:
             old = self._workers.get(msg.worker_id)
             if old is not None and old.incarnation == msg.incarnation and old.exited:
-                return {"status": "ok", "known": True}  # sent before the process died, read after
+                return Registered(known=True)  # sent before the process died, read after
             if old is not None and old.incarnation == msg.incarnation and old.address == msg.address:
                 old.last_seen, old.dead = now, False
-                return {"status": "ok", "known": True}
+                return Registered(known=True)
         client = self.connect(msg)
         with self._cv:
             old = self._workers.get(msg.worker_id)
@@ -133,17 +134,17 @@ class Broker:
         log.info(
             "worker %s (%s) registered at %s, incarnation %s", msg.worker_id, msg.role, msg.address, msg.incarnation
         )
-        return {"status": "ok", "known": False}
+        return Registered(known=False)
 
     def _check_launcher(self, credential: str) -> None:
         if not same(credential, self._launcher):
             raise AuthError("worker token rejected")
 
-    def workers_query(self, msg: WorkersQuery) -> list[dict[str, Any]]:
+    def workers_query(self, msg: WorkersQuery) -> WorkersReply:
         self._check_launcher(msg.credential)
-        return self.workers()
+        return WorkersReply(self.workers())
 
-    def supervised(self, msg: ActorsReport) -> dict[str, Any]:
+    def supervised(self, msg: ActorsReport) -> ActorsNoted:
         """The local runtime's supervisor reports its actors (see the module docstring)."""
         self._check_launcher(msg.credential)
         with self._cv:
@@ -151,7 +152,7 @@ class Broker:
         for actor in msg.actors:
             if actor.name in self._declared and actor.last_exit_time:
                 self._exited(actor.name, actor.last_exit_time)
-        return {"status": "ok"}
+        return ActorsNoted()
 
     def actors(self) -> list[dict[str, Any]]:
         """The supervised actors as last reported (empty for a scheduler no local runtime launched),

@@ -18,7 +18,9 @@ Workers answer the scheduler with typed replies too: the learner ``WorkerVersion
 ``StepResult`` (``sched.w.step``), ``SavedCheckpoint`` (``sched.w.save``), ``ExportedWeights``
 (``sched.w.export``); the engine ``SampleReply`` (``sched.w.sample``) and ``LogprobsReply``
 (``sched.w.logprobs``). The scheduler hands the ones a client gets unchanged on. Statistics
-(``sched.w.stats``) stay a map of counters.
+(``sched.w.stats``) stay a map of counters. The scheduler answers a worker's ``sched.w.register``
+with ``Registered``, and the local runtime's ``sched.w.workers`` and ``sched.w.actors`` with
+``WorkersReply`` and ``ActorsNoted``.
 
 A job is the map ``JobRow.public()`` makes; statistics, events and sampled sequences stay maps
 (their keys are listed in docs/scheduler-service.md). ``as_dict()`` gives the map a
@@ -208,7 +210,29 @@ class ExportedWeights:
     weights: str  # relative to the learner's state root
 
 
+# --- scheduler -> workers and the runtime that launched them ------------------------------------
+
+
+@message("sched.wr.registered")
+@dataclass(frozen=True)
+class Registered:
+    known: bool  # this incarnation at this address was registered already (a re-registration)
+
+
+@message("sched.wr.workers")
+@dataclass(frozen=True)
+class WorkersReply:
+    workers: list[dict[str, Any]]  # per worker: worker_id, role, address, incarnation, alive, ...
+
+
+@message("sched.wr.actors_noted")
+@dataclass(frozen=True)
+class ActorsNoted:
+    """The scheduler took an ``ActorsReport`` in."""
+
+
 __all__ = [
+    "ActorsNoted",
     "ExportWeightsReply",
     "ExportedWeights",
     "ForwardBackwardReply",
@@ -220,6 +244,7 @@ __all__ = [
     "LogprobsReply",
     "OptimStepReply",
     "OverloadedReply",
+    "Registered",
     "RuntimeStatusReply",
     "SampleReply",
     "SaveStateReply",
@@ -228,4 +253,5 @@ __all__ = [
     "StepResult",
     "WaitingReply",
     "WorkerVersion",
+    "WorkersReply",
 ]

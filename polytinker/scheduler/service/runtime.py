@@ -39,7 +39,7 @@ from polytinker.actors import ActorConfig, ActorRef, ChildReport, RestartPolicy,
 from polytinker.errors import ConfigError, RequestTimeout, RuntimeDead
 from polytinker.scheduler.service.config import RuntimeConfig, TenantConfig
 from polytinker.scheduler.service.messages import ActorsReport, ActorState, RuntimeStatus, WorkersQuery
-from polytinker.scheduler.service.replies import RuntimeStatusReply
+from polytinker.scheduler.service.replies import RuntimeStatusReply, WorkersReply
 from polytinker.scheduler.service.scheduler import SchedulerActor, local_address
 from polytinker.scheduler.service.state import private_state_dir
 from polytinker.scheduler.service.tenants import new_api_key
@@ -249,10 +249,10 @@ class LocalRuntime:
             while True:
                 self.check()
                 try:
-                    workers = client.call(
+                    reply: WorkersReply = client.call(
                         "sched.w.workers", WorkersQuery(launcher_credential(self.config.worker_token)), timeout_s=5.0
                     )
-                    alive = {w["worker_id"] for w in workers if w["alive"]}
+                    alive = {w["worker_id"] for w in reply.workers if w["alive"]}
                     if set(worker_ids) <= alive:
                         return
                 except Exception as exc:  # the scheduler may still be starting
