@@ -29,6 +29,7 @@ from polytinker.model_path import CKPT_PREFIX
 from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service import replies as r
 from polytinker.scheduler.service.config import RuntimeConfig
+from polytinker.scheduler.types import JobKind, JobState
 from polytinker.transport import ClientCurve
 from polytinker.types import GetServerCapabilitiesResponse, SupportedModel
 
@@ -36,6 +37,7 @@ ADDRESS_ENV = "POLYTINKER_SCHEDULER"
 API_KEY_ENV = "POLYTINKER_API_KEY"
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+_LORA_KINDS = (JobKind.LORA_RL, JobKind.SFT)  # the kinds a LoRA training client makes
 
 
 def scheduler_address(address: str | None, base_url: str | None) -> str | None:
@@ -139,7 +141,7 @@ class ServiceClient:
 
     def _admitted(self, job: dict[str, Any]) -> dict[str, Any]:
         """The job, unless the policy rejected it. A queued job is fine: its calls wait until it runs."""
-        if job["state"] == "rejected":
+        if job["state"] == JobState.REJECTED:
             raise ConfigError(f"job {job['job_id']} was rejected: {job['reason']}")
         return job
 
@@ -169,7 +171,7 @@ class ServiceClient:
         accepted, as is ``user_metadata``, which is not kept). ``kind``: ``lora_rl`` (samples too)
         or ``sft`` (no engine); ``steps``: declared length; ``max_staleness``: how many steps the
         script samples ahead of training (0: sync), which the scheduler's policy plans with."""
-        if kind not in ("lora_rl", "sft"):
+        if kind not in _LORA_KINDS:
             raise ConfigError(f"kind must be 'lora_rl' or 'sft' for a LoRA training client, got {kind!r}")
         lora = {
             "rank": rank,
@@ -190,7 +192,7 @@ class ServiceClient:
     ) -> TrainingClient:
         """A job training every weight of ``base_model`` (a learner group to itself)."""
         job = self._create(
-            "full_rl", base_model, agent=agent, priority=priority, steps=steps, max_staleness=max_staleness
+            JobKind.FULL_RL, base_model, agent=agent, priority=priority, steps=steps, max_staleness=max_staleness
         )
         return TrainingClient(self._connection(), self._admitted(job))
 
@@ -208,10 +210,10 @@ class ServiceClient:
         source = self.get_job(source_id)
         job, lora = source["job"], source.get("lora") or {}
         kw.setdefault("agent", job["agent"])
-        if job["kind"] == "full_rl":
+        if job["kind"] == JobKind.FULL_RL:
             tc = self.create_training_client(job["base_model"], **kw)
         else:
-            kind = job["kind"] if job["kind"] in ("lora_rl", "sft") else "lora_rl"
+            kind = job["kind"] if job["kind"] in _LORA_KINDS else JobKind.LORA_RL
             rank, alpha = int(lora.get("rank", 32)), int(lora.get("alpha") or 0) or None
             modules = tuple(lora.get("target_modules") or ())
             tc = self.create_lora_training_client(
@@ -251,7 +253,7 @@ class ServiceClient:
             raise ConfigError("create_sampling_client needs model_path or base_model")
 
         def reopen() -> str:
-            return str(self._admitted(self._create("inference", base_model, priority=priority))["job_id"])
+            return str(self._admitted(self._create(JobKind.INFERENCE, base_model, priority=priority))["job_id"])
 
         return SamplingClient(self._connection(), base_model, job_id=reopen(), reopen=reopen)
 

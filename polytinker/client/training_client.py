@@ -23,6 +23,7 @@ from polytinker.client.sampling_client import SamplingClient
 from polytinker.errors import ConfigError, NotBuiltError
 from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service import replies as r
+from polytinker.scheduler.types import JobKind
 from polytinker.types import (
     ForwardBackwardOutput,
     GetInfoResponse,
@@ -66,7 +67,7 @@ class TrainingClient(ReadyClient):
         self.base_model: str = job["base_model"]
         self.agent: str = job["agent"]
         self.kind: str = job["kind"]
-        self.lora: dict[str, Any] | None = dict(lora) if lora and self.kind != "full_rl" else None
+        self.lora: dict[str, Any] | None = dict(lora) if lora and self.kind != JobKind.FULL_RL else None
         self._lane = ThreadPoolExecutor(1, thread_name_prefix=f"polytinker-{self.job_id}")
         self._tokenizer: Any = None
 
@@ -211,7 +212,7 @@ class TrainingClient(ReadyClient):
         return GetInfoResponse(
             model_data=ModelData(model_name=self.base_model, tokenizer_id=self.base_model),
             model_id=self.job_id,
-            is_lora=self.kind != "full_rl",
+            is_lora=self.kind != JobKind.FULL_RL,
             lora_rank=rank,
             model_name=self.base_model,
         )
