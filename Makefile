@@ -39,8 +39,8 @@ test: venv cookbook-venv
 	$(PY) -m pytest -q
 
 # The unit tier alone (`make test` runs it too): no real model, no runtime, no process that loads
-# a model, no child interpreter; tests/conftest.py sets the marks and fails a test that breaks the
-# tier's rules. About 90 s on two cores.
+# a model, no command (the CLI, a script) in a child process; tests/conftest.py sets the marks and
+# fails a test that breaks the tier's rules. About 90 s on two cores.
 test-fast: venv
 	$(PY) -m pytest -q --unit
 
