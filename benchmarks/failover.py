@@ -23,8 +23,8 @@ from polytinker.actors import read_log
 from polytinker.client import ServiceClient
 from polytinker.engine.types import SamplingParams
 from polytinker.scheduler.service import EngineWorkerConfig, LocalRuntime, RuntimeConfig, TenantConfig
-from polytinker.scheduler.service.messages import WorkersQuery
 from polytinker.scheduler.service.worker_auth import launcher_credential
+from polytinker.scheduler.service.worker_messages import WorkersQuery
 from polytinker.transport import RpcClient
 
 KEY = "failover-benchmark-key-0123"

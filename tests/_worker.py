@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from polytinker.actors import Actor, ActorConfig, spawn
-from polytinker.scheduler.service import messages as m
+from polytinker.scheduler.service import worker_messages as wm
 from polytinker.scheduler.service.config import EngineWorkerConfig, LearnerWorkerConfig, RuntimeConfig
 from polytinker.scheduler.service.worker_auth import scheduler_client_keypair
 from polytinker.scheduler.service.workers import EngineActor, LearnerActor
@@ -52,9 +52,9 @@ def worker_process(
         worker_token=token,
         worker_heartbeat_s=0.5,
     )
-    registered: queue.Queue[m.Register] = queue.Queue()
+    registered: queue.Queue[wm.Register] = queue.Queue()
 
-    def register(msg: m.Register) -> dict[str, str]:
+    def register(msg: wm.Register) -> dict[str, str]:
         registered.put(msg)
         return {}
 

@@ -20,6 +20,7 @@ from polytinker.engine.models import TINY_RANDOM
 from polytinker.engine.types import AdapterRef, AdapterWeights, SampleRequest, SampleResult, SamplingParams
 from polytinker.errors import ConfigError, ModelError, RemoteError
 from polytinker.scheduler.service import messages as m
+from polytinker.scheduler.service import worker_messages as wm
 from polytinker.scheduler.service.config import EngineWorkerConfig
 from polytinker.scheduler.service.replies import SampleReply
 
@@ -144,16 +145,16 @@ def test_compute_logprobs_and_errors_go_back_to_the_caller(backend: HFBackend) -
         engine.submit(_request(None))
 
 
-def _store(root: Path, weights: AdapterWeights, adapter: str) -> m.WeightsRef:
+def _store(root: Path, weights: AdapterWeights, adapter: str) -> wm.WeightsRef:
     """Write ``weights`` as the export a learner leaves for the engines of ``adapter``; its ids."""
-    stored = m.WeightsRef(adapter, weights.ref.version, "export")
+    stored = wm.WeightsRef(adapter, weights.ref.version, "export")
     write_adapter_dir(weights, root / stored.relative_path)
     return stored
 
 
-def _sample_msg(adapter: str, weights: m.WeightsRef | None, version: int = 0) -> m.EngineSample:
+def _sample_msg(adapter: str, weights: wm.WeightsRef | None, version: int = 0) -> wm.EngineSample:
     params = m.SamplingMsg(max_tokens=GREEDY.max_tokens, temperature=GREEDY.temperature, ignore_eos=GREEDY.ignore_eos)
-    return m.EngineSample(adapter, version, weights, PROMPT, 1, params)
+    return wm.EngineSample(adapter, version, weights, PROMPT, 1, params)
 
 
 def _same_reply(reply: SampleReply, result: SampleResult) -> bool:
@@ -183,16 +184,16 @@ def test_engine_worker_samples_in_a_child_process(backend: HFBackend, tmp_path: 
         ]
         got = [f.result(timeout=240) for f in futures]
         assert all(_same_reply(g, e) for g, e in zip(got, expected, strict=True))
-        stats = engine.call("sched.w.stats", m.WorkerStats())
+        stats = engine.call("sched.w.stats", wm.WorkerStats())
         assert (stats["batches"], stats["max_batch_sequences"]) == (1, 2), (
             "two concurrent requests should share one batch"
         )
         assert stats["mixed_adapter_batches"] == 1 and stats["resident"] == [f"{REMOTE}@0"]
         sequence = (*PROMPT, *got[0].sequences[0]["tokens"])
-        remote = engine.call("sched.w.logprobs", m.EngineLogprobs(REMOTE, 0, stored, (sequence,))).logprobs[0]
+        remote = engine.call("sched.w.logprobs", wm.EngineLogprobs(REMOTE, 0, stored, (sequence,))).logprobs[0]
         assert remote == pytest.approx(backend.compute_logprobs([list(sequence)], weights.ref)[0], abs=1e-4)
         with pytest.raises(RemoteError, match="no stored weights"):
-            engine.call("sched.w.sample", _sample_msg(REMOTE, m.WeightsRef(REMOTE, 1, "export"), version=1))
+            engine.call("sched.w.sample", _sample_msg(REMOTE, wm.WeightsRef(REMOTE, 1, "export"), version=1))
         assert _same_reply(engine.call("sched.w.sample", _sample_msg("", None)), expected[1])
 
 
@@ -211,5 +212,5 @@ def test_engine_worker_on_vllm(backend: HFBackend, tmp_path: Path) -> None:
         assert [len(r.sequences[0]["tokens"]) for r in results] == [GREEDY.max_tokens] * 2
         assert results[0].sequences[0]["tokens"] != results[1].sequences[0]["tokens"], "the adapter must matter"
         sequence = (*PROMPT, *results[0].sequences[0]["tokens"])
-        logprobs = engine.call("sched.w.logprobs", m.EngineLogprobs(ON_VLLM, 0, stored, (sequence,))).logprobs
+        logprobs = engine.call("sched.w.logprobs", wm.EngineLogprobs(ON_VLLM, 0, stored, (sequence,))).logprobs
         assert len(logprobs[0]) == len(sequence) - 1

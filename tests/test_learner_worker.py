@@ -19,6 +19,7 @@ from polytinker.engine.types import AdapterRef, Datum, LoraConfig
 from polytinker.errors import RemoteError
 from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service import replies as r
+from polytinker.scheduler.service import worker_messages as wm
 from polytinker.scheduler.service.config import LearnerWorkerConfig
 
 LORA = LoraConfig(rank=4, alpha=8)
@@ -39,20 +40,20 @@ def wire(rows: list[Datum]) -> tuple[m.DatumMsg, ...]:
     return tuple(m.DatumMsg(tuple(d.input_tokens), tuple(d.target_tokens_T), tuple(d.weights_T)) for d in rows)
 
 
-def ensure(adapter: str, version: int = 0) -> m.EnsureAdapter:
-    return m.EnsureAdapter(adapter, version, rank=LORA.rank, alpha=LORA.alpha, seed=7)
+def ensure(adapter: str, version: int = 0) -> wm.EnsureAdapter:
+    return wm.EnsureAdapter(adapter, version, rank=LORA.rank, alpha=LORA.alpha, seed=7)
 
 
-def fb(adapter: str = ALICE) -> m.LearnerForwardBackward:
-    return m.LearnerForwardBackward(adapter, wire(data()), "cross_entropy")
+def fb(adapter: str = ALICE) -> wm.LearnerForwardBackward:
+    return wm.LearnerForwardBackward(adapter, wire(data()), "cross_entropy")
 
 
-def step(adapter: str = ALICE) -> m.LearnerStep:
-    return m.LearnerStep(adapter, **dataclasses.asdict(ADAM))
+def step(adapter: str = ALICE) -> wm.LearnerStep:
+    return wm.LearnerStep(adapter, **dataclasses.asdict(ADAM))
 
 
-def forward(adapter: str, rows: list[Datum]) -> m.LearnerForward:
-    return m.LearnerForward(adapter, wire(rows))
+def forward(adapter: str, rows: list[Datum]) -> wm.LearnerForward:
+    return wm.LearnerForward(adapter, wire(rows))
 
 
 def local_learner() -> MultiAdapterLearner:
@@ -79,12 +80,12 @@ def test_worker_matches_in_process_learner(tmp_path: Path) -> None:
         assert ref == local.optim_step(ADAM, ALICE)
         # The worker holds alice at v1 and nothing else: ensuring v1 loads nothing.
         assert learner.call("sched.w.ensure", ensure(ALICE, 1)) == r.WorkerVersion(1)
-        stats = learner.call("sched.w.stats", m.WorkerStats())
+        stats = learner.call("sched.w.stats", wm.WorkerStats())
         assert (stats["adapters"], stats["loads"], stats["adapters_created"]) == (1, 0, 1)
 
         # The step wrote what engines load (a peft directory under the worker's state root); an
         # export of the resident version names the same one.
-        assert learner.call("sched.w.export", m.LearnerExport(ALICE, 1)) == r.ExportedWeights(stepped.export_dir)
+        assert learner.call("sched.w.export", wm.LearnerExport(ALICE, 1)) == r.ExportedWeights(stepped.export_dir)
         exported, expected = read_adapter_dir(ref, root / stepped.export_dir), local.export_adapter(ALICE)
         assert exported.ref == ref and set(exported.config.target_modules) == set(LORA.target_modules)
         assert dataclasses.replace(exported.config, target_modules=LORA.target_modules) == LORA  # peft keeps a set
@@ -106,11 +107,11 @@ def test_worker_matches_in_process_learner(tmp_path: Path) -> None:
             atol=1e-4,
         )
 
-        saved = learner.call("sched.w.save", m.LearnerSave(ALICE, "ckpt"))
-        assert saved == r.SavedCheckpoint(m.WeightsRef(ALICE, 1, "checkpoint", "ckpt").relative_path, 1)
+        saved = learner.call("sched.w.save", wm.LearnerSave(ALICE, "ckpt"))
+        assert saved == r.SavedCheckpoint(wm.WeightsRef(ALICE, 1, "checkpoint", "ckpt").relative_path, 1)
         learner.call("sched.w.fb", fb())
         assert learner.call("sched.w.step", step()).version == 2
-        loaded = learner.call("sched.w.load", m.LearnerLoad(ALICE, m.WeightsRef(ALICE, 1, "checkpoint", "ckpt")))
+        loaded = learner.call("sched.w.load", wm.LearnerLoad(ALICE, wm.WeightsRef(ALICE, 1, "checkpoint", "ckpt")))
         assert loaded == r.WorkerVersion(1)
         torch.testing.assert_close(
             torch.tensor(learner.call("sched.w.forward", forward(ALICE, data()[:1])).logprobs[0]),

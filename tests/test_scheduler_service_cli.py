@@ -140,7 +140,7 @@ def test_a_remote_worker_without_keys_of_its_own_serves_with_the_tokens_keys(tmp
     """A scheduler without Curve (loopback) and a `polytinker worker` given only the token: the
     worker still serves with Curve (keys derived from the token), the scheduler reaches it, and a
     process without the token does not."""
-    from polytinker.scheduler.service import messages as m
+    from polytinker.scheduler.service import worker_messages as wm
     from polytinker.transport import RpcClient
 
     address = resolve_address("tcp://127.0.0.1:0")
@@ -171,7 +171,7 @@ def test_a_remote_worker_without_keys_of_its_own_serves_with_the_tokens_keys(tmp
             trainer.forward_backward(data(22))
             assert trainer.optim_step(AdamParams(learning_rate=1e-2)).result().version == 1
         with RpcClient(worker_address) as stranger, pytest.raises((RequestTimeout, TransportError)):
-            stranger.call("sched.w.stats", m.WorkerStats(), timeout_s=2.0)
+            stranger.call("sched.w.stats", wm.WorkerStats(), timeout_s=2.0)
     finally:
         for proc in reversed(procs):
             proc.send_signal(signal.SIGTERM)

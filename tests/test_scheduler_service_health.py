@@ -26,9 +26,9 @@ from polytinker.scheduler.service import (
     RuntimeDead,
     TenantConfig,
 )
-from polytinker.scheduler.service.messages import WorkersQuery
 from polytinker.scheduler.service.runtime import resolve_address
 from polytinker.scheduler.service.worker_auth import launcher_credential
+from polytinker.scheduler.service.worker_messages import WorkersQuery
 from polytinker.transport import RpcClient
 
 KEY = "health-tenant-key-0123456789"

@@ -21,6 +21,7 @@ from polytinker.engine.learner.config import AdamParams
 from polytinker.errors import ConfigError, ProtocolError, RemoteError, RequestTimeout, TransportError
 from polytinker.scheduler.service import AuthError, layout
 from polytinker.scheduler.service import messages as m
+from polytinker.scheduler.service import worker_messages as wm
 from polytinker.scheduler.service.worker_auth import (
     register_proof,
     scheduler_client_keypair,
@@ -36,18 +37,18 @@ def _worker_requests(adapter: str, version: int) -> list[tuple[str, Any]]:
     """One request of every worker kind, aimed at ``adapter`` (a real tenant's) at ``version``."""
     batch = tuple(data(99, n=2))
     datums = tuple(m.DatumMsg(tuple(d.input_tokens), tuple(d.target_tokens_T), tuple(d.weights_T)) for d in batch)
-    export = m.WeightsRef(adapter, version, "export")
+    export = wm.WeightsRef(adapter, version, "export")
     return [
-        ("sched.w.sample", m.EngineSample(adapter, version, export, (1, 2, 3), 1, m.SamplingMsg(max_tokens=2))),
-        ("sched.w.logprobs", m.EngineLogprobs(adapter, version, export, ((1, 2, 3),))),
-        ("sched.w.export", m.LearnerExport(adapter, version, loaded_from="stolen")),
-        ("sched.w.save", m.LearnerSave(adapter, "stolen")),
-        ("sched.w.load", m.LearnerLoad(adapter, m.WeightsRef(adapter, version))),
-        ("sched.w.ensure", m.EnsureAdapter(adapter, 0, rank=4)),
-        ("sched.w.fb", m.LearnerForwardBackward(adapter, datums, "cross_entropy")),
-        ("sched.w.forward", m.LearnerForward(adapter, datums)),
-        ("sched.w.step", m.LearnerStep(adapter, 1.0, 0.9, 0.95, 1e-8, 0.0)),
-        ("sched.w.stats", m.WorkerStats()),
+        ("sched.w.sample", wm.EngineSample(adapter, version, export, (1, 2, 3), 1, m.SamplingMsg(max_tokens=2))),
+        ("sched.w.logprobs", wm.EngineLogprobs(adapter, version, export, ((1, 2, 3),))),
+        ("sched.w.export", wm.LearnerExport(adapter, version, loaded_from="stolen")),
+        ("sched.w.save", wm.LearnerSave(adapter, "stolen")),
+        ("sched.w.load", wm.LearnerLoad(adapter, wm.WeightsRef(adapter, version))),
+        ("sched.w.ensure", wm.EnsureAdapter(adapter, 0, rank=4)),
+        ("sched.w.fb", wm.LearnerForwardBackward(adapter, datums, "cross_entropy")),
+        ("sched.w.forward", wm.LearnerForward(adapter, datums)),
+        ("sched.w.step", wm.LearnerStep(adapter, 1.0, 0.9, 0.95, 1e-8, 0.0)),
+        ("sched.w.stats", wm.WorkerStats()),
     ]
 
 
@@ -153,7 +154,7 @@ def test_a_tenant_names_checkpoints_never_paths_and_only_its_own(tmp_path: Path)
             hostile = _forged(m.CreateJob, api_key=KEY_BOB, kind="lora_rl", base_model=MODEL, agent="../../../evil")
             with pytest.raises(ProtocolError, match="agent"):
                 rpc.call("sched.create_job", hostile, timeout_s=10.0)
-            forged = m.Register("x" * 64, "engine-0", "engine", "tcp://127.0.0.1:1", "i", MODEL, "k" * 40)
+            forged = wm.Register("x" * 64, "engine-0", "engine", "tcp://127.0.0.1:1", "i", MODEL, "k" * 40)
             with pytest.raises(RemoteError, match="worker token"):
                 rpc.call("sched.w.register", forged, timeout_s=10.0)
             # No key at all: nothing of anyone's is touched or shown.
@@ -180,25 +181,25 @@ def test_a_name_that_could_leave_the_root_is_refused(name: str) -> None:
     with pytest.raises(ConfigError, match="letters, digits"):
         layout.check_name("checkpoint name", name)
     with pytest.raises(ConfigError):
-        m.LearnerSave("alice/job-1/hero", name)
+        wm.LearnerSave("alice/job-1/hero", name)
     with pytest.raises(ConfigError):
-        m.WeightsRef(f"alice/job-1/{name}", 1)
+        wm.WeightsRef(f"alice/job-1/{name}", 1)
 
 
 @pytest.mark.parametrize("key", ["alice/job", "alice/job/a/b", "alice/../hero", "/alice/job/hero", "a//b"])
 def test_an_adapter_key_is_three_names(key: str) -> None:
     with pytest.raises(ConfigError, match="TENANT/JOB/AGENT"):
-        m.LearnerExport(key, 0)
+        wm.LearnerExport(key, 0)
     with pytest.raises(ConfigError):
-        m.EngineSample(key, 0, None, (1,), 1, m.SamplingMsg())
+        wm.EngineSample(key, 0, None, (1,), 1, m.SamplingMsg())
 
 
 def test_weights_refs_make_the_layouts_paths_and_read_back() -> None:
     cases = {
-        m.WeightsRef("t/j/a", 3): "checkpoints/t/j/a/v3",
-        m.WeightsRef("t/j/a", 3, "export"): "adapters/t/j/a/v3",
-        m.WeightsRef("t/j/a", 2, "checkpoint", "best"): "checkpoints/t/j/a/named/best",
-        m.WeightsRef("t/j/a", 2, "export", "best"): "adapters/t/j/a/v2-loaded-best",
+        wm.WeightsRef("t/j/a", 3): "checkpoints/t/j/a/v3",
+        wm.WeightsRef("t/j/a", 3, "export"): "adapters/t/j/a/v3",
+        wm.WeightsRef("t/j/a", 2, "checkpoint", "best"): "checkpoints/t/j/a/named/best",
+        wm.WeightsRef("t/j/a", 2, "export", "best"): "adapters/t/j/a/v2-loaded-best",
     }
     for ref, path in cases.items():
         assert ref.relative_path == path
@@ -258,12 +259,12 @@ def test_pruning_deletes_only_this_adapters_old_step_files_under_the_root(tmp_pa
         key, other = "alice/job-1/hero", "alice/job-2/hero"
         outside = tmp_path / "outside" / "v1"  # a path an old database might hold: never deleted
         made = [
-            m.WeightsRef(key, 1).relative_path,
-            m.WeightsRef(key, 1, "export", "best").relative_path,  # the export after a load: a step file
-            m.WeightsRef(key, 1, "checkpoint", "best").relative_path,  # save_state's: kept
-            m.WeightsRef(other, 1).relative_path,  # another adapter's version loaded into this one
-            m.WeightsRef(key, 3).relative_path,
-            m.WeightsRef(key, 3, "export").relative_path,
+            wm.WeightsRef(key, 1).relative_path,
+            wm.WeightsRef(key, 1, "export", "best").relative_path,  # the export after a load: a step file
+            wm.WeightsRef(key, 1, "checkpoint", "best").relative_path,  # save_state's: kept
+            wm.WeightsRef(other, 1).relative_path,  # another adapter's version loaded into this one
+            wm.WeightsRef(key, 3).relative_path,
+            wm.WeightsRef(key, 3, "export").relative_path,
         ]
         for rel in made:
             (svc.root / rel).mkdir(parents=True)

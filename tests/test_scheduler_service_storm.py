@@ -10,8 +10,8 @@ from fixtures.client import KEY_ALICE, MODEL, client, data, shared_runtime
 from storm import storm
 
 from polytinker.engine.types import SamplingParams
-from polytinker.scheduler.service.messages import WorkersQuery
 from polytinker.scheduler.service.worker_auth import launcher_credential, scheduler_client_keypair, worker_keypair
+from polytinker.scheduler.service.worker_messages import WorkersQuery
 from polytinker.transport import ClientCurve, RpcClient
 
 SCHEDULER_KINDS = ["sched.create_job", "sched.sample", "sched.forward_backward", "sched.runtime_status"]

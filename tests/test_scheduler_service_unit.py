@@ -29,6 +29,7 @@ from polytinker.scheduler.service import (
 )
 from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service import replies as r
+from polytinker.scheduler.service import worker_messages as wm
 from polytinker.scheduler.service.tenants import Tenants, hash_key
 from polytinker.scheduler.types import JobState
 from polytinker.transport import RpcClient, RpcServer
@@ -252,7 +253,7 @@ def test_malformed_and_hostile_requests_never_take_the_scheduler_down(service) -
         with pytest.raises(RemoteError, match="unknown API key"):
             client.call("sched.list_jobs", m.ListJobs("wrong-key-wrong-key"))
         with pytest.raises(RemoteError, match="worker token"):
-            forged = m.Register("bad", "engine-0", "engine", "tcp://x:1", "i", "tiny-random", "k" * 40)
+            forged = wm.Register("bad", "engine-0", "engine", "tcp://x:1", "i", "tiny-random", "k" * 40)
             client.call("sched.w.register", forged)
         reply = client.call("sched.create_job", m.CreateJob(KEY_A, "lora_rl", "tiny-random", rank=4))
         assert isinstance(reply, r.JobReply) and reply.job["state"] == "running"
@@ -387,27 +388,27 @@ def test_a_replacement_learner_answers_a_resent_step_its_predecessor_took(tmp_pa
     cfg = LearnerWorkerConfig(micro_batch_size=8)
     adapter = "alice/job/agent"
     batch = tuple(m.DatumMsg((5, 6, 7, 8), (6, 7, 8, 9), (0.0, 1.0, 1.0, 1.0)) for _ in range(2))
-    fb = m.LearnerForwardBackward(adapter, batch, "cross_entropy", request_id="fb-1", from_version=0)
-    step = m.LearnerStep(adapter, 1e-2, 0.9, 0.95, 1e-12, 0.0, request_id="st-1", from_version=0)
+    fb = wm.LearnerForwardBackward(adapter, batch, "cross_entropy", request_id="fb-1", from_version=0)
+    step = wm.LearnerStep(adapter, 1e-2, 0.9, 0.95, 1e-12, 0.0, request_id="st-1", from_version=0)
     first = LearnerWorker("tiny-random", cfg, tmp_path)
     try:
-        first.ensure(m.EnsureAdapter(adapter, 0, rank=4))
+        first.ensure(wm.EnsureAdapter(adapter, 0, rank=4))
         once = first.forward_backward(fb)
         assert first.forward_backward(dataclasses.replace(fb, attempt=1)) == once
         stepped = first.step(step)
         assert first.step(dataclasses.replace(step, attempt=1)) == stepped
         assert (first.stats["forward_backward"], first.stats["optim_steps"], first.stats["duplicates"]) == (1, 1, 2)
         assert stepped.version == 1 and stepped.metrics["optim/tokens"] == 6.0  # one gradient, not two
-        weights = first.forward(m.LearnerForward(adapter, batch)).logprobs
+        weights = first.forward(wm.LearnerForward(adapter, batch)).logprobs
     finally:
         first.close()
     # The answer never reached the scheduler: it still records version 0, and a new process starts there.
     second = LearnerWorker("tiny-random", cfg, tmp_path)
     try:
-        second.ensure(m.EnsureAdapter(adapter, 0, rank=4))
+        second.ensure(wm.EnsureAdapter(adapter, 0, rank=4))
         assert second.step(dataclasses.replace(step, attempt=1)) == stepped
         assert second.stats["optim_steps"] == 0 and second._versions()[adapter] == 1
-        assert second.forward(m.LearnerForward(adapter, batch)).logprobs == weights
+        assert second.forward(wm.LearnerForward(adapter, batch)).logprobs == weights
         with pytest.raises(GradientLost, match="redo this step"):
             second.step(dataclasses.replace(step, request_id="st-2", from_version=1, attempt=1))
         assert second.stats["optim_steps"] == 0 and second._versions()[adapter] == 1
@@ -426,38 +427,38 @@ def test_a_step_whose_forward_backward_calls_a_restarted_learner_lost_is_refused
     adapter = "alice/job/agent"
     batch = tuple(m.DatumMsg((5, 6, 7, 8), (6, 7, 8, 9), (0.0, 1.0, 1.0, 1.0)) for _ in range(2))
 
-    def fb(request_id: str) -> m.LearnerForwardBackward:
-        return m.LearnerForwardBackward(adapter, batch, "cross_entropy", request_id=request_id, from_version=0)
+    def fb(request_id: str) -> wm.LearnerForwardBackward:
+        return wm.LearnerForwardBackward(adapter, batch, "cross_entropy", request_id=request_id, from_version=0)
 
-    def step(request_id: str, expected_fb: int) -> m.LearnerStep:
-        return m.LearnerStep(adapter, 1e-2, 0.9, 0.95, 1e-12, 0.0, request_id=request_id, expected_fb=expected_fb)
+    def step(request_id: str, expected_fb: int) -> wm.LearnerStep:
+        return wm.LearnerStep(adapter, 1e-2, 0.9, 0.95, 1e-12, 0.0, request_id=request_id, expected_fb=expected_fb)
 
     worker = LearnerWorker("tiny-random", cfg, tmp_path / "first")
     try:
-        worker.ensure(m.EnsureAdapter(adapter, 0, rank=4))
+        worker.ensure(wm.EnsureAdapter(adapter, 0, rank=4))
         worker.forward_backward(fb("a"))
         worker.forward_backward(fb("b"))
-        unbroken = worker.forward(m.LearnerForward(adapter, batch)).logprobs
+        unbroken = worker.forward(wm.LearnerForward(adapter, batch)).logprobs
         worker.step(step("s-unbroken", 2))
-        stepped = worker.forward(m.LearnerForward(adapter, batch)).logprobs
+        stepped = worker.forward(wm.LearnerForward(adapter, batch)).logprobs
     finally:
         worker.close()
 
     # The first forward_backward died with the old process.
     replacement = LearnerWorker("tiny-random", cfg, tmp_path / "replacement")
     try:
-        replacement.ensure(m.EnsureAdapter(adapter, 0, rank=4))
+        replacement.ensure(wm.EnsureAdapter(adapter, 0, rank=4))
         replacement.forward_backward(fb("b"))
         with pytest.raises(GradientLost, match="holds 1 of the step's 2 forward_backward calls"):
             replacement.step(step("s-1", 2))
         assert replacement.stats["optim_steps"] == 0 and replacement._versions()[adapter] == 0
-        assert replacement.forward(m.LearnerForward(adapter, batch)).logprobs == unbroken
+        assert replacement.forward(wm.LearnerForward(adapter, batch)).logprobs == unbroken
         with pytest.raises(GradientLost, match="holds 0 of the step's 1"):
             replacement.step(step("s-2", 1))
         replacement.forward_backward(fb("a2"))  # the client redoes the step's calls
         replacement.forward_backward(fb("b2"))
         assert replacement.step(step("s-3", 2)).version == 1
-        redone = replacement.forward(m.LearnerForward(adapter, batch)).logprobs
+        redone = replacement.forward(wm.LearnerForward(adapter, batch)).logprobs
         flat = [x for row in redone for x in row]
         assert flat == pytest.approx([x for row in stepped for x in row], abs=1e-6)  # the dropped half counted once
         assert replacement.step(step("s-4", -1)).version == 2  # an unknown count is not checked
@@ -510,29 +511,29 @@ def test_a_data_parallel_learner_worker_runs_a_full_parameter_job_then_lora_agai
     rows = [(5, 6, 7, 8, 9), (10, 11, 12), (13, 14, 15, 16), (17, 18, 19, 20, 21, 22), (23, 24, 25)]
     batch = tuple(m.DatumMsg(r, (*r[1:], 3), (0.0,) + (1.0,) * (len(r) - 1)) for r in rows)
 
-    def step(adapter: str, is_full: bool) -> m.LearnerStep:
+    def step(adapter: str, is_full: bool) -> wm.LearnerStep:
         # Adam's eps at 1e-3: a weight whose gradient is float noise (summed in another order
         # across replicas) then moves by noise, not by a whole learning rate of either sign.
-        return m.LearnerStep(adapter, 1e-2, 0.9, 0.95, 1e-3, 0.0, full=is_full)
+        return wm.LearnerStep(adapter, 1e-2, 0.9, 0.95, 1e-3, 0.0, full=is_full)
 
     def run(worker: LearnerWorker) -> dict[str, object]:
-        worker.ensure(m.EnsureAdapter(lora, 0, rank=4))
-        worker.forward_backward(m.LearnerForwardBackward(lora, batch, "cross_entropy"))
+        worker.ensure(wm.EnsureAdapter(lora, 0, rank=4))
+        worker.forward_backward(wm.LearnerForwardBackward(lora, batch, "cross_entropy"))
         lora_step = worker.step(step(lora, False))
-        lora_after = worker.forward(m.LearnerForward(lora, batch)).logprobs
-        worker.ensure(m.EnsureAdapter(full, 0, full=True))
-        worker.forward_backward(m.LearnerForwardBackward(full, batch, "cross_entropy", full=True))
+        lora_after = worker.forward(wm.LearnerForward(lora, batch)).logprobs
+        worker.ensure(wm.EnsureAdapter(full, 0, full=True))
+        worker.forward_backward(wm.LearnerForwardBackward(full, batch, "cross_entropy", full=True))
         full_step = worker.step(step(full, True))
-        full_after = worker.forward(m.LearnerForward(full, batch, full=True)).logprobs
+        full_after = worker.forward(wm.LearnerForward(full, batch, full=True)).logprobs
         if worker.cfg.world_size > 1:
             with pytest.raises(NotResident, match="adapter alice/lora/agent is not resident"):
-                worker.forward(m.LearnerForward(lora, batch))
+                worker.forward(wm.LearnerForward(lora, batch))
         assert lora_step.checkpoint == "checkpoints/alice/lora/agent/v1"  # under the worker's own root
-        worker.ensure(m.EnsureAdapter(lora, 1, m.WeightsRef(lora, 1), rank=4))
-        lora_again = worker.forward(m.LearnerForward(lora, batch)).logprobs
+        worker.ensure(wm.EnsureAdapter(lora, 1, wm.WeightsRef(lora, 1), rank=4))
+        lora_again = worker.forward(wm.LearnerForward(lora, batch)).logprobs
         if worker.cfg.world_size > 1:
             with pytest.raises(NotResident, match="full-parameter model alice/full/agent"):
-                worker.forward(m.LearnerForward(full, batch, full=True))
+                worker.forward(wm.LearnerForward(full, batch, full=True))
         return {"lora": lora_after, "full": full_after, "lora_again": lora_again, "full_version": full_step.version}
 
     one = LearnerWorker("tiny-random", LearnerWorkerConfig(micro_batch_size=8), tmp_path / "k1")
@@ -565,15 +566,15 @@ def test_a_learner_worker_holds_one_full_parameter_model_at_a_time(tmp_path: Pat
     batch = (m.DatumMsg((5, 6, 7, 8), (6, 7, 8, 9), (0.0, 1.0, 1.0, 1.0)),)
     worker = LearnerWorker("tiny-random", LearnerWorkerConfig(micro_batch_size=8), tmp_path)
     try:
-        worker.ensure(m.EnsureAdapter("a/1/x", 0, full=True))
-        worker.forward_backward(m.LearnerForwardBackward("a/1/x", batch, "cross_entropy", full=True))
-        stepped = worker.step(m.LearnerStep("a/1/x", 1e-3, 0.9, 0.95, 1e-8, 0.0, full=True))
-        trained = worker.forward(m.LearnerForward("a/1/x", batch, full=True))
-        worker.ensure(m.EnsureAdapter("a/2/y", 0, full=True))  # the next job's model replaces it
-        assert worker.get_stats(m.WorkerStats())["full_slots"] == 1
+        worker.ensure(wm.EnsureAdapter("a/1/x", 0, full=True))
+        worker.forward_backward(wm.LearnerForwardBackward("a/1/x", batch, "cross_entropy", full=True))
+        stepped = worker.step(wm.LearnerStep("a/1/x", 1e-3, 0.9, 0.95, 1e-8, 0.0, full=True))
+        trained = worker.forward(wm.LearnerForward("a/1/x", batch, full=True))
+        worker.ensure(wm.EnsureAdapter("a/2/y", 0, full=True))  # the next job's model replaces it
+        assert worker.get_stats(wm.WorkerStats())["full_slots"] == 1
         with pytest.raises(NotResident):
-            worker.forward(m.LearnerForward("a/1/x", batch, full=True))
-        worker.ensure(m.EnsureAdapter("a/1/x", 1, m.WeightsRef("a/1/x", stepped.version), full=True))
-        assert worker.forward(m.LearnerForward("a/1/x", batch, full=True)) == trained
+            worker.forward(wm.LearnerForward("a/1/x", batch, full=True))
+        worker.ensure(wm.EnsureAdapter("a/1/x", 1, wm.WeightsRef("a/1/x", stepped.version), full=True))
+        assert worker.forward(wm.LearnerForward("a/1/x", batch, full=True)) == trained
     finally:
         worker.close()

@@ -26,8 +26,9 @@ from polytinker.engine.inference.full_weights import FullWeightEngines
 from polytinker.errors import ConfigError
 from polytinker.scheduler.service.config import EngineWorkerConfig
 from polytinker.scheduler.service.layout import under
-from polytinker.scheduler.service.messages import EngineLogprobs, EngineSample, SamplingMsg, WeightsRef, WorkerStats
+from polytinker.scheduler.service.messages import SamplingMsg
 from polytinker.scheduler.service.replies import LogprobsReply, SampleReply
+from polytinker.scheduler.service.worker_messages import EngineLogprobs, EngineSample, WeightsRef, WorkerStats
 
 log = logging.getLogger("polytinker.engine.inference.worker")
 

@@ -42,8 +42,16 @@ from typing import Any
 from polytinker.errors import ConfigError, GradientLost, NotResident
 from polytinker.scheduler.service.config import LearnerWorkerConfig
 from polytinker.scheduler.service.layout import under
-from polytinker.scheduler.service.messages import (
-    DatumMsg,
+from polytinker.scheduler.service.messages import DatumMsg
+from polytinker.scheduler.service.replies import (
+    ExportedWeights,
+    ForwardBackwardReply,
+    ForwardReply,
+    SavedCheckpoint,
+    StepResult,
+    WorkerVersion,
+)
+from polytinker.scheduler.service.worker_messages import (
     EnsureAdapter,
     LearnerExport,
     LearnerForward,
@@ -53,14 +61,6 @@ from polytinker.scheduler.service.messages import (
     LearnerStep,
     WeightsRef,
     WorkerStats,
-)
-from polytinker.scheduler.service.replies import (
-    ExportedWeights,
-    ForwardBackwardReply,
-    ForwardReply,
-    SavedCheckpoint,
-    StepResult,
-    WorkerVersion,
 )
 from polytinker.transport.messages import to_fields
 

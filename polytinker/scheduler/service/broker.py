@@ -49,7 +49,6 @@ from polytinker.errors import (
 )
 from polytinker.scheduler.placement import next_learner_job
 from polytinker.scheduler.service.config import RuntimeConfig
-from polytinker.scheduler.service.messages import ActorsReport, ActorState, Register, WorkersQuery
 from polytinker.scheduler.service.replies import ActorsNoted, Registered, WorkersReply
 from polytinker.scheduler.service.worker_auth import (
     launcher_credential,
@@ -57,6 +56,7 @@ from polytinker.scheduler.service.worker_auth import (
     same,
     scheduler_client_keypair,
 )
+from polytinker.scheduler.service.worker_messages import ActorsReport, ActorState, Register, WorkersQuery
 from polytinker.transport import ClientCurve, RpcClient, TransportConfig
 from polytinker.transport.direct import Link
 

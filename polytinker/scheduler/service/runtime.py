@@ -38,12 +38,13 @@ from typing import Any
 from polytinker.actors import ActorConfig, ActorRef, ChildReport, RestartPolicy, Supervisor
 from polytinker.errors import ConfigError, RequestTimeout, RuntimeDead
 from polytinker.scheduler.service.config import RuntimeConfig, TenantConfig
-from polytinker.scheduler.service.messages import ActorsReport, ActorState, RuntimeStatus, WorkersQuery
+from polytinker.scheduler.service.messages import RuntimeStatus
 from polytinker.scheduler.service.replies import RuntimeStatusReply, WorkersReply
 from polytinker.scheduler.service.scheduler import SchedulerActor, local_address
 from polytinker.scheduler.service.state import private_state_dir
 from polytinker.scheduler.service.tenants import new_api_key
 from polytinker.scheduler.service.worker_auth import launcher_credential
+from polytinker.scheduler.service.worker_messages import ActorsReport, ActorState, WorkersQuery
 from polytinker.scheduler.service.workers import EngineActor, LearnerActor
 from polytinker.transport import RpcClient
 

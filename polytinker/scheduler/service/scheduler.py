@@ -49,6 +49,7 @@ from polytinker.errors import (
 from polytinker.model_path import CKPT_PREFIX, ModelPath
 from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service import replies as r
+from polytinker.scheduler.service import worker_messages as wm
 from polytinker.scheduler.service.broker import Broker, WorkerHandle
 from polytinker.scheduler.service.config import RuntimeConfig
 from polytinker.scheduler.service.jobs import FINAL_STATES, LIVE_STATES, JobManager, adapter_key
@@ -233,7 +234,7 @@ class SchedulerService:
             if w["alive"]:
                 with contextlib.suppress(Exception):
                     stats[w["worker_id"]] = self.broker.call(
-                        w["worker_id"], "sched.w.stats", m.WorkerStats(), timeout_s=10.0, retry=False
+                        w["worker_id"], "sched.w.stats", wm.WorkerStats(), timeout_s=10.0, retry=False
                     )
         switches = {k: s.switches for k, s in self.broker.slicers.items()}
         return r.RuntimeStatusReply(
@@ -263,7 +264,7 @@ class SchedulerService:
 
         def ensure(h: WorkerHandle) -> None:
             current = self.store.adapter(a.adapter_key) or a
-            msg = m.EnsureAdapter(
+            msg = wm.EnsureAdapter(
                 current.adapter_key,
                 current.version,
                 self._stored(current.checkpoint, current.version) if current.checkpoint else None,
@@ -279,7 +280,7 @@ class SchedulerService:
 
     def forward_backward(self, msg: m.ForwardBackward) -> r.ForwardBackwardReply:
         row, a, learner = self._training(msg.api_key, msg.job_id)
-        req = m.LearnerForwardBackward(
+        req = wm.LearnerForwardBackward(
             a.adapter_key,
             msg.data,
             msg.loss_fn,
@@ -300,24 +301,24 @@ class SchedulerService:
 
     def forward(self, msg: m.Forward) -> r.ForwardReply:
         row, a, learner = self._training(msg.api_key, msg.job_id)
-        req = m.LearnerForward(a.adapter_key, msg.data, row.kind == JobKind.FULL_RL)
+        req = wm.LearnerForward(a.adapter_key, msg.data, row.kind == JobKind.FULL_RL)
         with self.admission.admit(row.tenant, "train"), self.broker.slicers[learner].turn(row.job_id, row.priority):
             out: r.ForwardReply = self.broker.call(learner, "sched.w.forward", req, prepare=self._prepare(row, a))
         return out
 
-    def _stored(self, text: str, version: int) -> m.WeightsRef:
+    def _stored(self, text: str, version: int) -> wm.WeightsRef:
         """The ``WeightsRef`` of a checkpoint or export path this scheduler stored."""
         if os.path.isabs(text):  # a database written when absolute paths were kept
             with contextlib.suppress(ValueError):
                 text = Path(text).relative_to(self.root).as_posix()
         adapter, kind, stored_version, name = parse_relative(text)
-        return m.WeightsRef(adapter, version if stored_version is None else stored_version, kind, name)
+        return wm.WeightsRef(adapter, version if stored_version is None else stored_version, kind, name)
 
     def optim_step(self, msg: m.OptimStep) -> r.OptimStepReply:
         row, a, learner = self._training(msg.api_key, msg.job_id)
         full = row.kind == JobKind.FULL_RL
         fb_ids = self._fb_ids.get(a.adapter_key)
-        req = m.LearnerStep(
+        req = wm.LearnerStep(
             a.adapter_key,
             msg.learning_rate,
             msg.beta1,
@@ -349,8 +350,8 @@ class SchedulerService:
                 else:
                     self._fb_ids.pop(a.adapter_key, None)
                 raise
-            ckpt = m.WeightsRef(a.adapter_key, out.version)  # where the learner wrote them (layout)
-            export = ckpt if full else m.WeightsRef(a.adapter_key, out.version, "export")
+            ckpt = wm.WeightsRef(a.adapter_key, out.version)  # where the learner wrote them (layout)
+            export = ckpt if full else wm.WeightsRef(a.adapter_key, out.version, "export")
             self.store.record_version(a.adapter_key, out.version, ckpt.relative_path, export.relative_path)
             self._fb_ids[a.adapter_key] = set()
         self._prune(a, out.version)
@@ -374,10 +375,10 @@ class SchedulerService:
     def save_state(self, msg: m.SaveState) -> r.SaveStateReply:
         row, a, learner = self._training(msg.api_key, msg.job_id)
         check_name("checkpoint name", msg.name)
-        req = m.LearnerSave(a.adapter_key, msg.name, row.kind == JobKind.FULL_RL)
+        req = wm.LearnerSave(a.adapter_key, msg.name, row.kind == JobKind.FULL_RL)
         with self.admission.admit(row.tenant, "train"), self.broker.slicers[learner].turn(row.job_id, row.priority):
             out: r.SavedCheckpoint = self.broker.call(learner, "sched.w.save", req, prepare=self._prepare(row, a))
-        saved = m.WeightsRef(a.adapter_key, out.version, "checkpoint", msg.name)
+        saved = wm.WeightsRef(a.adapter_key, out.version, "checkpoint", msg.name)
         self.store.add_checkpoint(row.job_id, msg.name, saved.relative_path, out.version)
         return r.SaveStateReply(f"{CKPT_PREFIX}{row.job_id}/{msg.name}", out.version)
 
@@ -388,7 +389,7 @@ class SchedulerService:
         if found is None:
             raise ConfigError(f"no checkpoint {name!r} of job {src_job}; save_state names them")
         path, version = found
-        req = m.LearnerLoad(a.adapter_key, self._stored(path, version), row.kind == JobKind.FULL_RL, msg.optimizer)
+        req = wm.LearnerLoad(a.adapter_key, self._stored(path, version), row.kind == JobKind.FULL_RL, msg.optimizer)
         with self.admission.admit(row.tenant, "train"), self.broker.slicers[learner].turn(row.job_id, row.priority):
             out: r.WorkerVersion = self.broker.call(
                 learner, "sched.w.load", req, prepare=self._prepare(row, a), retry=False
@@ -398,7 +399,7 @@ class SchedulerService:
             if row.kind != JobKind.FULL_RL:
                 # Its own export path: the loaded weights are not the ones this version had before.
                 loaded = name if src_job == row.job_id else f"{src_job}.{name}"[:128]
-                req_export = m.LearnerExport(a.adapter_key, out.version, loaded_from=loaded)
+                req_export = wm.LearnerExport(a.adapter_key, out.version, loaded_from=loaded)
                 export = self.broker.call(learner, "sched.w.export", req_export, retry=False).weights
             self.store.record_version(a.adapter_key, out.version, path, export)
         self._fb_ids[a.adapter_key] = set()  # loading replaced the adapter's state, gradient included
@@ -426,7 +427,7 @@ class SchedulerService:
             check_name("sampler name", f"sampler-{msg.name}")
         if not a.export_dir:  # version 0 was never stepped: export the fresh weights once
             full = row.kind == JobKind.FULL_RL  # full: the export is a checkpoint, kept with them
-            req = m.LearnerExport(a.adapter_key, a.version, full)
+            req = wm.LearnerExport(a.adapter_key, a.version, full)
             with self.broker.slicers[learner].turn(row.job_id, row.priority):
                 out: r.ExportedWeights = self.broker.call(learner, "sched.w.export", req, prepare=self._prepare(row, a))
             self.store.set_export(a.adapter_key, a.version, out.weights)
@@ -456,7 +457,7 @@ class SchedulerService:
         data = np.fromfile(weights, dtype=np.uint8)
         return r.ExportWeightsReply(version, self.config.model, config.read_text(), data)
 
-    def _resolve(self, tenant: str, path: str) -> tuple[str, int, m.WeightsRef | None, bool]:
+    def _resolve(self, tenant: str, path: str) -> tuple[str, int, wm.WeightsRef | None, bool]:
         """(adapter key, version, its export, full parameters?) of a tenant's model path;
         ('', 0, None, False) for the base model."""
         if not path:
@@ -477,7 +478,7 @@ class SchedulerService:
         self._sampling_job(tenant, msg)
         with self.admission.admit(tenant, "sample"):
             engine = self.jobs.route(key or None, msg.base_model)
-            req = m.EngineSample(
+            req = wm.EngineSample(
                 key, version, export, msg.prompt_token_ids, msg.num_samples, msg.params, tenant, full=full
             )
             out: r.SampleReply = self.broker.call(engine, "sched.w.sample", req)
@@ -489,7 +490,7 @@ class SchedulerService:
         self._sampling_job(tenant, msg)
         with self.admission.admit(tenant, "sample"):
             engine = self.jobs.route(key or None, msg.base_model)
-            req = m.EngineLogprobs(key, version, export, msg.sequences, full=full)
+            req = wm.EngineLogprobs(key, version, export, msg.sequences, full=full)
             out: r.LogprobsReply = self.broker.call(engine, "sched.w.logprobs", req)
         return out
 

@@ -1,0 +1,277 @@
+"""Typed messages between the scheduler and its workers: one frozen dataclass per request kind.
+
+Worker -> scheduler: ``Register``; the launcher's ``WorkersQuery``; ``ActorsReport`` of
+``ActorState`` (the local runtime's supervisor -> scheduler). Scheduler -> workers:
+``EnsureAdapter``, ``LearnerForwardBackward``, ``LearnerForward``, ``LearnerStep``, ``LearnerSave``,
+``LearnerLoad``, ``LearnerExport``, ``EngineSample``, ``EngineLogprobs``, ``WorkerStats``.
+
+``WeightsRef`` names a stored version's weights by ids: no message to a worker names a filesystem
+path; each worker makes the path under its own state root (see ``layout``). The nested training
+and sampling values (``DatumMsg``, ``SamplingMsg``) and the checks are shared with the client
+requests in ``messages``. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from polytinker.scheduler.service.layout import KINDS, check_adapter_key, check_name, relative_path
+from polytinker.scheduler.service.messages import (
+    DatumMsg,
+    SamplingMsg,
+    need,
+)
+from polytinker.transport.messages import message
+
+
+@message("sched.w.register")
+@dataclass(frozen=True)
+class Register:
+    proof: str  # worker_auth.register_proof of the fields below: made with the worker token, not the token
+    worker_id: str
+    role: str  # "engine" or "learner"
+    address: str  # where the worker serves the scheduler's requests
+    incarnation: str  # new at every process start: a change means its memory is empty again
+    base_model: str
+    curve_public_key: str  # the Curve key the worker serves with (every worker serves with Curve)
+
+    def __post_init__(self) -> None:
+        need(self.role in ("engine", "learner"), f"role must be 'engine' or 'learner', got {self.role!r}")
+        need(len(self.curve_public_key) == 40, "curve_public_key must be the worker's 40-character Z85 key")
+
+
+@message("sched.w.workers")
+@dataclass(frozen=True)
+class WorkersQuery:
+    """The registered workers, for the launcher (authenticated by a credential derived from the
+    worker token, ``worker_auth.launcher_credential``: the token itself never goes on the wire)."""
+
+    credential: str
+
+
+@message("sched.actor_state")
+@dataclass(frozen=True)
+class ActorState:
+    """One actor of a local runtime as its supervisor sees it (a row of ``polytinker status``)."""
+
+    name: str
+    alive: bool
+    pid: int  # of the running incarnation; 0 while down
+    restarts: int
+    gave_up: bool  # the restart limit was hit: it stays down and the runtime stops
+    last_exit_code: int | None  # negative for a signal (-9: SIGKILL); None before any exit
+    last_exit_time: float  # Unix time the supervisor saw its last exit; 0.0 before any
+    last_error: str  # the last line of its last traceback; '' for none
+
+
+@message("sched.w.actors")
+@dataclass(frozen=True)
+class ActorsReport:
+    """The launcher -> scheduler: every supervised actor's state, sent at each exit and restart
+    (and every few seconds). A worker's exit fails the calls in flight to it at once."""
+
+    credential: str  # worker_auth.launcher_credential(worker token)
+    actors: tuple[ActorState, ...]
+
+
+@message("sched.w.weights")
+@dataclass(frozen=True)
+class WeightsRef:
+    """A stored version's weights by ids: ``adapter`` (the key TENANT/JOB/AGENT), ``version``,
+    ``kind`` ("checkpoint": learner state; "export": the peft directory engines load) and ``name``
+    (a save_state name; for an export, the checkpoint it was loaded from). A worker reads and
+    writes ``relative_path`` under its own state root, never a path a message names."""
+
+    adapter: str
+    version: int
+    kind: str = "checkpoint"
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        check_adapter_key(self.adapter)
+        need(isinstance(self.version, int) and self.version >= 0, "a weights version must be an int >= 0")
+        need(self.kind in KINDS, f"weights kind must be one of {KINDS}, got {self.kind!r}")
+        if self.name:
+            check_name("weights name", self.name)
+
+    @property
+    def relative_path(self) -> str:
+        return relative_path(self.adapter, self.version, self.kind, self.name)
+
+
+def _adapter_ok(adapter: str, base_allowed: bool = False) -> None:
+    if not (base_allowed and adapter == ""):
+        check_adapter_key(adapter)
+
+
+@message("sched.w.ensure")
+@dataclass(frozen=True)
+class EnsureAdapter:
+    """Have ``adapter`` resident on the learner at ``version``: from ``checkpoint`` when given,
+    else freshly initialised (version 0). ``full``: a full-parameter slot instead of LoRA."""
+
+    adapter: str
+    version: int
+    checkpoint: WeightsRef | None = None
+    rank: int = 16
+    alpha: int = 32
+    target_modules: tuple[str, ...] = ()
+    seed: int = 0
+    full: bool = False
+
+    def __post_init__(self) -> None:
+        _adapter_ok(self.adapter)
+        need(self.checkpoint is None or isinstance(self.checkpoint, WeightsRef), "checkpoint must be a WeightsRef")
+
+
+@message("sched.w.fb")
+@dataclass(frozen=True)
+class LearnerForwardBackward:
+    adapter: str
+    data: tuple[DatumMsg, ...]
+    loss_fn: str
+    loss_fn_config: dict[str, float] | None = None
+    full: bool = False
+    request_id: str = ""  # with ``adapter``, the idempotency key: a duplicate answers the first result
+    from_version: int = -1  # the adapter version the gradient is taken at (the step it belongs to)
+    attempt: int = 0  # resends so far, by the client and the scheduler together
+
+    def __post_init__(self) -> None:
+        _adapter_ok(self.adapter)
+
+
+@message("sched.w.forward")
+@dataclass(frozen=True)
+class LearnerForward:
+    adapter: str
+    data: tuple[DatumMsg, ...]
+    full: bool = False
+
+    def __post_init__(self) -> None:
+        _adapter_ok(self.adapter)
+
+
+@message("sched.w.step")
+@dataclass(frozen=True)
+class LearnerStep:
+    """Step, then write the new version's checkpoint (and, with ``export``, what engines load: for
+    LoRA its peft export, for full parameters the checkpoint itself) before answering; the paths
+    are the learner's own (``WeightsRef`` of ``adapter`` and the new version)."""
+
+    adapter: str
+    learning_rate: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    export: bool = True
+    full: bool = False
+    request_id: str = ""  # with ``adapter``, the idempotency key: a duplicate answers the first result
+    from_version: int = -1  # the version this step starts from: it makes from_version + 1
+    attempt: int = 0  # resends so far, by the client and the scheduler together
+    expected_fb: int = -1  # forward_backward calls the scheduler saw answered for this step (-1: unknown)
+    grad_clip_norm: float = 0.0  # 0: no clip
+
+    def __post_init__(self) -> None:
+        _adapter_ok(self.adapter)
+
+
+@message("sched.w.save")
+@dataclass(frozen=True)
+class LearnerSave:
+    """Checkpoint the adapter as ``name`` (``WeightsRef(adapter, version, "checkpoint", name)``)."""
+
+    adapter: str
+    name: str
+    full: bool = False
+
+    def __post_init__(self) -> None:
+        _adapter_ok(self.adapter)
+        check_name("checkpoint name", self.name)
+
+
+@message("sched.w.load")
+@dataclass(frozen=True)
+class LearnerLoad:
+    """Load ``checkpoint`` (one of the same tenant's, the scheduler checked) into the adapter."""
+
+    adapter: str
+    checkpoint: WeightsRef
+    full: bool = False
+    optimizer: bool = True  # False: the weights only, the optimizer starts afresh
+
+    def __post_init__(self) -> None:
+        _adapter_ok(self.adapter)
+        need(isinstance(self.checkpoint, WeightsRef), "checkpoint must be a WeightsRef")
+
+
+@message("sched.w.export")
+@dataclass(frozen=True)
+class LearnerExport:
+    """Write what engines load of the adapter at its resident ``version`` (LoRA: the peft export,
+    ``WeightsRef(adapter, version, "export", loaded_from)``; ``full``: the weights as the checkpoint
+    ``WeightsRef(adapter, version)``). A version other than the resident one is refused."""
+
+    adapter: str
+    version: int
+    full: bool = False
+    loaded_from: str = ""  # the checkpoint name load_state just loaded: its export gets a path of its own
+
+    def __post_init__(self) -> None:
+        _adapter_ok(self.adapter)
+        if self.loaded_from:
+            check_name("checkpoint name", self.loaded_from)
+
+
+@message("sched.w.sample")
+@dataclass(frozen=True)
+class EngineSample:
+    adapter: str  # "" for the base model
+    version: int
+    weights: WeightsRef | None  # what the engine loads the version from if it is not resident
+    prompt_token_ids: tuple[int, ...]
+    num_samples: int
+    params: SamplingMsg
+    tag: str = ""  # the tenant, for the engine's mixed-batch statistics only
+    full: bool = False  # a full-parameter job's version: weights is its checkpoint
+
+    def __post_init__(self) -> None:
+        _adapter_ok(self.adapter, base_allowed=True)
+
+
+@message("sched.w.logprobs")
+@dataclass(frozen=True)
+class EngineLogprobs:
+    adapter: str
+    version: int
+    weights: WeightsRef | None
+    sequences: tuple[tuple[int, ...], ...]
+    full: bool = False
+
+    def __post_init__(self) -> None:
+        _adapter_ok(self.adapter, base_allowed=True)
+
+
+@message("sched.w.stats")
+@dataclass(frozen=True)
+class WorkerStats:
+    pass
+
+
+__all__ = [
+    "ActorState",
+    "ActorsReport",
+    "EngineLogprobs",
+    "EngineSample",
+    "EnsureAdapter",
+    "LearnerExport",
+    "LearnerForward",
+    "LearnerForwardBackward",
+    "LearnerLoad",
+    "LearnerSave",
+    "LearnerStep",
+    "Register",
+    "WeightsRef",
+    "WorkerStats",
+    "WorkersQuery",
+]
