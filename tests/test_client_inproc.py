@@ -6,11 +6,13 @@ one must start no process and create no ZeroMQ socket."""
 
 from __future__ import annotations
 
+import os
 import random
 from typing import Any
 
 import psutil
 import pytest
+import torch
 import zmq
 
 from polytinker.client import ServiceClient
@@ -83,12 +85,19 @@ def test_inproc_gives_the_real_runtimes_results_without_processes_or_sockets(
         return real_socket(self, *args, **kw)
 
     monkeypatch.setattr(zmq.Context, "socket", counted)
-    with ServiceClient(inproc=True, runtime_config=config()) as service:
-        inproc = experiment(service)
-        assert {p.pid for p in me.children(recursive=True)} == children_before
-        listening = {c.laddr for c in me.net_connections("all") if c.status == psutil.CONN_LISTEN}
-        assert listening == listening_before
-        assert service.runtime_status()["actors"] == []  # nothing supervised: no process to supervise
+    # Float sums depend on torch's thread count: run with the count a worker process sets
+    # (scheduler/service/workers.py), whatever an earlier test in this process left.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    try:
+        with ServiceClient(inproc=True, runtime_config=config()) as service:
+            inproc = experiment(service)
+            assert {p.pid for p in me.children(recursive=True)} == children_before
+            listening = {c.laddr for c in me.net_connections("all") if c.status == psutil.CONN_LISTEN}
+            assert listening == listening_before
+            assert service.runtime_status()["actors"] == []  # nothing supervised: no process to supervise
+    finally:
+        torch.set_num_threads(threads)
     assert sockets == []
     monkeypatch.undo()
 
