@@ -275,7 +275,7 @@ def test_pruning_deletes_only_this_adapters_old_step_files_under_the_root(tmp_pa
         svc.store.record_version(key, 2, made[3], str(outside))
         svc.store.record_version(key, 3, made[4], made[5])
         svc.store.add_checkpoint("job-1", "best", made[2], 1)
-        svc._prune(a, 3)  # keeps version 3 alone
+        svc.weights.prune(a, 3)  # keeps version 3 alone
         assert [rel for rel in made if (svc.root / rel).exists()] == made[2:]
         assert outside.exists()
     finally:

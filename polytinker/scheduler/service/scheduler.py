@@ -20,8 +20,7 @@ gradient is applied once, and a completed step is recorded, not lost or taken tw
 
 Paths: a tenant names its weights by name (``save_state``'s name, or the ``polytinker-ckpt://JOB/NAME``
 it returned) or by model path (``polytinker://JOB/AGENT@VERSION``), never by a filesystem path, and
-only its own jobs' resolve. What the database keeps for a version is its path relative to the
-state root (``layout``); the workers are sent ids (``WeightsRef``) and make the paths themselves.
+only its own jobs' resolve (``WeightsCatalog``, in ``weights.py``).
 """
 
 from __future__ import annotations
@@ -29,20 +28,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import threading
 import uuid
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 from polytinker.actors import Actor
 from polytinker.errors import (
-    AuthError,
     ConfigError,
     GradientLost,
     JobNotRunning,
-    NotBuiltError,
     OverloadedError,
     RemoteError,
 )
@@ -53,10 +48,11 @@ from polytinker.scheduler.service import worker_messages as wm
 from polytinker.scheduler.service.broker import Broker, WorkerHandle
 from polytinker.scheduler.service.config import RuntimeConfig
 from polytinker.scheduler.service.jobs import FINAL_STATES, LIVE_STATES, JobManager, adapter_key
-from polytinker.scheduler.service.layout import check_name, parse_relative, under
+from polytinker.scheduler.service.layout import check_name
 from polytinker.scheduler.service.load import Admission
 from polytinker.scheduler.service.state import AdapterRow, JobRow, StateStore
 from polytinker.scheduler.service.tenants import Tenants
+from polytinker.scheduler.service.weights import WeightsCatalog
 from polytinker.scheduler.types import JobKind, JobState
 from polytinker.transport import RpcServer, ServerCurve, TransportConfig
 from polytinker.transport.server import peer_user_id
@@ -83,6 +79,7 @@ class SchedulerService:
             self.tenants.add(t)
         self.broker = Broker(config, token)
         self.jobs = JobManager(config, self.store, self.tenants.weights())
+        self.weights = WeightsCatalog(self.root, self.store, self.jobs, config.keep_checkpoints)
         # forward_backward request ids answered since each adapter's last step: optim_step tells the
         # learner how many it must hold, so a learner restarted between a step's calls refuses the
         # step (GradientLost) instead of stepping on part of its gradient. No entry (this process
@@ -267,7 +264,7 @@ class SchedulerService:
             msg = wm.EnsureAdapter(
                 current.adapter_key,
                 current.version,
-                self._stored(current.checkpoint, current.version) if current.checkpoint else None,
+                self.weights.stored(current.checkpoint, current.version) if current.checkpoint else None,
                 lora["rank"],
                 lora["alpha"],
                 tuple(lora["target_modules"]),
@@ -305,14 +302,6 @@ class SchedulerService:
         with self.admission.admit(row.tenant, "train"), self.broker.slicers[learner].turn(row.job_id, row.priority):
             out: r.ForwardReply = self.broker.call(learner, "sched.w.forward", req, prepare=self._prepare(row, a))
         return out
-
-    def _stored(self, text: str, version: int) -> wm.WeightsRef:
-        """The ``WeightsRef`` of a checkpoint or export path this scheduler stored."""
-        if os.path.isabs(text):  # a database written when absolute paths were kept
-            with contextlib.suppress(ValueError):
-                text = Path(text).relative_to(self.root).as_posix()
-        adapter, kind, stored_version, name = parse_relative(text)
-        return wm.WeightsRef(adapter, version if stored_version is None else stored_version, kind, name)
 
     def optim_step(self, msg: m.OptimStep) -> r.OptimStepReply:
         row, a, learner = self._training(msg.api_key, msg.job_id)
@@ -354,23 +343,9 @@ class SchedulerService:
             export = ckpt if full else wm.WeightsRef(a.adapter_key, out.version, "export")
             self.store.record_version(a.adapter_key, out.version, ckpt.relative_path, export.relative_path)
             self._fb_ids[a.adapter_key] = set()
-        self._prune(a, out.version)
+        self.weights.prune(a, out.version)
         self.jobs.step_boundary(row.job_id, out.version)
         return r.OptimStepReply(out.version, out.metrics)
-
-    def _prune(self, a: AdapterRow, version: int) -> None:
-        """Delete the per-step checkpoints and exports older than the last ``keep_checkpoints``;
-        named ones (save_state, save_weights_for_sampler with a name) and other jobs' files stay."""
-        named = {c["path"] for c in self.store.checkpoints(a.job_id)}
-        for ckpt, export in self.store.drop_versions_below(a.adapter_key, version - self.config.keep_checkpoints + 1):
-            for p in (ckpt, export):
-                try:
-                    ref = self._stored(p, 0)
-                except ConfigError:  # "" (never exported), or nothing this runtime made
-                    continue
-                named_checkpoint = ref.kind == "checkpoint" and bool(ref.name)  # save_state's: kept
-                if ref.adapter == a.adapter_key and not named_checkpoint and p not in named:
-                    shutil.rmtree(under(self.root, ref.relative_path), ignore_errors=True)
 
     def save_state(self, msg: m.SaveState) -> r.SaveStateReply:
         row, a, learner = self._training(msg.api_key, msg.job_id)
@@ -384,12 +359,14 @@ class SchedulerService:
 
     def load_state(self, msg: m.LoadState) -> r.LoadStateReply:
         row, a, learner = self._training(msg.api_key, msg.job_id)
-        src_job, name = self._checkpoint_name(row, msg.path)
+        src_job, name = self.weights.checkpoint_name(row, msg.path)
         found = self.store.checkpoint(src_job, name)
         if found is None:
             raise ConfigError(f"no checkpoint {name!r} of job {src_job}; save_state names them")
         path, version = found
-        req = wm.LearnerLoad(a.adapter_key, self._stored(path, version), row.kind == JobKind.FULL_RL, msg.optimizer)
+        req = wm.LearnerLoad(
+            a.adapter_key, self.weights.stored(path, version), row.kind == JobKind.FULL_RL, msg.optimizer
+        )
         with self.admission.admit(row.tenant, "train"), self.broker.slicers[learner].turn(row.job_id, row.priority):
             out: r.WorkerVersion = self.broker.call(
                 learner, "sched.w.load", req, prepare=self._prepare(row, a), retry=False
@@ -404,21 +381,6 @@ class SchedulerService:
             self.store.record_version(a.adapter_key, out.version, path, export)
         self._fb_ids[a.adapter_key] = set()  # loading replaced the adapter's state, gradient included
         return r.LoadStateReply(out.version)
-
-    def _checkpoint_name(self, row: JobRow, path: str) -> tuple[str, str]:
-        """(job, name) of what load_state names: a name of this job's, or ``polytinker-ckpt://JOB/NAME``
-        of one of the tenant's jobs; never a filesystem path."""
-        job_id, name = row.job_id, path
-        if path.startswith(CKPT_PREFIX):
-            job_id, _, name = path.removeprefix(CKPT_PREFIX).partition("/")
-            self.jobs.get(row.tenant, job_id)  # only the tenant's own jobs' checkpoints (AuthError)
-        try:
-            return job_id, check_name("checkpoint name", name)
-        except ConfigError:
-            raise ConfigError(
-                f"load_state({path!r}): pass a name given to save_state, or the {CKPT_PREFIX}JOB/NAME path it"
-                " returned (never a filesystem path)"
-            ) from None
 
     # --- sampling --------------------------------------------------------------------------------
     def save_weights(self, msg: m.SaveWeights) -> r.SaveWeightsReply:
@@ -441,40 +403,12 @@ class SchedulerService:
     def export_weights(self, msg: m.ExportWeights) -> r.ExportWeightsReply:
         """A saved LoRA version's peft files (``adapter_config.json`` as text, the weights as one
         uint8 array, which travels as a raw frame), read from this scheduler's state root."""
-        import numpy as np
-
-        tenant = self._tenant(msg.api_key)
-        _, version, export, full = self._resolve(tenant, msg.model_path)
-        if full:
-            raise NotBuiltError("exporting a full-parameter version is not built (LoRA versions export)")
-        assert export is not None
-        where = under(self.root, export.relative_path)
-        config, weights = where / "adapter_config.json", where / "adapter_model.safetensors"
-        if not (config.is_file() and weights.is_file()):
-            raise ConfigError(
-                f"the files of {msg.model_path} are not on the scheduler's machine (its learner keeps them elsewhere)"
-            )
-        data = np.fromfile(weights, dtype=np.uint8)
-        return r.ExportWeightsReply(version, self.config.model, config.read_text(), data)
-
-    def _resolve(self, tenant: str, path: str) -> tuple[str, int, wm.WeightsRef | None, bool]:
-        """(adapter key, version, its export, full parameters?) of a tenant's model path;
-        ('', 0, None, False) for the base model."""
-        if not path:
-            return "", 0, None, False
-        parsed = ModelPath.parse(path)
-        job_id, agent, version = parsed.job_id, parsed.agent, parsed.version
-        key = adapter_key(tenant, job_id, agent)  # another tenant's path resolves to nothing here
-        a = self.store.adapter(key)
-        found = self.store.version_row(key, version) if a is not None else None
-        if found is None or not found[1]:
-            raise AuthError(f"no saved weights {path!r} for this tenant (save_weights_for_sampler makes them)")
-        job = self.store.job(job_id)
-        return key, version, self._stored(found[1], version), job is not None and job.kind == JobKind.FULL_RL
+        version, config, weights = self.weights.peft_files(self._tenant(msg.api_key), msg.model_path)
+        return r.ExportWeightsReply(version, self.config.model, config, weights)
 
     def sample(self, msg: m.Sample) -> r.SampleReply:
         tenant = self._tenant(msg.api_key)
-        key, version, export, full = self._resolve(tenant, msg.model_path)
+        key, version, export, full = self.weights.resolve(tenant, msg.model_path)
         self._sampling_job(tenant, msg)
         with self.admission.admit(tenant, "sample"):
             engine = self.jobs.route(key or None, msg.base_model)
@@ -486,7 +420,7 @@ class SchedulerService:
 
     def compute_logprobs(self, msg: m.ComputeLogprobs) -> r.LogprobsReply:
         tenant = self._tenant(msg.api_key)
-        key, version, export, full = self._resolve(tenant, msg.model_path)
+        key, version, export, full = self.weights.resolve(tenant, msg.model_path)
         self._sampling_job(tenant, msg)
         with self.admission.admit(tenant, "sample"):
             engine = self.jobs.route(key or None, msg.base_model)
@@ -498,7 +432,7 @@ class SchedulerService:
         """The job a sampling call belongs to, which the call counts as activity of. A base-model
         call names its inference job, which the policy admits and gates: queued or paused, the
         call is answered "waiting" (paused for idleness, the call resumes it). A model path names
-        its training job (``_resolve`` checked it is the tenant's)."""
+        its training job (``WeightsCatalog.resolve`` checked it is the tenant's)."""
         if msg.model_path:
             self.jobs.touch(ModelPath.parse(msg.model_path).job_id)
             return

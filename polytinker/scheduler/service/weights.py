@@ -1,0 +1,104 @@
+"""What a tenant's names for weights resolve to, and which stored weights are kept.
+
+A tenant names weights by a checkpoint name (``save_state``'s, or the ``polytinker-ckpt://JOB/NAME``
+it returned) or by model path (``polytinker://JOB/AGENT@VERSION``), never by a filesystem path, and
+only its own jobs' resolve. The database keeps each version's checkpoint and export as a path
+relative to the state root (``layout``); the workers are sent ids (``WeightsRef``) and make the
+paths themselves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from polytinker.errors import AuthError, ConfigError, NotBuiltError
+from polytinker.model_path import CKPT_PREFIX, ModelPath
+from polytinker.scheduler.service.jobs import JobManager, adapter_key
+from polytinker.scheduler.service.layout import check_name, parse_relative, under
+from polytinker.scheduler.service.state import AdapterRow, JobRow, StateStore
+from polytinker.scheduler.service.worker_messages import WeightsRef
+from polytinker.scheduler.types import JobKind
+
+
+class WeightsCatalog:
+    """Resolves a tenant's checkpoint names and model paths to stored weights under ``root``."""
+
+    def __init__(self, root: Path, store: StateStore, jobs: JobManager, keep_checkpoints: int) -> None:
+        self.root, self.store, self.jobs = root, store, jobs
+        self.keep_checkpoints = keep_checkpoints
+
+    def stored(self, text: str, version: int) -> WeightsRef:
+        """The ``WeightsRef`` of a checkpoint or export path this scheduler stored."""
+        if os.path.isabs(text):  # a database written when absolute paths were kept
+            with contextlib.suppress(ValueError):
+                text = Path(text).relative_to(self.root).as_posix()
+        adapter, kind, stored_version, name = parse_relative(text)
+        return WeightsRef(adapter, version if stored_version is None else stored_version, kind, name)
+
+    def prune(self, a: AdapterRow, version: int) -> None:
+        """Delete the per-step checkpoints and exports older than the last ``keep_checkpoints``;
+        named ones (save_state, save_weights_for_sampler with a name) and other jobs' files stay."""
+        named = {c["path"] for c in self.store.checkpoints(a.job_id)}
+        for ckpt, export in self.store.drop_versions_below(a.adapter_key, version - self.keep_checkpoints + 1):
+            for p in (ckpt, export):
+                try:
+                    ref = self.stored(p, 0)
+                except ConfigError:  # "" (never exported), or nothing this runtime made
+                    continue
+                named_checkpoint = ref.kind == "checkpoint" and bool(ref.name)  # save_state's: kept
+                if ref.adapter == a.adapter_key and not named_checkpoint and p not in named:
+                    shutil.rmtree(under(self.root, ref.relative_path), ignore_errors=True)
+
+    def checkpoint_name(self, row: JobRow, path: str) -> tuple[str, str]:
+        """(job, name) of what load_state names: a name of this job's, or ``polytinker-ckpt://JOB/NAME``
+        of one of the tenant's jobs; never a filesystem path."""
+        job_id, name = row.job_id, path
+        if path.startswith(CKPT_PREFIX):
+            job_id, _, name = path.removeprefix(CKPT_PREFIX).partition("/")
+            self.jobs.get(row.tenant, job_id)  # only the tenant's own jobs' checkpoints (AuthError)
+        try:
+            return job_id, check_name("checkpoint name", name)
+        except ConfigError:
+            raise ConfigError(
+                f"load_state({path!r}): pass a name given to save_state, or the {CKPT_PREFIX}JOB/NAME path it"
+                " returned (never a filesystem path)"
+            ) from None
+
+    def resolve(self, tenant: str, path: str) -> tuple[str, int, WeightsRef | None, bool]:
+        """(adapter key, version, its export, full parameters?) of a tenant's model path;
+        ('', 0, None, False) for the base model."""
+        if not path:
+            return "", 0, None, False
+        parsed = ModelPath.parse(path)
+        job_id, agent, version = parsed.job_id, parsed.agent, parsed.version
+        key = adapter_key(tenant, job_id, agent)  # another tenant's path resolves to nothing here
+        a = self.store.adapter(key)
+        found = self.store.version_row(key, version) if a is not None else None
+        if found is None or not found[1]:
+            raise AuthError(f"no saved weights {path!r} for this tenant (save_weights_for_sampler makes them)")
+        job = self.store.job(job_id)
+        return key, version, self.stored(found[1], version), job is not None and job.kind == JobKind.FULL_RL
+
+    def peft_files(self, tenant: str, model_path: str) -> tuple[int, str, Any]:
+        """(version, ``adapter_config.json`` as text, the weights file as one uint8 array) of a
+        tenant's saved LoRA version, read from the state root."""
+        import numpy as np
+
+        _, version, export, full = self.resolve(tenant, model_path)
+        if full:
+            raise NotBuiltError("exporting a full-parameter version is not built (LoRA versions export)")
+        assert export is not None
+        where = under(self.root, export.relative_path)
+        config, weights = where / "adapter_config.json", where / "adapter_model.safetensors"
+        if not (config.is_file() and weights.is_file()):
+            raise ConfigError(
+                f"the files of {model_path} are not on the scheduler's machine (its learner keeps them elsewhere)"
+            )
+        return version, config.read_text(), np.fromfile(weights, dtype=np.uint8)
+
+
+__all__ = ["WeightsCatalog"]
