@@ -7,17 +7,17 @@ one must start no process and create no ZeroMQ socket."""
 from __future__ import annotations
 
 import os
-import random
 from typing import Any
 
 import psutil
 import pytest
 import torch
 import zmq
+from fixtures.client import data
 
 from polytinker.client import ServiceClient
 from polytinker.engine.learner.config import AdamParams
-from polytinker.engine.types import Datum, SamplingParams
+from polytinker.engine.types import SamplingParams
 from polytinker.errors import ConfigError, PolytinkerError, RemoteError
 from polytinker.scheduler.service import InprocRuntime, LearnerWorkerConfig, RuntimeConfig
 from polytinker.scheduler.service.config import HttpConfig
@@ -29,27 +29,18 @@ SAMPLING = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True, seed=5
 pytestmark = pytest.mark.timeout(600)  # the real runtime starts three processes: a minute on a busy machine
 
 
-def batch(seed: int, n: int = 4, length: int = 12) -> list[Datum]:
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        tokens = [rng.randrange(1, 4000) for _ in range(length + 1)]
-        out.append(Datum(tokens[:-1], tokens[1:], [0.0] * 3 + [1.0] * (length - 3)))
-    return out
-
-
 def experiment(service: ServiceClient) -> dict[str, Any]:
     """A seeded sequence of client calls; what it observed."""
     trainer = service.create_lora_training_client(MODEL, rank=4, seed=11, agent="same")
     seen: dict[str, Any] = {"losses": [], "fb_logprobs": []}
     for step in range(2):
-        fb = trainer.forward_backward(batch(step), "cross_entropy").result()
+        fb = trainer.forward_backward(data(step), "cross_entropy").result()
         seen["losses"].append(fb.loss)
         seen["fb_logprobs"].append([list(lp) for lp in fb.logprobs])
         seen[f"version_{step}"] = trainer.optim_step(ADAM).result().version
     seen["checkpoint"] = trainer.save_state("after-two").result().rsplit("/", 1)[-1]
     sampler = trainer.save_weights_and_get_sampling_client("v2")
-    prompt = batch(9)[0].input_tokens[:5]
+    prompt = data(9)[0].input_tokens[:5]
     out = sampler.sample(prompt, num_samples=2, sampling_params=SAMPLING).result()
     seen["tokens"] = [list(s.tokens) for s in out.sequences]
     seen["sample_logprobs"] = [list(s.logprobs) for s in out.sequences]

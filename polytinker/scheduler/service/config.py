@@ -311,6 +311,13 @@ class RuntimeConfig:
             raise ConfigError("RuntimeConfig.state_dir is empty; the runtime fills it in at start")
         return Path(self.state_dir).expanduser()
 
+    def api_key(self) -> str:
+        """The API key of the first tenant that has one (the generated ``local`` tenant unless configured)."""
+        for tenant in self.tenants:
+            if not tenant.curve_public_key:
+                return tenant.key()
+        raise ConfigError("every tenant authenticates by Curve key: the runtime has no API key to offer")
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -70,10 +70,7 @@ class InprocRuntime:
     @property
     def api_key(self) -> str:
         """The API key of the first tenant that has one (the generated ``local`` tenant unless configured)."""
-        for tenant in self.config.tenants:
-            if not tenant.curve_public_key:
-                return tenant.key()
-        raise ConfigError("every tenant authenticates by Curve key: the runtime has no API key to offer")
+        return self.config.api_key()
 
     def client(self) -> Link:
         """The scheduler's handlers as a client calls them (a ``Connection``'s ``rpc``)."""
