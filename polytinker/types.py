@@ -34,6 +34,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 from polytinker.engine.learner.config import AdamParams
+from polytinker.engine.types import LossFnName
 from polytinker.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
     import torch
 
 TensorDtype: TypeAlias = Literal["int64", "float32"]
-LossFnType: TypeAlias = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
+LossFnType: TypeAlias = LossFnName  # Tinker's name for polytinker.engine.types.LossFnName
 StopReason: TypeAlias = Literal["length", "stop"]
 
 MAX_SEED = 1 << 63  # seeds are ints in [0, MAX_SEED): what every engine's generator takes

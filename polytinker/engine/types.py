@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from polytinker.errors import ConfigError
 
@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # only a type here: client processes that import these messag
 
 AdapterName = str
 LossFnName = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
+LOSS_FNS: tuple[str, ...] = get_args(LossFnName)  # the same names, to check a value against
 
 DEFAULT_TARGET_MODULES: tuple[str, ...] = (
     "q_proj",
@@ -173,6 +174,7 @@ class Datum:
 
 __all__ = [
     "DEFAULT_TARGET_MODULES",
+    "LOSS_FNS",
     "AdapterName",
     "AdapterRef",
     "AdapterWeights",

@@ -29,10 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from polytinker.engine.learner.config import LossConfig
-from polytinker.engine.types import Datum, LossFnName
+from polytinker.engine.types import LOSS_FNS, Datum, LossFnName
 from polytinker.errors import ConfigError
-
-LOSS_FNS: tuple[str, ...] = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
 
 
 @dataclass

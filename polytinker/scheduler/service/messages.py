@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from polytinker.engine.types import LOSS_FNS
 from polytinker.errors import ConfigError
 from polytinker.model_path import MODEL_PREFIX
 from polytinker.scheduler.service.layout import check_name
@@ -27,7 +28,6 @@ from polytinker.transport.messages import message
 JOB_KINDS = tuple(str(k) for k in JobKind)  # ("lora_rl", "full_rl", "sft", "inference")
 _RL_KINDS = (JobKind.LORA_RL, JobKind.FULL_RL)  # they sample and train
 JOB_ACTIONS = ("cancel", "pause", "resume", "finish")
-LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
 MAX_DATA = 100_000  # datums in one call
 MAX_PROMPTS = 4096
 
