@@ -160,8 +160,8 @@ def _sample_msg(adapter: str, weights: wm.WeightsRef | None, version: int = 0) -
 def _same_reply(reply: SampleReply, result: SampleResult) -> bool:
     """An engine worker's reply holds ``result``'s tokens and (up to float noise) logprobs."""
     got = reply.sequences
-    return [s["tokens"] for s in got] == [list(s.token_ids) for s in result.sequences] and all(
-        r["logprobs"] == pytest.approx(s.logprobs, abs=1e-4) for r, s in zip(got, result.sequences, strict=True)
+    return [s.tokens for s in got] == [list(s.token_ids) for s in result.sequences] and all(
+        r.logprobs == pytest.approx(s.logprobs, abs=1e-4) for r, s in zip(got, result.sequences, strict=True)
     )
 
 
@@ -189,7 +189,7 @@ def test_engine_worker_samples_in_a_child_process(backend: HFBackend, tmp_path: 
             "two concurrent requests should share one batch"
         )
         assert stats["mixed_adapter_batches"] == 1 and stats["resident"] == [f"{REMOTE}@0"]
-        sequence = (*PROMPT, *got[0].sequences[0]["tokens"])
+        sequence = (*PROMPT, *got[0].sequences[0].tokens)
         remote = engine.call("sched.w.logprobs", wm.EngineLogprobs(REMOTE, 0, stored, (sequence,))).logprobs[0]
         assert remote == pytest.approx(backend.compute_logprobs([list(sequence)], weights.ref)[0], abs=1e-4)
         with pytest.raises(RemoteError, match="no stored weights"):
@@ -209,8 +209,8 @@ def test_engine_worker_on_vllm(backend: HFBackend, tmp_path: Path) -> None:
             engine.call_async("sched.w.sample", msg) for msg in (_sample_msg(ON_VLLM, stored), _sample_msg("", None))
         ]
         results = [f.result(timeout=400) for f in futures]
-        assert [len(r.sequences[0]["tokens"]) for r in results] == [GREEDY.max_tokens] * 2
-        assert results[0].sequences[0]["tokens"] != results[1].sequences[0]["tokens"], "the adapter must matter"
-        sequence = (*PROMPT, *results[0].sequences[0]["tokens"])
+        assert [len(r.sequences[0].tokens) for r in results] == [GREEDY.max_tokens] * 2
+        assert results[0].sequences[0].tokens != results[1].sequences[0].tokens, "the adapter must matter"
+        sequence = (*PROMPT, *results[0].sequences[0].tokens)
         logprobs = engine.call("sched.w.logprobs", wm.EngineLogprobs(ON_VLLM, 0, stored, (sequence,))).logprobs
         assert len(logprobs[0]) == len(sequence) - 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from polytinker.client._connection import Connection
 from polytinker.client._convert import prompt_tokens, samples_nothing, sampling_msg
@@ -18,7 +18,7 @@ from polytinker.client._future import APIFuture, ReadyClient, submit
 from polytinker.errors import AuthError, ConfigError, NotBuiltError
 from polytinker.scheduler.service.messages import ComputeLogprobs, Sample
 from polytinker.scheduler.service.replies import LogprobsReply, SampleReply
-from polytinker.types import SampledSequence, SampleResponse, check_seed
+from polytinker.types import SampledSequence, SampleResponse, StopReason, check_seed
 
 R = TypeVar("R", SampleReply, LogprobsReply)
 
@@ -90,8 +90,9 @@ class SamplingClient(ReadyClient):
         if msg is None:
             return SampleResponse([], prompt_logprobs)
         reply = self._request("sched.sample", msg, SampleReply)
+        # An engine that failed mid-batch answers "abort": passed on as it is (Tinker names two reasons).
         sequences = [
-            SampledSequence(s["stop_reason"], list(s["tokens"]), list(s["logprobs"]), s.get("text", ""))
+            SampledSequence(cast(StopReason, s.stop_reason), list(s.tokens), list(s.logprobs), s.text)
             for s in reply.sequences
         ]
         return SampleResponse(sequences, prompt_logprobs)

@@ -27,7 +27,7 @@ from polytinker.errors import ConfigError
 from polytinker.scheduler.service.config import EngineWorkerConfig
 from polytinker.scheduler.service.layout import under
 from polytinker.scheduler.service.messages import SamplingMsg
-from polytinker.scheduler.service.replies import LogprobsReply, SampleReply
+from polytinker.scheduler.service.replies import LogprobsReply, SampleReply, SequenceReply
 from polytinker.scheduler.service.worker_messages import EngineLogprobs, EngineSample, WeightsRef, WorkerStats
 
 log = logging.getLogger("polytinker.engine.inference.worker")
@@ -132,15 +132,7 @@ class EngineWorker:
                 SampleRequest(prompt_token_ids=tuple(msg.prompt_token_ids), adapter=ref, params=params)
             ).result()
         return SampleReply(
-            [
-                {
-                    "tokens": list(s.token_ids),
-                    "logprobs": list(s.logprobs),
-                    "text": s.text,
-                    "stop_reason": str(s.finish_reason),
-                }
-                for s in result.sequences
-            ]
+            [SequenceReply(list(s.token_ids), list(s.logprobs), str(s.finish_reason), s.text) for s in result.sequences]
         )
 
     def logprobs(self, msg: EngineLogprobs) -> LogprobsReply:

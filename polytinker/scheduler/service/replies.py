@@ -11,7 +11,7 @@ job is queued, preempting or paused: ask again soon).
 Results: ``JobReply`` (``create_job``, ``job_action``), ``JobQueryReply``, ``JobListReply``,
 ``RuntimeStatusReply``, ``ForwardBackwardReply``, ``ForwardReply``, ``OptimStepReply``,
 ``SaveStateReply``, ``LoadStateReply``, ``SaveWeightsReply``, ``ExportWeightsReply``,
-``SampleReply``, ``LogprobsReply``.
+``SampleReply`` (of ``SequenceReply``), ``LogprobsReply``.
 
 Workers answer the scheduler with typed replies too: the learner ``WorkerVersion`` (``sched.w.ensure``,
 ``sched.w.load``), ``ForwardBackwardReply`` (``sched.w.fb``), ``ForwardReply`` (``sched.w.forward``),
@@ -22,7 +22,7 @@ Workers answer the scheduler with typed replies too: the learner ``WorkerVersion
 with ``Registered``, and the local runtime's ``sched.w.workers`` and ``sched.w.actors`` with
 ``WorkersReply`` and ``ActorsNoted``.
 
-A job is the map ``JobRow.public()`` makes; statistics, events and sampled sequences stay maps
+A job is the map ``JobRow.public()`` makes; statistics and events stay maps
 (their keys are listed in docs/scheduler-service.md). ``as_dict()`` gives the map a
 ``ServiceClient`` method answers for the replies it hands to its caller unchanged (``get_job``,
 ``runtime_status``): ``status`` ``"ok"`` and the fields.
@@ -163,10 +163,21 @@ class ExportWeightsReply:
 # --- sampling ----------------------------------------------------------------------------------
 
 
+@message("sched.r.sequence")
+@dataclass(frozen=True)
+class SequenceReply:
+    """One sampled completion: its tokens, each one's logprob, why it stopped, its text."""
+
+    tokens: list[int]
+    logprobs: list[float]  # one per token, under the distribution sampled from
+    stop_reason: str  # "stop" (a stop string or token, EOS included), "length" or "abort"
+    text: str
+
+
 @message("sched.r.sample")
 @dataclass(frozen=True)
 class SampleReply:
-    sequences: list[dict[str, Any]]  # per sample: tokens, logprobs, stop_reason, text
+    sequences: list[SequenceReply]  # num_samples of them
 
 
 @message("sched.r.logprobs")
@@ -250,6 +261,7 @@ __all__ = [
     "SaveStateReply",
     "SaveWeightsReply",
     "SavedCheckpoint",
+    "SequenceReply",
     "StepResult",
     "WaitingReply",
     "WorkerVersion",
