@@ -3,8 +3,10 @@
 - ``ModelPath``: one saved version of an agent's weights, ``polytinker://JOB/AGENT@VERSION``
   (what ``save_weights_for_sampler`` answers and ``create_sampling_client`` takes). Its Tinker
   spelling is ``tinker://JOB/sampler_weights/AGENT@VERSION`` (``tinker`` / ``from_tinker``).
-- ``MODEL_PREFIX`` (``polytinker://``) and ``CKPT_PREFIX`` (``polytinker-ckpt://``, the
-  checkpoints of ``save_state``: ``polytinker-ckpt://JOB/NAME``), ``TINKER_PREFIX`` (``tinker://``).
+- ``CheckpointPath``: a checkpoint ``save_state`` wrote, ``polytinker-ckpt://JOB/NAME``; its Tinker
+  spelling is ``tinker://JOB/weights/NAME``.
+- ``MODEL_PREFIX`` (``polytinker://``), ``CKPT_PREFIX`` (``polytinker-ckpt://``) and
+  ``TINKER_PREFIX`` (``tinker://``).
 
 Paths travel as strings (in messages, in ``state.json``, over HTTP); each layer turns one into a
 ``ModelPath`` with ``ModelPath.parse`` where it needs its parts, and back with ``str()``. This
@@ -61,4 +63,30 @@ class ModelPath:
         return f"{MODEL_PREFIX}{self.job_id}/{self.agent}@{self.version}"
 
 
-__all__ = ["CKPT_PREFIX", "MODEL_PREFIX", "TINKER_PREFIX", "ModelPath"]
+@dataclass(frozen=True)
+class CheckpointPath:
+    """``polytinker-ckpt://JOB/NAME``: the checkpoint ``save_state`` saved as ``name`` in job ``job_id``."""
+
+    job_id: str
+    name: str
+
+    @classmethod
+    def parse(cls, path: str) -> CheckpointPath | None:
+        """The parts of ``polytinker-ckpt://JOB/NAME``; None when ``path`` has not that prefix
+        (the parts are checked where they are used: a job id against the tenant's jobs, a name
+        with ``layout.check_name``)."""
+        if not path.startswith(CKPT_PREFIX):
+            return None
+        job_id, _, name = path.removeprefix(CKPT_PREFIX).partition("/")
+        return cls(job_id, name)
+
+    @property
+    def tinker(self) -> str:
+        """Tinker's spelling: ``tinker://JOB/weights/NAME``."""
+        return f"{TINKER_PREFIX}{self.job_id}/weights/{self.name}"
+
+    def __str__(self) -> str:
+        return f"{CKPT_PREFIX}{self.job_id}/{self.name}"
+
+
+__all__ = ["CKPT_PREFIX", "MODEL_PREFIX", "TINKER_PREFIX", "CheckpointPath", "ModelPath"]

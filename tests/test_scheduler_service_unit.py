@@ -13,7 +13,7 @@ import zmq
 
 from polytinker.client._connection import Connection
 from polytinker.errors import ConfigError, ProtocolError, RemoteError
-from polytinker.model_path import ModelPath
+from polytinker.model_path import CheckpointPath, ModelPath
 from polytinker.scheduler.service import (
     AuthError,
     EngineWorkerConfig,
@@ -310,6 +310,10 @@ def test_message_validation_and_model_paths() -> None:
         ModelPath.parse("polytinker://job-1@x")
     with pytest.raises(ConfigError):
         ModelPath.from_tinker("tinker://job-1/weights/agent@3")
+    checkpoint = CheckpointPath.parse("polytinker-ckpt://job-1/after-two")
+    assert checkpoint == CheckpointPath("job-1", "after-two") and str(checkpoint) == "polytinker-ckpt://job-1/after-two"
+    assert checkpoint.tinker == "tinker://job-1/weights/after-two"
+    assert CheckpointPath.parse("after-two") is None and CheckpointPath.parse("polytinker://job-1/agent@3") is None
 
 
 def test_a_higher_priority_job_preempts_at_the_next_step_boundary(tmp_path: Path) -> None:

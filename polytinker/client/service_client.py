@@ -25,7 +25,7 @@ from polytinker.client._connection import Connection
 from polytinker.client.sampling_client import SamplingClient
 from polytinker.client.training_client import TrainingClient
 from polytinker.errors import ConfigError, NotBuiltError, PolytinkerError, TransportError
-from polytinker.model_path import CKPT_PREFIX
+from polytinker.model_path import CKPT_PREFIX, CheckpointPath
 from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service import replies as r
 from polytinker.scheduler.service.config import RuntimeConfig
@@ -204,10 +204,10 @@ class ServiceClient:
         weights (and with ``optimizer`` its optimizer state). ``kw``: the ``create_*`` keywords
         (``priority``, ``steps``, ...)."""
         path = str(path)
-        source_id = path.removeprefix(CKPT_PREFIX).partition("/")[0] if path.startswith(CKPT_PREFIX) else ""
-        if not source_id:
+        checkpoint = CheckpointPath.parse(path)
+        if checkpoint is None or not checkpoint.job_id:
             raise ConfigError(f"pass a path that save_state gave ({CKPT_PREFIX}JOB/NAME), got {path!r}")
-        source = self.get_job(source_id)
+        source = self.get_job(checkpoint.job_id)
         job, lora = source["job"], source.get("lora") or {}
         kw.setdefault("agent", job["agent"])
         if job["kind"] == JobKind.FULL_RL:

@@ -28,7 +28,7 @@ from polytinker.client.sampling_client import SamplingClient
 from polytinker.client.service_client import ServiceClient
 from polytinker.client.training_client import TrainingClient
 from polytinker.errors import AuthError, ConfigError, NotBuiltError
-from polytinker.model_path import CKPT_PREFIX, MODEL_PREFIX, TINKER_PREFIX, ModelPath
+from polytinker.model_path import MODEL_PREFIX, TINKER_PREFIX, CheckpointPath, ModelPath
 from polytinker.scheduler.http.store import GatewayStore, ModelRow, SamplerRow, SavedRow
 from polytinker.scheduler.service import messages as m
 from polytinker.transport import ClientCurve
@@ -44,9 +44,9 @@ def owner_of(api_key: str) -> str:
 
 def to_tinker_path(path: str) -> str:
     """The ``tinker://`` path of a polytinker checkpoint or sampler path."""
-    if path.startswith(CKPT_PREFIX):
-        job_id, _, name = path.removeprefix(CKPT_PREFIX).partition("/")
-        return f"{TINKER_PREFIX}{job_id}/weights/{name}"
+    checkpoint = CheckpointPath.parse(path)
+    if checkpoint is not None:
+        return checkpoint.tinker
     if path.startswith(MODEL_PREFIX):
         return ModelPath.parse(path).tinker
     raise ConfigError(f"{path!r} is not a polytinker path")
@@ -60,7 +60,7 @@ def from_tinker_path(path: str, kind: str) -> str:
     parts = path.removeprefix(TINKER_PREFIX).split("/") if path.startswith(TINKER_PREFIX) else []
     if len(parts) != 3 or parts[1] != kind or not parts[0] or not parts[2]:
         raise ConfigError(f"{path!r} is not a path of the form {TINKER_PREFIX}RUN/weights/NAME")
-    return f"{CKPT_PREFIX}{parts[0]}/{parts[2]}"
+    return str(CheckpointPath(parts[0], parts[2]))
 
 
 @dataclass
@@ -327,14 +327,16 @@ class TinkerBackend:
         return self._pool.submit(loaded)
 
     def _checkpoint_model(self, t: Tenant, path: str) -> ModelRow:
-        job_id = path.removeprefix(CKPT_PREFIX).partition("/")[0]
-        return self.model(t, job_id)
+        checkpoint = CheckpointPath.parse(path)
+        if checkpoint is None:
+            raise ConfigError(f"{path!r} is not a checkpoint path")
+        return self.model(t, checkpoint.job_id)
 
     def weights_info(self, t: Tenant, tinker_path: str) -> dict[str, Any]:
         kind = "weights" if "/weights/" in tinker_path else "sampler_weights"
         path = from_tinker_path(tinker_path, kind)
-        job_id = path.removeprefix(CKPT_PREFIX).partition("/")[0] if kind == "weights" else ModelPath.parse(path).job_id
-        row = self.model(t, job_id)
+        checkpoint = CheckpointPath.parse(path)
+        row = self.model(t, checkpoint.job_id if checkpoint is not None else ModelPath.parse(path).job_id)
         lora = t.service.get_job(row.job_id).get("lora") or {}
         modules = set(lora.get("target_modules") or ATTN_MODULES + MLP_MODULES)  # none named: every linear
         return {

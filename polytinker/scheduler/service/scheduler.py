@@ -41,7 +41,7 @@ from polytinker.errors import (
     OverloadedError,
     RemoteError,
 )
-from polytinker.model_path import CKPT_PREFIX, ModelPath
+from polytinker.model_path import CheckpointPath, ModelPath
 from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service import replies as r
 from polytinker.scheduler.service import worker_messages as wm
@@ -355,7 +355,7 @@ class SchedulerService:
             out: r.SavedCheckpoint = self.broker.call(learner, "sched.w.save", req, prepare=self._prepare(row, a))
         saved = wm.WeightsRef(a.adapter_key, out.version, "checkpoint", msg.name)
         self.store.add_checkpoint(row.job_id, msg.name, saved.relative_path, out.version)
-        return r.SaveStateReply(f"{CKPT_PREFIX}{row.job_id}/{msg.name}", out.version)
+        return r.SaveStateReply(str(CheckpointPath(row.job_id, msg.name)), out.version)
 
     def load_state(self, msg: m.LoadState) -> r.LoadStateReply:
         row, a, learner = self._training(msg.api_key, msg.job_id)

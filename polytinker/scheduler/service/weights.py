@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from polytinker.errors import AuthError, ConfigError, NotBuiltError
-from polytinker.model_path import CKPT_PREFIX, ModelPath
+from polytinker.model_path import CKPT_PREFIX, CheckpointPath, ModelPath
 from polytinker.scheduler.service.jobs import JobManager, adapter_key
 from polytinker.scheduler.service.layout import check_name, parse_relative, under
 from polytinker.scheduler.service.state import AdapterRow, JobRow, StateStore
@@ -57,8 +57,9 @@ class WeightsCatalog:
         """(job, name) of what load_state names: a name of this job's, or ``polytinker-ckpt://JOB/NAME``
         of one of the tenant's jobs; never a filesystem path."""
         job_id, name = row.job_id, path
-        if path.startswith(CKPT_PREFIX):
-            job_id, _, name = path.removeprefix(CKPT_PREFIX).partition("/")
+        checkpoint = CheckpointPath.parse(path)
+        if checkpoint is not None:
+            job_id, name = checkpoint.job_id, checkpoint.name
             self.jobs.get(row.tenant, job_id)  # only the tenant's own jobs' checkpoints (AuthError)
         try:
             return job_id, check_name("checkpoint name", name)
