@@ -5,7 +5,7 @@
 ``LearnerWorker``, serves ``worker.handlers()`` on its Curve ``WorkerServer`` and registers with a
 stand-in scheduler that only records the ``Register``. The test gets an ``RpcClient`` to that
 server holding the scheduler's client keys (derived from the worker token, as the broker's are),
-and sends it the scheduler's typed worker messages (``polytinker.scheduler.service.messages``).
+and sends it the scheduler's typed worker messages (``polytinker.scheduler.service.worker_messages``).
 Shared by the tests that check a worker across the process boundary.
 """
 
