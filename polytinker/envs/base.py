@@ -121,6 +121,11 @@ class _TextEnvCore:
         """The agent-visible state as plain data (msgpack-able), for scripted opponents."""
         return {}
 
+    def tools(self, agent: AgentID) -> tuple[str, ...]:
+        """Names of the tools (``polytinker.envs.tools``) the agent may call during its turns,
+        before it answers; none by default. A tool's result is shown to the model only."""
+        return ()
+
     def render_for(self, agent: AgentID) -> str:
         """The game as ``agent`` sees it now, also after the episode ended (for display)."""
         return self._render(agent)
