@@ -16,7 +16,7 @@ def _list(args: argparse.Namespace) -> int:
     width = max(len(i) for i in specs)
     for env_id, spec in sorted(specs.items()):
         extra = f" {dict(spec.kwargs)}" if spec.kwargs else ""
-        print(f"{env_id:<{width}}  {spec.entry_point}{extra}  [{spec.source}]")
+        print(f"{env_id:<{width}}  {spec.entry_point_name}{extra}  [{spec.source}]")
     return 0
 
 

@@ -2,6 +2,8 @@
 
 ``register("mygame-v0", entry_point="mypkg.games:MyGame", rounds=3)`` records the id; nothing is
 imported until ``make("mygame-v0", rounds=5)`` (keyword overrides win over registered ones).
+The entry point may also be the class or factory function itself (``entry_point=MyGame``), for
+envs defined in a script or a notebook.
 Ids end in ``-vN`` so that a changed game gets a new id rather than silently new rules.
 Third-party packages add envs through the entry-point group ``polytinker.envs``: each entry's
 name is the env id and its value the entry point, for example in ``pyproject.toml``::
@@ -35,15 +37,23 @@ class EnvSpec:
     """One registered env."""
 
     id: str
-    # "package.module:attr"; attr is a class or a function returning an env.
-    entry_point: str
+    # "package.module:attr" (attr is a class or a function returning an env), or that class or
+    # function itself.
+    entry_point: str | Callable[..., Any]
     # Keyword arguments passed to the entry point (``make`` overrides them).
     kwargs: Mapping[str, Any] = field(default_factory=dict)
     # Where the registration came from: "builtin", "register()" or the plugin's distribution.
     source: str = "register()"
 
     def load(self) -> Callable[..., Any]:
+        if callable(self.entry_point):
+            return self.entry_point
         return load_entry_point(self.entry_point)
+
+    @property
+    def entry_point_name(self) -> str:
+        """The entry point as text: "package.module:attr" for a callable too."""
+        return entry_point_name(self.entry_point)
 
 
 _REGISTRY: dict[str, EnvSpec] = {}
@@ -71,16 +81,31 @@ def load_entry_point(entry_point: str) -> Callable[..., Any]:
     return obj  # type: ignore[no-any-return]
 
 
-def register(id: str, entry_point: str, *, source: str = "register()", **kwargs: Any) -> EnvSpec:
-    """Register an env id. Refuses malformed ids and ids already taken."""
+def entry_point_name(entry_point: str | Callable[..., Any]) -> str:
+    """``"package.module:attr"`` for a string or a callable entry point (for listings and messages)."""
+    if isinstance(entry_point, str):
+        return entry_point
+    module = getattr(entry_point, "__module__", None) or "?"
+    return f"{module}:{getattr(entry_point, '__qualname__', type(entry_point).__name__)}"
+
+
+def register(id: str, entry_point: str | Callable[..., Any], *, source: str = "register()", **kwargs: Any) -> EnvSpec:
+    """Register an env id for an entry point: ``"package.module:attr"`` (imported at ``make``), or
+    a class or factory function. Refuses malformed ids and entry points, and ids already taken."""
     if not _ID_RE.match(id):
         raise ConfigError(f"env id {id!r} must be a name and a version, like 'tictactoe-v0'")
-    if not _ENTRY_RE.match(entry_point):
-        raise ConfigError(f"entry point {entry_point!r} must look like 'package.module:ClassName'")
+    if isinstance(entry_point, str):
+        if not _ENTRY_RE.match(entry_point):
+            raise ConfigError(f"entry point {entry_point!r} must look like 'package.module:ClassName'")
+    elif not callable(entry_point):
+        raise ConfigError(
+            f"entry point {entry_point!r} must be 'package.module:ClassName', a class or a function "
+            f"returning an env, got {type(entry_point).__name__}"
+        )
     if id in _REGISTRY:
         prior = _REGISTRY[id]
         raise ConfigError(
-            f"env id {id!r} is already registered (entry point {prior.entry_point!r}, from {prior.source}); "
+            f"env id {id!r} is already registered (entry point {prior.entry_point_name!r}, from {prior.source}); "
             "register the changed env under a new version, e.g. "
             f"{id.rsplit('-v', 1)[0]}-v{int(id.rsplit('-v', 1)[1]) + 1}"
         )
@@ -148,4 +173,14 @@ _BUILTINS = {
 for _id, (_entry, _kwargs) in _BUILTINS.items():
     register(_id, _entry, source="builtin", **_kwargs)
 
-__all__ = ["ENTRY_POINT_GROUP", "EnvSpec", "env_specs", "load_entry_point", "make", "register", "spec", "unregister"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "EnvSpec",
+    "entry_point_name",
+    "env_specs",
+    "load_entry_point",
+    "make",
+    "register",
+    "spec",
+    "unregister",
+]
