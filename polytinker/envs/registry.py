@@ -164,6 +164,7 @@ _BUILTINS = {
     "signal-v0": ("polytinker.envs.games.signal:SignalEnv", {}),
     "negotiation-v0": ("polytinker.envs.games.negotiation:NegotiationEnv", {}),
     "guess_number-v0": ("polytinker.envs.games.guess_number:GuessNumberEnv", {}),
+    "gomoku-v0": ("polytinker.envs.games.gomoku:GomokuEnv", {}),
     "pz_tictactoe-v3": ("polytinker.envs.adapter:pettingzoo_text_env", {"env": "pettingzoo.classic.tictactoe_v3"}),
     "pz_connect_four-v3": (
         "polytinker.envs.adapter:pettingzoo_text_env",

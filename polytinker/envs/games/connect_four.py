@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from polytinker.envs.base import TextAECEnv
+from polytinker.envs.games._grid import longest_line_through
 from polytinker.envs.opponents import RandomPolicy, ScriptedPolicy
 from polytinker.envs.types import AgentID, PolicyInput
 
@@ -28,17 +29,7 @@ def drop(board: list[list[str]], col: int, mark: str) -> tuple[list[list[str]], 
 
 def wins_at(board: list[list[str]], row: int, col: int) -> bool:
     """Whether the piece at (row, col) completes four in a line (only lines through it can)."""
-    mark = board[row][col]
-    for dr, dc in ((0, 1), (1, 0), (1, 1), (1, -1)):
-        run = 1
-        for sign in (1, -1):
-            r, c = row + sign * dr, col + sign * dc
-            while 0 <= r < ROWS and 0 <= c < COLS and board[r][c] == mark:
-                run += 1
-                r, c = r + sign * dr, c + sign * dc
-        if run >= 4:
-            return True
-    return False
+    return longest_line_through(board, row, col) >= 4
 
 
 def wins_by_dropping(board: list[list[str]], col: int, mark: str) -> bool:
