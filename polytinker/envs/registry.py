@@ -164,6 +164,9 @@ _BUILTINS = {
     "signal-v0": ("polytinker.envs.games.signal:SignalEnv", {}),
     "negotiation-v0": ("polytinker.envs.games.negotiation:NegotiationEnv", {}),
     "guess_number-v0": ("polytinker.envs.games.guess_number:GuessNumberEnv", {}),
+    "math-v0": ("polytinker.envs.games.math:MathEnv", {}),
+    "math_tool-v0": ("polytinker.envs.games.math:MathEnv", {"digits": (3, 2), "ops": ("*",), "tools": ("calculator",)}),
+    "solver_verifier-v0": ("polytinker.envs.games.solver_verifier:SolverVerifierEnv", {}),
     "gomoku-v0": ("polytinker.envs.games.gomoku:GomokuEnv", {}),
     "pz_tictactoe-v3": ("polytinker.envs.adapter:pettingzoo_text_env", {"env": "pettingzoo.classic.tictactoe_v3"}),
     "pz_connect_four-v3": (
