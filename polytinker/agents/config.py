@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from polytinker.agents.mapping import MappingConfig
-from polytinker.agents.spec import AgentSpec, check_keys
+from polytinker.agents.spec import AgentSpec
 from polytinker.agents.types import LoopMode
 from polytinker.errors import ConfigError
+from polytinker.tables import from_table
 
 
 @dataclass(frozen=True)
@@ -172,24 +173,9 @@ class ExperimentConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ExperimentConfig:
-        data = dict(raw)
-        check_keys(cls, data, "experiment config")
-        parts: dict[str, type] = {
-            "env": EnvSetup,
-            "mapping": MappingConfig,
-            "train": TrainConfig,
-            "eval": EvalConfig,
-            "output": OutputConfig,
-            "runtime": RuntimeSetup,
-        }
-        for key, sub in parts.items():
-            if key in data:
-                if not isinstance(data[key], dict):
-                    raise ConfigError(f"[{key}] must be a table of settings")
-                check_keys(sub, data[key], f"[{key}]")
-                data[key] = sub(**data[key])
-        data["agents"] = tuple(AgentSpec.from_dict(a) for a in data.get("agents", ()))
-        return cls(**data)
+        """Build from the TOML's tables; an unknown key or a value of the wrong type is a
+        ConfigError that names it (``train.steps: expected int, got str 'ten'``)."""
+        return from_table(cls, raw, "")
 
     @classmethod
     def from_toml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> ExperimentConfig:

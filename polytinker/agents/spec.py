@@ -7,18 +7,18 @@
 - ``AgentSpec``: name, base model, the four above, and whether it trains.
 
 Every field is checked in ``__post_init__``; the message says how to fix it. ``from_dict`` builds
-a spec from a TOML table (unknown keys are errors).
+a spec from a TOML table (unknown keys and wrong types are errors: ``polytinker.tables``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from polytinker.agents.types import AlgorithmName
 from polytinker.engine.types import DEFAULT_TARGET_MODULES
 from polytinker.errors import ConfigError
+from polytinker.tables import check_keys, from_table
 
 DEFAULT_BASE_MODEL = "smollm2-135m-instruct"
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
@@ -180,24 +180,10 @@ class AgentSpec:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> AgentSpec:
-        """Build from a TOML table: ``[[agents]] name = ... [agents.adapter] rank = ...``."""
-        data = dict(raw)
-        check_keys(cls, data, f"agent {data.get('name', '?')!r}")
-        nested = {"adapter": AdapterSpec, "algorithm": AlgorithmConfig, "sampling": SamplingConfig}
-        nested["renderer"] = RendererConfig
-        for key, sub in nested.items():
-            if key in data and isinstance(data[key], dict):
-                check_keys(sub, data[key], f"agent {data.get('name', '?')!r} [{key}]")
-                data[key] = sub(**data[key])
-        return cls(**data)
-
-
-def check_keys(cls: type, data: dict[str, Any], what: str) -> None:
-    """Unknown keys are errors that list the known ones."""
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ConfigError(f"{what}: unknown keys {unknown}; known: {sorted(known)}")
+        """Build from a TOML table: ``[[agents]] name = ... [agents.adapter] rank = ...``; unknown
+        keys and wrong types are errors naming the field (``polytinker.tables``)."""
+        name = raw.get("name", "?") if isinstance(raw, dict) else "?"
+        return from_table(cls, raw, f"agents[{name!r}]")
 
 
 __all__ = [
