@@ -151,7 +151,7 @@ class SolverVerifierEnv(TextAECEnv):
         if found is None:
             return InvalidAction("reply accept, or reject: <what is wrong>")
         accepted = found.group(1).lower() == "accept"
-        critique = "" if accepted else text[found.end() :].strip(" \t\n:-,.")[: self.max_critique_chars]
+        critique = "" if accepted else text[found.end() :].strip(" \t\n:;,.!-")[: self.max_critique_chars]
         return (accepted, critique)
 
     def fallback_move(self, agent: AgentID) -> Any:
