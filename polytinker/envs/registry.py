@@ -164,6 +164,7 @@ _BUILTINS = {
     "signal-v0": ("polytinker.envs.games.signal:SignalEnv", {}),
     "negotiation-v0": ("polytinker.envs.games.negotiation:NegotiationEnv", {}),
     "guess_number-v0": ("polytinker.envs.games.guess_number:GuessNumberEnv", {}),
+    "textworld-v0": ("polytinker.envs.games.textworld:TextWorldEnv", {}),
     "math-v0": ("polytinker.envs.games.math:MathEnv", {}),
     "math_tool-v0": ("polytinker.envs.games.math:MathEnv", {"digits": (3, 2), "ops": ("*",), "tools": ("calculator",)}),
     "solver_verifier-v0": ("polytinker.envs.games.solver_verifier:SolverVerifierEnv", {}),
