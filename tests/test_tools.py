@@ -293,6 +293,8 @@ def test_python_hostile_arguments_never_raise() -> None:
     assert not run_python("x" * 3000).ok and "limit is 2000" in run_python("x" * 3000).text
     assert run_python("import os; os.close(1); os.close(2)\nwhile True: pass").text == "error: timed out after 1 s"
     assert run_python("print('\\udcff')").ok  # a lone surrogate goes out replaced
+    assert run_python("print('\udcff')").ok  # ... and in the source too
+    assert not Calculator().run("1+\udcff", LIMITS).ok
 
 
 # --- formats ------------------------------------------------------------------------------------------

@@ -71,6 +71,10 @@ def _unshare(flags: int) -> str:
     return ""
 
 
+def _prctl(option: int, value: int) -> bool:
+    return hasattr(_libc, "prctl") and _libc.prctl(option, value, 0, 0, 0) == 0
+
+
 def _write(path: str, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
@@ -80,7 +84,7 @@ def _user_netns() -> str:
     """A new user namespace that maps the current ids onto themselves, and a network namespace
     inside it: what an unprivileged process may do where the kernel allows it."""
     uid, gid = os.getuid(), os.getgid()
-    _libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)  # after setuid, /proc/self is root's until this
+    _prctl(_PR_SET_DUMPABLE, 1)  # after setuid, /proc/self is root's until this
     error = _unshare(_CLONE_NEWUSER | _CLONE_NEWNET)
     if not error:
         try:
@@ -89,7 +93,7 @@ def _user_netns() -> str:
             _write("/proc/self/gid_map", f"{gid} {gid} 1")
         except OSError as exc:
             error = f"id maps: {exc}"
-    _libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)  # other sandboxes of the same user may not ptrace this one
+    _prctl(_PR_SET_DUMPABLE, 0)  # other sandboxes of the same user may not ptrace this one
     return error
 
 
@@ -110,7 +114,7 @@ def _setup(config: dict[str, Any]) -> dict[str, str]:
             steps["drop_uid"] = str(exc)
     if want_net and steps.get("net", "not tried"):
         steps["net"] = _user_netns()
-    steps["no_new_privs"] = "" if _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0 else "prctl refused"
+    steps["no_new_privs"] = "" if _prctl(_PR_SET_NO_NEW_PRIVS, 1) else "prctl refused"
     steps["rlimits"] = _limits(config)
     return steps
 

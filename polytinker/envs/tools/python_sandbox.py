@@ -162,12 +162,19 @@ def _read(proc: subprocess.Popen[bytes], deadline: float, stdout_cap: int) -> _O
     return out
 
 
-def _exited_by(pid: int, deadline: float) -> bool:
-    """Whether ``pid`` exits by the deadline; it is left unreaped, so its process group stays ours to kill."""
+def _exited_by(proc: subprocess.Popen[bytes], deadline: float) -> bool:
+    """Whether the child exits by the deadline. It is left unreaped (a zombie keeps its process
+    group id), so the group killed after it is still the child's."""
+    if not hasattr(os, "waitid"):  # not Linux: reap now; killing the group after is best effort
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return False
+        return True
     pause = 0.001
     while True:
         try:
-            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+            if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
                 return True
         except ChildProcessError:
             return True
@@ -233,8 +240,9 @@ def run_sandboxed(source: str, limits: ToolLimits) -> ToolResult:
     """Run ``source`` in the sandbox; never raises."""
     report = sandbox_report()
     start = time.monotonic()
-    workdir = tempfile.mkdtemp(prefix="polytinker-python-")
+    workdir = ""
     try:
+        workdir = tempfile.mkdtemp(prefix="polytinker-python-")
         Path(workdir, "main.py").write_text(source, encoding="utf-8", errors="replace")
         if report.user_dropped:
             os.chown(workdir, SANDBOX_UID, SANDBOX_UID)
@@ -242,7 +250,8 @@ def run_sandboxed(source: str, limits: ToolLimits) -> ToolResult:
     except OSError as exc:
         text, ok = f"error: could not start the interpreter ({exc.strerror or exc})", False
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        if workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
     return ToolResult(text, ok, time.monotonic() - start)
 
 
@@ -260,7 +269,7 @@ def _run_child(workdir: str, limits: ToolLimits, report: SandboxReport, deadline
         try:
             out = _read(proc, deadline, stdout_cap=4 * limits.max_result_chars + 64)
             if not (out.flooded or out.timed_out):
-                out.timed_out = not _exited_by(proc.pid, deadline)
+                out.timed_out = not _exited_by(proc, deadline)
         finally:
             _kill_group(proc.pid)  # whatever is left of the group; the leader is not reaped yet
             returncode = proc.wait()
