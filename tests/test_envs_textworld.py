@@ -71,9 +71,11 @@ def test_the_expert_solves_every_task_from_what_it_sees(kwargs):
 
 
 def test_random_play_succeeds_far_less_often():
-    random = _success("random", 300)
-    assert set(random) <= {0.0, 1.0}
-    assert 0 < sum(random) < 0.1 * len(random), sum(random)
+    assert sum(_success("random", 200)) < 0.05 * 200  # about 0.4% (1000 seeds)
+    # Without the commands that change nothing, about 4%: rare, but a signal to learn from.
+    lean = _success("random", 300, info_commands=False)
+    assert set(lean) <= {0.0, 1.0}
+    assert 0 < sum(lean) < 0.1 * len(lean), sum(lean)
 
 
 def test_the_default_is_small():
