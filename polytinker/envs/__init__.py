@@ -5,8 +5,8 @@
 - ``register`` / ``make`` / ``env_specs``: versioned ids, lazy entry points, plugins from the
   ``polytinker.envs`` entry-point group.
 - Built-in games: tictactoe-v0, connect_four-v0, kuhn_poker-v0, prisoners_dilemma-v0 (parallel),
-  signal-v0 (cooperative), negotiation-v0, guess_number-v0 (single agent); pz_tictactoe-v3 and
-  pz_connect_four-v3 through ``PettingZooTextEnv``, the adapter for discrete PettingZoo envs.
+  signal-v0 (cooperative), negotiation-v0, guess_number-v0 and textworld-v0 (single agent);
+  pz_tictactoe-v3 and pz_connect_four-v3 through ``PettingZooTextEnv``, the adapter for discrete PettingZoo envs.
 - ``Coordinator``: drives many episodes against ``policy(agent_id, PolicyInput) -> str``.
 - ``EnvServer`` / ``RemoteEnv``: envs in another process or machine over ZeroMQ.
 - ``check_env``: the conformance checks behind ``polytinker env check``.
