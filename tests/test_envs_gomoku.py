@@ -126,6 +126,7 @@ def test_coordinates_are_read_anywhere_in_the_text_and_the_last_wins():
     assert read_cell("not c3 but (d4)", 7) == (3, 3)
     assert read_cell("e07!", 7) == (6, 4)
     assert read_cell("My move: g1", 7) == (0, 6)
+    assert read_cell(" A 3", 7) == (2, 0) and read_cell("(b, 3)", 7) == (2, 1) and read_cell("c-3.", 7) == (2, 2)
     for text, reason in [
         ("h1", "outside the board"),
         ("a8", "outside the board"),
@@ -134,6 +135,8 @@ def test_coordinates_are_read_anywhere_in_the_text_and_the_last_wins():
         ("abc3", "column letter"),  # a word, not a coordinate
         ("c3po", "column letter"),
         ("c1234", "column letter"),
+        ("I have a 3 in a row", "column letter"),  # spaced forms only as the whole answer
+        ("3c3", "column letter"),
         ("\u212a3", "column letter"),  # the Kelvin sign is no k, even on a board with a column k
         ("ſ3", "column letter"),
     ]:

@@ -34,6 +34,9 @@ MAX_SIZE = 19  # columns a..s, as on a go board
 # A coordinate as a whole token: a column letter, then a row number. ASCII only, since with
 # IGNORECASE alone [a-z] also matches the Kelvin sign and the long s, and \d any script's digits.
 _COORDINATE = re.compile(r"(?<![a-z0-9])([a-z])([0-9]{1,3})(?![a-z0-9])", re.IGNORECASE | re.ASCII)
+# A whole answer that is only a cell may separate its letter and number ("A 3", "c-3", "(b, 2)");
+# inside a sentence, "a 3" is more often an article and a number than a cell.
+_WHOLE_ANSWER = re.compile(r"\W*([a-z])[\s,-]{0,2}([0-9]{1,3})\W*", re.IGNORECASE | re.ASCII)
 # Line scores of the heuristic: a window (win_length cells in a line) holding k of one player's
 # marks and none of the other's is worth _GROWTH**k to the cell that adds to it (attack) or takes
 # it away (defence, discounted: at equal stakes, building one's own line comes first).
@@ -49,7 +52,8 @@ def cell_name(row: int, col: int) -> str:
 
 def read_cell(text: str, size: int) -> Cell | InvalidAction:
     """The last coordinate that ``text`` names (an answer usually comes last), on the board or not."""
-    found = _COORDINATE.findall(text)
+    whole = _WHOLE_ANSWER.fullmatch(text)
+    found = [whole.groups()] if whole else _COORDINATE.findall(text)
     last_column = chr(ord("a") + size - 1)
     if not found:
         return InvalidAction(
@@ -246,7 +250,7 @@ class GomokuEnv(TextAECEnv):
                 "Draw: the board is full." if not self._won else "You won." if self._won == mark else "You lost."
             )
         elif agent == self._current_agent():
-            lines.append(f"Your turn ({mark}): answer with an empty cell, like c3.")
+            lines.append(f"Your turn ({mark}): answer with an empty cell.")
         else:
             lines.append(f"Waiting for the other player (you are {mark}).")
         return "\n".join(lines)
