@@ -179,6 +179,7 @@ def test_math_tool_declares_its_tools_and_poses_harder_problems():
     env = make("math_tool-v0")
     env.reset(seed=0)
     assert env.tools("player_0") == ("calculator",) and "calculator tool" in env.instructions("player_0")
+    assert env.metadata["name"] == "math_tool_v0"
     a, op, b = env.problem.expression.split()
     assert (len(a), op, len(b)) == (3, "*", 2)
     assert make("math_tool-v0", tools=["python"]).tools("player_0") == ("python",)

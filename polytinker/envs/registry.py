@@ -166,7 +166,7 @@ _BUILTINS = {
     "guess_number-v0": ("polytinker.envs.games.guess_number:GuessNumberEnv", {}),
     "textworld-v0": ("polytinker.envs.games.textworld:TextWorldEnv", {}),
     "math-v0": ("polytinker.envs.games.math:MathEnv", {}),
-    "math_tool-v0": ("polytinker.envs.games.math:MathEnv", {"digits": (3, 2), "ops": ("*",), "tools": ("calculator",)}),
+    "math_tool-v0": ("polytinker.envs.games.math:MathToolEnv", {}),
     "solver_verifier-v0": ("polytinker.envs.games.solver_verifier:SolverVerifierEnv", {}),
     "gomoku-v0": ("polytinker.envs.games.gomoku:GomokuEnv", {}),
     "pz_tictactoe-v3": ("polytinker.envs.adapter:pettingzoo_text_env", {"env": "pettingzoo.classic.tictactoe_v3"}),

@@ -9,7 +9,7 @@ the right number on the first attempt. With ``attempts = N > 1`` a wrong answer 
 answers the episode ends with 0.
 
 ``tools`` names the tools the agent may call before it answers (``("calculator",)`` in
-``math_tool-v0``); the runtime runs them (``polytinker.envs.tools``), the env only declares them
+``math_tool-v0``, ``MathToolEnv``); the runtime runs them (``polytinker.envs.tools``), the env only declares them
 and says so in its instructions. The other keyword arguments are ``MathTaskConfig``'s.
 """
 
@@ -61,10 +61,10 @@ def tool_sentence(tools: tuple[str, ...]) -> str:
     if not tools:
         return ""
     names = " and ".join(f"the {name} tool" for name in tools)
-    return f" You can use {names} before you answer; its result is shown to you."
+    return f" You may use {names} to work it out."
 
 
-def check_tools(tools: Any) -> tuple[str, ...]:
+def _check_tools(tools: Any) -> tuple[str, ...]:
     names = (tools,) if isinstance(tools, str) else tuple(tools)
     if not all(isinstance(n, str) and n.isidentifier() for n in names):
         raise ConfigError(f"math: tools must be tool names such as 'calculator' or 'python', got {list(names)}")
@@ -89,7 +89,7 @@ class MathEnv(TextAECEnv):
         super().__init__(config, render_mode)
         self.task = MathTaskConfig.from_kwargs(task)
         self.attempts = attempts
-        self._tools = check_tools(tools)
+        self._tools = _check_tools(tools)
         self.problem = MathProblem("", "", 0)
         self.answers: list[int | None] = []
 
@@ -150,4 +150,21 @@ class MathEnv(TextAECEnv):
         return {"question": self.problem.question, "expression": self.problem.expression, "answers": answers}
 
 
-__all__ = ["MathEnv", "MathHeuristic", "MathRandom", "near_guess", "right_answer", "tool_sentence"]
+class MathToolEnv(MathEnv):
+    """``math_tool-v0``: problems too hard to do in the head (3-digit x 2-digit products by
+    default) and a calculator (``tools=("python",)`` for the sandboxed Python tool instead)."""
+
+    metadata: ClassVar[dict[str, Any]] = {**MathEnv.metadata, "name": "math_tool_v0"}
+
+    def __init__(
+        self,
+        config: EnvConfig | None = None,
+        render_mode: str | None = None,
+        attempts: int = 1,
+        tools: tuple[str, ...] | list[str] = ("calculator",),
+        **task: Any,
+    ) -> None:
+        super().__init__(config, render_mode, attempts, tools, **{"digits": (3, 2), "ops": ("*",), **task})
+
+
+__all__ = ["MathEnv", "MathHeuristic", "MathRandom", "MathToolEnv", "near_guess", "right_answer", "tool_sentence"]
