@@ -1,24 +1,36 @@
 """Prompts from observations, with the base model's chat template, and datums from samples.
 
 A ``Renderer`` turns one ``PolicyInput`` into prompt token ids: the env's instructions as the
-system message (plus the role, when the agent plays several), the agent's own earlier turns as
-user/assistant pairs (its multi-turn history; never another agent's private view), and the
+system message (plus the role, when the agent plays several, and the tools it may call), the
+agent's own earlier turns (its multi-turn history; never another agent's private view), and the
 current observation, with the legal moves listed. The completion the model samples follows the
 generation prompt.
 
-``turn_datum`` builds the training datum of one sampled turn: the model reads prompt +
-completion; only the completion's tokens carry weight, so the observation and history tokens
-are masked out of the loss.
+With ``history = "full"`` a turn's prompt *continues* the previous one at the token level: the
+previous prompt, the tokens the model sampled (tool results included), the end of that
+assistant message, then the new observation as a user message. So every prompt of an episode
+extends the one before it: the model sees its history exactly as it wrote it (not as the chat
+template would re-render its decoded text), and the learner can score all the turns of an
+episode as one datum (``polytinker.agents.algorithms.base.turn_chains``). The first turn, and a
+turn after one that has no sample (a scripted or timed-out answer), is rendered in full.
+
+``DatumBuilder`` builds the training datum of sampled tokens: the model reads prompt +
+completion; only the tokens the model sampled carry weight, so the observation, history and
+tool-result tokens are masked out of the loss. ``turn_datum`` is the datum of one turn.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 from polytinker.agents.spec import RendererConfig
 from polytinker.engine.types import Datum
 from polytinker.envs.types import PolicyInput
+
+# Stands for an assistant message's content when the template is asked what follows one.
+_CONTENT_MARKER = "\u2063polytinker-content\u2063"
 
 
 class Renderer:
@@ -58,8 +70,72 @@ class Renderer:
         )
         return list(self.tokenizer.encode(text + answer_start, add_special_tokens=False))
 
-    def prompt_tokens(self, inp: PolicyInput) -> list[int]:
-        return self.encode_messages(self.messages(inp), answer_start=self.config.answer_prefix)
+    def prompt_tokens(self, inp: PolicyInput, tools_text: str = "") -> list[int]:
+        """The prompt of one decision; ``tools_text`` (the tools and how to call them) joins the
+        system message."""
+        if self.config.history == "full":
+            continued = self._continued_prompt(inp)
+            if continued is not None:
+                return continued
+        messages = self.messages(inp)
+        if tools_text:
+            messages[0] = {"role": "system", "content": f"{messages[0]['content']} {tools_text}"}
+        return self.encode_messages(messages, answer_start=self.config.answer_prefix)
+
+    def _continued_prompt(self, inp: PolicyInput) -> list[int] | None:
+        """The previous turn's prompt and sampled tokens, then the new observation; None when
+        there is no previous sample to continue (or the template cannot be continued)."""
+        last = inp.history[-1].sample if inp.history else None
+        if last is None:
+            return None
+        user = self.message_tokens("user", self.user_text(inp))
+        if user is None:
+            return None
+        tokens = [*last.prompt_tokens, *last.completion_tokens]
+        return tokens + self.end_of_message(tokens) + user + self._encode(self.config.answer_prefix)
+
+    def tool_result_tokens(self, so_far: Sequence[int], result: str) -> list[int]:
+        """What the model is shown after a tool call that ends ``so_far``: the end of its message,
+        the result as a ``tool_role`` message, and the generation prompt of its next message."""
+        shown = self.message_tokens(self.config.tool_role, result)
+        if shown is None:  # a template without that role: the result as a user message
+            shown = self.message_tokens("user", f"Tool result: {result}") or self._encode(f"\nTool result: {result}\n")
+        return self.end_of_message(so_far) + shown
+
+    def message_tokens(self, role: str, content: str, generation_prompt: bool = True) -> list[int] | None:
+        """The tokens of one message after a conversation (and the generation prompt after it),
+        as the template renders them; None when the template's rendering of a conversation does
+        not extend its rendering of the conversation before (the prompt is then rendered whole)."""
+        try:
+            before = self._template_text((("system", "x"),), False)
+            after = self._template_text((("system", "x"), (role, content)), generation_prompt)
+        except Exception:  # a template that rejects the role (jinja's TemplateError among others)
+            return None
+        return self._encode(after[len(before) :]) if after.startswith(before) else None
+
+    def end_of_message(self, tokens: Sequence[int]) -> list[int]:
+        """What still closes an assistant message whose tokens end ``tokens``: the template's
+        end-of-message markup, minus the part the model sampled itself (its stop token)."""
+        suffix = self._assistant_suffix
+        for k in range(len(suffix), 0, -1):
+            if len(tokens) >= k and list(tokens[-k:]) == suffix[:k]:
+                return suffix[k:]
+        return list(suffix)
+
+    @functools.cached_property
+    def _assistant_suffix(self) -> list[int]:
+        """The template's markup after an assistant message's content (ChatML: ``<|im_end|>\\n``)."""
+        text = self._template_text((("user", "x"), ("assistant", _CONTENT_MARKER)), False)
+        return self._encode(text[text.rindex(_CONTENT_MARKER) + len(_CONTENT_MARKER) :])
+
+    @functools.lru_cache(maxsize=256)  # noqa: B019 - one renderer per agent, for the run's life
+    def _template_text(self, messages: tuple[tuple[str, str], ...], generation_prompt: bool) -> str:
+        """The template's text of (role, content) pairs (a tuple, so that it can be cached)."""
+        chat = [{"role": role, "content": content} for role, content in messages]
+        return str(self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=generation_prompt))
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
 
     def conversation_datum(self, messages: Sequence[dict[str, str]]) -> Datum:
         """SFT: the whole conversation, with weight only on the assistant messages' tokens.
@@ -80,26 +156,61 @@ class Renderer:
         return Datum(input_tokens=tokens[:-1], target_tokens_T=tokens[1:], weights_T=weights[1:])
 
 
+class DatumBuilder:
+    """A training datum, built left to right: a prompt, then pieces that are either shown to the
+    model (weight 0) or sampled by it (weighted, with their advantage and sampling logprobs).
+
+    Positions are those of the targets (the input shifted by one): target ``j`` is token ``j + 1``,
+    so each token after the first adds one position, with its own weight."""
+
+    def __init__(self, prompt: Sequence[int]) -> None:
+        self.tokens = list(prompt)
+        n = max(0, len(self.tokens) - 1)
+        self.weights_T, self.advantages_T, self.logprobs_T = [0.0] * n, [0.0] * n, [0.0] * n
+
+    def shown(self, tokens: Sequence[int]) -> DatumBuilder:
+        """Tokens the model reads but did not write (an observation, a tool result)."""
+        return self.sampled(tokens, [0.0] * len(tokens), advantage=0.0, weight=0.0)
+
+    def sampled(
+        self,
+        tokens: Sequence[int],
+        logprobs_T: Sequence[float],
+        advantage: float,
+        weight: float,
+        sampled_T: Sequence[bool] = (),
+    ) -> DatumBuilder:
+        """A completion: ``weight`` and ``advantage`` on the tokens ``sampled_T`` marks (all of
+        them when it is empty), 0 on the others (tool results inside the completion)."""
+        for i, (token, logprob) in enumerate(zip(tokens, logprobs_T, strict=True)):
+            mine = not sampled_T or sampled_T[i]
+            self.tokens.append(token)
+            self.weights_T.append(weight if mine else 0.0)
+            self.advantages_T.append(advantage if mine else 0.0)
+            self.logprobs_T.append(float(logprob) if mine else 0.0)
+        return self
+
+    def datum(self) -> Datum:
+        return Datum(
+            input_tokens=self.tokens[:-1],
+            target_tokens_T=self.tokens[1:],
+            weights_T=self.weights_T,
+            advantages_T=self.advantages_T,
+            sampling_logprobs_T=self.logprobs_T,
+        )
+
+
 def turn_datum(
     prompt: Sequence[int],
     completion: Sequence[int],
     logprobs_T: Sequence[float],
     advantage: float,
     weight: float,
+    sampled_T: Sequence[bool] = (),
 ) -> Datum:
-    """The datum of one sampled turn: ``weight`` on each completion token, 0 on the prompt.
-
-    Positions are those of the targets (the input shifted by one): target ``j`` is token ``j + 1``,
-    so the completion's targets start at position ``len(prompt) - 1``."""
-    tokens = [*prompt, *completion]
-    n_prompt, n_completion = len(prompt) - 1, len(completion)
-    return Datum(
-        input_tokens=tokens[:-1],
-        target_tokens_T=tokens[1:],
-        weights_T=[0.0] * n_prompt + [weight] * n_completion,
-        advantages_T=[0.0] * n_prompt + [advantage] * n_completion,
-        sampling_logprobs_T=[0.0] * n_prompt + [float(x) for x in logprobs_T],
-    )
+    """The datum of one sampled turn: ``weight`` on each sampled completion token, 0 on the prompt
+    (and on tool results inside the completion)."""
+    return DatumBuilder(prompt).sampled(completion, logprobs_T, advantage, weight, sampled_T).datum()
 
 
-__all__ = ["Renderer", "turn_datum"]
+__all__ = ["DatumBuilder", "Renderer", "turn_datum"]

@@ -17,6 +17,7 @@ random draws, so they differ only where the weights do.
 
 from __future__ import annotations
 
+import asyncio
 import zlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from polytinker.agents.render import Renderer
 from polytinker.agents.spec import AgentSpec
 from polytinker.agents.types import Slot, SlotKind, TurnSample
 from polytinker.engine.types import SamplingParams
+from polytinker.envs.tools import Tool, ToolLimits, make_tool, run_tool_call, tool_format
 from polytinker.envs.types import AgentAction, EpisodeResult, ModelSample, PolicyInput
 from polytinker.errors import ConfigError
 
@@ -46,6 +48,16 @@ class Players:
     samplers: dict[tuple[str, int], SamplingClientLike] = field(default_factory=dict)
     # The version each agent samples from now.
     current: dict[str, int] = field(default_factory=dict)
+    # How often, how long and how much the env's tools may be called (and answer) in one turn.
+    tool_limits: ToolLimits = field(default_factory=ToolLimits)
+    _tools: dict[str, Tool] = field(default_factory=dict)
+
+    def toolset(self, names: Sequence[str]) -> dict[str, Tool]:
+        """The tools of these names (made once per run: the Python sandbox keeps no state)."""
+        for name in names:
+            if name not in self._tools:
+                self._tools[name] = make_tool(name)
+        return {name: self._tools[name] for name in names}
 
     def policy(
         self, slots_by_seed: SlotsBySeed, *, evaluation: bool = False, sample_seed: int = 0
@@ -74,21 +86,73 @@ class Players:
             if slot.kind is SlotKind.SCRIPTED:
                 return self.scripted[slot.name](role, inp)
             version = slot.version if slot.version is not None else current.get(slot.name, 0)
-            spec = self.specs[slot.name]
-            prompt = self.renderers[slot.name].prompt_tokens(inp)
-            sampling = spec.sampling
-            params = SamplingParams(
-                max_tokens=sampling.max_tokens,
-                temperature=sampling.eval_temperature if evaluation else sampling.temperature,
-                top_p=sampling.top_p,
-                seed=call_seed(role, inp),
-            )
-            response = await samplers[(slot.name, version)].sample_async(prompt, 1, params)
-            seq = response.sequences[0]
-            sample = ModelSample(slot.name, version, tuple(prompt), tuple(seq.tokens), tuple(seq.logprobs))
-            return AgentAction(seq.text, sample=sample)
+            turn = _ModelTurn(self, slot.name, version, samplers[(slot.name, version)], inp)
+            return await turn.play(evaluation, call_seed(role, inp))
 
         return policy
+
+
+class _ModelTurn:
+    """One decision of a model agent: sample; while the completion ends in a call of one of the
+    env's tools (and calls are left), run the tool, show its result, and sample on; the text
+    after the last call is the action."""
+
+    def __init__(self, players: Players, agent: str, version: int, sampler: SamplingClientLike, inp: PolicyInput):
+        self.players, self.agent, self.version, self.sampler, self.inp = players, agent, version, sampler, inp
+        self.spec = players.specs[agent]
+        self.renderer = players.renderers[agent]
+        self.tools = players.toolset(inp.tools)
+        self.format = tool_format(self.spec.renderer.tool_format) if self.tools else None
+
+    async def play(self, evaluation: bool, seed: int) -> AgentAction:
+        tools_text = self.format.describe(list(self.tools.values()), self.players.tool_limits) if self.format else ""
+        prompt = self.renderer.prompt_tokens(self.inp, tools_text)
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        sampled: list[bool] = []
+        limits = self.players.tool_limits
+        calls = errors = 0
+        while True:
+            may_call = self.format is not None and calls < limits.max_calls_per_turn
+            # The first sample keeps the seed it always had; each call after a tool result its own.
+            params = self._params(evaluation, seed if calls == 0 else _derived_seed(seed, calls), may_call)
+            response = await self.sampler.sample_async([*prompt, *tokens], 1, params)
+            seq = response.sequences[0]
+            tokens += seq.tokens
+            logprobs += [float(x) for x in seq.logprobs]
+            sampled += [True] * len(seq.tokens)
+            text = self.renderer.tokenizer.decode(list(seq.tokens), skip_special_tokens=True)
+            if calls == 0:  # the reply starts with the answer prefix (which may open a call)
+                text = self.spec.renderer.answer_prefix + text
+            call = self.format.parse(text, self.tools) if may_call and self.format is not None else None
+            if call is None:
+                break
+            result = await asyncio.to_thread(run_tool_call, call, self.tools, limits)
+            calls, errors = calls + 1, errors + (not result.ok)
+            shown = self.renderer.tool_result_tokens([*prompt, *tokens], result.text)
+            tokens += shown
+            logprobs += [0.0] * len(shown)
+            sampled += [False] * len(shown)
+        sample = ModelSample(
+            self.agent, self.version, tuple(prompt), tuple(tokens), tuple(logprobs), tuple(sampled) if calls else ()
+        )
+        meta = {"tool_calls": calls, "tool_errors": errors} if self.tools else {}
+        # The env reads the answer after the last tool result (all of it when there was no call).
+        return AgentAction(seq.text, meta=meta, sample=sample)
+
+    def _params(self, evaluation: bool, seed: int, may_call: bool) -> SamplingParams:
+        sampling = self.spec.sampling
+        return SamplingParams(
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.eval_temperature if evaluation else sampling.temperature,
+            top_p=sampling.top_p,
+            seed=seed,
+            stop=tuple(self.format.stop_strings(self.tools)) if may_call and self.format is not None else (),
+        )
+
+
+def _derived_seed(seed: int, index: int) -> int:
+    return int(np.random.SeedSequence([seed, index]).generate_state(1, np.uint64)[0] >> 1)
 
 
 def is_win(result: EpisodeResult, role: str, rule: Literal["beats_others", "positive"]) -> bool:
@@ -127,6 +191,7 @@ def collect_samples(results: Sequence[EpisodeResult], slots_by_seed: SlotsBySeed
                         reward=turn.reward,
                         episode_reward=traj.total_reward,
                         invalid=turn.invalid_reason is not None,
+                        sampled_T=sample.sampled_T,
                     )
                 )
     return out
@@ -150,6 +215,7 @@ def rollout_metrics(
                 rewards.setdefault(slot.name, []).append(traj.total_reward)
                 wins.setdefault(slot.name, []).append(is_win(result, role, rule))
     metrics: dict[str, float] = {"episodes": float(len(results))}
+    metrics.update(_tool_metrics(results, slots_by_seed))
     for agent, values in rewards.items():
         metrics[f"reward/{agent}"] = sum(values) / len(values)
         metrics[f"win_rate/{agent}"] = sum(wins[agent]) / len(wins[agent])
@@ -161,6 +227,26 @@ def rollout_metrics(
         # policy's per-token entropy (exact in expectation at temperature 1).
         metrics[f"entropy/{agent}"] = -sum(sum(s.logprobs_T) for s in turns) / max(1, tokens)
     return metrics
+
+
+def _tool_metrics(results: Sequence[EpisodeResult], slots_by_seed: SlotsBySeed) -> dict[str, float]:
+    """Per learning agent that had tools: tool calls per turn, and the share of calls that failed."""
+    calls: dict[str, list[int]] = {}
+    errors: dict[str, int] = {}
+    for result in results:
+        if result.aborted or result.seed is None:
+            continue
+        for role, traj in result.trajectories.items():
+            slot = slots_by_seed[result.seed][role]
+            for turn in traj.turns:
+                if slot.trains and "tool_calls" in turn.meta:
+                    calls.setdefault(slot.name, []).append(int(turn.meta["tool_calls"]))
+                    errors[slot.name] = errors.get(slot.name, 0) + int(turn.meta.get("tool_errors", 0))
+    out: dict[str, float] = {}
+    for agent, per_turn in calls.items():
+        out[f"tool_calls/{agent}"] = sum(per_turn) / len(per_turn)
+        out[f"tool_error_rate/{agent}"] = errors[agent] / max(1, sum(per_turn))
+    return out
 
 
 __all__ = ["Players", "SlotsBySeed", "collect_samples", "is_win", "rollout_metrics"]

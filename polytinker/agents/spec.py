@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from polytinker.agents.types import AlgorithmName
 from polytinker.engine.types import DEFAULT_TARGET_MODULES
+from polytinker.envs.tools import FORMATS
 from polytinker.errors import ConfigError
 from polytinker.tables import check_keys, from_table
 
@@ -71,6 +72,9 @@ class AlgorithmConfig:
     # grpo: divide by the group's std; reinforce/ppo: by the batch's std.
     sft_data: str = ""
     # sft: a JSONL file, one {"messages": [{"role": ..., "content": ...}, ...]} per line.
+    merge_turns: bool = True
+    # The turns of one episode whose prompts extend each other (renderer history = "full") become
+    # one datum: the learner scores the trajectory once instead of each turn's whole history.
 
     def __post_init__(self) -> None:
         try:
@@ -136,12 +140,22 @@ class RendererConfig:
     # The start of the agent's reply, written into the prompt after the generation prompt
     # (e.g. "My move (cooperate or defect):"): it primes the answer format for a small model.
     # Part of the prompt, so never trained on; the env parses only what the model adds.
+    tool_format: str = "tags"
+    # How the agent writes a tool call, when the env gives it tools: "tags"
+    # (<calculator>12*7</calculator>, what a small model copies best) or "json" (Hermes/Qwen style
+    # <tool_call>{"name": ..., "arguments": ...}</tool_call>).
+    tool_role: str = "tool"
+    # The chat role of a tool's result message (a template without it shows a user message).
 
     def __post_init__(self) -> None:
         if self.history not in ("full", "none"):
             raise ConfigError(f"RendererConfig.history must be 'full' or 'none', got {self.history!r}")
         if self.max_listed_moves < 0:
             raise ConfigError(f"RendererConfig.max_listed_moves must be >= 0, got {self.max_listed_moves}")
+        if self.tool_format not in FORMATS:
+            raise ConfigError(f"RendererConfig.tool_format {self.tool_format!r}: choose one of {sorted(FORMATS)}")
+        if not self.tool_role:
+            raise ConfigError("RendererConfig.tool_role must name a chat role, e.g. 'tool'")
 
 
 @dataclass(frozen=True)

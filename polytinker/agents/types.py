@@ -80,6 +80,14 @@ class TurnSample:
     reward: float  # this turn's own reward (until the role's next decision)
     episode_reward: float  # the role's total reward in the episode
     invalid: bool = False
+    # Per completion token: True where the model sampled it, False for a tool result shown to
+    # it (masked out of the loss); empty: all sampled (``ModelSample.sampled_T``).
+    sampled_T: tuple[bool, ...] = ()
+
+    @property
+    def sampled_tokens(self) -> int:
+        """How many completion tokens the model wrote (the ones the loss is taken on)."""
+        return sum(self.sampled_T) if self.sampled_T else len(self.completion_tokens)
 
 
 @dataclass(frozen=True)

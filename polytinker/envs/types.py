@@ -79,8 +79,13 @@ class ModelSample:
     agent: str  # the agent (adapter) whose model answered
     version: int  # the adapter version that sampled it
     prompt_tokens: tuple[int, ...]
+    # Everything after the prompt: the tokens the model sampled and, when it called tools during
+    # the turn, the tool results (and chat markup) shown to it between them.
     completion_tokens: tuple[int, ...]
-    logprobs_T: tuple[float, ...]  # one per completion token, the sampling model's own
+    logprobs_T: tuple[float, ...]  # one per completion token, the sampling model's own (0.0 where shown)
+    # One per completion token: True where the model sampled it, False where it was shown (a tool
+    # result). Empty: every completion token was sampled (a turn with no tool call).
+    sampled_T: tuple[bool, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -147,6 +152,8 @@ class PolicyInput:
     # The episode's seed (None when unseeded): lets scripted policies draw per-episode randomness,
     # so that concurrent episodes repeat exactly whatever order they interleave in.
     seed: int | None = None
+    # Names of the tools the agent may call before it answers (``env.tools(agent)``).
+    tools: tuple[str, ...] = ()
 
     def to_messages(self) -> list[dict[str, str]]:
         """``[{"role": "system", ...}, {"role": "user", obs0}, {"role": "assistant", act0}, ...,

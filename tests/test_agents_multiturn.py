@@ -1,0 +1,183 @@
+"""Multi-turn prompts that continue each other, and an episode's turns merged into one datum."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from polytinker.agents.algorithms import GRPO
+from polytinker.agents.algorithms.base import turn_chains
+from polytinker.agents.render import Renderer
+from polytinker.agents.spec import AlgorithmConfig, RendererConfig
+from polytinker.agents.types import TurnSample
+from polytinker.engine.models import load_tokenizer
+from polytinker.envs.types import ModelSample, PolicyInput, TextObservation, Turn
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+def _inp(text: str, history: tuple[Turn, ...] = ()) -> PolicyInput:
+    return PolicyInput("player_0", "ep", "guess_number-v0", "Find the number.", TextObservation(text), history)
+
+
+def _answer(renderer: Renderer, inp: PolicyInput, text: str, eos: bool = True) -> Turn:
+    tok = renderer.tokenizer
+    completion = tok.encode(text, add_special_tokens=False) + ([tok.eos_token_id] if eos else [])
+    sample = ModelSample("a", 0, tuple(renderer.prompt_tokens(inp)), tuple(completion), (-0.5,) * len(completion))
+    return Turn(inp.observation, text, sample=sample)
+
+
+def test_each_prompt_continues_the_previous_prompt_and_completion(tokenizer):
+    renderer = Renderer(tokenizer, RendererConfig(answer_prefix="Guess:"))
+    first = _inp("Guess 1 of 3:")
+    turn = _answer(renderer, first, " 4")
+    second = _inp("4: higher\nGuess 2 of 3:", (turn,))
+    prompt = renderer.prompt_tokens(second)
+    before = [*turn.sample.prompt_tokens, *turn.sample.completion_tokens]
+    assert prompt[: len(before)] == before
+    text = tokenizer.decode(prompt)
+    assert text.endswith("<|im_start|>user\n4: higher\nGuess 2 of 3:<|im_end|>\n<|im_start|>assistant\nGuess:")
+    # A completion cut by max_tokens (no stop token) gets the end of its message added.
+    cut = _answer(renderer, first, " 4", eos=False)
+    text = tokenizer.decode(renderer.prompt_tokens(_inp("next", (cut,))))
+    assert "Guess: 4<|im_end|>\n<|im_start|>user\nnext" in text
+
+
+def test_a_turn_without_a_sample_renders_the_whole_conversation(tokenizer):
+    renderer = Renderer(tokenizer, RendererConfig())
+    scripted = Turn(TextObservation("Guess 1 of 3:"), "4")  # no sample: a scripted answer
+    inp = _inp("4: higher", (scripted,))
+    assert renderer.prompt_tokens(inp) == renderer.encode_messages(renderer.messages(inp))
+    none = Renderer(tokenizer, RendererConfig(history="none"))
+    assert "Guess 1 of 3" not in tokenizer.decode(none.prompt_tokens(inp))
+
+
+def test_tool_results_are_shown_as_a_tool_message(tokenizer):
+    renderer = Renderer(tokenizer, RendererConfig())
+    so_far = tokenizer.encode("<calculator>6*7</calculator>", add_special_tokens=False)
+    shown = tokenizer.decode(renderer.tool_result_tokens(so_far, "42"))
+    assert shown == "<|im_end|>\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _episode(renderer: Renderer, answers: list[str], episode: str, rewards: list[float]) -> list[TurnSample]:
+    history: tuple[Turn, ...] = ()
+    out = []
+    for index, (answer, reward) in enumerate(zip(answers, rewards, strict=True)):
+        inp = PolicyInput("player_0", episode, "g", "Find it.", TextObservation(f"Guess {index + 1}:"), history)
+        turn = _answer(renderer, inp, answer)
+        history = (*history, turn)
+        s = turn.sample
+        out.append(
+            TurnSample(
+                "a", "player_0", 0, "g0", episode, index, s.prompt_tokens, s.completion_tokens, s.logprobs_T, reward, 0
+            )
+        )
+    return out
+
+
+def _positions(datums):
+    """Every weighted position: (the input up to it, its target, weight, advantage, logprob)."""
+    out = []
+    for d in datums:
+        for j, w in enumerate(d.weights_T):
+            if w:
+                context = tuple(d.input_tokens[: j + 1])
+                out.append((context, d.target_tokens_T[j], w, d.advantages_T[j], d.sampling_logprobs_T[j]))
+    return sorted(out)
+
+
+def test_merged_datums_weigh_the_same_positions_as_one_datum_per_turn(tokenizer):
+    renderer = Renderer(tokenizer, RendererConfig())
+    samples = _episode(renderer, [" 4", " 6", " 5"], "e1", [0.0, 0.0, 1.0])
+    samples += _episode(renderer, [" 2", " 7", " 8"], "e2", [0.0, 0.0, 0.0])
+    # Returns 0.5 on every turn: the group's mean, so advantage 0 and nothing to learn.
+    samples += _episode(renderer, [" 3", " 1", " 2"], "e3", [0.0, 0.0, 0.5])
+    assert turn_chains(samples) == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    assert turn_chains(samples, merge=False) == [[i] for i in range(9)]
+    batch = {}
+    for merge in (True, False):
+        algo = GRPO(AlgorithmConfig(merge_turns=merge, reward_mode="per_turn", normalize_advantages=False))
+        advantages = algo.advantages(samples)
+        (batch[merge],) = algo.minibatches(samples, advantages, seed=0)
+    assert len(batch[True]) == 2 and len(batch[False]) == 6  # the zero-advantage episode drops out
+    assert _positions(batch[True]) == _positions(batch[False])
+    merged_tokens = sum(len(d.input_tokens) for d in batch[True])
+    assert merged_tokens < sum(len(d.input_tokens) for d in batch[False])
+    assert sum(sum(d.weights_T) for d in batch[True]) == pytest.approx(1.0)
+
+
+def test_a_chain_is_cut_where_a_prompt_does_not_extend_the_last(tokenizer):
+    renderer = Renderer(tokenizer, RendererConfig())
+    samples = _episode(renderer, [" 4", " 6", " 5"], "e1", [1.0, 0.0, 1.0])
+    broken = samples[2]  # e.g. a template that re-renders earlier turns differently
+    samples[2] = TurnSample(**{**broken.__dict__, "prompt_tokens": broken.prompt_tokens[1:]})
+    assert turn_chains(samples) == [[0, 1], [2]]
+
+
+def test_tool_result_tokens_inside_a_completion_carry_no_weight(tokenizer):
+    from polytinker.agents.render import turn_datum
+
+    d = turn_datum([1, 2], [3, 4, 5, 6], [-0.1, 0.0, 0.0, -0.4], 2.0, 0.5, sampled_T=(True, False, False, True))
+    assert d.weights_T == [0.0, 0.5, 0.0, 0.0, 0.5]
+    assert d.advantages_T == [0.0, 2.0, 0.0, 0.0, 2.0]
+    assert np.allclose(d.sampling_logprobs_T, [0.0, -0.1, 0.0, 0.0, -0.4])
+
+
+class _ScriptedSampler:
+    """A stand-in sampling client that answers from a script (the real loop runs in
+    test_a_model_calls_the_calculator_through_the_runtime); it records what it was asked."""
+
+    def __init__(self, tokenizer, replies: list[str]) -> None:
+        self.tokenizer, self.replies, self.calls = tokenizer, list(replies), []
+
+    async def sample_async(self, prompt, num_samples=1, sampling_params=None):
+        from polytinker.types import SampledSequence, SampleResponse
+
+        self.calls.append((list(prompt), sampling_params))
+        text = self.replies.pop(0)
+        tokens = self.tokenizer.encode(text, add_special_tokens=False)
+        return SampleResponse([SampledSequence("stop", tokens, [-0.25] * len(tokens), text)])
+
+
+def _players(tokenizer, sampler, max_calls: int = 3):
+    from polytinker.agents.rollout import Players
+    from polytinker.agents.spec import AgentSpec
+    from polytinker.agents.types import Slot, SlotKind
+    from polytinker.envs.tools import ToolLimits
+
+    players = Players({"a": AgentSpec("a")}, {"a": Renderer(tokenizer)}, {}, tool_limits=ToolLimits(max_calls))
+    players.samplers[("a", 0)] = sampler
+    return players.policy({7: {"player_0": Slot(SlotKind.LEARNER, "a")}})
+
+
+def test_a_tool_call_is_run_and_its_result_shown_then_the_answer_sampled(tokenizer):
+    import asyncio
+
+    sampler = _ScriptedSampler(tokenizer, ["<calculator>6*7</calculator>", " 42"])
+    inp = PolicyInput("player_0", "ep", "math_tool-v0", "Compute.", TextObservation("6*7 = ?"), seed=7)
+    inp = PolicyInput(**{**inp.__dict__, "tools": ("calculator",)})
+    action = asyncio.run(_players(tokenizer, sampler)("player_0", inp))
+    assert action.text == " 42" and action.meta == {"tool_calls": 1, "tool_errors": 0}
+    first_prompt, first_params = sampler.calls[0]
+    assert "<calculator>" in tokenizer.decode(first_prompt)  # the tools are described in the system prompt
+    assert first_params.stop == ("</calculator>",)
+    sample = action.sample
+    shown = [t for t, sampled in zip(sample.completion_tokens, sample.sampled_T, strict=True) if not sampled]
+    assert tokenizer.decode(shown) == "<|im_end|>\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+    second_prompt, _ = sampler.calls[1]
+    assert second_prompt == [*sample.prompt_tokens, *sample.completion_tokens[: len(second_prompt) - len(first_prompt)]]
+    assert sum(sample.sampled_T) == len(tokenizer.encode("<calculator>6*7</calculator> 42", add_special_tokens=False))
+
+
+def test_calls_past_the_limit_are_not_run(tokenizer):
+    import asyncio
+
+    sampler = _ScriptedSampler(tokenizer, ["<calculator>1+1</calculator>", "<calculator>2+2</calculator>"])
+    inp = PolicyInput("player_0", "ep", "m", "Compute.", TextObservation("?"), seed=7, tools=("calculator",))
+    action = asyncio.run(_players(tokenizer, sampler, max_calls=1)("player_0", inp))
+    assert action.meta["tool_calls"] == 1
+    assert sampler.calls[1][1].stop == ()  # no call left: the second sample must answer
+    assert action.text == "<calculator>2+2</calculator>"  # what the env is given to parse
