@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from fractions import Fraction
 from typing import Any
@@ -126,7 +126,7 @@ def evaluate(expression: str) -> Fraction:
 
 def _sum(tokens: list[str], i: int) -> tuple[Fraction, int]:
     value, i = _product(tokens, i)
-    while i < len(tokens) and tokens[i] in "+-":
+    while i < len(tokens) and tokens[i] in ("+", "-"):
         right, j = _product(tokens, i + 1)
         value, i = (value + right if tokens[i] == "+" else value - right), j
     return value, i
@@ -134,7 +134,7 @@ def _sum(tokens: list[str], i: int) -> tuple[Fraction, int]:
 
 def _product(tokens: list[str], i: int) -> tuple[Fraction, int]:
     value, i = _factor(tokens, i)
-    while i < len(tokens) and tokens[i] in "*/":
+    while i < len(tokens) and tokens[i] in ("*", "/"):
         right, j = _factor(tokens, i + 1)
         if tokens[i] == "/" and right == 0:
             raise ValueError("division by zero")
@@ -146,7 +146,7 @@ def _factor(tokens: list[str], i: int) -> tuple[Fraction, int]:
     if i >= len(tokens):
         raise ValueError("the expression ends too early")
     token = tokens[i]
-    if token in "+-" and token:
+    if token in ("+", "-"):
         value, j = _factor(tokens, i + 1)
         return (value if token == "+" else -value), j
     if token == "(":
@@ -194,7 +194,7 @@ def _draw(config: MathTaskConfig, rng: np.random.Generator) -> MathProblem:
     ops = [config.ops[int(rng.integers(len(config.ops)))] for _ in range(config.operations)]
     start = 0  # the first operand of the product being built
     for i, op in enumerate(ops):
-        if op in "+-":
+        if op in ("+", "-"):
             start = i + 1
         elif op == "/":
             operands[start] *= operands[i + 1]  # the division comes out even
@@ -240,17 +240,11 @@ def solve(expression: str) -> int | None:
     return int(value) if value.denominator == 1 else None
 
 
-def as_tuple(value: Sequence[str] | str) -> tuple[str, ...]:
-    """A TOML list or a single name as a tuple of names."""
-    return (value,) if isinstance(value, str) else tuple(value)
-
-
 __all__ = [
     "MAX_EXPRESSION_CHARS",
     "OPERATORS",
     "MathProblem",
     "MathTaskConfig",
-    "as_tuple",
     "evaluate",
     "generate",
     "parse_answer",
