@@ -35,6 +35,8 @@ def _train(args: argparse.Namespace) -> int:
         overrides["output.root"] = args.root
     if args.no_progress:
         overrides["output.progress"] = False
+    if args.env_address:
+        overrides["env.address"] = args.env_address
     summary = Experiment.from_toml(args.config, overrides).train(resume=args.resume, overwrite=args.overwrite)
     print(summary.report())
     return 0
@@ -57,6 +59,11 @@ def register(sub: Any) -> None:
     p.add_argument("--root", help="override output.root (where run directories go)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any setting, e.g. train.groups=4")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--env-address",
+        metavar="ADDRESS",
+        help="play the episodes on the env server there (tcp://HOST:PORT, see `env serve`): overrides env.address",
+    )
     p.set_defaults(func=_train)
 
     s = sub.add_parser("show", help="summarise a training run: metrics, evaluation, a few transcripts")

@@ -1,6 +1,7 @@
 """The settings of an experiment, one frozen dataclass per part.
 
-- ``EnvSetup``: the env id and its keyword arguments.
+- ``EnvSetup``: the env id, where it runs (here, or an env server's address), its keyword
+  arguments and how it treats invalid actions.
 - ``TrainConfig``: steps, episodes per step (groups x group size), sync or async, seeds.
 - ``EvalConfig``: evaluation against the env's scripted opponents during training.
 - ``OutputConfig``: the run directory and what goes in it (metrics, transcripts, checkpoints).
@@ -18,6 +19,7 @@ from typing import Any, Literal
 from polytinker.agents.mapping import MappingConfig
 from polytinker.agents.spec import AgentSpec
 from polytinker.agents.types import LoopMode
+from polytinker.envs import EnvConfig, EnvSource
 from polytinker.errors import ConfigError
 from polytinker.tables import from_table
 
@@ -25,18 +27,41 @@ from polytinker.tables import from_table
 @dataclass(frozen=True)
 class EnvSetup:
     id: str = "prisoners_dilemma-v0"
-    # A registered env id (`polytinker env list`).
+    # A registered env id (`polytinker env list`) or "package.module:Class"; with an address, an
+    # id that the env server there serves.
+    address: str = ""
+    # An env server (`polytinker env serve ID --bind tcp://HOST:PORT`) to play the episodes on;
+    # empty: the env runs in this process. Its scripted opponents then run on the server.
     kwargs: dict[str, Any] = field(default_factory=dict)
-    # Keyword arguments of the env (e.g. rounds = 1).
+    # Keyword arguments of the env (e.g. rounds = 1); scalars only for a remote env.
     max_retries: int = 1
-    # Invalid actions an agent may make in a row before the env plays a fallback move for it.
+    # Invalid actions an agent may make in a row before on_retries_exhausted applies.
     invalid_action_penalty: float = -0.5
     # Reward of each invalid action (it teaches the answer format).
+    on_retries_exhausted: Literal["fallback", "forfeit"] = "fallback"
+    # "fallback": the env plays a fallback move for the agent; "forfeit": the episode ends and the
+    # agent gets forfeit_reward.
+    forfeit_reward: float = -1.0
+    # Reward of an agent that forfeits (on_retries_exhausted = "forfeit").
 
     def __post_init__(self) -> None:
         if not self.id:
             raise ConfigError("env.id must name a registered env, e.g. 'tictactoe-v0' (see `polytinker env list`)")
         object.__setattr__(self, "kwargs", dict(self.kwargs))
+        self.source()  # the env config's checks, and the address's
+
+    def env_config(self) -> EnvConfig:
+        """The ``EnvConfig`` the env gets (as ``config=`` here, in the open request when remote)."""
+        return EnvConfig(
+            invalid_action_penalty=self.invalid_action_penalty,
+            max_retries=self.max_retries,
+            on_retries_exhausted=self.on_retries_exhausted,
+            forfeit_reward=self.forfeit_reward,
+        )
+
+    def source(self) -> EnvSource:
+        """Where the episodes come from: ``make()`` opens one env, ``factory()`` is the coordinator's."""
+        return EnvSource(self.id, address=self.address, kwargs=self.kwargs, config=self.env_config())
 
 
 @dataclass(frozen=True)
@@ -56,8 +81,14 @@ class TrainConfig:
     # Seeds of the episodes (and of everything else random in the loop).
     max_concurrent_episodes: int = 64
     # Episodes in flight at once (their model calls meet in the engine's batches).
+    max_aborted_share: float = 0.5
+    # The run fails when more than this share of a step's episodes (or of an evaluation's) were
+    # aborted: the env raised, its server died, the step limit was hit. Fewer are left out of the
+    # batch and counted (metrics "aborted", "aborted_share"). 1.0: never fail.
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.max_aborted_share <= 1.0:
+            raise ConfigError(f"train.max_aborted_share must be in [0, 1], got {self.max_aborted_share}")
         try:
             object.__setattr__(self, "mode", LoopMode(self.mode))
         except ValueError:

@@ -4,7 +4,8 @@ Each trainable agent plays each role it trains in against each scripted opponent
 other roles, on the same episode and sampling seeds every time (so evaluations compare: they
 differ only where the weights do), at the agent's ``eval_temperature``. All these batches run at
 once, so their model calls share the engine's batches. Metrics: ``eval/<agent>/<opponent>/win_rate``
-and ``.../reward``, averaged over roles.
+and ``.../reward``, averaged over roles, of the episodes that ended; ``eval/aborted`` and
+``eval/aborted_share`` count the others (past ``max_aborted_share`` the evaluation raises).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
+from polytinker.agents.aborts import aborted_metrics, check_aborted
 from polytinker.agents.config import EvalConfig
 from polytinker.agents.mapping import PolicyMapping
 from polytinker.agents.metrics import transcript
@@ -30,8 +32,11 @@ async def evaluate(
     coordinator: Coordinator,
     config: EvalConfig,
     step: int,
+    *,
+    max_aborted_share: float = 1.0,
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """Metrics and one transcript per (agent, role, opponent)."""
+    """Metrics and one transcript per (agent, role, opponent); ``EnvError`` when more than
+    ``max_aborted_share`` of the episodes aborted."""
     seeds = [config.seed + i for i in range(config.episodes)]
     jobs: list[tuple[str, str, str]] = [
         (agent, role, opponent)
@@ -46,6 +51,8 @@ async def evaluate(
         return await coordinator.run(make_env, policy, seeds)
 
     outcomes = await asyncio.gather(*(one(*job) for job in jobs))
+    played = [r for results in outcomes for r in results]
+    check_aborted(played, max_aborted_share, f"evaluation at step {step}")
     wins: dict[tuple[str, str], list[float]] = {}
     rewards: dict[tuple[str, str], list[float]] = {}
     transcripts = []
@@ -56,7 +63,7 @@ async def evaluate(
         if done:
             names = {r: (agent if r == role else f"scripted:{opponent}") for r in done[0].trajectories}
             transcripts.append(transcript(done[0], step, "eval", names))
-    metrics: dict[str, float] = {}
+    metrics: dict[str, float] = aborted_metrics(played, "eval/")
     for (agent, opponent), values in wins.items():
         metrics[f"eval/{agent}/{opponent}/win_rate"] = sum(values) / max(1, len(values))
         got = rewards[(agent, opponent)]

@@ -19,7 +19,6 @@ import logging
 import shutil
 import time
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ from polytinker.agents.protocols import ServiceClientLike, TrainingClientLike
 from polytinker.agents.render import Renderer
 from polytinker.agents.rollout import Players
 from polytinker.agents.types import AlgorithmName, LoopMode, MappingKind, StepRecord
-from polytinker.envs import EnvConfig, make, scripted_policy
+from polytinker.envs import scripted_policy
 from polytinker.errors import ConfigError, NotBuiltError, PolytinkerError
 from polytinker.model_path import ModelPath
 
@@ -61,12 +60,17 @@ class RunSummary:
                 was = f"{b:.2f} -> " if b is not None else ""
                 was_r = f"{rb:.2f} -> " if rb is not None else ""
                 lines.append(f"  {agent} vs {opponent}: win rate {was}{a:.2f}, reward {was_r}{ra:.2f}")
+        aborted = self.after.get("eval/aborted", 0.0)
+        if aborted:
+            share = self.after.get("eval/aborted_share", 0.0)
+            lines.append(f"  ({aborted:.0f} evaluation episodes aborted, {share:.0%}: left out of these numbers)")
         return "\n".join(lines)
 
 
 def _make_env(config: ExperimentConfig) -> Any:
-    env_cfg = EnvConfig(max_retries=config.env.max_retries, invalid_action_penalty=config.env.invalid_action_penalty)
-    return make(config.env.id, config=env_cfg, **config.env.kwargs)
+    """One env of the experiment (a probe: its agents, instructions and scripted opponents); the
+    caller closes it (a remote env holds an episode open on its server)."""
+    return config.env.source().make()
 
 
 class Experiment:
@@ -261,12 +265,17 @@ class Experiment:
     async def _run(self, service: ServiceClientLike, resume: bool) -> RunSummary:
         config = self.config
         probe = _make_env(config)
-        players = self._players(probe)
-        self._check_opponents(players)
-        mapping = PolicyMapping(config.mapping, probe.possible_agents, config.agents)
+        try:
+            players = self._players(probe)
+            self._check_opponents(players)
+            mapping = PolicyMapping(config.mapping, probe.possible_agents, config.agents)
+        finally:
+            # Nothing later uses the probe: its scripted policies hold no env (a remote env's ask
+            # the server of the episode being played).
+            probe.close()
         clients = await asyncio.to_thread(self._clients, service)
         try:
-            return await self._train(service, resume, probe, players, mapping, clients)
+            return await self._train(service, resume, players, mapping, clients)
         finally:
             # The jobs end with the run, whoever owns the service: on a shared runtime a job left
             # live would hold its learner share (a full-parameter job, a whole group) until it
@@ -277,7 +286,6 @@ class Experiment:
         self,
         service: ServiceClientLike,
         resume: bool,
-        probe: Any,
         players: Players,
         mapping: PolicyMapping,
         clients: dict[str, TrainingClientLike],
@@ -300,7 +308,7 @@ class Experiment:
             self.run_dir, tensorboard=config.output.tensorboard, wandb=config.output.wandb, name=config.name
         )
         self._trainer = Trainer(
-            config, players, mapping, Learners(clients, algorithms, config), partial(_make_env, config), self
+            config, players, mapping, Learners(clients, algorithms, config), config.env.source().factory(), self
         )
         if config.output.progress:
             from tqdm import tqdm

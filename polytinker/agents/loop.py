@@ -11,6 +11,10 @@ rollouts.
 trains, as long as the adapters they sample from are at most ``max_staleness`` versions behind;
 the ``importance_sampling`` and ``ppo`` losses correct for the stale sampler with the sampling
 logprobs each datum carries.
+
+Aborted episodes (an env that raised, a dead env server) are left out, counted (``aborted``,
+``aborted_share``) and shown; past ``train.max_aborted_share`` of a step's episodes, or of an
+evaluation's, the run stops with the first reasons (``polytinker.agents.aborts``).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
+from polytinker.agents.aborts import aborted_metrics, check_aborted
 from polytinker.agents.algorithms import Algorithm
 from polytinker.agents.config import ExperimentConfig
 from polytinker.agents.evaluate import evaluate
@@ -118,12 +123,20 @@ class Trainer:
         slots = {seed: self.mapping.assign(seed) for seed in groups}
         policy = self.players.policy(slots, sample_seed=self.config.train.seed)
         results = await self.coordinator.run(self.make_env, policy, seeds)
+        check_aborted(results, self.config.train.max_aborted_share, f"step {step}")
         return results, slots
 
     async def evaluate(self, step: int) -> dict[str, float]:
         start = time.perf_counter()
         metrics, transcripts = await evaluate(
-            self.players, self.mapping, self.trainable, self.make_env, self.coordinator, self.config.eval, step
+            self.players,
+            self.mapping,
+            self.trainable,
+            self.make_env,
+            self.coordinator,
+            self.config.eval,
+            step,
+            max_aborted_share=self.config.train.max_aborted_share,
         )
         self.hooks.transcripts(transcripts)
         return {**metrics, "time/eval_s": time.perf_counter() - start}
@@ -134,6 +147,7 @@ class Trainer:
         start = time.perf_counter()
         samples = collect_samples(results, slots)
         metrics = rollout_metrics(results, slots, samples, self.config.eval.win)
+        metrics.update(aborted_metrics(results))
         updates = await asyncio.gather(*(self.learners.update(a, samples.get(a, []), step) for a in self.trainable))
         for agent, (version, agent_metrics) in zip(self.trainable, updates, strict=True):
             metrics.update(agent_metrics)

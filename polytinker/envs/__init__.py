@@ -9,6 +9,7 @@
   pz_tictactoe-v3 and pz_connect_four-v3 through ``PettingZooTextEnv``, the adapter for discrete PettingZoo envs.
 - ``Coordinator``: drives many episodes against ``policy(agent_id, PolicyInput) -> str``.
 - ``EnvServer`` / ``RemoteEnv``: envs in another process or machine over ZeroMQ.
+- ``EnvSource``: an env by id, local or at an env server's address (what train, play and check take).
 - ``check_env``: the conformance checks behind ``polytinker env check``.
 
 This package never imports torch: env processes stay light.
@@ -21,7 +22,8 @@ from polytinker.envs.config import CoordinatorConfig, EnvConfig, EnvServerConfig
 from polytinker.envs.coordinator import Coordinator, Policy
 from polytinker.envs.opponents import RandomPolicy, ScriptedPolicy, scripted_policy
 from polytinker.envs.registry import EnvSpec, env_specs, make, register
-from polytinker.envs.remote import EnvServer, RemoteAECEnv, RemoteEnv, RemoteParallelEnv
+from polytinker.envs.remote import EnvServer, RemoteAECEnv, RemoteEnv, RemoteParallelEnv, RemoteScriptedPolicy
+from polytinker.envs.source import EnvSource
 from polytinker.envs.types import (
     AgentAction,
     AgentID,
@@ -44,6 +46,7 @@ __all__ = [
     "EnvConfig",
     "EnvServer",
     "EnvServerConfig",
+    "EnvSource",
     "EnvSpec",
     "EpisodeResult",
     "Finding",
@@ -57,6 +60,7 @@ __all__ = [
     "RemoteEnv",
     "RemoteEnvConfig",
     "RemoteParallelEnv",
+    "RemoteScriptedPolicy",
     "ScriptedPolicy",
     "TextAECEnv",
     "TextObservation",

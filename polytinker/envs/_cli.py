@@ -23,15 +23,19 @@ def _list(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     from polytinker.envs.checker import check_env, format_findings
 
-    findings = check_env(args.target, seed=args.seed)
-    print(format_findings(args.target, findings))
+    findings = check_env(args.target, seed=args.seed, address=args.env_address)
+    shown = f"{args.target} at {args.env_address}" if args.env_address else args.target
+    print(format_findings(shown, findings))
     return 0 if all(f.passed for f in findings) else 1
 
 
 def _play(args: argparse.Namespace) -> int:
     from polytinker.envs.play import play
 
-    result = play(args.env_id, agent=args.agent, opponent=args.opponent, seed=args.seed)
+    result = play(args.env_id, agent=args.agent, opponent=args.opponent, seed=args.seed, address=args.env_address)
+    if result is not None and result.aborted:
+        print(f"polytinker env play: error: the env failed: {result.aborted}", file=sys.stderr)
+        return 1
     return 0 if result is not None else 1
 
 
@@ -57,6 +61,16 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _address_flag(q: Any) -> None:
+    # The same flag, with the same meaning, as `polytinker train --env-address`.
+    q.add_argument(
+        "--env-address",
+        default="",
+        metavar="ADDRESS",
+        help="an env server's address (tcp://HOST:PORT, see `env serve`): the id is one it serves",
+    )
+
+
 def register(sub: Any) -> None:
     p = sub.add_parser("env", help="text environments: list, check, play, serve")
     env_sub = p.add_subparsers(dest="env_command", metavar="ENV_COMMAND", required=True)
@@ -67,6 +81,7 @@ def register(sub: Any) -> None:
     q = env_sub.add_parser("check", help="run the conformance checks on an env and say what to fix")
     q.add_argument("target", help="a registered id (tictactoe-v0) or an entry point (package.module:Class)")
     q.add_argument("--seed", type=int, default=0)
+    _address_flag(q)
     q.set_defaults(func=_check)
 
     q = env_sub.add_parser("play", help="play an env in the terminal against scripted opponents")
@@ -74,6 +89,7 @@ def register(sub: Any) -> None:
     q.add_argument("--agent", default=None, help="the agent you play (default: the first)")
     q.add_argument("--opponent", default="heuristic", choices=["heuristic", "random"])
     q.add_argument("--seed", type=int, default=None)
+    _address_flag(q)
     q.set_defaults(func=_play)
 
     q = env_sub.add_parser("serve", help="serve registered envs to remote clients over ZeroMQ")

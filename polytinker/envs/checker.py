@@ -5,25 +5,30 @@ PettingZoo's own API test (``api_test`` or ``parallel_api_test``) and polytinker
 observations inside the observation space, instructions for every agent, every listed legal
 move parsed back as legal, an empty action refused, episodes that end under seeded random play,
 the same transcript twice under the same seed, scripted opponents present. Each failure says
-how to fix it.
+how to fix it: the env's traceback (from the first frame of the env's own code) and a hint that
+fits the error. A check that could not run (the env could not be built, random play aborted
+before it got there) is reported as not run, never as passed. ``address=`` checks an env served
+by an env server (``polytinker env check --env-address``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pettingzoo import AECEnv
 from pettingzoo.test import api_test, parallel_api_test
 
+from polytinker.envs._trace import env_location, env_traceback
 from polytinker.envs.config import CoordinatorConfig
 from polytinker.envs.coordinator import Coordinator
 from polytinker.envs.opponents import ScriptedPolicy, scripted_policy
-from polytinker.envs.registry import make
+from polytinker.envs.source import EnvSource
 from polytinker.envs.types import AgentID, EpisodeResult, InvalidAction, PolicyInput
 
 
@@ -35,24 +40,81 @@ class Finding:
     passed: bool
     # What went wrong and how to fix it ("" when passed).
     detail: str = ""
+    # False: the check could not run (an earlier failure stopped it); it is not passed either.
+    ran: bool = True
+
+    @property
+    def status(self) -> Literal["ok", "FAIL", "SKIP"]:
+        return "ok" if self.passed else ("FAIL" if self.ran else "SKIP")
 
 
-def _factory(target: str | Callable[[], Any]) -> Callable[[], Any]:
+class _NotRun(Exception):
+    """A check that could not run; the message says why."""
+
+
+class _Envs:
+    """The checks' env factory: it remembers what it made, so that every env (every remote
+    episode) is closed at the end, whoever made it."""
+
+    def __init__(self, make_env: Callable[[], Any]) -> None:
+        self._make = make_env
+        self.made: list[Any] = []
+
+    def __call__(self) -> Any:
+        env = self._make()
+        self.made.append(env)
+        return env
+
+    def close(self) -> None:
+        for env in self.made:
+            with contextlib.suppress(Exception):  # closing twice, or a server already gone
+                env.close()
+        self.made.clear()
+
+
+def _factory(target: str | Callable[[], Any], address: str) -> Callable[[], Any]:
     if callable(target):
         return target
-    return lambda: make(target)
+    return EnvSource(target, address=address).make
 
 
 def _run(check: str, fn: Callable[[], str], fix: str) -> Finding:
     try:
         problem = fn()
-    except AssertionError as exc:
-        problem = f"{exc or 'assertion failed'}"
+    except _NotRun as why:
+        return Finding(check, False, f"not run: {why}", ran=False)
     except Exception as exc:
-        problem = f"{type(exc).__name__}: {exc}"
+        return Finding(check, False, _failure(exc, fix))
     if not problem:
         return Finding(check, True)
     return Finding(check, False, f"{problem}\n    fix: {fix}")
+
+
+def _failure(exc: BaseException, fix: str) -> str:
+    """The error, the env's traceback and a hint that fits it."""
+    head = f"{exc or 'assertion failed'}" if isinstance(exc, AssertionError) else f"{type(exc).__name__}: {exc}"
+    trace = env_traceback(exc, indent="      ")
+    where = env_location(exc)
+    lines = [head, f"    traceback (the env's code):\n{trace}" if trace else ""]
+    lines.append(f"    fix: {_hint(exc, where) or fix}")
+    return "\n".join(line for line in lines if line)
+
+
+def _hint(exc: BaseException, where: str) -> str:
+    if isinstance(exc, NotImplementedError):
+        frames = traceback.extract_tb(exc.__traceback__)
+        hook = frames[-1].name if frames else "a hook"
+        return (
+            f"implement {hook}() in the env class: it is a hook of TextAECEnv/TextParallelEnv that the "
+            "game must write (docs/envs.md, Writing a game)"
+        )
+    if isinstance(exc, TypeError) and ("argument" in str(exc) or "positional" in str(exc)) and not where:
+        return "the entry point must build an env with no arguments: give every parameter a default"
+    if isinstance(exc, AssertionError):
+        return ""  # PettingZoo's own assertion: the check's fix line says which contract it is
+    if where:
+        return f"the env raised at {where}: fix it there (the traceback above shows the calls that led to it)"
+    return ""
 
 
 _FIXES = {
@@ -70,21 +132,34 @@ _FIXES = {
 }
 
 
-def check_env(target: str | Callable[[], Any], *, seed: int = 0, max_steps: int = 2000) -> list[Finding]:
-    """Run every check; a failed construction stops there."""
-    make_env = _factory(target)
+def check_env(
+    target: str | Callable[[], Any], *, seed: int = 0, max_steps: int = 2000, address: str = ""
+) -> list[Finding]:
+    """Run every check; when the env cannot be built, the others are reported as not run.
+    ``target``: a registered id, ``"package.module:Class"`` or a zero-argument factory; with
+    ``address``, an id served by the env server there."""
+    make_env = _Envs(_factory(target, address))
+    try:
+        return _checks(make_env, seed, max_steps)
+    finally:
+        make_env.close()
+
+
+def _checks(make_env: _Envs, seed: int, max_steps: int) -> list[Finding]:
     try:
         probe = make_env()
     except Exception as exc:
         fix = "the entry point must build an env with no arguments"
-        return [Finding("construct", False, f"{type(exc).__name__}: {exc}\n    fix: {fix}")]
+        failed = Finding("construct", False, _failure(exc, fix))
+        return [failed] + [Finding(name, False, "not run: the env could not be built", ran=False) for name in _FIXES]
     roundtrip: list[str] = []  # filled by the random play, reported by the check after it
+    played: list[EpisodeResult] = []
     checks: list[tuple[str, Callable[[], str]]] = [
         ("pettingzoo api test", lambda: _pettingzoo(make_env)),
         ("instructions", lambda: _instructions(probe)),
         ("text observations", lambda: _text_observations(make_env, seed)),
-        ("seeded random play ends", lambda: _play(make_env, seed, max_steps, roundtrip)),
-        ("legal moves parse back", lambda: "; ".join(roundtrip[:3])),
+        ("seeded random play ends", lambda: _play(make_env, seed, max_steps, roundtrip, played)),
+        ("legal moves parse back", lambda: _parsed_back(roundtrip, played)),
         ("empty action refused", lambda: _empty_refused(make_env, seed)),
         ("deterministic under a seed", lambda: _determinism(make_env, seed, max_steps)),
         ("scripted opponents", lambda: _scripted(probe)),
@@ -152,6 +227,8 @@ def _policy_for(env_box: list[Any], roundtrip: list[str], seed: int) -> Callable
 def _episodes(
     make_env: Callable[[], Any], seed: int, max_steps: int, roundtrip: list[str], n: int
 ) -> list[EpisodeResult]:
+    """``n`` episodes of seeded random play; the first one an env failure aborted re-raises the
+    env's exception (with its traceback), so that the check shows where the env broke."""
     box: list[Any] = []
 
     def factory() -> Any:
@@ -159,12 +236,29 @@ def _episodes(
         return box[-1]
 
     coordinator = Coordinator(CoordinatorConfig(max_concurrent_episodes=1, max_steps_per_episode=max_steps))
-    return [coordinator.run_sync(factory, _policy_for(box, roundtrip, seed), [seed])[0] for _ in range(n)]
+    results = []
+    for _ in range(n):
+        result = coordinator.run_sync(factory, _policy_for(box, roundtrip, seed), [seed])[0]
+        if result.aborted and coordinator.last_failure is not None:
+            raise coordinator.last_failure
+        results.append(result)
+    return results
 
 
-def _play(make_env: Callable[[], Any], seed: int, max_steps: int, roundtrip: list[str]) -> str:
+def _play(
+    make_env: Callable[[], Any], seed: int, max_steps: int, roundtrip: list[str], played: list[EpisodeResult]
+) -> str:
     result = _episodes(make_env, seed, max_steps, roundtrip, 1)[0]
+    played.append(result)
     return f"episode aborted: {result.aborted}" if result.aborted else ""
+
+
+def _parsed_back(roundtrip: list[str], played: list[EpisodeResult]) -> str:
+    if roundtrip:
+        return "; ".join(roundtrip[:3])
+    if not played or played[0].aborted:
+        raise _NotRun("the seeded random play did not finish, so not every listed move was tried")
+    return ""
 
 
 def _empty_refused(make_env: Callable[[], Any], seed: int) -> str:
@@ -184,6 +278,8 @@ def _transcript(result: EpisodeResult) -> list[tuple[Any, ...]]:
 
 def _determinism(make_env: Callable[[], Any], seed: int, max_steps: int) -> str:
     first, second = _episodes(make_env, seed, max_steps, [], 2)
+    if first.aborted or second.aborted:
+        raise _NotRun(f"the seeded episodes did not finish ({first.aborted or second.aborted})")
     a, b = _transcript(first), _transcript(second)
     if a == b:
         return ""
@@ -208,9 +304,11 @@ def _heuristic_note(env: Any) -> Finding | None:
 
 
 def format_findings(target: str, findings: list[Finding]) -> str:
-    lines = [f"{'ok  ' if f.passed else 'FAIL'} {f.check}" + (f": {f.detail}" if f.detail else "") for f in findings]
-    failed = sum(not f.passed for f in findings)
-    lines.append(f"{target}: {len(findings) - failed} passed, {failed} failed")
+    lines = [f"{f.status:<4} {f.check}" + (f": {f.detail}" if f.detail else "") for f in findings]
+    failed = sum(f.status == "FAIL" for f in findings)
+    skipped = sum(f.status == "SKIP" for f in findings)
+    summary = f"{target}: {len(findings) - failed - skipped} passed, {failed} failed"
+    lines.append(summary + (f", {skipped} not run" if skipped else ""))
     return "\n".join(lines)
 
 

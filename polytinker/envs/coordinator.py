@@ -22,8 +22,12 @@ opponents); one policy for all agents, or a mapping from agent id to policy.
 - Invalid actions: the env refuses them (penalty, retries); the coordinator records the refusal
   (``Turn.invalid_reason``) and asks again with the env's feedback in the observation.
 - A policy that times out sends the empty action, which the env refuses like any invalid one.
-- An env that raises aborts its episode (``EpisodeResult.aborted``); the other episodes go on.
-  So does a ``make_env`` that raises: the episode is recorded as aborted with the reason.
+- An env that raises aborts its episode (``EpisodeResult.aborted``: the error and where in the
+  env's code it was raised); the other episodes go on. So does a ``make_env`` that raises, and a
+  policy that raises ``EnvError`` (a remote env's scripted opponent whose server failed). Any other
+  exception from a policy is the caller's bug and propagates.
+- ``current_env()`` is the env of the episode whose policy is being asked (a remote env's
+  scripted opponents ask its server for their moves through it).
 - Back-pressure: an env source that refuses an open for now (``EnvBusy``: a remote server with
   ``max_episodes`` open) lowers how many episodes this run opens at once to what the source
   admits (its ``max_episodes``, or what is open now), and the refused episode waits (exponential
@@ -36,6 +40,7 @@ are awaited, so that many remote episodes overlap on one event loop.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import random
 import time
@@ -46,6 +51,7 @@ from typing import Any
 
 from pettingzoo import AECEnv
 
+from polytinker.envs._trace import describe_failure
 from polytinker.envs.config import CoordinatorConfig
 from polytinker.envs.types import (
     AgentAction,
@@ -57,11 +63,17 @@ from polytinker.envs.types import (
     Trajectory,
     Turn,
 )
-from polytinker.errors import EnvBusy
+from polytinker.errors import EnvBusy, EnvError
 
 PolicyResult = str | AgentAction
 Policy = Callable[[AgentID, PolicyInput], Awaitable[PolicyResult] | PolicyResult]
 EnvFactory = Callable[[], Any]
+_CURRENT_ENV: contextvars.ContextVar[Any] = contextvars.ContextVar("polytinker_current_env", default=None)
+
+
+def current_env() -> Any:
+    """The env of the episode whose policy the coordinator is asking now (None outside one)."""
+    return _CURRENT_ENV.get()
 
 
 @dataclass
@@ -164,6 +176,8 @@ class Coordinator:
         self.config = config or CoordinatorConfig()
         # Over this coordinator's runs: opens refused for now (EnvBusy) and opens that failed.
         self.stats = {"open_refused": 0, "open_failed": 0}
+        # The exception of the latest episode an env failure aborted (its traceback is the env's).
+        self.last_failure: BaseException | None = None
 
     async def run(
         self,
@@ -216,8 +230,9 @@ class Coordinator:
                 tries += 1
             except Exception as exc:
                 self.stats["open_failed"] += 1
+                self.last_failure = exc
                 await gate.release()
-                return None, f"open failed: {type(exc).__name__}: {exc}"
+                return None, f"open failed: {describe_failure(exc)}"
 
     def run_sync(
         self,
@@ -245,6 +260,7 @@ class Coordinator:
         book = _Book()
         start = time.perf_counter()
         aborted: str | None = None
+        token = _CURRENT_ENV.set(env)
         try:
             drive = self._drive_aec if isinstance(env, AECEnv) else self._drive_parallel
             await drive(env, policy, book, seed, env_id, episode_id)
@@ -255,7 +271,10 @@ class Coordinator:
             raise exc.__cause__ or exc from None
         except Exception as exc:
             # The env (or the link to it) failed: this episode is lost, the others go on.
-            aborted = f"{type(exc).__name__}: {exc}"
+            aborted = describe_failure(exc)
+            self.last_failure = exc
+        finally:
+            _CURRENT_ENV.reset(token)
         return EpisodeResult(
             episode_id=episode_id,
             env_id=env_id,
@@ -289,8 +308,12 @@ class Coordinator:
             if inspect.isawaitable(result):
                 async with asyncio.timeout(self.config.policy_timeout_s):  # no extra task, unlike wait_for
                     result = await result
+                    while inspect.isawaitable(result):  # a wrapper handed back an async policy's coroutine
+                        result = await result
         except TimeoutError:
             result, timed_out = "", True
+        except EnvError:
+            raise  # the env failed (a served scripted opponent): the episode aborts, the run goes on
         except Exception as exc:
             raise _PolicyFailed() from exc
         if isinstance(result, str):

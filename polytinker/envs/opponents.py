@@ -23,10 +23,15 @@ class ScriptedPolicy:
         self.rng = random.Random(seed)
 
     def __call__(self, agent: AgentID, inp: PolicyInput) -> str:
+        return self.move(agent, inp, turn=len(inp.history))
+
+    def move(self, agent: AgentID, inp: PolicyInput, *, turn: int) -> str:
+        """The policy's move, ``turn`` being the agent's earlier decisions in the episode: an env
+        server, which keeps no history, plays the same moves as a local policy that has it."""
         if inp.seed is not None:
             # Randomness derived from the episode and the decision, not from a stream shared by
             # every episode: the same seeds give the same games however episodes interleave.
-            key = f"{self.seed}/{inp.seed}/{agent}/{len(inp.history)}/{inp.retry}/{inp.observation.text}"
+            key = f"{self.seed}/{inp.seed}/{agent}/{turn}/{inp.retry}/{inp.observation.text}"
             self.rng = random.Random(key)
         return self.act(agent, inp, inp.observation.info.get("view", {}))
 

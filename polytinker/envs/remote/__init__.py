@@ -4,7 +4,7 @@ The wire protocol is in docs/remote-envs.md (env messages) on top of docs/wire-p
 (the RPC envelope).
 """
 
-from polytinker.envs.remote.client import RemoteAECEnv, RemoteEnv, RemoteParallelEnv
+from polytinker.envs.remote.client import RemoteAECEnv, RemoteEnv, RemoteParallelEnv, RemoteScriptedPolicy
 from polytinker.envs.remote.server import EnvServer
 
-__all__ = ["EnvServer", "RemoteAECEnv", "RemoteEnv", "RemoteParallelEnv"]
+__all__ = ["EnvServer", "RemoteAECEnv", "RemoteEnv", "RemoteParallelEnv", "RemoteScriptedPolicy"]

@@ -11,12 +11,19 @@ sooner, when the transport's heartbeats stop) with ``RequestTimeout``/``PeerDead
 naming the server and the episode; an env that raised on the server arrives as ``EnvError``.
 A server with ``max_episodes`` open answers the open "busy": the open raises ``EnvBusy`` (with
 the server's ``retry_after_s`` and ``max_episodes``), which the coordinator waits out.
+
+``env.scripted`` lists the env's scripted policies as the server has them (``{"random": ...,
+"heuristic": ...}``, like a local env's class attribute): ``RemoteScriptedPolicy`` asks the server
+for their moves (``env.scripted``), so evaluations against scripted opponents work without the
+env's code on this side.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -25,9 +32,18 @@ from pettingzoo import AECEnv, ParallelEnv
 
 from polytinker.envs.base import text_spaces
 from polytinker.envs.config import EnvConfig, RemoteEnvConfig
+from polytinker.envs.coordinator import current_env
 from polytinker.envs.remote import messages as m
-from polytinker.envs.types import AgentID, InvalidAction
-from polytinker.errors import EnvBusy, EnvError, PeerDeadError, ProtocolError, RemoteError, RequestTimeout
+from polytinker.envs.types import AgentID, InvalidAction, PolicyInput
+from polytinker.errors import (
+    ConfigError,
+    EnvBusy,
+    EnvError,
+    PeerDeadError,
+    ProtocolError,
+    RemoteError,
+    RequestTimeout,
+)
 from polytinker.transport.rpc import ClientCurve, RpcClient
 
 _Key = tuple[str, ClientCurve | None]
@@ -72,6 +88,8 @@ def _translate(exc: BaseException, what: str) -> BaseException:
     if isinstance(exc, RemoteError):
         if exc.code == ProtocolError.code:
             return ProtocolError(f"{what}: the server refused the request: {exc.args[0]}")
+        if exc.code == ConfigError.code:
+            return ConfigError(f"{what}: {exc.args[0]}")
         return EnvError(f"{what}: {exc.args[0]}")
     if isinstance(exc, RequestTimeout):
         return RequestTimeout(f"{what}: no reply in time; is the env server still running? ({exc})")
@@ -94,7 +112,7 @@ class RemoteEnv:
         *,
         config: RemoteEnvConfig | None = None,
         env_kwargs: dict[str, Any] | None = None,
-        env_config: dict[str, Any] | None = None,
+        env_config: EnvConfig | dict[str, Any] | None = None,
         curve: ClientCurve | None = None,
     ) -> Any:
         if cls is not RemoteEnv:
@@ -114,7 +132,7 @@ class RemoteEnv:
         *,
         config: RemoteEnvConfig | None = None,
         env_kwargs: dict[str, Any] | None = None,
-        env_config: dict[str, Any] | None = None,
+        env_config: EnvConfig | dict[str, Any] | None = None,
         curve: ClientCurve | None = None,
     ) -> Any:
         """``RemoteEnv(...)`` without blocking the event loop (``make_env`` may return this)."""
@@ -141,6 +159,9 @@ class RemoteEnv:
             max_observation_chars=int(hello["max_observation_chars"]), max_action_chars=int(hello["max_action_chars"])
         )
         self._obs_spaces, self._act_spaces = text_spaces(self.possible_agents, env_config)
+        # The server plays these (env.scripted); a server that lists none leaves the random policy
+        # to this side (scripted_policy's default), which needs only the legal moves.
+        self.scripted = {str(k): functools.partial(RemoteScriptedPolicy, str(k)) for k in hello.get("scripted") or ()}
         self._closed = False
 
     # -- calls
@@ -171,6 +192,25 @@ class RemoteEnv:
         reply = self._call(m.KIND_PARSE, {"episode": self.episode, "agent": agent, "text": text})
         return str(reply["move"]) if reply["valid"] else InvalidAction(str(reply["reason"]))
 
+    def scripted_move(
+        self, agent: AgentID, policy: str, policy_seed: int | None = None, *, turn: int = 0, retry: int = 0
+    ) -> str:
+        """The move the server's scripted ``policy`` makes for ``agent`` now (``env.scripted``)."""
+        payload = _scripted_payload(self.episode, agent, policy, policy_seed, turn, retry)
+        return str(self._call(m.KIND_SCRIPTED, payload)["action"])
+
+    async def ascripted_move(
+        self, agent: AgentID, policy: str, policy_seed: int | None = None, *, turn: int = 0, retry: int = 0
+    ) -> str:
+        """``scripted_move`` without blocking the event loop. A dead or silent server is an
+        ``EnvError`` here, so that the coordinator aborts the episode rather than the run."""
+        payload = _scripted_payload(self.episode, agent, policy, policy_seed, turn, retry)
+        try:
+            reply = await self._acall(m.KIND_SCRIPTED, payload)
+        except (RequestTimeout, PeerDeadError) as exc:
+            raise EnvError(str(exc)) from exc
+        return str(reply["action"])
+
     def close(self) -> None:
         if self._closed:
             return
@@ -194,8 +234,42 @@ class RemoteEnv:
             _release(self._key)
 
 
-def _open_payload(env_id: str, env_kwargs: dict[str, Any] | None, env_config: dict[str, Any] | None) -> dict:
-    return {"env_id": env_id, "kwargs": dict(env_kwargs or {}), "config": dict(env_config or {})}
+def _open_payload(
+    env_id: str, env_kwargs: dict[str, Any] | None, env_config: EnvConfig | dict[str, Any] | None
+) -> dict:
+    config = dataclasses.asdict(env_config) if isinstance(env_config, EnvConfig) else dict(env_config or {})
+    return {"env_id": env_id, "kwargs": dict(env_kwargs or {}), "config": config}
+
+
+def _scripted_payload(
+    episode: str, agent: AgentID, policy: str, policy_seed: int | None, turn: int, retry: int
+) -> dict[str, Any]:
+    return {
+        "episode": episode,
+        "agent": agent,
+        "policy": policy,
+        "policy_seed": policy_seed,
+        "turn": turn,
+        "retry": retry,
+    }
+
+
+class RemoteScriptedPolicy:
+    """A scripted policy of a remote env, played by its server: the policy for the episodes of
+    that env (``scripted_policy(remote_env, "heuristic", seed)`` makes one). A coroutine policy:
+    the coordinator awaits its move, asked for the episode being played (``current_env()``)."""
+
+    def __init__(self, kind: str, seed: int | None = None) -> None:
+        self.kind, self.seed = kind, seed
+
+    async def __call__(self, agent: AgentID, inp: PolicyInput) -> str:
+        env = current_env()
+        if not isinstance(env, RemoteEnv):
+            raise ConfigError(
+                f"the scripted policy {self.kind!r} of a remote env plays only in episodes of a remote env "
+                f"(this episode's env is {type(env).__name__}); use the local env's scripted_policy there"
+            )
+        return await env.ascripted_move(agent, self.kind, self.seed, turn=len(inp.history), retry=inp.retry)
 
 
 def _opened(key: _Key, env_id: str, client: RpcClient, hello: Any, config: RemoteEnvConfig) -> Any:
@@ -287,4 +361,4 @@ def _texts(actions: dict[AgentID, Any]) -> dict[AgentID, str]:
     return {a: v if isinstance(v, str) else str(v) for a, v in actions.items()}
 
 
-__all__ = ["RemoteAECEnv", "RemoteEnv", "RemoteParallelEnv"]
+__all__ = ["RemoteAECEnv", "RemoteEnv", "RemoteParallelEnv", "RemoteScriptedPolicy"]

@@ -5,7 +5,7 @@ any language can speak them; ``parse_request`` turns one into its dataclass or r
 ``ProtocolError`` saying which field is wrong. Replies are plain maps built by the server.
 
 Kinds: ``env.list``, ``env.open``, ``env.reset``, ``env.step``, ``env.observe``, ``env.parse``,
-``env.close``.
+``env.scripted`` (a move of one of the env's scripted policies), ``env.close``.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ KIND_RESET = "env.reset"
 KIND_STEP = "env.step"
 KIND_OBSERVE = "env.observe"
 KIND_PARSE = "env.parse"
+KIND_SCRIPTED = "env.scripted"
 KIND_CLOSE = "env.close"
-KINDS = (KIND_LIST, KIND_OPEN, KIND_RESET, KIND_STEP, KIND_OBSERVE, KIND_PARSE, KIND_CLOSE)
+KINDS = (KIND_LIST, KIND_OPEN, KIND_RESET, KIND_STEP, KIND_OBSERVE, KIND_PARSE, KIND_SCRIPTED, KIND_CLOSE)
 
 _SCALARS = (str, int, float, bool, type(None))
 
@@ -63,6 +64,22 @@ class ParseRequest:
     episode: str
     agent: str
     text: str
+
+
+@dataclass(frozen=True)
+class ScriptedRequest:
+    """Ask the server for the move its scripted policy ``policy`` makes for ``agent`` now."""
+
+    episode: str
+    agent: str
+    # A kind the env's open reply listed under "scripted" ("random", "heuristic").
+    policy: str
+    # The policy's seed (None: unseeded).
+    policy_seed: int | None = None
+    # The agent's earlier decisions in the episode and its refusals in a row: with the episode's
+    # seed they seed the move, so that a served policy plays as the same policy run locally.
+    turn: int = 0
+    retry: int = 0
 
 
 @dataclass(frozen=True)
@@ -127,9 +144,26 @@ def parse_request(kind: str, payload: Any) -> Any:
         return ObserveRequest(episode, _field(payload, kind, "agent", (str,)))
     if kind == KIND_PARSE:
         return ParseRequest(episode, _field(payload, kind, "agent", (str,)), _field(payload, kind, "text", (str,)))
+    if kind == KIND_SCRIPTED:
+        return _scripted(payload, kind, episode)
     if kind == KIND_CLOSE:
         return CloseRequest(episode)
     raise ProtocolError(f"unknown env message kind {kind!r}; known: {', '.join(KINDS)}")
+
+
+def _scripted(payload: Mapping[str, Any], kind: str, episode: str) -> ScriptedRequest:
+    turn = _field(payload, kind, "turn", (int,), required=False) or 0
+    retry = _field(payload, kind, "retry", (int,), required=False) or 0
+    if turn < 0 or retry < 0:
+        raise ProtocolError(f"{kind}: 'turn' and 'retry' must be >= 0")
+    return ScriptedRequest(
+        episode,
+        _field(payload, kind, "agent", (str,)),
+        _field(payload, kind, "policy", (str,)),
+        _field(payload, kind, "policy_seed", (int, type(None)), required=False),
+        turn,
+        retry,
+    )
 
 
 __all__ = [
@@ -140,6 +174,7 @@ __all__ = [
     "KIND_OPEN",
     "KIND_PARSE",
     "KIND_RESET",
+    "KIND_SCRIPTED",
     "KIND_STEP",
     "CloseRequest",
     "ListRequest",
@@ -147,6 +182,7 @@ __all__ = [
     "OpenRequest",
     "ParseRequest",
     "ResetRequest",
+    "ScriptedRequest",
     "StepRequest",
     "parse_request",
 ]

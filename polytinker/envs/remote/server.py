@@ -7,7 +7,8 @@ separate executor with ``step_timeout_s``: an env that hangs or raises aborts it
 client gets an error reply naming the reason) while the server keeps serving the others.
 With ``max_episodes`` open, ``env.open`` is answered ``{"busy": true, ...}`` (the client raises
 ``EnvBusy``; the coordinator waits and opens again) rather than an error: a full server is a
-state to wait out, not a failure.
+state to wait out, not a failure. ``env.scripted`` plays the env's own scripted policies (the
+opponents of evaluations) on the server, so a client needs no copy of the env's code.
 """
 
 from __future__ import annotations
@@ -25,11 +26,14 @@ from typing import Any
 
 from pettingzoo import AECEnv
 
+from polytinker.envs._trace import describe_failure
 from polytinker.envs.config import EnvConfig, EnvServerConfig
+from polytinker.envs.opponents import ScriptedPolicy
 from polytinker.envs.registry import env_specs, make
 from polytinker.envs.remote import messages as m
-from polytinker.envs.types import InvalidAction
+from polytinker.envs.types import InvalidAction, PolicyInput, TextObservation
 from polytinker.errors import ConfigError, EnvError, ProtocolError
+from polytinker.tables import from_table
 from polytinker.transport.config import TransportConfig
 from polytinker.transport.protocol import RateLimitedLog
 from polytinker.transport.rpc import RpcServer, ServerCurve
@@ -46,6 +50,11 @@ class _Episode:
     aec: bool
     lock: threading.Lock = field(default_factory=threading.Lock)
     last_used: float = field(default_factory=time.monotonic)
+    seed: int | None = None  # of the last reset: scripted moves derive their randomness from it
+    # Parallel envs: the last observations and infos sent (what a scripted policy sees).
+    observations: dict[str, Any] = field(default_factory=dict)
+    infos: dict[str, Any] = field(default_factory=dict)
+    policies: dict[tuple[str, int | None], Any] = field(default_factory=dict)  # (kind, seed) -> policy
 
 
 class EnvServer:
@@ -79,6 +88,7 @@ class EnvServer:
             m.KIND_STEP: self._on_step,
             m.KIND_OBSERVE: self._on_observe,
             m.KIND_PARSE: self._on_parse,
+            m.KIND_SCRIPTED: self._on_scripted,
             m.KIND_CLOSE: self._on_close,
         }
         wrapped = {kind: self._typed(kind, fn) for kind, fn in handlers.items()}
@@ -162,7 +172,7 @@ class EnvServer:
         except FutureTimeout:
             raise self._abort(episode, f"{what} took longer than step_timeout_s={self.config.step_timeout_s}") from None
         except Exception as exc:
-            raise self._abort(episode, f"the env raised in {what}: {type(exc).__name__}: {exc}") from exc
+            raise self._abort(episode, f"the env raised in {what}: {describe_failure(exc)}") from exc
 
     def _reap_idle(self) -> None:
         cutoff = time.monotonic() - self.config.idle_episode_s
@@ -181,10 +191,7 @@ class EnvServer:
         self._reap_idle()
         if len(self._episodes) >= self.config.max_episodes:
             return self._busy()
-        try:
-            env_config = EnvConfig(**req.config)
-        except TypeError as exc:
-            raise ConfigError(f"env.open: bad config field: {exc}") from None
+        env_config = from_table(EnvConfig, req.config, "env.open config")
         env = make(req.env_id, config=env_config, **req.kwargs)
         episode = uuid.uuid4().hex
         aec = isinstance(env, AECEnv)
@@ -208,6 +215,7 @@ class EnvServer:
             "instructions": {a: env.instructions(a) for a in env.possible_agents},
             "max_observation_chars": cfg.max_observation_chars,
             "max_action_chars": cfg.max_action_chars,
+            "scripted": sorted(str(kind) for kind in getattr(env, "scripted", None) or {}),
         }
 
     def _busy(self) -> dict[str, Any]:
@@ -219,6 +227,7 @@ class EnvServer:
     def _on_reset(self, req: m.ResetRequest) -> dict[str, Any]:
         ep = self._episode(req.episode)
         with ep.lock:
+            ep.seed = req.seed
             if ep.aec:
                 raw = self._run(req.episode, ep, "reset", lambda: _then_observe(ep.env, ep.env.reset(seed=req.seed)))
                 return self._aec_state(req.episode, ep, raw)
@@ -258,6 +267,23 @@ class EnvServer:
         if isinstance(move, InvalidAction):
             return {"valid": False, "move": "", "reason": move.reason}
         return {"valid": True, "move": str(move), "reason": ""}
+
+    def _on_scripted(self, req: m.ScriptedRequest) -> dict[str, Any]:
+        ep = self._episode(req.episode)
+        table = getattr(ep.env, "scripted", None) or {}
+        if req.policy not in table:
+            has = ", ".join(sorted(table)) or "none"
+            raise EnvError(f"{ep.env_id} has no scripted policy {req.policy!r}; it has: {has}")
+        if req.agent not in ep.env.possible_agents:
+            raise EnvError(f"no agent {req.agent!r} in {ep.env_id}")
+        if not ep.aec and req.agent not in ep.observations:
+            raise EnvError(f"{req.agent} has no observation now (not a live agent of episode {req.episode})")
+        with ep.lock:
+            move = self._run(req.episode, ep, f"scripted policy {req.policy!r}", lambda: _scripted_move(ep, req, table))
+        if not isinstance(move, str) or len(move.encode()) > self.config.max_action_bytes:
+            shown = f"{len(move.encode())} bytes" if isinstance(move, str) else type(move).__name__
+            raise self._abort(req.episode, f"scripted policy {req.policy!r} returned {shown}, not an action text")
+        return {"action": move}
 
     def _on_close(self, req: m.CloseRequest) -> dict[str, Any]:
         with self._lock:
@@ -301,14 +327,40 @@ class EnvServer:
     def _parallel_state(
         self, episode: str, ep: _Episode, observations: Any, rewards: Any, terms: Any, truncs: Any, infos: Any
     ) -> dict[str, Any]:
+        checked = {a: self._checked_obs(episode, a, o) for a, o in observations.items()}
+        ep.observations, ep.infos = checked, dict(infos)
         return {
             "agents": list(ep.env.agents),
-            "observations": {a: self._checked_obs(episode, a, o) for a, o in observations.items()},
+            "observations": checked,
             "rewards": {a: float(r) for a, r in rewards.items()},
             "terminations": {a: bool(v) for a, v in terms.items()},
             "truncations": {a: bool(v) for a, v in truncs.items()},
             "infos": dict(infos),
         }
+
+
+def _scripted_move(ep: _Episode, req: m.ScriptedRequest, table: Any) -> Any:
+    """The move of the env's scripted policy for ``req.agent``, from what the agent sees now."""
+    key = (req.policy, req.policy_seed)
+    if key not in ep.policies:
+        ep.policies[key] = table[req.policy](req.policy_seed)
+    policy = ep.policies[key]
+    if ep.aec:
+        raw, info = ep.env.observe(req.agent), ep.env.infos.get(req.agent, {})
+    else:
+        raw, info = ep.observations[req.agent], ep.infos.get(req.agent, {})
+    inp = PolicyInput(
+        agent=req.agent,
+        episode_id=req.episode,
+        env_id=ep.env_id,
+        instructions=ep.env.instructions(req.agent),
+        observation=TextObservation.from_raw(raw, info),
+        retry=req.retry,
+        seed=ep.seed,
+    )
+    # No history is kept here: a ScriptedPolicy takes the decision count instead; another
+    # callable sees an empty history.
+    return policy.move(req.agent, inp, turn=req.turn) if isinstance(policy, ScriptedPolicy) else policy(req.agent, inp)
 
 
 def _then_observe(env: Any, _: Any) -> Any:
