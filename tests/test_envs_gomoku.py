@@ -218,8 +218,11 @@ def test_heuristic_wins_blocks_and_answers_threats():
     # Make a double threat (b5: b4-b5-b6 open at b3 and b7) before blocking O's open two (d3 d4).
     b = board({"b4": "X", "b6": "X", "d3": "O", "d4": "O"})
     assert heuristic_cell(b, "X", 4, rng) == (4, 1)
-    # The first move takes the centre.
+    # The first move takes the centre; a full board has no move to choose.
     assert heuristic_cell(board({}), "X", 4, rng) == (3, 3)
+    full = [[_drawn_pattern(7)[(r, c)] for c in range(7)] for r in range(7)]
+    with pytest.raises(ValueError, match="full"):
+        heuristic_cell(full, "O", 4, rng)
 
 
 def test_heuristic_beats_random_in_both_seats():

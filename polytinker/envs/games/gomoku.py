@@ -131,6 +131,8 @@ def heuristic_cell(board: Board, me: str, win_length: int, rng: Random) -> Cell:
             for gap in gaps:
                 score[gap] += weight * _GROWTH**count
     empty = list(score)
+    if not empty:
+        raise ValueError("heuristic_cell: the board is full; there is no move to choose")
     for options in (
         wins[me],
         wins[other],
