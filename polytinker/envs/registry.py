@@ -28,7 +28,10 @@ from polytinker.errors import ConfigError
 log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "polytinker.envs"
-_ID_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_.]*-v\d+$")
+# An optional namespace before a slash: "textarena/TicTacToe-v0".
+_ID_RE = re.compile(r"^(?:[A-Za-z][A-Za-z0-9_.]*/)?[A-Za-z][A-Za-z0-9_.]*-v\d+$")
+# Namespaces whose ids register on demand: the hook registers the id asked for (or says why not).
+_NAMESPACES = {"textarena": "polytinker.envs.textarena_adapter:register_textarena_id"}
 _ENTRY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 
@@ -141,6 +144,9 @@ def env_specs() -> Mapping[str, EnvSpec]:
 
 def spec(id: str) -> EnvSpec:
     specs = env_specs()
+    namespace = id.split("/", 1)[0] if "/" in id else ""
+    if id not in specs and namespace in _NAMESPACES:
+        load_entry_point(_NAMESPACES[namespace])(id)
     if id not in specs:
         close = [k for k in specs if k.split("-v")[0] == id.split("-v")[0]]
         hint = f" Did you mean {', '.join(close)}?" if close else " `polytinker env list` shows the ids."
