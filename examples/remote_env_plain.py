@@ -30,13 +30,40 @@ import zmq
 VERSION = 1
 REQUEST, REPLY, ERROR, TELL, PING, PONG, CANCEL = 1, 2, 3, 4, 5, 6, 7
 AGENTS = ["player_0", "player_1"]
-PENALTY, MAX_RETRIES = -0.1, 2
+# The EnvConfig fields this server applies (env.open's "config"), with their defaults. Of the
+# others it accepts what it does anyway: only the fallback when retries run out (so
+# forfeit_reward never applies), and its own text bounds (announced in the open reply).
+CONFIG = {"invalid_action_penalty": -0.1, "max_retries": 2}
+AS_IT_DOES = {"on_retries_exhausted", "forfeit_reward", "max_observation_chars", "max_action_chars"}
+
+
+class ConfigProblem(ValueError):
+    """An env.open config this server cannot apply: answered with the error code "config"."""
+
+
+def game_config(raw: Any) -> dict[str, Any]:
+    config = dict(CONFIG)
+    for key, value in (raw or {}).items():
+        if key in AS_IT_DOES:
+            if key == "on_retries_exhausted" and value != "fallback":
+                raise ConfigProblem(f"env.open config.on_retries_exhausted: this server only falls back, not {value!r}")
+            continue
+        if key not in CONFIG:
+            raise ConfigProblem(f"env.open config: unknown key {key!r}; this server applies {sorted(CONFIG)}")
+        wanted = int if key == "max_retries" else (int, float)
+        if not isinstance(value, wanted) or isinstance(value, bool):
+            raise ConfigProblem(f"env.open config.{key}: expected a number, got {type(value).__name__} {value!r}")
+        config[key] = value
+    if config["max_retries"] < 0 or config["invalid_action_penalty"] > 0:
+        raise ConfigProblem("env.open config: max_retries must be >= 0 and invalid_action_penalty <= 0")
+    return config
 
 
 class Nim:
     """The game, with the bookkeeping of a PettingZoo AEC env kept in plain dicts."""
 
-    def __init__(self) -> None:
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.penalty, self.max_retries = float(config["invalid_action_penalty"]), int(config["max_retries"])
         self.rng = random.Random()
         self.reset(None)
 
@@ -91,14 +118,18 @@ class Nim:
         self.rewards = dict.fromkeys(self.agents, 0.0)
         take, reason = self.parse(agent, action or "")
         if take is None:
-            self.rewards[agent] += PENALTY
+            self.rewards[agent] += self.penalty
             self.retries[agent] += 1
-            if self.retries[agent] <= MAX_RETRIES:
-                self.feedback[agent] = f"Invalid action: {reason}. Try again."
+            left = self.max_retries + 1 - self.retries[agent]
+            if left > 0:
+                self.feedback[agent] = f"Invalid action: {reason}. Try again ({left} tries left)."
                 self._accumulate()
                 return
-            take = 1  # retries exhausted: the fallback move
-        self.retries[agent], self.feedback[agent] = 0, ""
+            self.feedback[agent] = f"Invalid action: {reason}. No tries left."
+            self.retries[agent] = 0
+            take = 1  # retries exhausted: the fallback move (the sentence stays until a valid move)
+        else:
+            self.retries[agent], self.feedback[agent] = 0, ""
         self.stones -= take
         if self.stones == 0:
             self.winner = agent
@@ -114,6 +145,12 @@ class Nim:
         for a, r in self.rewards.items():
             self.cumulative[a] += r
 
+    def info(self, agent: str) -> dict[str, Any]:
+        if not self.feedback[agent]:
+            return {"view": {}}
+        left = self.max_retries + 1 - self.retries[agent] if self.retries[agent] else 0
+        return {"view": {}, "invalid_action": self.feedback[agent], "retries_left": left}
+
     def state(self) -> dict[str, Any]:
         return {
             "agents": list(self.agents),
@@ -122,7 +159,7 @@ class Nim:
             "cumulative_rewards": dict(self.cumulative),
             "terminations": dict(self.done),
             "truncations": dict.fromkeys(self.agents, False),
-            "infos": {a: ({"invalid_action": self.feedback[a]} if self.feedback[a] else {}) for a in self.agents},
+            "infos": {a: self.info(a) for a in self.agents},
             "observation": self.observe(self.selection) if self.agents else None,
         }
 
@@ -146,7 +183,7 @@ class Server:
             if req.get("env_id") != "nim-v0":
                 raise LookupError(f"this server serves only nim-v0, not {req.get('env_id')!r}")
             episode = uuid.uuid4().hex
-            self.episodes[episode] = Nim()
+            self.episodes[episode] = Nim(game_config(req.get("config")))
             return {
                 "episode": episode,
                 "env_id": "nim-v0",
@@ -156,6 +193,7 @@ class Server:
                 "instructions": dict.fromkeys(AGENTS, INSTRUCTIONS),
                 "max_observation_chars": 4096,
                 "max_action_chars": 512,
+                "scripted": [],  # no env.scripted here: a client plays "random" from the legal moves
             }
         game = self.episodes.get(req.get("episode", ""))
         if game is None:
@@ -210,7 +248,8 @@ def serve(bind: str) -> None:
             result = server.handle(kind, payload)
             reply = [msgpack.packb([VERSION, REPLY, rid, kind]), msgpack.packb(result)]
         except Exception as exc:
-            reply = [msgpack.packb([VERSION, ERROR, rid, kind]), error_body("handler", exc)]
+            code = "config" if isinstance(exc, ConfigProblem) else "handler"
+            reply = [msgpack.packb([VERSION, ERROR, rid, kind]), error_body(code, exc)]
         if mtype == REQUEST:
             sock.send_multipart([ident, *reply])
 

@@ -287,3 +287,36 @@ def test_env_play_shows_a_simultaneous_move_only_after_the_persons_move():
     assert all(p < m for p, m in zip(prompts, moves, strict=True))
     assert all(m < p for m, p in zip(moves, prompts[1:], strict=False))
     assert "player_1: cooperate" in text  # tit-for-tat's first move, shown after ours
+
+
+# --- a server in another language applies the config: the plain example ------------------------------
+def test_the_plain_example_server_applies_the_config_and_refuses_what_it_cannot():
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "examples/remote_env_plain.py", "--bind", "tcp://127.0.0.1:0"],
+        cwd=Path(__file__).resolve().parent.parent,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        address = proc.stdout.readline().split()[-1]
+        env = RemoteEnv(address, "nim-v0", env_config=EnvConfig(max_retries=1, invalid_action_penalty=-0.7))
+        env.reset(seed=0)
+        env.step("seven")
+        assert env.rewards["player_0"] == -0.7 and env.agent_selection == "player_0"
+        assert (
+            env.infos["player_0"]["retries_left"] == 1 and "(1 tries left)" in env.infos["player_0"]["invalid_action"]
+        )
+        env.step("eight")  # the last try: the fallback move is played
+        assert env.agent_selection == "player_1" and env.infos["player_0"]["retries_left"] == 0
+        env.close()
+        with pytest.raises(ConfigError, match="this server only falls back, not 'forfeit'"):
+            RemoteEnv(address, "nim-v0", env_config=EnvConfig(on_retries_exhausted="forfeit"))
+        with pytest.raises(ConfigError, match="unknown key 'retries'"):
+            RemoteEnv(address, "nim-v0", env_config={"retries": 3})
+    finally:
+        proc.kill()
+        proc.wait()

@@ -192,7 +192,10 @@ class EnvServer:
         if len(self._episodes) >= self.config.max_episodes:
             return self._busy()
         env_config = from_table(EnvConfig, req.config, "env.open config")
-        env = make(req.env_id, config=env_config, **req.kwargs)
+        try:
+            env = make(req.env_id, config=env_config, **req.kwargs)
+        except TypeError as exc:  # a keyword the env does not take: the caller's to fix
+            raise ConfigError(f"env.open kwargs of {req.env_id}: {exc}") from exc
         episode = uuid.uuid4().hex
         aec = isinstance(env, AECEnv)
         with self._lock:  # the bound holds under concurrent opens: counted and taken at once
