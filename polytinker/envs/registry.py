@@ -170,6 +170,7 @@ _BUILTINS = {
     "signal-v0": ("polytinker.envs.games.signal:SignalEnv", {}),
     "negotiation-v0": ("polytinker.envs.games.negotiation:NegotiationEnv", {}),
     "guess_number-v0": ("polytinker.envs.games.guess_number:GuessNumberEnv", {}),
+    "debate-v0": ("polytinker.envs.games.debate:DebateEnv", {}),
     "textworld-v0": ("polytinker.envs.games.textworld:TextWorldEnv", {}),
     "math-v0": ("polytinker.envs.games.math:MathEnv", {}),
     "math_tool-v0": ("polytinker.envs.games.math:MathToolEnv", {}),
