@@ -222,3 +222,31 @@ def test_too_few_learner_groups_for_full_parameter_agents_is_refused(service, tm
     )
     with pytest.raises(Exception, match=r"2 learner groups .* the runtime has 1"):
         Experiment(config).train(service=service)
+
+
+def test_an_agent_calls_its_envs_tool_and_trains_on_what_it_wrote(service, tmp_path):
+    """The tool loop with the real engine: the answer prefix opens a calculator call, so every
+    turn runs the tool, shows its result and samples the answer; the multi-turn episode (two
+    attempts) trains as datums with the tool results masked."""
+    from polytinker.agents import RendererConfig
+
+    solver = dataclasses.replace(
+        agent("solver", "reinforce"),
+        sampling=SamplingConfig(max_tokens=6),
+        renderer=RendererConfig(answer_prefix="<calculator>"),
+    )
+    config = ExperimentConfig(
+        name="tools",
+        env=EnvSetup("math_tool-v0", {"attempts": 2}),
+        agents=(solver,),
+        train=TrainConfig(steps=1, groups=2, group_size=2),
+        eval=EvalConfig(episodes=2, at_start=False, win="positive"),
+        output=OutputConfig(root=str(tmp_path), progress=False, tensorboard=False),
+    )
+    Experiment(config).train(service=service)
+    rows = read_metrics(tmp_path / "tools")
+    assert rows[0]["tool_calls/solver"] >= 1.0  # every turn opened a call
+    assert 0.0 <= rows[0]["tool_error_rate/solver"] <= 1.0
+    # The tokens the model wrote: the calls' and answers' (tool results are not counted).
+    assert rows[0]["tokens/solver"] > 0
+    assert rows[0]["train/datums/solver"] > 0 or rows[0].get("train/skipped/solver") == 1.0

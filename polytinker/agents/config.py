@@ -20,6 +20,7 @@ from polytinker.agents.mapping import MappingConfig
 from polytinker.agents.spec import AgentSpec
 from polytinker.agents.types import LoopMode
 from polytinker.envs import EnvConfig, EnvSource
+from polytinker.envs.tools import ToolLimits
 from polytinker.errors import ConfigError
 from polytinker.tables import from_table
 
@@ -29,20 +30,23 @@ class EnvSetup:
     id: str = "prisoners_dilemma-v0"
     # A registered env id (`polytinker env list`) or "package.module:Class"; with an address, an
     # id that the env server there serves.
-    address: str = ""
-    # An env server (`polytinker env serve ID --bind tcp://HOST:PORT`) to play the episodes on;
-    # empty: the env runs in this process. Its scripted opponents then run on the server.
     kwargs: dict[str, Any] = field(default_factory=dict)
     # Keyword arguments of the env (e.g. rounds = 1); scalars only for a remote env.
     max_retries: int = 1
     # Invalid actions an agent may make in a row before on_retries_exhausted applies.
     invalid_action_penalty: float = -0.5
     # Reward of each invalid action (it teaches the answer format).
+    address: str = ""
+    # An env server (`polytinker env serve ID --bind tcp://HOST:PORT`) to play the episodes on;
+    # empty: the env runs in this process. Its scripted opponents then run on the server.
     on_retries_exhausted: Literal["fallback", "forfeit"] = "fallback"
     # "fallback": the env plays a fallback move for the agent; "forfeit": the episode ends and the
     # agent gets forfeit_reward.
     forfeit_reward: float = -1.0
     # Reward of an agent that forfeits (on_retries_exhausted = "forfeit").
+    tools: ToolLimits = field(default_factory=ToolLimits)
+    # [env.tools]: limits of the tools the env gives its agents (calls per turn, result size,
+    # time and memory of one call); see docs/tools.md.
 
     def __post_init__(self) -> None:
         if not self.id:

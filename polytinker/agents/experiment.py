@@ -172,7 +172,7 @@ class Experiment:
         scripted: dict[str, Any] = {
             kind: scripted_policy(probe_env, kind, seed=self.config.train.seed) for kind in table
         }
-        return Players(specs, renderers, scripted)
+        return Players(specs, renderers, scripted, tool_limits=self.config.env.tools)
 
     def _check_opponents(self, players: Players) -> None:
         wanted = set(self.config.eval.opponents)

@@ -220,7 +220,7 @@ def rollout_metrics(
         metrics[f"reward/{agent}"] = sum(values) / len(values)
         metrics[f"win_rate/{agent}"] = sum(wins[agent]) / len(wins[agent])
     for agent, turns in samples.items():
-        tokens = sum(len(s.completion_tokens) for s in turns)
+        tokens = sum(s.sampled_tokens for s in turns)  # what the model wrote, not tool results
         metrics[f"invalid_rate/{agent}"] = sum(s.invalid for s in turns) / max(1, len(turns))
         metrics[f"tokens/{agent}"] = float(tokens)
         # Mean negative log-probability of the sampled tokens: a Monte Carlo estimate of the
