@@ -7,6 +7,9 @@
 - Built-in games: tictactoe-v0, connect_four-v0, kuhn_poker-v0, prisoners_dilemma-v0 (parallel),
   signal-v0 (cooperative), negotiation-v0, guess_number-v0 and textworld-v0 (single agent);
   pz_tictactoe-v3 and pz_connect_four-v3 through ``PettingZooTextEnv``, the adapter for discrete PettingZoo envs.
+- debate-v0: two debaters on a seeded arithmetic claim, a scripted referee or a judge agent.
+- ``textarena/<Game>-v0``: TextArena's two-player games (``textarena_adapter``, the optional
+  ``textarena`` extra), registered when first asked for.
 - ``Coordinator``: drives many episodes against ``policy(agent_id, PolicyInput) -> str``.
 - ``EnvServer`` / ``RemoteEnv``: envs in another process or machine over ZeroMQ.
 - ``EnvSource``: an env by id, local or at an env server's address (what train, play and check take).
