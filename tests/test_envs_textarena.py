@@ -212,3 +212,22 @@ def test_observation_new_shows_only_what_came_since_the_last_move():
     assert new.observe("player_0")["text"].count("Current Board") == 2  # after its move, after the reply
     with pytest.raises(ConfigError, match="observation"):
         make("textarena/TicTacToe-v0", observation="some")
+
+
+@needs_textarena
+def test_an_env_server_serves_textarena_games_as_played_here():
+    from polytinker.envs import EnvServer, RemoteEnv
+
+    env_id = "textarena/KuhnPoker-v0"
+
+    def policies():
+        env = make(env_id)
+        return {a: scripted_policy(env, "random", seed=i) for i, a in enumerate(env.possible_agents)}
+
+    with EnvServer("tcp://127.0.0.1:0", env_ids=[env_id]) as server:
+        remote = Coordinator().run_sync(lambda: RemoteEnv.aopen(server.address, env_id), policies(), range(16))
+    local = Coordinator().run_sync(lambda: make(env_id), policies(), range(16))
+    assert [r.aborted for r in remote] == [None] * 16
+    assert [r.total_rewards for r in remote] == [r.total_rewards for r in local]
+    texts = [[t.observation.text for t in r.trajectories[a].turns] for r in remote for a in r.trajectories]
+    assert texts == [[t.observation.text for t in r.trajectories[a].turns] for r in local for a in r.trajectories]

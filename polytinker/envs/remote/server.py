@@ -29,7 +29,7 @@ from pettingzoo import AECEnv
 from polytinker.envs._trace import describe_failure
 from polytinker.envs.config import EnvConfig, EnvServerConfig
 from polytinker.envs.opponents import ScriptedPolicy
-from polytinker.envs.registry import env_specs, make
+from polytinker.envs.registry import env_specs, make, spec
 from polytinker.envs.remote import messages as m
 from polytinker.envs.types import InvalidAction, PolicyInput, TextObservation
 from polytinker.errors import ConfigError, EnvError, ProtocolError
@@ -75,7 +75,10 @@ class EnvServer:
         self.env_ids = sorted(env_ids) if env_ids is not None else sorted(known)
         for env_id in self.env_ids:
             if env_id not in known:
-                raise ConfigError(f"cannot serve {env_id!r}: not registered (see `polytinker env list`)")
+                try:
+                    spec(env_id)  # an id of a namespace that registers on demand (textarena/...)
+                except ConfigError as exc:
+                    raise ConfigError(f"cannot serve {env_id!r}: {exc}") from exc
         self._episodes: dict[str, _Episode] = {}
         self._aborted: OrderedDict[str, str] = OrderedDict()
         self._lock = threading.Lock()
