@@ -75,6 +75,22 @@ def test_remote_episodes_match_local_ones(server, env_id):
     assert server.num_episodes == 0  # the coordinator closed them all
 
 
+def test_a_remote_env_declares_its_tools_and_the_coordinator_passes_them_on(server):
+    from polytinker.envs import Coordinator
+
+    env = RemoteEnv(server.address, "math_tool-v0")
+    assert env.tools("player_0") == ("calculator",)
+    assert RemoteEnv(server.address, "kuhn_poker-v0").tools("player_0") == ()
+    seen = []
+
+    def policy(agent, inp):
+        seen.append(inp.tools)
+        return "42"
+
+    Coordinator().run_sync(lambda: env, policy, seeds=[0])
+    assert seen == [("calculator",)]
+
+
 def test_an_env_that_raises_aborts_its_episode_and_the_server_serves_on(server, flaky_id):
     doomed, other = RemoteEnv(server.address, flaky_id), RemoteEnv(server.address, flaky_id)
     doomed.reset(seed=0)

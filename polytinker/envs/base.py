@@ -81,6 +81,13 @@ def text_spaces(agents: Sequence[AgentID], config: EnvConfig) -> tuple[dict[Agen
     return dict.fromkeys(agents, observation), {a: copy.copy(action) for a in agents}
 
 
+def declared_tools(env: Any, agent: AgentID) -> tuple[str, ...]:
+    """The tools ``env`` lets ``agent`` call: what its ``tools(agent)`` says (text envs and remote
+    envs have one), or none (a PettingZoo env without it)."""
+    declare = getattr(env, "tools", None)
+    return tuple(str(name) for name in declare(agent)) if callable(declare) else ()
+
+
 class _TextEnvCore:
     """What both bases share: config, spaces, instructions, parsing, invalid-action feedback."""
 
@@ -368,4 +375,4 @@ class TextParallelEnv(_TextEnvCore, ParallelEnv):
         pass
 
 
-__all__ = ["TEXT_CHARSET", "TextAECEnv", "TextParallelEnv", "parse_choice", "text_spaces"]
+__all__ = ["TEXT_CHARSET", "TextAECEnv", "TextParallelEnv", "declared_tools", "parse_choice", "text_spaces"]

@@ -52,6 +52,7 @@ from typing import Any
 from pettingzoo import AECEnv
 
 from polytinker.envs._trace import describe_failure
+from polytinker.envs.base import declared_tools
 from polytinker.envs.config import CoordinatorConfig
 from polytinker.envs.types import (
     AgentAction,
@@ -300,7 +301,7 @@ class Coordinator:
             history=tuple(book.turns.get(agent, ())) if self.config.keep_history else (),
             retry=book.streak.get(agent, 0),
             seed=ids[2],
-            tools=_declared_tools(env, agent),
+            tools=declared_tools(env, agent),
         )
         start = time.perf_counter()
         timed_out = False
@@ -374,12 +375,6 @@ class Coordinator:
                 truncated = bool(truncations.get(a, False))
                 if terminated or truncated:
                     book.done[a] = (bool(terminated), truncated)
-
-
-def _declared_tools(env: Any, agent: AgentID) -> tuple[str, ...]:
-    """The tools ``env`` lets ``agent`` call (text envs declare them; other envs have none)."""
-    declare = getattr(env, "tools", None)
-    return tuple(str(name) for name in declare(agent)) if callable(declare) else ()
 
 
 def _not_opened(seed: int | None, env_id: str, why: str, wall_s: float) -> EpisodeResult:

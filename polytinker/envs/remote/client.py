@@ -155,6 +155,9 @@ class RemoteEnv:
         self.possible_agents = list(hello["possible_agents"])
         self.metadata = {"name": hello.get("name", env_id), "render_modes": [], "remote": key[0]}
         self._instructions = dict(hello["instructions"])
+        # What each agent may call (run on this side, by the agents' runtime); a server that sends
+        # none gives no tools.
+        self._tools = {str(a): tuple(str(t) for t in names) for a, names in (hello.get("tools") or {}).items()}
         env_config = EnvConfig(
             max_observation_chars=int(hello["max_observation_chars"]), max_action_chars=int(hello["max_action_chars"])
         )
@@ -187,6 +190,9 @@ class RemoteEnv:
 
     def instructions(self, agent: AgentID) -> str:
         return str(self._instructions[agent])
+
+    def tools(self, agent: AgentID) -> tuple[str, ...]:
+        return self._tools.get(agent, ())
 
     def parse_action(self, agent: AgentID, text: str) -> str | InvalidAction:
         reply = self._call(m.KIND_PARSE, {"episode": self.episode, "agent": agent, "text": text})

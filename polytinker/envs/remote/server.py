@@ -27,6 +27,7 @@ from typing import Any
 from pettingzoo import AECEnv
 
 from polytinker.envs._trace import describe_failure
+from polytinker.envs.base import declared_tools
 from polytinker.envs.config import EnvConfig, EnvServerConfig
 from polytinker.envs.opponents import ScriptedPolicy
 from polytinker.envs.registry import env_specs, make, spec
@@ -219,6 +220,7 @@ class EnvServer:
             "name": str(env.metadata.get("name", req.env_id)),
             "possible_agents": list(env.possible_agents),
             "instructions": {a: env.instructions(a) for a in env.possible_agents},
+            "tools": {a: list(declared_tools(env, a)) for a in env.possible_agents},
             "max_observation_chars": cfg.max_observation_chars,
             "max_action_chars": cfg.max_action_chars,
             "scripted": sorted(str(kind) for kind in getattr(env, "scripted", None) or {}),
