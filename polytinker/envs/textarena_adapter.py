@@ -234,7 +234,7 @@ class TextArenaEnv(TextAECEnv):
                 # A game must not crash on any text: refuse it the way TextArena refuses moves.
                 self.inner = snapshot
                 state = self.inner.state
-                self.inner.state.set_invalid_move(reason=f"the game could not read the action ({type(exc).__name__})")
+                state.set_invalid_move(reason=f"the game could not read the action ({type(exc).__name__})")
                 done, _ = state.step()
         state = self.inner.state
         self._done = bool(done or state.done)
