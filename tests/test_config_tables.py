@@ -72,3 +72,15 @@ def test_env_config_tables_are_checked_by_the_same_checker():
     with pytest.raises(ConfigError, match=r"config\.on_retries_exhausted: expected one of 'fallback', 'forfeit'"):
         check_types(EnvConfig, {"on_retries_exhausted": "resign"}, "config")
     assert describe(tuple[str, ...]) == "array of str" and describe(dict[str, str]) == "table of str"
+
+
+def test_the_runtime_config_of_polytinker_serve_is_checked_the_same_way(tmp_path):
+    from polytinker.scheduler.service.config import RuntimeConfig
+
+    path = tmp_path / "runtime.toml"
+    path.write_text('model = "tiny-random"\n[[engines]]\nengine_id = "e1"\nadapter_slots = "2"\n')
+    with pytest.raises(ConfigError, match=r"engines\[0\]\.adapter_slots: expected int, got str '2'"):
+        RuntimeConfig.from_toml(path)
+    path.write_text('model = "tiny-random"\n[jobs]\nsteps = 5\nstepz = 1\n')
+    with pytest.raises(ConfigError, match=r"jobs: unknown keys \['stepz'\]"):
+        RuntimeConfig.from_toml(path)

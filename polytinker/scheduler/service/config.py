@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from polytinker.errors import ConfigError
+from polytinker.tables import from_table
 
 BackendName = Literal["hf", "vllm"]
 _ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
@@ -323,24 +324,9 @@ class RuntimeConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> RuntimeConfig:
-        """Build from plain data (a parsed TOML file or ``to_dict()``); unknown keys are errors."""
-        data = dict(raw)
-        _reject_unknown(cls, data, "runtime config")
-        nested: dict[str, tuple[type, bool]] = {
-            "engines": (EngineWorkerConfig, True),
-            "learners": (LearnerWorkerConfig, True),
-            "tenants": (TenantConfig, True),
-            "jobs": (JobDefaults, False),
-            "http": (HttpConfig, False),
-        }
-        for key, (sub, many) in nested.items():
-            if key not in data:
-                continue
-            if many:
-                data[key] = tuple(_build(sub, item, f"{key} entry") for item in data[key])
-            else:
-                data[key] = _build(sub, data[key], key)
-        return cls(**data)
+        """Build from plain data (a parsed TOML file or ``to_dict()``); unknown keys and values of
+        the wrong type are errors naming the field (``polytinker.tables``)."""
+        return from_table(cls, raw, "")
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str]) -> RuntimeConfig:
@@ -350,22 +336,6 @@ class RuntimeConfig:
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"cannot read runtime config {path}: {exc}") from exc
         return cls.from_dict(raw)
-
-
-def _reject_unknown(cls: type, data: dict[str, Any], what: str) -> None:
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ConfigError(f"{what}: unknown keys {unknown}; known: {sorted(known)}")
-
-
-def _build(cls: type, item: Any, what: str) -> Any:
-    if isinstance(item, cls):
-        return item
-    if not isinstance(item, dict):
-        raise ConfigError(f"{what} must be a table of settings, got {type(item).__name__}")
-    _reject_unknown(cls, item, what)
-    return cls(**item)
 
 
 __all__ = [
