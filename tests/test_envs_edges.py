@@ -320,3 +320,39 @@ def test_the_plain_example_server_applies_the_config_and_refuses_what_it_cannot(
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_malformed_scripted_requests_get_error_replies_and_the_server_serves_on(served):
+    from polytinker.errors import ProtocolError, RemoteError
+    from polytinker.transport.rpc import RpcClient
+
+    pd = RemoteEnv(served.address, "prisoners_dilemma-v0")
+    pd.reset(seed=0)
+    client = RpcClient(served.address)
+    try:
+        base = {"episode": pd.episode, "agent": "player_0", "policy": "heuristic"}
+        for payload, code in [
+            ({**base, "turn": -1}, "protocol"),
+            ({**base, "turn": "1"}, "protocol"),
+            ({**base, "policy_seed": 1.5}, "protocol"),
+            ({**base, "agent": 7}, "protocol"),
+            ({**base, "policy": "oracle"}, "env"),
+            ({**base, "agent": "player_9"}, "env"),
+            ({**base, "episode": "nope"}, "env"),
+            ([1, 2], "protocol"),
+        ]:
+            with pytest.raises(RemoteError) as info:
+                client.call("env.scripted", payload, timeout_s=5)
+            assert info.value.code == code, (payload, info.value)
+        for seed in range(40):  # many seeds: the server keeps a bounded number of policies
+            assert client.call("env.scripted", {**base, "policy": "random", "policy_seed": seed}, timeout_s=5)["action"]
+        assert pd.scripted_move("player_1", "heuristic", 3) == "cooperate"
+        pd.step({"player_0": "defect", "player_1": "cooperate"})  # the episode is still alive
+    finally:
+        client.close()
+        pd.close()
+    ttt = RemoteEnv(served.address, "tictactoe-v0")
+    with pytest.raises(ProtocolError, match="'turn' and 'retry' must be >= 0"):
+        ttt.scripted_move("player_0", "heuristic", turn=-3)
+    ttt.close()
+    assert served.num_episodes == 0

@@ -78,8 +78,13 @@ def describe_failure(exc: BaseException) -> str:
 
 
 def env_traceback(exc: BaseException, *, indent: str = "    ") -> str:
-    """The traceback from the first frame of the env's code inwards (all of it when none is)."""
-    frames = _env_frames(exc) or list(traceback.extract_tb(exc.__traceback__))
+    """The traceback from the first frame of the env's code inwards (all of it when none is;
+    none for an error polytinker raised itself outside the env's code, such as a remote
+    server's answer: its message says where)."""
+    frames = _env_frames(exc)
+    if not frames and isinstance(exc, PolytinkerError):
+        return ""
+    frames = frames or list(traceback.extract_tb(exc.__traceback__))
     lines = traceback.format_list(frames[-12:])  # bounded: a deep recursion prints its end
     body = "".join(lines).rstrip("\n").splitlines()
     return "\n".join(f"{indent}{line}" for line in body)

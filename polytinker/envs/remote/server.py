@@ -42,6 +42,7 @@ from polytinker.transport.rpc import RpcServer, ServerCurve
 log = logging.getLogger(__name__)
 _TOMBSTONES = 4096  # aborted episodes remembered, so late requests learn why
 BUSY_RETRY_S = 0.5  # the wait a busy answer suggests
+_POLICIES_PER_EPISODE = 16  # scripted policy instances (kind, seed) kept per episode
 
 
 @dataclass
@@ -351,6 +352,8 @@ def _scripted_move(ep: _Episode, req: m.ScriptedRequest, table: Any) -> Any:
     """The move of the env's scripted policy for ``req.agent``, from what the agent sees now."""
     key = (req.policy, req.policy_seed)
     if key not in ep.policies:
+        if len(ep.policies) >= _POLICIES_PER_EPISODE:
+            ep.policies.clear()  # a client cycling through seeds: bounded, not remembered for ever
         ep.policies[key] = table[req.policy](req.policy_seed)
     policy = ep.policies[key]
     if ep.aec:
