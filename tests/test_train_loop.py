@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from fixtures.client import inproc_tiny_client
 
 from polytinker import cli
 from polytinker.agents import (
@@ -41,12 +42,7 @@ pytestmark = pytest.mark.timeout(600)
 
 @pytest.fixture(scope="module")
 def service():
-    from polytinker.client import ServiceClient
-    from polytinker.scheduler.service.config import LearnerWorkerConfig, RuntimeConfig
-
-    client = ServiceClient(
-        runtime_config=RuntimeConfig(model=TINY, learners=(LearnerWorkerConfig(micro_batch_size=32),)), inproc=True
-    )
+    client = inproc_tiny_client()
     yield client
     client.close()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import pytest
+from fixtures.client import inproc_tiny_client
 
 from polytinker import cli
 from polytinker.agents import AdapterSpec, AgentSpec, AlgorithmConfig, EvalConfig, Experiment, SamplingConfig
@@ -42,12 +43,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def service():
-    from polytinker.client import ServiceClient
-    from polytinker.scheduler.service.config import LearnerWorkerConfig, RuntimeConfig
-
-    client = ServiceClient(
-        runtime_config=RuntimeConfig(model=TINY, learners=(LearnerWorkerConfig(micro_batch_size=32),)), inproc=True
-    )
+    client = inproc_tiny_client()
     yield client
     client.close()
 
