@@ -273,11 +273,12 @@ def test_env_play_prints_the_error_and_fails(served, flaky_id, monkeypatch, caps
 
 
 # --- env play on simultaneous moves ------------------------------------------------------------------------
-def test_env_play_shows_a_simultaneous_move_only_after_the_persons_move():
-    stdout = io.StringIO()
-    result = play(
-        "prisoners_dilemma-v0", opponent="heuristic", seed=0, stdin=io.StringIO("defect\n" * 5), stdout=stdout
-    )
+@pytest.mark.parametrize("remote", [False, True], ids=["local", "remote"])
+def test_env_play_shows_a_simultaneous_move_only_after_the_persons_move(served, remote):
+    # Remote: the opponent's move comes from the server after the person's answer, in the same round.
+    stdout, address = io.StringIO(), served.address if remote else ""
+    moves = io.StringIO("defect\n" * 5)
+    result = play("prisoners_dilemma-v0", opponent="heuristic", seed=0, address=address, stdin=moves, stdout=stdout)
     assert result is not None and result.aborted is None
     text = stdout.getvalue().split("== game over")[0]
     prompts = [i for i in range(len(text)) if text.startswith("> ", i)]

@@ -68,8 +68,9 @@ def _play(
             policies[a] = board.announcing(scripted_policy(env, opponent, None if seed is None else seed + i + 1))
     policies[human] = _HumanPolicy(stdin, board)
     print(f"== {source.describe()}: you are {human}; opponents: {opponent}\n{env.instructions(human)}\n", file=stdout)
+    played = _RoundShown(env, board, human) if board.simultaneous else env
     try:
-        result = Coordinator().run_sync(lambda: env, policies, [seed], env_id=env_id)[0]
+        result = Coordinator().run_sync(lambda: played, policies, [seed], env_id=env_id)[0]
     except _InputEnded:
         print("\n(input ended; game abandoned)", file=stdout)
         return None
@@ -85,8 +86,9 @@ def _play(
 
 
 class _Board:
-    """What the person is shown of the opponents' moves: at once in turn-taking envs; after the
-    person's own move in simultaneous-move envs (seeing it first would be seeing the future)."""
+    """What the person is shown of the opponents' moves: at once in turn-taking envs; in
+    simultaneous-move envs once the round's moves are in, the person's too (seeing them first
+    would be seeing the future)."""
 
     def __init__(self, stdout: TextIO, *, simultaneous: bool) -> None:
         self.stdout, self.simultaneous = stdout, simultaneous
@@ -128,8 +130,27 @@ class _HumanPolicy:
         line = self.stdin.readline()
         if not line:
             raise _InputEnded()
-        self.board.flush()  # the person's move is in: the simultaneous moves may be shown
         return line.rstrip("\n")
+
+
+class _RoundShown:
+    """A parallel env seen through ``play``: each step (every move of the round is in by then,
+    also a remote opponent's that came after the person's) shows the opponents' moves, unless the
+    person's move was refused and it is asked again."""
+
+    def __init__(self, env: Any, board: _Board, human: AgentID) -> None:
+        self._env, self._board, self._human = env, board, human
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._env, name)
+
+    async def astep(self, actions: dict[AgentID, Any]) -> Any:
+        plain = getattr(self._env, "astep", None)
+        result = await plain(actions) if plain is not None else self._env.step(actions)
+        info = result[4].get(self._human, {})
+        if not (info.get("invalid_action") and info.get("retries_left", 0) > 0 and info.get("needs_action", True)):
+            self._board.flush()
+        return result
 
 
 __all__ = ["play"]

@@ -270,6 +270,7 @@ class RemoteScriptedPolicy:
 
     async def __call__(self, agent: AgentID, inp: PolicyInput) -> str:
         env = current_env()
+        env = getattr(env, "unwrapped", env)  # through PettingZoo's wrappers (and play's view)
         if not isinstance(env, RemoteEnv):
             raise ConfigError(
                 f"the scripted policy {self.kind!r} of a remote env plays only in episodes of a remote env "
