@@ -15,7 +15,7 @@ from fixtures.client import KEY_ALICE, MODEL, shared_runtime
 
 import polytinker as tinker
 from polytinker import types
-from polytinker.client._convert import datum_msg, forward_metrics, sampling_msg
+from polytinker.client._convert import forward_metrics, to_datum, to_sampling_params
 from polytinker.client._future import APIFuture, submit
 from polytinker.client.service_client import lora_modules
 from polytinker.errors import ConfigError, NotBuiltError
@@ -67,21 +67,21 @@ def test_sampling_and_adam_params_have_tinkers_defaults() -> None:
 
 
 def test_tinkers_sampling_params_mean_what_they_mean_in_tinker() -> None:
-    default = sampling_msg(types.SamplingParams())
+    default = to_sampling_params(types.SamplingParams())
     assert (default.max_tokens, default.top_k, default.stop, default.ignore_eos) == (256, 0, (), False)
-    assert sampling_msg(types.SamplingParams(stop="\n")).stop == ("\n",)
-    assert sampling_msg(types.SamplingParams(stop=["a", "b"])).stop == ("a", "b")
-    assert sampling_msg(types.SamplingParams(stop=[7, 9])).stop_token_ids == (7, 9)
-    assert sampling_msg(types.SamplingParams(stop=[])).ignore_eos  # not even EOS stops
-    assert sampling_msg(types.SamplingParams(top_k=5, seed=3)).top_k == 5
+    assert to_sampling_params(types.SamplingParams(stop="\n")).stop == ("\n",)
+    assert to_sampling_params(types.SamplingParams(stop=["a", "b"])).stop == ("a", "b")
+    assert to_sampling_params(types.SamplingParams(stop=[7, 9])).stop_token_ids == (7, 9)
+    assert to_sampling_params(types.SamplingParams(stop=[])).ignore_eos  # not even EOS stops
+    assert to_sampling_params(types.SamplingParams(top_k=5, seed=3)).top_k == 5
     # polytinker's own params keep their meaning: stop=() is "no stop strings", not "ignore EOS"
-    assert not sampling_msg({"max_tokens": 8, "stop": ()}).ignore_eos
+    assert not to_sampling_params({"max_tokens": 8, "stop": ()}).ignore_eos
     sdk = pytest.importorskip("tinker")
-    assert sampling_msg(sdk.types.SamplingParams(max_tokens=3, stop=[])).ignore_eos  # the SDK's own object
+    assert to_sampling_params(sdk.types.SamplingParams(max_tokens=3, stop=[])).ignore_eos  # the SDK's own object
     with pytest.raises(ConfigError, match="seed"):
         types.SamplingParams(seed=1.5)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="seed"):
-        sampling_msg({"max_tokens": 4, "seed": "7"})
+        to_sampling_params({"max_tokens": 4, "seed": "7"})
     with pytest.raises(ConfigError, match="stop"):
         types.SamplingParams(stop=["a", 1])  # type: ignore[list-item]
 
@@ -91,22 +91,22 @@ def test_rl_datums_without_weights_count_the_positions_with_an_advantage() -> No
         model_input=types.ModelInput.from_ints([1, 2, 3, 4]),
         loss_fn_inputs={"target_tokens": [2, 3, 4, 5], "logprobs": [0, 0, -1, -2], "advantages": [0, 0, 0.5, 0.5]},
     )
-    assert datum_msg(rl).weights == (0.0, 0.0, 1.0, 1.0)
+    assert to_datum(rl).weights_T == [0.0, 0.0, 1.0, 1.0]
     weighted = types.Datum(
         model_input=[1, 2],  # type: ignore[arg-type]
         loss_fn_inputs={"target_tokens": [2, 3], "weights": [0.5, 1], "advantages": [0, 1], "logprobs": [0, 0]},
     )
-    assert datum_msg(weighted).weights == (0.5, 1.0)  # given weights win
+    assert to_datum(weighted).weights_T == [0.5, 1.0]  # given weights win
     sdk = pytest.importorskip("tinker")  # the SDK's own datum converts the same
     theirs = sdk.types.Datum(
         model_input=sdk.types.ModelInput.from_ints([1, 2, 3, 4]),
         loss_fn_inputs={"target_tokens": [2, 3, 4, 5], "logprobs": [0, 0, -1, -2], "advantages": [0, 0, 0.5, 0.5]},
     )
-    assert datum_msg(theirs) == datum_msg(rl)
+    assert to_datum(theirs) == to_datum(rl)
 
 
 def test_forward_losses_follow_the_learners_formulas() -> None:
-    d = datum_msg(
+    d = to_datum(
         types.Datum(
             model_input=[1, 2, 3],  # type: ignore[arg-type]
             loss_fn_inputs={"target_tokens": [2, 3, 4], "logprobs": [0.0, -1.0, -1.0], "advantages": [0, 2.0, -1.0]},

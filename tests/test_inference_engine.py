@@ -19,7 +19,6 @@ from polytinker.engine.inference.hf import HFBackend
 from polytinker.engine.models import TINY_RANDOM
 from polytinker.engine.types import AdapterRef, AdapterWeights, SampleRequest, SampleResult, SamplingParams
 from polytinker.errors import ConfigError, ModelError, RemoteError
-from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service import worker_messages as wm
 from polytinker.scheduler.service.config import EngineWorkerConfig
 from polytinker.scheduler.service.replies import SampleReply
@@ -153,7 +152,7 @@ def _store(root: Path, weights: AdapterWeights, adapter: str) -> wm.WeightsRef:
 
 
 def _sample_msg(adapter: str, weights: wm.WeightsRef | None, version: int = 0) -> wm.EngineSample:
-    params = m.SamplingMsg(max_tokens=GREEDY.max_tokens, temperature=GREEDY.temperature, ignore_eos=GREEDY.ignore_eos)
+    params = SamplingParams(max_tokens=GREEDY.max_tokens, temperature=GREEDY.temperature, ignore_eos=GREEDY.ignore_eos)
     return wm.EngineSample(adapter, version, weights, PROMPT, 1, params)
 
 

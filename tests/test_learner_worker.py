@@ -17,7 +17,6 @@ from polytinker.engine.learner import AdamParams, LearnerConfig, MultiAdapterLea
 from polytinker.engine.models import TINY_RANDOM, load_model
 from polytinker.engine.types import AdapterRef, Datum, LoraConfig
 from polytinker.errors import RemoteError
-from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service import replies as r
 from polytinker.scheduler.service import worker_messages as wm
 from polytinker.scheduler.service.config import LearnerWorkerConfig
@@ -36,8 +35,8 @@ def data() -> list[Datum]:
     return out
 
 
-def wire(rows: list[Datum]) -> tuple[m.DatumMsg, ...]:
-    return tuple(m.DatumMsg(tuple(d.input_tokens), tuple(d.target_tokens_T), tuple(d.weights_T)) for d in rows)
+def wire(rows: list[Datum]) -> tuple[Datum, ...]:
+    return tuple(rows)
 
 
 def ensure(adapter: str, version: int = 0) -> wm.EnsureAdapter:

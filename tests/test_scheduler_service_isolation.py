@@ -18,6 +18,7 @@ import zmq
 from fixtures.client import KEY_ALICE, KEY_BOB, MODEL, client, data, shared_runtime
 
 from polytinker.engine.learner.config import AdamParams
+from polytinker.engine.types import SamplingParams
 from polytinker.errors import ConfigError, ProtocolError, RemoteError, RequestTimeout, TransportError
 from polytinker.scheduler.service import AuthError, layout
 from polytinker.scheduler.service import messages as m
@@ -36,10 +37,10 @@ WAIT_S = 2.0  # an unauthenticated peer gets no answer at all: this bounds each 
 def _worker_requests(adapter: str, version: int) -> list[tuple[str, Any]]:
     """One request of every worker kind, aimed at ``adapter`` (a real tenant's) at ``version``."""
     batch = tuple(data(99, n=2))
-    datums = tuple(m.DatumMsg(tuple(d.input_tokens), tuple(d.target_tokens_T), tuple(d.weights_T)) for d in batch)
+    datums = tuple(batch)
     export = wm.WeightsRef(adapter, version, "export")
     return [
-        ("sched.w.sample", wm.EngineSample(adapter, version, export, (1, 2, 3), 1, m.SamplingMsg(max_tokens=2))),
+        ("sched.w.sample", wm.EngineSample(adapter, version, export, (1, 2, 3), 1, SamplingParams(max_tokens=2))),
         ("sched.w.logprobs", wm.EngineLogprobs(adapter, version, export, ((1, 2, 3),))),
         ("sched.w.export", wm.LearnerExport(adapter, version, loaded_from="stolen")),
         ("sched.w.save", wm.LearnerSave(adapter, "stolen")),
@@ -191,7 +192,7 @@ def test_an_adapter_key_is_three_names(key: str) -> None:
     with pytest.raises(ConfigError, match="TENANT/JOB/AGENT"):
         wm.LearnerExport(key, 0)
     with pytest.raises(ConfigError):
-        wm.EngineSample(key, 0, None, (1,), 1, m.SamplingMsg())
+        wm.EngineSample(key, 0, None, (1,), 1, SamplingParams())
 
 
 def test_weights_refs_make_the_layouts_paths_and_read_back() -> None:

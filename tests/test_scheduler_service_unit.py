@@ -12,6 +12,7 @@ import pytest
 import zmq
 
 from polytinker.client._connection import Connection
+from polytinker.engine.types import Datum
 from polytinker.errors import ConfigError, ProtocolError, RemoteError
 from polytinker.model_path import CheckpointPath, ModelPath
 from polytinker.scheduler.service import (
@@ -296,7 +297,7 @@ def test_client_connection_retries_overloaded_answers_then_succeeds() -> None:
 
 def test_message_validation_and_model_paths() -> None:
     with pytest.raises(ConfigError):
-        m.DatumMsg((1, 2), (2,), (1.0,))
+        Datum((1, 2), (2,), (1.0,))
     with pytest.raises(ConfigError):
         m.CreateJob(KEY_A, "training", "tiny-random")
     with pytest.raises(ConfigError):
@@ -347,11 +348,10 @@ def test_a_closed_service_client_refuses_calls_instead_of_starting_a_runtime() -
 def test_training_data_in_polytinker_and_tinker_shapes_become_the_same_message() -> None:
     import numpy as np
 
-    from polytinker.client.training_client import datum_msg
-    from polytinker.engine.types import Datum
+    from polytinker.client.training_client import to_datum
 
-    ours = datum_msg(Datum([1, 2, 3], [2, 3, 4], [0.0, 1.0, 1.0], [0.5] * 3, [-1.0] * 3))
-    tinker = datum_msg(
+    ours = to_datum(Datum([1, 2, 3], [2, 3, 4], [0.0, 1.0, 1.0], [0.5] * 3, [-1.0] * 3))
+    tinker = to_datum(
         {
             "model_input": [1, 2, 3],
             "loss_fn_inputs": {"target_tokens": np.array([2, 3, 4]), "weights": [0, 1, 1],
@@ -360,7 +360,7 @@ def test_training_data_in_polytinker_and_tinker_shapes_become_the_same_message()
     )  # fmt: skip
     assert ours == tinker
     with pytest.raises(TypeError, match="target_tokens"):
-        datum_msg({"model_input": [1, 2], "loss_fn_inputs": {}})
+        to_datum({"model_input": [1, 2], "loss_fn_inputs": {}})
 
 
 def test_an_idle_job_is_paused_to_free_resources_and_its_next_call_resumes_it(tmp_path: Path) -> None:
@@ -391,7 +391,7 @@ def test_a_replacement_learner_answers_a_resent_step_its_predecessor_took(tmp_pa
 
     cfg = LearnerWorkerConfig(micro_batch_size=8)
     adapter = "alice/job/agent"
-    batch = tuple(m.DatumMsg((5, 6, 7, 8), (6, 7, 8, 9), (0.0, 1.0, 1.0, 1.0)) for _ in range(2))
+    batch = tuple(Datum((5, 6, 7, 8), (6, 7, 8, 9), (0.0, 1.0, 1.0, 1.0)) for _ in range(2))
     fb = wm.LearnerForwardBackward(adapter, batch, "cross_entropy", request_id="fb-1", from_version=0)
     step = wm.LearnerStep(adapter, 1e-2, 0.9, 0.95, 1e-12, 0.0, request_id="st-1", from_version=0)
     first = LearnerWorker("tiny-random", cfg, tmp_path)
@@ -429,7 +429,7 @@ def test_a_step_whose_forward_backward_calls_a_restarted_learner_lost_is_refused
 
     cfg = LearnerWorkerConfig(micro_batch_size=8)
     adapter = "alice/job/agent"
-    batch = tuple(m.DatumMsg((5, 6, 7, 8), (6, 7, 8, 9), (0.0, 1.0, 1.0, 1.0)) for _ in range(2))
+    batch = tuple(Datum((5, 6, 7, 8), (6, 7, 8, 9), (0.0, 1.0, 1.0, 1.0)) for _ in range(2))
 
     def fb(request_id: str) -> wm.LearnerForwardBackward:
         return wm.LearnerForwardBackward(adapter, batch, "cross_entropy", request_id=request_id, from_version=0)
@@ -513,7 +513,7 @@ def test_a_data_parallel_learner_worker_runs_a_full_parameter_job_then_lora_agai
 
     lora, full = "alice/lora/agent", "alice/full/agent"
     rows = [(5, 6, 7, 8, 9), (10, 11, 12), (13, 14, 15, 16), (17, 18, 19, 20, 21, 22), (23, 24, 25)]
-    batch = tuple(m.DatumMsg(r, (*r[1:], 3), (0.0,) + (1.0,) * (len(r) - 1)) for r in rows)
+    batch = tuple(Datum(r, (*r[1:], 3), (0.0,) + (1.0,) * (len(r) - 1)) for r in rows)
 
     def step(adapter: str, is_full: bool) -> wm.LearnerStep:
         # Adam's eps at 1e-3: a weight whose gradient is float noise (summed in another order
@@ -567,7 +567,7 @@ def test_a_learner_worker_holds_one_full_parameter_model_at_a_time(tmp_path: Pat
     from polytinker.engine.learner.worker import LearnerWorker
     from polytinker.errors import NotResident
 
-    batch = (m.DatumMsg((5, 6, 7, 8), (6, 7, 8, 9), (0.0, 1.0, 1.0, 1.0)),)
+    batch = (Datum((5, 6, 7, 8), (6, 7, 8, 9), (0.0, 1.0, 1.0, 1.0)),)
     worker = LearnerWorker("tiny-random", LearnerWorkerConfig(micro_batch_size=8), tmp_path)
     try:
         worker.ensure(wm.EnsureAdapter("a/1/x", 0, full=True))

@@ -1,12 +1,13 @@
 """What the client sends and answers, converted at its edge.
 
-- ``datum_msg``: a ``DatumMsg`` from ``polytinker.types.Datum`` (Tinker's shape, also the SDK's
-  own objects or a dict of that shape) or ``polytinker.engine.types.Datum``. Tinker's RL datums
-  carry no ``weights``: a position counts where its advantage is non-zero.
+- ``to_datum``: the stack's ``polytinker.engine.types.Datum`` (what the scheduler's messages carry
+  to the learner) from ``polytinker.types.Datum`` (Tinker's shape, also the SDK's own objects or a
+  dict of that shape) or from an engine ``Datum``. Tinker's RL datums carry no ``weights``: a
+  position counts where its advantage is non-zero.
 - ``prompt_tokens``: the token ids of a prompt (a list, or a ``ModelInput``).
-- ``sampling_msg``: a ``SamplingMsg`` from ``polytinker.types.SamplingParams`` (Tinker's defaults
-  and meanings; the SDK's own objects too) or ``polytinker.engine.types.SamplingParams`` / a dict
-  of its fields (polytinker's).
+- ``to_sampling_params``: the stack's ``polytinker.engine.types.SamplingParams`` from
+  ``polytinker.types.SamplingParams`` (Tinker's defaults and meanings; the SDK's own objects too),
+  from an engine ``SamplingParams`` or a dict of its fields (polytinker's).
 - ``forward_metrics``: a ``forward`` call's loss and metrics, computed here from the logprobs
   the learner answered (the learner's formulas; no KL term: ``forward`` runs no reference).
 - ``fb_output``: a ``ForwardBackwardOutput`` from the scheduler's answer.
@@ -19,8 +20,8 @@ import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from polytinker.engine.types import LOSS_FNS, Datum, SamplingParams
 from polytinker.errors import ConfigError
-from polytinker.scheduler.service import messages as m
 from polytinker.types import ForwardBackwardOutput, TensorData, check_seed, split_stop, tinker_metrics
 
 DEFAULT_MAX_TOKENS = 256  # Tinker's max_tokens=None: as many as the HTTP front door gives by default
@@ -28,13 +29,11 @@ OUTPUT_TYPE = "ArrayRecord"  # Tinker's loss_fn_output_type for per-datum arrays
 
 
 # --- data ---------------------------------------------------------------------------------------
-def datum_msg(d: Any) -> m.DatumMsg:
-    """DatumMsg from ``polytinker.engine.types.Datum`` (or any object with its fields), or from
-    Tinker's shape: ``model_input`` (token ids, or an object with ``to_ints()``) and ``loss_fn_inputs``
-    (``target_tokens``, ``weights``, and ``advantages`` / ``logprobs`` for the RL losses), as an
-    object or a dict."""
-    if isinstance(d, m.DatumMsg):
-        return d
+def to_datum(d: Any) -> Datum:
+    """An engine ``Datum`` (plain ints and floats, ready for the wire) from an engine ``Datum`` (or
+    any object with its fields), or from Tinker's shape: ``model_input`` (token ids, or an object
+    with ``to_ints()``) and ``loss_fn_inputs`` (``target_tokens``, ``weights``, and ``advantages`` /
+    ``logprobs`` for the RL losses), as an object or a dict."""
 
     def get(key: str) -> Any:
         return d.get(key) if isinstance(d, dict) else getattr(d, key, None)
@@ -42,13 +41,13 @@ def datum_msg(d: Any) -> m.DatumMsg:
     if get("model_input") is not None:
         return _tinker_datum(get("model_input"), get("loss_fn_inputs") or {})
 
-    def opt(v: Any) -> tuple[float, ...] | None:
-        return None if v is None else tuple(float(x) for x in v)
+    def opt(v: Any) -> list[float] | None:
+        return None if v is None else [float(x) for x in v]
 
-    return m.DatumMsg(
-        tuple(int(t) for t in get("input_tokens")),
-        tuple(int(t) for t in get("target_tokens_T")),
-        tuple(float(w) for w in get("weights_T")),
+    return Datum(
+        [int(t) for t in get("input_tokens")],
+        [int(t) for t in get("target_tokens_T")],
+        [float(w) for w in get("weights_T")],
         opt(get("advantages_T")),
         opt(get("sampling_logprobs_T")),
     )
@@ -64,27 +63,27 @@ def _flat(key: str, v: Any) -> list[Any]:
     return values
 
 
-def _tinker_datum(model_input: Any, inputs: Mapping[str, Any]) -> m.DatumMsg:
-    def floats(key: str) -> tuple[float, ...] | None:
+def _tinker_datum(model_input: Any, inputs: Mapping[str, Any]) -> Datum:
+    def floats(key: str) -> list[float] | None:
         v = inputs.get(key)
-        return None if v is None else tuple(float(x) for x in _flat(key, v))
+        return None if v is None else [float(x) for x in _flat(key, v)]
 
     tokens = prompt_tokens(model_input)
     if inputs.get("target_tokens") is None:
         raise TypeError("a Tinker-style datum needs loss_fn_inputs['target_tokens']")
-    targets = tuple(int(t) for t in _flat("target_tokens", inputs["target_tokens"]))
+    targets = [int(t) for t in _flat("target_tokens", inputs["target_tokens"])]
     advantages = floats("advantages")
     weights = floats("weights")
     if weights is None and advantages is not None:
-        weights = tuple(1.0 if a != 0.0 else 0.0 for a in advantages)  # Tinker's RL datums: the prompt has A = 0
+        weights = [1.0 if a != 0.0 else 0.0 for a in advantages]  # Tinker's RL datums: the prompt has A = 0
     elif weights is None:
-        weights = (1.0,) * len(targets)
+        weights = [1.0] * len(targets)
     if len(tokens) != len(targets):
         raise ConfigError(
             f"a datum's model_input has {len(tokens)} tokens and its target_tokens {len(targets)}: "
             "they must be of one length"
         )
-    return m.DatumMsg(tokens, targets, weights, advantages, floats("logprobs"))
+    return Datum(list(tokens), targets, weights, advantages, floats("logprobs"))
 
 
 def prompt_tokens(prompt: Any) -> tuple[int, ...]:
@@ -97,13 +96,14 @@ def prompt_tokens(prompt: Any) -> tuple[int, ...]:
 
 
 # --- sampling -----------------------------------------------------------------------------------
-def sampling_msg(params: Any, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> m.SamplingMsg:
-    """SamplingMsg from Tinker's ``SamplingParams`` (``polytinker.types`` or the SDK's), from
-    ``polytinker.engine.types.SamplingParams`` (any object with ``ignore_eos`` or ``stop_token_ids``)
-    or a dict of its fields, or None (polytinker's defaults). ConfigError for a bad seed."""
+def to_sampling_params(params: Any, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> SamplingParams:
+    """The engine's ``SamplingParams`` from Tinker's ``SamplingParams`` (``polytinker.types`` or the
+    SDK's), from an engine ``SamplingParams`` (or any object with ``ignore_eos`` or
+    ``stop_token_ids``) or a dict of its fields, or None (polytinker's defaults). ConfigError for a
+    bad seed."""
     if params is None:
-        return m.SamplingMsg()
-    if isinstance(params, m.SamplingMsg):
+        return SamplingParams()
+    if isinstance(params, SamplingParams):
         check_seed(params.seed)
         return params
     if isinstance(params, dict) or hasattr(params, "ignore_eos") or hasattr(params, "stop_token_ids"):
@@ -111,7 +111,7 @@ def sampling_msg(params: Any, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> m
     stop, stop_ids, ignore_eos = split_stop(params.stop)
     max_tokens = params.max_tokens
     top_k = params.top_k
-    return m.SamplingMsg(
+    return SamplingParams(
         max_tokens=default_max_tokens if max_tokens is None else int(max_tokens),
         temperature=float(params.temperature),
         top_p=float(params.top_p),
@@ -123,12 +123,12 @@ def sampling_msg(params: Any, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> m
     )
 
 
-def _engine_sampling(params: Any) -> m.SamplingMsg:
+def _engine_sampling(params: Any) -> SamplingParams:
     get = params.get if isinstance(params, dict) else lambda k, d: getattr(params, k, d)
-    d = m.SamplingMsg()
+    d = SamplingParams()
     max_tokens = get("max_tokens", d.max_tokens)
     top_k = get("top_k", d.top_k)
-    return m.SamplingMsg(
+    return SamplingParams(
         max_tokens=d.max_tokens if max_tokens is None else int(max_tokens),
         temperature=float(get("temperature", d.temperature)),
         top_p=float(get("top_p", d.top_p)),
@@ -142,7 +142,7 @@ def _engine_sampling(params: Any) -> m.SamplingMsg:
 
 def samples_nothing(params: Any) -> bool:
     """Tinker's ``max_tokens=0``: no sequences (with ``include_prompt_logprobs``, the prompt's scores alone)."""
-    return not isinstance(params, dict | m.SamplingMsg) and getattr(params, "max_tokens", None) == 0
+    return not isinstance(params, dict | SamplingParams) and getattr(params, "max_tokens", None) == 0
 
 
 # --- results ------------------------------------------------------------------------------------
@@ -157,19 +157,19 @@ def fb_output(loss: float, logprobs: Sequence[Sequence[float]], metrics: Mapping
 
 
 def forward_metrics(
-    loss_fn: str, data: Sequence[m.DatumMsg], logprobs: Sequence[Sequence[float]], config: Mapping[str, float] | None
+    loss_fn: str, data: Sequence[Datum], logprobs: Sequence[Sequence[float]], config: Mapping[str, float] | None
 ) -> tuple[float, dict[str, float]]:
     """The summed loss and the learner's metrics (its names) of ``loss_fn`` at ``logprobs``."""
     from polytinker.engine.learner.config import LossConfig
 
-    if loss_fn not in m.LOSS_FNS:
-        raise ConfigError(f"unknown loss_fn {loss_fn!r}; choose one of {list(m.LOSS_FNS)}")
+    if loss_fn not in LOSS_FNS:
+        raise ConfigError(f"unknown loss_fn {loss_fn!r}; choose one of {list(LOSS_FNS)}")
     cfg = LossConfig.from_mapping(config)
     sums = {"loss": 0.0, "tokens": 0.0, "ratio": 0.0, "clipped": 0.0}
     for i, (d, lp_T) in enumerate(zip(data, logprobs, strict=True)):
-        if loss_fn != "cross_entropy" and (d.advantages is None or d.sampling_logprobs is None):
+        if loss_fn != "cross_entropy" and (d.advantages_T is None or d.sampling_logprobs_T is None):
             raise ConfigError(f"loss_fn {loss_fn!r} needs advantages and logprobs on every datum; datum {i} lacks them")
-        for t, w in enumerate(d.weights):
+        for t, w in enumerate(d.weights_T):
             _token_loss(loss_fn, cfg, w, lp_T[t], d, t, sums)
     tokens = max(sums["tokens"], 1.0)
     out = {"loss/sum": sums["loss"], "loss/tokens": sums["tokens"], "loss/per_token": sums["loss"] / tokens}
@@ -180,14 +180,14 @@ def forward_metrics(
     return sums["loss"], out
 
 
-def _token_loss(loss_fn: str, cfg: Any, w: float, lp: float, d: m.DatumMsg, t: int, sums: dict[str, float]) -> None:
+def _token_loss(loss_fn: str, cfg: Any, w: float, lp: float, d: Datum, t: int, sums: dict[str, float]) -> None:
     counted = 1.0 if w != 0 else 0.0
     sums["tokens"] += counted
     if loss_fn == "cross_entropy":
         sums["loss"] -= w * lp
         return
-    assert d.advantages is not None and d.sampling_logprobs is not None
-    adv, sampled = d.advantages[t], d.sampling_logprobs[t]
+    assert d.advantages_T is not None and d.sampling_logprobs_T is not None
+    adv, sampled = d.advantages_T[t], d.sampling_logprobs_T[t]
     ratio = math.exp(min(lp - sampled, 700.0))
     sums["ratio"] += ratio * counted
     clip = min(max(ratio, cfg.clip_low_threshold), cfg.clip_high_threshold)
@@ -206,10 +206,10 @@ def _token_loss(loss_fn: str, cfg: Any, w: float, lp: float, d: m.DatumMsg, t: i
 
 __all__ = [
     "DEFAULT_MAX_TOKENS",
-    "datum_msg",
     "fb_output",
     "forward_metrics",
     "prompt_tokens",
     "samples_nothing",
-    "sampling_msg",
+    "to_datum",
+    "to_sampling_params",
 ]

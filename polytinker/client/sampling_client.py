@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 from polytinker.client._connection import Connection
-from polytinker.client._convert import prompt_tokens, samples_nothing, sampling_msg
+from polytinker.client._convert import prompt_tokens, samples_nothing, to_sampling_params
 from polytinker.client._future import APIFuture, ReadyClient, submit
 from polytinker.errors import AuthError, ConfigError, NotBuiltError
 from polytinker.scheduler.service.messages import ComputeLogprobs, Sample
@@ -67,7 +67,7 @@ class SamplingClient(ReadyClient):
         nothing = samples_nothing(sampling_params)
         if nothing:
             check_seed(getattr(sampling_params, "seed", None))
-        params = sampling_msg(None if nothing else sampling_params)  # checks the seed here, at the call
+        params = to_sampling_params(None if nothing else sampling_params)  # checks the seed here, at the call
         msg = Sample(self._conn.api_key, self.model_path, self.base_model, tokens, num_samples, params, self.job_id)
         scored = self._logprobs_msg(tokens) if include_prompt_logprobs else None
         return submit(self._conn.pool, lambda: self._sample(None if nothing else msg, scored))
@@ -140,4 +140,4 @@ class SamplingClient(ReadyClient):
         return self._tokenizer
 
 
-__all__ = ["SamplingClient", "prompt_tokens", "sampling_msg"]
+__all__ = ["SamplingClient", "prompt_tokens", "to_sampling_params"]

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar, overload
 
 from polytinker.client._connection import Connection
-from polytinker.client._convert import datum_msg, fb_output, forward_metrics
+from polytinker.client._convert import fb_output, forward_metrics, to_datum
 from polytinker.client._future import APIFuture, ReadyClient, submit
 from polytinker.client.sampling_client import SamplingClient
 from polytinker.errors import ConfigError, NotBuiltError
@@ -92,7 +92,7 @@ class TrainingClient(ReadyClient):
         """Loss and gradient of ``data`` (``polytinker.types.Datum``, or ``polytinker.engine.types.Datum``);
         the gradient accumulates until ``optim_step``. A resend of the call (after a lost connection)
         carries the same request id: applied once."""
-        data_msgs = tuple(datum_msg(d) for d in data)
+        data_msgs = tuple(to_datum(d) for d in data)
         config = dict(loss_fn_config) if loss_fn_config is not None else None
         msg = m.ForwardBackward(self._key(), self.job_id, data_msgs, loss_fn, config, uuid.uuid4().hex)
 
@@ -118,7 +118,7 @@ class TrainingClient(ReadyClient):
         """The target tokens' log-probabilities, no gradient. With ``loss_fn`` (Tinker's form):
         a ``ForwardBackwardOutput`` whose loss and metrics are computed from them here (no KL
         term); without: the per-datum lists themselves."""
-        data_msgs = tuple(datum_msg(d) for d in data)
+        data_msgs = tuple(to_datum(d) for d in data)
         msg = m.Forward(self._key(), self.job_id, data_msgs)
         if loss_fn is None:
             return self._submit(lambda: self._conn.request("sched.forward", msg, r.ForwardReply).logprobs)
@@ -280,4 +280,4 @@ class TrainingClient(ReadyClient):
         self._lane.shutdown(wait=True)
 
 
-__all__ = ["TrainingClient", "datum_msg"]
+__all__ = ["TrainingClient", "to_datum"]

@@ -8,6 +8,11 @@
 - ``SampleRequest`` / ``SampleResult`` / ``SampledSequence``: one request to an engine and its answer.
 - ``FinishReason``: why a sequence stopped.
 - ``Datum``: one training example in Tinker's shape (model input tokens and per-token loss inputs).
+
+``SamplingParams`` and ``Datum`` are also what the scheduler's messages carry (registered there
+as ``sched.sampling_params`` and ``sched.datum``): one vocabulary from the client library through
+the scheduler to the workers; ``polytinker.types`` is the Tinker-shaped public one the client
+converts from.
 - ``LossFnName``: the built-in losses.
 
 Shapes in names: ``_T`` is per token.
@@ -15,6 +20,7 @@ Shapes in names: ``_T`` is per token.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Literal, get_args
@@ -27,6 +33,7 @@ if TYPE_CHECKING:  # only a type here: client processes that import these messag
 AdapterName = str
 LossFnName = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
 LOSS_FNS: tuple[str, ...] = get_args(LossFnName)  # the same names, to check a value against
+MAX_SAMPLE_TOKENS = 1 << 16  # the most tokens one sample may ask for
 
 DEFAULT_TARGET_MODULES: tuple[str, ...] = (
     "q_proj",
@@ -104,9 +111,9 @@ class SamplingParams:
     ignore_eos: bool = False  # keep sampling past EOS (stop_token_ids still stop): fixed-length benchmarks
 
     def __post_init__(self) -> None:
-        if self.max_tokens <= 0:
-            raise ConfigError(f"SamplingParams.max_tokens must be positive, got {self.max_tokens}")
-        if self.temperature < 0:
+        if not 0 < self.max_tokens <= MAX_SAMPLE_TOKENS:
+            raise ConfigError(f"SamplingParams.max_tokens must be in 1..{MAX_SAMPLE_TOKENS}, got {self.max_tokens}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ConfigError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
@@ -164,6 +171,8 @@ class Datum:
 
     def __post_init__(self) -> None:
         n = len(self.target_tokens_T)
+        if n == 0:
+            raise ConfigError("Datum: a datum needs at least one target token")
         if len(self.input_tokens) != n:
             raise ConfigError(f"Datum: input_tokens has {len(self.input_tokens)} tokens, target_tokens_T {n}")
         for name in ("weights_T", "advantages_T", "sampling_logprobs_T"):

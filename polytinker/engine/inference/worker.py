@@ -15,6 +15,7 @@ engine of its own, built from the version's checkpoint (``FullWeightEngines``, a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -23,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from polytinker.engine.inference.full_weights import FullWeightEngines
+from polytinker.engine.types import SamplingParams
 from polytinker.errors import ConfigError
 from polytinker.scheduler.service.config import EngineWorkerConfig
 from polytinker.scheduler.service.layout import under
-from polytinker.scheduler.service.messages import SamplingMsg
 from polytinker.scheduler.service.replies import LogprobsReply, SampleReply, SequenceReply
 from polytinker.scheduler.service.worker_messages import EngineLogprobs, EngineSample, WeightsRef, WorkerStats
 
@@ -44,20 +45,9 @@ def make_backend(model: str, cfg: EngineWorkerConfig) -> Any:
     return HFBackend(HFBackendConfig(model=model))
 
 
-def _params(p: SamplingMsg, n: int) -> Any:
-    from polytinker.engine.types import SamplingParams
-
-    return SamplingParams(
-        max_tokens=p.max_tokens,
-        temperature=p.temperature,
-        top_p=p.top_p,
-        top_k=p.top_k,
-        stop=tuple(p.stop),
-        stop_token_ids=tuple(p.stop_token_ids),
-        seed=p.seed,
-        n=n,
-        ignore_eos=p.ignore_eos,
-    )
+def _params(p: SamplingParams, n: int) -> SamplingParams:
+    """The request's parameters with its number of samples (the request says it, not ``p.n``)."""
+    return dataclasses.replace(p, n=n)
 
 
 class EngineWorker:

@@ -42,7 +42,6 @@ from typing import Any
 from polytinker.errors import ConfigError, GradientLost, NotResident
 from polytinker.scheduler.service.config import LearnerWorkerConfig
 from polytinker.scheduler.service.layout import under
-from polytinker.scheduler.service.messages import DatumMsg
 from polytinker.scheduler.service.replies import (
     ExportedWeights,
     ForwardBackwardReply,
@@ -68,18 +67,6 @@ log = logging.getLogger("polytinker.engine.learner.worker")
 
 REQUEST_FILE = "request.json"  # in a step's checkpoint directory: the key of the call that made it
 MAX_REMEMBERED = 1024  # keyed results kept in memory (the newest)
-
-
-def _data(msgs: tuple[DatumMsg, ...]) -> list[Any]:
-    from polytinker.engine.types import Datum
-
-    def opt(v: tuple[float, ...] | None) -> list[float] | None:
-        return None if v is None else list(v)
-
-    return [
-        Datum(list(d.input_tokens), list(d.target_tokens), list(d.weights), opt(d.advantages), opt(d.sampling_logprobs))
-        for d in msgs
-    ]
 
 
 class LearnerWorker:
@@ -281,7 +268,7 @@ class LearnerWorker:
             if first is not None:
                 return first
             group, name = self._slot(msg.adapter, msg.full)
-            r = group.forward_backward(_data(msg.data), msg.loss_fn, name, msg.loss_fn_config)
+            r = group.forward_backward(list(msg.data), msg.loss_fn, name, msg.loss_fn_config)
             self.stats["forward_backward"] += 1
             self._fb_since_step[msg.adapter] = self._fb_since_step.get(msg.adapter, 0) + 1
             result = ForwardBackwardReply(r.loss, r.logprobs, r.metrics)
@@ -290,7 +277,7 @@ class LearnerWorker:
 
     def forward(self, msg: LearnerForward) -> ForwardReply:
         group, name = self._slot(msg.adapter, msg.full)
-        return ForwardReply(group.forward(_data(msg.data), name))
+        return ForwardReply(group.forward(list(msg.data), name))
 
     def step(self, msg: LearnerStep) -> StepResult:
         with self._keyed:

@@ -26,12 +26,12 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
+from polytinker.engine.types import SamplingParams
 from polytinker.errors import AuthError, ConfigError, NotBuiltError
 from polytinker.scheduler.http.errors import HttpError, error_response
 from polytinker.scheduler.http.openai_chat import Vocab, Vocabs, chat_messages, parse_tool_calls
 from polytinker.scheduler.http.openai_types import ChatRequest, CompletionRequest, SamplingFields
 from polytinker.scheduler.http.wire import api_key, read_json
-from polytinker.scheduler.service.messages import SamplingMsg
 
 if TYPE_CHECKING:
     from polytinker.client._connection import SampledSequence
@@ -228,14 +228,14 @@ class _Routes:
             raise HttpError(404, f"model {model!r} is not served here: {exc}", code="model_not_found") from None
         return sc, await asyncio.to_thread(self.vocabs.get, sc.base_model)
 
-    def params(self, req: SamplingFields, max_tokens: int | None, choices: int) -> SamplingMsg:
+    def params(self, req: SamplingFields, max_tokens: int | None, choices: int) -> SamplingParams:
         _not_built(req)
         if choices > self.limits.n:
             raise HttpError(400, f"n is at most {self.limits.n} here (over all prompts of a call), got {choices}")
         tokens = max_tokens or self.limits.default_max_tokens
         if tokens > self.limits.max_tokens:
             raise HttpError(400, f"max_tokens is at most {self.limits.max_tokens} here, got {tokens}")
-        return SamplingMsg(
+        return SamplingParams(
             max_tokens=tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
@@ -246,7 +246,7 @@ class _Routes:
         )
 
     @staticmethod
-    def check_prompt(vocab: Vocab, ids: list[int], p: SamplingMsg) -> None:
+    def check_prompt(vocab: Vocab, ids: list[int], p: SamplingParams) -> None:
         if not ids:
             raise HttpError(400, "the prompt needs at least one token")
         if any(not 0 <= i < vocab.size for i in ids):
@@ -260,7 +260,7 @@ class _Routes:
             )
 
     @staticmethod
-    async def sample(sc: SamplingClient, prompts: list[list[int]], n: int, p: SamplingMsg) -> list[_Sampled]:
+    async def sample(sc: SamplingClient, prompts: list[list[int]], n: int, p: SamplingParams) -> list[_Sampled]:
         outs = await asyncio.gather(*(asyncio.wrap_future(sc.sample(ids, n, p)) for ids in prompts))
         return [
             _Sampled(k * n + j, ids, seq)

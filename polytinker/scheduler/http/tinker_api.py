@@ -21,6 +21,7 @@ import numpy as np
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
+from polytinker.engine.types import Datum
 from polytinker.errors import ConfigError, NotBuiltError
 from polytinker.scheduler.http import _proto
 from polytinker.scheduler.http.errors import error_body
@@ -28,7 +29,6 @@ from polytinker.scheduler.http.futures import FutureTable
 from polytinker.scheduler.http.tinker_backend import Tenant, TinkerBackend, tinker_datum, to_tinker_path
 from polytinker.scheduler.http.tinker_runs import TinkerRuns
 from polytinker.scheduler.http.wire import api_key, read_body, read_json
-from polytinker.scheduler.service.messages import DatumMsg
 
 PROTO = "application/x-protobuf"
 
@@ -354,8 +354,8 @@ def _step_metrics(metrics: dict[str, float]) -> dict[str, float]:
     return {k.replace("/", ":"): float(v) for k, v in metrics.items() if isinstance(v, int | float)}
 
 
-def _fb_render(datums: list[DatumMsg]) -> Callable[[Any], bytes]:
-    weights = [np.asarray(d.weights, dtype=np.float64) for d in datums]
+def _fb_render(datums: list[Datum]) -> Callable[[Any], bytes]:
+    weights = [np.asarray(d.weights_T, dtype=np.float64) for d in datums]
 
     def render(out: Any) -> bytes:
         if isinstance(out, list):  # forward: per-datum logprobs; the loss is cross entropy's

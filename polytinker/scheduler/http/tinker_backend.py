@@ -22,15 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from polytinker.client._convert import to_datum
 from polytinker.client.sampling_client import SamplingClient
 from polytinker.client.service_client import ServiceClient
 from polytinker.client.training_client import TrainingClient
+from polytinker.engine.types import Datum, SamplingParams
 from polytinker.errors import AuthError, ConfigError, NotBuiltError
 from polytinker.model_path import MODEL_PREFIX, TINKER_PREFIX, CheckpointPath, ModelPath
 from polytinker.scheduler.http.store import GatewayStore, ModelRow, SamplerRow, SavedRow
-from polytinker.scheduler.service import messages as m
 from polytinker.transport import ClientCurve
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -74,37 +73,12 @@ class Tenant:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-def _floats(v: Any) -> list[float]:
-    return np.asarray(v, dtype=np.float64).reshape(-1).tolist()
-
-
-def tinker_datum(d: dict[str, Any]) -> m.DatumMsg:
-    """A polytinker datum from a decoded Tinker datum (``tokens`` and ``loss_fn_inputs``).
-
-    Tinker's RL datums carry no ``weights``: a position counts where its advantage is non-zero
-    (the prompt's positions have advantage 0), as in Tinker's own losses."""
-    inputs = d["loss_fn_inputs"]
-    if "target_tokens" not in inputs:
+def tinker_datum(d: dict[str, Any]) -> Datum:
+    """A polytinker datum from a decoded Tinker datum (``tokens`` and ``loss_fn_inputs``): the
+    client library's conversion (``to_datum``), so both front doors read Tinker's datums alike."""
+    if "target_tokens" not in d["loss_fn_inputs"]:
         raise ConfigError("each datum needs loss_fn_inputs['target_tokens']")
-    targets = [int(t) for t in np.asarray(inputs["target_tokens"]).reshape(-1)]
-    advantages = _floats(inputs["advantages"]) if "advantages" in inputs else None
-    if "weights" in inputs:
-        weights = _floats(inputs["weights"])
-    elif advantages is not None:
-        weights = [1.0 if a != 0.0 else 0.0 for a in advantages]
-    else:
-        weights = [1.0] * len(targets)
-    logprobs = _floats(inputs["logprobs"]) if "logprobs" in inputs else None
-    if len(d["tokens"]) != len(targets):
-        raise ConfigError(
-            f"a datum's model_input has {len(d['tokens'])} tokens and its target_tokens {len(targets)}: "
-            "they must be of one length"
-        )
-    return m.DatumMsg(tuple(d["tokens"]), tuple(targets), tuple(weights), _opt(advantages), _opt(logprobs))
-
-
-def _opt(v: list[float] | None) -> tuple[float, ...] | None:
-    return None if v is None else tuple(v)
+    return to_datum({"model_input": list(d["tokens"]), "loss_fn_inputs": d["loss_fn_inputs"]})
 
 
 class TinkerBackend:
@@ -389,7 +363,7 @@ class TinkerBackend:
                 sc = t.samplers.setdefault(key, sc)
         return sc
 
-    def sampling_params(self, p: dict[str, Any]) -> m.SamplingMsg:
+    def sampling_params(self, p: dict[str, Any]) -> SamplingParams:
         """polytinker's sampling parameters from Tinker's (``top_k=-1``: none; ``max_tokens=None``:
         the gateway's default; ``stop``: a string, strings, or token ids; ``[]``: not even EOS)."""
         stop = p.get("stop")
@@ -406,7 +380,7 @@ class TinkerBackend:
                 raise ConfigError("sampling_params.stop must be a string, a list of strings or a list of token ids")
         top_k = p.get("top_k", -1)
         seed = p.get("seed")
-        return m.SamplingMsg(
+        return SamplingParams(
             max_tokens=int(p.get("max_tokens") or self.default_max_tokens),
             temperature=float(p.get("temperature", 1.0)),
             top_p=float(p.get("top_p", 1.0)),

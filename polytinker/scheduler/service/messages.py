@@ -8,22 +8,24 @@ Client -> scheduler (every one carries ``api_key``): ``CreateJob``, ``JobQuery``
 ``ListJobs``, ``ForwardBackward``, ``Forward``, ``OptimStep``, ``SaveState``, ``LoadState``,
 ``SaveWeights``, ``Sample``, ``ComputeLogprobs``, ``ExportWeights``, ``RuntimeStatus``.
 
-Nested values: ``DatumMsg`` (one training example) and ``SamplingMsg`` (sampling parameters),
-shared with the messages between the scheduler and its workers (``worker_messages``).
+Nested values: ``polytinker.engine.types.Datum`` (one training example) and ``SamplingParams``
+(sampling parameters), registered here as message values: the learner and the engine get the
+very objects the client built; shared with the messages between the scheduler and its workers
+(``worker_messages``).
 The replies to the client requests are typed too: ``polytinker.scheduler.service.replies``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from polytinker.engine.types import LOSS_FNS
+from polytinker.engine.types import LOSS_FNS, Datum, SamplingParams
 from polytinker.errors import ConfigError
 from polytinker.model_path import MODEL_PREFIX
 from polytinker.scheduler.service.layout import check_name
 from polytinker.scheduler.types import JobKind
-from polytinker.transport.messages import message
+from polytinker.transport.messages import message, register_message
 
 JOB_KINDS = tuple(str(k) for k in JobKind)  # ("lora_rl", "full_rl", "sft", "inference")
 _RL_KINDS = (JobKind.LORA_RL, JobKind.FULL_RL)  # they sample and train
@@ -48,39 +50,9 @@ def request_id_ok(request_id: str, attempt: int) -> None:
     need(isinstance(attempt, int) and 0 <= attempt < 1_000_000, "attempt must be an int in [0, 1000000)")
 
 
-@message("sched.datum")
-@dataclass(frozen=True)
-class DatumMsg:
-    input_tokens: tuple[int, ...]
-    target_tokens: tuple[int, ...]
-    weights: tuple[float, ...]
-    advantages: tuple[float, ...] | None = None
-    sampling_logprobs: tuple[float, ...] | None = None
-
-    def __post_init__(self) -> None:
-        n = len(self.target_tokens)
-        need(n > 0 and len(self.input_tokens) == n, "a datum needs input_tokens and target_tokens of one length")
-        for name in ("weights", "advantages", "sampling_logprobs"):
-            v = getattr(self, name)
-            need(v is None or len(v) == n, f"datum.{name} must have one entry per target token")
-
-
-@message("sched.sampling_params")
-@dataclass(frozen=True)
-class SamplingMsg:
-    max_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    seed: int | None = None
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        need(0 < self.max_tokens <= 1 << 16, "max_tokens must be in 1..65536")
-        need(math.isfinite(self.temperature) and self.temperature >= 0, "temperature must be >= 0")
-        need(0 < self.top_p <= 1 and self.top_k >= 0, "need 0 < top_p <= 1 and top_k >= 0")
+# The one training example and the sampling parameters of the whole stack, as values in messages.
+register_message("sched.datum", Datum)
+register_message("sched.sampling_params", SamplingParams)
 
 
 # --- client -> scheduler --------------------------------------------------------------------
@@ -146,7 +118,7 @@ class ListJobs:
 class ForwardBackward:
     api_key: str
     job_id: str
-    data: tuple[DatumMsg, ...]
+    data: tuple[Datum, ...]
     loss_fn: str = "cross_entropy"
     loss_fn_config: dict[str, float] | None = None
     request_id: str = ""  # the same on every resend of one call: the learner applies it once
@@ -154,7 +126,7 @@ class ForwardBackward:
 
     def __post_init__(self) -> None:
         need(0 < len(self.data) <= MAX_DATA, f"forward_backward needs 1..{MAX_DATA} datums")
-        need(all(isinstance(d, DatumMsg) for d in self.data), "data must hold datums")
+        need(all(isinstance(d, Datum) for d in self.data), "data must hold datums")
         need(self.loss_fn in LOSS_FNS, f"loss_fn must be one of {LOSS_FNS}, got {self.loss_fn!r}")
         request_id_ok(self.request_id, self.attempt)
 
@@ -164,11 +136,11 @@ class ForwardBackward:
 class Forward:
     api_key: str
     job_id: str
-    data: tuple[DatumMsg, ...]
+    data: tuple[Datum, ...]
 
     def __post_init__(self) -> None:
         need(0 < len(self.data) <= MAX_DATA, f"forward needs 1..{MAX_DATA} datums")
-        need(all(isinstance(d, DatumMsg) for d in self.data), "data must hold datums")
+        need(all(isinstance(d, Datum) for d in self.data), "data must hold datums")
 
 
 @message("sched.optim_step")
@@ -223,13 +195,13 @@ class Sample:
     base_model: str
     prompt_token_ids: tuple[int, ...]
     num_samples: int = 1
-    params: SamplingMsg = SamplingMsg()
+    params: SamplingParams = field(default_factory=SamplingParams)
     job_id: str = ""  # the base model: the caller's inference job, which gates and accounts the call
 
     def __post_init__(self) -> None:
         need(len(self.prompt_token_ids) > 0, "the prompt needs at least one token")
         need(0 < self.num_samples <= 1024, "num_samples must be in 1..1024")
-        need(isinstance(self.params, SamplingMsg), "params must be sampling parameters")
+        need(isinstance(self.params, SamplingParams), "params must be sampling parameters")
 
 
 @message("sched.compute_logprobs")
@@ -269,7 +241,6 @@ __all__ = [
     "LOSS_FNS",
     "ComputeLogprobs",
     "CreateJob",
-    "DatumMsg",
     "Forward",
     "ForwardBackward",
     "JobAction",
@@ -279,7 +250,6 @@ __all__ = [
     "OptimStep",
     "RuntimeStatus",
     "Sample",
-    "SamplingMsg",
     "SaveState",
     "SaveWeights",
 ]

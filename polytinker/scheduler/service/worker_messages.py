@@ -7,20 +7,17 @@ Worker -> scheduler: ``Register``; the launcher's ``WorkersQuery``; ``ActorsRepo
 
 ``WeightsRef`` names a stored version's weights by ids: no message to a worker names a filesystem
 path; each worker makes the path under its own state root (see ``layout``). The nested training
-and sampling values (``DatumMsg``, ``SamplingMsg``) and the checks are shared with the client
-requests in ``messages``. This module imports no torch.
+and sampling values (``engine.types.Datum``, ``SamplingParams``, registered in ``messages``)
+and the checks are shared with the client requests in ``messages``. This module imports no torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from polytinker.engine.types import Datum, SamplingParams
 from polytinker.scheduler.service.layout import KINDS, check_adapter_key, check_name, relative_path
-from polytinker.scheduler.service.messages import (
-    DatumMsg,
-    SamplingMsg,
-    need,
-)
+from polytinker.scheduler.service.messages import need
 from polytinker.transport.messages import message
 
 
@@ -128,7 +125,7 @@ class EnsureAdapter:
 @dataclass(frozen=True)
 class LearnerForwardBackward:
     adapter: str
-    data: tuple[DatumMsg, ...]
+    data: tuple[Datum, ...]
     loss_fn: str
     loss_fn_config: dict[str, float] | None = None
     full: bool = False
@@ -144,7 +141,7 @@ class LearnerForwardBackward:
 @dataclass(frozen=True)
 class LearnerForward:
     adapter: str
-    data: tuple[DatumMsg, ...]
+    data: tuple[Datum, ...]
     full: bool = False
 
     def __post_init__(self) -> None:
@@ -231,7 +228,7 @@ class EngineSample:
     weights: WeightsRef | None  # what the engine loads the version from if it is not resident
     prompt_token_ids: tuple[int, ...]
     num_samples: int
-    params: SamplingMsg
+    params: SamplingParams
     tag: str = ""  # the tenant, for the engine's mixed-batch statistics only
     full: bool = False  # a full-parameter job's version: weights is its checkpoint
 
