@@ -181,3 +181,34 @@ def test_calls_past_the_limit_are_not_run(tokenizer):
     assert action.meta["tool_calls"] == 1
     assert sampler.calls[1][1].stop == ()  # no call left: the second sample must answer
     assert action.text == "<calculator>2+2</calculator>"  # what the env is given to parse
+
+
+def test_a_minibatch_reaches_the_learner_in_calls_of_the_configured_size():
+    """Chunked calls add up to the whole minibatch's loss (the runtime's learner accumulates the
+    gradients of calls before an optimizer step: test_train_loop trains through real chunks)."""
+    import asyncio
+
+    from polytinker.agents.algorithms import make_algorithm
+    from polytinker.agents.config import EnvSetup, ExperimentConfig, TrainConfig
+    from polytinker.agents.loop import Learners
+    from polytinker.agents.render import turn_datum
+    from polytinker.agents.spec import AgentSpec
+
+    class Recorder:  # a stand-in training client: what each call got, its loss the summed weights
+        def __init__(self):
+            self.sizes = []
+
+        async def forward_backward(self, data, loss_fn, loss_fn_config=None):
+            from types import SimpleNamespace
+
+            self.sizes.append(len(data))
+            weights = sum(sum(d.weights_T) for d in data)
+            return SimpleNamespace(loss=weights, metrics={"loss/tokens": float(len(data)), "kl/base": 0.5})
+
+    config = ExperimentConfig("c", EnvSetup(), (AgentSpec("a"),), train=TrainConfig(max_datums_per_call=4))
+    recorder = Recorder()
+    learners = Learners({"a": recorder}, {"a": make_algorithm(config.agents[0].algorithm)}, config)
+    batch = [turn_datum([1, 2], [3], [-1.0], 1.0, 0.1) for _ in range(10)]
+    loss, metrics = asyncio.run(learners._forward_backward("a", batch))
+    assert recorder.sizes == [4, 4, 2]
+    assert loss == pytest.approx(1.0) and metrics["kl"] == pytest.approx(0.5 * 10)

@@ -64,7 +64,8 @@ def pd_config(root: Path, name: str = "pd", steps: int = 2, **train) -> Experime
         # REINFORCE and PPO centre on batch means; the random model's answers are invalid, so the
         # env's seeded fallback moves decide the rewards, which differ across these four seeds.
         agents=(agent("alice", "reinforce"), agent("bob", "ppo", epochs=2, minibatches=2)),
-        train=TrainConfig(steps=steps, groups=4, group_size=1, **train),
+        # Minibatches reach the learner in calls of at most 3 datums (their gradients add up).
+        train=TrainConfig(steps=steps, groups=4, group_size=1, max_datums_per_call=3, **train),
         eval=EvalConfig(episodes=2, opponents=("random", "heuristic")),
         output=OutputConfig(root=str(root), checkpoint_every=1, progress=False, tensorboard=True),
     )

@@ -85,6 +85,10 @@ class TrainConfig:
     # Seeds of the episodes (and of everything else random in the loop).
     max_concurrent_episodes: int = 64
     # Episodes in flight at once (their model calls meet in the engine's batches).
+    max_datums_per_call: int = 32
+    # A minibatch goes to the learner in forward_backward calls of at most this many datums (their
+    # gradients add up before the optimizer step: the same update), so that one call stays well
+    # within the runtime's request time limit on a slow machine.
     max_aborted_share: float = 0.5
     # The run fails when more than this share of a step's episodes (or of an evaluation's) were
     # aborted: the env raised, its server died, the step limit was hit. Fewer are left out of the
@@ -99,6 +103,8 @@ class TrainConfig:
             raise ConfigError(f"train.mode {self.mode!r}: choose 'sync' or 'async'") from None
         if self.steps < 0 or self.groups < 1 or self.group_size < 1:
             raise ConfigError("train: steps must be >= 0, groups and group_size >= 1")
+        if self.max_datums_per_call < 1:
+            raise ConfigError(f"train.max_datums_per_call must be >= 1, got {self.max_datums_per_call}")
         if self.max_staleness < 0 or self.max_concurrent_episodes < 1:
             raise ConfigError("train: max_staleness must be >= 0 and max_concurrent_episodes >= 1")
 

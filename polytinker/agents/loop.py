@@ -35,6 +35,7 @@ from polytinker.agents.protocols import RunHooks, TrainingClientLike
 from polytinker.agents.rollout import Players, SlotsBySeed, collect_samples, rollout_metrics
 from polytinker.agents.types import LoopMode, TurnSample
 from polytinker.engine.learner.config import AdamParams
+from polytinker.engine.types import Datum
 from polytinker.envs import Coordinator, CoordinatorConfig
 from polytinker.envs.coordinator import EnvFactory
 from polytinker.envs.types import EpisodeResult
@@ -74,17 +75,17 @@ class Learners:
         fb_s = optim_s = 0.0
         for batch in batches:
             t0 = time.perf_counter()
-            fb = await client.forward_backward(batch, algo.loss_fn, algo.loss_fn_config())
+            loss, fb_metrics = await self._forward_backward(agent, batch)
             t1 = time.perf_counter()
             opt = await client.optim_step(AdamParams(learning_rate=self.lr[agent]))
             fb_s, optim_s = fb_s + t1 - t0, optim_s + time.perf_counter() - t1
-            losses.append(fb.loss)
-            # The weights of a batch sum to 1, so the learner's kl/base x weighted tokens is the mean KL.
-            kls.append(fb.metrics.get("kl/base", 0.0) * fb.metrics.get("loss/tokens", 0.0))
+            losses.append(loss)
+            kls.append(fb_metrics.get("kl", 0.0))
             version = opt.version
-            for key in ("ppo/clip_fraction", "optim/grad_norm"):
-                if key in opt.metrics or key in fb.metrics:
-                    metrics[f"{key}/{agent}"] = float(fb.metrics.get(key, opt.metrics.get(key, 0.0)))
+            if "ppo/clip_fraction" in fb_metrics:
+                metrics[f"ppo/clip_fraction/{agent}"] = fb_metrics["ppo/clip_fraction"]
+            if "optim/grad_norm" in opt.metrics:
+                metrics[f"optim/grad_norm/{agent}"] = float(opt.metrics["optim/grad_norm"])
         metrics[f"loss/{agent}"] = sum(losses) / len(losses)
         # Wall time from the call to its answer: the agents' updates share the learner, so these
         # overlap, and they include any wait for the other agent's call.
@@ -93,6 +94,28 @@ class Learners:
         if self.kl[agent]:
             metrics[f"kl/{agent}"] = sum(kls) / len(kls)
         return version, metrics
+
+    async def _forward_backward(self, agent: str, batch: Sequence[Datum]) -> tuple[float, dict[str, float]]:
+        """One minibatch's gradient, in calls of at most ``train.max_datums_per_call`` datums (the
+        learner adds up the gradients of calls before an ``optim_step``, so the update is the
+        same; a call on a slow machine stays within the runtime's request time limit). The summed
+        loss, the mean KL and the token-weighted PPO clip fraction of the whole minibatch."""
+        algo, client = self.algorithms[agent], self.clients[agent]
+        size = self.config.train.max_datums_per_call
+        loss = kl = clipped = tokens = 0.0
+        clip_seen = False
+        for start in range(0, len(batch), size):
+            fb = await client.forward_backward(list(batch[start : start + size]), algo.loss_fn, algo.loss_fn_config())
+            n = fb.metrics.get("loss/tokens", 0.0)
+            loss, tokens = loss + fb.loss, tokens + n
+            # The weights of a minibatch sum to 1, so kl/base x weighted tokens adds up to the mean KL.
+            kl += fb.metrics.get("kl/base", 0.0) * n
+            if "ppo/clip_fraction" in fb.metrics:
+                clip_seen, clipped = True, clipped + fb.metrics["ppo/clip_fraction"] * n
+        out = {"kl": kl}
+        if clip_seen:
+            out["ppo/clip_fraction"] = clipped / max(tokens, 1.0)
+        return loss, out
 
 
 class Trainer:
