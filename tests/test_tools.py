@@ -391,7 +391,7 @@ class Raising(Tool):
     description: ClassVar[str] = "Raises."
     example_arguments: ClassVar[str] = ""
 
-    def run(self, arguments: str, limits: ToolLimits) -> ToolResult:
+    def call(self, arguments: str, limits: ToolLimits) -> ToolResult:
         if arguments == "long":
             return ToolResult("z" * 10_000, True, 0.0)
         raise RuntimeError("broken")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -31,7 +31,7 @@ from polytinker.agents.spec import AgentSpec
 from polytinker.agents.types import Slot, SlotKind, TurnSample
 from polytinker.engine.types import SamplingParams
 from polytinker.envs.tools import Tool, ToolLimits, make_tool, run_tool_call, tool_format
-from polytinker.envs.types import AgentAction, EpisodeResult, ModelSample, PolicyInput
+from polytinker.envs.types import AgentAction, EpisodeResult, ModelSample, PolicyInput, Trajectory
 from polytinker.errors import ConfigError
 
 SlotsBySeed = Mapping[int, Mapping[str, Slot]]
@@ -163,37 +163,45 @@ def is_win(result: EpisodeResult, role: str, rule: Literal["beats_others", "posi
     return totals[role] > max(others)
 
 
-def collect_samples(results: Sequence[EpisodeResult], slots_by_seed: SlotsBySeed) -> dict[str, list[TurnSample]]:
-    """The sampled turns of every learning role, by agent. Aborted episodes are left out."""
-    out: dict[str, list[TurnSample]] = {}
+def learning_trajectories(
+    results: Sequence[EpisodeResult], slots_by_seed: SlotsBySeed
+) -> Iterator[tuple[EpisodeResult, str, Slot, Trajectory]]:
+    """(episode, role, slot, trajectory) of every role a learning agent played in an episode that
+    was not aborted: what training and its metrics read."""
     for result in results:
         if result.aborted or result.seed is None:
             continue
         for role, traj in result.trajectories.items():
             slot = slots_by_seed[result.seed][role]
-            if not slot.trains:
+            if slot.trains:
+                yield result, role, slot, traj
+
+
+def collect_samples(results: Sequence[EpisodeResult], slots_by_seed: SlotsBySeed) -> dict[str, list[TurnSample]]:
+    """The sampled turns of every learning role, by agent. Aborted episodes are left out."""
+    out: dict[str, list[TurnSample]] = {}
+    for result, role, slot, traj in learning_trajectories(results, slots_by_seed):
+        for index, turn in enumerate(traj.turns):
+            sample = turn.sample
+            if sample is None:  # a timed-out call: nothing was sampled
                 continue
-            for index, turn in enumerate(traj.turns):
-                sample = turn.sample
-                if sample is None:  # a timed-out call: nothing was sampled
-                    continue
-                out.setdefault(slot.name, []).append(
-                    TurnSample(
-                        agent=slot.name,
-                        role=role,
-                        version=sample.version,
-                        group=str(result.seed),
-                        episode_id=result.episode_id,
-                        turn_index=index,
-                        prompt_tokens=sample.prompt_tokens,
-                        completion_tokens=sample.completion_tokens,
-                        logprobs_T=sample.logprobs_T,
-                        reward=turn.reward,
-                        episode_reward=traj.total_reward,
-                        invalid=turn.invalid_reason is not None,
-                        sampled_T=sample.sampled_T,
-                    )
+            out.setdefault(slot.name, []).append(
+                TurnSample(
+                    agent=slot.name,
+                    role=role,
+                    version=sample.version,
+                    group=str(result.seed),
+                    episode_id=result.episode_id,
+                    turn_index=index,
+                    prompt_tokens=sample.prompt_tokens,
+                    completion_tokens=sample.completion_tokens,
+                    logprobs_T=sample.logprobs_T,
+                    reward=turn.reward,
+                    episode_reward=traj.total_reward,
+                    invalid=turn.invalid_reason is not None,
+                    sampled_T=sample.sampled_T,
                 )
+            )
     return out
 
 
@@ -206,14 +214,9 @@ def rollout_metrics(
     """Per learning agent: mean episode reward, win rate, invalid-action rate, sampled-token entropy."""
     rewards: dict[str, list[float]] = {}
     wins: dict[str, list[bool]] = {}
-    for result in results:
-        if result.aborted or result.seed is None:
-            continue
-        for role, traj in result.trajectories.items():
-            slot = slots_by_seed[result.seed][role]
-            if slot.trains:
-                rewards.setdefault(slot.name, []).append(traj.total_reward)
-                wins.setdefault(slot.name, []).append(is_win(result, role, rule))
+    for result, role, slot, traj in learning_trajectories(results, slots_by_seed):
+        rewards.setdefault(slot.name, []).append(traj.total_reward)
+        wins.setdefault(slot.name, []).append(is_win(result, role, rule))
     metrics: dict[str, float] = {"episodes": float(len(results))}
     metrics.update(_tool_metrics(results, slots_by_seed))
     for agent, values in rewards.items():
@@ -233,15 +236,11 @@ def _tool_metrics(results: Sequence[EpisodeResult], slots_by_seed: SlotsBySeed) 
     """Per learning agent that had tools: tool calls per turn, and the share of calls that failed."""
     calls: dict[str, list[int]] = {}
     errors: dict[str, int] = {}
-    for result in results:
-        if result.aborted or result.seed is None:
-            continue
-        for role, traj in result.trajectories.items():
-            slot = slots_by_seed[result.seed][role]
-            for turn in traj.turns:
-                if slot.trains and "tool_calls" in turn.meta:
-                    calls.setdefault(slot.name, []).append(int(turn.meta["tool_calls"]))
-                    errors[slot.name] = errors.get(slot.name, 0) + int(turn.meta.get("tool_errors", 0))
+    for _, _, slot, traj in learning_trajectories(results, slots_by_seed):
+        for turn in traj.turns:
+            if "tool_calls" in turn.meta:
+                calls.setdefault(slot.name, []).append(int(turn.meta["tool_calls"]))
+                errors[slot.name] = errors.get(slot.name, 0) + int(turn.meta.get("tool_errors", 0))
     out: dict[str, float] = {}
     for agent, per_turn in calls.items():
         out[f"tool_calls/{agent}"] = sum(per_turn) / len(per_turn)

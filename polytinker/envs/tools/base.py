@@ -96,8 +96,15 @@ class Tool(abc.ABC):
     example_arguments: ClassVar[str]
     """Arguments of a typical call, for the prompt's example."""
 
+    def run(self, arguments: str, limits: ToolLimits) -> ToolResult:
+        """Refuse over-long arguments, else ``call`` the tool."""
+        refused = refusal(arguments, limits)
+        return refused if refused is not None else self.call(arguments, limits)
+
     @abc.abstractmethod
-    def run(self, arguments: str, limits: ToolLimits) -> ToolResult: ...
+    def call(self, arguments: str, limits: ToolLimits) -> ToolResult:
+        """What a tool does with arguments within the size limit (the rest of ``run``'s contract:
+        synchronous, never raises, honours ``limits``)."""
 
 
 def truncate(text: str, max_chars: int) -> str:

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import ClassVar
 
-from polytinker.envs.tools.base import Tool, ToolLimits, ToolResult, refusal, truncate
+from polytinker.envs.tools.base import Tool, ToolLimits, ToolResult, truncate
 
 MAX_INT = 10**100
 """The largest integer magnitude of an operand or result."""
@@ -181,10 +181,7 @@ class Calculator(Tool):
     )
     example_arguments: ClassVar[str] = "12*7"
 
-    def run(self, arguments: str, limits: ToolLimits) -> ToolResult:
-        refused = refusal(arguments, limits)
-        if refused is not None:
-            return refused
+    def call(self, arguments: str, limits: ToolLimits) -> ToolResult:
         start = time.monotonic()
         try:
             text, ok = format_number(evaluate(arguments)), True

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from polytinker.envs.tools._sandbox_child import SETUP_FAILED, SETUP_MARK
-from polytinker.envs.tools.base import Tool, ToolLimits, ToolResult, refusal, truncate
+from polytinker.envs.tools.base import Tool, ToolLimits, ToolResult, truncate
 
 SANDBOX_UID = 65534
 """The uid (and gid) the code runs as when the runtime runs as root: ``nobody`` on Linux."""
@@ -286,10 +286,7 @@ class PythonTool(Tool):
     )
     example_arguments: ClassVar[str] = "print(sum(range(1, 11)))"
 
-    def run(self, arguments: str, limits: ToolLimits) -> ToolResult:
-        refused = refusal(arguments, limits)
-        if refused is not None:
-            return refused
+    def call(self, arguments: str, limits: ToolLimits) -> ToolResult:
         try:
             return run_sandboxed(_source(arguments), limits)
         except Exception as exc:  # never raise into the rollout loop
