@@ -212,3 +212,24 @@ def test_a_minibatch_reaches_the_learner_in_calls_of_the_configured_size():
     loss, metrics = asyncio.run(learners._forward_backward("a", batch))
     assert recorder.sizes == [4, 4, 2]
     assert loss == pytest.approx(1.0) and metrics["kl"] == pytest.approx(0.5 * 10)
+
+
+def test_numbered_moves_are_listed_and_the_number_answered_names_the_move(tokenizer):
+    import asyncio
+
+    from polytinker.agents.rollout import Players
+    from polytinker.agents.spec import AgentSpec
+    from polytinker.agents.types import Slot, SlotKind
+
+    renderer = Renderer(tokenizer, RendererConfig(numbered_moves=True))
+    moves = ("go to cabinet 1", "open drawer 1", "look")
+    inp = PolicyInput("player_0", "ep", "tw", "Tidy.", TextObservation("You are in a kitchen.", moves), seed=3)
+    assert "Moves:\n1. go to cabinet 1\n2. open drawer 1\n3. look\nAnswer with the number" in renderer.user_text(inp)
+    assert renderer.chosen_move(inp, " 2") == "open drawer 1"
+    assert renderer.chosen_move(inp, " 9") == " 9"  # no such move: the env refuses it as written
+    assert renderer.chosen_move(inp, "look") == "look"
+    players = Players({"a": AgentSpec("a")}, {"a": renderer}, {})
+    players.samplers[("a", 0)] = _ScriptedSampler(tokenizer, [" 3"])
+    action = asyncio.run(players.policy({3: {"player_0": Slot(SlotKind.LEARNER, "a")}})("player_0", inp))
+    assert action.text == "look" and action.meta == {"answer": " 3"}
+    assert tokenizer.decode(action.sample.completion_tokens) == " 3"  # what the model wrote is trained on

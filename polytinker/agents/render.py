@@ -22,6 +22,7 @@ tool-result tokens are masked out of the loss. ``turn_datum`` is the datum of on
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +30,7 @@ from polytinker.agents.spec import RendererConfig
 from polytinker.engine.types import Datum
 from polytinker.envs.types import PolicyInput
 
+_FIRST_NUMBER = re.compile(r"\d{1,4}")
 # Stands for an assistant message's content when the template is asked what follows one.
 _CONTENT_MARKER = "\u2063polytinker-content\u2063"
 
@@ -42,10 +44,28 @@ class Renderer:
 
     def user_text(self, inp: PolicyInput) -> str:
         text = inp.observation.text
-        moves = inp.observation.legal_moves
-        if self.config.list_legal_moves and moves and len(moves) <= self.config.max_listed_moves:
+        moves = self.listed_moves(inp)
+        if moves and self.config.numbered_moves:
+            listing = "\n".join(f"{i}. {move}" for i, move in enumerate(moves, 1))
+            text += f"\nMoves:\n{listing}\nAnswer with the number of your move."
+        elif moves:
             text += f"\nLegal moves: {', '.join(moves)}."
         return text
+
+    def listed_moves(self, inp: PolicyInput) -> tuple[str, ...]:
+        """The legal moves the prompt lists (none when the env has more than ``max_listed_moves``)."""
+        moves = inp.observation.legal_moves
+        listed = self.config.list_legal_moves and len(moves) <= self.config.max_listed_moves
+        return moves if listed else ()
+
+    def chosen_move(self, inp: PolicyInput, answer: str) -> str:
+        """With ``numbered_moves``: the listed move the answer's first number names, or the answer
+        itself (the env judges it) when it names none."""
+        moves = self.listed_moves(inp) if self.config.numbered_moves else ()
+        found = _FIRST_NUMBER.search(answer)
+        if moves and found and 1 <= int(found.group()) <= len(moves):
+            return moves[int(found.group()) - 1]
+        return answer
 
     def messages(self, inp: PolicyInput) -> list[dict[str, str]]:
         system = self.config.system_prompt or inp.instructions

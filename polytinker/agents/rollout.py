@@ -21,7 +21,7 @@ import asyncio
 import zlib
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -136,9 +136,13 @@ class _ModelTurn:
         sample = ModelSample(
             self.agent, self.version, tuple(prompt), tuple(tokens), tuple(logprobs), tuple(sampled) if calls else ()
         )
-        meta = {"tool_calls": calls, "tool_errors": errors} if self.tools else {}
-        # The env reads the answer after the last tool result (all of it when there was no call).
-        return AgentAction(seq.text, meta=meta, sample=sample)
+        meta: dict[str, Any] = {"tool_calls": calls, "tool_errors": errors} if self.tools else {}
+        # The env reads the answer after the last tool result (all of it when there was no call),
+        # or the listed move it names by number.
+        action = self.renderer.chosen_move(self.inp, seq.text)
+        if action != seq.text:
+            meta = {**meta, "answer": seq.text}
+        return AgentAction(action, meta=meta, sample=sample)
 
     def _params(self, evaluation: bool, seed: int, may_call: bool) -> SamplingParams:
         sampling = self.spec.sampling

@@ -130,6 +130,11 @@ class RendererConfig:
     # Append "Legal moves: a, b, c." to the observation when the env lists them.
     max_listed_moves: int = 16
     # Do not list more moves than this (guess-the-number has 100).
+    numbered_moves: bool = False
+    # List the legal moves numbered ("1. go to cabinet 1") and let the agent answer with a number:
+    # the policy sends the env the move it names. A one- or two-token answer that a small model
+    # gets right where the moves are long; an answer that names no listed number goes to the env
+    # as written (and is refused there, in the metrics like any invalid answer).
     name_role: bool = False
     # Tell the agent which env role it plays ("You are player_1."): needed for self-play.
     system_prompt: str = ""
