@@ -192,6 +192,24 @@ def test_step_penalty_and_step_limit():
     assert solved.rewards["player_0"] == pytest.approx(0.95)
 
 
+def test_the_subgoal_reward_is_paid_once_when_the_task_object_is_first_held():
+    env = TextWorldEnv(subgoal_reward=0.25)
+    env.reset(seed=2)
+    rewards = []
+    for move in env.plan:
+        env.step(move)
+        rewards.append(env.rewards["player_0"])
+    task_object = env.world.task.object
+    take = next(i for i, move in enumerate(env.plan) if move.startswith(f"take {task_object}"))
+    assert rewards[take] == pytest.approx(0.25) and rewards[-1] == pytest.approx(1.0)
+    assert sum(rewards) == pytest.approx(1.25)  # once, and the goal's 1 at the end
+    plain = TextWorldEnv()
+    plain.reset(seed=2)
+    for move in plain.plan:
+        plain.step(move)
+    assert plain.rewards["player_0"] == 1.0 and plain.subgoal_paid is False
+
+
 HOSTILE = [
     "",
     "   ",
@@ -262,6 +280,7 @@ def test_seeds_repeat_and_differ():
         {"families": ["cool"]},
         {"max_steps": -1},
         {"step_penalty": 0.5},
+        {"subgoal_reward": 0.9},
     ],
 )
 def test_bad_settings_are_refused(kwargs):

@@ -10,7 +10,8 @@ admissible now: ``go to``, ``open``, ``close``, ``take X from Y``, ``put X in/on
 closed receptacle's contents stay hidden until it is opened. Every observation holds the task,
 the last action's feedback, the place, what is carried and (``memory``) what was seen before,
 so that a policy without history can act. Reward: 1 when the task is done (minus an optional
-``step_penalty`` per action); the episode is truncated after ``max_steps`` actions.
+``step_penalty`` per action; plus ``subgoal_reward``, if set, once when the agent first holds the
+task's object); the episode is truncated after ``max_steps`` actions.
 """
 
 from __future__ import annotations
@@ -214,10 +215,11 @@ class TextWorldEnv(TextAECEnv):
         step_penalty: float = 0.0,
         memory: bool = True,
         info_commands: bool = True,
+        subgoal_reward: float = 0.0,
     ) -> None:
         families = (families,) if isinstance(families, str) else tuple(families)
         self.settings = WorldSettings(
-            rooms, receptacles, distractors, families, max_steps, step_penalty, memory, info_commands
+            rooms, receptacles, distractors, families, max_steps, step_penalty, memory, info_commands, subgoal_reward
         )
         self.possible_agents = ["player_0"]
         super().__init__(config, render_mode)
@@ -229,6 +231,7 @@ class TextWorldEnv(TextAECEnv):
         self.max_steps = step_limit(world, self.plan, self.settings)
         self.steps = 0
         self.won = False
+        self.subgoal_paid = False
         self.feedback = ""
         self._moves = admissible(world, self.settings.info_commands)
 
@@ -254,8 +257,16 @@ class TextWorldEnv(TextAECEnv):
         self.steps += 1
         self.won = self.world.achieved()
         self._moves = admissible(self.world, self.settings.info_commands)
-        reward = float(self.won) - self.settings.step_penalty
+        reward = float(self.won) + self._subgoal() - self.settings.step_penalty
         return {agent: reward} if reward else {}
+
+    def _subgoal(self) -> float:
+        """``subgoal_reward``, once an episode: when the agent first holds the task's kind of object."""
+        held = self.world.holding
+        if self.subgoal_paid or not self.settings.subgoal_reward or held.rsplit(" ", 1)[0] != self.world.task.object:
+            return 0.0
+        self.subgoal_paid = True
+        return self.settings.subgoal_reward
 
     def _is_over(self) -> bool:
         return self.won

@@ -104,6 +104,9 @@ class WorldSettings:
     info_commands: bool = True
     # Also admit ALFWorld's commands that change nothing (look, inventory, examine); False leaves
     # a small model fewer useless moves to try.
+    subgoal_reward: float = 0.0
+    # Reward (0 to 0.5) the first time the agent holds an object of the task's kind: a denser
+    # signal for a small model to learn from (ALFWorld itself gives none; 0 keeps it sparse).
 
     def __post_init__(self) -> None:
         families = (self.families,) if isinstance(self.families, str) else tuple(self.families)
@@ -119,6 +122,8 @@ class WorldSettings:
             raise ConfigError(f"textworld: families must be a non-empty list of {list(FAMILIES)}, got {list(families)}")
         if self.max_steps < 0:
             raise ConfigError(f"textworld: max_steps must be >= 1 (or 0: the default limit), got {self.max_steps}")
+        if not 0 <= self.subgoal_reward <= 0.5:
+            raise ConfigError(f"textworld: subgoal_reward must be 0 to 0.5, got {self.subgoal_reward}")
         if not 0 <= self.step_penalty <= 0.1:
             raise ConfigError(
                 f"textworld: step_penalty must be 0 to 0.1 (reward off each action), got {self.step_penalty}"
