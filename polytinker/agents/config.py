@@ -117,9 +117,10 @@ class EvalConfig:
     # Episodes per agent, role and opponent.
     opponents: tuple[str, ...] = ("random",)
     # Scripted opponents of the env to evaluate against ("random", "heuristic").
-    win: Literal["beats_others", "positive"] = "beats_others"
-    # What counts as a win: more reward than every other role, or a positive reward
-    # (cooperative and single-agent games).
+    win: Literal["beats_others", "positive", "solved"] = "beats_others"
+    # What counts as a win: more reward than every other role, a positive reward (cooperative and
+    # single-agent games), or "solved": a reward of at least 1 (a task done, in envs whose partial
+    # progress earns less, such as textworld's subgoal_reward).
     seed: int = 10_000
     # Seeds of evaluation episodes (the same every evaluation, so they compare).
     at_start: bool = True
@@ -128,8 +129,8 @@ class EvalConfig:
     def __post_init__(self) -> None:
         if self.every < 0 or self.episodes < 1:
             raise ConfigError("eval: every must be >= 0 and episodes >= 1")
-        if self.win not in ("beats_others", "positive"):
-            raise ConfigError(f"eval.win must be 'beats_others' or 'positive', got {self.win!r}")
+        if self.win not in ("beats_others", "positive", "solved"):
+            raise ConfigError(f"eval.win must be 'beats_others', 'positive' or 'solved', got {self.win!r}")
         object.__setattr__(self, "opponents", tuple(self.opponents))
 
 

@@ -35,6 +35,9 @@ from polytinker.envs.types import AgentAction, EpisodeResult, ModelSample, Polic
 from polytinker.errors import ConfigError
 
 SlotsBySeed = Mapping[int, Mapping[str, Slot]]
+# What counts as a win: more reward than every other role, a positive reward, or a reward of at
+# least 1 (a task solved, where partial progress earns less).
+WinRule = Literal["beats_others", "positive", "solved"]
 
 
 @dataclass
@@ -159,8 +162,10 @@ def _derived_seed(seed: int, index: int) -> int:
     return int(np.random.SeedSequence([seed, index]).generate_state(1, np.uint64)[0] >> 1)
 
 
-def is_win(result: EpisodeResult, role: str, rule: Literal["beats_others", "positive"]) -> bool:
+def is_win(result: EpisodeResult, role: str, rule: WinRule) -> bool:
     totals = result.total_rewards
+    if rule == "solved":  # the task's own reward of 1 reached (shaping rewards are smaller)
+        return totals[role] >= 1.0
     others = [v for r, v in totals.items() if r != role]
     if rule == "positive" or not others:
         return totals[role] > 0
@@ -213,7 +218,7 @@ def rollout_metrics(
     results: Sequence[EpisodeResult],
     slots_by_seed: SlotsBySeed,
     samples: Mapping[str, list[TurnSample]],
-    rule: Literal["beats_others", "positive"],
+    rule: WinRule,
 ) -> dict[str, float]:
     """Per learning agent: mean episode reward, win rate, invalid-action rate, sampled-token entropy."""
     rewards: dict[str, list[float]] = {}

@@ -153,16 +153,23 @@ def _normalise(expression: str) -> str:
     return text.replace("^", "**").replace("×", "*").replace("÷", "/")
 
 
+def _parse(text: str) -> ast.expr:
+    try:
+        return ast.parse(text, mode="eval").body
+    except SyntaxError as exc:
+        # An equation, "584 * 56 = 2508" (models write the value they want checked): its left side.
+        left = text.split("=", 1)[0].strip()
+        if left != text and left:
+            return _parse(left)
+        raise CalcError(f"not an arithmetic expression ({exc.msg})") from None
+
+
 def evaluate(expression: str) -> Number:
     """The value of ``expression``; raises CalcError (or ZeroDivisionError) for what it refuses."""
     text = _normalise(expression)
     if not text:
         raise CalcError("empty expression: write one, e.g. 12*7")
-    try:
-        tree = ast.parse(text, mode="eval")
-    except SyntaxError as exc:
-        raise CalcError(f"not an arithmetic expression ({exc.msg})") from None
-    return _Evaluator().eval(tree.body, 0)
+    return _Evaluator().eval(_parse(text), 0)
 
 
 def format_number(value: Number) -> str:
@@ -177,7 +184,7 @@ class Calculator(Tool):
     name: ClassVar[str] = "calculator"
     description: ClassVar[str] = (
         "Evaluates an arithmetic expression on numbers (+ - * / // % ** and parentheses; sqrt, abs, round, "
-        "min, max, floor, ceil; pi, e) and returns its value."
+        "min, max, floor, ceil; pi, e) and returns its value (of the left side, given an equation)."
     )
     example_arguments: ClassVar[str] = "12*7"
 
