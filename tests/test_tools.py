@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -149,6 +150,16 @@ def run_python(code: str, limits: ToolLimits = FAST) -> ToolResult:
 
 def test_python_prints() -> None:
     assert (run_python("print(2+2)").text, run_python("print(2+2)").ok) == ("4", True)
+
+
+def test_python_runs_under_the_runtimes_umask() -> None:
+    """The runtime's processes set umask 0o077 (their files are one user's): the child, another
+    user when the runtime is root, must still read the code it is given."""
+    old = os.umask(0o077)
+    try:
+        assert (run_python("print(6*7)").text, run_python("print(6*7)").ok) == ("42", True)
+    finally:
+        os.umask(old)
 
 
 def test_python_shows_a_last_expression_and_says_when_nothing_printed() -> None:

@@ -243,9 +243,13 @@ def run_sandboxed(source: str, limits: ToolLimits) -> ToolResult:
     workdir = ""
     try:
         workdir = tempfile.mkdtemp(prefix="polytinker-python-")
-        Path(workdir, "main.py").write_text(source, encoding="utf-8", errors="replace")
+        main = Path(workdir, "main.py")
+        main.write_text(source, encoding="utf-8", errors="replace")
         if report.user_dropped:
-            os.chown(workdir, SANDBOX_UID, SANDBOX_UID)
+            # The child's own, whatever the umask (the runtime's processes run with 0o077): a
+            # main.py left to root at 0600 would be unreadable after the switch to the sandbox user.
+            for path in (workdir, main):
+                os.chown(path, SANDBOX_UID, SANDBOX_UID)
         text, ok = _run_child(workdir, limits, report, start + limits.timeout_s)
     except OSError as exc:
         text, ok = f"error: could not start the interpreter ({exc.strerror or exc})", False
