@@ -35,8 +35,9 @@ $(COOKBOOK_VENV)/.installed: tests/cookbook/requirements.txt
 	$(COOKBOOK_VENV)/bin/python -m pip install -q -r tests/cookbook/requirements.txt
 	touch $@
 
+# --durations: the slowest tests at the end of the log, where CI's time budget is kept.
 test: venv cookbook-venv
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # The unit tier alone (`make test` runs it too): no real model, no runtime, no process that loads
 # a model, no command (the CLI, a script) in a child process; tests/conftest.py sets the marks and

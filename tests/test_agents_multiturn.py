@@ -60,6 +60,8 @@ def test_tool_results_are_shown_as_a_tool_message(tokenizer):
     so_far = tokenizer.encode("<calculator>6*7</calculator>", add_special_tokens=False)
     shown = tokenizer.decode(renderer.tool_result_tokens(so_far, "42"))
     assert shown == "<|im_end|>\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+    primed = Renderer(tokenizer, RendererConfig(answer_prefix_after_tool="The answer is"))
+    assert tokenizer.decode(primed.tool_result_tokens(so_far, "42")) == shown + "The answer is"
 
 
 def _episode(renderer: Renderer, answers: list[str], episode: str, rewards: list[float]) -> list[TurnSample]:
@@ -142,13 +144,15 @@ class _ScriptedSampler:
         return SampleResponse([SampledSequence("stop", tokens, [-0.25] * len(tokens), text)])
 
 
-def _players(tokenizer, sampler, max_calls: int = 3):
+def _players(tokenizer, sampler, max_calls: int = 3, renderer: RendererConfig | None = None):
     from polytinker.agents.rollout import Players
     from polytinker.agents.spec import AgentSpec
     from polytinker.agents.types import Slot, SlotKind
     from polytinker.envs.tools import ToolLimits
 
-    players = Players({"a": AgentSpec("a")}, {"a": Renderer(tokenizer)}, {}, tool_limits=ToolLimits(max_calls))
+    config = renderer or RendererConfig()
+    spec = AgentSpec("a", renderer=config)
+    players = Players({"a": spec}, {"a": Renderer(tokenizer, config)}, {}, tool_limits=ToolLimits(max_calls))
     players.samplers[("a", 0)] = sampler
     return players.policy({7: {"player_0": Slot(SlotKind.LEARNER, "a")}})
 
@@ -170,6 +174,24 @@ def test_a_tool_call_is_run_and_its_result_shown_then_the_answer_sampled(tokeniz
     second_prompt, _ = sampler.calls[1]
     assert second_prompt == [*sample.prompt_tokens, *sample.completion_tokens[: len(second_prompt) - len(first_prompt)]]
     assert sum(sample.sampled_T) == len(tokenizer.encode("<calculator>6*7</calculator> 42", add_special_tokens=False))
+
+
+def test_the_prefixes_open_the_call_and_the_answer_after_its_result(tokenizer):
+    """answer_prefix may open a call (the model completes it); answer_prefix_after_tool is shown
+    after the result. Neither is the model's: both carry no weight, and the env gets the answer."""
+    import asyncio
+
+    sampler = _ScriptedSampler(tokenizer, ["6*7</calculator>", " 42."])
+    config = RendererConfig(answer_prefix="<calculator>", answer_prefix_after_tool="The answer is")
+    inp = PolicyInput("player_0", "ep", "m", "Compute.", TextObservation("6*7 = ?"), seed=7, tools=("calculator",))
+    action = asyncio.run(_players(tokenizer, sampler, renderer=config)("player_0", inp))
+    assert action.text == " 42." and action.meta == {"tool_calls": 1, "tool_errors": 0}
+    sample = action.sample
+    assert tokenizer.decode(sample.prompt_tokens).endswith("<|im_start|>assistant\n<calculator>")
+    shown = [t for t, sampled in zip(sample.completion_tokens, sample.sampled_T, strict=True) if not sampled]
+    assert tokenizer.decode(shown).endswith("<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\nThe answer is")
+    written = [t for t, sampled in zip(sample.completion_tokens, sample.sampled_T, strict=True) if sampled]
+    assert tokenizer.decode(written) == "6*7</calculator> 42."
 
 
 def test_calls_past_the_limit_are_not_run(tokenizer):

@@ -116,11 +116,12 @@ class Renderer:
 
     def tool_result_tokens(self, so_far: Sequence[int], result: str) -> list[int]:
         """What the model is shown after a tool call that ends ``so_far``: the end of its message,
-        the result as a ``tool_role`` message, and the generation prompt of its next message."""
+        the result as a ``tool_role`` message, the generation prompt of its next message and
+        ``answer_prefix_after_tool``."""
         shown = self.message_tokens(self.config.tool_role, result)
         if shown is None:  # a template without that role: the result as a user message
             shown = self.message_tokens("user", f"Tool result: {result}") or self._encode(f"\nTool result: {result}\n")
-        return self.end_of_message(so_far) + shown
+        return self.end_of_message(so_far) + shown + self._encode(self.config.answer_prefix_after_tool)
 
     def message_tokens(self, role: str, content: str, generation_prompt: bool = True) -> list[int] | None:
         """The tokens of one message after a conversation (and the generation prompt after it),

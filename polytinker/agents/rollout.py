@@ -125,8 +125,10 @@ class _ModelTurn:
             logprobs += [float(x) for x in seq.logprobs]
             sampled += [True] * len(seq.tokens)
             text = self.renderer.tokenizer.decode(list(seq.tokens), skip_special_tokens=True)
-            if calls == 0:  # the reply starts with the answer prefix (which may open a call)
-                text = self.spec.renderer.answer_prefix + text
+            # The reply starts with the answer prefix (which may open a call), and what follows a
+            # tool's result with the prefix written after it.
+            renderer = self.spec.renderer
+            text = (renderer.answer_prefix if calls == 0 else renderer.answer_prefix_after_tool) + text
             call = self.format.parse(text, self.tools) if may_call and self.format is not None else None
             if call is None:
                 break

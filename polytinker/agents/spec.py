@@ -145,6 +145,10 @@ class RendererConfig:
     # The start of the agent's reply, written into the prompt after the generation prompt
     # (e.g. "My move (cooperate or defect):"): it primes the answer format for a small model.
     # Part of the prompt, so never trained on; the env parses only what the model adds.
+    answer_prefix_after_tool: str = ""
+    # The start of the agent's reply after a tool's result (e.g. "The answer is"): written into
+    # the prompt after the result message, as answer_prefix is after the observation, so a small
+    # model goes on to use the result. Never trained on.
     tool_format: str = "tags"
     # How the agent writes a tool call, when the env gives it tools: "tags"
     # (<calculator>12*7</calculator>, what a small model copies best) or "json" (Hermes/Qwen style
