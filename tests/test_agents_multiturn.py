@@ -164,7 +164,8 @@ def test_a_tool_call_is_run_and_its_result_shown_then_the_answer_sampled(tokeniz
     inp = PolicyInput("player_0", "ep", "math_tool-v0", "Compute.", TextObservation("6*7 = ?"), seed=7)
     inp = PolicyInput(**{**inp.__dict__, "tools": ("calculator",)})
     action = asyncio.run(_players(tokenizer, sampler)("player_0", inp))
-    assert action.text == " 42" and action.meta == {"tool_calls": 1, "tool_errors": 0}
+    assert action.text == " 42" and action.meta["tool_calls"] == 1 and action.meta["tool_errors"] == 0
+    assert action.meta["tools"] == [{"tool": "calculator", "arguments": "6*7", "result": "42"}]
     first_prompt, first_params = sampler.calls[0]
     assert "<calculator>" in tokenizer.decode(first_prompt)  # the tools are described in the system prompt
     assert first_params.stop == ("</calculator>",)
@@ -185,7 +186,7 @@ def test_the_prefixes_open_the_call_and_the_answer_after_its_result(tokenizer):
     config = RendererConfig(answer_prefix="<calculator>", answer_prefix_after_tool="The answer is")
     inp = PolicyInput("player_0", "ep", "m", "Compute.", TextObservation("6*7 = ?"), seed=7, tools=("calculator",))
     action = asyncio.run(_players(tokenizer, sampler, renderer=config)("player_0", inp))
-    assert action.text == " 42." and action.meta == {"tool_calls": 1, "tool_errors": 0}
+    assert action.text == " 42." and action.meta["tools"] == [{"tool": "calculator", "arguments": "6*7", "result": "42"}]
     sample = action.sample
     assert tokenizer.decode(sample.prompt_tokens).endswith("<|im_start|>assistant\n<calculator>")
     shown = [t for t, sampled in zip(sample.completion_tokens, sample.sampled_T, strict=True) if not sampled]

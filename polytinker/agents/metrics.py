@@ -87,6 +87,9 @@ def transcript(result: EpisodeResult, step: int, kind: str, slots: Mapping[str, 
                     "action": t.action,
                     "reward": t.reward,
                     **({"invalid": t.invalid_reason} if t.invalid_reason else {}),
+                    # The policy's notes: its tool calls and their results, the answer behind a
+                    # numbered move. Free-form, so made plain data here.
+                    **({"meta": json.loads(json.dumps(dict(t.meta), default=str))} if t.meta else {}),
                 }
                 for t in traj.turns
             ]

@@ -115,6 +115,7 @@ class _ModelTurn:
         sampled: list[bool] = []
         limits = self.players.tool_limits
         calls = errors = 0
+        exchanges: list[dict[str, str]] = []  # each call and its result, for the transcript
         while True:
             may_call = self.format is not None and calls < limits.max_calls_per_turn
             # The first sample keeps the seed it always had; each call after a tool result its own.
@@ -134,6 +135,7 @@ class _ModelTurn:
                 break
             result = await asyncio.to_thread(run_tool_call, call, self.tools, limits)
             calls, errors = calls + 1, errors + (not result.ok)
+            exchanges.append({"tool": call.name, "arguments": call.arguments, "result": result.text})
             shown = self.renderer.tool_result_tokens([*prompt, *tokens], result.text)
             tokens += shown
             logprobs += [0.0] * len(shown)
@@ -142,6 +144,8 @@ class _ModelTurn:
             self.agent, self.version, tuple(prompt), tuple(tokens), tuple(logprobs), tuple(sampled) if calls else ()
         )
         meta: dict[str, Any] = {"tool_calls": calls, "tool_errors": errors} if self.tools else {}
+        if exchanges:
+            meta["tools"] = exchanges
         # The env reads the answer after the last tool result (all of it when there was no call),
         # or the listed move it names by number.
         action = self.renderer.chosen_move(self.inp, seq.text)
