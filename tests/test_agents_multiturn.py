@@ -186,7 +186,8 @@ def test_the_prefixes_open_the_call_and_the_answer_after_its_result(tokenizer):
     config = RendererConfig(answer_prefix="<calculator>", answer_prefix_after_tool="The answer is")
     inp = PolicyInput("player_0", "ep", "m", "Compute.", TextObservation("6*7 = ?"), seed=7, tools=("calculator",))
     action = asyncio.run(_players(tokenizer, sampler, renderer=config)("player_0", inp))
-    assert action.text == " 42." and action.meta["tools"] == [{"tool": "calculator", "arguments": "6*7", "result": "42"}]
+    assert action.text == " 42."
+    assert action.meta["tools"] == [{"tool": "calculator", "arguments": "6*7", "result": "42"}]
     sample = action.sample
     assert tokenizer.decode(sample.prompt_tokens).endswith("<|im_start|>assistant\n<calculator>")
     shown = [t for t, sampled in zip(sample.completion_tokens, sample.sampled_T, strict=True) if not sampled]

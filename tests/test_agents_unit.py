@@ -19,6 +19,7 @@ from polytinker.agents import (
     Reinforce,
     Renderer,
     RendererConfig,
+    Slot,
     SlotKind,
     TurnSample,
     turn_datum,
@@ -120,6 +121,17 @@ def test_self_play_and_league():
     assert league.assign(5) == league.assign(5)  # a pure function of the seed
     with pytest.raises(ConfigError, match="exactly one"):
         PolicyMapping(MappingConfig(kind="self_play"), ["a", "b"], [AgentSpec("x"), AgentSpec("y")])  # type: ignore[arg-type]
+
+
+def test_the_team_is_every_role_as_training_fills_it_with_current_versions_only():
+    pair = PolicyMapping(MappingConfig(), ["speaker_0", "listener_0"], [AgentSpec("s"), AgentSpec("l")])
+    assert pair.team() == pair.assign(0)
+    pinned_roles = MappingConfig(roles={"player_1": "scripted:weak"})
+    pinned = PolicyMapping(pinned_roles, ["player_0", "player_1"], [AgentSpec("a")])
+    assert pinned.team()["player_1"] == Slot(SlotKind.SCRIPTED, "weak")
+    league = PolicyMapping(MappingConfig(kind="league"), ["player_0", "player_1"], [AgentSpec("me")])  # type: ignore[arg-type]
+    league.add_to_pool("me", 1)
+    assert league.team() == {r: Slot(SlotKind.LEARNER, "me") for r in ("player_0", "player_1")}  # no past version
 
 
 # --- advantages and datums ---------------------------------------------------------------------------

@@ -66,7 +66,7 @@ def pd_config(root: Path, name: str = "pd", steps: int = 2, **train) -> Experime
         agents=(agent("alice", "reinforce"), agent("bob", "ppo", epochs=2, minibatches=2)),
         # Minibatches reach the learner in calls of at most 3 datums (their gradients add up).
         train=TrainConfig(steps=steps, groups=4, group_size=1, max_datums_per_call=3, **train),
-        eval=EvalConfig(episodes=2, opponents=("random", "heuristic")),
+        eval=EvalConfig(episodes=2, opponents=("random", "heuristic", "team")),
         output=OutputConfig(root=str(root), checkpoint_every=1, progress=False, tensorboard=True),
     )
 
@@ -87,11 +87,13 @@ def test_two_agents_train_evaluate_and_write_the_run(service, tmp_path, capsys):
         assert rows[1][f"train/datums/{name}"] > 0
         assert rows[2][f"version/{name}"] > rows[1][f"version/{name}"] > 0  # one adapter each, stepping
         assert f"eval/{name}/heuristic/win_rate" in rows[-1] and f"eval/{name}/random/win_rate" in rows[0]
+        assert f"eval/{name}/team/reward" in rows[0] and f"eval/{name}/team/reward" in rows[-1]  # the two together
     assert rows[1]["version/bob"] == 4  # ppo: 2 epochs x 2 minibatches = 4 optimizer steps
     assert set(summary.before) <= set(rows[0]) and summary.after["eval/alice/random/reward"] == pytest.approx(
         rows[-1]["eval/alice/random/reward"]
     )
     episodes = [json.loads(line) for line in (run / "transcripts.jsonl").read_text().splitlines()]
+    assert {"player_0": "alice", "player_1": "bob"} in [e["players"] for e in episodes if e["kind"] == "eval"]
     train = [e for e in episodes if e["kind"] == "train"]
     assert train and train[0]["players"] == {"player_0": "alice", "player_1": "bob"}
     assert len(train[0]["turns"]["player_0"]) >= 2  # two rounds, retries included
@@ -247,3 +249,9 @@ def test_an_agent_calls_its_envs_tool_and_trains_on_what_it_wrote(service, tmp_p
     # The tokens the model wrote: the calls' and answers' (tool results are not counted).
     assert rows[0]["tokens/solver"] > 0
     assert rows[0]["train/datums/solver"] > 0 or rows[0].get("train/skipped/solver") == 1.0
+    # The transcript shows each call and what the model was shown back.
+    episodes = [json.loads(line) for line in (tmp_path / "tools" / "transcripts.jsonl").read_text().splitlines()]
+    turn = episodes[0]["turns"]["player_0"][0]
+    assert turn["meta"]["tool_calls"] == 1
+    (exchange,) = turn["meta"]["tools"]
+    assert exchange["tool"] == "calculator" and exchange["result"]

@@ -116,7 +116,8 @@ class EvalConfig:
     episodes: int = 32
     # Episodes per agent, role and opponent.
     opponents: tuple[str, ...] = ("random",)
-    # Scripted opponents of the env to evaluate against ("random", "heuristic").
+    # Scripted opponents of the env to evaluate against ("random", "heuristic"), and "team": the
+    # experiment's own agents together, every role filled as training fills it.
     win: Literal["beats_others", "positive", "solved"] = "beats_others"
     # What counts as a win: more reward than every other role, a positive reward (cooperative and
     # single-agent games), or "solved": a reward of at least 1 (a task done, in envs whose partial

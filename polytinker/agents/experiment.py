@@ -27,7 +27,7 @@ from polytinker.agents.checkpoint import RunState, tenant_key
 from polytinker.agents.clients import training_client
 from polytinker.agents.config import ExperimentConfig
 from polytinker.agents.loop import Learners, Trainer, league_update
-from polytinker.agents.mapping import PolicyMapping
+from polytinker.agents.mapping import TEAM, PolicyMapping
 from polytinker.agents.metrics import MetricsLogger, append_jsonl, plot_curves
 from polytinker.agents.protocols import ServiceClientLike, TrainingClientLike
 from polytinker.agents.render import Renderer
@@ -59,7 +59,8 @@ class RunSummary:
                 rb, ra = self.before.get(f"{base}/reward"), self.after.get(f"{base}/reward", float("nan"))
                 was = f"{b:.2f} -> " if b is not None else ""
                 was_r = f"{rb:.2f} -> " if rb is not None else ""
-                lines.append(f"  {agent} vs {opponent}: win rate {was}{a:.2f}, reward {was_r}{ra:.2f}")
+                against = "with the other agents" if opponent == TEAM else f"vs {opponent}"
+                lines.append(f"  {agent} {against}: win rate {was}{a:.2f}, reward {was_r}{ra:.2f}")
         aborted = self.after.get("eval/aborted", 0.0)
         if aborted:
             share = self.after.get("eval/aborted_share", 0.0)
@@ -175,7 +176,7 @@ class Experiment:
         return Players(specs, renderers, scripted, tool_limits=self.config.env.tools)
 
     def _check_opponents(self, players: Players) -> None:
-        wanted = set(self.config.eval.opponents)
+        wanted = set(self.config.eval.opponents) - {TEAM}
         wanted |= {v.removeprefix("scripted:") for v in self.config.mapping.roles.values() if v.startswith("scripted:")}
         missing = sorted(wanted - set(players.scripted))
         if missing:

@@ -22,6 +22,7 @@ from polytinker.agents.types import MappingKind, Slot, SlotKind
 from polytinker.errors import ConfigError
 
 SCRIPTED_PREFIX = "scripted:"
+TEAM = "team"  # the evaluation "opponent" that is the experiment's own agents (PolicyMapping.team)
 
 
 @dataclass(frozen=True)
@@ -118,10 +119,17 @@ class PolicyMapping:
             return list(self.open_roles)
         return [r for r, s in self.fixed.items() if s.kind is SlotKind.LEARNER and s.name == agent]
 
+    def team(self) -> dict[str, Slot]:
+        """Every role as training fills it, with the current version in each learner role (a
+        league's past versions left out): the evaluation of the agents together."""
+        slots = dict(self.fixed)
+        slots.update({r: Slot(SlotKind.LEARNER, self.learner) for r in self.open_roles})
+        return slots
+
     def evaluation(self, agent: str, role: str, opponent: str) -> dict[str, Slot]:
         """The agent in ``role``, the scripted ``opponent`` kind in every other role."""
         scripted = Slot(SlotKind.SCRIPTED, opponent)
         return {r: Slot(SlotKind.LEARNER, agent) if r == role else scripted for r in self.env_roles}
 
 
-__all__ = ["SCRIPTED_PREFIX", "MappingConfig", "PolicyMapping"]
+__all__ = ["SCRIPTED_PREFIX", "TEAM", "MappingConfig", "PolicyMapping"]
