@@ -279,5 +279,35 @@ def test_pruning_deletes_only_this_adapters_old_step_files_under_the_root(tmp_pa
         svc.weights.prune(a, 3)  # keeps version 3 alone
         assert [rel for rel in made if (svc.root / rel).exists()] == made[2:]
         assert outside.exists()
+        assert svc.store.version_row(key, 1) is None and svc.store.version_row(key, 3) is not None
+    finally:
+        svc.stop()
+
+
+def test_a_named_samplers_version_outlives_pruning(tmp_path: Path) -> None:
+    """save_weights_for_sampler(name) keeps its version sampleable for good: pruning leaves the
+    version's row (its model path resolves) and its export. A league samples its pool this way."""
+    from polytinker.scheduler.service import RuntimeConfig, SchedulerService, TenantConfig
+
+    cfg = RuntimeConfig(
+        model=MODEL,
+        state_dir=str(tmp_path / "state"),
+        tenants=(TenantConfig("alice", api_key=KEY_ALICE),),
+        worker_token="prune-token-0123456789",
+        keep_checkpoints=1,
+    )
+    svc = SchedulerService(cfg, cfg.worker_token)
+    try:
+        key = "alice/job-1/hero"
+        a = svc.store.ensure_adapter(key, "alice", "job-1", "hero")
+        made = {v: (wm.WeightsRef(key, v).relative_path, wm.WeightsRef(key, v, "export").relative_path) for v in (1, 2, 3)}
+        for version, (ckpt, export) in made.items():
+            (svc.root / ckpt).mkdir(parents=True)
+            (svc.root / export).mkdir(parents=True)
+            svc.store.record_version(key, version, ckpt, export)
+        svc.store.add_checkpoint("job-1", "sampler-pool-v1", made[1][1], 1)  # what a named save records
+        svc.weights.prune(a, 3)
+        assert svc.store.version_row(key, 1) is not None and (svc.root / made[1][1]).exists()
+        assert svc.store.version_row(key, 2) is None and not (svc.root / made[2][1]).exists()
     finally:
         svc.stop()

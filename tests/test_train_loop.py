@@ -117,12 +117,15 @@ def test_resume_continues_from_the_last_checkpoint(service, tmp_path):
 
 
 def test_async_league_self_play(service, tmp_path):
+    """Five steps, a version joining the pool after each: the runtime keeps two per-step versions
+    (keep_checkpoints), so the pool's older ones are sampled after their step files would have
+    been pruned; the named save that put them in the pool keeps them sampleable."""
     config = ExperimentConfig(
         name="league",
         env=EnvSetup("kuhn_poker-v0"),
         agents=(agent("me", "reinforce"),),
         mapping=MappingConfig(kind="league", pool_every=1),  # type: ignore[arg-type]
-        train=TrainConfig(steps=3, groups=2, group_size=1, mode="async", max_staleness=1),  # type: ignore[arg-type]
+        train=TrainConfig(steps=5, groups=4, group_size=1, mode="async", max_staleness=1),  # type: ignore[arg-type]
         eval=EvalConfig(episodes=2, at_start=False),
         output=OutputConfig(root=str(tmp_path), progress=False, tensorboard=False),
     )
@@ -135,7 +138,18 @@ def test_async_league_self_play(service, tmp_path):
     assert kept == {*state.pool["me"], experiment._trainer.players.current["me"]}
     episodes = [json.loads(line) for line in (tmp_path / "league" / "transcripts.jsonl").read_text().splitlines()]
     assert any("me" in e["players"].values() for e in episodes if e["kind"] == "train")
-    assert [r["step"] for r in read_metrics(tmp_path / "league")] == [1, 2, 3, 3]
+    assert [r["step"] for r in read_metrics(tmp_path / "league")] == [1, 2, 3, 4, 5, 5]
+    # The pool's oldest version is older than the two per-step versions the runtime keeps, and its
+    # sampler still samples.
+    import asyncio
+
+    from polytinker.engine.types import SamplingParams
+
+    oldest = min(state.pool["me"])
+    assert oldest < state.versions["me"] - 1
+    sampler = experiment._trainer.players.samplers[("me", oldest)]
+    reply = asyncio.run(sampler.sample_async([1, 2, 3], 1, SamplingParams(max_tokens=2)))
+    assert len(reply.sequences) == 1
 
 
 def test_sft_from_jsonl_lowers_the_loss(service, tmp_path):

@@ -28,7 +28,7 @@ import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -283,17 +283,22 @@ class StateStore:
         )
         return (str(rows[0]["checkpoint"]), str(rows[0]["export_dir"])) if rows else None
 
-    def drop_versions_below(self, key: str, version: int) -> list[tuple[str, str]]:
-        """Forget versions older than ``version``; returns their (checkpoint, export_dir) to delete."""
+    def drop_versions_below(self, key: str, version: int, keep: Collection[str] = ()) -> list[tuple[str, str]]:
+        """Forget versions older than ``version``, but those whose export is in ``keep`` (a named
+        sampler's: it stays sampleable); returns the forgotten ones' (checkpoint, export_dir)."""
         with self._tx() as db:
             rows = list(
                 db.execute(
-                    "SELECT checkpoint, export_dir FROM adapter_versions WHERE adapter_key = ? AND version < ?",
+                    "SELECT version, checkpoint, export_dir FROM adapter_versions WHERE adapter_key = ? AND version < ?",
                     (key, version),
                 )
             )
-            db.execute("DELETE FROM adapter_versions WHERE adapter_key = ? AND version < ?", (key, version))
-        return [(str(r["checkpoint"]), str(r["export_dir"])) for r in rows]
+            doomed = [r for r in rows if str(r["export_dir"]) not in keep]
+            db.executemany(
+                "DELETE FROM adapter_versions WHERE adapter_key = ? AND version = ?",
+                [(key, r["version"]) for r in doomed],
+            )
+        return [(str(r["checkpoint"]), str(r["export_dir"])) for r in doomed]
 
     # --- checkpoints and events ------------------------------------------------------------------
     def add_checkpoint(self, job_id: str, name: str, path: str, version: int) -> None:

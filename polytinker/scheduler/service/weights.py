@@ -41,9 +41,11 @@ class WeightsCatalog:
 
     def prune(self, a: AdapterRow, version: int) -> None:
         """Delete the per-step checkpoints and exports older than the last ``keep_checkpoints``;
-        named ones (save_state, save_weights_for_sampler with a name) and other jobs' files stay."""
+        named ones (save_state, save_weights_for_sampler with a name) and other jobs' files stay,
+        and a named sampler's version stays sampleable (its path keeps resolving)."""
         named = {c["path"] for c in self.store.checkpoints(a.job_id)}
-        for ckpt, export in self.store.drop_versions_below(a.adapter_key, version - self.keep_checkpoints + 1):
+        oldest_kept = version - self.keep_checkpoints + 1
+        for ckpt, export in self.store.drop_versions_below(a.adapter_key, oldest_kept, keep=named):
             for p in (ckpt, export):
                 try:
                     ref = self.stored(p, 0)
