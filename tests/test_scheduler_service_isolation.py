@@ -245,7 +245,9 @@ def test_a_tenant_may_not_name_an_agent_that_is_a_path() -> None:
             m.CreateJob(KEY_BOB, "lora_rl", MODEL, agent=agent)
 
 
-def test_pruning_deletes_only_this_adapters_old_step_files_under_the_root(tmp_path: Path) -> None:
+def _pruning_service(tmp_path: Path) -> Any:
+    """A scheduler service keeping one per-step version, not started: its store and layout are
+    enough for pruning."""
     from polytinker.scheduler.service import RuntimeConfig, SchedulerService, TenantConfig
 
     cfg = RuntimeConfig(
@@ -255,7 +257,11 @@ def test_pruning_deletes_only_this_adapters_old_step_files_under_the_root(tmp_pa
         worker_token="prune-token-0123456789",
         keep_checkpoints=1,
     )
-    svc = SchedulerService(cfg, cfg.worker_token)  # not started: its store and layout are enough here
+    return SchedulerService(cfg, cfg.worker_token)
+
+
+def test_pruning_deletes_only_this_adapters_old_step_files_under_the_root(tmp_path: Path) -> None:
+    svc = _pruning_service(tmp_path)
     try:
         key, other = "alice/job-1/hero", "alice/job-2/hero"
         outside = tmp_path / "outside" / "v1"  # a path an old database might hold: never deleted
@@ -287,20 +293,12 @@ def test_pruning_deletes_only_this_adapters_old_step_files_under_the_root(tmp_pa
 def test_a_named_samplers_version_outlives_pruning(tmp_path: Path) -> None:
     """save_weights_for_sampler(name) keeps its version sampleable for good: pruning leaves the
     version's row (its model path resolves) and its export. A league samples its pool this way."""
-    from polytinker.scheduler.service import RuntimeConfig, SchedulerService, TenantConfig
-
-    cfg = RuntimeConfig(
-        model=MODEL,
-        state_dir=str(tmp_path / "state"),
-        tenants=(TenantConfig("alice", api_key=KEY_ALICE),),
-        worker_token="prune-token-0123456789",
-        keep_checkpoints=1,
-    )
-    svc = SchedulerService(cfg, cfg.worker_token)
+    svc = _pruning_service(tmp_path)
     try:
         key = "alice/job-1/hero"
         a = svc.store.ensure_adapter(key, "alice", "job-1", "hero")
-        made = {v: (wm.WeightsRef(key, v).relative_path, wm.WeightsRef(key, v, "export").relative_path) for v in (1, 2, 3)}
+        step_files = {v: wm.WeightsRef(key, v).relative_path for v in (1, 2, 3)}
+        made = {v: (ckpt, wm.WeightsRef(key, v, "export").relative_path) for v, ckpt in step_files.items()}
         for version, (ckpt, export) in made.items():
             (svc.root / ckpt).mkdir(parents=True)
             (svc.root / export).mkdir(parents=True)
