@@ -289,7 +289,8 @@ class StateStore:
         with self._tx() as db:
             rows = list(
                 db.execute(
-                    "SELECT version, checkpoint, export_dir FROM adapter_versions WHERE adapter_key = ? AND version < ?",
+                    "SELECT version, checkpoint, export_dir FROM adapter_versions"
+                    " WHERE adapter_key = ? AND version < ?",
                     (key, version),
                 )
             )
