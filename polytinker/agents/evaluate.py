@@ -21,10 +21,10 @@ from typing import Any
 
 from polytinker.agents.aborts import aborted_metrics, check_aborted
 from polytinker.agents.config import EvalConfig
-from polytinker.agents.mapping import TEAM, PolicyMapping
+from polytinker.agents.mapping import SCRIPTED_PREFIX, TEAM, PolicyMapping
 from polytinker.agents.metrics import transcript
 from polytinker.agents.rollout import Players, is_win
-from polytinker.agents.types import Slot
+from polytinker.agents.types import Slot, SlotKind
 from polytinker.envs import Coordinator
 from polytinker.envs.coordinator import EnvFactory
 from polytinker.envs.types import EpisodeResult
@@ -44,52 +44,46 @@ async def evaluate(
     """Metrics and one transcript per (agent, role, opponent); ``EnvError`` when more than
     ``max_aborted_share`` of the episodes aborted."""
     seeds = [config.seed + i for i in range(config.episodes)]
-    jobs: list[tuple[str, str, str]] = [
-        (agent, role, opponent)
+    # Each batch: the slots its episodes are played with, and the (agent, role, opponent) it scores.
+    batches: list[tuple[dict[str, Slot], list[tuple[str, str, str]]]] = [
+        (mapping.evaluation(agent, role, opponent), [(agent, role, opponent)])
         for agent in agents
         for role in mapping.trained_roles(agent)
         for opponent in config.opponents
         if opponent != TEAM
     ]
-    team = mapping.team() if TEAM in config.opponents else None
+    if TEAM in config.opponents:
+        team = mapping.team()
+        batches.append((team, [(s.name, role, TEAM) for role, s in team.items() if s.trains and s.name in agents]))
 
     async def play(slots: dict[str, Slot]) -> list[EpisodeResult]:
         policy = players.policy(dict.fromkeys(seeds, slots), evaluation=True, sample_seed=config.seed)
         return await coordinator.run(make_env, policy, seeds)
 
-    batches = [play(mapping.evaluation(*job)) for job in jobs]
-    if team is not None:
-        batches.append(play(team))
-    outcomes = await asyncio.gather(*batches)
+    outcomes = await asyncio.gather(*(play(slots) for slots, _ in batches))
     played = [r for results in outcomes for r in results]
     check_aborted(played, max_aborted_share, f"evaluation at step {step}")
     wins: dict[tuple[str, str], list[float]] = {}
     rewards: dict[tuple[str, str], list[float]] = {}
     transcripts = []
-
-    def score(agent: str, role: str, opponent: str, done: list[EpisodeResult]) -> None:
-        wins.setdefault((agent, opponent), []).extend(float(is_win(r, role, config.win)) for r in done)
-        rewards.setdefault((agent, opponent), []).extend(r.total_rewards[role] for r in done)
-
-    for (agent, role, opponent), results in zip(jobs, outcomes[: len(jobs)], strict=True):
+    for (slots, scored), results in zip(batches, outcomes, strict=True):
         done = [r for r in results if not r.aborted]
-        score(agent, role, opponent, done)
+        for agent, role, opponent in scored:
+            wins.setdefault((agent, opponent), []).extend(float(is_win(r, role, config.win)) for r in done)
+            rewards.setdefault((agent, opponent), []).extend(r.total_rewards[role] for r in done)
         if done:
-            names = {r: (agent if r == role else f"scripted:{opponent}") for r in done[0].trajectories}
-            transcripts.append(transcript(done[0], step, "eval", names))
-    if team is not None:
-        done = [r for r in outcomes[-1] if not r.aborted]
-        for role, slot in team.items():
-            if slot.trains and slot.name in agents:
-                score(slot.name, role, TEAM, done)
-        if done:
-            transcripts.append(transcript(done[0], step, "eval", {r: s.name for r, s in team.items()}))
+            transcripts.append(transcript(done[0], step, "eval", {r: _player(s) for r, s in slots.items()}))
     metrics: dict[str, float] = aborted_metrics(played, "eval/")
     for (agent, opponent), values in wins.items():
         metrics[f"eval/{agent}/{opponent}/win_rate"] = sum(values) / max(1, len(values))
         got = rewards[(agent, opponent)]
         metrics[f"eval/{agent}/{opponent}/reward"] = sum(got) / max(1, len(got))
     return metrics, transcripts
+
+
+def _player(slot: Slot) -> str:
+    """Who played a role, as a transcript names it."""
+    return f"{SCRIPTED_PREFIX}{slot.name}" if slot.kind is SlotKind.SCRIPTED else slot.name
 
 
 __all__ = ["evaluate"]

@@ -88,8 +88,8 @@ def transcript(result: EpisodeResult, step: int, kind: str, slots: Mapping[str, 
                     "reward": t.reward,
                     **({"invalid": t.invalid_reason} if t.invalid_reason else {}),
                     # The policy's notes: its tool calls and their results, the answer behind a
-                    # numbered move. Free-form, so made plain data here.
-                    **({"meta": json.loads(json.dumps(dict(t.meta), default=str))} if t.meta else {}),
+                    # numbered move (free-form: append_jsonl writes what JSON lacks as text).
+                    **({"meta": dict(t.meta)} if t.meta else {}),
                 }
                 for t in traj.turns
             ]
@@ -102,7 +102,7 @@ def append_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
     if rows:
         with path.open("a") as f:
             for row in rows:
-                f.write(json.dumps(row) + "\n")
+                f.write(json.dumps(row, default=str) + "\n")
 
 
 def plot_curves(run_dir: Path, agents: list[str]) -> Path | None:

@@ -116,6 +116,7 @@ class _ModelTurn:
         limits = self.players.tool_limits
         calls = errors = 0
         exchanges: list[dict[str, str]] = []  # each call and its result, for the transcript
+        prefixes = self.spec.renderer
         while True:
             may_call = self.format is not None and calls < limits.max_calls_per_turn
             # The first sample keeps the seed it always had; each call after a tool result its own.
@@ -128,8 +129,7 @@ class _ModelTurn:
             text = self.renderer.tokenizer.decode(list(seq.tokens), skip_special_tokens=True)
             # The reply starts with the answer prefix (which may open a call), and what follows a
             # tool's result with the prefix written after it.
-            renderer = self.spec.renderer
-            text = (renderer.answer_prefix if calls == 0 else renderer.answer_prefix_after_tool) + text
+            text = (prefixes.answer_prefix if calls == 0 else prefixes.answer_prefix_after_tool) + text
             call = self.format.parse(text, self.tools) if may_call and self.format is not None else None
             if call is None:
                 break
