@@ -12,8 +12,12 @@ Both servers run in their own subprocess on tcp loopback (ROUTER), the clients h
   two numpy arrays.
 
 Also printed: the round trip against a server that runs every handler on the thread that reads
-its socket (``handler_threads=0``). A default server runs a request that finds it idle there too,
-and hands the socket to another thread if the handler runs long.
+its socket (``handler_threads=0``), and the floor of the design itself: a client and a server
+with the same threads and hand-offs as polytinker's (the caller queues to the client's I/O thread
+through a pipe and waits on a lock; the server's I/O thread queues to a handler thread, which
+queues the answer back through a pipe) and nothing else: no header, codec, deadline, heartbeat
+or cancellation. ``rpc_design_floor_ratio`` is what those thread hops cost on this machine;
+the gap between it and ``rpc_roundtrip_ratio`` is what the protocol costs.
 
 ``--quick`` finishes in well under a minute on 2 cores.
 """
@@ -21,10 +25,13 @@ and hands the socket to another thread if the handler runs long.
 from __future__ import annotations
 
 import argparse
+import collections
+import os
 import pickle
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -47,6 +54,72 @@ while True:
         sock.send_multipart(frames, copy=False)
 """
 
+# The design's floor, server side: one I/O thread owns the socket, a handler thread answers.
+_FLOOR_SERVER = """
+import collections, os, queue, threading, zmq
+sock = zmq.Context.instance().socket(zmq.ROUTER)
+port = sock.bind_to_random_port("tcp://127.0.0.1")
+print(f"READY tcp://127.0.0.1:{port}", flush=True)
+wake_r, wake_w = os.pipe()
+os.set_blocking(wake_r, False)
+requests, answers = queue.SimpleQueue(), collections.deque()
+def handle():
+    while True:
+        answers.append(requests.get())
+        os.write(wake_w, b"\\0")
+threading.Thread(target=handle, daemon=True).start()
+items = [(sock, zmq.POLLIN), (wake_r, zmq.POLLIN)]
+while True:
+    zmq.zmq_poll(items, -1)
+    try:
+        os.read(wake_r, 65536)
+    except BlockingIOError:
+        pass
+    while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        requests.put(sock.recv_multipart(copy=False))
+    while answers:
+        sock.send_multipart(answers.popleft(), copy=False)
+"""
+
+
+class _FloorClient:
+    """The design's floor, client side: the caller queues its request and wakes the I/O thread
+    (which owns the socket) through a pipe, then waits on a lock that the I/O thread releases."""
+
+    def __init__(self, address: str) -> None:
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._queue: collections.deque[list[bytes]] = collections.deque()
+        self._waiting: dict[bytes, threading.Lock] = {}
+        self._ids = iter(range(1, 1 << 62))
+        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock.linger = 0
+        self._sock.connect(address)
+        threading.Thread(target=self._loop, daemon=True).start()
+
+    def call(self, payload: bytes) -> None:
+        rid = next(self._ids).to_bytes(8, "little")
+        answered = threading.Lock()
+        answered.acquire()
+        self._waiting[rid] = answered
+        self._queue.append([rid, payload])
+        os.write(self._wake_w, b"\0")
+        answered.acquire()
+
+    def _loop(self) -> None:
+        sock = self._sock
+        items = [(sock, zmq.POLLIN), (self._wake_r, zmq.POLLIN)]
+        while True:
+            zmq.zmq_poll(items, 1000)
+            try:  # noqa: SIM105 (as the transport's own wake pipe does it)
+                os.read(self._wake_r, 65536)
+            except BlockingIOError:
+                pass
+            while self._queue:
+                sock.send_multipart(self._queue.popleft())
+            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self._waiting.pop(sock.recv_multipart()[0]).release()
+
 
 def _spawn(args: list[str]) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
@@ -67,24 +140,15 @@ def _time_each(fn: Callable[[], object], n: int) -> list[float]:
     return out
 
 
-def bench_roundtrip(ours: RpcClient, raw: zmq.Socket, rounds: int, per_round: int) -> tuple[float, float]:
-    payload = b"x" * 100
-
-    def raw_call() -> None:
-        raw.send(payload)
-        raw.recv()
-
-    def our_call() -> None:
-        ours.call("echo", payload)
-
-    _time_each(raw_call, 200)
-    _time_each(our_call, 200)
-    raw_t: list[float] = []
-    our_t: list[float] = []
+def bench_roundtrips(calls: dict[str, Callable[[], object]], rounds: int, per_round: int) -> dict[str, float]:
+    """Median microseconds per call of each, the calls taking turns round by round."""
+    for call in calls.values():
+        _time_each(call, 200)
+    times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(rounds):
-        raw_t += _time_each(raw_call, per_round)
-        our_t += _time_each(our_call, per_round)
-    return statistics.median(our_t) * 1e6, statistics.median(raw_t) * 1e6
+        for name, call in calls.items():
+            times[name] += _time_each(call, per_round)
+    return {name: statistics.median(t) * 1e6 for name, t in times.items()}
 
 
 def bench_tensor(ours: RpcClient, raw: zmq.Socket, reps: int) -> tuple[float, float]:
@@ -144,18 +208,31 @@ def main(argv: list[str] | None = None) -> int:
     inline_proc, inline_addr = _spawn(
         [sys.executable, "-m", "polytinker.transport._echo", "tcp://127.0.0.1:0", "--handler-threads", "0"]
     )
+    floor_proc, floor_addr = _spawn([sys.executable, "-c", _FLOOR_SERVER])
     raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.linger = 0
     raw.connect(raw_addr)
     try:
         with RpcClient(our_addr, config=cfg) as ours, RpcClient(inline_addr, config=cfg) as inline:
-            rt_us, raw_us = bench_roundtrip(ours, raw, rounds, per_round)
-            print(f"rpc_roundtrip_us: {rt_us:.1f}")
-            print(f"raw_roundtrip_us: {raw_us:.1f}")
-            print(f"rpc_roundtrip_ratio: {rt_us / raw_us:.2f}")
-            in_us, raw2_us = bench_roundtrip(inline, raw, max(rounds // 2, 1), per_round)
-            print(f"rpc_roundtrip_inline_us: {in_us:.1f}  (handler_threads=0)")
-            print(f"rpc_roundtrip_inline_ratio: {in_us / raw2_us:.2f}")
+            payload = b"x" * 100
+            floor = _FloorClient(floor_addr)
+            us = bench_roundtrips(
+                {
+                    "raw": lambda: (raw.send(payload), raw.recv()),
+                    "rpc": lambda: ours.call("echo", payload),
+                    "inline": lambda: inline.call("echo", payload),
+                    "floor": lambda: floor.call(payload),
+                },
+                rounds,
+                per_round,
+            )
+            print(f"rpc_roundtrip_us: {us['rpc']:.1f}")
+            print(f"raw_roundtrip_us: {us['raw']:.1f}")
+            print(f"rpc_roundtrip_ratio: {us['rpc'] / us['raw']:.2f}")
+            print(f"rpc_roundtrip_inline_us: {us['inline']:.1f}  (handler_threads=0)")
+            print(f"rpc_roundtrip_inline_ratio: {us['inline'] / us['raw']:.2f}")
+            print(f"rpc_design_floor_us: {us['floor']:.1f}  (the same thread hops, no protocol)")
+            print(f"rpc_design_floor_ratio: {us['floor'] / us['raw']:.2f}")
             gbps, raw_gbps = bench_tensor(ours, raw, tensor_reps)
             print(f"tensor_throughput_gbps: {gbps:.2f}")
             print(f"raw_tensor_throughput_gbps: {raw_gbps:.2f}")
@@ -168,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"codec_numpy_vs_pickle_ratio: {arrays_us / arrays_pickle_us:.2f}")
     finally:
         raw.close(linger=0)
-        for proc in (raw_proc, our_proc, inline_proc):
+        for proc in (raw_proc, our_proc, inline_proc, floor_proc):
             proc.kill()
             proc.wait()
     return 0
