@@ -7,6 +7,8 @@
   spelling is ``tinker://JOB/weights/NAME``.
 - ``MODEL_PREFIX`` (``polytinker://``), ``CKPT_PREFIX`` (``polytinker-ckpt://``) and
   ``TINKER_PREFIX`` (``tinker://``).
+- ``SAMPLER_NAME_PREFIX``: a job lists its named ``save_weights_for_sampler(name)`` saves among
+  its checkpoints as ``sampler-NAME``.
 
 Paths travel as strings (in messages, in ``state.json``, over HTTP); each layer turns one into a
 ``ModelPath`` with ``ModelPath.parse`` where it needs its parts, and back with ``str()``. This
@@ -22,6 +24,7 @@ from polytinker.errors import ConfigError
 MODEL_PREFIX = "polytinker://"
 CKPT_PREFIX = "polytinker-ckpt://"
 TINKER_PREFIX = "tinker://"
+SAMPLER_NAME_PREFIX = "sampler-"
 _TINKER_SAMPLER = "sampler_weights"
 
 

@@ -62,22 +62,33 @@ def _write_dir(out: Path, write: Any, overwrite: bool) -> Path:
     return write_atomic_dir(out, write)
 
 
-def export_weights(
-    conn: Connection, model_path: str, out_dir: str | os.PathLike[str], *, merged: bool = False, overwrite: bool = False
-) -> Path:
-    """Write the saved version ``model_path`` of this tenant to ``out_dir`` (see the module docstring)."""
+def adapter_files(conn: Connection, model_path: str, *, merged: bool = False) -> tuple[dict[str, bytes], str]:
+    """The peft adapter directory of the saved version ``model_path`` as ``{file name: bytes}``
+    (see the module docstring), and the base model it was trained on. ``merged`` is only recorded
+    in the manifest."""
     path = _model_path(model_path)
     reply = conn.request("sched.export_weights", m.ExportWeights(conn.api_key, path), ExportWeightsReply)
     identity = base_identity(reply.base_model)
     config = json.loads(reply.adapter_config)
     config["base_model_name_or_path"] = identity["hub_id"] or identity["base_model"]
     manifest = {**identity, "model_path": path, "version": reply.version, "merged": merged}
-    weights = bytes(reply.weights)
+    files = {
+        "adapter_config.json": (json.dumps(config, indent=2) + "\n").encode(),
+        "adapter_model.safetensors": bytes(reply.weights),
+        MANIFEST: (json.dumps(manifest, indent=2) + "\n").encode(),
+    }
+    return files, reply.base_model
+
+
+def export_weights(
+    conn: Connection, model_path: str, out_dir: str | os.PathLike[str], *, merged: bool = False, overwrite: bool = False
+) -> Path:
+    """Write the saved version ``model_path`` of this tenant to ``out_dir`` (see the module docstring)."""
+    files, base_model = adapter_files(conn, model_path, merged=merged)
 
     def write_adapter(d: Path) -> None:
-        (d / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-        (d / "adapter_model.safetensors").write_bytes(weights)
-        (d / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        for name, data in files.items():
+            (d / name).write_bytes(data)
 
     if not merged:
         return _write_dir(Path(out_dir), write_adapter, overwrite)
@@ -89,15 +100,16 @@ def export_weights(
 
         with tempfile.TemporaryDirectory(prefix="polytinker-adapter-") as adapter:
             write_adapter(Path(adapter))
-            model, tokenizer = load_model(identity["base_model"])
+            model, tokenizer = load_model(base_model)
             peft_model = PeftModel.from_pretrained(model, adapter)
             merged_model = peft_model.merge_and_unload()
-        merged_model.config.name_or_path = identity["hub_id"] or identity["base_model"]
+        # The hub id (else the runtime's model name), as the adapter's config names its base.
+        merged_model.config.name_or_path = json.loads(files["adapter_config.json"])["base_model_name_or_path"]
         merged_model.save_pretrained(str(d), safe_serialization=True)
         tokenizer.save_pretrained(str(d))
-        (d / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        (d / MANIFEST).write_bytes(files[MANIFEST])
 
     return _write_dir(Path(out_dir), write_merged, overwrite)
 
 
-__all__ = ["MANIFEST", "base_identity", "export_weights"]
+__all__ = ["MANIFEST", "adapter_files", "base_identity", "export_weights"]

@@ -316,6 +316,22 @@ class ServiceClient:
 
         return export_weights(self._connection(), model_path, out_dir, merged=merged, overwrite=overwrite)
 
+    def export_files(self, model_path: str) -> dict[str, bytes]:
+        """The peft adapter directory ``export_weights`` writes, as ``{file name: bytes}``."""
+        from polytinker.client.export import adapter_files
+
+        return adapter_files(self._connection(), model_path)[0]
+
+    def delete_checkpoint(self, job_id: str, name: str) -> bool:
+        """Delete one of a job's named checkpoints, as ``get_job(job_id)["checkpoints"]`` lists it
+        (a ``save_state`` name, or ``sampler-NAME`` for ``save_weights_for_sampler(NAME)``): its path
+        stops resolving and its files go. True when the files were deleted; False when they stay
+        because a kept version was loaded from them, or (a sampler save) the version is among the
+        job's last ``keep_checkpoints``, which go when training moves past them."""
+        conn = self._connection()
+        msg = m.DeleteCheckpoint(conn.api_key, job_id, name)
+        return conn.request("sched.delete_checkpoint", msg, r.DeleteCheckpointReply).files_deleted
+
     def runtime_status(self) -> dict[str, Any]:
         """Workers, their statistics (batches, mixed batches, adapter loads) and learner switches."""
         conn = self._connection()

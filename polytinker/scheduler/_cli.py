@@ -227,6 +227,11 @@ def _jobs(args: argparse.Namespace) -> int:
 
 def _checkpoints(args: argparse.Namespace) -> int:
     with _client(args) as client:
+        if args.checkpoints_command == "delete":
+            deleted = client.delete_checkpoint(args.job_id, args.name)
+            files = "its files deleted" if deleted else "its files kept (still in use; see docs/client.md)"
+            print(f"{args.job_id}/{args.name}: deleted, {files}")
+            return 0
         if args.checkpoints_command == "export":
             out = client.export_weights(args.model_path, args.out, merged=args.merged, overwrite=args.overwrite)
             what = "merged Hugging Face model" if args.merged else "peft adapter"
@@ -361,8 +366,8 @@ def _add_jobs_parser(sub: Any) -> None:
 
 
 def _add_checkpoints_parser(sub: Any) -> None:
-    """``checkpoints list|export``."""
-    ck = sub.add_parser("checkpoints", help="list this tenant's saved versions and checkpoints; export one")
+    """``checkpoints list|export|delete``."""
+    ck = sub.add_parser("checkpoints", help="list this tenant's saved versions and checkpoints; export or delete one")
     _add_client_args(ck)
     ck_sub = ck.add_subparsers(dest="checkpoints_command", metavar="CHECKPOINTS_COMMAND", required=True)
     ck_ls = ck_sub.add_parser("list", help="each training job's latest version and its named checkpoints")
@@ -372,6 +377,9 @@ def _add_checkpoints_parser(sub: Any) -> None:
     ex.add_argument("--out", required=True, help="the directory to write (must not exist unless --overwrite)")
     ex.add_argument("--merged", action="store_true", help="a whole Hugging Face model with the adapter merged in")
     ex.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    rm = ck_sub.add_parser("delete", help="delete a job's named checkpoint (as list names it) and its files")
+    rm.add_argument("job_id")
+    rm.add_argument("name", help="a save_state name, or sampler-NAME for a named save_weights_for_sampler")
     ck.set_defaults(func=_checkpoints)
 
 

@@ -7,7 +7,8 @@ against the checkpoint's training run).
 The first run's dataset fails at a batch (a crash after a periodic checkpoint); the second run,
 with the same config, picks up at that checkpoint's batch with its weights. Then the SDK's
 ``RestClient`` reads the run back: the training run of the checkpoint (its renderer metadata),
-its checkpoints, and the checkpoint's weights info. Prints the steps and NLLs of both runs;
+its checkpoints, and the checkpoint's weights info; and the cookbook's ``weights.download`` of the
+checkpoint gives its peft adapter directory. Prints the steps and NLLs of both runs;
 exits non-zero unless the second run resumed where the checkpoint says and from its weights.
 
     TINKER_BASE_URL=http://127.0.0.1:8000 TINKER_API_KEY=tml-... python tests/cookbook/resume.py [LOG_DIR]
@@ -16,13 +17,14 @@ exits non-zero unless the second run resumed where the checkpoint says and from 
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import chz
 import tinker
 from _common import MODEL, RENDERER, checkpoints, fail, metrics, run_script
 from sl_loop import write_conversations
-from tinker_cookbook import checkpoint_utils
+from tinker_cookbook import checkpoint_utils, weights
 from tinker_cookbook.supervised import train
 from tinker_cookbook.supervised.data import FromConversationFileBuilder
 from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig, SupervisedDataset
@@ -137,6 +139,16 @@ def main(log_dir: Path) -> None:
         fail(f"{found.state_path} is not among the run's checkpoints")
     info = rest.get_weights_info_by_tinker_path(found.state_path).result()
     print(f"weights info: base {info.base_model}, lora rank {info.lora_rank}")
+
+    # The cookbook's download of a training checkpoint: a run from the checkpoint, an age-encrypted
+    # external export, its signed URLs, decryption here, and the export deleted after.
+    adapter = Path(weights.download(tinker_path=found.state_path, output_dir=str(log_dir / "adapter")))
+    files = sorted(p.name for p in adapter.iterdir())
+    peft_config = json.loads((adapter / "adapter_config.json").read_text())
+    base, rank = peft_config["base_model_name_or_path"], peft_config["r"]
+    print(f"downloaded: {' '.join(files)}; base {base}, rank {rank}")
+    if "adapter_model.safetensors" not in files or rank != info.lora_rank:
+        fail(f"the download is not the checkpoint's peft adapter: {files}, {peft_config}")
     print("OK resume")
 
 

@@ -30,6 +30,8 @@ CREATE TABLE IF NOT EXISTS user_metadata (id TEXT PRIMARY KEY, metadata TEXT NOT
 CREATE TABLE IF NOT EXISTS sampler_sessions (sampler_id TEXT PRIMARY KEY, session_id TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS saved (job_id TEXT NOT NULL, kind TEXT NOT NULL, name TEXT NOT NULL,
     tinker_path TEXT NOT NULL, created REAL NOT NULL, PRIMARY KEY (job_id, kind, name));
+CREATE TABLE IF NOT EXISTS external_recipients (job_id TEXT NOT NULL, name TEXT NOT NULL,
+    recipients TEXT NOT NULL, PRIMARY KEY (job_id, name));
 """
 
 
@@ -44,8 +46,9 @@ class ModelRow:
 
 @dataclass(frozen=True)
 class SavedRow:
-    """A checkpoint saved through the gateway: ``kind`` "training" (save_state) or "sampler"
-    (save_weights_for_sampler with a name), its name, its ``tinker://`` path and when."""
+    """A checkpoint saved through the gateway: ``kind`` "training" (save_state), "sampler"
+    (save_weights_for_sampler with a name) or "external" (save_weights_external), its name, its
+    ``tinker://`` path (an external save's: the sampler path of its version) and when."""
 
     job_id: str
     kind: str
@@ -166,6 +169,26 @@ class GatewayStore:
                 "INSERT OR REPLACE INTO saved VALUES (?, ?, ?, ?, ?)",
                 (row.job_id, row.kind, row.name, row.tinker_path, row.created),
             )
+
+    def delete_saved(self, job_id: str, kind: str, name: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM saved WHERE job_id = ? AND kind = ? AND name = ?", (job_id, kind, name))
+            if kind == "external":
+                self._db.execute("DELETE FROM external_recipients WHERE job_id = ? AND name = ?", (job_id, name))
+
+    def set_recipients(self, job_id: str, name: str, recipients: list[str]) -> None:
+        """The age recipients an external save's files are encrypted to (none: plain files)."""
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO external_recipients VALUES (?, ?, ?)", (job_id, name, json.dumps(recipients))
+            )
+
+    def recipients(self, job_id: str, name: str) -> list[str]:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT recipients FROM external_recipients WHERE job_id = ? AND name = ?", (job_id, name)
+            ).fetchone()
+        return [] if row is None else [str(r) for r in json.loads(row[0])]
 
     def saved(self, job_id: str) -> list[SavedRow]:
         with self._lock:

@@ -221,6 +221,13 @@ def _add_weights_routes(r: APIRouter, api: _Api) -> None:
             t, await asyncio.to_thread(api.backend.save_for_sampler, t, body), lambda out: out, body.get("model_id")
         )
 
+    @r.post("/save_weights_external")
+    async def save_weights_external(request: Request) -> dict[str, Any]:
+        t = await api.tenant_of(request)
+        body = await api.json(request)
+        fut = await asyncio.to_thread(api.backend.save_external, t, body)
+        return api.submit(t, fut, lambda out: out, body.get("model_id"))
+
     @r.post("/load_weights")
     async def load_weights(request: Request) -> dict[str, Any]:
         t = await api.tenant_of(request)
@@ -257,6 +264,18 @@ def _add_run_routes(r: APIRouter, api: _Api) -> None:
     def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
         runs.delete_checkpoint(api.tenant(request), run_id, checkpoint_id)
         return {}
+
+    @r.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
+    def external_weights_urls(run_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
+        return runs.external_urls(api.tenant(request), run_id, checkpoint_id, str(request.base_url))
+
+    @r.get("/downloads/{token}/{file_name}")
+    def download(token: str, file_name: str) -> Response:
+        # A signed URL: the token is the capability, no key (downloads.py).
+        data = runs.downloads.get(token, file_name)
+        if data is None:
+            return JSONResponse(error_body("unknown or expired download URL", "not_found"), status_code=404)
+        return Response(data, media_type="application/octet-stream")
 
     @r.get("/checkpoints")
     def list_user_checkpoints(request: Request, limit: int = 100, offset: int = 0) -> dict[str, Any]:

@@ -8,6 +8,9 @@ the job and a checkpoint or sampler version in it, so they stay valid across gat
 
     tinker://JOB/weights/NAME           <->  polytinker-ckpt://JOB/NAME   (save_state / load_state)
     tinker://JOB/sampler_weights/A@V    <->  polytinker://JOB/A@V         (save_weights_for_sampler)
+    tinker://JOB/external_weights/NAME   ->  a named sampler save ``external.NAME`` of the job's
+                                             version, whose peft files the gateway serves
+                                             (save_weights_external, get_external_weights_urls)
 """
 
 from __future__ import annotations
@@ -29,9 +32,12 @@ from polytinker.client.training_client import TrainingClient
 from polytinker.engine.types import Datum, SamplingParams
 from polytinker.errors import AuthError, ConfigError, NotBuiltError
 from polytinker.model_path import MODEL_PREFIX, TINKER_PREFIX, CheckpointPath, ModelPath
+from polytinker.scheduler.http.downloads import age_recipients
 from polytinker.scheduler.http.store import GatewayStore, ModelRow, SamplerRow, SavedRow
+from polytinker.scheduler.service.layout import check_name
 from polytinker.transport import ClientCurve
 
+EXTERNAL_NAME_PREFIX = "external."  # a save_weights_external(NAME) is the job's sampler save external.NAME
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 
@@ -247,6 +253,8 @@ class TinkerBackend:
         row = self.model(t, str(req.get("model_id", "")))
         tc = self.training_client(t, row.model_id)
         name = str(req.get("path") or "")
+        if name.startswith(EXTERNAL_NAME_PREFIX):
+            raise ConfigError(f"sampler names starting with {EXTERNAL_NAME_PREFIX!r} are save_weights_external's")
         saved = tc.save_weights_for_sampler(name)
         fut: Future[dict[str, Any]] = Future()
 
@@ -262,6 +270,32 @@ class TinkerBackend:
                     self.store.add_sampler_session(sampler_id, row.model_id.partition(":")[0])
                     out["sampling_session_id"] = sampler_id
                 fut.set_result(out)
+            except BaseException as exc:
+                fut.set_exception(exc)
+
+        saved.add_done_callback(done)
+        return fut
+
+    def save_external(self, t: Tenant, req: dict[str, Any]) -> Future[dict[str, Any]]:
+        """``save_weights_external(NAME)``: keep the current version as a named sampler save
+        (``external.NAME``) and answer ``tinker://JOB/external_weights/NAME``, whose files
+        ``get_external_weights_urls`` serves: the peft adapter directory ``export_weights`` writes."""
+        recipients: list[str] = req.get("age_encryption_recipients") or []
+        age_recipients(recipients)  # refused here, before anything is saved, when one is not a key
+        row = self.model(t, str(req.get("model_id", "")))
+        if row.lora_rank == 0:
+            raise NotBuiltError("save_weights_external of a full-parameter run is not built (LoRA runs only)")
+        name = check_name("external weights name", req.get("path"))
+        saved = self.training_client(t, row.model_id).save_weights_for_sampler(EXTERNAL_NAME_PREFIX + name)
+        fut: Future[dict[str, Any]] = Future()
+
+        def done(f: Future[str]) -> None:
+            try:
+                sampler_path = to_tinker_path(f.result())
+                self.store.set_recipients(row.job_id, name, recipients)
+                self.store.add_saved(SavedRow(row.job_id, "external", name, sampler_path, time.time()))
+                path = f"{TINKER_PREFIX}{row.job_id}/external_weights/{name}"
+                fut.set_result({"type": "save_weights_external", "path": path, "size_bytes": None})
             except BaseException as exc:
                 fut.set_exception(exc)
 

@@ -13,12 +13,16 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from polytinker.errors import NotBuiltError
+from polytinker.model_path import SAMPLER_NAME_PREFIX
+from polytinker.scheduler.http.downloads import SignedDownloads, age_encrypt
 from polytinker.scheduler.http.errors import HttpError
 from polytinker.scheduler.http.store import ModelRow
-from polytinker.scheduler.http.tinker_backend import TINKER_PREFIX, Tenant, TinkerBackend
-
-SAMPLER_NAME_PREFIX = "sampler-"  # how the scheduler names a named sampler save among a job's checkpoints
+from polytinker.scheduler.http.tinker_backend import (
+    EXTERNAL_NAME_PREFIX,
+    TINKER_PREFIX,
+    Tenant,
+    TinkerBackend,
+)
 
 
 def _iso(ts: float) -> str:
@@ -28,8 +32,9 @@ def _iso(ts: float) -> str:
 class TinkerRuns:
     """The read side of the Tinker API over one gateway's backend."""
 
-    def __init__(self, backend: TinkerBackend) -> None:
+    def __init__(self, backend: TinkerBackend, downloads: SignedDownloads | None = None) -> None:
         self.backend = backend
+        self.downloads = downloads or SignedDownloads()
 
     def _run_row(self, t: Tenant, run_id: str) -> ModelRow:
         """The tenant's run ``run_id`` (a job id or a model id); 404 for any other."""
@@ -54,8 +59,15 @@ class TinkerRuns:
         created = float(job.get("job", {}).get("created_s") or self.backend.store.model_created(row.model_id))
         out: dict[str, dict[str, Any]] = {}
         for name in names:
-            if name.startswith(SAMPLER_NAME_PREFIX):
-                s = saved.get(("sampler", name.removeprefix(SAMPLER_NAME_PREFIX)))
+            sampler_name = name.removeprefix(SAMPLER_NAME_PREFIX)
+            if name.startswith(_external_name("")):
+                external = sampler_name.removeprefix(EXTERNAL_NAME_PREFIX)
+                s = saved.get(("external", external))
+                if s is None:
+                    continue
+                kind, path, when = "external", _external_path(row.job_id, external), s.created
+            elif name.startswith(SAMPLER_NAME_PREFIX):
+                s = saved.get(("sampler", sampler_name))
                 if s is None:  # saved by polytinker's own client: no tinker:// path names it
                     continue
                 kind, path, when = "sampler", s.tinker_path, s.created
@@ -130,11 +142,53 @@ class TinkerRuns:
         return {"sessions": every[offset : offset + limit] if limit > 0 else []}
 
     def delete_checkpoint(self, t: Tenant, run_id: str, checkpoint_id: str) -> None:
-        self._run_row(t, run_id)
-        raise NotBuiltError(
-            f"deleting checkpoints is not built in polytinker ({checkpoint_id!r} of {run_id} stays; "
-            "polytinker keeps named checkpoints until their job's state directory is removed)"
+        """Delete ``weights/NAME`` (save_state's), ``sampler_weights/AGENT@V`` (every named sampler
+        save of that version) or ``external_weights/NAME``: the scheduler forgets the name and
+        deletes the files (docs/tinker.md says when files outlive their name)."""
+        row = self._run_row(t, run_id)
+        kind, _, name = checkpoint_id.partition("/")
+        path = f"{TINKER_PREFIX}{row.job_id}/{checkpoint_id}"
+        doomed: list[tuple[str, str, str]] = []  # (the scheduler's name, the gateway's kind and name)
+        if kind == "weights":
+            doomed = [(name, "training", name)]
+        elif kind == "sampler_weights":
+            saved = [s for s in self.backend.store.saved(row.job_id) if s.kind == "sampler" and s.tinker_path == path]
+            doomed = [(SAMPLER_NAME_PREFIX + s.name, s.kind, s.name) for s in saved]
+        elif kind == "external_weights":
+            doomed = [(_external_name(name), "external", name)]
+        listed = set(self._job(t, row).get("checkpoints", []))
+        doomed = [d for d in doomed if name and d[0] in listed]
+        if not doomed:
+            raise HttpError(404, f"run {row.job_id} has no checkpoint {checkpoint_id!r}", "not_found")
+        for scheduler_name, saved_kind, saved_name in doomed:
+            t.service.delete_checkpoint(row.job_id, scheduler_name)
+            self.backend.store.delete_saved(row.job_id, saved_kind, saved_name)
+
+    def external_urls(self, t: Tenant, run_id: str, checkpoint_id: str, base_url: str) -> dict[str, Any]:
+        """Signed URLs of an ``external_weights/NAME`` checkpoint's files (the peft adapter
+        directory), valid for ``downloads.ttl_s``, as ``ExternalWeightsUrlsResponse``."""
+        row = self._run_row(t, run_id)
+        kind, _, name = checkpoint_id.partition("/")
+        found = next(
+            (s for s in self.backend.store.saved(row.job_id) if s.kind == "external" and s.name == name),
+            None,
         )
+        listed = set(self._job(t, row).get("checkpoints", []))
+        if kind != "external_weights" or found is None or _external_name(name) not in listed:
+            raise HttpError(404, f"run {row.job_id} has no external weights {checkpoint_id!r}", "not_found")
+        files = age_encrypt(t.service.export_files(found.tinker_path), self.backend.store.recipients(row.job_id, name))
+        token, expires = self.downloads.put(files)
+        root = f"{base_url.rstrip('/')}/api/v1/downloads/{token}"
+        return {"urls": {f: f"{root}/{f}" for f in files}, "expires": _iso(expires)}
+
+
+def _external_path(job_id: str, name: str) -> str:
+    return f"{TINKER_PREFIX}{job_id}/external_weights/{name}"
+
+
+def _external_name(name: str) -> str:
+    """The scheduler's name of ``save_weights_external(name)``: a named sampler save."""
+    return SAMPLER_NAME_PREFIX + EXTERNAL_NAME_PREFIX + name
 
 
 __all__ = ["TinkerRuns"]

@@ -6,7 +6,8 @@ This module imports no torch: the scheduler process stays light.
 
 Client -> scheduler (every one carries ``api_key``): ``CreateJob``, ``JobQuery``, ``JobAction``,
 ``ListJobs``, ``ForwardBackward``, ``Forward``, ``OptimStep``, ``SaveState``, ``LoadState``,
-``SaveWeights``, ``Sample``, ``ComputeLogprobs``, ``ExportWeights``, ``RuntimeStatus``.
+``SaveWeights``, ``Sample``, ``ComputeLogprobs``, ``ExportWeights``, ``DeleteCheckpoint``,
+``RuntimeStatus``.
 
 Nested values: ``polytinker.engine.types.Datum`` (one training example) and ``SamplingParams``
 (sampling parameters), registered here as message values: the learner and the engine get the
@@ -217,6 +218,16 @@ class ComputeLogprobs:
         need(0 < len(self.sequences) <= MAX_PROMPTS and all(self.sequences), "1..4096 non-empty sequences")
 
 
+@message("sched.delete_checkpoint")
+@dataclass(frozen=True)
+class DeleteCheckpoint:
+    """Forget a named checkpoint of one of the tenant's jobs and delete its files."""
+
+    api_key: str
+    job_id: str
+    name: str  # as the job lists it: a save_state name, or sampler-NAME for a named sampler save
+
+
 @message("sched.export_weights")
 @dataclass(frozen=True)
 class ExportWeights:
@@ -241,6 +252,7 @@ __all__ = [
     "LOSS_FNS",
     "ComputeLogprobs",
     "CreateJob",
+    "DeleteCheckpoint",
     "Forward",
     "ForwardBackward",
     "JobAction",

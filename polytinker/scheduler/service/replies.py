@@ -151,6 +151,13 @@ class SaveWeightsReply:
     version: int
 
 
+@message("sched.r.delete_checkpoint")
+@dataclass(frozen=True)
+class DeleteCheckpointReply:
+    name: str
+    files_deleted: bool  # False: its files stay, as an adapter's version was loaded from them
+
+
 @message("sched.r.export_weights")
 @dataclass(frozen=True)
 class ExportWeightsReply:
@@ -244,6 +251,7 @@ class ActorsNoted:
 
 __all__ = [
     "ActorsNoted",
+    "DeleteCheckpointReply",
     "ExportWeightsReply",
     "ExportedWeights",
     "ForwardBackwardReply",

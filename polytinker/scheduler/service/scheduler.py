@@ -41,7 +41,7 @@ from polytinker.errors import (
     OverloadedError,
     RemoteError,
 )
-from polytinker.model_path import CheckpointPath, ModelPath
+from polytinker.model_path import SAMPLER_NAME_PREFIX, CheckpointPath, ModelPath
 from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service import replies as r
 from polytinker.scheduler.service import worker_messages as wm
@@ -145,6 +145,7 @@ class SchedulerService:
             "load_state": self.load_state,
             "save_weights": self.save_weights,
             "export_weights": self.export_weights,
+            "delete_checkpoint": self.delete_checkpoint,
             "sample": self.sample,
             "compute_logprobs": self.compute_logprobs,
             "runtime_status": self.runtime_status,
@@ -386,7 +387,7 @@ class SchedulerService:
     def save_weights(self, msg: m.SaveWeights) -> r.SaveWeightsReply:
         row, a, learner = self._training(msg.api_key, msg.job_id)
         if msg.name:
-            check_name("sampler name", f"sampler-{msg.name}")
+            check_name("sampler name", f"{SAMPLER_NAME_PREFIX}{msg.name}")
         if not a.export_dir:  # version 0 was never stepped: export the fresh weights once
             full = row.kind == JobKind.FULL_RL  # full: the export is a checkpoint, kept with them
             req = wm.LearnerExport(a.adapter_key, a.version, full)
@@ -397,8 +398,16 @@ class SchedulerService:
                 self.store.record_version(a.adapter_key, a.version, a.checkpoint, out.weights)
             a = self.store.adapter(a.adapter_key) or a
         if msg.name:
-            self.store.add_checkpoint(row.job_id, f"sampler-{msg.name}", a.export_dir, a.version)
+            self.store.add_checkpoint(row.job_id, f"{SAMPLER_NAME_PREFIX}{msg.name}", a.export_dir, a.version)
         return r.SaveWeightsReply(str(ModelPath(row.job_id, row.agent, a.version)), a.version)
+
+    def delete_checkpoint(self, msg: m.DeleteCheckpoint) -> r.DeleteCheckpointReply:
+        """Forget one of a job's named checkpoints (as the job lists them) and delete its files;
+        a job of any state, the tenant's own only."""
+        row = self.jobs.get(self._tenant(msg.api_key), msg.job_id)
+        files_deleted = self.weights.delete_checkpoint(row, check_name("checkpoint name", msg.name))
+        self.store.log_event(row.job_id, "delete_checkpoint", msg.name)
+        return r.DeleteCheckpointReply(msg.name, files_deleted)
 
     def export_weights(self, msg: m.ExportWeights) -> r.ExportWeightsReply:
         """A saved LoRA version's peft files (``adapter_config.json`` as text, the weights as one

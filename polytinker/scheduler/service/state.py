@@ -312,6 +312,18 @@ class StateStore:
         rows = self._query("SELECT path, version FROM checkpoints WHERE job_id = ? AND name = ?", (job_id, name))
         return (str(rows[0]["path"]), int(rows[0]["version"])) if rows else None
 
+    def delete_checkpoint(self, job_id: str, name: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM checkpoints WHERE job_id = ? AND name = ?", (job_id, name))
+
+    def checkpoint_in_use(self, path: str) -> bool:
+        """Whether an adapter's kept version was loaded from (or is) the checkpoint at ``path``."""
+        rows = self._query(
+            "SELECT 1 FROM adapter_versions WHERE checkpoint = ? UNION SELECT 1 FROM adapters WHERE checkpoint = ?",
+            (path, path),
+        )
+        return bool(rows)
+
     def checkpoints(self, job_id: str) -> list[dict[str, Any]]:
         rows = self._query("SELECT name, path, version, created_s FROM checkpoints WHERE job_id = ?", (job_id,))
         return [dict(r) for r in rows]

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from polytinker.errors import AuthError, ConfigError, NotBuiltError
-from polytinker.model_path import CKPT_PREFIX, CheckpointPath, ModelPath
+from polytinker.model_path import CKPT_PREFIX, SAMPLER_NAME_PREFIX, CheckpointPath, ModelPath
 from polytinker.scheduler.service.jobs import JobManager, adapter_key
 from polytinker.scheduler.service.layout import check_name, parse_relative, under
 from polytinker.scheduler.service.state import AdapterRow, JobRow, StateStore
@@ -54,6 +54,28 @@ class WeightsCatalog:
                 named_checkpoint = ref.kind == "checkpoint" and bool(ref.name)  # save_state's: kept
                 if ref.adapter == a.adapter_key and not named_checkpoint and p not in named:
                     shutil.rmtree(under(self.root, ref.relative_path), ignore_errors=True)
+
+    def delete_checkpoint(self, row: JobRow, name: str) -> bool:
+        """Forget the job's checkpoint ``name`` (a save_state name, or ``sampler-NAME``) and delete
+        its files; whether they were deleted. A named sampler save's version becomes one like any
+        other: pruned now when it is older than the kept ones. A save_state checkpoint's files stay
+        while an adapter's kept version was loaded from them (a restart reloads from there)."""
+        found = self.store.checkpoint(row.job_id, name)
+        if found is None:
+            raise ConfigError(f"job {row.job_id} has no checkpoint {name!r} (polytinker checkpoints list names them)")
+        path, version = found
+        self.store.delete_checkpoint(row.job_id, name)
+        if name.startswith(SAMPLER_NAME_PREFIX):
+            a = self.store.adapter(adapter_key(row.tenant, row.job_id, row.agent))
+            if a is None:
+                return False
+            self.prune(a, a.version)
+            return self.store.version_row(a.adapter_key, version) is None
+        if self.store.checkpoint_in_use(path):
+            return False
+        ref = self.stored(path, 0)
+        shutil.rmtree(under(self.root, ref.relative_path), ignore_errors=True)
+        return True
 
     def checkpoint_name(self, row: JobRow, path: str) -> tuple[str, str]:
         """(job, name) of what load_state names: a name of this job's, or ``polytinker-ckpt://JOB/NAME``
