@@ -1,7 +1,9 @@
-"""Deleting named checkpoints with polytinker's own client and CLI: the name stops resolving, the
-files go unless something still stands on them, and only the owner deletes."""
+"""Deleting named checkpoints with polytinker's own client and CLI, and their TTLs: the name stops
+resolving, the files go unless something still stands on them, and only the owner deletes."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 from fixtures.client import KEY_ALICE, KEY_BOB, MODEL, client, data, shared_runtime
@@ -55,3 +57,27 @@ def test_save_state_checkpoints_are_deleted_unless_a_version_stands_on_them(caps
         assert "loaded" not in service.get_job(trainer.job_id)["checkpoints"]
         _step(trainer, 6)  # training goes on from the loaded weights
         assert cli_main(["checkpoints", *base, "delete", trainer.job_id, "nope"]) == 1
+
+
+def test_a_checkpoint_whose_ttl_runs_out_is_deleted() -> None:
+    with client(KEY_ALICE) as service:
+        trainer = service.create_lora_training_client(MODEL, rank=4, agent="expirer", seed=4)
+        _step(trainer, 7)
+        trainer.save_state("brief", ttl_seconds=1).result()
+        trainer.save_state("kept").result()
+        expires = service.set_checkpoint_ttl(trainer.job_id, "kept", 3600)
+        assert expires is not None and expires > time.time() + 3500
+        assert set(service.get_job(trainer.job_id)["checkpoint_expiry"]) == {"brief", "kept"}
+        assert service.set_checkpoint_ttl(trainer.job_id, "kept", None) is None  # kept for good again
+        with pytest.raises(ConfigError, match="ttl"):
+            service.set_checkpoint_ttl(trainer.job_id, "kept", -5)
+
+        deadline = time.monotonic() + 30  # the scheduler looks every 5 s
+        while "brief" in service.get_job(trainer.job_id)["checkpoints"]:
+            assert time.monotonic() < deadline, service.get_job(trainer.job_id)
+            time.sleep(0.5)
+        job = service.get_job(trainer.job_id)
+        assert job["checkpoints"] == ["kept"] and job["checkpoint_expiry"] == {}
+        assert any(e["kind"] == "expired" for e in job["events"])
+        with pytest.raises(ConfigError, match="no checkpoint"):
+            trainer.load_state("brief").result()

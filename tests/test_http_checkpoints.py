@@ -1,11 +1,13 @@
 """Checkpoints a Tinker user keeps and throws away, through the official ``tinker`` SDK against a
 real ``polytinker serve --http``: ``save_weights_external`` and its signed download URLs (a peft
 adapter directory that plain ``peft`` loads and that scores as the sampler does), and
-``RestClient.delete_checkpoint*`` for each kind of checkpoint, files included."""
+``RestClient.delete_checkpoint*`` for each kind of checkpoint, files included, and checkpoint
+TTLs (shown in the listing, changed, run out)."""
 
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -135,3 +137,27 @@ def test_deleting_each_kind_of_checkpoint_forgets_it_and_its_files(serve: Serve,
     # The version stays sampleable while it is among the run's last kept versions.
     scored = tc.create_sampling_client(sampler).result().compute_logprobs(types.ModelInput.from_ints(tokens))
     assert len(scored.result()) == len(tokens)
+
+
+def test_checkpoint_ttls_show_in_the_listing_and_run_out(serve: Serve, trained) -> None:
+    _, tc, _ = trained
+    rest = tinker.RestClient(base_url=serve.url, api_key=KEY)
+    week = tc.save_state("for-a-week", ttl_seconds=7 * 86400).result().path
+    brief = tc.save_weights_for_sampler("brief").result().path
+
+    def listed() -> dict[str, object]:
+        return {c.tinker_path: c.expires_at for c in rest.list_checkpoints(tc.model_id).result().checkpoints}
+
+    expires = listed()[week]
+    assert expires is not None and 6.9 * 86400 < expires.timestamp() - time.time() < 7 * 86400
+    rest.set_checkpoint_ttl_from_tinker_path(week, None).result()
+    assert listed()[week] is None
+    rest.set_checkpoint_ttl_from_tinker_path(brief, 1).result()  # polytinker takes TTLs under Tinker's hour
+    deadline = time.monotonic() + 30
+    while brief in listed():
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    with pytest.raises(tinker.NotFoundError):
+        rest.set_checkpoint_ttl_from_tinker_path(brief, 3600).result()
+    with pytest.raises(tinker.BadRequestError, match="ttl_seconds"):
+        rest.set_checkpoint_ttl_from_tinker_path(week, -1).result()

@@ -481,7 +481,7 @@ def test_an_async_rl_job_tells_the_policy_how_far_it_samples_ahead(tmp_path: Pat
         create(mgr, "alice", KEY_A, "sft", max_staleness=1)
 
 
-def test_a_database_without_the_max_staleness_column_is_migrated(tmp_path: Path) -> None:
+def test_a_database_without_the_newer_columns_is_migrated(tmp_path: Path) -> None:
     import sqlite3
 
     path = tmp_path / "old.sqlite3"
@@ -491,7 +491,10 @@ def test_a_database_without_the_max_staleness_column_is_migrated(tmp_path: Path)
         base_model TEXT NOT NULL, agent TEXT NOT NULL, lora TEXT NOT NULL, state TEXT NOT NULL,
         priority INTEGER NOT NULL, steps INTEGER NOT NULL, reason TEXT NOT NULL DEFAULT '',
         created_s REAL NOT NULL, updated_s REAL NOT NULL);
-        INSERT INTO jobs VALUES ('j1', 'alice', 'lora_rl', 'tiny-random', 'a', '{}', 'running', 0, 5, '', 1.0, 2.0);"""
+        INSERT INTO jobs VALUES ('j1', 'alice', 'lora_rl', 'tiny-random', 'a', '{}', 'running', 0, 5, '', 1.0, 2.0);
+        CREATE TABLE checkpoints (job_id TEXT NOT NULL, name TEXT NOT NULL, path TEXT NOT NULL,
+        version INTEGER NOT NULL, created_s REAL NOT NULL, PRIMARY KEY (job_id, name));
+        INSERT INTO checkpoints VALUES ('j1', 'kept', 'checkpoints/x', 3, 1.0);"""
     )
     db.commit()
     db.close()
@@ -499,6 +502,8 @@ def test_a_database_without_the_max_staleness_column_is_migrated(tmp_path: Path)
     try:
         row = store.job("j1")
         assert row is not None and row.max_staleness == 0 and row.steps == 5
+        assert [c["expires_s"] for c in store.checkpoints("j1")] == [None]  # an old checkpoint never expires
+        assert store.set_checkpoint_expiry("j1", "kept", 5.0) and store.expired_checkpoints(6.0) == [("j1", "kept")]
     finally:
         store.close()
 

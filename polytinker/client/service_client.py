@@ -332,6 +332,13 @@ class ServiceClient:
         msg = m.DeleteCheckpoint(conn.api_key, job_id, name)
         return conn.request("sched.delete_checkpoint", msg, r.DeleteCheckpointReply).files_deleted
 
+    def set_checkpoint_ttl(self, job_id: str, name: str, ttl_seconds: float | None) -> float | None:
+        """Delete a job's named checkpoint (named as for ``delete_checkpoint``) ``ttl_seconds`` from
+        now, or never (None); when it will be (a Unix time), or None."""
+        conn = self._connection()
+        msg = m.SetCheckpointTtl(conn.api_key, job_id, name, float(ttl_seconds or 0))
+        return conn.request("sched.set_checkpoint_ttl", msg, r.CheckpointTtlReply).expires_s
+
     def runtime_status(self) -> dict[str, Any]:
         """Workers, their statistics (batches, mixed batches, adapter loads) and learner switches."""
         conn = self._connection()

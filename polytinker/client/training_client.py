@@ -160,8 +160,9 @@ class TrainingClient(ReadyClient):
     def save_state(self, name: str, ttl_seconds: int | None = None) -> APIFuture[_Path]:
         """Checkpoint weights and optimizer state as ``name``; resolves to its path
         (``polytinker-ckpt://JOB/NAME``, a ``str`` with ``.path``) that ``load_state`` takes.
-        Checkpoints do not expire: ``ttl_seconds`` is accepted and not applied."""
-        msg = m.SaveState(self._key(), self.job_id, name)
+        ``ttl_seconds``: the runtime deletes the checkpoint that long after (None: it is kept until
+        ``ServiceClient.delete_checkpoint``)."""
+        msg = m.SaveState(self._key(), self.job_id, name, ttl_s=float(ttl_seconds or 0))
         return self._submit(
             lambda: SaveWeightsResponse(self._conn.request("sched.save_state", msg, r.SaveStateReply).path)
         )
@@ -189,8 +190,9 @@ class TrainingClient(ReadyClient):
 
     def save_weights_for_sampler(self, name: str = "", ttl_seconds: int | None = None) -> APIFuture[_Path]:
         """Make the current version sampleable; resolves to its model path
-        (``polytinker://JOB/AGENT@VERSION``, a ``str`` with ``.path``)."""
-        msg = m.SaveWeights(self._key(), self.job_id, name or "")
+        (``polytinker://JOB/AGENT@VERSION``, a ``str`` with ``.path``). A ``name`` keeps the version
+        (listed as ``sampler-NAME``), for ``ttl_seconds`` if given."""
+        msg = m.SaveWeights(self._key(), self.job_id, name or "", ttl_s=float(ttl_seconds or 0) if name else 0.0)
         return self._submit(
             lambda: SaveWeightsForSamplerResponse(
                 self._conn.request("sched.save_weights", msg, r.SaveWeightsReply).model_path

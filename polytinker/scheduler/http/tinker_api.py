@@ -26,7 +26,7 @@ from polytinker.errors import ConfigError, NotBuiltError
 from polytinker.scheduler.http import _proto
 from polytinker.scheduler.http.errors import error_body
 from polytinker.scheduler.http.futures import FutureTable
-from polytinker.scheduler.http.tinker_backend import Tenant, TinkerBackend, tinker_datum, to_tinker_path
+from polytinker.scheduler.http.tinker_backend import Tenant, TinkerBackend, tinker_datum, to_tinker_path, ttl_of
 from polytinker.scheduler.http.tinker_runs import TinkerRuns
 from polytinker.scheduler.http.wire import api_key, read_body, read_json
 
@@ -263,6 +263,13 @@ def _add_run_routes(r: APIRouter, api: _Api) -> None:
     @r.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
     def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
         runs.delete_checkpoint(api.tenant(request), run_id, checkpoint_id)
+        return {}
+
+    @r.put("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl")
+    async def set_checkpoint_ttl(run_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
+        t = await api.tenant_of(request)
+        ttl = ttl_of(await api.json(request))
+        await asyncio.to_thread(runs.set_ttl, t, run_id, checkpoint_id, ttl)
         return {}
 
     @r.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")

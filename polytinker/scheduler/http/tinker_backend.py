@@ -237,7 +237,7 @@ class TinkerBackend:
         polytinker path. The gateway notes when, for the run's checkpoint listing."""
         tc = self.training_client(t, str(req.get("model_id", "")))
         name = str(req.get("path") or f"state-{uuid.uuid4().hex[:8]}")
-        saved = tc.save_state(name)
+        saved = tc.save_state(name, ttl_seconds=ttl_of(req))
 
         def note(f: Future[str]) -> None:
             if f.exception() is None:
@@ -255,7 +255,7 @@ class TinkerBackend:
         name = str(req.get("path") or "")
         if name.startswith(EXTERNAL_NAME_PREFIX):
             raise ConfigError(f"sampler names starting with {EXTERNAL_NAME_PREFIX!r} are save_weights_external's")
-        saved = tc.save_weights_for_sampler(name)
+        saved = tc.save_weights_for_sampler(name, ttl_seconds=ttl_of(req))
         fut: Future[dict[str, Any]] = Future()
 
         def done(f: Future[str]) -> None:
@@ -286,7 +286,8 @@ class TinkerBackend:
         if row.lora_rank == 0:
             raise NotBuiltError("save_weights_external of a full-parameter run is not built (LoRA runs only)")
         name = check_name("external weights name", req.get("path"))
-        saved = self.training_client(t, row.model_id).save_weights_for_sampler(EXTERNAL_NAME_PREFIX + name)
+        tc = self.training_client(t, row.model_id)
+        saved = tc.save_weights_for_sampler(EXTERNAL_NAME_PREFIX + name, ttl_seconds=ttl_of(req))
         fut: Future[dict[str, Any]] = Future()
 
         def done(f: Future[str]) -> None:
@@ -443,6 +444,16 @@ class TinkerBackend:
             return out, None if scored is None else scored.result()
 
         return self._pool.submit(run)
+
+
+def ttl_of(req: dict[str, Any]) -> int | None:
+    """A request's ``ttl_seconds`` (None: kept); a ConfigError unless a positive whole number."""
+    ttl = req.get("ttl_seconds")
+    if ttl is None:
+        return None
+    if not isinstance(ttl, int) or isinstance(ttl, bool) or ttl <= 0:
+        raise ConfigError(f"ttl_seconds must be a positive number of seconds or null, got {ttl!r}")
+    return ttl
 
 
 def _str_dict(d: Any) -> dict[str, str]:

@@ -55,6 +55,7 @@ class TinkerRuns:
 
     def _checkpoints(self, row: ModelRow, job: dict[str, Any]) -> list[dict[str, Any]]:
         names = [str(n) for n in job.get("checkpoints", [])]
+        expiry = job.get("checkpoint_expiry") or {}
         saved = {(s.kind, s.name): s for s in self.backend.store.saved(row.job_id)}
         created = float(job.get("job", {}).get("created_s") or self.backend.store.model_created(row.model_id))
         out: dict[str, dict[str, Any]] = {}
@@ -83,7 +84,7 @@ class TinkerRuns:
                 "tinker_path": path,
                 "size_bytes": None,
                 "public": False,
-                "expires_at": None,
+                "expires_at": _iso(float(expiry[name])) if name in expiry else None,
             }
         listed = sorted(out.values(), key=lambda c: c["time"])
         return [{**c, "time": _iso(c["time"])} for c in listed]
@@ -141,28 +142,41 @@ class TinkerRuns:
         every = self.backend.store.sessions(t.owner)
         return {"sessions": every[offset : offset + limit] if limit > 0 else []}
 
-    def delete_checkpoint(self, t: Tenant, run_id: str, checkpoint_id: str) -> None:
-        """Delete ``weights/NAME`` (save_state's), ``sampler_weights/AGENT@V`` (every named sampler
-        save of that version) or ``external_weights/NAME``: the scheduler forgets the name and
-        deletes the files (docs/tinker.md says when files outlive their name)."""
+    def _named(self, t: Tenant, run_id: str, checkpoint_id: str) -> tuple[ModelRow, list[tuple[str, str, str]]]:
+        """The run, and what ``checkpoint_id`` names there: (the scheduler's name, the gateway's
+        kind and name) of each save it stands for; 404 when none. ``weights/NAME`` is a save_state
+        name, ``sampler_weights/AGENT@V`` every named sampler save of that version, and
+        ``external_weights/NAME`` a save_weights_external."""
         row = self._run_row(t, run_id)
         kind, _, name = checkpoint_id.partition("/")
         path = f"{TINKER_PREFIX}{row.job_id}/{checkpoint_id}"
-        doomed: list[tuple[str, str, str]] = []  # (the scheduler's name, the gateway's kind and name)
+        named: list[tuple[str, str, str]] = []
         if kind == "weights":
-            doomed = [(name, "training", name)]
+            named = [(name, "training", name)]
         elif kind == "sampler_weights":
             saved = [s for s in self.backend.store.saved(row.job_id) if s.kind == "sampler" and s.tinker_path == path]
-            doomed = [(SAMPLER_NAME_PREFIX + s.name, s.kind, s.name) for s in saved]
+            named = [(SAMPLER_NAME_PREFIX + s.name, s.kind, s.name) for s in saved]
         elif kind == "external_weights":
-            doomed = [(_external_name(name), "external", name)]
+            named = [(_external_name(name), "external", name)]
         listed = set(self._job(t, row).get("checkpoints", []))
-        doomed = [d for d in doomed if name and d[0] in listed]
-        if not doomed:
+        named = [n for n in named if name and n[0] in listed]
+        if not named:
             raise HttpError(404, f"run {row.job_id} has no checkpoint {checkpoint_id!r}", "not_found")
-        for scheduler_name, saved_kind, saved_name in doomed:
+        return row, named
+
+    def delete_checkpoint(self, t: Tenant, run_id: str, checkpoint_id: str) -> None:
+        """Delete what ``checkpoint_id`` names (``_named``): the scheduler forgets the name and
+        deletes the files (docs/client.md says when files outlive their name)."""
+        row, named = self._named(t, run_id, checkpoint_id)
+        for scheduler_name, saved_kind, saved_name in named:
             t.service.delete_checkpoint(row.job_id, scheduler_name)
             self.backend.store.delete_saved(row.job_id, saved_kind, saved_name)
+
+    def set_ttl(self, t: Tenant, run_id: str, checkpoint_id: str, ttl_seconds: int | None) -> None:
+        """Delete what ``checkpoint_id`` names ``ttl_seconds`` from now, or never (None)."""
+        row, named = self._named(t, run_id, checkpoint_id)
+        for scheduler_name, _, _ in named:
+            t.service.set_checkpoint_ttl(row.job_id, scheduler_name, ttl_seconds)
 
     def external_urls(self, t: Tenant, run_id: str, checkpoint_id: str, base_url: str) -> dict[str, Any]:
         """Signed URLs of an ``external_weights/NAME`` checkpoint's files (the peft adapter

@@ -7,7 +7,7 @@ This module imports no torch: the scheduler process stays light.
 Client -> scheduler (every one carries ``api_key``): ``CreateJob``, ``JobQuery``, ``JobAction``,
 ``ListJobs``, ``ForwardBackward``, ``Forward``, ``OptimStep``, ``SaveState``, ``LoadState``,
 ``SaveWeights``, ``Sample``, ``ComputeLogprobs``, ``ExportWeights``, ``DeleteCheckpoint``,
-``RuntimeStatus``.
+``SetCheckpointTtl``, ``RuntimeStatus``.
 
 Nested values: ``polytinker.engine.types.Datum`` (one training example) and ``SamplingParams``
 (sampling parameters), registered here as message values: the learner and the engine get the
@@ -169,6 +169,10 @@ class SaveState:
     api_key: str
     job_id: str
     name: str
+    ttl_s: float = 0.0  # delete the checkpoint this long after it is saved; 0: keep it
+
+    def __post_init__(self) -> None:
+        check_ttl(self.ttl_s)
 
 
 @message("sched.load_state")
@@ -186,6 +190,10 @@ class SaveWeights:
     api_key: str
     job_id: str
     name: str = ""
+    ttl_s: float = 0.0  # a named save: forget the name this long after (see SaveState); 0: keep it
+
+    def __post_init__(self) -> None:
+        check_ttl(self.ttl_s)
 
 
 @message("sched.sample")
@@ -228,6 +236,30 @@ class DeleteCheckpoint:
     name: str  # as the job lists it: a save_state name, or sampler-NAME for a named sampler save
 
 
+@message("sched.set_checkpoint_ttl")
+@dataclass(frozen=True)
+class SetCheckpointTtl:
+    """Delete a named checkpoint ``ttl_s`` from now (0: never)."""
+
+    api_key: str
+    job_id: str
+    name: str  # as the job lists it (see DeleteCheckpoint)
+    ttl_s: float
+
+    def __post_init__(self) -> None:
+        check_ttl(self.ttl_s)
+
+
+MAX_TTL_S = 10 * 366 * 86400.0  # ten years, as Tinker allows
+
+
+def check_ttl(ttl_s: float) -> None:
+    need(
+        isinstance(ttl_s, int | float) and math.isfinite(ttl_s) and 0 <= ttl_s <= MAX_TTL_S,
+        f"a checkpoint's ttl must be 0 (keep it) or seconds up to {MAX_TTL_S:.0f}",
+    )
+
+
 @message("sched.export_weights")
 @dataclass(frozen=True)
 class ExportWeights:
@@ -264,4 +296,6 @@ __all__ = [
     "Sample",
     "SaveState",
     "SaveWeights",
+    "SetCheckpointTtl",
+    "check_ttl",
 ]

@@ -30,7 +30,7 @@ A job is the map ``JobRow.public()`` makes; statistics and events stay maps
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from polytinker.scheduler.types import JobState
@@ -86,6 +86,7 @@ class JobQueryReply(_Ok):
     lora: dict[str, Any] | None  # the adapter's shape (rank, alpha, target_modules, seed) for LoRA jobs
     checkpoints: list[str]  # its save_state names
     events: list[dict[str, Any]]  # its last decisions: time_s, kind, reason
+    checkpoint_expiry: dict[str, float] = field(default_factory=dict)  # name -> when it is deleted (Unix time)
 
 
 @message("sched.r.jobs")
@@ -156,6 +157,13 @@ class SaveWeightsReply:
 class DeleteCheckpointReply:
     name: str
     files_deleted: bool  # False: its files stay, as an adapter's version was loaded from them
+
+
+@message("sched.r.checkpoint_ttl")
+@dataclass(frozen=True)
+class CheckpointTtlReply:
+    name: str
+    expires_s: float | None  # when it is deleted (Unix time); None: kept
 
 
 @message("sched.r.export_weights")
@@ -251,6 +259,7 @@ class ActorsNoted:
 
 __all__ = [
     "ActorsNoted",
+    "CheckpointTtlReply",
     "DeleteCheckpointReply",
     "ExportWeightsReply",
     "ExportedWeights",

@@ -29,6 +29,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 import uuid
 from collections import Counter
 from typing import Any
@@ -52,7 +53,7 @@ from polytinker.scheduler.service.layout import check_name
 from polytinker.scheduler.service.load import Admission
 from polytinker.scheduler.service.state import AdapterRow, JobRow, StateStore
 from polytinker.scheduler.service.tenants import Tenants
-from polytinker.scheduler.service.weights import WeightsCatalog
+from polytinker.scheduler.service.weights import WeightsCatalog, expiry
 from polytinker.scheduler.types import JobKind, JobState
 from polytinker.transport import RpcServer, ServerCurve, TransportConfig
 from polytinker.transport.server import peer_user_id
@@ -119,8 +120,9 @@ class SchedulerService:
             try:
                 self.jobs.pause_idle()
                 self.jobs.schedule()
-                if passes % 10 == 0:  # every 5 s: a query over the finished jobs
+                if passes % 10 == 0:  # every 5 s: a query over the finished jobs, one over expiries
                     self.jobs.prune_finished()
+                    self.weights.expire(time.time())
             except Exception:  # the loop must outlive one bad pass
                 log.exception("scheduling pass failed")
 
@@ -146,6 +148,7 @@ class SchedulerService:
             "save_weights": self.save_weights,
             "export_weights": self.export_weights,
             "delete_checkpoint": self.delete_checkpoint,
+            "set_checkpoint_ttl": self.set_checkpoint_ttl,
             "sample": self.sample,
             "compute_logprobs": self.compute_logprobs,
             "runtime_status": self.runtime_status,
@@ -190,6 +193,7 @@ class SchedulerService:
     def job_query(self, msg: m.JobQuery) -> r.JobQueryReply:
         row = self.jobs.get(self._tenant(msg.api_key), msg.job_id)
         a = self.store.adapter(adapter_key(row.tenant, row.job_id, row.agent))
+        checkpoints = self.store.checkpoints(row.job_id)
         adapter = (
             None
             if a is None
@@ -200,8 +204,9 @@ class SchedulerService:
             adapter,
             # The adapter's shape: what a new job resuming one of its checkpoints needs (rank, ...).
             dict(row.lora) if row.kind in (JobKind.LORA_RL, JobKind.SFT) else None,
-            [c["name"] for c in self.store.checkpoints(row.job_id)],
+            [c["name"] for c in checkpoints],
             self.store.events(row.job_id),
+            {c["name"]: float(c["expires_s"]) for c in checkpoints if c["expires_s"] is not None},
         )
 
     def job_action(self, msg: m.JobAction) -> r.JobReply:
@@ -355,7 +360,7 @@ class SchedulerService:
         with self.admission.admit(row.tenant, "train"), self.broker.slicers[learner].turn(row.job_id, row.priority):
             out: r.SavedCheckpoint = self.broker.call(learner, "sched.w.save", req, prepare=self._prepare(row, a))
         saved = wm.WeightsRef(a.adapter_key, out.version, "checkpoint", msg.name)
-        self.store.add_checkpoint(row.job_id, msg.name, saved.relative_path, out.version)
+        self.store.add_checkpoint(row.job_id, msg.name, saved.relative_path, out.version, expiry(msg.ttl_s))
         return r.SaveStateReply(str(CheckpointPath(row.job_id, msg.name)), out.version)
 
     def load_state(self, msg: m.LoadState) -> r.LoadStateReply:
@@ -398,7 +403,8 @@ class SchedulerService:
                 self.store.record_version(a.adapter_key, a.version, a.checkpoint, out.weights)
             a = self.store.adapter(a.adapter_key) or a
         if msg.name:
-            self.store.add_checkpoint(row.job_id, f"{SAMPLER_NAME_PREFIX}{msg.name}", a.export_dir, a.version)
+            name = f"{SAMPLER_NAME_PREFIX}{msg.name}"
+            self.store.add_checkpoint(row.job_id, name, a.export_dir, a.version, expiry(msg.ttl_s))
         return r.SaveWeightsReply(str(ModelPath(row.job_id, row.agent, a.version)), a.version)
 
     def delete_checkpoint(self, msg: m.DeleteCheckpoint) -> r.DeleteCheckpointReply:
@@ -408,6 +414,13 @@ class SchedulerService:
         files_deleted = self.weights.delete_checkpoint(row, check_name("checkpoint name", msg.name))
         self.store.log_event(row.job_id, "delete_checkpoint", msg.name)
         return r.DeleteCheckpointReply(msg.name, files_deleted)
+
+    def set_checkpoint_ttl(self, msg: m.SetCheckpointTtl) -> r.CheckpointTtlReply:
+        row = self.jobs.get(self._tenant(msg.api_key), msg.job_id)
+        expires = expiry(msg.ttl_s)
+        if not self.store.set_checkpoint_expiry(row.job_id, msg.name, expires):
+            raise ConfigError(f"job {row.job_id} has no checkpoint {msg.name!r}")
+        return r.CheckpointTtlReply(msg.name, expires)
 
     def export_weights(self, msg: m.ExportWeights) -> r.ExportWeightsReply:
         """A saved LoRA version's peft files (``adapter_config.json`` as text, the weights as one

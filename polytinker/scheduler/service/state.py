@@ -56,7 +56,7 @@ CREATE TABLE IF NOT EXISTS adapter_versions (
     created_s REAL NOT NULL, PRIMARY KEY (adapter_key, version));
 CREATE TABLE IF NOT EXISTS checkpoints (
     job_id TEXT NOT NULL, name TEXT NOT NULL, path TEXT NOT NULL, version INTEGER NOT NULL,
-    created_s REAL NOT NULL, PRIMARY KEY (job_id, name));
+    created_s REAL NOT NULL, expires_s REAL, PRIMARY KEY (job_id, name));
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT, time_s REAL NOT NULL, job_id TEXT NOT NULL, kind TEXT NOT NULL,
     reason TEXT NOT NULL);
@@ -143,6 +143,8 @@ class StateStore:
         columns = {r["name"] for r in self._db.execute("PRAGMA table_info(jobs)")}
         if "max_staleness" not in columns:
             self._db.execute("ALTER TABLE jobs ADD COLUMN max_staleness INTEGER NOT NULL DEFAULT 0")
+        if "expires_s" not in {r["name"] for r in self._db.execute("PRAGMA table_info(checkpoints)")}:
+            self._db.execute("ALTER TABLE checkpoints ADD COLUMN expires_s REAL")
 
     def close(self) -> None:
         with self._lock:
@@ -302,11 +304,29 @@ class StateStore:
         return [(str(r["checkpoint"]), str(r["export_dir"])) for r in doomed]
 
     # --- checkpoints and events ------------------------------------------------------------------
-    def add_checkpoint(self, job_id: str, name: str, path: str, version: int) -> None:
+    def add_checkpoint(self, job_id: str, name: str, path: str, version: int, expires_s: float | None = None) -> None:
+        """A named checkpoint; ``expires_s`` (a Unix time) deletes it then, None keeps it."""
         with self._tx() as db:
             db.execute(
-                "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?)", (job_id, name, path, version, time.time())
+                "INSERT OR REPLACE INTO checkpoints (job_id, name, path, version, created_s, expires_s)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (job_id, name, path, version, time.time(), expires_s),
             )
+
+    def set_checkpoint_expiry(self, job_id: str, name: str, expires_s: float | None) -> bool:
+        """Whether the job has checkpoint ``name`` (whose expiry is then set)."""
+        with self._tx() as db:
+            cur = db.execute(
+                "UPDATE checkpoints SET expires_s = ? WHERE job_id = ? AND name = ?", (expires_s, job_id, name)
+            )
+            return cur.rowcount > 0
+
+    def expired_checkpoints(self, now: float) -> list[tuple[str, str]]:
+        """(job id, name) of the checkpoints whose expiry has passed."""
+        rows = self._query(
+            "SELECT job_id, name FROM checkpoints WHERE expires_s IS NOT NULL AND expires_s <= ?", (now,)
+        )
+        return [(str(r["job_id"]), str(r["name"])) for r in rows]
 
     def checkpoint(self, job_id: str, name: str) -> tuple[str, int] | None:
         rows = self._query("SELECT path, version FROM checkpoints WHERE job_id = ? AND name = ?", (job_id, name))
@@ -325,7 +345,9 @@ class StateStore:
         return bool(rows)
 
     def checkpoints(self, job_id: str) -> list[dict[str, Any]]:
-        rows = self._query("SELECT name, path, version, created_s FROM checkpoints WHERE job_id = ?", (job_id,))
+        rows = self._query(
+            "SELECT name, path, version, created_s, expires_s FROM checkpoints WHERE job_id = ?", (job_id,)
+        )
         return [dict(r) for r in rows]
 
     def log_event(self, job_id: str, kind: str, reason: str) -> None:

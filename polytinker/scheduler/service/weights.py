@@ -4,14 +4,17 @@ A tenant names weights by a checkpoint name (``save_state``'s, or the ``polytink
 it returned) or by model path (``polytinker://JOB/AGENT@VERSION``), never by a filesystem path, and
 only its own jobs' resolve. The database keeps each version's checkpoint and export as a path
 relative to the state root (``layout``); the workers are sent ids (``WeightsRef``) and make the
-paths themselves.
+paths themselves. Named checkpoints stay until their owner deletes them or their TTL runs out
+(``delete_checkpoint``, ``expire``); per-step ones go past the last ``keep_checkpoints`` (``prune``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +25,13 @@ from polytinker.scheduler.service.layout import check_name, parse_relative, unde
 from polytinker.scheduler.service.state import AdapterRow, JobRow, StateStore
 from polytinker.scheduler.service.worker_messages import WeightsRef
 from polytinker.scheduler.types import JobKind
+
+log = logging.getLogger("polytinker.scheduler.weights")
+
+
+def expiry(ttl_s: float) -> float | None:
+    """When a checkpoint saved now with ``ttl_s`` is deleted (a Unix time); None (kept) for 0."""
+    return time.time() + ttl_s if ttl_s > 0 else None
 
 
 class WeightsCatalog:
@@ -77,6 +87,19 @@ class WeightsCatalog:
         shutil.rmtree(under(self.root, ref.relative_path), ignore_errors=True)
         return True
 
+    def expire(self, now: float) -> None:
+        """Delete the named checkpoints whose TTL has run out, as their owner would."""
+        for job_id, name in self.store.expired_checkpoints(now):
+            row = self.store.job(job_id)
+            try:
+                if row is None:
+                    self.store.delete_checkpoint(job_id, name)
+                    continue
+                self.delete_checkpoint(row, name)
+                self.store.log_event(job_id, "expired", f"checkpoint {name}: its ttl ran out")
+            except Exception:  # one bad row must not keep the others alive
+                log.exception("expiring checkpoint %s of job %s failed", name, job_id)
+
     def checkpoint_name(self, row: JobRow, path: str) -> tuple[str, str]:
         """(job, name) of what load_state names: a name of this job's, or ``polytinker-ckpt://JOB/NAME``
         of one of the tenant's jobs; never a filesystem path."""
@@ -126,4 +149,4 @@ class WeightsCatalog:
         return version, config.read_text(), np.fromfile(weights, dtype=np.uint8)
 
 
-__all__ = ["WeightsCatalog"]
+__all__ = ["WeightsCatalog", "expiry"]
