@@ -40,6 +40,7 @@ from polytinker.errors import (
     RequestTimeout,
     RuntimeDead,
     SimulationError,
+    StateDirInUse,
     TransportError,
     WorkerUnavailable,
 )
@@ -159,6 +160,7 @@ __all__ = [
     "SamplingParams",
     "ServiceClient",
     "SimulationError",
+    "StateDirInUse",
     "StopReason",
     "TensorData",
     "TensorDtype",

@@ -60,6 +60,11 @@ class ConfigError(PolytinkerError, ValueError):
     code = "config"
 
 
+class StateDirInUse(ConfigError):
+    """Another live runtime holds the state directory a runtime was to start on (the message names
+    its process): connect to that one, or give this one another ``state_dir``."""
+
+
 class ProtocolError(PolytinkerError, ValueError):
     """A message broke the wire protocol (malformed, oversized, unknown kind, wrong version)."""
 
@@ -235,6 +240,7 @@ __all__ = [
     "RequestTimeout",
     "RuntimeDead",
     "SimulationError",
+    "StateDirInUse",
     "TransportError",
     "WorkerUnavailable",
     "error_class",

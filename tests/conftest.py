@@ -28,6 +28,7 @@ import importlib
 import importlib.util
 import inspect
 import os
+import tempfile
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,6 +39,9 @@ import pytest
 # Keep tests from fighting over the two cores of a CI machine.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The default ServiceClient()'s runtime keeps its state in a persistent directory of the user's:
+# the tests' (and their child processes') go to one of this run's own instead.
+os.environ["POLYTINKER_STATE_DIR"] = tempfile.mkdtemp(prefix="polytinker-test-state-")
 
 TESTS_DIR = Path(__file__).parent
 HEAVY_MARKS = ("slow", "learning", "vllm", "gpu", "runtime", "subprocess")

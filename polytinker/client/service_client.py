@@ -2,9 +2,11 @@
 
 ``ServiceClient(address)`` (or Tinker's ``base_url=``, a ``tcp://`` or ``ipc://`` address) talks to
 a running scheduler (``polytinker serve``); ``ServiceClient()`` with no address (and no
-``$POLYTINKER_SCHEDULER``) starts a ``LocalRuntime``
-for the script on first use, with the base model the first ``create_*`` call names, and stops it
-at ``close()``; if it stops by itself (an actor stayed down), calls raise its ``RuntimeDead``.
+``$POLYTINKER_SCHEDULER``) starts a ``LocalRuntime`` for the script on first use, with the base
+model the first ``create_*`` call names, and stops it at ``close()``; if it stops by itself (an
+actor stayed down), calls raise its ``RuntimeDead``. Without ``runtime_config`` that runtime keeps
+its state in a persistent directory of this user's (``home.default_state_dir``: paths stay valid
+for later scripts), and a client whose directory another script's runtime holds uses that one.
 ``ServiceClient(inproc=True)`` starts an ``InprocRuntime`` instead: the same scheduler, engine and
 learner as objects in this process, no sockets (one process to step through with a debugger).
 The API key comes from ``api_key=`` or ``$POLYTINKER_API_KEY`` (a local runtime makes its own).
@@ -115,23 +117,45 @@ class ServiceClient:
             if self._closed:
                 raise TransportError("this ServiceClient is closed")
             if self._conn is None:
-                from polytinker.scheduler.service.inproc import InprocRuntime
-                from polytinker.scheduler.service.runtime import LocalRuntime
-
-                cfg = self._runtime_config or RuntimeConfig()
-                if base_model:
-                    cfg = dataclasses.replace(cfg, model=base_model)
-                self._runtime = (InprocRuntime if self._inproc else LocalRuntime)(cfg).start()
-                self._api_key = self._runtime.api_key
-                self._conn = Connection(
-                    self._runtime.local_address,
-                    self._api_key,
-                    timeout_s=self._timeout_s,
-                    job_wait_s=self._job_wait_s,
-                    check=self._runtime.check,
-                    rpc=self._runtime.client() if self._inproc else None,
-                )
+                self._conn = self._start_runtime(base_model)
             return self._conn
+
+    def _start_runtime(self, base_model: str | None) -> Connection:
+        """A runtime for this client: the default one (persistent, shared with this user's other
+        scripts: attach to it when it runs) without a runtime config, else one of its own."""
+        from polytinker.scheduler.service.home import StateDirInUse, default_state_dir, running_holder
+        from polytinker.scheduler.service.inproc import InprocRuntime
+        from polytinker.scheduler.service.runtime import LocalRuntime
+
+        cfg = self._runtime_config or RuntimeConfig()
+        if base_model:
+            cfg = dataclasses.replace(cfg, model=base_model)
+        shared = self._runtime_config is None and not self._inproc
+        if shared:
+            cfg = dataclasses.replace(cfg, state_dir=str(default_state_dir(cfg.model)))
+        for _ in range(2):  # a second try: another script may take the directory between look and start
+            holder = running_holder(cfg.state_path) if shared else None
+            if holder is not None and holder.api_key:
+                self._api_key = holder.api_key
+                wait = self._job_wait_s
+                return Connection(holder.address, holder.api_key, timeout_s=self._timeout_s, job_wait_s=wait)
+            try:
+                self._runtime = (InprocRuntime if self._inproc else LocalRuntime)(cfg).start()
+                break
+            except StateDirInUse:
+                if not shared:
+                    raise
+        else:
+            raise StateDirInUse(f"{cfg.state_dir}: held by a runtime this client could not reach")
+        self._api_key = self._runtime.api_key
+        return Connection(
+            self._runtime.local_address,
+            self._api_key,
+            timeout_s=self._timeout_s,
+            job_wait_s=self._job_wait_s,
+            check=self._runtime.check,
+            rpc=self._runtime.client() if self._inproc else None,
+        )
 
     def _create(self, kind: str, base_model: str, **fields: Any) -> dict[str, Any]:
         conn = self._connection(base_model)

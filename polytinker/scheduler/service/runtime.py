@@ -17,15 +17,19 @@ says which and why, stops everything and fails: ``failure`` and ``check()`` hold
 ``RuntimeDead``, ``dead`` is set, and ``polytinker serve`` exits non-zero.
 
 The state directory is kept 0700 and the processes write under it with umask 077: it holds
-every tenant's weights. With no tenants configured, one tenant ``local`` is
-created with a fresh API key (``runtime.api_key``). ``ServiceClient()`` without an address starts
-one of these for the script; ``polytinker serve`` runs one in the foreground.
+every tenant's weights. It is one runtime's at a time (``home.StateLock``: a second one on it is
+refused). With no tenants configured, one tenant ``local`` is created with a fresh API key
+(``runtime.api_key``; the jobs of an earlier runtime's ``local`` on that directory stay its own).
+``ServiceClient()`` without an address starts one of these for the script, on a persistent
+directory it shares with the other scripts of this user (``home.default_state_dir``);
+``polytinker serve`` runs one in the foreground.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import secrets
 import shutil
 import socket
@@ -38,6 +42,7 @@ from typing import Any
 from polytinker.actors import ActorConfig, ActorRef, ChildReport, RestartPolicy, Supervisor
 from polytinker.errors import ConfigError, RequestTimeout, RuntimeDead
 from polytinker.scheduler.service.config import RuntimeConfig, TenantConfig
+from polytinker.scheduler.service.home import Holder, StateLock
 from polytinker.scheduler.service.messages import RuntimeStatus
 from polytinker.scheduler.service.replies import RuntimeStatusReply, WorkersReply
 from polytinker.scheduler.service.scheduler import SchedulerActor, local_address
@@ -81,6 +86,8 @@ class LocalRuntime:
 
     def __init__(self, config: RuntimeConfig | None = None) -> None:
         self.config, self._fresh = prepared(config or RuntimeConfig())
+        self._generated_tenant = not (config or RuntimeConfig()).tenants
+        self._state_lock: StateLock | None = None
         self.supervisor: Supervisor | None = None
         self.scheduler: ActorRef | None = None
         self.workers: dict[str, ActorRef] = {}
@@ -117,6 +124,9 @@ class LocalRuntime:
     def start(self) -> LocalRuntime:
         cfg = self.config
         run_dir = private_state_dir(cfg.state_path) / "run"
+        lock = StateLock(cfg.state_path)
+        lock.acquire()  # one runtime per state directory (StateDirInUse names the other)
+        self._state_lock = lock
         self.supervisor = Supervisor(
             run_dir=run_dir, name="runtime", on_give_up=self._gave_up, on_change=lambda _: self._report_now.set()
         )
@@ -142,6 +152,7 @@ class LocalRuntime:
             self._report_now.set()  # every actor is up: the scheduler's view should say so now
             if cfg.http.address:
                 self.gateway = self._start_gateway()
+            lock.publish(Holder(os.getpid(), self.local_address, self.api_key if self._generated_tenant else ""))
         except BaseException:
             self.stop()
             raise
@@ -272,6 +283,9 @@ class LocalRuntime:
                 gateway.stop()
             if sup is not None:
                 sup.stop()
+            lock, self._state_lock = self._state_lock, None
+            if lock is not None:
+                lock.release()
             if self._fresh:
                 shutil.rmtree(self.config.state_dir, ignore_errors=True)
 

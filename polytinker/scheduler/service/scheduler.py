@@ -213,6 +213,8 @@ class SchedulerService:
         row = self.jobs.action(self._tenant(msg.api_key), msg.job_id, msg.action)
         for slicer in self.broker.slicers.values():
             slicer.release(row.job_id)
+        if row.state in FINAL_STATES:
+            self.weights.drop_learner_state(row)
         return r.JobReply(row.public())
 
     def list_jobs(self, msg: m.ListJobs) -> r.JobListReply:

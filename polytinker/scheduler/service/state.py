@@ -285,6 +285,11 @@ class StateStore:
         )
         return (str(rows[0]["checkpoint"]), str(rows[0]["export_dir"])) if rows else None
 
+    def version_checkpoints(self, key: str) -> list[str]:
+        """The checkpoint path of each kept version of an adapter."""
+        rows = self._query("SELECT checkpoint FROM adapter_versions WHERE adapter_key = ?", (key,))
+        return [str(r["checkpoint"]) for r in rows]
+
     def drop_versions_below(self, key: str, version: int, keep: Collection[str] = ()) -> list[tuple[str, str]]:
         """Forget versions older than ``version``, but those whose export is in ``keep`` (a named
         sampler's: it stays sampleable); returns the forgotten ones' (checkpoint, export_dir)."""

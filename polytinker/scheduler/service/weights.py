@@ -87,6 +87,27 @@ class WeightsCatalog:
         shutil.rmtree(under(self.root, ref.relative_path), ignore_errors=True)
         return True
 
+    def drop_learner_state(self, row: JobRow) -> int:
+        """A finished LoRA job's per-step learner checkpoints (weights and optimizer state: three
+        times its exports' size), which nothing reads once it can train no more; its exports stay
+        sampleable and its named checkpoints stay. How many were deleted."""
+        if row.kind == JobKind.FULL_RL:
+            return 0  # a full-parameter version's export is its checkpoint
+        a = self.store.adapter(adapter_key(row.tenant, row.job_id, row.agent))
+        if a is None:
+            return 0
+        named = {c["path"] for c in self.store.checkpoints(row.job_id)}
+        dropped = 0
+        for ckpt in self.store.version_checkpoints(a.adapter_key):
+            try:
+                ref = self.stored(ckpt, 0)
+            except ConfigError:
+                continue
+            if ref.adapter == a.adapter_key and ref.kind == "checkpoint" and not ref.name and ckpt not in named:
+                shutil.rmtree(under(self.root, ref.relative_path), ignore_errors=True)
+                dropped += 1
+        return dropped
+
     def expire(self, now: float) -> None:
         """Delete the named checkpoints whose TTL has run out, as their owner would."""
         for job_id, name in self.store.expired_checkpoints(now):
