@@ -395,6 +395,9 @@ class SampledSequence:
 class SampleResponse:
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None = None  # with include_prompt_logprobs: None first
+    # With topk_prompt_logprobs=k: per prompt position the k likeliest tokens there as
+    # (token id, logprob), best first; None first (nothing predicts the first token).
+    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 __all__ = [

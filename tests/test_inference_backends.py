@@ -115,6 +115,24 @@ def test_compute_logprobs_shapes_and_adapter(backend: Any, tiny_model: Any) -> N
         backend.compute_logprobs([[]])
 
 
+def test_top_k_prompt_logprobs_rank_the_vocabulary(backend: Any, tiny_model: Any) -> None:
+    weights = adapter(tiny_model, "topk", 12)
+    backend.load_adapter(weights)
+    seqs = [[1, 504, 3458, 282, 17], [1, 504]]
+    logprobs, top = backend.compute_logprobs_topk(seqs, 4, weights.ref)
+    for values, alone in zip(logprobs, backend.compute_logprobs(seqs, weights.ref), strict=True):
+        assert values == pytest.approx(alone, abs=LOGPROB_TOL[backend.name])
+    assert [len(rows) for rows in top] == [4, 1] and all(len(row) == 4 for rows in top for row in rows)
+    for seq, values, rows in zip(seqs, logprobs, top, strict=True):
+        for j, row in enumerate(rows):
+            scores = [lp for _, lp in row]
+            assert scores == sorted(scores, reverse=True) and len({t for t, _ in row}) == 4
+            assert scores[0] >= values[j] - LOGPROB_TOL[backend.name]  # nothing beats the best
+            if seq[j + 1] in dict(row):  # the actual token, when among them, scores as compute_logprobs says
+                assert dict(row)[seq[j + 1]] == pytest.approx(values[j], abs=LOGPROB_TOL[backend.name])
+    assert backend.compute_logprobs_topk(seqs, 0)[1] == [[], []]
+
+
 def test_replace_version_in_place_changes_outputs(backend: Any, tiny_model: Any) -> None:
     first = adapter(tiny_model, "swap", 21)
     backend.load_adapter(first)

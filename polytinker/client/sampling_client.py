@@ -15,8 +15,8 @@ from typing import Any, TypeVar, cast
 from polytinker.client._connection import Connection
 from polytinker.client._convert import prompt_tokens, samples_nothing, to_sampling_params
 from polytinker.client._future import APIFuture, ReadyClient, submit
-from polytinker.errors import AuthError, ConfigError, NotBuiltError
-from polytinker.scheduler.service.messages import ComputeLogprobs, Sample
+from polytinker.errors import AuthError, ConfigError
+from polytinker.scheduler.service.messages import ComputeLogprobs, Sample, check_top_k
 from polytinker.scheduler.service.replies import LogprobsReply, SampleReply
 from polytinker.types import SampledSequence, SampleResponse, StopReason, check_seed
 
@@ -58,9 +58,10 @@ class SamplingClient(ReadyClient):
         """``num_samples`` completions of ``prompt`` (a ``ModelInput`` or token ids).
         ``sampling_params``: ``polytinker.types.SamplingParams`` (Tinker's), or
         ``polytinker.engine.types.SamplingParams`` / a dict of its fields; None: polytinker's
-        defaults. ``include_prompt_logprobs``: also score the prompt (``prompt_logprobs``)."""
-        if topk_prompt_logprobs:
-            raise NotBuiltError("topk_prompt_logprobs is not built in polytinker (include_prompt_logprobs is)")
+        defaults. ``include_prompt_logprobs``: also score the prompt (``prompt_logprobs``);
+        ``topk_prompt_logprobs=k``: the k likeliest tokens at each prompt position
+        (``topk_prompt_logprobs``, k at most 20), from the same forward pass."""
+        check_top_k(topk_prompt_logprobs)
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
             raise ConfigError(f"num_samples must be a positive int, got {num_samples!r}")
         tokens = prompt_tokens(prompt)
@@ -69,8 +70,9 @@ class SamplingClient(ReadyClient):
             check_seed(getattr(sampling_params, "seed", None))
         params = to_sampling_params(None if nothing else sampling_params)  # checks the seed here, at the call
         msg = Sample(self._conn.api_key, self.model_path, self.base_model, tokens, num_samples, params, self.job_id)
-        scored = self._logprobs_msg(tokens) if include_prompt_logprobs else None
-        return submit(self._conn.pool, lambda: self._sample(None if nothing else msg, scored))
+        want = (include_prompt_logprobs, bool(topk_prompt_logprobs))
+        scored = self._logprobs_msg(tokens, topk_prompt_logprobs) if any(want) else None
+        return submit(self._conn.pool, lambda: self._sample(None if nothing else msg, scored, want))
 
     def _request(self, kind: str, msg: Sample | ComputeLogprobs, reply: type[R]) -> R:
         """The call; once more on a new inference job when this one is gone from the job table
@@ -85,17 +87,20 @@ class SamplingClient(ReadyClient):
                     self.job_id = self._reopen()
             return self._conn.request(kind, dataclasses.replace(msg, job_id=self.job_id), reply)
 
-    def _sample(self, msg: Sample | None, scored: ComputeLogprobs | None) -> SampleResponse:
-        prompt_logprobs = self._logprobs(scored) if scored is not None else None
+    def _sample(
+        self, msg: Sample | None, scored: ComputeLogprobs | None, want: tuple[bool, bool] = (False, False)
+    ) -> SampleResponse:
+        prompt_logprobs, topk = self._scores(scored) if scored is not None else (None, None)
+        prompt_logprobs, topk = (prompt_logprobs if want[0] else None), (topk if want[1] else None)
         if msg is None:
-            return SampleResponse([], prompt_logprobs)
+            return SampleResponse([], prompt_logprobs, topk)
         reply = self._request("sched.sample", msg, SampleReply)
         # An engine that failed mid-batch answers "abort": passed on as it is (Tinker names two reasons).
         sequences = [
             SampledSequence(cast(StopReason, s.stop_reason), list(s.tokens), list(s.logprobs), s.text)
             for s in reply.sequences
         ]
-        return SampleResponse(sequences, prompt_logprobs)
+        return SampleResponse(sequences, prompt_logprobs, topk)
 
     async def sample_async(
         self,
@@ -113,12 +118,19 @@ class SamplingClient(ReadyClient):
         msg = self._logprobs_msg(prompt_tokens(prompt))
         return submit(self._conn.pool, lambda: self._logprobs(msg))
 
-    def _logprobs_msg(self, tokens: tuple[int, ...]) -> ComputeLogprobs:
-        return ComputeLogprobs(self._conn.api_key, self.model_path, self.base_model, (tokens,), self.job_id)
+    def _logprobs_msg(self, tokens: tuple[int, ...], top_k: int = 0) -> ComputeLogprobs:
+        return ComputeLogprobs(self._conn.api_key, self.model_path, self.base_model, (tokens,), self.job_id, top_k)
 
     def _logprobs(self, msg: ComputeLogprobs) -> list[float | None]:
+        return self._scores(msg)[0]
+
+    def _scores(self, msg: ComputeLogprobs) -> tuple[list[float | None], list[list[tuple[int, float]] | None] | None]:
+        """The prompt's logprobs and (with ``top_k``) its top-k rows, each with None first."""
         reply = self._request("sched.compute_logprobs", msg, LogprobsReply)
-        return [None, *reply.logprobs[0]]
+        topk = None
+        if reply.topk is not None:
+            topk = [None, *([(int(t), float(lp)) for t, lp in row] for row in reply.topk[0])]
+        return [None, *reply.logprobs[0]], topk
 
     async def compute_logprobs_async(self, prompt: Any) -> list[float | None]:
         """``compute_logprobs``, awaited: the list itself."""

@@ -54,6 +54,13 @@ class InferenceBackend(Protocol):
         """Per sequence ``s``: ``len(s) - 1`` log-probabilities, entry ``j`` = log p(s[j+1] | s[:j+1])."""
         ...
 
+    def compute_logprobs_topk(
+        self, sequences: Sequence[Sequence[int]], k: int, adapter: AdapterRef | None = None
+    ) -> tuple[list[list[float]], list[list[list[tuple[int, float]]]]]:
+        """``compute_logprobs``'s answer and, in the same pass, per sequence and position ``j``
+        the ``k`` likeliest next tokens after ``s[:j+1]`` as ``(token id, logprob)``, best first."""
+        ...
+
     def load_adapter(self, weights: AdapterWeights) -> None:
         """Make ``weights.ref`` resident from in-memory tensors (peft key layout). Loading a ref
         that is already resident replaces its tensors."""

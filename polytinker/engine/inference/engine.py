@@ -78,15 +78,25 @@ class InferenceEngine:
         self, sequences: Sequence[Sequence[int]], adapter: AdapterRef | None = None, timeout_s: float | None = None
     ) -> list[list[float]]:
         """See :meth:`InferenceBackend.compute_logprobs`; runs between batches."""
+        return self.compute_logprobs_topk(sequences, 0, adapter, timeout_s)[0]
+
+    def compute_logprobs_topk(
+        self,
+        sequences: Sequence[Sequence[int]],
+        k: int,
+        adapter: AdapterRef | None = None,
+        timeout_s: float | None = None,
+    ) -> tuple[list[list[float]], list[list[list[tuple[int, float]]]]]:
+        """See :meth:`InferenceBackend.compute_logprobs_topk`; runs between batches."""
         self.slots.acquire(adapter)
         seqs = [list(s) for s in sequences]
 
-        def job() -> list[list[float]]:
+        def job() -> tuple[list[list[float]], list[list[list[tuple[int, float]]]]]:
             self.slots.prepare([adapter])
-            return self.backend.compute_logprobs(seqs, adapter)
+            return self.backend.compute_logprobs_topk(seqs, k, adapter)
 
         future = self._enqueue(_Pending(Future(), time.monotonic(), job=job, refs=(adapter,)))
-        result: list[list[float]] = future.result(timeout=timeout_s)
+        result: tuple[list[list[float]], list[list[list[tuple[int, float]]]]] = future.result(timeout=timeout_s)
         return result
 
     def load_adapter(self, weights: AdapterWeights, *, pin: bool = False) -> None:

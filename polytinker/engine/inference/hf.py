@@ -258,16 +258,23 @@ class HFBackend:
     def compute_logprobs(
         self, sequences: Sequence[Sequence[int]], adapter: AdapterRef | None = None
     ) -> list[list[float]]:
+        return self.compute_logprobs_topk(sequences, 0, adapter)[0]
+
+    def compute_logprobs_topk(
+        self, sequences: Sequence[Sequence[int]], k: int, adapter: AdapterRef | None = None
+    ) -> tuple[list[list[float]], list[list[list[tuple[int, float]]]]]:
         with self._lock, torch.inference_mode():
             self._check_open()
             if any(len(s) == 0 for s in sequences):
                 raise ConfigError("compute_logprobs: every sequence needs at least one token")
             name = self._adapter_name(adapter)
             out: list[list[float]] = [[] for _ in sequences]
+            top: list[list[list[tuple[int, float]]]] = [[] for _ in sequences]
             for chunk in self._chunks([len(s) for s in sequences]):
-                for i, values in zip(chunk, self._score([sequences[i] for i in chunk], name), strict=True):
-                    out[i] = values
-            return out
+                scored = self._score([sequences[i] for i in chunk], name, k)
+                for i, (values, best) in zip(chunk, scored, strict=True):
+                    out[i], top[i] = values, best
+            return out, top
 
     def _chunks(self, lengths: list[int]) -> list[list[int]]:
         """Sequence indices grouped (similar lengths together) under the logits token budget."""
@@ -281,7 +288,9 @@ class HFBackend:
             chunks[-1].append(i)
         return [c for c in chunks if c]
 
-    def _score(self, sequences: list[Sequence[int]], adapter: str) -> list[list[float]]:
+    def _score(
+        self, sequences: list[Sequence[int]], adapter: str, k: int
+    ) -> list[tuple[list[float], list[list[tuple[int, float]]]]]:
         width = max(len(s) for s in sequences)
         ids_BT = torch.zeros((len(sequences), width), dtype=torch.long)
         mask_BT = torch.zeros((len(sequences), width), dtype=torch.long)
@@ -289,8 +298,18 @@ class HFBackend:
             ids_BT[b, : len(seq)] = torch.tensor(list(seq))
             mask_BT[b, : len(seq)] = 1
         logits_BTV = self._forward(ids_BT, mask_BT, None, [adapter] * len(sequences)).float()
-        logprobs_BT = logits_BTV[:, :-1].log_softmax(-1).gather(2, ids_BT[:, 1:, None])[..., 0]
-        return [logprobs_BT[b, : len(seq) - 1].tolist() for b, seq in enumerate(sequences)]
+        all_BTV = logits_BTV[:, :-1].log_softmax(-1)
+        logprobs_BT = all_BTV.gather(2, ids_BT[:, 1:, None])[..., 0]
+        best_lp_BTK, best_id_BTK = all_BTV.topk(k, dim=-1) if k else (None, None)
+        out = []
+        for b, seq in enumerate(sequences):
+            n = len(seq) - 1
+            best: list[list[tuple[int, float]]] = []
+            if best_lp_BTK is not None and best_id_BTK is not None:
+                ids, lps = best_id_BTK[b, :n].tolist(), best_lp_BTK[b, :n].tolist()
+                best = [list(zip(i, lp, strict=True)) for i, lp in zip(ids, lps, strict=True)]
+            out.append((logprobs_BT[b, :n].tolist(), best))
+        return out
 
     # ----- lifecycle -----
 

@@ -324,6 +324,11 @@ class VllmBackend:
     def compute_logprobs(
         self, sequences: Sequence[Sequence[int]], adapter: AdapterRef | None = None
     ) -> list[list[float]]:
+        return self.compute_logprobs_topk(sequences, 0, adapter)[0]
+
+    def compute_logprobs_topk(
+        self, sequences: Sequence[Sequence[int]], k: int, adapter: AdapterRef | None = None
+    ) -> tuple[list[list[float]], list[list[list[tuple[int, float]]]]]:
         from vllm import SamplingParams as VllmSamplingParams
 
         with self._lock:
@@ -336,16 +341,27 @@ class VllmBackend:
                     f"compute_logprobs: a sequence of {max(too_long)} tokens does not fit "
                     f"VllmBackendConfig.max_model_len={self.config.max_model_len} (it needs one spare position)"
                 )
-            # prompt_logprobs=0: each prompt position's dict holds exactly the actual next token.
-            params = VllmSamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+            # prompt_logprobs=k: each prompt position's dict holds the actual next token and the k
+            # likeliest (each Logprob says its rank; the actual token may be among them or not).
+            params = VllmSamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k, detokenize=False)
             lora = self._lora_request(adapter)
             prompts = [[int(t) for t in s] for s in sequences]
             outputs = self._generate(prompts, [params] * len(prompts), [lora] * len(prompts))
             # Position 0 has no prediction (vLLM gives None there): entry j scores token j + 1.
-            return [
+            logprobs = [
                 [float(step[t].logprob) for step, t in zip(o.prompt_logprobs[1:], s[1:], strict=True)]
                 for o, s in zip(outputs, prompts, strict=True)
             ]
+            top = [
+                [
+                    sorted(((int(t), float(lp.logprob)) for t, lp in step.items() if lp.rank <= k), key=lambda x: -x[1])
+                    for step in o.prompt_logprobs[1:]
+                ]
+                if k
+                else []
+                for o in outputs
+            ]
+            return logprobs, top
 
     # ----- lifecycle -----
 

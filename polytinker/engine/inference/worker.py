@@ -127,8 +127,8 @@ class EngineWorker:
 
     def logprobs(self, msg: EngineLogprobs) -> LogprobsReply:
         with self._target(msg.adapter, msg.version, msg.weights, msg.full) as (engine, ref):
-            out: list[list[float]] = engine.compute_logprobs([list(s) for s in msg.sequences], ref)
-        return LogprobsReply(out)
+            out, top = engine.compute_logprobs_topk([list(s) for s in msg.sequences], msg.top_k, ref)
+        return LogprobsReply(out, top if msg.top_k else None)
 
     def get_stats(self, _msg: WorkerStats) -> dict[str, Any]:
         st = self.engine.stats

@@ -104,6 +104,7 @@ _ENUMS = {
     "DType": ["DTYPE_UNSPECIFIED", "DTYPE_FLOAT32", "DTYPE_INT64", "DTYPE_INT32", "DTYPE_BFLOAT16"],
 }
 DTYPE_FLOAT32, DTYPE_INT64, DTYPE_INT32 = 1, 2, 3
+MASK_LOGPROB = -99999.0  # the SDK reads a top-k row of token 0 at this logprob as "none here"
 STOP_REASONS = {"stop": 0, "length": 1}
 
 
@@ -242,7 +243,8 @@ def encode_sample_response(
     if topk_prompt is not None:
         k = max((len(row) for row in topk_prompt if row), default=0)
         ids = np.zeros((len(topk_prompt), k), dtype=np.int32)
-        lps = np.full((len(topk_prompt), k), -np.inf, dtype=np.float32)
+        # Tinker's sentinel (token 0, logprob -99999) fills a position with no row (the first one).
+        lps = np.full((len(topk_prompt), k), MASK_LOGPROB, dtype=np.float32)
         for i, row in enumerate(topk_prompt):
             for j, (tok, lp_) in enumerate(row or ()):
                 ids[i, j], lps[i, j] = tok, lp_

@@ -397,14 +397,9 @@ def _fb_render(datums: list[Datum]) -> Callable[[Any], bytes]:
     return render
 
 
-def _sample_render(out: tuple[Any, list[float | None] | None]) -> bytes:
-    response, prompt_logprobs = out
-    seqs = (
-        []
-        if response is None
-        else [{"tokens": s.tokens, "logprobs": s.logprobs, "stop_reason": s.stop_reason} for s in response.sequences]
-    )
-    return _proto.encode_sample_response(seqs, prompt_logprobs)
+def _sample_render(response: Any) -> bytes:
+    seqs = [{"tokens": s.tokens, "logprobs": s.logprobs, "stop_reason": s.stop_reason} for s in response.sequences]
+    return _proto.encode_sample_response(seqs, response.prompt_logprobs, response.topk_prompt_logprobs)
 
 
 __all__ = ["CLIENT_CONFIG", "tinker_router"]

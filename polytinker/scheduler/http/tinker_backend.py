@@ -35,6 +35,7 @@ from polytinker.model_path import MODEL_PREFIX, TINKER_PREFIX, CheckpointPath, M
 from polytinker.scheduler.http.downloads import age_recipients
 from polytinker.scheduler.http.store import GatewayStore, ModelRow, SamplerRow, SavedRow
 from polytinker.scheduler.service.layout import check_name
+from polytinker.scheduler.service.messages import MAX_TOP_K
 from polytinker.transport import ClientCurve
 
 EXTERNAL_NAME_PREFIX = "external."  # a save_weights_external(NAME) is the job's sampler save external.NAME
@@ -426,24 +427,23 @@ class TinkerBackend:
             ignore_eos=isinstance(stop, list | tuple) and not stop,  # Tinker: stop=[] disables EOS too
         )
 
-    def sample(self, t: Tenant, req: dict[str, Any]) -> Future[tuple[Any, list[float | None] | None]]:
-        for unsupported in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+    def sample(self, t: Tenant, req: dict[str, Any]) -> Future[Any]:
+        """A ``SampleResponse`` of polytinker's client: the sequences and, as asked, the prompt's
+        logprobs and its top-k ones (one scoring pass for both)."""
+        for unsupported in ("topk_sample_logprobs", "prompt_alt_tokens_k", "prompt_logprobs_last_n"):
             if req.get(unsupported):
-                raise NotBuiltError(f"{unsupported} is not built in polytinker (prompt_logprobs is)")
+                raise NotBuiltError(f"{unsupported} is not built in polytinker (prompt_logprobs and topk are)")
         if req.get("target_prompt_logprobs") is not None:
             raise NotBuiltError("target_prompt_logprobs is not built in polytinker (prompt_logprobs is)")
+        top_k = req.get("topk_prompt_logprobs") or 0
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or not 0 <= top_k <= MAX_TOP_K:
+            raise ConfigError(f"topk_prompt_logprobs must be a whole number in 0..{MAX_TOP_K}, got {top_k!r}")
         sc = self.sampling_client(t, req)
         tokens = prompt_ints(req.get("prompt"))
         params = self.sampling_params(req.get("sampling_params") or {})
         num = int(req.get("num_samples", 1))
         want_prompt = bool(req.get("prompt_logprobs"))
-
-        def run() -> tuple[Any, list[float | None] | None]:
-            scored = sc.compute_logprobs(tokens) if want_prompt else None
-            out = sc.sample(tokens, num, params).result()
-            return out, None if scored is None else scored.result()
-
-        return self._pool.submit(run)
+        return self._pool.submit(lambda: sc.sample(tokens, num, params, want_prompt, top_k).result())
 
 
 def ttl_of(req: dict[str, Any]) -> int | None:

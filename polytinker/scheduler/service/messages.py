@@ -221,9 +221,18 @@ class ComputeLogprobs:
     base_model: str
     sequences: tuple[tuple[int, ...], ...]
     job_id: str = ""  # the base model: the caller's inference job, which gates and accounts the call
+    top_k: int = 0  # also the k likeliest tokens at each position (LogprobsReply.topk)
 
     def __post_init__(self) -> None:
         need(0 < len(self.sequences) <= MAX_PROMPTS and all(self.sequences), "1..4096 non-empty sequences")
+        check_top_k(self.top_k)
+
+
+MAX_TOP_K = 20  # as vLLM's engines serve at most by default (max_logprobs)
+
+
+def check_top_k(k: int) -> None:
+    need(isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MAX_TOP_K, f"top_k must be in 0..{MAX_TOP_K}")
 
 
 @message("sched.delete_checkpoint")
@@ -297,5 +306,6 @@ __all__ = [
     "SaveState",
     "SaveWeights",
     "SetCheckpointTtl",
+    "check_top_k",
     "check_ttl",
 ]

@@ -199,6 +199,8 @@ class SampleReply:
 @dataclass(frozen=True)
 class LogprobsReply:
     logprobs: list[list[float]]  # per sequence, per token after the first
+    # With top_k: per sequence, per position, the k likeliest next tokens as [token id, logprob].
+    topk: list[list[list[tuple[int, float]]]] | None = None
 
 
 # --- workers -> scheduler (besides the results above that go on to the client as they are) ----------

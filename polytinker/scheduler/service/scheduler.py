@@ -448,7 +448,7 @@ class SchedulerService:
         self._sampling_job(tenant, msg)
         with self.admission.admit(tenant, "sample"):
             engine = self.jobs.route(key or None, msg.base_model)
-            req = wm.EngineLogprobs(key, version, export, msg.sequences, full=full)
+            req = wm.EngineLogprobs(key, version, export, msg.sequences, full=full, top_k=msg.top_k)
             out: r.LogprobsReply = self.broker.call(engine, "sched.w.logprobs", req)
         return out
 

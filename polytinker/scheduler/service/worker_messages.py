@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from polytinker.engine.types import Datum, SamplingParams
 from polytinker.scheduler.service.layout import KINDS, check_adapter_key, check_name, relative_path
-from polytinker.scheduler.service.messages import need
+from polytinker.scheduler.service.messages import check_top_k, need
 from polytinker.transport.messages import message
 
 
@@ -244,9 +244,11 @@ class EngineLogprobs:
     weights: WeightsRef | None
     sequences: tuple[tuple[int, ...], ...]
     full: bool = False
+    top_k: int = 0  # also the k likeliest tokens at each position
 
     def __post_init__(self) -> None:
         _adapter_ok(self.adapter, base_allowed=True)
+        check_top_k(self.top_k)
 
 
 @message("sched.w.stats")
