@@ -39,8 +39,9 @@ import pytest
 # Keep tests from fighting over the two cores of a CI machine.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# The default ServiceClient()'s runtime keeps its state in a persistent directory of the user's:
-# the tests' (and their child processes') go to one of this run's own instead.
+# The default ServiceClient()'s runtime keeps its state in a persistent directory of the user's,
+# which a second client attaches to while the first one's runtime runs: each test (and its child
+# processes) gets a directory of its own instead (``_own_state_dir``), so tests never share one.
 os.environ["POLYTINKER_STATE_DIR"] = tempfile.mkdtemp(prefix="polytinker-test-state-")
 
 TESTS_DIR = Path(__file__).parent
@@ -196,6 +197,11 @@ def _no_runtime(*_args: Any, **_kwargs: Any) -> Any:
         "this test starts a runtime (ServiceClient() with no address does too), which the unit tier "
         "(make test-fast, --unit) leaves out: list it in RUNTIME_TESTS in tests/conftest.py"
     )
+
+
+@pytest.fixture(autouse=True)
+def _own_state_dir(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
+    monkeypatch.setenv("POLYTINKER_STATE_DIR", str(tmp_path_factory.mktemp("default-state")))
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -76,6 +76,15 @@ class _Api:
     async def json(self, request: Request) -> dict[str, Any]:
         return await read_json(request, self.max_body_bytes)
 
+    async def call(
+        self, request: Request, op: Callable[[Tenant, dict[str, Any]], Future[Any]], render: Callable[[Any], Any]
+    ) -> dict[str, Any]:
+        """A model's call that takes time: ``op(tenant, body)`` off the event loop, its future filed
+        (``submit``) under the body's model id."""
+        t = await self.tenant_of(request)
+        body = await self.json(request)
+        return self.submit(t, await asyncio.to_thread(op, t, body), render, body.get("model_id"))
+
     def submit(
         self, t: Tenant, fut: Future[Any], render: Callable[[Any], Any], model_id: str | None = None
     ) -> dict[str, Any]:
@@ -193,14 +202,7 @@ def _add_training_routes(r: APIRouter, api: _Api) -> None:
 
     @r.post("/optim_step")
     async def optim_step(request: Request) -> dict[str, Any]:
-        t = await api.tenant_of(request)
-        body = await api.json(request)
-        return api.submit(
-            t,
-            await asyncio.to_thread(api.backend.optim_step, t, body),
-            lambda out: {"metrics": _step_metrics(out.metrics)},
-            body.get("model_id"),
-        )
+        return await api.call(request, api.backend.optim_step, lambda out: {"metrics": _step_metrics(out.metrics)})
 
 
 def _add_weights_routes(r: APIRouter, api: _Api) -> None:
@@ -208,32 +210,20 @@ def _add_weights_routes(r: APIRouter, api: _Api) -> None:
 
     @r.post("/save_weights")
     async def save_weights(request: Request) -> dict[str, Any]:
-        t = await api.tenant_of(request)
-        body = await api.json(request)
         render = lambda path: {"type": "save_weights", "path": to_tinker_path(path)}  # noqa: E731
-        return api.submit(t, await asyncio.to_thread(api.backend.save_state, t, body), render, body.get("model_id"))
+        return await api.call(request, api.backend.save_state, render)
 
     @r.post("/save_weights_for_sampler")
     async def save_for_sampler(request: Request) -> dict[str, Any]:
-        t = await api.tenant_of(request)
-        body = await api.json(request)
-        return api.submit(
-            t, await asyncio.to_thread(api.backend.save_for_sampler, t, body), lambda out: out, body.get("model_id")
-        )
+        return await api.call(request, api.backend.save_for_sampler, _as_is)
 
     @r.post("/save_weights_external")
     async def save_weights_external(request: Request) -> dict[str, Any]:
-        t = await api.tenant_of(request)
-        body = await api.json(request)
-        fut = await asyncio.to_thread(api.backend.save_external, t, body)
-        return api.submit(t, fut, lambda out: out, body.get("model_id"))
+        return await api.call(request, api.backend.save_external, _as_is)
 
     @r.post("/load_weights")
     async def load_weights(request: Request) -> dict[str, Any]:
-        t = await api.tenant_of(request)
-        body = await api.json(request)
-        fut = await asyncio.to_thread(api.backend.load_state, t, body)
-        return api.submit(t, fut, lambda out: out, body.get("model_id"))
+        return await api.call(request, api.backend.load_state, _as_is)
 
     @r.get("/weights_info")
     @r.post("/weights_info")
@@ -356,6 +346,10 @@ def _add_future_routes(r: APIRouter, api: _Api) -> None:
         t = await api.tenant_of(request)
         body = await api.json(request)
         return {"cancelled": api.futures.cancel(t.owner, str(body.get("request_id", "")))}
+
+
+def _as_is(out: Any) -> Any:
+    return out
 
 
 def failed(exc: BaseException) -> dict[str, Any]:
