@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -38,6 +39,7 @@ def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
 def service(serve: Serve) -> Iterator[tinker.ServiceClient]:
     sc = tinker.ServiceClient(base_url=serve.url, api_key=KEY)
     yield sc
+    sc.close("success").result()  # ends the session (and its heartbeats) while the server is up
 
 
 def _sft_datum(tokenizer, prompt: str, answer: str) -> types.Datum:
@@ -364,6 +366,33 @@ def test_top_k_prompt_logprobs_through_the_sdk(trained) -> None:
         assert [lp for _, lp in row[:2]] == pytest.approx([lp for _, lp in row2], abs=1e-4)
     with pytest.raises(tinker.BadRequestError, match="topk_prompt_logprobs"):
         sampler.sample(prompt, 1, params, topk_prompt_logprobs=50).result()
+
+
+def test_closing_a_service_client_finishes_its_session_and_runs(serve: Serve) -> None:
+    from polytinker import ServiceClient
+
+    sc = tinker.ServiceClient(base_url=serve.url, api_key=KEY)
+    tc = sc.create_lora_training_client(base_model=MODEL, rank=4).result()
+    kept = tc.save_weights_for_sampler("after-close").result().path
+    session_id = tc.model_id.partition(":")[0]
+    sc.close("success", detail="done here").result()
+
+    address = re.search(r'address = "([^"]+)"', (serve.root / "runtime.toml").read_text())
+    assert address is not None
+    with ServiceClient(address.group(1), api_key=KEY) as ours:
+        run = tinker.RestClient(base_url=serve.url, api_key=KEY).get_training_run(tc.model_id).result()
+        assert ours.get_job(run.training_run_id)["job"]["state"] == "done"  # its adapter slot is free
+    again = httpx.post(
+        serve.url + "/api/v1/create_model",
+        json={"session_id": session_id, "model_seq_id": 9, "base_model": MODEL, "lora_config": {"rank": 4}},
+        headers={"X-API-Key": KEY},
+        timeout=30,
+    )
+    assert again.status_code == 400 and "is finished" in again.json()["error"]["message"]
+    other = tinker.ServiceClient(base_url=serve.url, api_key=KEY)  # its saved weights stay sampleable
+    sampler = other.create_sampling_client(model_path=kept).result()
+    assert len(sampler.compute_logprobs(types.ModelInput.from_ints([1, 2, 3])).result()) == 3
+    other.close("success").result()
 
 
 def test_paths_outlive_a_restart_of_serve(serve: Serve, service: tinker.ServiceClient) -> None:

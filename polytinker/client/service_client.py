@@ -330,6 +330,10 @@ class ServiceClient:
     def resume_job(self, job_id: str) -> dict[str, Any]:
         return self._action(job_id, "resume")
 
+    def finish_job(self, job_id: str) -> dict[str, Any]:
+        """Mark one of this tenant's jobs done (its resources go back; its saved weights stay)."""
+        return self._action(job_id, "finish")
+
     def export_weights(
         self, model_path: str, out_dir: str | os.PathLike[str], *, merged: bool = False, overwrite: bool = False
     ) -> Path:

@@ -28,6 +28,8 @@ CREATE TABLE IF NOT EXISTS samplers (sampler_id TEXT PRIMARY KEY, owner TEXT NOT
     model_path TEXT NOT NULL, created REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS user_metadata (id TEXT PRIMARY KEY, metadata TEXT NOT NULL, display_name TEXT);
 CREATE TABLE IF NOT EXISTS sampler_sessions (sampler_id TEXT PRIMARY KEY, session_id TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS finished_sessions (session_id TEXT PRIMARY KEY, status TEXT NOT NULL,
+    detail TEXT, finished REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS saved (job_id TEXT NOT NULL, kind TEXT NOT NULL, name TEXT NOT NULL,
     tinker_path TEXT NOT NULL, created REAL NOT NULL, PRIMARY KEY (job_id, kind, name));
 CREATE TABLE IF NOT EXISTS external_recipients (job_id TEXT NOT NULL, name TEXT NOT NULL,
@@ -89,6 +91,18 @@ class GatewayStore:
         with self._lock:
             row = self._db.execute("SELECT owner FROM sessions WHERE session_id = ?", (session_id,)).fetchone()
         return None if row is None else str(row[0])
+
+    def finish_session(self, session_id: str, status: str, detail: str | None) -> None:
+        """The first finish of a session stands (Tinker's: first wins)."""
+        with self._lock:
+            self._db.execute(
+                "INSERT OR IGNORE INTO finished_sessions VALUES (?, ?, ?, ?)", (session_id, status, detail, time.time())
+            )
+
+    def session_finished(self, session_id: str) -> bool:
+        with self._lock:
+            row = self._db.execute("SELECT 1 FROM finished_sessions WHERE session_id = ?", (session_id,)).fetchone()
+        return row is not None
 
     def heartbeat(self, session_id: str) -> None:
         with self._lock:

@@ -26,9 +26,9 @@ from polytinker.errors import ConfigError, NotBuiltError
 from polytinker.scheduler.http import _proto
 from polytinker.scheduler.http.errors import error_body
 from polytinker.scheduler.http.futures import FutureTable
-from polytinker.scheduler.http.tinker_backend import Tenant, TinkerBackend, tinker_datum, to_tinker_path, ttl_of
+from polytinker.scheduler.http.tinker_backend import Tenant, TinkerBackend, tinker_datum, to_tinker_path
 from polytinker.scheduler.http.tinker_runs import TinkerRuns
-from polytinker.scheduler.http.wire import api_key, read_body, read_json
+from polytinker.scheduler.http.wire import api_key, read_body, read_json, ttl_of
 
 PROTO = "application/x-protobuf"
 
@@ -140,6 +140,13 @@ def _add_service_routes(r: APIRouter, api: _Api) -> None:
         t = await api.tenant_of(request)
         body = await api.json(request)
         return {"type": "create_session", "session_id": api.backend.create_session(t, body)}
+
+    @r.post("/sessions/{session_id}/finish")
+    async def finish_session(session_id: str, request: Request) -> dict[str, Any]:
+        t = await api.tenant_of(request)
+        body = await api.json(request)
+        await asyncio.to_thread(api.backend.finish_session, t, session_id, body)
+        return {}
 
     @r.post("/session_heartbeat")
     async def heartbeat(request: Request) -> dict[str, Any]:

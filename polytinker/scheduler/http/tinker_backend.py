@@ -15,6 +15,8 @@ the job and a checkpoint or sampler version in it, so they stay valid across gat
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import json
 import threading
@@ -29,14 +31,16 @@ from polytinker.client._convert import to_datum
 from polytinker.client.sampling_client import SamplingClient
 from polytinker.client.service_client import ServiceClient
 from polytinker.client.training_client import TrainingClient
-from polytinker.engine.types import Datum, SamplingParams
+from polytinker.engine.types import Datum
 from polytinker.errors import AuthError, ConfigError, NotBuiltError
 from polytinker.model_path import MODEL_PREFIX, TINKER_PREFIX, CheckpointPath, ModelPath
 from polytinker.scheduler.http.downloads import age_recipients
 from polytinker.scheduler.http.store import GatewayStore, ModelRow, SamplerRow, SavedRow
+from polytinker.scheduler.http.wire import prompt_ints, ttl_of
 from polytinker.scheduler.service.layout import check_name
 from polytinker.scheduler.service.messages import MAX_TOP_K
 from polytinker.transport import ClientCurve
+from polytinker.types import SamplingParams as TinkerSamplingParams
 
 EXTERNAL_NAME_PREFIX = "external."  # a save_weights_external(NAME) is the job's sampler save external.NAME
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -151,6 +155,28 @@ class TinkerBackend:
     def check_session(self, t: Tenant, session_id: str) -> None:
         if self.store.session_owner(session_id) != t.owner:
             raise ConfigError(f"unknown session {session_id!r}")
+        if self.store.session_finished(session_id):
+            raise ConfigError(f"session {session_id!r} is finished: a new ServiceClient starts another")
+
+    def finish_session(self, t: Tenant, session_id: str, req: dict[str, Any]) -> None:
+        """``ServiceClient.close(status)``: the session takes no more calls, and its training runs'
+        jobs finish (their adapter slots go to other runs; their saved weights stay)."""
+        if self.store.session_owner(session_id) != t.owner:
+            raise ConfigError(f"unknown session {session_id!r}")
+        reason = req.get("reason")
+        status = str((reason if isinstance(reason, dict) else {}).get("type") or "success")[:32]
+        detail = req.get("detail")
+        self.store.finish_session(session_id, status, None if detail is None else str(detail)[:1000])
+        for row in self.store.models(t.owner):
+            if not row.model_id.startswith(f"{session_id}:"):
+                continue
+            with t.lock:
+                tc = t.training.pop(row.job_id, None)
+            if tc is not None:
+                tc.finish()
+            else:  # made by an earlier gateway process: finish it by id
+                with contextlib.suppress(ConfigError):  # already finished
+                    t.service.finish_job(row.job_id)
 
     # --- models --------------------------------------------------------------------------------------
     def model(self, t: Tenant, model_id: str) -> ModelRow:
@@ -399,33 +425,20 @@ class TinkerBackend:
                 sc = t.samplers.setdefault(key, sc)
         return sc
 
-    def sampling_params(self, p: dict[str, Any]) -> SamplingParams:
-        """polytinker's sampling parameters from Tinker's (``top_k=-1``: none; ``max_tokens=None``:
-        the gateway's default; ``stop``: a string, strings, or token ids; ``[]``: not even EOS)."""
-        stop = p.get("stop")
-        strs: tuple[str, ...] = ()
-        ids: tuple[int, ...] = ()
-        if isinstance(stop, str):
-            strs = (stop,)
-        elif isinstance(stop, list | tuple) and stop:
-            if all(isinstance(s, str) for s in stop):
-                strs = tuple(stop)
-            elif all(isinstance(s, int) and not isinstance(s, bool) for s in stop):
-                ids = tuple(stop)
-            else:
-                raise ConfigError("sampling_params.stop must be a string, a list of strings or a list of token ids")
-        top_k = p.get("top_k", -1)
-        seed = p.get("seed")
-        return SamplingParams(
-            max_tokens=int(p.get("max_tokens") or self.default_max_tokens),
-            temperature=float(p.get("temperature", 1.0)),
-            top_p=float(p.get("top_p", 1.0)),
-            top_k=0 if top_k is None or int(top_k) < 0 else int(top_k),
-            stop=strs,
-            stop_token_ids=ids,
-            seed=None if seed is None else int(seed),
-            ignore_eos=isinstance(stop, list | tuple) and not stop,  # Tinker: stop=[] disables EOS too
-        )
+    def sampling_params(self, p: dict[str, Any]) -> TinkerSamplingParams:
+        """Tinker's sampling parameters as the SDK sent them (polytinker's client reads their
+        meanings: ``top_k=-1`` none, ``stop`` a string, strings or token ids, ``[]`` not even EOS,
+        ``max_tokens=0`` no sequences); ``max_tokens=None``: the gateway's default."""
+        if not isinstance(p, dict):
+            raise ConfigError("sampling_params must be an object")
+        known = {f.name for f in dataclasses.fields(TinkerSamplingParams)}
+        try:
+            params = TinkerSamplingParams(**{k: v for k, v in p.items() if k in known})
+        except TypeError as exc:  # a value of the wrong type where the checks compare numbers
+            raise ConfigError(f"sampling_params: {exc}") from None
+        if params.max_tokens is None:
+            params = dataclasses.replace(params, max_tokens=self.default_max_tokens)
+        return params
 
     def sample(self, t: Tenant, req: dict[str, Any]) -> Future[Any]:
         """A ``SampleResponse`` of polytinker's client: the sequences and, as asked, the prompt's
@@ -446,16 +459,6 @@ class TinkerBackend:
         return self._pool.submit(lambda: sc.sample(tokens, num, params, want_prompt, top_k).result())
 
 
-def ttl_of(req: dict[str, Any]) -> int | None:
-    """A request's ``ttl_seconds`` (None: kept); a ConfigError unless a positive whole number."""
-    ttl = req.get("ttl_seconds")
-    if ttl is None:
-        return None
-    if not isinstance(ttl, int) or isinstance(ttl, bool) or ttl <= 0:
-        raise ConfigError(f"ttl_seconds must be a positive number of seconds or null, got {ttl!r}")
-    return ttl
-
-
 def _str_dict(d: Any) -> dict[str, str]:
     """User metadata as Tinker keeps it: string keys and values."""
     if d is None:
@@ -472,23 +475,6 @@ def _modules(lora: dict[str, Any]) -> tuple[str, ...]:
     if not modules:
         raise NotBuiltError("LoRA on the unembedding alone is not built: set train_attn or train_mlp")
     return modules
-
-
-def prompt_ints(prompt: Any) -> tuple[int, ...]:
-    """Token ids of a Tinker ModelInput as JSON (``{"chunks": [{"type": "encoded_text", "tokens": [...]}]}``)."""
-    if not isinstance(prompt, dict) or not isinstance(prompt.get("chunks"), list):
-        raise ConfigError("prompt must be a ModelInput: {'chunks': [{'type': 'encoded_text', 'tokens': [...]}]}")
-    out: list[int] = []
-    for chunk in prompt["chunks"]:
-        if not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text":
-            raise NotBuiltError("only encoded_text prompt chunks are built (no images or audio)")
-        tokens = chunk.get("tokens")
-        if not isinstance(tokens, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in tokens):
-            raise ConfigError("an encoded_text chunk's tokens must be a list of ints")
-        out.extend(tokens)
-    if not out:
-        raise ConfigError("the prompt needs at least one token")
-    return tuple(out)
 
 
 __all__ = ["TINKER_PREFIX", "Tenant", "TinkerBackend", "from_tinker_path", "owner_of", "to_tinker_path"]

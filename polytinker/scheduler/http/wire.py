@@ -1,4 +1,5 @@
-"""Reading requests at the gateway's edge: the API key, and bodies bounded in size and shape."""
+"""Reading requests at the gateway's edge: the API key, bodies bounded in size and shape, and the
+values of a Tinker request that several calls read (a prompt's tokens, a TTL)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 from fastapi import Request
 
-from polytinker.errors import ConfigError
+from polytinker.errors import ConfigError, NotBuiltError
 from polytinker.scheduler.http.errors import HttpError
 
 MAX_JSON_DEPTH = 32
@@ -67,4 +68,37 @@ async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
     return value
 
 
-__all__ = ["api_key", "read_body", "read_json"]
+def ttl_of(req: dict[str, Any]) -> int | None:
+    """A request's ``ttl_seconds`` (None: kept); a ConfigError unless a positive whole number."""
+    ttl = req.get("ttl_seconds")
+    if ttl is None:
+        return None
+    if not isinstance(ttl, int) or isinstance(ttl, bool) or ttl <= 0:
+        raise ConfigError(f"ttl_seconds must be a positive number of seconds or null, got {ttl!r}")
+    return ttl
+
+
+def prompt_ints(prompt: Any) -> tuple[int, ...]:
+    """Token ids of a Tinker ModelInput as JSON (``{"chunks": [{"type": "encoded_text", "tokens": [...]}]}``)."""
+    if not isinstance(prompt, dict) or not isinstance(prompt.get("chunks"), list):
+        raise ConfigError("prompt must be a ModelInput: {'chunks': [{'type': 'encoded_text', 'tokens': [...]}]}")
+    out: list[int] = []
+    for chunk in prompt["chunks"]:
+        if not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text":
+            raise NotBuiltError("only encoded_text prompt chunks are built (no images or audio)")
+        tokens = chunk.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in tokens):
+            raise ConfigError("an encoded_text chunk's tokens must be a list of ints")
+        out.extend(tokens)
+    if not out:
+        raise ConfigError("the prompt needs at least one token")
+    return tuple(out)
+
+
+__all__ = [
+    "api_key",
+    "prompt_ints",
+    "read_body",
+    "read_json",
+    "ttl_of",
+]
