@@ -15,6 +15,7 @@ from polytinker import cli
 from polytinker.client import SamplingClient, ServiceClient, TrainingClient
 from polytinker.engine.learner.config import AdamParams
 from polytinker.engine.types import SamplingParams
+from polytinker.errors import NotBuiltError
 from polytinker.scheduler.service import AuthError, JobNotRunning, StateStore
 
 ADAM = AdamParams(learning_rate=1e-2)
@@ -163,7 +164,7 @@ def _close(a: list[float | None], b: list[float], tol: float) -> bool:
     return all(x is not None and math.isclose(x, y, abs_tol=tol) for x, y in zip(a, b, strict=True))
 
 
-def test_full_parameter_job_trains_and_samples_its_own_weights() -> None:
+def test_full_parameter_job_trains_and_samples_its_own_weights(tmp_path) -> None:
     with client(KEY_ALICE) as service:
         trainer = service.create_training_client(MODEL, agent="full")
         batch = data(8, n=2)
@@ -194,6 +195,21 @@ def test_full_parameter_job_trains_and_samples_its_own_weights() -> None:
         assert _close(v0.compute_logprobs(sequence).result()[1:], base[1:], 1e-4)  # type: ignore[arg-type]
         stats = service.runtime_status()["stats"]["engine-0"]
         assert stats["full_weight_loads"] >= 3 and len(stats["full_weight_resident"]) == 1  # one slot
+
+        # Exported, version 1 is a whole Hugging Face model that stock transformers loads and that
+        # scores as the engine serves it.
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        exported = service.export_weights(v1.model_path, tmp_path / "full-v1")
+        model = AutoModelForCausalLM.from_pretrained(str(exported)).eval()
+        ids = torch.tensor([sequence])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, :-1].float()
+        plain = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0].tolist()
+        assert _close(plain, engine, 1e-3)  # type: ignore[arg-type]
+        with pytest.raises(NotBuiltError, match="full-parameter"):
+            service.export_files(v1.model_path)
 
         trainer.finish()
         assert service.get_job(trainer.job_id)["job"]["state"] == "done"

@@ -13,7 +13,8 @@ as a peft adapter directory:
 
 With ``merged=True`` it writes instead a whole Hugging Face model directory (the base model with
 the adapter merged into its weights, and the tokenizer), which stock ``transformers`` and vLLM load
-without peft. The base model is loaded on this machine for that (``resolve_model``).
+without peft. The base model is loaded on this machine for that (``resolve_model``). A
+full-parameter version is always written that way, with its own weights in place of the base's.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from polytinker.client._connection import Connection
-from polytinker.errors import ConfigError
+from polytinker.errors import ConfigError, NotBuiltError
 from polytinker.model_path import TINKER_PREFIX, ModelPath
 from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service.replies import ExportWeightsReply
@@ -62,29 +63,43 @@ def _write_dir(out: Path, write: Any, overwrite: bool) -> Path:
     return write_atomic_dir(out, write)
 
 
+def _fetch(conn: Connection, path: str) -> ExportWeightsReply:
+    return conn.request("sched.export_weights", m.ExportWeights(conn.api_key, path), ExportWeightsReply)
+
+
 def adapter_files(conn: Connection, model_path: str, *, merged: bool = False) -> tuple[dict[str, bytes], str]:
-    """The peft adapter directory of the saved version ``model_path`` as ``{file name: bytes}``
-    (see the module docstring), and the base model it was trained on. ``merged`` is only recorded
-    in the manifest."""
+    """The peft adapter directory of the saved LoRA version ``model_path`` as ``{file name:
+    bytes}`` (see the module docstring), and the base model it was trained on. ``merged`` is only
+    recorded in the manifest."""
     path = _model_path(model_path)
-    reply = conn.request("sched.export_weights", m.ExportWeights(conn.api_key, path), ExportWeightsReply)
+    reply = _fetch(conn, path)
+    if reply.full:
+        raise NotBuiltError(f"{model_path} is a full-parameter version: it has no adapter files (export_weights)")
+    return _adapter_files(reply, path, merged), reply.base_model
+
+
+def _adapter_files(reply: ExportWeightsReply, path: str, merged: bool) -> dict[str, bytes]:
     identity = base_identity(reply.base_model)
     config = json.loads(reply.adapter_config)
     config["base_model_name_or_path"] = identity["hub_id"] or identity["base_model"]
     manifest = {**identity, "model_path": path, "version": reply.version, "merged": merged}
-    files = {
+    return {
         "adapter_config.json": (json.dumps(config, indent=2) + "\n").encode(),
         "adapter_model.safetensors": bytes(reply.weights),
         MANIFEST: (json.dumps(manifest, indent=2) + "\n").encode(),
     }
-    return files, reply.base_model
 
 
 def export_weights(
     conn: Connection, model_path: str, out_dir: str | os.PathLike[str], *, merged: bool = False, overwrite: bool = False
 ) -> Path:
-    """Write the saved version ``model_path`` of this tenant to ``out_dir`` (see the module docstring)."""
-    files, base_model = adapter_files(conn, model_path, merged=merged)
+    """Write the saved version ``model_path`` of this tenant to ``out_dir`` (see the module
+    docstring); a full-parameter version always as a whole model directory."""
+    path = _model_path(model_path)
+    reply = _fetch(conn, path)
+    if reply.full:
+        return _write_dir(Path(out_dir), lambda d: _write_full(d, reply, path), overwrite)
+    files = _adapter_files(reply, path, merged)
 
     def write_adapter(d: Path) -> None:
         for name, data in files.items():
@@ -100,7 +115,7 @@ def export_weights(
 
         with tempfile.TemporaryDirectory(prefix="polytinker-adapter-") as adapter:
             write_adapter(Path(adapter))
-            model, tokenizer = load_model(base_model)
+            model, tokenizer = load_model(reply.base_model)
             peft_model = PeftModel.from_pretrained(model, adapter)
             merged_model = peft_model.merge_and_unload()
         # The hub id (else the runtime's model name), as the adapter's config names its base.
@@ -110,6 +125,25 @@ def export_weights(
         (d / MANIFEST).write_bytes(files[MANIFEST])
 
     return _write_dir(Path(out_dir), write_merged, overwrite)
+
+
+def _write_full(d: Path, reply: ExportWeightsReply, path: str) -> None:
+    """A full-parameter version as a whole Hugging Face model directory: the base model's config
+    and tokenizer with the version's weights (read back as the engines read them)."""
+    from polytinker.engine.learner.state import META_FILE, WEIGHTS_FILE, load_full_weights
+    from polytinker.engine.models import load_model
+
+    identity = base_identity(reply.base_model)
+    model, tokenizer = load_model(reply.base_model)
+    with tempfile.TemporaryDirectory(prefix="polytinker-full-") as ckpt:
+        (Path(ckpt) / WEIGHTS_FILE).write_bytes(bytes(reply.weights))
+        (Path(ckpt) / META_FILE).write_text(reply.checkpoint_meta)
+        load_full_weights(ckpt, model)
+    model.config.name_or_path = identity["hub_id"] or identity["base_model"]
+    model.save_pretrained(str(d), safe_serialization=True)
+    tokenizer.save_pretrained(str(d))
+    manifest = {**identity, "model_path": path, "version": reply.version, "merged": True, "full": True}
+    (d / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
 
 
 __all__ = ["MANIFEST", "adapter_files", "base_identity", "export_weights"]

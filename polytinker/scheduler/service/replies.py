@@ -171,8 +171,10 @@ class CheckpointTtlReply:
 class ExportWeightsReply:
     version: int
     base_model: str
-    adapter_config: str  # adapter_config.json as text
-    weights: Any  # adapter_model.safetensors as one uint8 numpy array (a raw frame on the wire)
+    adapter_config: str  # adapter_config.json as text ("" for a full-parameter version)
+    weights: Any  # adapter_model.safetensors (full: the checkpoint's weights) as one uint8 array, a raw frame
+    full: bool = False  # a full-parameter version: every weight of the model
+    checkpoint_meta: str = ""  # full: the checkpoint's meta.json, which reading its weights checks
 
 
 # --- sampling ----------------------------------------------------------------------------------

@@ -425,10 +425,11 @@ class SchedulerService:
         return r.CheckpointTtlReply(msg.name, expires)
 
     def export_weights(self, msg: m.ExportWeights) -> r.ExportWeightsReply:
-        """A saved LoRA version's peft files (``adapter_config.json`` as text, the weights as one
-        uint8 array, which travels as a raw frame), read from this scheduler's state root."""
-        version, config, weights = self.weights.peft_files(self._tenant(msg.api_key), msg.model_path)
-        return r.ExportWeightsReply(version, self.config.model, config, weights)
+        """A saved version's files, read from this scheduler's state root: a LoRA version's peft
+        files (``adapter_config.json`` as text, the weights as one uint8 array, which travels as a
+        raw frame), or a full-parameter version's checkpoint weights and ``meta.json``."""
+        version, config, weights, full, meta = self.weights.stored_files(self._tenant(msg.api_key), msg.model_path)
+        return r.ExportWeightsReply(version, self.config.model, config, weights, full, meta)
 
     def sample(self, msg: m.Sample) -> r.SampleReply:
         tenant = self._tenant(msg.api_key)

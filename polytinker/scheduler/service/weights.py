@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from polytinker.errors import AuthError, ConfigError, NotBuiltError
+from polytinker.errors import AuthError, ConfigError
 from polytinker.model_path import CKPT_PREFIX, SAMPLER_NAME_PREFIX, CheckpointPath, ModelPath
 from polytinker.scheduler.service.jobs import JobManager, adapter_key
 from polytinker.scheduler.service.layout import check_name, parse_relative, under
@@ -152,22 +152,28 @@ class WeightsCatalog:
         job = self.store.job(job_id)
         return key, version, self.stored(found[1], version), job is not None and job.kind == JobKind.FULL_RL
 
-    def peft_files(self, tenant: str, model_path: str) -> tuple[int, str, Any]:
-        """(version, ``adapter_config.json`` as text, the weights file as one uint8 array) of a
-        tenant's saved LoRA version, read from the state root."""
+    def stored_files(self, tenant: str, model_path: str) -> tuple[int, str, Any, bool, str]:
+        """A tenant's saved version, read from the state root: (version, ``adapter_config.json`` as
+        text, the weights file as one uint8 array, full?, the checkpoint's ``meta.json``). A LoRA
+        version's are its peft export's; a full-parameter version's, its checkpoint's weights."""
         import numpy as np
 
         _, version, export, full = self.resolve(tenant, model_path)
-        if full:
-            raise NotBuiltError("exporting a full-parameter version is not built (LoRA versions export)")
         assert export is not None
         where = under(self.root, export.relative_path)
-        config, weights = where / "adapter_config.json", where / "adapter_model.safetensors"
-        if not (config.is_file() and weights.is_file()):
+        text = where / (_CHECKPOINT_META if full else "adapter_config.json")
+        weights = where / (_CHECKPOINT_WEIGHTS if full else "adapter_model.safetensors")
+        if not (text.is_file() and weights.is_file()):
             raise ConfigError(
                 f"the files of {model_path} are not on the scheduler's machine (its learner keeps them elsewhere)"
             )
-        return version, config.read_text(), np.fromfile(weights, dtype=np.uint8)
+        data = np.fromfile(weights, dtype=np.uint8)
+        return (version, "", data, True, text.read_text()) if full else (version, text.read_text(), data, False, "")
+
+
+# A learner checkpoint's files (polytinker.engine.learner.state, not imported here: it loads torch).
+_CHECKPOINT_WEIGHTS = "weights.safetensors"
+_CHECKPOINT_META = "meta.json"
 
 
 __all__ = ["WeightsCatalog", "expiry"]
