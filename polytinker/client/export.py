@@ -118,13 +118,19 @@ def export_weights(
             model, tokenizer = load_model(reply.base_model)
             peft_model = PeftModel.from_pretrained(model, adapter)
             merged_model = peft_model.merge_and_unload()
-        # The hub id (else the runtime's model name), as the adapter's config names its base.
-        merged_model.config.name_or_path = json.loads(files["adapter_config.json"])["base_model_name_or_path"]
-        merged_model.save_pretrained(str(d), safe_serialization=True)
-        tokenizer.save_pretrained(str(d))
-        (d / MANIFEST).write_bytes(files[MANIFEST])
+        _save_model_dir(d, merged_model, tokenizer, reply.base_model, files[MANIFEST])
 
     return _write_dir(Path(out_dir), write_merged, overwrite)
+
+
+def _save_model_dir(d: Path, model: Any, tokenizer: Any, base_model: str, manifest: bytes) -> None:
+    """A whole Hugging Face model directory: the model (named by the base's hub id, else the
+    runtime's model name, never a path of this machine), its tokenizer and the manifest."""
+    identity = base_identity(base_model)
+    model.config.name_or_path = identity["hub_id"] or identity["base_model"]
+    model.save_pretrained(str(d), safe_serialization=True)
+    tokenizer.save_pretrained(str(d))
+    (d / MANIFEST).write_bytes(manifest)
 
 
 def _write_full(d: Path, reply: ExportWeightsReply, path: str) -> None:
@@ -133,17 +139,14 @@ def _write_full(d: Path, reply: ExportWeightsReply, path: str) -> None:
     from polytinker.engine.learner.state import META_FILE, WEIGHTS_FILE, load_full_weights
     from polytinker.engine.models import load_model
 
-    identity = base_identity(reply.base_model)
     model, tokenizer = load_model(reply.base_model)
     with tempfile.TemporaryDirectory(prefix="polytinker-full-") as ckpt:
         (Path(ckpt) / WEIGHTS_FILE).write_bytes(bytes(reply.weights))
         (Path(ckpt) / META_FILE).write_text(reply.checkpoint_meta)
         load_full_weights(ckpt, model)
-    model.config.name_or_path = identity["hub_id"] or identity["base_model"]
-    model.save_pretrained(str(d), safe_serialization=True)
-    tokenizer.save_pretrained(str(d))
+    identity = base_identity(reply.base_model)
     manifest = {**identity, "model_path": path, "version": reply.version, "merged": True, "full": True}
-    (d / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    _save_model_dir(d, model, tokenizer, reply.base_model, (json.dumps(manifest, indent=2) + "\n").encode())
 
 
 __all__ = ["MANIFEST", "adapter_files", "base_identity", "export_weights"]

@@ -31,6 +31,9 @@ if TYPE_CHECKING:  # only a type here: client processes that import these messag
     import torch
 
 AdapterName = str
+TopTokens = list[tuple[int, float]]  # the likeliest next tokens at one position: (token id, logprob), best first
+# compute_logprobs_topk's answer: per sequence its logprobs, and per sequence and position its TopTokens.
+ScoredTopK = tuple[list[list[float]], list[list[TopTokens]]]
 LossFnName = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
 LOSS_FNS: tuple[str, ...] = get_args(LossFnName)  # the same names, to check a value against
 MAX_SAMPLE_TOKENS = 1 << 16  # the most tokens one sample may ask for
@@ -195,4 +198,6 @@ __all__ = [
     "SampleResult",
     "SampledSequence",
     "SamplingParams",
+    "ScoredTopK",
+    "TopTokens",
 ]

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from polytinker.engine.types import AdapterRef, AdapterWeights, SampleRequest, SampleResult
+from polytinker.engine.types import AdapterRef, AdapterWeights, SampleRequest, SampleResult, ScoredTopK
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -56,7 +56,7 @@ class InferenceBackend(Protocol):
 
     def compute_logprobs_topk(
         self, sequences: Sequence[Sequence[int]], k: int, adapter: AdapterRef | None = None
-    ) -> tuple[list[list[float]], list[list[list[tuple[int, float]]]]]:
+    ) -> ScoredTopK:
         """``compute_logprobs``'s answer and, in the same pass, per sequence and position ``j``
         the ``k`` likeliest next tokens after ``s[:j+1]`` as ``(token id, logprob)``, best first."""
         ...

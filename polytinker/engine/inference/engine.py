@@ -23,7 +23,7 @@ from typing import Any
 from polytinker.engine.inference.base import InferenceBackend
 from polytinker.engine.inference.config import EngineConfig
 from polytinker.engine.inference.slots import AdapterSlots
-from polytinker.engine.types import AdapterName, AdapterRef, AdapterWeights, SampleRequest, SampleResult
+from polytinker.engine.types import AdapterName, AdapterRef, AdapterWeights, SampleRequest, SampleResult, ScoredTopK
 from polytinker.errors import ModelError
 
 log = logging.getLogger(__name__)
@@ -86,17 +86,17 @@ class InferenceEngine:
         k: int,
         adapter: AdapterRef | None = None,
         timeout_s: float | None = None,
-    ) -> tuple[list[list[float]], list[list[list[tuple[int, float]]]]]:
+    ) -> ScoredTopK:
         """See :meth:`InferenceBackend.compute_logprobs_topk`; runs between batches."""
         self.slots.acquire(adapter)
         seqs = [list(s) for s in sequences]
 
-        def job() -> tuple[list[list[float]], list[list[list[tuple[int, float]]]]]:
+        def job() -> ScoredTopK:
             self.slots.prepare([adapter])
             return self.backend.compute_logprobs_topk(seqs, k, adapter)
 
         future = self._enqueue(_Pending(Future(), time.monotonic(), job=job, refs=(adapter,)))
-        result: tuple[list[list[float]], list[list[list[tuple[int, float]]]]] = future.result(timeout=timeout_s)
+        result: ScoredTopK = future.result(timeout=timeout_s)
         return result
 
     def load_adapter(self, weights: AdapterWeights, *, pin: bool = False) -> None:

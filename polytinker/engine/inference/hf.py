@@ -33,6 +33,8 @@ from polytinker.engine.types import (
     SampledSequence,
     SampleRequest,
     SampleResult,
+    ScoredTopK,
+    TopTokens,
 )
 from polytinker.errors import ConfigError, ModelError
 
@@ -262,14 +264,14 @@ class HFBackend:
 
     def compute_logprobs_topk(
         self, sequences: Sequence[Sequence[int]], k: int, adapter: AdapterRef | None = None
-    ) -> tuple[list[list[float]], list[list[list[tuple[int, float]]]]]:
+    ) -> ScoredTopK:
         with self._lock, torch.inference_mode():
             self._check_open()
             if any(len(s) == 0 for s in sequences):
                 raise ConfigError("compute_logprobs: every sequence needs at least one token")
             name = self._adapter_name(adapter)
             out: list[list[float]] = [[] for _ in sequences]
-            top: list[list[list[tuple[int, float]]]] = [[] for _ in sequences]
+            top: list[list[TopTokens]] = [[] for _ in sequences]
             for chunk in self._chunks([len(s) for s in sequences]):
                 scored = self._score([sequences[i] for i in chunk], name, k)
                 for i, (values, best) in zip(chunk, scored, strict=True):
@@ -288,9 +290,7 @@ class HFBackend:
             chunks[-1].append(i)
         return [c for c in chunks if c]
 
-    def _score(
-        self, sequences: list[Sequence[int]], adapter: str, k: int
-    ) -> list[tuple[list[float], list[list[tuple[int, float]]]]]:
+    def _score(self, sequences: list[Sequence[int]], adapter: str, k: int) -> list[tuple[list[float], list[TopTokens]]]:
         width = max(len(s) for s in sequences)
         ids_BT = torch.zeros((len(sequences), width), dtype=torch.long)
         mask_BT = torch.zeros((len(sequences), width), dtype=torch.long)
@@ -304,7 +304,7 @@ class HFBackend:
         out = []
         for b, seq in enumerate(sequences):
             n = len(seq) - 1
-            best: list[list[tuple[int, float]]] = []
+            best: list[TopTokens] = []
             if best_lp_BTK is not None and best_id_BTK is not None:
                 ids, lps = best_id_BTK[b, :n].tolist(), best_lp_BTK[b, :n].tolist()
                 best = [list(zip(i, lp, strict=True)) for i, lp in zip(ids, lps, strict=True)]

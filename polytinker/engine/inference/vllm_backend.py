@@ -41,6 +41,7 @@ from polytinker.engine.types import (
     SampleRequest,
     SampleResult,
     SamplingParams,
+    ScoredTopK,
 )
 from polytinker.errors import ConfigError, ModelError
 
@@ -328,7 +329,7 @@ class VllmBackend:
 
     def compute_logprobs_topk(
         self, sequences: Sequence[Sequence[int]], k: int, adapter: AdapterRef | None = None
-    ) -> tuple[list[list[float]], list[list[list[tuple[int, float]]]]]:
+    ) -> ScoredTopK:
         from vllm import SamplingParams as VllmSamplingParams
 
         with self._lock:

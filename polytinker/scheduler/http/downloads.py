@@ -60,11 +60,10 @@ def age_recipients(value: Any) -> list[Any]:
     public keys), parsed; a ConfigError names one that is not."""
     import pyrage
 
-    texts = value
-    if not isinstance(texts, list) or len(texts) > MAX_AGE_RECIPIENTS:
+    if not isinstance(value, list) or len(value) > MAX_AGE_RECIPIENTS:
         raise ConfigError(f"age_encryption_recipients: a list of at most {MAX_AGE_RECIPIENTS} keys")
     out = []
-    for text in texts:
+    for text in value:
         if not isinstance(text, str) or len(text) > 16_384:
             raise ConfigError("age_encryption_recipients: each an age1... key or an SSH public key")
         kind = pyrage.x25519 if text.startswith("age1") else pyrage.ssh

@@ -152,17 +152,20 @@ class TinkerBackend:
             self.store.set_metadata(session_id, _str_dict(req.get("user_metadata")), display_name and str(display_name))
         return session_id
 
-    def check_session(self, t: Tenant, session_id: str) -> None:
+    def _own_session(self, t: Tenant, session_id: str) -> None:
         if self.store.session_owner(session_id) != t.owner:
             raise ConfigError(f"unknown session {session_id!r}")
+
+    def check_session(self, t: Tenant, session_id: str) -> None:
+        """A session of the tenant's that takes calls."""
+        self._own_session(t, session_id)
         if self.store.session_finished(session_id):
             raise ConfigError(f"session {session_id!r} is finished: a new ServiceClient starts another")
 
     def finish_session(self, t: Tenant, session_id: str, req: dict[str, Any]) -> None:
         """``ServiceClient.close(status)``: the session takes no more calls, and its training runs'
         jobs finish (their adapter slots go to other runs; their saved weights stay)."""
-        if self.store.session_owner(session_id) != t.owner:
-            raise ConfigError(f"unknown session {session_id!r}")
+        self._own_session(t, session_id)
         reason = req.get("reason")
         status = str((reason if isinstance(reason, dict) else {}).get("type") or "success")[:32]
         detail = req.get("detail")
@@ -322,7 +325,7 @@ class TinkerBackend:
                 sampler_path = to_tinker_path(f.result())
                 self.store.set_recipients(row.job_id, name, recipients)
                 self.store.add_saved(SavedRow(row.job_id, "external", name, sampler_path, time.time()))
-                path = f"{TINKER_PREFIX}{row.job_id}/external_weights/{name}"
+                path = external_path(row.job_id, name)
                 fut.set_result({"type": "save_weights_external", "path": path, "size_bytes": None})
             except BaseException as exc:
                 fut.set_exception(exc)
@@ -457,6 +460,11 @@ class TinkerBackend:
         num = int(req.get("num_samples", 1))
         want_prompt = bool(req.get("prompt_logprobs"))
         return self._pool.submit(lambda: sc.sample(tokens, num, params, want_prompt, top_k).result())
+
+
+def external_path(job_id: str, name: str) -> str:
+    """The ``tinker://`` path of the job's ``save_weights_external(name)``."""
+    return f"{TINKER_PREFIX}{job_id}/external_weights/{name}"
 
 
 def _str_dict(d: Any) -> dict[str, str]:

@@ -22,6 +22,7 @@ from polytinker.scheduler.http.tinker_backend import (
     TINKER_PREFIX,
     Tenant,
     TinkerBackend,
+    external_path,
 )
 
 
@@ -32,9 +33,9 @@ def _iso(ts: float) -> str:
 class TinkerRuns:
     """The read side of the Tinker API over one gateway's backend."""
 
-    def __init__(self, backend: TinkerBackend, downloads: SignedDownloads | None = None) -> None:
+    def __init__(self, backend: TinkerBackend) -> None:
         self.backend = backend
-        self.downloads = downloads or SignedDownloads()
+        self.downloads = SignedDownloads()
 
     def _run_row(self, t: Tenant, run_id: str) -> ModelRow:
         """The tenant's run ``run_id`` (a job id or a model id); 404 for any other."""
@@ -66,7 +67,7 @@ class TinkerRuns:
                 s = saved.get(("external", external))
                 if s is None:
                     continue
-                kind, path, when = "external", _external_path(row.job_id, external), s.created
+                kind, path, when = "external", external_path(row.job_id, external), s.created
             elif name.startswith(SAMPLER_NAME_PREFIX):
                 s = saved.get(("sampler", sampler_name))
                 if s is None:  # saved by polytinker's own client: no tinker:// path names it
@@ -181,23 +182,17 @@ class TinkerRuns:
     def external_urls(self, t: Tenant, run_id: str, checkpoint_id: str, base_url: str) -> dict[str, Any]:
         """Signed URLs of an ``external_weights/NAME`` checkpoint's files (the peft adapter
         directory), valid for ``downloads.ttl_s``, as ``ExternalWeightsUrlsResponse``."""
-        row = self._run_row(t, run_id)
-        kind, _, name = checkpoint_id.partition("/")
-        found = next(
-            (s for s in self.backend.store.saved(row.job_id) if s.kind == "external" and s.name == name),
-            None,
-        )
-        listed = set(self._job(t, row).get("checkpoints", []))
-        if kind != "external_weights" or found is None or _external_name(name) not in listed:
+        if not checkpoint_id.startswith("external_weights/"):
+            raise HttpError(404, f"{checkpoint_id!r} is not an external weights checkpoint", "not_found")
+        row, _ = self._named(t, run_id, checkpoint_id)  # 404 unless the run has it
+        name = checkpoint_id.partition("/")[2]
+        found = next((s for s in self.backend.store.saved(row.job_id) if (s.kind, s.name) == ("external", name)), None)
+        if found is None:
             raise HttpError(404, f"run {row.job_id} has no external weights {checkpoint_id!r}", "not_found")
         files = age_encrypt(t.service.export_files(found.tinker_path), self.backend.store.recipients(row.job_id, name))
         token, expires = self.downloads.put(files)
         root = f"{base_url.rstrip('/')}/api/v1/downloads/{token}"
         return {"urls": {f: f"{root}/{f}" for f in files}, "expires": _iso(expires)}
-
-
-def _external_path(job_id: str, name: str) -> str:
-    return f"{TINKER_PREFIX}{job_id}/external_weights/{name}"
 
 
 def _external_name(name: str) -> str:

@@ -85,8 +85,9 @@ class LocalRuntime:
     """A scheduler, engines and learner groups as supervised child processes (see the module docstring)."""
 
     def __init__(self, config: RuntimeConfig | None = None) -> None:
-        self.config, self._fresh = prepared(config or RuntimeConfig())
-        self._generated_tenant = not (config or RuntimeConfig()).tenants
+        given = config or RuntimeConfig()
+        self.config, self._fresh = prepared(given)
+        self._generated_tenant = not given.tenants  # prepared() made the "local" tenant
         self._state_lock: StateLock | None = None
         self.supervisor: Supervisor | None = None
         self.scheduler: ActorRef | None = None

@@ -393,8 +393,7 @@ class SchedulerService:
     # --- sampling --------------------------------------------------------------------------------
     def save_weights(self, msg: m.SaveWeights) -> r.SaveWeightsReply:
         row, a, learner = self._training(msg.api_key, msg.job_id)
-        if msg.name:
-            check_name("sampler name", f"{SAMPLER_NAME_PREFIX}{msg.name}")
+        name = check_name("sampler name", f"{SAMPLER_NAME_PREFIX}{msg.name}") if msg.name else ""
         if not a.export_dir:  # version 0 was never stepped: export the fresh weights once
             full = row.kind == JobKind.FULL_RL  # full: the export is a checkpoint, kept with them
             req = wm.LearnerExport(a.adapter_key, a.version, full)
@@ -404,8 +403,7 @@ class SchedulerService:
             if self.store.version_row(a.adapter_key, a.version) is None:
                 self.store.record_version(a.adapter_key, a.version, a.checkpoint, out.weights)
             a = self.store.adapter(a.adapter_key) or a
-        if msg.name:
-            name = f"{SAMPLER_NAME_PREFIX}{msg.name}"
+        if name:
             self.store.add_checkpoint(row.job_id, name, a.export_dir, a.version, expiry(msg.ttl_s))
         return r.SaveWeightsReply(str(ModelPath(row.job_id, row.agent, a.version)), a.version)
 

@@ -56,14 +56,21 @@ class WeightsCatalog:
         named = {c["path"] for c in self.store.checkpoints(a.job_id)}
         oldest_kept = version - self.keep_checkpoints + 1
         for ckpt, export in self.store.drop_versions_below(a.adapter_key, oldest_kept, keep=named):
-            for p in (ckpt, export):
-                try:
-                    ref = self.stored(p, 0)
-                except ConfigError:  # "" (never exported), or nothing this runtime made
-                    continue
-                named_checkpoint = ref.kind == "checkpoint" and bool(ref.name)  # save_state's: kept
-                if ref.adapter == a.adapter_key and not named_checkpoint and p not in named:
-                    shutil.rmtree(under(self.root, ref.relative_path), ignore_errors=True)
+            self._delete_step_files(a, ckpt, named)
+            self._delete_step_files(a, export, named)
+
+    def _delete_step_files(self, a: AdapterRow, path: str, named: set[str]) -> bool:
+        """Delete the per-step checkpoint or export at ``path`` if it is this adapter's and no name
+        (save_state's, a named sampler save's) stands on it; whether it was deleted."""
+        try:
+            ref = self.stored(path, 0)
+        except ConfigError:  # "" (never exported), or nothing this runtime made
+            return False
+        named_checkpoint = ref.kind == "checkpoint" and bool(ref.name)  # save_state's: kept
+        if ref.adapter != a.adapter_key or named_checkpoint or path in named:
+            return False
+        shutil.rmtree(under(self.root, ref.relative_path), ignore_errors=True)
+        return True
 
     def delete_checkpoint(self, row: JobRow, name: str) -> bool:
         """Forget the job's checkpoint ``name`` (a save_state name, or ``sampler-NAME``) and delete
@@ -97,16 +104,7 @@ class WeightsCatalog:
         if a is None:
             return 0
         named = {c["path"] for c in self.store.checkpoints(row.job_id)}
-        dropped = 0
-        for ckpt in self.store.version_checkpoints(a.adapter_key):
-            try:
-                ref = self.stored(ckpt, 0)
-            except ConfigError:
-                continue
-            if ref.adapter == a.adapter_key and ref.kind == "checkpoint" and not ref.name and ckpt not in named:
-                shutil.rmtree(under(self.root, ref.relative_path), ignore_errors=True)
-                dropped += 1
-        return dropped
+        return sum(self._delete_step_files(a, ckpt, named) for ckpt in self.store.version_checkpoints(a.adapter_key))
 
     def expire(self, now: float) -> None:
         """Delete the named checkpoints whose TTL has run out, as their owner would."""
