@@ -4,7 +4,8 @@
     python examples/client_quickstart.py --model tiny-random --steps 2
 
 With no scheduler address, ``ServiceClient()`` starts a local runtime for the script (a scheduler,
-one engine and one learner as child processes) and stops it at the end. Point it at a running
+one engine and one learner as child processes) and stops it at the end; its state (the adapter's
+saved versions) stays in ``~/.cache/polytinker/runtime/MODEL`` for later scripts. Point it at a running
 ``polytinker serve`` with ``ServiceClient("tcp://HOST:PORT", api_key=...)`` and nothing else changes.
 """
 
