@@ -345,6 +345,40 @@ def test_checkpoint_ttls_show_in_the_listing_and_run_out(serve: Serve, trained) 
         rest.set_checkpoint_ttl_from_tinker_path(week, -1).result()
 
 
+def test_a_published_checkpoint_samples_and_resumes_for_another_tenant(serve: Serve, trained) -> None:
+    _, tc, tokens = trained
+    rest = tinker.RestClient(base_url=serve.url, api_key=KEY)
+    sampler_path = tc.save_weights_for_sampler("shared").result().path
+    state_path = tc.save_state("shared").result().path
+    prompt = types.ModelInput.from_ints(tokens)
+    own = tc.create_sampling_client(sampler_path).result().compute_logprobs(prompt).result()
+    bob = tinker.ServiceClient(base_url=serve.url, api_key=KEY_BOB)
+    bob_rest = tinker.RestClient(base_url=serve.url, api_key=KEY_BOB)
+    with pytest.raises(tinker.NotFoundError, match="for this tenant"):
+        bob.create_sampling_client(model_path=sampler_path).result().compute_logprobs(prompt).result()
+    with pytest.raises(tinker.NotFoundError):  # only the owner publishes
+        bob_rest.publish_checkpoint_from_tinker_path(sampler_path).result()
+
+    for path in (sampler_path, state_path, state_path):  # publishing again changes nothing
+        rest.publish_checkpoint_from_tinker_path(path).result()
+    public = {c.tinker_path: c.public for c in rest.list_checkpoints(tc.model_id).result().checkpoints}
+    assert public[sampler_path] and public[state_path]
+
+    theirs = bob.create_sampling_client(model_path=sampler_path).result().compute_logprobs(prompt).result()
+    assert theirs[1:] == pytest.approx(own[1:], abs=1e-4)
+    assert bob_rest.get_weights_info_by_tinker_path(state_path).result().lora_rank == 4
+    resumed = bob.create_training_client_from_state(state_path).result()
+    resumed_scores = resumed.save_weights_and_get_sampling_client().result().compute_logprobs(prompt).result()
+    assert resumed_scores[1:] == pytest.approx(own[1:], abs=1e-4)
+
+    rest.unpublish_checkpoint_from_tinker_path(sampler_path).result()
+    fresh = tinker.ServiceClient(base_url=serve.url, api_key=KEY_BOB)  # a client not made while it was public
+    with pytest.raises(tinker.NotFoundError, match="for this tenant"):
+        fresh.create_sampling_client(model_path=sampler_path).result().compute_logprobs(prompt).result()
+    for c in (bob, fresh):
+        c.close("success").result()
+
+
 def test_top_k_prompt_logprobs_through_the_sdk(trained) -> None:
     _, tc, tokens = trained
     sampler = tc.save_weights_and_get_sampling_client().result()

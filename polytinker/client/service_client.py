@@ -231,17 +231,17 @@ class ServiceClient:
         checkpoint = CheckpointPath.parse(path)
         if checkpoint is None or not checkpoint.job_id:
             raise ConfigError(f"pass a path that save_state gave ({CKPT_PREFIX}JOB/NAME), got {path!r}")
-        source = self.get_job(checkpoint.job_id)
-        job, lora = source["job"], source.get("lora") or {}
-        kw.setdefault("agent", job["agent"])
-        if job["kind"] == JobKind.FULL_RL:
-            tc = self.create_training_client(job["base_model"], **kw)
+        source = self.weights_info(path)  # the tenant's own checkpoint, or a published one
+        lora = source.lora or {}
+        kw.setdefault("agent", source.agent)
+        if source.kind == JobKind.FULL_RL:
+            tc = self.create_training_client(source.base_model, **kw)
         else:
-            kind = job["kind"] if job["kind"] in _LORA_KINDS else JobKind.LORA_RL
+            kind = source.kind if source.kind in _LORA_KINDS else JobKind.LORA_RL
             rank, alpha = int(lora.get("rank", 32)), int(lora.get("alpha") or 0) or None
             modules = tuple(lora.get("target_modules") or ())
             tc = self.create_lora_training_client(
-                job["base_model"], rank, lora.get("seed"), alpha=alpha, target_modules=modules, kind=kind, **kw
+                source.base_model, rank, lora.get("seed"), alpha=alpha, target_modules=modules, kind=kind, **kw
             )
         (tc.load_state_with_optimizer(path) if optimizer else tc.load_state(path)).result()
         return tc
@@ -366,6 +366,30 @@ class ServiceClient:
         conn = self._connection()
         msg = m.SetCheckpointTtl(conn.api_key, job_id, name, float(ttl_seconds or 0))
         return conn.request("sched.set_checkpoint_ttl", msg, r.CheckpointTtlReply).expires_s
+
+    def publish_checkpoint(self, job_id: str, name: str) -> bool:
+        """Let every tenant of the runtime read one of a job's named checkpoints (named as for
+        ``delete_checkpoint``): sample a published sampler save's path, load a published
+        ``save_state`` checkpoint or start a job from it. Deleting it, its TTL and publishing stay
+        the owner's. Whether it was published already."""
+        return self._publish(job_id, name, True)
+
+    def unpublish_checkpoint(self, job_id: str, name: str) -> bool:
+        """Make a published checkpoint the owner's alone again (jobs that loaded it keep what they
+        loaded); whether it was published."""
+        return self._publish(job_id, name, False)
+
+    def _publish(self, job_id: str, name: str, public: bool) -> bool:
+        conn = self._connection()
+        msg = m.PublishCheckpoint(conn.api_key, job_id, name, public)
+        return conn.request("sched.publish_checkpoint", msg, r.PublishCheckpointReply).was_public
+
+    def weights_info(self, path: str) -> r.WeightsInfoReply:
+        """What saved weights are (a ``polytinker-ckpt://`` checkpoint or a ``polytinker://``
+        version, the tenant's own or a published one): the job that saved them, its kind, base
+        model, agent and LoRA shape, and whether they are published."""
+        conn = self._connection()
+        return conn.request("sched.weights_info", m.WeightsInfo(conn.api_key, str(path)), r.WeightsInfoReply)
 
     def runtime_status(self) -> dict[str, Any]:
         """Workers, their statistics (batches, mixed batches, adapter loads) and learner switches."""

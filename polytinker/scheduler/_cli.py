@@ -232,6 +232,12 @@ def _checkpoints(args: argparse.Namespace) -> int:
             files = "its files deleted" if deleted else "its files kept (still in use; see docs/client.md)"
             print(f"{args.job_id}/{args.name}: deleted, {files}")
             return 0
+        if args.checkpoints_command in ("publish", "unpublish"):
+            public = args.checkpoints_command == "publish"
+            was = (client.publish_checkpoint if public else client.unpublish_checkpoint)(args.job_id, args.name)
+            state = "published (every tenant may read it)" if public else "private (this tenant's alone)"
+            print(f"{args.job_id}/{args.name}: {state}{'' if was != public else ', as it was'}")
+            return 0
         if args.checkpoints_command == "export":
             out = client.export_weights(args.model_path, args.out, merged=args.merged, overwrite=args.overwrite)
             what = "merged Hugging Face model" if args.merged else "peft adapter"
@@ -250,6 +256,7 @@ def _checkpoints(args: argparse.Namespace) -> int:
                     "state": job["state"],
                     "latest": adapter.get("model_path", ""),
                     "checkpoints": detail.get("checkpoints", []),
+                    "public": detail.get("public_checkpoints", []),
                 }
             )
     if args.json:
@@ -257,7 +264,7 @@ def _checkpoints(args: argparse.Namespace) -> int:
         return 0
     print(f"{'JOB':<20} {'AGENT':<12} {'STATE':<10} {'LATEST VERSION':<44} CHECKPOINTS")
     for r in rows:
-        names = ", ".join(r["checkpoints"]) or "-"
+        names = ", ".join(f"{n} (public)" if n in r["public"] else n for n in r["checkpoints"]) or "-"
         print(f"{r['job_id']:<20} {r['agent']:<12} {r['state']:<10} {r['latest'] or '-':<44} {names}")
     return 0
 
@@ -366,8 +373,10 @@ def _add_jobs_parser(sub: Any) -> None:
 
 
 def _add_checkpoints_parser(sub: Any) -> None:
-    """``checkpoints list|export|delete``."""
-    ck = sub.add_parser("checkpoints", help="list this tenant's saved versions and checkpoints; export or delete one")
+    """``checkpoints list|export|delete|publish|unpublish``."""
+    ck = sub.add_parser(
+        "checkpoints", help="list this tenant's saved versions and checkpoints; export, delete or publish one"
+    )
     _add_client_args(ck)
     ck_sub = ck.add_subparsers(dest="checkpoints_command", metavar="CHECKPOINTS_COMMAND", required=True)
     ck_ls = ck_sub.add_parser("list", help="each training job's latest version and its named checkpoints")
@@ -380,6 +389,10 @@ def _add_checkpoints_parser(sub: Any) -> None:
     rm = ck_sub.add_parser("delete", help="delete a job's named checkpoint (as list names it) and its files")
     rm.add_argument("job_id")
     rm.add_argument("name", help="a save_state name, or sampler-NAME for a named save_weights_for_sampler")
+    for verb, what in (("publish", "let every tenant read"), ("unpublish", "make this tenant's alone again")):
+        pub = ck_sub.add_parser(verb, help=f"{what} a job's named checkpoint (as list names it)")
+        pub.add_argument("job_id")
+        pub.add_argument("name", help="a save_state name, or sampler-NAME for a named save_weights_for_sampler")
     ck.set_defaults(func=_checkpoints)
 
 

@@ -257,6 +257,17 @@ def _add_run_routes(r: APIRouter, api: _Api) -> None:
     def list_checkpoints(run_id: str, request: Request) -> dict[str, Any]:
         return {"checkpoints": runs.checkpoints(api.tenant(request), run_id), "cursor": None}
 
+    # Before the delete route below: its {checkpoint_id:path} would take ".../publish" too.
+    @r.post("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
+    def publish_checkpoint(run_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
+        runs.publish(api.tenant(request), run_id, checkpoint_id, True)
+        return {}
+
+    @r.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
+    def unpublish_checkpoint(run_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
+        runs.publish(api.tenant(request), run_id, checkpoint_id, False)
+        return {}
+
     @r.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
     def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
         runs.delete_checkpoint(api.tenant(request), run_id, checkpoint_id)

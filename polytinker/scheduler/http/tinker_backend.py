@@ -35,10 +35,12 @@ from polytinker.engine.types import Datum
 from polytinker.errors import AuthError, ConfigError, NotBuiltError
 from polytinker.model_path import MODEL_PREFIX, TINKER_PREFIX, CheckpointPath, ModelPath
 from polytinker.scheduler.http.downloads import age_recipients
+from polytinker.scheduler.http.errors import HttpError
 from polytinker.scheduler.http.store import GatewayStore, ModelRow, SamplerRow, SavedRow
 from polytinker.scheduler.http.wire import prompt_ints, ttl_of
 from polytinker.scheduler.service.layout import check_name
 from polytinker.scheduler.service.messages import MAX_TOP_K
+from polytinker.scheduler.service.replies import WeightsInfoReply
 from polytinker.transport import ClientCurve
 from polytinker.types import SamplingParams as TinkerSamplingParams
 
@@ -349,11 +351,12 @@ class TinkerBackend:
             session_id = str(req.get("session_id", ""))
             self.check_session(t, session_id)
             model_id = f"{session_id}:train:{int(req.get('model_seq_id', 0))}"
-            source = self._checkpoint_model(t, path)
+            source = self.source(t, path)
 
             def run() -> None:
                 made = t.service.create_training_client_from_state(path, optimizer=optimizer)
-                self.store.add_model(ModelRow(model_id, t.owner, made.job_id, source.base_model, source.lora_rank))
+                rank = int((source.lora or {}).get("rank", 0))
+                self.store.add_model(ModelRow(model_id, t.owner, made.job_id, source.base_model, rank))
                 if req.get("user_metadata"):
                     self.store.set_metadata(model_id, _str_dict(req["user_metadata"]))
                 with t.lock:
@@ -365,23 +368,25 @@ class TinkerBackend:
 
         return self._pool.submit(loaded)
 
-    def _checkpoint_model(self, t: Tenant, path: str) -> ModelRow:
-        checkpoint = CheckpointPath.parse(path)
-        if checkpoint is None:
-            raise ConfigError(f"{path!r} is not a checkpoint path")
-        return self.model(t, checkpoint.job_id)
+    def source(self, t: Tenant, path: str) -> WeightsInfoReply:
+        """What the scheduler says of saved weights the tenant names (its own, or published ones);
+        404 for weights it may not read, as for ones that do not exist (the key itself is good)."""
+        try:
+            return t.service.weights_info(path)
+        except AuthError as exc:
+            raise HttpError(404, str(exc), "not_found") from None
 
     def weights_info(self, t: Tenant, tinker_path: str) -> dict[str, Any]:
+        """``weights_info``: the saved weights' base model and LoRA shape, as the scheduler knows
+        them (the tenant's own, or published ones)."""
         kind = "weights" if "/weights/" in tinker_path else "sampler_weights"
-        path = from_tinker_path(tinker_path, kind)
-        checkpoint = CheckpointPath.parse(path)
-        row = self.model(t, checkpoint.job_id if checkpoint is not None else ModelPath.parse(path).job_id)
-        lora = t.service.get_job(row.job_id).get("lora") or {}
+        source = self.source(t, from_tinker_path(tinker_path, kind))
+        lora = source.lora or {}
         modules = set(lora.get("target_modules") or ATTN_MODULES + MLP_MODULES)  # none named: every linear
         return {
-            "base_model": row.base_model,
-            "is_lora": row.lora_rank > 0,
-            "lora_rank": row.lora_rank or None,
+            "base_model": source.base_model,
+            "is_lora": source.lora is not None,
+            "lora_rank": lora.get("rank"),
             "train_unembed": False,
             "train_mlp": bool(modules & set(MLP_MODULES)),
             "train_attn": bool(modules & set(ATTN_MODULES)),
@@ -394,7 +399,7 @@ class TinkerBackend:
         tinker_path = req.get("model_path")
         if tinker_path:
             path = from_tinker_path(str(tinker_path), "sampler_weights")
-            base_model = self.model(t, ModelPath.parse(path).job_id).base_model
+            base_model = self.source(t, path).base_model
         else:
             path, base_model = "", self._base_model(req.get("base_model"))
         sampler_id = f"sampler-{uuid.uuid4().hex[:16]}"
@@ -411,18 +416,20 @@ class TinkerBackend:
     def sampling_client(self, t: Tenant, req: dict[str, Any]) -> SamplingClient:
         """The client of the request's sampling session, or of its model_path / base_model."""
         sampler_id = req.get("sampling_session_id")
+        base: str | None
         if sampler_id:
             row = self.sampler_row(t, str(sampler_id))
             key, path, base = row.sampler_id, row.model_path, row.base_model
         elif req.get("model_path"):
             path = from_tinker_path(str(req["model_path"]), "sampler_weights")
-            key, base = path, self.model(t, ModelPath.parse(path).job_id).base_model
+            key, base = path, None  # looked up once, when its client is made
         else:
             base = self._base_model(req.get("base_model"))
             key, path = f"base:{base}", ""
         with t.lock:
             sc = t.samplers.get(key)
         if sc is None:
+            base = base or self.source(t, path).base_model
             sc = t.service.create_sampling_client(model_path=path or None, base_model=base)
             with t.lock:
                 sc = t.samplers.setdefault(key, sc)

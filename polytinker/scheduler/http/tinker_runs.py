@@ -57,6 +57,7 @@ class TinkerRuns:
     def _checkpoints(self, row: ModelRow, job: dict[str, Any]) -> list[dict[str, Any]]:
         names = [str(n) for n in job.get("checkpoints", [])]
         expiry = job.get("checkpoint_expiry") or {}
+        public = set(job.get("public_checkpoints") or ())
         saved = {(s.kind, s.name): s for s in self.backend.store.saved(row.job_id)}
         created = float(job.get("job", {}).get("created_s") or self.backend.store.model_created(row.model_id))
         out: dict[str, dict[str, Any]] = {}
@@ -84,7 +85,7 @@ class TinkerRuns:
                 "time": when,
                 "tinker_path": path,
                 "size_bytes": None,
-                "public": False,
+                "public": name in public,
                 "expires_at": _iso(float(expiry[name])) if name in expiry else None,
             }
         listed = sorted(out.values(), key=lambda c: c["time"])
@@ -143,9 +144,11 @@ class TinkerRuns:
         every = self.backend.store.sessions(t.owner)
         return {"sessions": every[offset : offset + limit] if limit > 0 else []}
 
-    def _named(self, t: Tenant, run_id: str, checkpoint_id: str) -> tuple[ModelRow, list[tuple[str, str, str]]]:
-        """The run, and what ``checkpoint_id`` names there: (the scheduler's name, the gateway's
-        kind and name) of each save it stands for; 404 when none. ``weights/NAME`` is a save_state
+    def _named(
+        self, t: Tenant, run_id: str, checkpoint_id: str
+    ) -> tuple[ModelRow, list[tuple[str, str, str]], dict[str, Any]]:
+        """The run, what ``checkpoint_id`` names there: (the scheduler's name, the gateway's kind
+        and name) of each save it stands for (404 when none), and the run's job query. ``weights/NAME`` is a save_state
         name, ``sampler_weights/AGENT@V`` every named sampler save of that version, and
         ``external_weights/NAME`` a save_weights_external."""
         row = self._run_row(t, run_id)
@@ -159,32 +162,41 @@ class TinkerRuns:
             named = [(SAMPLER_NAME_PREFIX + s.name, s.kind, s.name) for s in saved]
         elif kind == "external_weights":
             named = [(_external_name(name), "external", name)]
-        listed = set(self._job(t, row).get("checkpoints", []))
+        job = self._job(t, row)
+        listed = set(job.get("checkpoints", []))
         named = [n for n in named if name and n[0] in listed]
         if not named:
             raise HttpError(404, f"run {row.job_id} has no checkpoint {checkpoint_id!r}", "not_found")
-        return row, named
+        return row, named, job
 
     def delete_checkpoint(self, t: Tenant, run_id: str, checkpoint_id: str) -> None:
         """Delete what ``checkpoint_id`` names (``_named``): the scheduler forgets the name and
         deletes the files (docs/client.md says when files outlive their name)."""
-        row, named = self._named(t, run_id, checkpoint_id)
+        row, named, _ = self._named(t, run_id, checkpoint_id)
         for scheduler_name, saved_kind, saved_name in named:
             t.service.delete_checkpoint(row.job_id, scheduler_name)
             self.backend.store.delete_saved(row.job_id, saved_kind, saved_name)
 
     def set_ttl(self, t: Tenant, run_id: str, checkpoint_id: str, ttl_seconds: int | None) -> None:
         """Delete what ``checkpoint_id`` names ``ttl_seconds`` from now, or never (None)."""
-        row, named = self._named(t, run_id, checkpoint_id)
+        row, named, _ = self._named(t, run_id, checkpoint_id)
         for scheduler_name, _, _ in named:
             t.service.set_checkpoint_ttl(row.job_id, scheduler_name, ttl_seconds)
+
+    def publish(self, t: Tenant, run_id: str, checkpoint_id: str, public: bool) -> None:
+        """Let every tenant read what ``checkpoint_id`` names (its ``tinker://`` path then samples,
+        loads and starts training runs for them), or only the owner again. Asking for the state it
+        is in already succeeds: Tinker answers 409 there, which its SDK retries for five minutes."""
+        row, named, _ = self._named(t, run_id, checkpoint_id)
+        for scheduler_name, _, _ in named:
+            (t.service.publish_checkpoint if public else t.service.unpublish_checkpoint)(row.job_id, scheduler_name)
 
     def external_urls(self, t: Tenant, run_id: str, checkpoint_id: str, base_url: str) -> dict[str, Any]:
         """Signed URLs of an ``external_weights/NAME`` checkpoint's files (the peft adapter
         directory), valid for ``downloads.ttl_s``, as ``ExternalWeightsUrlsResponse``."""
         if not checkpoint_id.startswith("external_weights/"):
             raise HttpError(404, f"{checkpoint_id!r} is not an external weights checkpoint", "not_found")
-        row, _ = self._named(t, run_id, checkpoint_id)  # 404 unless the run has it
+        row, _, _ = self._named(t, run_id, checkpoint_id)  # 404 unless the run has it
         name = checkpoint_id.partition("/")[2]
         found = next((s for s in self.backend.store.saved(row.job_id) if (s.kind, s.name) == ("external", name)), None)
         if found is None:

@@ -7,7 +7,7 @@ This module imports no torch: the scheduler process stays light.
 Client -> scheduler (every one carries ``api_key``): ``CreateJob``, ``JobQuery``, ``JobAction``,
 ``ListJobs``, ``ForwardBackward``, ``Forward``, ``OptimStep``, ``SaveState``, ``LoadState``,
 ``SaveWeights``, ``Sample``, ``ComputeLogprobs``, ``ExportWeights``, ``DeleteCheckpoint``,
-``SetCheckpointTtl``, ``RuntimeStatus``.
+``SetCheckpointTtl``, ``PublishCheckpoint``, ``WeightsInfo``, ``RuntimeStatus``.
 
 Nested values: ``polytinker.engine.types.Datum`` (one training example) and ``SamplingParams``
 (sampling parameters), registered here as message values: the learner and the engine get the
@@ -245,6 +245,30 @@ class DeleteCheckpoint:
     name: str  # as the job lists it: a save_state name, or sampler-NAME for a named sampler save
 
 
+@message("sched.publish_checkpoint")
+@dataclass(frozen=True)
+class PublishCheckpoint:
+    """Let every tenant of the runtime read a named checkpoint of one of the tenant's jobs
+    (``public``), or only the tenant again: sample a published sampler save, load or start a
+    new job from a published ``save_state`` checkpoint. Deleting it stays its owner's."""
+
+    api_key: str
+    job_id: str
+    name: str  # as the job lists it (see DeleteCheckpoint)
+    public: bool
+
+
+@message("sched.weights_info")
+@dataclass(frozen=True)
+class WeightsInfo:
+    """What saved weights are: the job that saved them and its shape (base model, kind, agent,
+    LoRA rank and modules). ``path``: a ``polytinker-ckpt://`` checkpoint or a ``polytinker://``
+    version, the tenant's own or a published one."""
+
+    api_key: str
+    path: str
+
+
 @message("sched.set_checkpoint_ttl")
 @dataclass(frozen=True)
 class SetCheckpointTtl:
@@ -301,11 +325,13 @@ __all__ = [
     "ListJobs",
     "LoadState",
     "OptimStep",
+    "PublishCheckpoint",
     "RuntimeStatus",
     "Sample",
     "SaveState",
     "SaveWeights",
     "SetCheckpointTtl",
+    "WeightsInfo",
     "check_top_k",
     "check_ttl",
 ]

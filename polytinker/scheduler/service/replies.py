@@ -87,6 +87,7 @@ class JobQueryReply(_Ok):
     checkpoints: list[str]  # its save_state names
     events: list[dict[str, Any]]  # its last decisions: time_s, kind, reason
     checkpoint_expiry: dict[str, float] = field(default_factory=dict)  # name -> when it is deleted (Unix time)
+    public_checkpoints: list[str] = field(default_factory=list)  # the names every tenant may read
 
 
 @message("sched.r.jobs")
@@ -164,6 +165,26 @@ class DeleteCheckpointReply:
 class CheckpointTtlReply:
     name: str
     expires_s: float | None  # when it is deleted (Unix time); None: kept
+
+
+@message("sched.r.publish_checkpoint")
+@dataclass(frozen=True)
+class PublishCheckpointReply:
+    name: str
+    public: bool
+    was_public: bool  # its state before: the same as ``public`` when nothing changed
+
+
+@message("sched.r.weights_info")
+@dataclass(frozen=True)
+class WeightsInfoReply:
+    job_id: str
+    kind: str  # the saving job's JobKind
+    base_model: str
+    agent: str
+    lora: dict[str, Any] | None  # rank, alpha, target_modules, seed; None for full parameters
+    public: bool  # published: every tenant may read it
+    owned: bool  # the asking tenant's own
 
 
 @message("sched.r.export_weights")
@@ -276,6 +297,7 @@ __all__ = [
     "LogprobsReply",
     "OptimStepReply",
     "OverloadedReply",
+    "PublishCheckpointReply",
     "Registered",
     "RuntimeStatusReply",
     "SampleReply",
@@ -285,6 +307,7 @@ __all__ = [
     "SequenceReply",
     "StepResult",
     "WaitingReply",
+    "WeightsInfoReply",
     "WorkerVersion",
     "WorkersReply",
 ]

@@ -68,6 +68,12 @@ def local_address(config: RuntimeConfig) -> str:
     return f"ipc://{config.state_path / 'scheduler.sock'}"
 
 
+def _lora_shape(row: JobRow) -> dict[str, Any] | None:
+    """A LoRA job's adapter shape (rank, alpha, target_modules, seed): what a new job resuming one
+    of its checkpoints needs; None for the others."""
+    return dict(row.lora) if row.kind in (JobKind.LORA_RL, JobKind.SFT) else None
+
+
 class SchedulerService:
     """Handlers of every client and worker request; see the module docstring."""
 
@@ -149,6 +155,8 @@ class SchedulerService:
             "export_weights": self.export_weights,
             "delete_checkpoint": self.delete_checkpoint,
             "set_checkpoint_ttl": self.set_checkpoint_ttl,
+            "publish_checkpoint": self.publish_checkpoint,
+            "weights_info": self.weights_info,
             "sample": self.sample,
             "compute_logprobs": self.compute_logprobs,
             "runtime_status": self.runtime_status,
@@ -202,11 +210,11 @@ class SchedulerService:
         return r.JobQueryReply(
             row.public(),
             adapter,
-            # The adapter's shape: what a new job resuming one of its checkpoints needs (rank, ...).
-            dict(row.lora) if row.kind in (JobKind.LORA_RL, JobKind.SFT) else None,
+            _lora_shape(row),
             [c["name"] for c in checkpoints],
             self.store.events(row.job_id),
             {c["name"]: float(c["expires_s"]) for c in checkpoints if c["expires_s"] is not None},
+            [c["name"] for c in checkpoints if c["public"]],
         )
 
     def job_action(self, msg: m.JobAction) -> r.JobReply:
@@ -421,6 +429,19 @@ class SchedulerService:
         if not self.store.set_checkpoint_expiry(row.job_id, msg.name, expires):
             raise ConfigError(f"job {row.job_id} has no checkpoint {msg.name!r}")
         return r.CheckpointTtlReply(msg.name, expires)
+
+    def publish_checkpoint(self, msg: m.PublishCheckpoint) -> r.PublishCheckpointReply:
+        row = self.jobs.get(self._tenant(msg.api_key), msg.job_id)  # the owner's alone
+        was = self.weights.publish(row, check_name("checkpoint name", msg.name), msg.public)
+        if was != msg.public:
+            self.store.log_event(row.job_id, "publish" if msg.public else "unpublish", msg.name)
+        return r.PublishCheckpointReply(msg.name, msg.public, was)
+
+    def weights_info(self, msg: m.WeightsInfo) -> r.WeightsInfoReply:
+        tenant = self._tenant(msg.api_key)
+        job, public = self.weights.info(tenant, msg.path)
+        owned = job.tenant == tenant
+        return r.WeightsInfoReply(job.job_id, job.kind, job.base_model, job.agent, _lora_shape(job), public, owned)
 
     def export_weights(self, msg: m.ExportWeights) -> r.ExportWeightsReply:
         """A saved version's files, read from this scheduler's state root: a LoRA version's peft

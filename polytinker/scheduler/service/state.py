@@ -56,7 +56,7 @@ CREATE TABLE IF NOT EXISTS adapter_versions (
     created_s REAL NOT NULL, PRIMARY KEY (adapter_key, version));
 CREATE TABLE IF NOT EXISTS checkpoints (
     job_id TEXT NOT NULL, name TEXT NOT NULL, path TEXT NOT NULL, version INTEGER NOT NULL,
-    created_s REAL NOT NULL, expires_s REAL, PRIMARY KEY (job_id, name));
+    created_s REAL NOT NULL, expires_s REAL, public INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (job_id, name));
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT, time_s REAL NOT NULL, job_id TEXT NOT NULL, kind TEXT NOT NULL,
     reason TEXT NOT NULL);
@@ -143,8 +143,11 @@ class StateStore:
         columns = {r["name"] for r in self._db.execute("PRAGMA table_info(jobs)")}
         if "max_staleness" not in columns:
             self._db.execute("ALTER TABLE jobs ADD COLUMN max_staleness INTEGER NOT NULL DEFAULT 0")
-        if "expires_s" not in {r["name"] for r in self._db.execute("PRAGMA table_info(checkpoints)")}:
+        checkpoint_columns = {r["name"] for r in self._db.execute("PRAGMA table_info(checkpoints)")}
+        if "expires_s" not in checkpoint_columns:
             self._db.execute("ALTER TABLE checkpoints ADD COLUMN expires_s REAL")
+        if "public" not in checkpoint_columns:
+            self._db.execute("ALTER TABLE checkpoints ADD COLUMN public INTEGER NOT NULL DEFAULT 0")
 
     def close(self) -> None:
         with self._lock:
@@ -326,6 +329,27 @@ class StateStore:
             )
             return cur.rowcount > 0
 
+    def set_checkpoint_public(self, job_id: str, name: str, public: bool) -> bool:
+        """Whether the job has checkpoint ``name`` (which every tenant may then read, or only its own)."""
+        with self._tx() as db:
+            cur = db.execute(
+                "UPDATE checkpoints SET public = ? WHERE job_id = ? AND name = ?", (int(public), job_id, name)
+            )
+            return cur.rowcount > 0
+
+    def checkpoint_public(self, job_id: str, name: str) -> bool:
+        rows = self._query("SELECT public FROM checkpoints WHERE job_id = ? AND name = ?", (job_id, name))
+        return bool(rows and rows[0]["public"])
+
+    def version_public(self, job_id: str, version: int, sampler_prefix: str) -> bool:
+        """Whether a published named sampler save (a name starting with ``sampler_prefix``) of the
+        job stands on ``version``: that version is then sampleable by every tenant."""
+        rows = self._query(
+            "SELECT 1 FROM checkpoints WHERE job_id = ? AND version = ? AND public = 1 AND substr(name, 1, ?) = ?",
+            (job_id, version, len(sampler_prefix), sampler_prefix),
+        )
+        return bool(rows)
+
     def expired_checkpoints(self, now: float) -> list[tuple[str, str]]:
         """(job id, name) of the checkpoints whose expiry has passed."""
         rows = self._query(
@@ -351,7 +375,7 @@ class StateStore:
 
     def checkpoints(self, job_id: str) -> list[dict[str, Any]]:
         rows = self._query(
-            "SELECT name, path, version, created_s, expires_s FROM checkpoints WHERE job_id = ?", (job_id,)
+            "SELECT name, path, version, created_s, expires_s, public FROM checkpoints WHERE job_id = ?", (job_id,)
         )
         return [dict(r) for r in rows]
 

@@ -1,11 +1,14 @@
 """What a tenant's names for weights resolve to, and which stored weights are kept.
 
 A tenant names weights by a checkpoint name (``save_state``'s, or the ``polytinker-ckpt://JOB/NAME``
-it returned) or by model path (``polytinker://JOB/AGENT@VERSION``), never by a filesystem path, and
-only its own jobs' resolve. The database keeps each version's checkpoint and export as a path
-relative to the state root (``layout``); the workers are sent ids (``WeightsRef``) and make the
-paths themselves. Named checkpoints stay until their owner deletes them or their TTL runs out
-(``delete_checkpoint``, ``expire``); per-step ones go past the last ``keep_checkpoints`` (``prune``).
+it returned) or by model path (``polytinker://JOB/AGENT@VERSION``), never by a filesystem path.
+Its own jobs' resolve, and so do the checkpoints other tenants published (``publish``): a
+published ``save_state`` checkpoint loads into any tenant's job, and a published named sampler
+save's version samples for any tenant; deleting, publishing and TTLs stay the owner's. The
+database keeps each version's checkpoint and export as a path relative to the state root
+(``layout``); the workers are sent ids (``WeightsRef``) and make the paths themselves. Named
+checkpoints stay until their owner deletes them or their TTL runs out (``delete_checkpoint``,
+``expire``); per-step ones go past the last ``keep_checkpoints`` (``prune``).
 """
 
 from __future__ import annotations
@@ -126,14 +129,16 @@ class WeightsCatalog:
         checkpoint = CheckpointPath.parse(path)
         if checkpoint is not None:
             job_id, name = checkpoint.job_id, checkpoint.name
-            self.jobs.get(row.tenant, job_id)  # only the tenant's own jobs' checkpoints (AuthError)
         try:
-            return job_id, check_name("checkpoint name", name)
+            name = check_name("checkpoint name", name)
         except ConfigError:
             raise ConfigError(
                 f"load_state({path!r}): pass a name given to save_state, or the {CKPT_PREFIX}JOB/NAME path it"
                 " returned (never a filesystem path)"
             ) from None
+        if job_id != row.job_id and not self.store.checkpoint_public(job_id, name):
+            self.jobs.get(row.tenant, job_id)  # the tenant's own jobs' checkpoints, or published ones (AuthError)
+        return job_id, name
 
     def resolve(self, tenant: str, path: str) -> tuple[str, int, WeightsRef | None, bool]:
         """(adapter key, version, its export, full parameters?) of a tenant's model path;
@@ -142,13 +147,43 @@ class WeightsCatalog:
             return "", 0, None, False
         parsed = ModelPath.parse(path)
         job_id, agent, version = parsed.job_id, parsed.agent, parsed.version
-        key = adapter_key(tenant, job_id, agent)  # another tenant's path resolves to nothing here
+        job = self.store.job(job_id)
+        owner = tenant
+        if job is not None and job.tenant != tenant and self.store.version_public(job_id, version, SAMPLER_NAME_PREFIX):
+            owner = job.tenant  # a published version: read as its owner's
+        key = adapter_key(owner, job_id, agent)  # another tenant's unpublished path resolves to nothing here
         a = self.store.adapter(key)
         found = self.store.version_row(key, version) if a is not None else None
         if found is None or not found[1]:
             raise AuthError(f"no saved weights {path!r} for this tenant (save_weights_for_sampler makes them)")
-        job = self.store.job(job_id)
         return key, version, self.stored(found[1], version), job is not None and job.kind == JobKind.FULL_RL
+
+    def info(self, tenant: str, path: str) -> tuple[JobRow, bool]:
+        """The job that saved the weights at ``path`` (a checkpoint or a model path) and whether
+        they are published; AuthError, as for a path that names nothing, when they are another
+        tenant's and not published."""
+        checkpoint = CheckpointPath.parse(path)
+        if checkpoint is not None:
+            job = self.store.job(checkpoint.job_id)
+            public = self.store.checkpoint_public(checkpoint.job_id, checkpoint.name)
+            if job is None or (job.tenant != tenant and not public):
+                raise AuthError(f"no checkpoint {path!r} for this tenant")
+            if self.store.checkpoint(checkpoint.job_id, checkpoint.name) is None:
+                raise ConfigError(f"job {checkpoint.job_id} has no checkpoint {checkpoint.name!r}")
+            return job, public
+        self.resolve(tenant, path)  # the version exists and this tenant may read it
+        parsed = ModelPath.parse(path)
+        job = self.store.job(parsed.job_id)
+        assert job is not None
+        return job, self.store.version_public(parsed.job_id, parsed.version, SAMPLER_NAME_PREFIX)
+
+    def publish(self, row: JobRow, name: str, public: bool) -> bool:
+        """Let every tenant read the job's checkpoint ``name``, or only its owner; whether it was
+        public before."""
+        was = self.store.checkpoint_public(row.job_id, name)
+        if not self.store.set_checkpoint_public(row.job_id, name, public):
+            raise ConfigError(f"job {row.job_id} has no checkpoint {name!r} (polytinker checkpoints list names them)")
+        return was
 
     def stored_files(self, tenant: str, model_path: str) -> tuple[int, str, Any, bool, str]:
         """A tenant's saved version, read from the state root: (version, ``adapter_config.json`` as

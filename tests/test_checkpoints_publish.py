@@ -1,0 +1,76 @@
+"""Publishing named checkpoints with polytinker's own client and CLI: a published sampler save
+samples for every tenant, a published ``save_state`` checkpoint starts another tenant's job; an
+unpublished one is the owner's alone again, and only the owner publishes, deletes or sets TTLs."""
+
+from __future__ import annotations
+
+import pytest
+from fixtures.client import KEY_ALICE, KEY_BOB, MODEL, client, data, shared_runtime
+
+from polytinker.cli import main as cli_main
+from polytinker.errors import AuthError
+
+SEQUENCE = [5, 17, 230, 1400, 9]
+
+
+def test_a_published_sampler_save_samples_for_another_tenant_until_unpublished(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with client(KEY_ALICE) as alice, client(KEY_BOB) as bob:
+        trainer = alice.create_lora_training_client(MODEL, rank=4, agent="publisher", seed=5)
+        trainer.forward_backward(data(1), "cross_entropy").result()
+        trainer.optim_step({"learning_rate": 0.01}).result()
+        path = trainer.save_weights_for_sampler("shared").result().path
+        own = alice.create_sampling_client(model_path=path).compute_logprobs(SEQUENCE).result()
+        with pytest.raises(AuthError, match="no saved weights"):
+            bob.create_sampling_client(model_path=path).compute_logprobs(SEQUENCE).result()
+        with pytest.raises(AuthError):
+            bob.weights_info(path)
+
+        base = ["--scheduler", shared_runtime().address, "--api-key", KEY_ALICE]
+        assert cli_main(["checkpoints", *base, "publish", trainer.job_id, "sampler-shared"]) == 0
+        assert "published" in capsys.readouterr().out
+        assert alice.get_job(trainer.job_id)["public_checkpoints"] == ["sampler-shared"]
+        info = bob.weights_info(path)
+        assert (info.job_id, info.public, info.owned, info.lora["rank"]) == (trainer.job_id, True, False, 4)
+        theirs = bob.create_sampling_client(model_path=path).compute_logprobs(SEQUENCE).result()
+        assert theirs[1:] == pytest.approx(own[1:], abs=1e-4)  # the very weights alice saved
+
+        # Publishing gives reading only: the checkpoint stays alice's to delete and to publish.
+        with pytest.raises(AuthError):
+            bob.delete_checkpoint(trainer.job_id, "sampler-shared")
+        with pytest.raises(AuthError):
+            bob.unpublish_checkpoint(trainer.job_id, "sampler-shared")
+        assert alice.publish_checkpoint(trainer.job_id, "sampler-shared") is True  # as it was
+
+        assert alice.unpublish_checkpoint(trainer.job_id, "sampler-shared") is True
+        with pytest.raises(AuthError, match="no saved weights"):
+            bob.create_sampling_client(model_path=path).compute_logprobs(SEQUENCE).result()
+        assert alice.create_sampling_client(model_path=path).compute_logprobs(SEQUENCE).result()[1:] == (
+            pytest.approx(own[1:], abs=1e-4)
+        )
+
+
+def test_a_published_training_checkpoint_starts_another_tenants_job() -> None:
+    with client(KEY_ALICE) as alice, client(KEY_BOB) as bob:
+        trainer = alice.create_lora_training_client(MODEL, rank=4, agent="teacher", seed=6)
+        trainer.forward_backward(data(2), "cross_entropy").result()
+        trainer.optim_step({"learning_rate": 0.01}).result()
+        state = trainer.save_state("lesson").result().path
+        with pytest.raises(AuthError):
+            bob.create_training_client_from_state(state)
+
+        assert alice.publish_checkpoint(trainer.job_id, "lesson") is False
+        student = bob.create_training_client_from_state(state)
+        assert bob.get_job(student.job_id)["lora"]["rank"] == 4  # shaped like the run that saved it
+        ref = alice.create_sampling_client(model_path=trainer.save_weights_for_sampler().result().path)
+        mine = bob.create_sampling_client(model_path=student.save_weights_for_sampler().result().path)
+        assert mine.compute_logprobs(SEQUENCE).result()[1:] == pytest.approx(
+            ref.compute_logprobs(SEQUENCE).result()[1:], abs=1e-4
+        )
+        student.forward_backward(data(3), "cross_entropy").result()  # bob's own job trains on
+        student.optim_step({"learning_rate": 0.01}).result()
+
+        # Alice deletes her checkpoint: its files stay, as bob's loaded version stands on them.
+        assert alice.delete_checkpoint(trainer.job_id, "lesson") is False
+        student.forward_backward(data(4), "cross_entropy").result()
