@@ -7,6 +7,7 @@ key."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -188,7 +189,7 @@ def test_errors_are_4xx_with_a_message_never_a_traceback(serve: Serve, service: 
         assert r.json()["error"]["message"]
     other = tinker.ServiceClient(base_url=serve.url, api_key=KEY_BOB)
     tc = service.create_lora_training_client(base_model=MODEL, rank=4).result()
-    with pytest.raises(Exception, match="unknown model"):  # bob cannot name alice's model
+    with pytest.raises(tinker.NotFoundError, match="for this tenant"):  # bob cannot name alice's weights
         other.create_sampling_client(model_path=tc.save_weights_for_sampler("mine").result().path).result()
     with pytest.raises(ValueError, match="No data"):  # the SDK's own check, as against Tinker
         tc.forward_backward([], "cross_entropy")
@@ -438,12 +439,35 @@ def test_paths_outlive_a_restart_of_serve(serve: Serve, service: tinker.ServiceC
     sampler_path = tc.save_weights_for_sampler("kept").result().path
     state_path = tc.save_state("kept").result().path
     prompt = types.ModelInput.from_ints(tokenizer.encode("The code is 42"))
-    before = tc.create_sampling_client(sampler_path).result().compute_logprobs(prompt).result()
+    sampler = tc.create_sampling_client(sampler_path).result()
+    before = sampler.compute_logprobs(prompt).result()
 
+    # Calls in flight when serve stops: a long sample, and a training call (a big batch).
+    long_sample = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=400, temperature=1.0, seed=3))
+    in_flight_fb = tc.forward_backward(data * 256, "cross_entropy")
+    gateway_db = serve.root / "state" / "gateway.sqlite"
+    deadline = time.monotonic() + 60
+    while _pending_requests(gateway_db) < 2:  # both filed, neither read back
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     serve.stop()
     serve.start()
+    # The sample was lost with the process: the SDK is told so (410) and sends it again.
+    assert len(long_sample.result(timeout=300).sequences[0].tokens) > 0
+    assert "(sample) was lost when the gateway restarted" in (serve.root / "serve.log").read_text()
+    # A training call may or may not have taken effect: it fails, saying so.
+    with pytest.raises(tinker.RequestFailedError, match="restarted while this call ran"):
+        in_flight_fb.result(timeout=300)
+
     fresh = tinker.ServiceClient(base_url=serve.url, api_key=KEY)
     after = fresh.create_sampling_client(model_path=sampler_path).result().compute_logprobs(prompt).result()
     assert after[1:] == pytest.approx(before[1:], abs=1e-3)
     resumed = fresh.create_training_client_from_state(state_path).result()
     assert resumed.forward(data, "cross_entropy").result().metrics["loss:sum"] > 0
+
+
+def _pending_requests(gateway_db: Path) -> int:
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(f"file:{gateway_db}?mode=ro", uri=True)) as db:
+        return int(db.execute("SELECT count(*) FROM requests").fetchone()[0])

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,12 @@ log = logging.getLogger("polytinker.http")
 
 def create_app(backend: TinkerBackend, config: HttpConfig) -> FastAPI:
     app = FastAPI(title="polytinker", docs_url=None, redoc_url=None, openapi_url=None)
-    futures = FutureTable(ttl_s=config.future_ttl_s, max_per_tenant=config.max_futures_per_tenant)
+    # Ids older than a result is kept are of no use to anyone: a client would have read them by now.
+    backend.store.forget_requests_before(time.time() - config.future_ttl_s)
+    futures = FutureTable(
+        ttl_s=config.future_ttl_s, max_per_tenant=config.max_futures_per_tenant, journal=backend.store
+    )
+    app.state.futures = futures
     app.include_router(
         tinker_router(backend, futures, long_poll_s=config.long_poll_s, max_body_bytes=config.max_body_bytes)
     )
@@ -93,9 +99,9 @@ class Gateway:
         self._sock.bind((host, port))
         self.address = f"{host}:{self._sock.getsockname()[1]}"
         self.url = f"http://{self.address}"
-        server_config = uvicorn.Config(
-            create_app(self.backend, config), log_level="warning", lifespan="off", timeout_keep_alive=30
-        )
+        app = create_app(self.backend, config)
+        self._futures: FutureTable = app.state.futures
+        server_config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_keep_alive=30)
         self._server = uvicorn.Server(server_config)
         self._thread = threading.Thread(target=self._run, name="polytinker-http", daemon=True)
 
@@ -114,6 +120,9 @@ class Gateway:
         return self
 
     def stop(self) -> None:
+        # First stop answering results: the long polls end at once, and a call the stop cuts off is
+        # never reported as failed; its id stays in the store, so a restarted gateway says it was lost.
+        self._futures.closing.set()
         self._server.should_exit = True
         self._thread.join(timeout=10)
         self._sock.close()

@@ -3,7 +3,9 @@
 Every training and sampling call of the Tinker API answers at once with a request id; the client
 then polls ``retrieve_future`` with it. ``FutureTable`` keeps, per tenant, the running call's
 ``concurrent.futures.Future`` and how to render its result. A finished entry is dropped once it
-was read, or ``ttl_s`` after it finished; a tenant can hold at most ``max_per_tenant``.
+was read, or ``ttl_s`` after it finished; a tenant can hold at most ``max_per_tenant``. A
+``journal`` (the gateway's store) keeps each id from filing to dropping, so that a gateway started
+again knows the calls its predecessor never answered (``GatewayStore.lost_request``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from polytinker.errors import OverloadedError
 
@@ -32,15 +34,26 @@ class Pending:
     done_s: float | None = None
 
 
+class RequestJournal(Protocol):
+    def add_request(self, request_id: str, owner: str, kind: str) -> None: ...
+    def drop_request(self, request_id: str) -> None: ...
+
+
 class FutureTable:
-    def __init__(self, *, ttl_s: float = 3600.0, max_per_tenant: int = 10_000) -> None:
-        self.ttl_s, self.max_per_tenant = ttl_s, max_per_tenant
+    def __init__(
+        self, *, ttl_s: float = 3600.0, max_per_tenant: int = 10_000, journal: RequestJournal | None = None
+    ) -> None:
+        self.ttl_s, self.max_per_tenant, self.journal = ttl_s, max_per_tenant, journal
+        # Set when the gateway stops: no result is answered from then on (a call cut off by the
+        # stop would read as failed), so its id stays in the journal as lost.
+        self.closing = threading.Event()
         self._entries: dict[str, Pending] = {}
         self._per_owner: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def put(self, owner: str, future: Future[Any], render: Callable[[Any], Any]) -> str:
-        """A new request id for ``future`` of tenant ``owner``."""
+    def put(self, owner: str, future: Future[Any], render: Callable[[Any], Any], kind: str = "train") -> str:
+        """A new request id for ``future`` of tenant ``owner``; ``kind`` ("sample" or "train") says
+        what a restarted gateway does with it if it is lost (a sample is sent again)."""
         self._expire()
         with self._lock:
             if self._per_owner.get(owner, 0) >= self.max_per_tenant:
@@ -49,6 +62,8 @@ class FutureTable:
             entry = Pending(owner, future, render)
             self._entries[request_id] = entry
             self._per_owner[owner] = self._per_owner.get(owner, 0) + 1
+        if self.journal is not None:
+            self.journal.add_request(request_id, owner, kind)
 
         def finished(_: Future[Any]) -> None:
             entry.done_s = time.monotonic()
@@ -63,18 +78,24 @@ class FutureTable:
         return entry if entry is not None and entry.owner == owner else None
 
     async def wait(self, entry: Pending, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for the call; True when it is done."""
-        if not entry.future.done():
+        """Wait up to ``timeout_s`` for the call; True when it is done (never once ``closing``)."""
+        deadline = time.monotonic() + timeout_s
+        while not entry.future.done() and not self.closing.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
             # A timeout, or the call's own error (which retrieve_future reports from the future).
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(entry.future)), timeout_s)
-        return entry.future.done()
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(entry.future)), min(left, 0.5))
+        return entry.future.done() and not self.closing.is_set()
 
     def drop(self, request_id: str) -> None:
         with self._lock:
             entry = self._entries.pop(request_id, None)
             if entry is not None:
                 self._per_owner[entry.owner] -= 1
+        if entry is not None and self.journal is not None:
+            self.journal.drop_request(request_id)
 
     def cancel(self, owner: str, request_id: str) -> bool:
         entry = self.get(owner, request_id)
@@ -96,4 +117,4 @@ class FutureTable:
             return len(self._entries)
 
 
-__all__ = ["FutureTable", "Pending"]
+__all__ = ["FutureTable", "Pending", "RequestJournal"]

@@ -1,5 +1,6 @@
 """What the HTTP gateway remembers across restarts: Tinker sessions, models and sampling sessions,
-the user metadata the SDK attached to them, and the checkpoints saved through it.
+the user metadata the SDK attached to them, the checkpoints saved through it, and the request ids
+of calls not yet read back (so that a restarted gateway can say which calls it lost).
 
 The Tinker SDK names a training run by a model id it can derive itself
 (``SESSION:train:SEQ``) and a sampler by a session id the server chose, and a script keeps both
@@ -34,6 +35,8 @@ CREATE TABLE IF NOT EXISTS saved (job_id TEXT NOT NULL, kind TEXT NOT NULL, name
     tinker_path TEXT NOT NULL, created REAL NOT NULL, PRIMARY KEY (job_id, kind, name));
 CREATE TABLE IF NOT EXISTS external_recipients (job_id TEXT NOT NULL, name TEXT NOT NULL,
     recipients TEXT NOT NULL, PRIMARY KEY (job_id, name));
+CREATE TABLE IF NOT EXISTS requests (request_id TEXT PRIMARY KEY, owner TEXT NOT NULL, kind TEXT NOT NULL,
+    created REAL NOT NULL);
 """
 
 
@@ -81,6 +84,30 @@ class GatewayStore:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+    # --- request ids -------------------------------------------------------------------------------
+    # A request id is written when a call is filed and deleted when its result is read (or dropped),
+    # so the ids left in the table at a gateway's start are the calls an earlier process lost.
+    def add_request(self, request_id: str, owner: str, kind: str) -> None:
+        with self._lock:
+            self._db.execute("INSERT INTO requests VALUES (?, ?, ?, ?)", (request_id, owner, kind, time.time()))
+
+    def drop_request(self, request_id: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM requests WHERE request_id = ?", (request_id,))
+
+    def lost_request(self, owner: str, request_id: str) -> str | None:
+        """The kind of a call of ``owner``'s that an earlier gateway process filed and never
+        answered (it is forgotten now: each is reported once); None for any other id."""
+        with self._lock:
+            row = self._db.execute(
+                "DELETE FROM requests WHERE request_id = ? AND owner = ? RETURNING kind", (request_id, owner)
+            ).fetchone()
+        return None if row is None else str(row[0])
+
+    def forget_requests_before(self, when: float) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM requests WHERE created < ?", (when,))
 
     def add_session(self, session_id: str, owner: str) -> None:
         now = time.time()

@@ -11,6 +11,7 @@ when the SDK asks for it (``Accept: application/x-protobuf``); everything else i
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -44,6 +45,8 @@ CLIENT_CONFIG = {
     "custom_loss_server_side": False,
     "sample_join_sampling_session": False,
 }
+
+log = logging.getLogger("polytinker.http")
 
 
 def _metrics(loss: float, metrics: dict[str, float], n_tokens: float) -> dict[str, float]:
@@ -86,10 +89,15 @@ class _Api:
         return self.submit(t, await asyncio.to_thread(op, t, body), render, body.get("model_id"))
 
     def submit(
-        self, t: Tenant, fut: Future[Any], render: Callable[[Any], Any], model_id: str | None = None
+        self,
+        t: Tenant,
+        fut: Future[Any],
+        render: Callable[[Any], Any],
+        model_id: str | None = None,
+        kind: str = "train",
     ) -> dict[str, Any]:
         """Answer a call that takes time: its request id (the SDK polls ``retrieve_future`` with it)."""
-        out: dict[str, Any] = {"request_id": self.futures.put(t.owner, fut, render)}
+        out: dict[str, Any] = {"request_id": self.futures.put(t.owner, fut, render, kind)}
         if model_id is not None:
             out["model_id"] = model_id
         return out
@@ -331,7 +339,7 @@ def _add_sampling_routes(r: APIRouter, api: _Api) -> None:
     async def asample(request: Request) -> dict[str, Any]:
         t = await api.tenant_of(request)
         body = await api.json(request)
-        out = api.submit(t, await asyncio.to_thread(api.backend.sample, t, body), _sample_render)
+        out = api.submit(t, await asyncio.to_thread(api.backend.sample, t, body), _sample_render, kind="sample")
         # Each sequence's id, in the response's order (the SDK names its SampledSequences by them).
         out["sample_sequence_ids"] = [f"{out['request_id']}-{i}" for i in range(int(body.get("num_samples", 1)))]
         return out
@@ -347,8 +355,8 @@ def _add_future_routes(r: APIRouter, api: _Api) -> None:
         request_id = str(body.get("request_id", ""))
         entry = api.futures.get(t.owner, request_id)
         if entry is None:
-            return JSONResponse(error_body(f"unknown request id {request_id!r}", "not_found"), status_code=404)
-        if not await api.futures.wait(entry, api.long_poll_s):
+            return _unknown_request(api, t, request_id)
+        if not await api.futures.wait(entry, api.long_poll_s):  # not done yet, or the gateway is stopping
             return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"})
         api.futures.drop(request_id)
         exc = entry.future.exception() if not entry.future.cancelled() else ConfigError("the request was cancelled")
@@ -364,6 +372,29 @@ def _add_future_routes(r: APIRouter, api: _Api) -> None:
         t = await api.tenant_of(request)
         body = await api.json(request)
         return {"cancelled": api.futures.cancel(t.owner, str(body.get("request_id", "")))}
+
+
+def _unknown_request(api: _Api, t: Tenant, request_id: str) -> Response:
+    """The answer for an id this gateway process does not hold. A call an earlier process filed
+    and never answered (``serve`` restarted while it ran): a sample answers 410, on which the SDK
+    sends it again (sampling has no side effects); any other call fails with what is known, since
+    it may or may not have taken effect. Any other id: 404."""
+    lost = api.backend.store.lost_request(t.owner, request_id)
+    if lost is not None:
+        log.warning("request %s (%s) was lost when the gateway restarted; its client is told so", request_id, lost)
+    if lost == "sample":
+        message = "the server restarted while this sample ran: send it again"
+        return JSONResponse(error_body(message, "gone"), status_code=410)
+    if lost is not None:
+        return JSONResponse(failed(ConfigError(RESTARTED_MESSAGE)))
+    return JSONResponse(error_body(f"unknown request id {request_id!r}", "not_found"), status_code=404)
+
+
+RESTARTED_MESSAGE = (
+    "polytinker serve restarted while this call ran, and whether it took effect is not known: the run"
+    " goes on from its last completed step (a forward_backward not yet stepped is lost); to be sure,"
+    " resume from a checkpoint (create_training_client_from_state)"
+)
 
 
 def _as_is(out: Any) -> Any:
