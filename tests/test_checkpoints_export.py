@@ -92,6 +92,40 @@ def test_cli_lists_and_exports(
     assert cli_main(["checkpoints", *base, "export", trained[0], "--out", str(tmp_path / "cli")]) == 1  # exists
 
 
+def test_a_save_state_checkpoint_downloads_as_a_peft_directory(tmp_path: Path) -> None:
+    """``checkpoints download`` of a ``save_state`` checkpoint (its Tinker path here): the
+    checkpoint's weights as a peft adapter plain peft loads, scoring as the version saved then;
+    another tenant downloads it once it is published, not before."""
+    from peft import PeftModel
+
+    from polytinker.engine.models import load_model
+
+    with client(KEY_ALICE) as service:
+        trainer = service.create_lora_training_client(MODEL, rank=4, agent="state-exporter", seed=2)
+        trainer.forward_backward(data(2), "cross_entropy").result()
+        trainer.optim_step({"learning_rate": 0.05}).result()
+        state = trainer.save_state("exported-state").result().path
+        expected = trainer.save_weights_and_get_sampling_client().compute_logprobs(SEQUENCE).result()[1:]
+        trainer.forward_backward(data(3), "cross_entropy").result()  # the job moves on; the checkpoint stays
+        trainer.optim_step({"learning_rate": 0.05}).result()
+        with client(KEY_BOB) as bob, pytest.raises(AuthError):
+            bob.export_weights(state, tmp_path / "not-yet")
+        service.publish_checkpoint(trainer.job_id, "exported-state")
+        with client(KEY_BOB) as bob:
+            bob_out = bob.export_weights(state, tmp_path / "bob")
+        job_id = trainer.job_id
+    tinker_path = f"tinker://{job_id}/weights/exported-state"
+    base = ["--scheduler", shared_runtime().address, "--api-key", KEY_ALICE]
+    assert cli_main(["checkpoints", *base, "download", tinker_path, "--out", str(tmp_path / "state")]) == 0
+    out = tmp_path / "state"
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["peft_type"] == "LORA" and "/" not in config["base_model_name_or_path"]
+    assert (out / "adapter_model.safetensors").read_bytes() == (bob_out / "adapter_model.safetensors").read_bytes()
+    base_model, _ = load_model(MODEL)
+    model = PeftModel.from_pretrained(base_model, str(out)).eval()
+    assert _logprobs(model) == pytest.approx(expected, abs=2e-4)
+
+
 @pytest.mark.vllm
 def test_merged_model_loads_with_stock_vllm(trained: tuple[str, list[float]], tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM

@@ -2,7 +2,8 @@
 
 ``ServiceClient.export_weights(model_path, out_dir)`` writes a saved version
 (``polytinker://JOB/AGENT@VERSION``, or Tinker's ``tinker://JOB/sampler_weights/AGENT@VERSION``)
-as a peft adapter directory:
+or a ``save_state`` checkpoint (``polytinker-ckpt://JOB/NAME``, Tinker's ``tinker://JOB/weights/NAME``:
+its weights, without the optimizer state) as a peft adapter directory:
 
 - ``adapter_config.json``: peft's config, whose ``base_model_name_or_path`` is the base model's hub
   id where polytinker knows one (a preset's, or the hub id the runtime was started with), else the
@@ -27,7 +28,7 @@ from typing import Any
 
 from polytinker.client._connection import Connection
 from polytinker.errors import ConfigError, NotBuiltError
-from polytinker.model_path import TINKER_PREFIX, ModelPath
+from polytinker.model_path import TINKER_PREFIX, CheckpointPath, ModelPath
 from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service.replies import ExportWeightsReply
 
@@ -35,9 +36,14 @@ MANIFEST = "polytinker.json"
 
 
 def _model_path(path: str) -> str:
-    """A Tinker sampler path as the model path it names; any other path as it is (the scheduler
-    checks it)."""
-    return str(ModelPath.from_tinker(path)) if path.startswith(TINKER_PREFIX) else path
+    """A Tinker sampler or checkpoint path as the polytinker path it names; any other path as it
+    is (the scheduler checks it)."""
+    if not path.startswith(TINKER_PREFIX):
+        return path
+    parts = path.removeprefix(TINKER_PREFIX).split("/")
+    if len(parts) == 3 and parts[1] == "weights" and parts[0] and parts[2]:
+        return str(CheckpointPath(parts[0], parts[2]))
+    return str(ModelPath.from_tinker(path))
 
 
 def base_identity(base_model: str) -> dict[str, str]:
@@ -80,14 +86,28 @@ def adapter_files(conn: Connection, model_path: str, *, merged: bool = False) ->
 
 def _adapter_files(reply: ExportWeightsReply, path: str, merged: bool) -> dict[str, bytes]:
     identity = base_identity(reply.base_model)
-    config = json.loads(reply.adapter_config)
-    config["base_model_name_or_path"] = identity["hub_id"] or identity["base_model"]
+    hub_name = identity["hub_id"] or identity["base_model"]
+    if reply.adapter_config:
+        config = json.loads(reply.adapter_config)
+        config["base_model_name_or_path"] = hub_name
+    else:  # a save_state checkpoint: peft's config from the LoRA shape its meta.json records
+        config = _peft_config(json.loads(reply.checkpoint_meta)["lora"], hub_name)
     manifest = {**identity, "model_path": path, "version": reply.version, "merged": merged}
     return {
         "adapter_config.json": (json.dumps(config, indent=2) + "\n").encode(),
         "adapter_model.safetensors": bytes(reply.weights),
         MANIFEST: (json.dumps(manifest, indent=2) + "\n").encode(),
     }
+
+
+def _peft_config(lora: dict[str, Any], base_model: str) -> dict[str, Any]:
+    """``adapter_config.json`` of an adapter of shape ``lora`` (a checkpoint's ``meta.json``
+    ``lora``), written as the learner's exports write it."""
+    from polytinker.engine.inference.adapter_io import peft_config_dict
+    from polytinker.engine.types import LoraConfig
+
+    shape = LoraConfig(**{**lora, "target_modules": tuple(lora["target_modules"])})
+    return peft_config_dict(shape, base_model)
 
 
 def export_weights(

@@ -337,9 +337,10 @@ class ServiceClient:
     def export_weights(
         self, model_path: str, out_dir: str | os.PathLike[str], *, merged: bool = False, overwrite: bool = False
     ) -> Path:
-        """Write a saved version (``polytinker://JOB/AGENT@VERSION`` or a Tinker sampler path) as a
-        peft adapter directory, or with ``merged`` as a whole Hugging Face model directory
-        (``polytinker.client.export``)."""
+        """Write a saved version (``polytinker://JOB/AGENT@VERSION`` or a Tinker sampler path) or a
+        ``save_state`` checkpoint (``polytinker-ckpt://JOB/NAME`` or ``tinker://JOB/weights/NAME``:
+        its weights) as a peft adapter directory, or with ``merged`` as a whole Hugging Face model
+        directory (``polytinker.client.export``); the tenant's own, or published ones."""
         from polytinker.client.export import export_weights
 
         return export_weights(self._connection(), model_path, out_dir, merged=merged, overwrite=overwrite)

@@ -238,7 +238,7 @@ def _checkpoints(args: argparse.Namespace) -> int:
             state = "published (every tenant may read it)" if public else "private (this tenant's alone)"
             print(f"{args.job_id}/{args.name}: {state}{'' if was != public else ', as it was'}")
             return 0
-        if args.checkpoints_command == "export":
+        if args.checkpoints_command in ("export", "download"):
             out = client.export_weights(args.model_path, args.out, merged=args.merged, overwrite=args.overwrite)
             what = "merged Hugging Face model" if args.merged else "peft adapter"
             print(f"{args.model_path}: {what} in {out}")
@@ -373,7 +373,7 @@ def _add_jobs_parser(sub: Any) -> None:
 
 
 def _add_checkpoints_parser(sub: Any) -> None:
-    """``checkpoints list|export|delete|publish|unpublish``."""
+    """``checkpoints list|export (download)|delete|publish|unpublish``."""
     ck = sub.add_parser(
         "checkpoints", help="list this tenant's saved versions and checkpoints; export, delete or publish one"
     )
@@ -381,8 +381,16 @@ def _add_checkpoints_parser(sub: Any) -> None:
     ck_sub = ck.add_subparsers(dest="checkpoints_command", metavar="CHECKPOINTS_COMMAND", required=True)
     ck_ls = ck_sub.add_parser("list", help="each training job's latest version and its named checkpoints")
     ck_ls.add_argument("--json", action="store_true", help="print JSON")
-    ex = ck_sub.add_parser("export", help="write a saved version as a peft adapter (or a merged model) directory")
-    ex.add_argument("model_path", help="polytinker://JOB/AGENT@VERSION or tinker://JOB/sampler_weights/AGENT@VERSION")
+    ex = ck_sub.add_parser(
+        "export",
+        aliases=["download"],
+        help="write saved weights (a version or a save_state checkpoint) as a peft adapter (or merged model) directory",
+    )
+    ex.add_argument(
+        "model_path",
+        help="a version (polytinker://JOB/AGENT@VERSION, tinker://JOB/sampler_weights/AGENT@VERSION) or a"
+        " checkpoint (polytinker-ckpt://JOB/NAME, tinker://JOB/weights/NAME)",
+    )
     ex.add_argument("--out", required=True, help="the directory to write (must not exist unless --overwrite)")
     ex.add_argument("--merged", action="store_true", help="a whole Hugging Face model with the adapter merged in")
     ex.add_argument("--overwrite", action="store_true", help="replace --out if it exists")

@@ -40,6 +40,12 @@ def to_peft_config(lora: LoraConfig, base_model_path: str | None = None) -> Any:
     )
 
 
+def peft_config_dict(lora: LoraConfig, base_model_path: str | None = None) -> dict[str, Any]:
+    """``adapter_config.json``'s content for ``lora`` (sets as sorted lists, as JSON holds them)."""
+    config = to_peft_config(lora, base_model_path).to_dict()
+    return {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
+
+
 def from_peft_config(raw: dict[str, Any]) -> LoraConfig:
     """polytinker's LoraConfig from a parsed ``adapter_config.json``."""
     targets = raw.get("target_modules") or ()
@@ -60,8 +66,7 @@ def write_adapter_dir(weights: AdapterWeights, path: Path, base_model_path: str 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        config = to_peft_config(weights.config, base_model_path).to_dict()
-        config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
+        config = peft_config_dict(weights.config, base_model_path)
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, default=str) + "\n")
         tensors = {k: t.detach().to("cpu").contiguous() for k, t in weights.tensors.items()}
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"polytinker_ref": str(weights.ref)})

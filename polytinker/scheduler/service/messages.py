@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from polytinker.engine.types import LOSS_FNS, Datum, SamplingParams
 from polytinker.errors import ConfigError
-from polytinker.model_path import MODEL_PREFIX
+from polytinker.model_path import CKPT_PREFIX, MODEL_PREFIX
 from polytinker.scheduler.service.layout import check_name
 from polytinker.scheduler.types import JobKind
 from polytinker.transport.messages import message, register_message
@@ -296,13 +296,17 @@ def check_ttl(ttl_s: float) -> None:
 @message("sched.export_weights")
 @dataclass(frozen=True)
 class ExportWeights:
-    """The peft files of one of the tenant's saved versions (``polytinker://JOB/AGENT@VERSION``)."""
+    """The files of saved weights the tenant may read: a version (``polytinker://JOB/AGENT@VERSION``)
+    or a ``save_state`` checkpoint (``polytinker-ckpt://JOB/NAME``)."""
 
     api_key: str
     model_path: str
 
     def __post_init__(self) -> None:
-        need(self.model_path.startswith(MODEL_PREFIX), f"model_path must be {MODEL_PREFIX}JOB/AGENT@VERSION")
+        need(
+            self.model_path.startswith((MODEL_PREFIX, CKPT_PREFIX)),
+            f"model_path must be {MODEL_PREFIX}JOB/AGENT@VERSION or {CKPT_PREFIX}JOB/NAME",
+        )
 
 
 @message("sched.runtime_status")

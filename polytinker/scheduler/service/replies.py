@@ -192,10 +192,14 @@ class WeightsInfoReply:
 class ExportWeightsReply:
     version: int
     base_model: str
-    adapter_config: str  # adapter_config.json as text ("" for a full-parameter version)
-    weights: Any  # adapter_model.safetensors (full: the checkpoint's weights) as one uint8 array, a raw frame
-    full: bool = False  # a full-parameter version: every weight of the model
-    checkpoint_meta: str = ""  # full: the checkpoint's meta.json, which reading its weights checks
+    # A version's adapter_config.json as text; "" for full parameters and for a save_state
+    # checkpoint, whose meta.json (checkpoint_meta) holds its LoRA shape.
+    adapter_config: str
+    # adapter_model.safetensors (full, or a checkpoint: its weights.safetensors, in peft's key
+    # layout for an adapter) as one uint8 array, a raw frame
+    weights: Any
+    full: bool = False  # full parameters: every weight of the model
+    checkpoint_meta: str = ""  # a learner checkpoint's meta.json (full, or a save_state checkpoint)
 
 
 # --- sampling ----------------------------------------------------------------------------------

@@ -444,9 +444,10 @@ class SchedulerService:
         return r.WeightsInfoReply(job.job_id, job.kind, job.base_model, job.agent, _lora_shape(job), public, owned)
 
     def export_weights(self, msg: m.ExportWeights) -> r.ExportWeightsReply:
-        """A saved version's files, read from this scheduler's state root: a LoRA version's peft
-        files (``adapter_config.json`` as text, the weights as one uint8 array, which travels as a
-        raw frame), or a full-parameter version's checkpoint weights and ``meta.json``."""
+        """Saved weights' files, read from this scheduler's state root: a LoRA version's peft files
+        (``adapter_config.json`` as text, the weights as one uint8 array, which travels as a raw
+        frame), or a learner checkpoint's weights and ``meta.json`` (a full-parameter version's, or
+        a ``save_state`` checkpoint's)."""
         version, config, weights, full, meta = self.weights.stored_files(self._tenant(msg.api_key), msg.model_path)
         return r.ExportWeightsReply(version, self.config.model, config, weights, full, meta)
 

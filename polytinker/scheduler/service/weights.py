@@ -185,23 +185,33 @@ class WeightsCatalog:
             raise ConfigError(f"job {row.job_id} has no checkpoint {name!r} (polytinker checkpoints list names them)")
         return was
 
-    def stored_files(self, tenant: str, model_path: str) -> tuple[int, str, Any, bool, str]:
-        """A tenant's saved version, read from the state root: (version, ``adapter_config.json`` as
-        text, the weights file as one uint8 array, full?, the checkpoint's ``meta.json``). A LoRA
-        version's are its peft export's; a full-parameter version's, its checkpoint's weights."""
+    def stored_files(self, tenant: str, path: str) -> tuple[int, str, Any, bool, str]:
+        """Saved weights the tenant may read, from the state root: (version, ``adapter_config.json``
+        as text, the weights file as one uint8 array, full?, a learner checkpoint's ``meta.json``).
+        A LoRA version's are its peft export's; a full-parameter version's and a ``save_state``
+        checkpoint's (``polytinker-ckpt://JOB/NAME``), the learner checkpoint's weights and meta."""
         import numpy as np
 
-        _, version, export, full = self.resolve(tenant, model_path)
-        assert export is not None
-        where = under(self.root, export.relative_path)
-        text = where / (_CHECKPOINT_META if full else "adapter_config.json")
-        weights = where / (_CHECKPOINT_WEIGHTS if full else "adapter_model.safetensors")
+        checkpoint = CheckpointPath.parse(path)
+        if checkpoint is not None:
+            job, _ = self.info(tenant, path)  # the tenant's own, or published
+            found = self.store.checkpoint(job.job_id, checkpoint.name)
+            assert found is not None  # info checked it
+            stored_path, version = found
+            where = under(self.root, self.stored(stored_path, version).relative_path)
+            full, from_checkpoint = job.kind == JobKind.FULL_RL, True
+        else:
+            _, version, export, full = self.resolve(tenant, path)
+            assert export is not None
+            where, from_checkpoint = under(self.root, export.relative_path), full
+        text = where / (_CHECKPOINT_META if from_checkpoint else "adapter_config.json")
+        weights = where / (_CHECKPOINT_WEIGHTS if from_checkpoint else "adapter_model.safetensors")
         if not (text.is_file() and weights.is_file()):
-            raise ConfigError(
-                f"the files of {model_path} are not on the scheduler's machine (its learner keeps them elsewhere)"
-            )
+            raise ConfigError(f"the files of {path} are not on the scheduler's machine (a remote learner has them)")
         data = np.fromfile(weights, dtype=np.uint8)
-        return (version, "", data, True, text.read_text()) if full else (version, text.read_text(), data, False, "")
+        if from_checkpoint:
+            return version, "", data, full, text.read_text()
+        return version, text.read_text(), data, False, ""
 
 
 # A learner checkpoint's files (polytinker.engine.learner.state, not imported here: it loads torch).
