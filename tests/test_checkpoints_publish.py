@@ -8,7 +8,7 @@ import pytest
 from fixtures.client import KEY_ALICE, KEY_BOB, MODEL, client, data, shared_runtime
 
 from polytinker.cli import main as cli_main
-from polytinker.errors import AuthError
+from polytinker.errors import AuthError, JobNotRunning
 
 SEQUENCE = [5, 17, 230, 1400, 9]
 
@@ -74,3 +74,36 @@ def test_a_published_training_checkpoint_starts_another_tenants_job() -> None:
         # Alice deletes her checkpoint: its files stay, as bob's loaded version stands on them.
         assert alice.delete_checkpoint(trainer.job_id, "lesson") is False
         student.forward_backward(data(4), "cross_entropy").result()
+
+
+def test_a_copy_outlives_its_source_and_holds_weights_without_training() -> None:
+    with client(KEY_ALICE) as alice, client(KEY_BOB) as bob:
+        trainer = alice.create_lora_training_client(MODEL, rank=4, agent="original", seed=7)
+        trainer.forward_backward(data(5), "cross_entropy").result()
+        trainer.optim_step({"learning_rate": 0.01}).result()
+        state = trainer.save_state("to-copy").result().path
+        version = trainer.save_weights_for_sampler("to-copy").result().path
+        expected = alice.create_sampling_client(model_path=version).compute_logprobs(SEQUENCE).result()[1:]
+        with pytest.raises(AuthError):  # not published: not bob's to copy
+            bob.copy_weights(state).result()
+
+        alice.publish_checkpoint(trainer.job_id, "to-copy")
+        alice.publish_checkpoint(trainer.job_id, "sampler-to-copy")
+        state_copy = bob.copy_weights(state).result()
+        version_copy = bob.copy_weights(version, ttl_seconds=3600).result()
+        copy_job = bob.weights_info(state_copy).job_id
+        assert copy_job != trainer.job_id and bob.weights_info(state_copy).owned
+        assert bob.get_job(copy_job)["job"]["state"] == "done"  # it holds weights; it never trains
+        assert "sampler-to-copy" in bob.get_job(bob.weights_info(version_copy).job_id)["checkpoint_expiry"]
+
+        # The source goes; the copies stay whole (hard links).
+        alice.unpublish_checkpoint(trainer.job_id, "to-copy")
+        alice.delete_checkpoint(trainer.job_id, "to-copy")
+        alice.delete_checkpoint(trainer.job_id, "sampler-to-copy")
+        scored = bob.create_sampling_client(model_path=version_copy).compute_logprobs(SEQUENCE).result()[1:]
+        assert scored == pytest.approx(expected, abs=1e-4)
+        resumed = bob.create_training_client_from_state(state_copy)
+        again = bob.create_sampling_client(model_path=resumed.save_weights_for_sampler().result().path)
+        assert again.compute_logprobs(SEQUENCE).result()[1:] == pytest.approx(expected, abs=1e-4)
+        with pytest.raises(JobNotRunning):
+            bob.attach_training_client(copy_job).forward_backward(data(6), "cross_entropy").result()

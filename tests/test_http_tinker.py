@@ -380,6 +380,37 @@ def test_a_published_checkpoint_samples_and_resumes_for_another_tenant(serve: Se
         c.close("success").result()
 
 
+def test_copy_weights_makes_a_run_that_outlives_its_source(serve: Serve, trained) -> None:
+    _, tc, tokens = trained
+    rest = tinker.RestClient(base_url=serve.url, api_key=KEY)
+    state_path = tc.save_state("to-copy").result().path
+    sampler_path = tc.save_weights_for_sampler("to-copy").result().path
+    prompt = types.ModelInput.from_ints(tokens)
+    own = tc.create_sampling_client(sampler_path).result().compute_logprobs(prompt).result()
+    bob = tinker.ServiceClient(base_url=serve.url, api_key=KEY_BOB, project_id="archive")
+    with pytest.raises(tinker.NotFoundError):  # not published: not bob's to copy
+        bob.copy_weights(state_path).result()
+    rest.publish_checkpoint_from_tinker_path(state_path).result()
+    rest.publish_checkpoint_from_tinker_path(sampler_path).result()
+    state_copy = bob.copy_weights(state_path).result()
+    sampler_copy = bob.copy_weights(sampler_path, ttl_seconds=3600).result()
+    assert state_copy.endswith("/weights/to-copy") and "/sampler_weights/" in sampler_copy
+    copy_run = state_copy.removeprefix("tinker://").split("/")[0]
+    bob_rest = tinker.RestClient(base_url=serve.url, api_key=KEY_BOB)
+    run = bob_rest.get_training_run(copy_run).result()
+    assert run.user_metadata == {"copied_from": state_path, "project_id": "archive"}
+    listed = {c.tinker_path for c in bob_rest.list_checkpoints(copy_run).result().checkpoints}
+    assert listed == {state_copy}
+
+    rest.delete_checkpoint_from_tinker_path(state_path).result()  # the source goes; the copies stay
+    rest.delete_checkpoint_from_tinker_path(sampler_path).result()
+    copied = bob.create_sampling_client(model_path=sampler_copy).result().compute_logprobs(prompt).result()
+    assert copied[1:] == pytest.approx(own[1:], abs=1e-4)
+    resumed = bob.create_training_client_from_state(state_copy).result()
+    assert resumed.forward([_sft_datum(resumed.get_tokenizer(), "a", " b")], "cross_entropy").result()
+    bob.close("success").result()
+
+
 def test_top_k_prompt_logprobs_through_the_sdk(trained) -> None:
     _, tc, tokens = trained
     sampler = tc.save_weights_and_get_sampling_client().result()

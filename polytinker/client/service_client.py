@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from polytinker.client._connection import Connection
+from polytinker.client._future import APIFuture, submit
 from polytinker.client.sampling_client import SamplingClient
 from polytinker.client.training_client import TrainingClient
 from polytinker.errors import ConfigError, NotBuiltError, PolytinkerError, TransportError
@@ -391,6 +392,16 @@ class ServiceClient:
         model, agent and LoRA shape, and whether they are published."""
         conn = self._connection()
         return conn.request("sched.weights_info", m.WeightsInfo(conn.api_key, str(path)), r.WeightsInfoReply)
+
+    def copy_weights(self, path: str, *, ttl_seconds: float | None = None) -> APIFuture[str]:
+        """Copy saved weights this tenant may read (its own, or published: a ``polytinker-ckpt://``
+        checkpoint or a ``polytinker://`` version) into a new job of its own that holds them and
+        does not train; a future for the copy's path, of the same kind. The copy outlives the
+        source (its files are hard links where the filesystem allows); ``ttl_seconds`` deletes it
+        then. A copied checkpoint resumes with ``create_training_client_from_state``."""
+        conn = self._connection()
+        msg = m.CopyCheckpoint(conn.api_key, str(path), float(ttl_seconds or 0))
+        return submit(conn.pool, lambda: conn.request("sched.copy_checkpoint", msg, r.CopyCheckpointReply).path)
 
     def runtime_status(self) -> dict[str, Any]:
         """Workers, their statistics (batches, mixed batches, adapter loads) and learner switches."""

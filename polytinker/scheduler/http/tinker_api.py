@@ -265,6 +265,13 @@ def _add_run_routes(r: APIRouter, api: _Api) -> None:
     def list_checkpoints(run_id: str, request: Request) -> dict[str, Any]:
         return {"checkpoints": runs.checkpoints(api.tenant(request), run_id), "cursor": None}
 
+    @r.post("/copy_weights")
+    async def copy_weights(request: Request) -> dict[str, Any]:
+        t = await api.tenant_of(request)
+        body = await api.json(request)
+        token = request.headers.get("x-tinker-weights-access-token")
+        return await asyncio.to_thread(api.backend.copy_weights, t, body, token)
+
     # Before the delete route below: its {checkpoint_id:path} would take ".../publish" too.
     @r.post("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
     def publish_checkpoint(run_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:

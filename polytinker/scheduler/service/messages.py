@@ -7,7 +7,7 @@ This module imports no torch: the scheduler process stays light.
 Client -> scheduler (every one carries ``api_key``): ``CreateJob``, ``JobQuery``, ``JobAction``,
 ``ListJobs``, ``ForwardBackward``, ``Forward``, ``OptimStep``, ``SaveState``, ``LoadState``,
 ``SaveWeights``, ``Sample``, ``ComputeLogprobs``, ``ExportWeights``, ``DeleteCheckpoint``,
-``SetCheckpointTtl``, ``PublishCheckpoint``, ``WeightsInfo``, ``RuntimeStatus``.
+``SetCheckpointTtl``, ``PublishCheckpoint``, ``WeightsInfo``, ``CopyCheckpoint``, ``RuntimeStatus``.
 
 Nested values: ``polytinker.engine.types.Datum`` (one training example) and ``SamplingParams``
 (sampling parameters), registered here as message values: the learner and the engine get the
@@ -258,6 +258,22 @@ class PublishCheckpoint:
     public: bool
 
 
+@message("sched.copy_checkpoint")
+@dataclass(frozen=True)
+class CopyCheckpoint:
+    """Copy saved weights the tenant may read (its own, or published: a ``polytinker-ckpt://``
+    checkpoint or a ``polytinker://`` version) into a new job of the tenant's that holds them and
+    does not train; ``ttl_s`` deletes the copy then (0: kept)."""
+
+    api_key: str
+    path: str
+    ttl_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        need(self.path.startswith((MODEL_PREFIX, CKPT_PREFIX)), f"path must be {MODEL_PREFIX}... or {CKPT_PREFIX}...")
+        check_ttl(self.ttl_s)
+
+
 @message("sched.weights_info")
 @dataclass(frozen=True)
 class WeightsInfo:
@@ -320,6 +336,7 @@ __all__ = [
     "JOB_KINDS",
     "LOSS_FNS",
     "ComputeLogprobs",
+    "CopyCheckpoint",
     "CreateJob",
     "DeleteCheckpoint",
     "Forward",

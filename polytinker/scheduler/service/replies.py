@@ -175,6 +175,13 @@ class PublishCheckpointReply:
     was_public: bool  # its state before: the same as ``public`` when nothing changed
 
 
+@message("sched.r.copy_checkpoint")
+@dataclass(frozen=True)
+class CopyCheckpointReply:
+    job_id: str  # the new job that holds the copy
+    path: str  # the copy's path, of the source's kind
+
+
 @message("sched.r.weights_info")
 @dataclass(frozen=True)
 class WeightsInfoReply:
@@ -289,6 +296,7 @@ class ActorsNoted:
 __all__ = [
     "ActorsNoted",
     "CheckpointTtlReply",
+    "CopyCheckpointReply",
     "DeleteCheckpointReply",
     "ExportWeightsReply",
     "ExportedWeights",

@@ -157,6 +157,7 @@ class SchedulerService:
             "set_checkpoint_ttl": self.set_checkpoint_ttl,
             "publish_checkpoint": self.publish_checkpoint,
             "weights_info": self.weights_info,
+            "copy_checkpoint": self.copy_checkpoint,
             "sample": self.sample,
             "compute_logprobs": self.compute_logprobs,
             "runtime_status": self.runtime_status,
@@ -442,6 +443,20 @@ class SchedulerService:
         job, public = self.weights.info(tenant, msg.path)
         owned = job.tenant == tenant
         return r.WeightsInfoReply(job.job_id, job.kind, job.base_model, job.agent, _lora_shape(job), public, owned)
+
+    def copy_checkpoint(self, msg: m.CopyCheckpoint) -> r.CopyCheckpointReply:
+        """Saved weights the tenant may read, copied into a new job of its own that holds them
+        (finished from the start: it never takes a learner or an engine slot)."""
+        tenant = self._tenant(msg.api_key)
+        source, _ = self.weights.info(tenant, msg.path)
+        copy = self.jobs.create_copy(tenant, source, f"holds a copy of {msg.path}; it does not train")
+        try:
+            path = self.weights.copy_into(tenant, msg.path, copy, expiry(msg.ttl_s))
+        except BaseException:
+            self.store.delete_jobs([copy.job_id])  # nothing refers to it yet
+            raise
+        self.store.log_event(copy.job_id, "copy", f"from {msg.path}")
+        return r.CopyCheckpointReply(copy.job_id, path)
 
     def export_weights(self, msg: m.ExportWeights) -> r.ExportWeightsReply:
         """Saved weights' files, read from this scheduler's state root: a LoRA version's peft files

@@ -185,6 +185,41 @@ class WeightsCatalog:
             raise ConfigError(f"job {row.job_id} has no checkpoint {name!r} (polytinker checkpoints list names them)")
         return was
 
+    def copy_into(self, tenant: str, path: str, copy: JobRow, expires_s: float | None) -> str:
+        """Copy the weights at ``path`` (a checkpoint or a version the tenant may read) into the
+        job ``copy`` (``JobManager.create_copy``) as a named checkpoint of the same kind, and
+        answer the copy's path. Files are hard-linked where the filesystem allows (no bytes
+        duplicated; deleting the source leaves the copy whole), copied otherwise."""
+        key = adapter_key(copy.tenant, copy.job_id, copy.agent)
+        self.store.ensure_adapter(key, copy.tenant, copy.job_id, copy.agent)
+        checkpoint = CheckpointPath.parse(path)
+        if checkpoint is not None:
+            self.info(tenant, path)  # the tenant's own, or published
+            found = self.store.checkpoint(checkpoint.job_id, checkpoint.name)
+            assert found is not None
+            stored_path, version = found
+            target = WeightsRef(key, version, "checkpoint", checkpoint.name)
+            _link_tree(under(self.root, self.stored(stored_path, version).relative_path), self._fresh(target))
+            self.store.add_checkpoint(copy.job_id, checkpoint.name, target.relative_path, version, expires_s)
+            return str(CheckpointPath(copy.job_id, checkpoint.name))
+        _, version, export, full = self.resolve(tenant, path)
+        assert export is not None
+        # A full-parameter version's export is its checkpoint: the copy's is too.
+        target = WeightsRef(key, version, "checkpoint" if full else "export")
+        _link_tree(under(self.root, export.relative_path), self._fresh(target))
+        self.store.record_version(key, version, target.relative_path if full else "", target.relative_path)
+        source = ModelPath.parse(path).job_id
+        names = [c["name"] for c in self.store.checkpoints(source) if c["version"] == version]
+        name = next((n for n in names if n.startswith(SAMPLER_NAME_PREFIX)), f"{SAMPLER_NAME_PREFIX}copy")
+        self.store.add_checkpoint(copy.job_id, name, target.relative_path, version, expires_s)
+        return str(ModelPath(copy.job_id, copy.agent, version))
+
+    def _fresh(self, ref: WeightsRef) -> Path:
+        where = under(self.root, ref.relative_path)
+        if where.exists():
+            raise ConfigError(f"{ref.relative_path} exists already")
+        return where
+
     def stored_files(self, tenant: str, path: str) -> tuple[int, str, Any, bool, str]:
         """Saved weights the tenant may read, from the state root: (version, ``adapter_config.json``
         as text, the weights file as one uint8 array, full?, a learner checkpoint's ``meta.json``).
@@ -212,6 +247,28 @@ class WeightsCatalog:
         if from_checkpoint:
             return version, "", data, full, text.read_text()
         return version, text.read_text(), data, False, ""
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    """``dst`` as a copy of the directory ``src`` whose files are hard links (copies across
+    filesystems), filled beside it and renamed into place, so a failed copy leaves nothing."""
+    if not src.is_dir():
+        raise ConfigError("the weights to copy are not on the scheduler's machine (a remote learner has them)")
+
+    def link(s: str, d: str) -> None:
+        try:
+            os.link(s, d)
+        except OSError:
+            shutil.copy2(s, d)
+
+    tmp = dst.parent / f".{dst.name}.copy-{os.getpid()}"
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        shutil.copytree(src, tmp, copy_function=link)
+        os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 # A learner checkpoint's files (polytinker.engine.learner.state, not imported here: it loads torch).
