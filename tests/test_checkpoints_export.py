@@ -51,6 +51,7 @@ def test_peft_directory_loads_with_plain_peft(trained: tuple[str, list[float]], 
         out = service.export_weights(path, tmp_path / "adapter")
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["r"] == 4 and "/" not in config["base_model_name_or_path"]  # no path of the serving machine
+    assert "lm_head" in config["target_modules"]  # Tinker's default: train_unembed=True
     manifest = json.loads((out / "polytinker.json").read_text())
     assert manifest["base_model"] == MODEL and manifest["model_path"] == path and manifest["merged"] is False
     base, _ = load_model(MODEL)
@@ -70,6 +71,13 @@ def test_merged_model_loads_with_stock_transformers(trained: tuple[str, list[flo
     assert not (out / "adapter_config.json").exists()
     model = AutoModelForCausalLM.from_pretrained(str(out)).eval()
     assert _logprobs(model) == pytest.approx(expected, abs=2e-4)
+    # The adapter on the (tied) unembedding was merged into an untied copy: the input embeddings
+    # are the base model's still.
+    from polytinker.engine.models import load_model
+
+    base, _ = load_model(MODEL)
+    assert torch.equal(model.get_input_embeddings().weight, base.get_input_embeddings().weight)
+    assert not torch.equal(model.get_output_embeddings().weight, base.get_output_embeddings().weight)
 
 
 def test_only_the_owner_exports(trained: tuple[str, list[float]], tmp_path: Path) -> None:

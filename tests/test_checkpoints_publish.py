@@ -13,13 +13,19 @@ from polytinker.errors import AuthError, JobNotRunning
 SEQUENCE = [5, 17, 230, 1400, 9]
 
 
+def _stepped(service, agent: str, seed: int):
+    """A LoRA job of ``service``'s one optimizer step away from its fresh adapter."""
+    trainer = service.create_lora_training_client(MODEL, rank=4, agent=agent, seed=seed)
+    trainer.forward_backward(data(seed), "cross_entropy").result()
+    trainer.optim_step({"learning_rate": 0.01}).result()
+    return trainer
+
+
 def test_a_published_sampler_save_samples_for_another_tenant_until_unpublished(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     with client(KEY_ALICE) as alice, client(KEY_BOB) as bob:
-        trainer = alice.create_lora_training_client(MODEL, rank=4, agent="publisher", seed=5)
-        trainer.forward_backward(data(1), "cross_entropy").result()
-        trainer.optim_step({"learning_rate": 0.01}).result()
+        trainer = _stepped(alice, "publisher", 5)
         path = trainer.save_weights_for_sampler("shared").result().path
         own = alice.create_sampling_client(model_path=path).compute_logprobs(SEQUENCE).result()
         with pytest.raises(AuthError, match="no saved weights"):
@@ -53,9 +59,7 @@ def test_a_published_sampler_save_samples_for_another_tenant_until_unpublished(
 
 def test_a_published_training_checkpoint_starts_another_tenants_job() -> None:
     with client(KEY_ALICE) as alice, client(KEY_BOB) as bob:
-        trainer = alice.create_lora_training_client(MODEL, rank=4, agent="teacher", seed=6)
-        trainer.forward_backward(data(2), "cross_entropy").result()
-        trainer.optim_step({"learning_rate": 0.01}).result()
+        trainer = _stepped(alice, "teacher", 6)
         state = trainer.save_state("lesson").result().path
         with pytest.raises(AuthError):
             bob.create_training_client_from_state(state)
@@ -78,9 +82,7 @@ def test_a_published_training_checkpoint_starts_another_tenants_job() -> None:
 
 def test_a_copy_outlives_its_source_and_holds_weights_without_training() -> None:
     with client(KEY_ALICE) as alice, client(KEY_BOB) as bob:
-        trainer = alice.create_lora_training_client(MODEL, rank=4, agent="original", seed=7)
-        trainer.forward_backward(data(5), "cross_entropy").result()
-        trainer.optim_step({"learning_rate": 0.01}).result()
+        trainer = _stepped(alice, "original", 7)
         state = trainer.save_state("to-copy").result().path
         version = trainer.save_weights_for_sampler("to-copy").result().path
         expected = alice.create_sampling_client(model_path=version).compute_logprobs(SEQUENCE).result()[1:]

@@ -18,7 +18,7 @@ from polytinker import types
 from polytinker.client._convert import forward_metrics, to_datum, to_sampling_params
 from polytinker.client._future import APIFuture, submit
 from polytinker.client.service_client import lora_modules
-from polytinker.errors import ConfigError, NotBuiltError
+from polytinker.errors import ConfigError
 
 # --- the vocabulary, no runtime -----------------------------------------------------------------
 
@@ -159,11 +159,15 @@ def test_base_url_takes_scheduler_addresses_and_explains_http() -> None:
     with pytest.raises(ConfigError, match="tcp://"):
         tinker.ServiceClient(base_url="127.0.0.1:7000", api_key=KEY_ALICE)
     tinker.ServiceClient(base_url="tcp://127.0.0.1:9", api_key=KEY_ALICE).close()
-    assert lora_modules(True, True, ()) == ()  # all linear projections: the learner's default
-    assert lora_modules(False, True, ()) == ("q_proj", "k_proj", "v_proj", "o_proj")
-    assert lora_modules(True, False, ()) == ("gate_proj", "up_proj", "down_proj")
-    with pytest.raises(NotBuiltError, match="unembedding"):
-        lora_modules(False, False, ())
+    attn, mlp = ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
+    assert lora_modules(True, True, True) == (*attn, *mlp, "lm_head")  # Tinker's defaults
+    assert lora_modules(True, True, False) == ()  # all linear projections: the learner's default
+    assert lora_modules(False, True, False) == attn
+    assert lora_modules(True, False, True) == (*mlp, "lm_head")
+    assert lora_modules(False, False, True) == ("lm_head",)
+    assert lora_modules(True, True, True, ("q_proj",)) == ("q_proj",)  # named modules win
+    with pytest.raises(ConfigError, match="train nothing"):
+        lora_modules(False, False, False)
 
 
 # --- Tinker code on the shared runtime ------------------------------------------------------------

@@ -145,8 +145,8 @@ def test_custom_loss_runs_through_the_sdk(service: tinker.ServiceClient) -> None
     tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
 
 
-def test_checkpoints_resume_in_a_new_training_client(service: tinker.ServiceClient) -> None:
-    tc = service.create_lora_training_client(base_model=MODEL, rank=4, seed=3).result()
+def test_checkpoints_resume_in_a_new_training_client(serve: Serve, service: tinker.ServiceClient) -> None:
+    tc = service.create_lora_training_client(base_model=MODEL, rank=4, seed=3, train_unembed=False).result()
     tokenizer = tc.get_tokenizer()
     data = [_sft_datum(tokenizer, "Colour of the sky:", " blue")]
     tc.forward_backward(data, "cross_entropy")
@@ -160,6 +160,8 @@ def test_checkpoints_resume_in_a_new_training_client(service: tinker.ServiceClie
     assert after == pytest.approx(before, abs=1e-4)
     info = resumed.get_info()
     assert info.model_data.model_name == MODEL and info.lora_rank == 4
+    shape = tinker.RestClient(base_url=serve.url, api_key=KEY).get_weights_info_by_tinker_path(saved.path).result()
+    assert not shape.train_unembed and shape.train_mlp  # as asked
 
     tc.forward_backward(data, "cross_entropy")
     tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
@@ -250,7 +252,7 @@ def test_external_weights_download_as_a_peft_adapter_that_scores_as_the_sampler(
             (out / name).write_bytes(r.read())
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    assert config["r"] == 4
+    assert config["r"] == 4 and "lm_head" in config["target_modules"]  # train_unembed=True, the SDK's default
 
     import torch
     from peft import PeftModel
@@ -346,13 +348,20 @@ def test_checkpoint_ttls_show_in_the_listing_and_run_out(serve: Serve, trained) 
         rest.set_checkpoint_ttl_from_tinker_path(week, -1).result()
 
 
+def _saved_both_ways(tc: tinker.TrainingClient, name: str, tokens: list[int]):
+    """The run's current weights saved as ``name`` both ways (sampler and training checkpoint),
+    the prompt of ``tokens`` and the sampler's logprobs of it."""
+    sampler_path = tc.save_weights_for_sampler(name).result().path
+    state_path = tc.save_state(name).result().path
+    prompt = types.ModelInput.from_ints(tokens)
+    own = tc.create_sampling_client(sampler_path).result().compute_logprobs(prompt).result()
+    return sampler_path, state_path, prompt, own
+
+
 def test_a_published_checkpoint_samples_and_resumes_for_another_tenant(serve: Serve, trained) -> None:
     _, tc, tokens = trained
     rest = tinker.RestClient(base_url=serve.url, api_key=KEY)
-    sampler_path = tc.save_weights_for_sampler("shared").result().path
-    state_path = tc.save_state("shared").result().path
-    prompt = types.ModelInput.from_ints(tokens)
-    own = tc.create_sampling_client(sampler_path).result().compute_logprobs(prompt).result()
+    sampler_path, state_path, prompt, own = _saved_both_ways(tc, "shared", tokens)
     bob = tinker.ServiceClient(base_url=serve.url, api_key=KEY_BOB)
     bob_rest = tinker.RestClient(base_url=serve.url, api_key=KEY_BOB)
     with pytest.raises(tinker.NotFoundError, match="for this tenant"):
@@ -367,7 +376,8 @@ def test_a_published_checkpoint_samples_and_resumes_for_another_tenant(serve: Se
 
     theirs = bob.create_sampling_client(model_path=sampler_path).result().compute_logprobs(prompt).result()
     assert theirs[1:] == pytest.approx(own[1:], abs=1e-4)
-    assert bob_rest.get_weights_info_by_tinker_path(state_path).result().lora_rank == 4
+    info = bob_rest.get_weights_info_by_tinker_path(state_path).result()
+    assert info.lora_rank == 4 and info.train_unembed and info.train_attn  # the SDK's defaults
     resumed = bob.create_training_client_from_state(state_path).result()
     resumed_scores = resumed.save_weights_and_get_sampling_client().result().compute_logprobs(prompt).result()
     assert resumed_scores[1:] == pytest.approx(own[1:], abs=1e-4)
@@ -383,10 +393,7 @@ def test_a_published_checkpoint_samples_and_resumes_for_another_tenant(serve: Se
 def test_copy_weights_makes_a_run_that_outlives_its_source(serve: Serve, trained) -> None:
     _, tc, tokens = trained
     rest = tinker.RestClient(base_url=serve.url, api_key=KEY)
-    state_path = tc.save_state("to-copy").result().path
-    sampler_path = tc.save_weights_for_sampler("to-copy").result().path
-    prompt = types.ModelInput.from_ints(tokens)
-    own = tc.create_sampling_client(sampler_path).result().compute_logprobs(prompt).result()
+    sampler_path, state_path, prompt, own = _saved_both_ways(tc, "to-copy", tokens)
     bob = tinker.ServiceClient(base_url=serve.url, api_key=KEY_BOB, project_id="archive")
     with pytest.raises(tinker.NotFoundError):  # not published: not bob's to copy
         bob.copy_weights(state_path).result()

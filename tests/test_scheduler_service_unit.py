@@ -137,6 +137,16 @@ def create(mgr: JobManager, tenant: str, key: str, kind: str = "lora_rl", **kw: 
     return mgr.create(tenant, m.CreateJob(key, kind, "tiny-random", **kw)).job_id  # type: ignore[arg-type]
 
 
+def test_lora_on_the_unembedding_is_refused_at_creation_where_an_engine_is_vllm(tmp_path: Path) -> None:
+    unembed = ("q_proj", "v_proj", "lm_head")
+    vllm = manager(tmp_path / "vllm", engines=(EngineWorkerConfig(backend="vllm"),))
+    with pytest.raises(ConfigError, match="hf engine backend only"):
+        create(vllm, "alice", KEY_A, target_modules=unembed)
+    assert create(manager(tmp_path / "hf"), "alice", KEY_A, target_modules=unembed)  # the hf engine serves it
+    sft = manager(tmp_path / "sft", engines=(EngineWorkerConfig(backend="vllm"),))
+    assert create(sft, "alice", KEY_A, kind="sft", target_modules=unembed)  # no engine samples an SFT job
+
+
 def test_job_lifecycle_and_tenant_isolation(tmp_path: Path) -> None:
     mgr = manager(tmp_path)
     job = create(mgr, "alice", KEY_A)

@@ -106,6 +106,31 @@ def test_errors_callers_act_on_travel_as_codes():
             assert info.value.code == cls.code and error_class(info.value.code) is cls
 
 
+def test_an_error_relayed_from_a_server_behind_keeps_its_code():
+    """A scheduler passes a worker's error on as the RemoteError it got: its caller still reads the
+    worker's code (a learner's ConfigError is a ConfigError to the client, not a server crash)."""
+    from polytinker.errors import ConfigError
+
+    def misconfigured(_: object) -> None:
+        raise ConfigError("the checkpoint's shape differs")
+
+    with (
+        RpcServer(f"inproc://worker-{uuid.uuid4().hex}", {"load": misconfigured}, config=FAST) as worker,
+        RpcClient(worker.address) as to_worker,
+    ):
+
+        def relay(_: object) -> None:
+            to_worker.call("load")
+
+        with (
+            RpcServer(f"inproc://relay-{uuid.uuid4().hex}", {"load": relay}, config=FAST) as front,
+            RpcClient(front.address) as c,
+            pytest.raises(RemoteError) as info,
+        ):
+            c.call("load")
+    assert info.value.code == ConfigError.code and "shape differs" in str(info.value)
+
+
 def test_a_server_for_trusted_clients_may_expose_tracebacks():
     cfg = dataclasses.replace(FAST, expose_tracebacks=True)
     with RpcServer(f"inproc://tb-{uuid.uuid4().hex}", HANDLERS, config=cfg) as srv, RpcClient(srv.address) as c:

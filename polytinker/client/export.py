@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from polytinker.client._connection import Connection
+from polytinker.engine.types import UNEMBED_MODULE
 from polytinker.errors import ConfigError, NotBuiltError
 from polytinker.model_path import TINKER_PREFIX, CheckpointPath, ModelPath
 from polytinker.scheduler.service import messages as m
@@ -136,11 +137,24 @@ def export_weights(
         with tempfile.TemporaryDirectory(prefix="polytinker-adapter-") as adapter:
             write_adapter(Path(adapter))
             model, tokenizer = load_model(reply.base_model)
+            if UNEMBED_MODULE in json.loads(files["adapter_config.json"])["target_modules"]:
+                _untie_unembedding(model)
             peft_model = PeftModel.from_pretrained(model, adapter)
             merged_model = peft_model.merge_and_unload()
         _save_model_dir(d, merged_model, tokenizer, reply.base_model, files[MANIFEST])
 
     return _write_dir(Path(out_dir), write_merged, overwrite)
+
+
+def _untie_unembedding(model: Any) -> None:
+    """Give the unembedding its own weights before an adapter on it is merged: tied to the input
+    embeddings (as the default model's are), merging would change those too."""
+    import torch
+
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is not None and head.weight is embed.weight:
+        head.weight = torch.nn.Parameter(head.weight.detach().clone())
+        model.config.tie_word_embeddings = False
 
 
 def _save_model_dir(d: Path, model: Any, tokenizer: Any, base_model: str, manifest: bytes) -> None:

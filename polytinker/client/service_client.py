@@ -27,7 +27,8 @@ from polytinker.client._connection import Connection
 from polytinker.client._future import APIFuture, submit
 from polytinker.client.sampling_client import SamplingClient
 from polytinker.client.training_client import TrainingClient
-from polytinker.errors import ConfigError, NotBuiltError, PolytinkerError, TransportError
+from polytinker.engine.types import ATTN_MODULES, DEFAULT_TARGET_MODULES, MLP_MODULES, UNEMBED_MODULE
+from polytinker.errors import ConfigError, PolytinkerError, TransportError
 from polytinker.model_path import CKPT_PREFIX, CheckpointPath
 from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service import replies as r
@@ -38,8 +39,6 @@ from polytinker.types import GetServerCapabilitiesResponse, SupportedModel
 
 ADDRESS_ENV = "POLYTINKER_SCHEDULER"
 API_KEY_ENV = "POLYTINKER_API_KEY"
-ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 _LORA_KINDS = (JobKind.LORA_RL, JobKind.SFT)  # the kinds a LoRA training client makes
 
 
@@ -58,16 +57,20 @@ def scheduler_address(address: str | None, base_url: str | None) -> str | None:
     return address or base_url
 
 
-def lora_modules(train_mlp: bool, train_attn: bool, target_modules: tuple[str, ...]) -> tuple[str, ...]:
-    """The LoRA target modules: ``target_modules`` when given, else Tinker's switches (both: all
-    of them, which is the learner's default ``()``)."""
+def lora_modules(
+    train_mlp: bool, train_attn: bool, train_unembed: bool, target_modules: tuple[str, ...] = ()
+) -> tuple[str, ...]:
+    """The LoRA target modules: ``target_modules`` when given, else Tinker's switches (attention and
+    MLP without the unembedding: ``()``, the learner's default of every linear projection)."""
     if target_modules:
         return tuple(target_modules)
-    if train_mlp and train_attn:
+    if train_mlp and train_attn and not train_unembed:
         return ()
-    if not (train_mlp or train_attn):
-        raise NotBuiltError("LoRA on the unembedding alone is not built: set train_attn or train_mlp")
-    return ATTN_MODULES if train_attn else MLP_MODULES
+    modules = (ATTN_MODULES if train_attn else ()) + (MLP_MODULES if train_mlp else ())
+    modules += (UNEMBED_MODULE,) if train_unembed else ()
+    if not modules:
+        raise ConfigError("train_attn, train_mlp and train_unembed are all False: LoRA would train nothing")
+    return modules
 
 
 class ServiceClient:
@@ -190,10 +193,10 @@ class ServiceClient:
         max_staleness: int = 0,
     ) -> TrainingClient:
         """A job training a fresh LoRA adapter (rank ``rank``) for ``agent`` on ``base_model``.
-        ``seed``: of the adapter's initialisation (None: 0); ``train_attn`` / ``train_mlp``: LoRA
-        on the attention (q, k, v, o) / MLP (gate, up, down) projections, unless
-        ``target_modules`` names them; the unembedding is never trained (``train_unembed`` is
-        accepted, as is ``user_metadata``, which is not kept). ``kind``: ``lora_rl`` (samples too)
+        ``seed``: of the adapter's initialisation (None: 0); ``train_attn`` / ``train_mlp`` /
+        ``train_unembed``: LoRA on the attention (q, k, v, o) / MLP (gate, up, down) projections /
+        the unembedding (``lm_head``), as Tinker's defaults say all three, unless ``target_modules``
+        names the modules (``user_metadata`` is accepted and not kept). ``kind``: ``lora_rl`` (samples too)
         or ``sft`` (no engine); ``steps``: declared length; ``max_staleness``: how many steps the
         script samples ahead of training (0: sync), which the scheduler's policy plans with."""
         if kind not in _LORA_KINDS:
@@ -202,7 +205,7 @@ class ServiceClient:
             "rank": rank,
             "alpha": alpha or rank,
             "seed": 0 if seed is None else int(seed),
-            "target_modules": lora_modules(train_mlp, train_attn, tuple(target_modules)),
+            "target_modules": lora_modules(train_mlp, train_attn, train_unembed, tuple(target_modules)),
         }
         job = self._create(
             kind, base_model, agent=agent, priority=priority, steps=steps, max_staleness=max_staleness, **lora
@@ -240,7 +243,8 @@ class ServiceClient:
         else:
             kind = source.kind if source.kind in _LORA_KINDS else JobKind.LORA_RL
             rank, alpha = int(lora.get("rank", 32)), int(lora.get("alpha") or 0) or None
-            modules = tuple(lora.get("target_modules") or ())
+            # None named: the learner's default then (every projection, not the unembedding).
+            modules = tuple(lora.get("target_modules") or DEFAULT_TARGET_MODULES)
             tc = self.create_lora_training_client(
                 source.base_model, rank, lora.get("seed"), alpha=alpha, target_modules=modules, kind=kind, **kw
             )

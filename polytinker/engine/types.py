@@ -38,15 +38,11 @@ LossFnName = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dr
 LOSS_FNS: tuple[str, ...] = get_args(LossFnName)  # the same names, to check a value against
 MAX_SAMPLE_TOKENS = 1 << 16  # the most tokens one sample may ask for
 
-DEFAULT_TARGET_MODULES: tuple[str, ...] = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-)
+# The modules Tinker's train_attn / train_mlp / train_unembed put LoRA on; the default is the first two.
+ATTN_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
+UNEMBED_MODULE = "lm_head"
+DEFAULT_TARGET_MODULES: tuple[str, ...] = ATTN_MODULES + MLP_MODULES
 
 
 @dataclass(frozen=True)
@@ -185,8 +181,11 @@ class Datum:
 
 
 __all__ = [
+    "ATTN_MODULES",
     "DEFAULT_TARGET_MODULES",
     "LOSS_FNS",
+    "MLP_MODULES",
+    "UNEMBED_MODULE",
     "AdapterName",
     "AdapterRef",
     "AdapterWeights",

@@ -179,8 +179,10 @@ def error_body(
 
 def handler_error_code(exc: BaseException) -> str:
     """The wire code of an exception a handler raised: its class's ``code`` (polytinker errors that
-    callers act on declare one, see polytinker.errors), else ``handler``."""
-    code = getattr(type(exc), "code", "")
+    callers act on declare one, see polytinker.errors), else ``handler``. A ``RemoteError`` passed
+    on (a worker's error, relayed by the scheduler) keeps the code its own server gave it, so the
+    caller still gets the error's type (a learner's ConfigError stays a ConfigError)."""
+    code = exc.code if isinstance(exc, RemoteError) else getattr(type(exc), "code", "")
     return code if isinstance(code, str) and code and code not in _TRANSPORT_CODES else ErrorCode.HANDLER
 
 

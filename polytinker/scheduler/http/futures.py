@@ -11,7 +11,6 @@ again knows the calls its predecessor never answered (``GatewayStore.lost_reques
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 import time
 import uuid
@@ -80,13 +79,13 @@ class FutureTable:
     async def wait(self, entry: Pending, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for the call; True when it is done (never once ``closing``)."""
         deadline = time.monotonic() + timeout_s
-        while not entry.future.done() and not self.closing.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            # A timeout, or the call's own error (which retrieve_future reports from the future).
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(entry.future)), min(left, 0.5))
+        if not entry.future.done():
+            waiter = asyncio.wrap_future(entry.future)
+            # The call's own error is retrieve_future's to report (from the future): marked seen
+            # here, so that asyncio does not log it as never retrieved.
+            waiter.add_done_callback(lambda f: f.cancelled() or f.exception())
+            while not waiter.done() and not self.closing.is_set() and (left := deadline - time.monotonic()) > 0:
+                await asyncio.wait({waiter}, timeout=min(left, 0.5))  # wakes to see a closing gateway
         return entry.future.done() and not self.closing.is_set()
 
     def drop(self, request_id: str) -> None:

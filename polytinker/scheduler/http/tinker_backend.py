@@ -31,7 +31,7 @@ from polytinker.client._convert import to_datum
 from polytinker.client.sampling_client import SamplingClient
 from polytinker.client.service_client import ServiceClient
 from polytinker.client.training_client import TrainingClient
-from polytinker.engine.types import Datum
+from polytinker.engine.types import ATTN_MODULES, MLP_MODULES, UNEMBED_MODULE, Datum
 from polytinker.errors import AuthError, ConfigError, NotBuiltError
 from polytinker.model_path import MODEL_PREFIX, SAMPLER_NAME_PREFIX, TINKER_PREFIX, CheckpointPath, ModelPath
 from polytinker.scheduler.http.downloads import age_recipients
@@ -45,8 +45,6 @@ from polytinker.transport import ClientCurve
 from polytinker.types import SamplingParams as TinkerSamplingParams
 
 EXTERNAL_NAME_PREFIX = "external."  # a save_weights_external(NAME) is the job's sampler save external.NAME
-ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 
 
 def owner_of(api_key: str) -> str:
@@ -211,9 +209,8 @@ class TinkerBackend:
                 rank = 0
             else:
                 rank = int(lora["rank"])
-                tc = t.service.create_lora_training_client(
-                    base_model, rank, seed=int(lora.get("seed") or 0), target_modules=_modules(lora)
-                )
+                switches = {k: bool(lora.get(k, True)) for k in ("train_mlp", "train_attn", "train_unembed")}
+                tc = t.service.create_lora_training_client(base_model, rank, int(lora.get("seed") or 0), **switches)
             self.store.add_model(ModelRow(model_id, t.owner, tc.job_id, base_model, rank))
             if req.get("user_metadata"):
                 self.store.set_metadata(model_id, _str_dict(req["user_metadata"]))
@@ -413,12 +410,12 @@ class TinkerBackend:
         kind = "weights" if "/weights/" in tinker_path else "sampler_weights"
         source = self.source(t, from_tinker_path(tinker_path, kind))
         lora = source.lora or {}
-        modules = set(lora.get("target_modules") or ATTN_MODULES + MLP_MODULES)  # none named: every linear
+        modules = set(lora.get("target_modules") or ATTN_MODULES + MLP_MODULES)  # none named: every projection
         return {
             "base_model": source.base_model,
             "is_lora": source.lora is not None,
             "lora_rank": lora.get("rank"),
-            "train_unembed": False,
+            "train_unembed": UNEMBED_MODULE in modules,
             "train_mlp": bool(modules & set(MLP_MODULES)),
             "train_attn": bool(modules & set(ATTN_MODULES)),
         }
@@ -512,15 +509,6 @@ def _str_dict(d: Any) -> dict[str, str]:
     if not isinstance(d, dict):
         raise ConfigError("user_metadata must be an object")
     return {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in d.items()}
-
-
-def _modules(lora: dict[str, Any]) -> tuple[str, ...]:
-    modules = (ATTN_MODULES if lora.get("train_attn", True) else ()) + (
-        MLP_MODULES if lora.get("train_mlp", True) else ()
-    )
-    if not modules:
-        raise NotBuiltError("LoRA on the unembedding alone is not built: set train_attn or train_mlp")
-    return modules
 
 
 __all__ = ["TINKER_PREFIX", "Tenant", "TinkerBackend", "from_tinker_path", "owner_of", "to_tinker_path"]
