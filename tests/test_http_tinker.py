@@ -371,8 +371,10 @@ def test_a_published_checkpoint_samples_and_resumes_for_another_tenant(serve: Se
 
     for path in (sampler_path, state_path, state_path):  # publishing again changes nothing
         rest.publish_checkpoint_from_tinker_path(path).result()
-    public = {c.tinker_path: c.public for c in rest.list_checkpoints(tc.model_id).result().checkpoints}
-    assert public[sampler_path] and public[state_path]
+    listed = {c.tinker_path: c for c in rest.list_checkpoints(tc.model_id).result().checkpoints}
+    assert listed[sampler_path].public and listed[state_path].public
+    # Sizes on the scheduler's disk: the training checkpoint holds the optimizer state too.
+    assert listed[state_path].size_bytes > listed[sampler_path].size_bytes > 0
 
     theirs = bob.create_sampling_client(model_path=sampler_path).result().compute_logprobs(prompt).result()
     assert theirs[1:] == pytest.approx(own[1:], abs=1e-4)

@@ -58,6 +58,7 @@ class TinkerRuns:
         names = [str(n) for n in job.get("checkpoints", [])]
         expiry = job.get("checkpoint_expiry") or {}
         public = set(job.get("public_checkpoints") or ())
+        sizes = job.get("checkpoint_bytes") or {}
         saved = {(s.kind, s.name): s for s in self.backend.store.saved(row.job_id)}
         created = float(job.get("job", {}).get("created_s") or self.backend.store.model_created(row.model_id))
         out: dict[str, dict[str, Any]] = {}
@@ -84,7 +85,7 @@ class TinkerRuns:
                 "checkpoint_type": kind,
                 "time": when,
                 "tinker_path": path,
-                "size_bytes": None,
+                "size_bytes": sizes.get(name),
                 "public": name in public,
                 "expires_at": _iso(float(expiry[name])) if name in expiry else None,
             }

@@ -88,6 +88,7 @@ class JobQueryReply(_Ok):
     events: list[dict[str, Any]]  # its last decisions: time_s, kind, reason
     checkpoint_expiry: dict[str, float] = field(default_factory=dict)  # name -> when it is deleted (Unix time)
     public_checkpoints: list[str] = field(default_factory=list)  # the names every tenant may read
+    checkpoint_bytes: dict[str, int] = field(default_factory=dict)  # name -> bytes of its files on the scheduler's disk
 
 
 @message("sched.r.jobs")

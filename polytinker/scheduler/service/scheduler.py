@@ -216,6 +216,7 @@ class SchedulerService:
             self.store.events(row.job_id),
             {c["name"]: float(c["expires_s"]) for c in checkpoints if c["expires_s"] is not None},
             [c["name"] for c in checkpoints if c["public"]],
+            {c["name"]: self.weights.size_of(c["path"], int(c["version"])) for c in checkpoints},
         )
 
     def job_action(self, msg: m.JobAction) -> r.JobReply:

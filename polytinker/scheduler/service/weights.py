@@ -214,6 +214,15 @@ class WeightsCatalog:
         self.store.add_checkpoint(copy.job_id, name, target.relative_path, version, expires_s)
         return str(ModelPath(copy.job_id, copy.agent, version))
 
+    def size_of(self, path: str, version: int) -> int:
+        """Bytes of the stored weights at ``path`` (a checkpoint or export this scheduler stored)
+        on its disk; 0 where they are not (a remote learner's)."""
+        try:
+            where = under(self.root, self.stored(path, version).relative_path)
+        except ConfigError:
+            return 0
+        return sum(f.stat().st_size for f in where.iterdir() if f.is_file()) if where.is_dir() else 0
+
     def _fresh(self, ref: WeightsRef) -> Path:
         where = under(self.root, ref.relative_path)
         if where.exists():
