@@ -113,6 +113,7 @@ def tinker_router(
     _add_training_routes(r, api)
     _add_weights_routes(r, api)
     _add_run_routes(r, api)
+    _add_checkpoint_routes(r, api)
     _add_sampling_routes(r, api)
     _add_future_routes(r, api)
     return r
@@ -265,12 +266,37 @@ def _add_run_routes(r: APIRouter, api: _Api) -> None:
     def list_checkpoints(run_id: str, request: Request) -> dict[str, Any]:
         return {"checkpoints": runs.checkpoints(api.tenant(request), run_id), "cursor": None}
 
+    @r.get("/downloads/{token}/{file_name}")
+    def download(token: str, file_name: str) -> Response:
+        # A signed URL: the token is the capability, no key (downloads.py).
+        data = runs.downloads.get(token, file_name)
+        if data is None:
+            return JSONResponse(error_body("unknown or expired download URL", "not_found"), status_code=404)
+        return Response(data, media_type="application/octet-stream")
+
+    @r.get("/checkpoints")
+    def list_user_checkpoints(request: Request, limit: int = 100, offset: int = 0) -> dict[str, Any]:
+        return runs.user_checkpoints(api.tenant(request), _page(limit), _page(offset))
+
+    @r.get("/sessions")
+    def list_sessions(request: Request, limit: int = 20, offset: int = 0) -> dict[str, Any]:
+        return runs.sessions(api.tenant(request), _page(limit), _page(offset))
+
+    @r.get("/sessions/{session_id}")
+    def get_session(session_id: str, request: Request) -> dict[str, Any]:
+        return runs.session(api.tenant(request), session_id)
+
+
+def _add_checkpoint_routes(r: APIRouter, api: _Api) -> None:
+    """What the SDK does to a run's checkpoints: copy, publish, delete, TTL, download URLs."""
+    runs = api.runs
+
     @r.post("/copy_weights")
     async def copy_weights(request: Request) -> dict[str, Any]:
         t = await api.tenant_of(request)
         body = await api.json(request)
         token = request.headers.get("x-tinker-weights-access-token")
-        return await asyncio.to_thread(api.backend.copy_weights, t, body, token)
+        return await asyncio.to_thread(runs.copy_weights, t, body, token)
 
     # Before the delete route below: its {checkpoint_id:path} would take ".../publish" too.
     @r.post("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
@@ -298,26 +324,6 @@ def _add_run_routes(r: APIRouter, api: _Api) -> None:
     @r.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
     def external_weights_urls(run_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
         return runs.external_urls(api.tenant(request), run_id, checkpoint_id, str(request.base_url))
-
-    @r.get("/downloads/{token}/{file_name}")
-    def download(token: str, file_name: str) -> Response:
-        # A signed URL: the token is the capability, no key (downloads.py).
-        data = runs.downloads.get(token, file_name)
-        if data is None:
-            return JSONResponse(error_body("unknown or expired download URL", "not_found"), status_code=404)
-        return Response(data, media_type="application/octet-stream")
-
-    @r.get("/checkpoints")
-    def list_user_checkpoints(request: Request, limit: int = 100, offset: int = 0) -> dict[str, Any]:
-        return runs.user_checkpoints(api.tenant(request), _page(limit), _page(offset))
-
-    @r.get("/sessions")
-    def list_sessions(request: Request, limit: int = 20, offset: int = 0) -> dict[str, Any]:
-        return runs.sessions(api.tenant(request), _page(limit), _page(offset))
-
-    @r.get("/sessions/{session_id}")
-    def get_session(session_id: str, request: Request) -> dict[str, Any]:
-        return runs.session(api.tenant(request), session_id)
 
 
 def _add_sampling_routes(r: APIRouter, api: _Api) -> None:

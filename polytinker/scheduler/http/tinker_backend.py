@@ -33,7 +33,7 @@ from polytinker.client.service_client import ServiceClient
 from polytinker.client.training_client import TrainingClient
 from polytinker.engine.types import ATTN_MODULES, MLP_MODULES, UNEMBED_MODULE, Datum
 from polytinker.errors import AuthError, ConfigError, NotBuiltError
-from polytinker.model_path import MODEL_PREFIX, SAMPLER_NAME_PREFIX, TINKER_PREFIX, CheckpointPath, ModelPath
+from polytinker.model_path import MODEL_PREFIX, TINKER_PREFIX, CheckpointPath, ModelPath
 from polytinker.scheduler.http.downloads import age_recipients
 from polytinker.scheduler.http.errors import HttpError
 from polytinker.scheduler.http.store import GatewayStore, ModelRow, SamplerRow, SavedRow
@@ -209,8 +209,14 @@ class TinkerBackend:
                 rank = 0
             else:
                 rank = int(lora["rank"])
-                switches = {k: bool(lora.get(k, True)) for k in ("train_mlp", "train_attn", "train_unembed")}
-                tc = t.service.create_lora_training_client(base_model, rank, int(lora.get("seed") or 0), **switches)
+                tc = t.service.create_lora_training_client(
+                    base_model,
+                    rank,
+                    int(lora.get("seed") or 0),
+                    train_mlp=bool(lora.get("train_mlp", True)),
+                    train_attn=bool(lora.get("train_attn", True)),
+                    train_unembed=bool(lora.get("train_unembed", True)),
+                )
             self.store.add_model(ModelRow(model_id, t.owner, tc.job_id, base_model, rank))
             if req.get("user_metadata"):
                 self.store.set_metadata(model_id, _str_dict(req["user_metadata"]))
@@ -364,37 +370,6 @@ class TinkerBackend:
             return {"type": "load_weights", "path": req.get("path"), "model_id": model_id}
 
         return self._pool.submit(loaded)
-
-    def copy_weights(self, t: Tenant, req: dict[str, Any], access_token: str | None) -> dict[str, Any]:
-        """``copy_weights``: the weights at ``source_path`` (the tenant's own, or published) copied
-        into a new run of the tenant's that cannot be trained on; the copy's ``tinker://`` path.
-        polytinker has no projects: ``destination_project_id`` is kept in the run's metadata."""
-        if access_token:
-            raise NotBuiltError("weights access tokens are not built: the owner publishes the checkpoint instead")
-        source = str(req.get("source_path") or "")
-        kind = "weights" if "/weights/" in source else "sampler_weights"
-        path = from_tinker_path(source, kind)
-        session_id = req.get("session_id")
-        if session_id:
-            self.check_session(t, str(session_id))
-        info = self.source(t, path)
-        copied = t.service.copy_weights(path, ttl_seconds=ttl_of(req)).result()
-        job_id = self.source(t, copied).job_id
-        model_id = f"{session_id}:train:{int(req.get('model_seq_id') or 0)}" if session_id else job_id
-        rank = int((info.lora or {}).get("rank", 0))
-        self.store.add_model(ModelRow(model_id, t.owner, job_id, info.base_model, rank))
-        metadata = {"copied_from": source}
-        if req.get("destination_project_id"):
-            metadata["project_id"] = str(req["destination_project_id"])
-        self.store.set_metadata(model_id, metadata)
-        tinker_path = to_tinker_path(copied)
-        checkpoint = CheckpointPath.parse(copied)
-        saved_kind, name = ("training", checkpoint.name) if checkpoint is not None else ("sampler", "copy")
-        if checkpoint is None:  # a sampler save: named as the source's was (the scheduler's sampler-NAME)
-            listed = t.service.get_job(job_id).get("checkpoints") or []
-            name = next((n.removeprefix(SAMPLER_NAME_PREFIX) for n in listed), name)
-        self.store.add_saved(SavedRow(job_id, saved_kind, name, tinker_path, time.time()))
-        return {"tinker_path": tinker_path}
 
     def source(self, t: Tenant, path: str) -> WeightsInfoReply:
         """What the scheduler says of saved weights the tenant names (its own, or published ones);

@@ -1,4 +1,5 @@
-"""What the Tinker SDK's ``RestClient`` reads back: training runs, their checkpoints, sessions.
+"""What the Tinker SDK's ``RestClient`` reads back (training runs, their checkpoints, sessions)
+and does to checkpoints (delete, TTL, publish, copy, external download URLs).
 
 A training run is a polytinker job (its id is the ``RUN`` of ``tinker://RUN/...`` paths; the SDK's
 model id names it too). The scheduler is the authority on which checkpoints a job has (its job
@@ -10,20 +11,25 @@ Answers follow the SDK's types (``TrainingRun``, ``Checkpoint``, ``CheckpointsLi
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime
 from typing import Any
 
-from polytinker.model_path import SAMPLER_NAME_PREFIX
+from polytinker.errors import NotBuiltError
+from polytinker.model_path import SAMPLER_NAME_PREFIX, CheckpointPath
 from polytinker.scheduler.http.downloads import SignedDownloads, age_encrypt
 from polytinker.scheduler.http.errors import HttpError
-from polytinker.scheduler.http.store import ModelRow
+from polytinker.scheduler.http.store import ModelRow, SavedRow
 from polytinker.scheduler.http.tinker_backend import (
     EXTERNAL_NAME_PREFIX,
     TINKER_PREFIX,
     Tenant,
     TinkerBackend,
     external_path,
+    from_tinker_path,
+    to_tinker_path,
 )
+from polytinker.scheduler.http.wire import ttl_of
 
 
 def _iso(ts: float) -> str:
@@ -191,6 +197,37 @@ class TinkerRuns:
         row, named, _ = self._named(t, run_id, checkpoint_id)
         for scheduler_name, _, _ in named:
             (t.service.publish_checkpoint if public else t.service.unpublish_checkpoint)(row.job_id, scheduler_name)
+
+    def copy_weights(self, t: Tenant, req: dict[str, Any], access_token: str | None) -> dict[str, Any]:
+        """``copy_weights``: the weights at ``source_path`` (the tenant's own, or published) copied
+        into a new run of the tenant's that cannot be trained on; the copy's ``tinker://`` path.
+        polytinker has no projects: ``destination_project_id`` is kept in the run's metadata."""
+        if access_token:
+            raise NotBuiltError("weights access tokens are not built: the owner publishes the checkpoint instead")
+        source = str(req.get("source_path") or "")
+        kind = "weights" if "/weights/" in source else "sampler_weights"
+        path = from_tinker_path(source, kind)
+        session_id = req.get("session_id")
+        if session_id:
+            self.backend.check_session(t, str(session_id))
+        info = self.backend.source(t, path)
+        copied = t.service.copy_weights(path, ttl_seconds=ttl_of(req)).result()
+        job_id = self.backend.source(t, copied).job_id
+        model_id = f"{session_id}:train:{int(req.get('model_seq_id') or 0)}" if session_id else job_id
+        rank = int((info.lora or {}).get("rank", 0))
+        self.backend.store.add_model(ModelRow(model_id, t.owner, job_id, info.base_model, rank))
+        metadata = {"copied_from": source}
+        if req.get("destination_project_id"):
+            metadata["project_id"] = str(req["destination_project_id"])
+        self.backend.store.set_metadata(model_id, metadata)
+        tinker_path = to_tinker_path(copied)
+        checkpoint = CheckpointPath.parse(copied)
+        saved_kind, name = ("training", checkpoint.name) if checkpoint is not None else ("sampler", "copy")
+        if checkpoint is None:  # a sampler save: named as the source's was (the scheduler's sampler-NAME)
+            listed = t.service.get_job(job_id).get("checkpoints") or []
+            name = next((n.removeprefix(SAMPLER_NAME_PREFIX) for n in listed), name)
+        self.backend.store.add_saved(SavedRow(job_id, saved_kind, name, tinker_path, time.time()))
+        return {"tinker_path": tinker_path}
 
     def external_urls(self, t: Tenant, run_id: str, checkpoint_id: str, base_url: str) -> dict[str, Any]:
         """Signed URLs of an ``external_weights/NAME`` checkpoint's files (the peft adapter

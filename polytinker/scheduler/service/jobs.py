@@ -28,7 +28,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from polytinker.engine.types import UNEMBED_MODULE
 from polytinker.errors import AuthError, ConfigError, JobNotRunning, OverloadedError
@@ -195,24 +195,6 @@ class JobManager:
         got = self.store.job(job_id)
         assert got is not None
         return got
-
-    def create_copy(self, tenant: str, source: JobRow, reason: str) -> JobRow:
-        """A finished job of ``tenant`` shaped like ``source`` (kind, base model, agent, LoRA
-        shape), made to hold copied weights: it never runs, so nothing schedules it."""
-        now = time.time()
-        job_id = f"{source.kind.replace('_', '')}-{uuid.uuid4().hex[:10]}"
-        row = replace(
-            source,
-            job_id=job_id,
-            tenant=tenant,
-            state=JobState.DONE,
-            priority=0,
-            reason=reason,
-            created_s=now,
-            updated_s=now,
-        )
-        self.store.insert_job(row)
-        return row
 
     def _policy_job(self, row: JobRow, policy_id: str, steps_done: int) -> Job:
         d = self.config.jobs

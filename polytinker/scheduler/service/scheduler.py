@@ -47,6 +47,7 @@ from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service import replies as r
 from polytinker.scheduler.service import worker_messages as wm
 from polytinker.scheduler.service.broker import Broker, WorkerHandle
+from polytinker.scheduler.service.checkpoints import CheckpointCalls
 from polytinker.scheduler.service.config import RuntimeConfig
 from polytinker.scheduler.service.jobs import FINAL_STATES, LIVE_STATES, JobManager, adapter_key
 from polytinker.scheduler.service.layout import check_name
@@ -68,12 +69,6 @@ def local_address(config: RuntimeConfig) -> str:
     return f"ipc://{config.state_path / 'scheduler.sock'}"
 
 
-def _lora_shape(row: JobRow) -> dict[str, Any] | None:
-    """A LoRA job's adapter shape (rank, alpha, target_modules, seed): what a new job resuming one
-    of its checkpoints needs; None for the others."""
-    return dict(row.lora) if row.kind in (JobKind.LORA_RL, JobKind.SFT) else None
-
-
 class SchedulerService:
     """Handlers of every client and worker request; see the module docstring."""
 
@@ -87,6 +82,7 @@ class SchedulerService:
         self.broker = Broker(config, token)
         self.jobs = JobManager(config, self.store, self.tenants.weights())
         self.weights = WeightsCatalog(self.root, self.store, self.jobs, config.keep_checkpoints)
+        self.checkpoints = CheckpointCalls(self.store, self.jobs, self.weights, self._tenant, config.model)
         # forward_backward request ids answered since each adapter's last step: optim_step tells the
         # learner how many it must hold, so a learner restarted between a step's calls refuses the
         # step (GradientLost) instead of stepping on part of its gradient. No entry (this process
@@ -152,16 +148,11 @@ class SchedulerService:
             "save_state": self.save_state,
             "load_state": self.load_state,
             "save_weights": self.save_weights,
-            "export_weights": self.export_weights,
-            "delete_checkpoint": self.delete_checkpoint,
-            "set_checkpoint_ttl": self.set_checkpoint_ttl,
-            "publish_checkpoint": self.publish_checkpoint,
-            "weights_info": self.weights_info,
-            "copy_checkpoint": self.copy_checkpoint,
             "sample": self.sample,
             "compute_logprobs": self.compute_logprobs,
             "runtime_status": self.runtime_status,
         }
+        h |= self.checkpoints.handlers()
         return {f"sched.{k}": self._guard(v) for k, v in h.items()} | {
             "sched.w.register": self.broker.register,
             "sched.w.workers": self.broker.workers_query,
@@ -211,7 +202,7 @@ class SchedulerService:
         return r.JobQueryReply(
             row.public(),
             adapter,
-            _lora_shape(row),
+            row.lora_shape(),
             [c["name"] for c in checkpoints],
             self.store.events(row.job_id),
             {c["name"]: float(c["expires_s"]) for c in checkpoints if c["expires_s"] is not None},
@@ -416,56 +407,6 @@ class SchedulerService:
         if name:
             self.store.add_checkpoint(row.job_id, name, a.export_dir, a.version, expiry(msg.ttl_s))
         return r.SaveWeightsReply(str(ModelPath(row.job_id, row.agent, a.version)), a.version)
-
-    def delete_checkpoint(self, msg: m.DeleteCheckpoint) -> r.DeleteCheckpointReply:
-        """Forget one of a job's named checkpoints (as the job lists them) and delete its files;
-        a job of any state, the tenant's own only."""
-        row = self.jobs.get(self._tenant(msg.api_key), msg.job_id)
-        files_deleted = self.weights.delete_checkpoint(row, check_name("checkpoint name", msg.name))
-        self.store.log_event(row.job_id, "delete_checkpoint", msg.name)
-        return r.DeleteCheckpointReply(msg.name, files_deleted)
-
-    def set_checkpoint_ttl(self, msg: m.SetCheckpointTtl) -> r.CheckpointTtlReply:
-        row = self.jobs.get(self._tenant(msg.api_key), msg.job_id)
-        expires = expiry(msg.ttl_s)
-        if not self.store.set_checkpoint_expiry(row.job_id, msg.name, expires):
-            raise ConfigError(f"job {row.job_id} has no checkpoint {msg.name!r}")
-        return r.CheckpointTtlReply(msg.name, expires)
-
-    def publish_checkpoint(self, msg: m.PublishCheckpoint) -> r.PublishCheckpointReply:
-        row = self.jobs.get(self._tenant(msg.api_key), msg.job_id)  # the owner's alone
-        was = self.weights.publish(row, check_name("checkpoint name", msg.name), msg.public)
-        if was != msg.public:
-            self.store.log_event(row.job_id, "publish" if msg.public else "unpublish", msg.name)
-        return r.PublishCheckpointReply(msg.name, msg.public, was)
-
-    def weights_info(self, msg: m.WeightsInfo) -> r.WeightsInfoReply:
-        tenant = self._tenant(msg.api_key)
-        job, public = self.weights.info(tenant, msg.path)
-        owned = job.tenant == tenant
-        return r.WeightsInfoReply(job.job_id, job.kind, job.base_model, job.agent, _lora_shape(job), public, owned)
-
-    def copy_checkpoint(self, msg: m.CopyCheckpoint) -> r.CopyCheckpointReply:
-        """Saved weights the tenant may read, copied into a new job of its own that holds them
-        (finished from the start: it never takes a learner or an engine slot)."""
-        tenant = self._tenant(msg.api_key)
-        source, _ = self.weights.info(tenant, msg.path)
-        copy = self.jobs.create_copy(tenant, source, f"holds a copy of {msg.path}; it does not train")
-        try:
-            path = self.weights.copy_into(tenant, msg.path, copy, expiry(msg.ttl_s))
-        except BaseException:
-            self.store.delete_jobs([copy.job_id])  # nothing refers to it yet
-            raise
-        self.store.log_event(copy.job_id, "copy", f"from {msg.path}")
-        return r.CopyCheckpointReply(copy.job_id, path)
-
-    def export_weights(self, msg: m.ExportWeights) -> r.ExportWeightsReply:
-        """Saved weights' files, read from this scheduler's state root: a LoRA version's peft files
-        (``adapter_config.json`` as text, the weights as one uint8 array, which travels as a raw
-        frame), or a learner checkpoint's weights and ``meta.json`` (a full-parameter version's, or
-        a ``save_state`` checkpoint's)."""
-        version, config, weights, full, meta = self.weights.stored_files(self._tenant(msg.api_key), msg.model_path)
-        return r.ExportWeightsReply(version, self.config.model, config, weights, full, meta)
 
     def sample(self, msg: m.Sample) -> r.SampleReply:
         tenant = self._tenant(msg.api_key)

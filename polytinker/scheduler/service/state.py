@@ -80,6 +80,11 @@ class JobRow:
     updated_s: float
     max_staleness: int = 0  # RL jobs: how many steps the client's sampling may run ahead of training
 
+    def lora_shape(self) -> dict[str, Any] | None:
+        """A LoRA job's adapter shape (rank, alpha, target_modules, seed): what a new job resuming
+        one of its checkpoints needs; None for the other kinds."""
+        return dict(self.lora) if self.kind in (JobKind.LORA_RL, JobKind.SFT) else None
+
     def public(self) -> dict[str, Any]:
         """What a tenant sees of its job."""
         return {

@@ -1,0 +1,120 @@
+"""The scheduler's calls on checkpoints a tenant keeps: delete, TTL, publish, describe, copy,
+export (``sched.delete_checkpoint``, ``sched.set_checkpoint_ttl``, ``sched.publish_checkpoint``,
+``sched.weights_info``, ``sched.copy_checkpoint``, ``sched.export_weights``).
+
+They touch no worker: what they read and write is the scheduler's database and its state root,
+through ``WeightsCatalog``. Only the owner deletes, publishes or sets a TTL; reading (describe,
+copy, export) takes the tenant's own weights or published ones.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from polytinker.errors import ConfigError
+from polytinker.scheduler.service import messages as m
+from polytinker.scheduler.service import replies as r
+from polytinker.scheduler.service.jobs import JobManager
+from polytinker.scheduler.service.layout import check_name
+from polytinker.scheduler.service.state import JobRow, StateStore
+from polytinker.scheduler.service.weights import WeightsCatalog, expiry
+from polytinker.scheduler.types import JobState
+
+
+class CheckpointCalls:
+    def __init__(
+        self,
+        store: StateStore,
+        jobs: JobManager,
+        weights: WeightsCatalog,
+        tenant: Callable[[str], str],
+        base_model: str,
+    ) -> None:
+        self.store, self.jobs, self.weights = store, jobs, weights
+        self._tenant = tenant  # the tenant of an API key (AuthError for none)
+        self.base_model = base_model
+
+    def handlers(self) -> dict[str, Callable[[Any], Any]]:
+        return {
+            "delete_checkpoint": self.delete_checkpoint,
+            "set_checkpoint_ttl": self.set_checkpoint_ttl,
+            "publish_checkpoint": self.publish_checkpoint,
+            "weights_info": self.weights_info,
+            "copy_checkpoint": self.copy_checkpoint,
+            "export_weights": self.export_weights,
+        }
+
+    def delete_checkpoint(self, msg: m.DeleteCheckpoint) -> r.DeleteCheckpointReply:
+        """Forget one of a job's named checkpoints (as the job lists them) and delete its files;
+        a job of any state, the tenant's own only."""
+        row = self.jobs.get(self._tenant(msg.api_key), msg.job_id)
+        files_deleted = self.weights.delete_checkpoint(row, check_name("checkpoint name", msg.name))
+        self.store.log_event(row.job_id, "delete_checkpoint", msg.name)
+        return r.DeleteCheckpointReply(msg.name, files_deleted)
+
+    def set_checkpoint_ttl(self, msg: m.SetCheckpointTtl) -> r.CheckpointTtlReply:
+        row = self.jobs.get(self._tenant(msg.api_key), msg.job_id)
+        expires = expiry(msg.ttl_s)
+        if not self.store.set_checkpoint_expiry(row.job_id, msg.name, expires):
+            raise ConfigError(f"job {row.job_id} has no checkpoint {msg.name!r}")
+        return r.CheckpointTtlReply(msg.name, expires)
+
+    def publish_checkpoint(self, msg: m.PublishCheckpoint) -> r.PublishCheckpointReply:
+        row = self.jobs.get(self._tenant(msg.api_key), msg.job_id)  # the owner's alone
+        was = self.weights.publish(row, check_name("checkpoint name", msg.name), msg.public)
+        if was != msg.public:
+            self.store.log_event(row.job_id, "publish" if msg.public else "unpublish", msg.name)
+        return r.PublishCheckpointReply(msg.name, msg.public, was)
+
+    def weights_info(self, msg: m.WeightsInfo) -> r.WeightsInfoReply:
+        tenant = self._tenant(msg.api_key)
+        job, public = self.weights.info(tenant, msg.path)
+        owned = job.tenant == tenant
+        return r.WeightsInfoReply(job.job_id, job.kind, job.base_model, job.agent, job.lora_shape(), public, owned)
+
+    def copy_checkpoint(self, msg: m.CopyCheckpoint) -> r.CopyCheckpointReply:
+        """Saved weights the tenant may read, copied into a new job of its own that holds them
+        (finished from the start: it never takes a learner or an engine slot)."""
+        tenant = self._tenant(msg.api_key)
+        source, _ = self.weights.info(tenant, msg.path)
+        copy = self._copy_job(tenant, source, f"holds a copy of {msg.path}; it does not train")
+        try:
+            path = self.weights.copy_into(tenant, msg.path, copy, expiry(msg.ttl_s))
+        except BaseException:
+            self.store.delete_jobs([copy.job_id])  # nothing refers to it yet
+            raise
+        self.store.log_event(copy.job_id, "copy", f"from {msg.path}")
+        return r.CopyCheckpointReply(copy.job_id, path)
+
+    def export_weights(self, msg: m.ExportWeights) -> r.ExportWeightsReply:
+        """Saved weights' files, read from this scheduler's state root: a LoRA version's peft files
+        (``adapter_config.json`` as text, the weights as one uint8 array, which travels as a raw
+        frame), or a learner checkpoint's weights and ``meta.json`` (a full-parameter version's, or
+        a ``save_state`` checkpoint's)."""
+        version, config, weights, full, meta = self.weights.stored_files(self._tenant(msg.api_key), msg.model_path)
+        return r.ExportWeightsReply(version, self.base_model, config, weights, full, meta)
+
+    def _copy_job(self, tenant: str, source: JobRow, reason: str) -> JobRow:
+        """A finished job of ``tenant`` shaped like ``source`` (kind, base model, agent, LoRA
+        shape), made to hold copied weights: it never runs, so nothing schedules it."""
+        now = time.time()
+        job_id = f"{source.kind.replace('_', '')}-{uuid.uuid4().hex[:10]}"
+        row = replace(
+            source,
+            job_id=job_id,
+            tenant=tenant,
+            state=JobState.DONE,
+            priority=0,
+            reason=reason,
+            created_s=now,
+            updated_s=now,
+        )
+        self.store.insert_job(row)
+        return row
+
+
+__all__ = ["CheckpointCalls"]
