@@ -129,16 +129,15 @@ class WeightsCatalog:
         checkpoint = CheckpointPath.parse(path)
         if checkpoint is not None:
             job_id, name = checkpoint.job_id, checkpoint.name
+        if job_id != row.job_id and not self.store.checkpoint_public(job_id, name):
+            self.jobs.get(row.tenant, job_id)  # the tenant's own jobs' checkpoints, or published ones (AuthError)
         try:
-            name = check_name("checkpoint name", name)
+            return job_id, check_name("checkpoint name", name)
         except ConfigError:
             raise ConfigError(
                 f"load_state({path!r}): pass a name given to save_state, or the {CKPT_PREFIX}JOB/NAME path it"
                 " returned (never a filesystem path)"
             ) from None
-        if job_id != row.job_id and not self.store.checkpoint_public(job_id, name):
-            self.jobs.get(row.tenant, job_id)  # the tenant's own jobs' checkpoints, or published ones (AuthError)
-        return job_id, name
 
     def resolve(self, tenant: str, path: str) -> tuple[str, int, WeightsRef | None, bool]:
         """(adapter key, version, its export, full parameters?) of a tenant's model path;
