@@ -26,6 +26,7 @@ CKPT_PREFIX = "polytinker-ckpt://"
 TINKER_PREFIX = "tinker://"
 SAMPLER_NAME_PREFIX = "sampler-"
 _TINKER_SAMPLER = "sampler_weights"
+_TINKER_CHECKPOINT = "weights"
 
 
 @dataclass(frozen=True)
@@ -83,13 +84,31 @@ class CheckpointPath:
         job_id, _, name = path.removeprefix(CKPT_PREFIX).partition("/")
         return cls(job_id, name)
 
+    @classmethod
+    def from_tinker(cls, path: str) -> CheckpointPath:
+        """The checkpoint path of Tinker's ``tinker://JOB/weights/NAME``; a ``ConfigError`` for
+        any other path."""
+        parts = path.removeprefix(TINKER_PREFIX).split("/") if path.startswith(TINKER_PREFIX) else []
+        if len(parts) != 3 or parts[1] != _TINKER_CHECKPOINT or not parts[0] or not parts[2]:
+            raise ConfigError(f"{path!r} is not a path of the form {TINKER_PREFIX}RUN/{_TINKER_CHECKPOINT}/NAME")
+        return cls(parts[0], parts[2])
+
     @property
     def tinker(self) -> str:
         """Tinker's spelling: ``tinker://JOB/weights/NAME``."""
-        return f"{TINKER_PREFIX}{self.job_id}/weights/{self.name}"
+        return f"{TINKER_PREFIX}{self.job_id}/{_TINKER_CHECKPOINT}/{self.name}"
 
     def __str__(self) -> str:
         return f"{CKPT_PREFIX}{self.job_id}/{self.name}"
 
 
-__all__ = ["CKPT_PREFIX", "MODEL_PREFIX", "TINKER_PREFIX", "CheckpointPath", "ModelPath"]
+def from_tinker(path: str) -> str:
+    """The polytinker path of a Tinker checkpoint (``tinker://JOB/weights/NAME``) or sampler
+    (``tinker://JOB/sampler_weights/AGENT@VERSION``) path; a ``ConfigError`` for any other."""
+    parts = path.removeprefix(TINKER_PREFIX).split("/") if path.startswith(TINKER_PREFIX) else []
+    if len(parts) == 3 and parts[1] == _TINKER_CHECKPOINT:
+        return str(CheckpointPath.from_tinker(path))
+    return str(ModelPath.from_tinker(path))
+
+
+__all__ = ["CKPT_PREFIX", "MODEL_PREFIX", "TINKER_PREFIX", "CheckpointPath", "ModelPath", "from_tinker"]

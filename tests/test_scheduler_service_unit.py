@@ -14,7 +14,7 @@ import zmq
 from polytinker.client._connection import Connection
 from polytinker.engine.types import Datum
 from polytinker.errors import ConfigError, ProtocolError, RemoteError
-from polytinker.model_path import CheckpointPath, ModelPath
+from polytinker.model_path import CheckpointPath, ModelPath, from_tinker
 from polytinker.scheduler.service import (
     AuthError,
     EngineWorkerConfig,
@@ -324,6 +324,12 @@ def test_message_validation_and_model_paths() -> None:
     checkpoint = CheckpointPath.parse("polytinker-ckpt://job-1/after-two")
     assert checkpoint == CheckpointPath("job-1", "after-two") and str(checkpoint) == "polytinker-ckpt://job-1/after-two"
     assert checkpoint.tinker == "tinker://job-1/weights/after-two"
+    assert CheckpointPath.from_tinker(checkpoint.tinker) == checkpoint
+    assert from_tinker(checkpoint.tinker) == str(checkpoint) and from_tinker(path.tinker) == str(path)
+    with pytest.raises(ConfigError):
+        CheckpointPath.from_tinker(path.tinker)
+    with pytest.raises(ConfigError):
+        from_tinker("tinker://job-1/external_weights/x")
     assert CheckpointPath.parse("after-two") is None and CheckpointPath.parse("polytinker://job-1/agent@3") is None
 
 

@@ -29,7 +29,7 @@ from typing import Any
 from polytinker.client._connection import Connection
 from polytinker.engine.types import UNEMBED_MODULE
 from polytinker.errors import ConfigError, NotBuiltError
-from polytinker.model_path import TINKER_PREFIX, CheckpointPath, ModelPath
+from polytinker.model_path import TINKER_PREFIX, from_tinker
 from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service.replies import ExportWeightsReply
 
@@ -39,12 +39,7 @@ MANIFEST = "polytinker.json"
 def _model_path(path: str) -> str:
     """A Tinker sampler or checkpoint path as the polytinker path it names; any other path as it
     is (the scheduler checks it)."""
-    if not path.startswith(TINKER_PREFIX):
-        return path
-    parts = path.removeprefix(TINKER_PREFIX).split("/")
-    if len(parts) == 3 and parts[1] == "weights" and parts[0] and parts[2]:
-        return str(CheckpointPath(parts[0], parts[2]))
-    return str(ModelPath.from_tinker(path))
+    return from_tinker(path) if path.startswith(TINKER_PREFIX) else path
 
 
 def base_identity(base_model: str) -> dict[str, str]:

@@ -31,9 +31,9 @@ from polytinker.client._convert import to_datum
 from polytinker.client.sampling_client import SamplingClient
 from polytinker.client.service_client import ServiceClient
 from polytinker.client.training_client import TrainingClient
-from polytinker.engine.types import ATTN_MODULES, MLP_MODULES, UNEMBED_MODULE, Datum
+from polytinker.engine.types import ATTN_MODULES, DEFAULT_TARGET_MODULES, MLP_MODULES, UNEMBED_MODULE, Datum
 from polytinker.errors import AuthError, ConfigError, NotBuiltError
-from polytinker.model_path import MODEL_PREFIX, TINKER_PREFIX, CheckpointPath, ModelPath
+from polytinker.model_path import MODEL_PREFIX, TINKER_PREFIX, CheckpointPath, ModelPath, from_tinker
 from polytinker.scheduler.http.downloads import age_recipients
 from polytinker.scheduler.http.errors import HttpError
 from polytinker.scheduler.http.store import GatewayStore, ModelRow, SamplerRow, SavedRow
@@ -65,12 +65,7 @@ def to_tinker_path(path: str) -> str:
 def from_tinker_path(path: str, kind: str) -> str:
     """The polytinker path of a ``tinker://JOB/weights/NAME`` (``kind="weights"``) or
     ``tinker://JOB/sampler_weights/AGENT@V`` (``kind="sampler_weights"``) path; ConfigError else."""
-    if kind != "weights":
-        return str(ModelPath.from_tinker(path))
-    parts = path.removeprefix(TINKER_PREFIX).split("/") if path.startswith(TINKER_PREFIX) else []
-    if len(parts) != 3 or parts[1] != kind or not parts[0] or not parts[2]:
-        raise ConfigError(f"{path!r} is not a path of the form {TINKER_PREFIX}RUN/weights/NAME")
-    return str(CheckpointPath(parts[0], parts[2]))
+    return str(CheckpointPath.from_tinker(path) if kind == "weights" else ModelPath.from_tinker(path))
 
 
 @dataclass
@@ -382,10 +377,9 @@ class TinkerBackend:
     def weights_info(self, t: Tenant, tinker_path: str) -> dict[str, Any]:
         """``weights_info``: the saved weights' base model and LoRA shape, as the scheduler knows
         them (the tenant's own, or published ones)."""
-        kind = "weights" if "/weights/" in tinker_path else "sampler_weights"
-        source = self.source(t, from_tinker_path(tinker_path, kind))
+        source = self.source(t, from_tinker(tinker_path))
         lora = source.lora or {}
-        modules = set(lora.get("target_modules") or ATTN_MODULES + MLP_MODULES)  # none named: every projection
+        modules = set(lora.get("target_modules") or DEFAULT_TARGET_MODULES)  # none named: the learner's default
         return {
             "base_model": source.base_model,
             "is_lora": source.lora is not None,

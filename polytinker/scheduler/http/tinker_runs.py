@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from polytinker.errors import NotBuiltError
-from polytinker.model_path import SAMPLER_NAME_PREFIX, CheckpointPath
+from polytinker.model_path import SAMPLER_NAME_PREFIX, CheckpointPath, ModelPath, from_tinker
 from polytinker.scheduler.http.downloads import SignedDownloads, age_encrypt
 from polytinker.scheduler.http.errors import HttpError
 from polytinker.scheduler.http.store import ModelRow, SavedRow
@@ -26,7 +26,6 @@ from polytinker.scheduler.http.tinker_backend import (
     Tenant,
     TinkerBackend,
     external_path,
-    from_tinker_path,
     to_tinker_path,
 )
 from polytinker.scheduler.http.wire import ttl_of
@@ -205,14 +204,14 @@ class TinkerRuns:
         if access_token:
             raise NotBuiltError("weights access tokens are not built: the owner publishes the checkpoint instead")
         source = str(req.get("source_path") or "")
-        kind = "weights" if "/weights/" in source else "sampler_weights"
-        path = from_tinker_path(source, kind)
+        path = from_tinker(source)
         session_id = req.get("session_id")
         if session_id:
             self.backend.check_session(t, str(session_id))
         info = self.backend.source(t, path)
         copied = t.service.copy_weights(path, ttl_seconds=ttl_of(req)).result()
-        job_id = self.backend.source(t, copied).job_id
+        checkpoint = CheckpointPath.parse(copied)
+        job_id = checkpoint.job_id if checkpoint is not None else ModelPath.parse(copied).job_id
         model_id = f"{session_id}:train:{int(req.get('model_seq_id') or 0)}" if session_id else job_id
         rank = int((info.lora or {}).get("rank", 0))
         self.backend.store.add_model(ModelRow(model_id, t.owner, job_id, info.base_model, rank))
@@ -221,7 +220,6 @@ class TinkerRuns:
             metadata["project_id"] = str(req["destination_project_id"])
         self.backend.store.set_metadata(model_id, metadata)
         tinker_path = to_tinker_path(copied)
-        checkpoint = CheckpointPath.parse(copied)
         saved_kind, name = ("training", checkpoint.name) if checkpoint is not None else ("sampler", "copy")
         if checkpoint is None:  # a sampler save: named as the source's was (the scheduler's sampler-NAME)
             listed = t.service.get_job(job_id).get("checkpoints") or []

@@ -185,17 +185,16 @@ class WeightsCatalog:
         return was
 
     def copy_into(self, tenant: str, path: str, copy: JobRow, expires_s: float | None) -> str:
-        """Copy the weights at ``path`` (a checkpoint or a version the tenant may read) into the
-        job ``copy`` (``JobManager.create_copy``) as a named checkpoint of the same kind, and
+        """Copy the weights at ``path`` (a checkpoint or a version the tenant may read: the caller
+        checked with ``info``) into the job ``copy`` as a named checkpoint of the same kind, and
         answer the copy's path. Files are hard-linked where the filesystem allows (no bytes
         duplicated; deleting the source leaves the copy whole), copied otherwise."""
         key = adapter_key(copy.tenant, copy.job_id, copy.agent)
         self.store.ensure_adapter(key, copy.tenant, copy.job_id, copy.agent)
         checkpoint = CheckpointPath.parse(path)
         if checkpoint is not None:
-            self.info(tenant, path)  # the tenant's own, or published
             found = self.store.checkpoint(checkpoint.job_id, checkpoint.name)
-            assert found is not None
+            assert found is not None  # info found it
             stored_path, version = found
             target = WeightsRef(key, version, "checkpoint", checkpoint.name)
             _link_tree(under(self.root, self.stored(stored_path, version).relative_path), self._fresh(target))
