@@ -25,6 +25,10 @@ from polytinker.transport._echo import HANDLERS
 
 # Dead after 1 s of silence: quick, yet tolerant of a loaded two-core CI machine.
 FAST = TransportConfig(heartbeat_interval_s=0.2, heartbeat_liveness=5, request_timeout_s=10.0)
+# The fixtures' server and client carry bursts of a thousand calls from several threads and never
+# test a death: they allow 10 s of silence, since on a loaded machine the client's I/O thread can
+# starve past 1 s and count a live server dead.
+PATIENT = dataclasses.replace(FAST, heartbeat_liveness=50)
 TRANSPORTS = ["inproc", "ipc", "tcp"]
 
 
@@ -38,13 +42,13 @@ def _address(transport: str, tmp_path) -> str:
 
 @pytest.fixture(params=TRANSPORTS)
 def server(request, tmp_path) -> Iterator[RpcServer]:
-    with RpcServer(_address(request.param, tmp_path), HANDLERS, config=FAST) as srv:
+    with RpcServer(_address(request.param, tmp_path), HANDLERS, config=PATIENT) as srv:
         yield srv
 
 
 @pytest.fixture
 def client(server) -> Iterator[RpcClient]:
-    with RpcClient(server.address, config=FAST) as c:
+    with RpcClient(server.address, config=PATIENT) as c:
         yield c
 
 
