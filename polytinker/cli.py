@@ -23,7 +23,7 @@ _COMMAND_MODULES = (
     "polytinker.transport._cli",  # keys
     "polytinker.engine._cli",  # models
     "polytinker.envs._cli",  # env
-    "polytinker.scheduler._cli",  # serve, worker, jobs, checkpoints, status
+    "polytinker.scheduler._cli",  # serve, worker, jobs, checkpoints, audit, usage, status
     "polytinker.agents._cli",  # train, show
 )
 

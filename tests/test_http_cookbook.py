@@ -9,13 +9,16 @@ runs, their checkpoints, sessions), from polytinker's environment."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import httpx
 import pytest
 from _serve import KEY, KEY_BOB, MODEL, Serve
 
@@ -34,8 +37,9 @@ def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
     s.stop()
 
 
-def run_script(serve: Serve, name: str, log_dir: Path) -> str:
-    """Run tests/cookbook/NAME.py with the cookbook's python; its output, after checking it passed."""
+def cookbook(serve: Serve, args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Run the cookbook's python with ``args`` against ``serve``, configured as a Tinker user
+    configures the SDK (``TINKER_BASE_URL``, ``TINKER_API_KEY``)."""
     from polytinker.engine.models import resolve_model
 
     if not COOKBOOK_PYTHON.exists():
@@ -51,15 +55,15 @@ def run_script(serve: Serve, name: str, log_dir: Path) -> str:
         "HF_HUB_OFFLINE": "1",
     }
     env.pop("PYTHONPATH", None)  # polytinker's environment is not the cookbook's
-    started = time.monotonic()
-    proc = subprocess.run(
-        [str(COOKBOOK_PYTHON), str(SCRIPTS / f"{name}.py"), str(log_dir)],
-        cwd=SCRIPTS,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    return subprocess.run(
+        [str(COOKBOOK_PYTHON), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
     )
+
+
+def run_script(serve: Serve, name: str, log_dir: Path) -> str:
+    """Run tests/cookbook/NAME.py with the cookbook's python; its output, after checking it passed."""
+    started = time.monotonic()
+    proc = cookbook(serve, [str(SCRIPTS / f"{name}.py"), str(log_dir)], SCRIPTS)
     took = time.monotonic() - started
     out = proc.stdout
     print(f"--- {name}.py ({took:.0f} s)\n{out}")
@@ -155,3 +159,71 @@ def test_rest_client_reads_runs_checkpoints_and_sessions(serve: Serve) -> None:
         bob.list_checkpoints(run.training_run_id).result()
     with pytest.raises(tinker.NotFoundError):
         bob.get_session(session_id).result()
+
+
+def test_the_cookbooks_audit_log_script_saves_who_did_what_to_checkpoints(serve: Serve, tmp_path: Path) -> None:
+    """The cookbook's ``scripts/save_audit_log`` (through the SDK's deprecated RestClient form)
+    writes today's entries; the SDK's ``AdminClient`` reads the same log, with event details, and
+    the run's usage by the hour and the storage held."""
+    tinker = pytest.importorskip("tinker")
+    from tinker import types
+
+    service = tinker.ServiceClient(base_url=serve.url, api_key=KEY)
+    tc = service.create_lora_training_client(base_model=MODEL, rank=4).result()
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints([5, 17, 230]),
+        loss_fn_inputs={"target_tokens": [17, 230, 9], "weights": [0.0, 1.0, 1.0]},
+    )
+    tc.forward_backward([datum], "cross_entropy").result()
+    state = tc.save_state("audited").result().path
+    sampler = tc.save_weights_for_sampler("audited").result().path
+    rest = tinker.RestClient(base_url=serve.url, api_key=KEY)
+    rest.publish_checkpoint_from_tinker_path(state).result()
+    bob = tinker.ServiceClient(base_url=serve.url, api_key=KEY_BOB)
+    bob.create_training_client_from_state(state).result()  # another tenant reads it
+    rest.delete_checkpoint_from_tinker_path(sampler).result()
+
+    out = tmp_path / "audit"
+    module = ["-m", "tinker_cookbook.scripts.save_audit_log", "--once", "--backfill-days", "1"]
+    proc = cookbook(serve, [*module, "--output-dir", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    today = datetime.now(UTC).date()
+    assert sorted(p.name for p in out.iterdir()) == [
+        f"audit_log_{today - timedelta(days=1)}.jsonl",
+        f"audit_log_{today}.jsonl",
+    ]
+    rows = [json.loads(line) for line in (out / f"audit_log_{today}.jsonl").read_text().splitlines()]
+    rows = [row for row in rows if row["tinker_path"] in (state, sampler)]
+    ours = [(row["event"], row["tinker_path"], row["purpose"]) for row in rows]
+    assert ours == [
+        ("checkpoint_create", state, None),
+        ("checkpoint_create", sampler, None),
+        ("checkpoint_publish", state, None),
+        ("checkpoint_read", state, "load_state"),
+        ("checkpoint_delete", sampler, None),
+    ]
+    assert all(row["model_id"] == tc.model_id for row in rows)
+
+    admin = tinker.AdminClient(base_url=serve.url, api_key=KEY)
+    read = next(e for e in admin.get_audit_log("checkpoints").result().entries if e.event == "checkpoint_read")
+    assert read.event_details["tenant"] == "bob" and read.event_details["tinker_path"] == state
+    assert admin.get_audit_log("projects").result().entries == []
+    hour = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
+    used = admin.get_billing_usage(hour - timedelta(hours=1), hour + timedelta(hours=1)).result()
+    run = [e for e in used.data if e.session_id == tc.model_id.partition(":")[0] and e.base_model == MODEL]
+    assert sum(e.event_info.token_count for e in run if e.event_info.type == "training") == 3
+    assert sum(e.event_info.count for e in run if e.event_info.type == "checkpoint") == 2  # both saves
+    assert all(e.estimated_cost_usd is None for e in used.data)  # polytinker keeps no prices
+    storage = admin.get_current_checkpoint_storage_usage().result().data
+    assert storage[0].checkpoint_count >= 1 and storage[0].size_bytes > 0  # the state kept; the sampler deleted
+    bad = httpx.get(
+        f"{serve.url}/api/v1/billing/usage/events",
+        params={"starting_on": "yesterday", "ending_before": hour.isoformat()},
+        headers={"X-API-Key": KEY},
+    )
+    error = bad.json()["error"]  # a type, a message and an error id, no traceback
+    assert bad.status_code == 400 and "RFC 3339" in error["message"] and error["error_id"], bad.text
+    with pytest.raises(tinker.BadRequestError, match="event_type"):
+        tinker.AdminClient(base_url=serve.url, api_key=KEY_BOB).get_audit_log("everything").result()  # type: ignore[arg-type]
+    for c in (service, bob):
+        c.close("success").result()

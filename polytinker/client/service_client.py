@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import datetime
 import os
 import threading
 from collections.abc import Mapping
@@ -406,6 +407,27 @@ class ServiceClient:
         conn = self._connection()
         msg = m.CopyCheckpoint(conn.api_key, str(path), float(ttl_seconds or 0))
         return submit(conn.pool, lambda: conn.request("sched.copy_checkpoint", msg, r.CopyCheckpointReply).path)
+
+    def audit_log(self, day: datetime.date | str | None = None, event_type: str = "all") -> r.AuditLogReply:
+        """This tenant's audit log of one UTC day (default today), oldest first: what it did to
+        saved weights and what any tenant did to the weights it owns (``AuditEntry``: created,
+        read and why, deleted, expired, published, TTL set). ``event_type`` is ``"all"`` or
+        ``"checkpoints"`` (Tinker's other resources have no events here)."""
+        conn = self._connection()
+        msg = m.AuditLog(conn.api_key, "" if day is None else str(day), event_type)
+        return conn.request("sched.audit_log", msg, r.AuditLogReply)
+
+    def usage(self, start_s: float, end_s: float) -> r.UsageReply:
+        """This tenant's usage counts of the UTC hours starting in [start_s, end_s) (Unix times, at
+        most 14 days apart): per hour, kind (``training``, ``sampling_prefill``, ``sampling_sample``
+        tokens; ``checkpoint`` saves), base model and job."""
+        conn = self._connection()
+        return conn.request("sched.usage", m.Usage(conn.api_key, float(start_s), float(end_s)), r.UsageReply)
+
+    def storage_usage(self) -> r.StorageUsageReply:
+        """How many named checkpoints this tenant keeps now, and their bytes on the scheduler's disk."""
+        conn = self._connection()
+        return conn.request("sched.storage_usage", m.StorageUsage(conn.api_key), r.StorageUsageReply)
 
     def runtime_status(self) -> dict[str, Any]:
         """Workers, their statistics (batches, mixed batches, adapter loads) and learner switches."""

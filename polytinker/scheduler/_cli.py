@@ -1,4 +1,4 @@
-"""`polytinker serve`, `worker`, `jobs`, `checkpoints` and `status`: the scheduler service from a
+"""`polytinker serve`, `worker`, `jobs`, `checkpoints`, `audit`, `usage` and `status`: the scheduler service from a
 shell. `serve` exits 1, after one line on stderr that names the actor and why, when an actor of
 its runtime stays down (its restart limit hit): the runtime has stopped by then."""
 
@@ -12,10 +12,12 @@ import signal
 import sys
 import threading
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from polytinker.errors import ConfigError
+from polytinker.scheduler.service.messages import AUDIT_EVENT_TYPES
 
 
 def _wait_for_signal(dead: threading.Event | None = None) -> None:
@@ -269,6 +271,39 @@ def _checkpoints(args: argparse.Namespace) -> int:
     return 0
 
 
+def _audit(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        log = client.audit_log(args.day, args.event_type)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(e) for e in log.entries], indent=2))
+        return 0
+    print(f"{'TIME (UTC)':<20} {'EVENT':<22} {'TENANT':<14} {'OWNER':<14} {'PATH':<48} DETAILS")
+    for e in log.entries:
+        when = datetime.fromtimestamp(e.time_s, UTC).strftime("%Y-%m-%d %H:%M:%S")
+        details = ", ".join(f"{k}={v}" for k, v in sorted(e.details.items()))
+        print(f"{when:<20} {e.event:<22} {e.tenant:<14} {e.owner:<14} {e.path:<48} {details}")
+    if log.truncated:
+        print(f"(the first {len(log.entries)} entries of the day only)")
+    return 0
+
+
+def _usage(args: argparse.Namespace) -> int:
+    end = time.time()
+    with _client(args) as client:
+        used = client.usage(end - args.hours * 3600.0, end)
+        held = client.storage_usage()
+    if args.json:
+        rows = [dataclasses.asdict(u) for u in used.rows]
+        print(json.dumps({"usage": rows, "storage": dataclasses.asdict(held)}, indent=2))
+        return 0
+    print(f"{'HOUR (UTC)':<17} {'KIND':<17} {'BASE MODEL':<28} {'JOB':<22} COUNT")
+    for u in used.rows:
+        hour = datetime.fromtimestamp(u.bucket_s, UTC).strftime("%Y-%m-%d %H:00")
+        print(f"{hour:<17} {u.kind:<17} {u.base_model:<28} {u.job_id or '-':<22} {u.count}")
+    print(f"now: {held.checkpoint_count} named checkpoints, {held.size_bytes / 1e6:.1f} MB on the scheduler's disk")
+    return 0
+
+
 def _status(args: argparse.Namespace) -> int:
     with _client(args) as client:
         status = client.runtime_status()
@@ -312,6 +347,8 @@ def register(sub: Any) -> None:
     _add_worker_parser(sub)
     _add_jobs_parser(sub)
     _add_checkpoints_parser(sub)
+    _add_audit_parser(sub)
+    _add_usage_parser(sub)
     _add_status_parser(sub)
 
 
@@ -402,6 +439,25 @@ def _add_checkpoints_parser(sub: Any) -> None:
         pub.add_argument("job_id")
         pub.add_argument("name", help="a save_state name, or sampler-NAME for a named save_weights_for_sampler")
     ck.set_defaults(func=_checkpoints)
+
+
+def _add_audit_parser(sub: Any) -> None:
+    """``audit``: the tenant's audit log of one day."""
+    au = sub.add_parser("audit", help="this tenant's audit log: who created, read, deleted or published its weights")
+    _add_client_args(au)
+    au.add_argument("--day", help="the UTC day, YYYY-MM-DD (default today)")
+    au.add_argument("--event-type", default="all", choices=AUDIT_EVENT_TYPES, help="which resource's events")
+    au.add_argument("--json", action="store_true", help="print JSON")
+    au.set_defaults(func=_audit)
+
+
+def _add_usage_parser(sub: Any) -> None:
+    """``usage``: the tenant's tokens and saves by the hour, and its checkpoint storage now."""
+    us = sub.add_parser("usage", help="this tenant's tokens trained and sampled, and saves, by the hour; storage now")
+    _add_client_args(us)
+    us.add_argument("--hours", type=float, default=24.0, help="how many hours back (default 24; at most 336)")
+    us.add_argument("--json", action="store_true", help="print JSON")
+    us.set_defaults(func=_usage)
 
 
 def _add_status_parser(sub: Any) -> None:

@@ -27,6 +27,7 @@ from polytinker.errors import ConfigError, NotBuiltError
 from polytinker.scheduler.http import _proto
 from polytinker.scheduler.http.errors import error_body
 from polytinker.scheduler.http.futures import FutureTable
+from polytinker.scheduler.http.tinker_admin import TinkerAdmin
 from polytinker.scheduler.http.tinker_backend import Tenant, TinkerBackend, tinker_datum, to_tinker_path
 from polytinker.scheduler.http.tinker_runs import TinkerRuns
 from polytinker.scheduler.http.wire import api_key, read_body, read_json, ttl_of
@@ -114,6 +115,7 @@ def tinker_router(
     _add_weights_routes(r, api)
     _add_run_routes(r, api)
     _add_checkpoint_routes(r, api)
+    _add_admin_routes(r, api, TinkerAdmin(backend))
     _add_sampling_routes(r, api)
     _add_future_routes(r, api)
     return r
@@ -324,6 +326,22 @@ def _add_checkpoint_routes(r: APIRouter, api: _Api) -> None:
     @r.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
     def external_weights_urls(run_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
         return runs.external_urls(api.tenant(request), run_id, checkpoint_id, str(request.base_url))
+
+
+def _add_admin_routes(r: APIRouter, api: _Api, admin: TinkerAdmin) -> None:
+    """What the SDK's AdminClient reads: each tenant's own audit log, usage and storage."""
+
+    @r.get("/audit")
+    def audit_log(request: Request, event_type: str = "all", day: str | None = None) -> dict[str, Any]:
+        return admin.audit_log(api.tenant(request), event_type, day)
+
+    @r.get("/billing/usage/events")
+    def usage_events(request: Request, starting_on: str, ending_before: str) -> dict[str, Any]:
+        return admin.usage(api.tenant(request), starting_on, ending_before)
+
+    @r.get("/billing/usage/checkpoints/current")
+    def storage_usage(request: Request) -> dict[str, Any]:
+        return admin.storage(api.tenant(request))
 
 
 def _add_sampling_routes(r: APIRouter, api: _Api) -> None:

@@ -12,7 +12,6 @@ Answers follow the SDK's types (``TrainingRun``, ``Checkpoint``, ``CheckpointsLi
 from __future__ import annotations
 
 import time
-from datetime import UTC, datetime
 from typing import Any
 
 from polytinker.errors import NotBuiltError
@@ -28,11 +27,7 @@ from polytinker.scheduler.http.tinker_backend import (
     external_path,
     to_tinker_path,
 )
-from polytinker.scheduler.http.wire import ttl_of
-
-
-def _iso(ts: float) -> str:
-    return datetime.fromtimestamp(ts, UTC).isoformat()
+from polytinker.scheduler.http.wire import iso_time, ttl_of
 
 
 class TinkerRuns:
@@ -92,10 +87,10 @@ class TinkerRuns:
                 "tinker_path": path,
                 "size_bytes": sizes.get(name),
                 "public": name in public,
-                "expires_at": _iso(float(expiry[name])) if name in expiry else None,
+                "expires_at": iso_time(float(expiry[name])) if name in expiry else None,
             }
         listed = sorted(out.values(), key=lambda c: c["time"])
-        return [{**c, "time": _iso(c["time"])} for c in listed]
+        return [{**c, "time": iso_time(c["time"])} for c in listed]
 
     def training_run(self, t: Tenant, run_id: str) -> dict[str, Any]:
         row = self._run_row(t, run_id)
@@ -114,7 +109,7 @@ class TinkerRuns:
             "is_lora": row.lora_rank > 0,
             "corrupted": False,
             "lora_rank": row.lora_rank or None,
-            "last_request_time": _iso(updated),
+            "last_request_time": iso_time(updated),
             "last_checkpoint": last["training"],
             "last_sampler_checkpoint": last["sampler"],
             "user_metadata": metadata,
@@ -240,7 +235,7 @@ class TinkerRuns:
         files = age_encrypt(t.service.export_files(found.tinker_path), self.backend.store.recipients(row.job_id, name))
         token, expires = self.downloads.put(files)
         root = f"{base_url.rstrip('/')}/api/v1/downloads/{token}"
-        return {"urls": {f: f"{root}/{f}" for f in files}, "expires": _iso(expires)}
+        return {"urls": {f: f"{root}/{f}" for f in files}, "expires": iso_time(expires)}
 
 
 def _external_name(name: str) -> str:

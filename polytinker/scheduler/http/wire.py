@@ -1,9 +1,11 @@
 """Reading requests at the gateway's edge: the API key, bodies bounded in size and shape, and the
-values of a Tinker request that several calls read (a prompt's tokens, a TTL)."""
+values of a Tinker request that several calls read (a prompt's tokens, a TTL); and the one
+spelling of times in answers (``iso_time``)."""
 
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import Request
@@ -12,6 +14,11 @@ from polytinker.errors import ConfigError, NotBuiltError
 from polytinker.scheduler.http.errors import HttpError
 
 MAX_JSON_DEPTH = 32
+
+
+def iso_time(ts: float) -> str:
+    """A Unix time as the Tinker API answers times: ISO 8601 in UTC."""
+    return datetime.fromtimestamp(ts, UTC).isoformat()
 
 
 def api_key(request: Request) -> str:

@@ -1,10 +1,12 @@
 """The scheduler's calls on checkpoints a tenant keeps: delete, TTL, publish, describe, copy,
-export (``sched.delete_checkpoint``, ``sched.set_checkpoint_ttl``, ``sched.publish_checkpoint``,
-``sched.weights_info``, ``sched.copy_checkpoint``, ``sched.export_weights``).
+export, storage (``sched.delete_checkpoint``, ``sched.set_checkpoint_ttl``,
+``sched.publish_checkpoint``, ``sched.weights_info``, ``sched.copy_checkpoint``,
+``sched.export_weights``, ``sched.storage_usage``).
 
 They touch no worker: what they read and write is the scheduler's database and its state root,
 through ``WeightsCatalog``. Only the owner deletes, publishes or sets a TTL; reading (describe,
-copy, export) takes the tenant's own weights or published ones.
+copy, export) takes the tenant's own weights or published ones. Each act goes to the audit log
+(``AuditLog``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 from polytinker.errors import ConfigError
 from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service import replies as r
+from polytinker.scheduler.service.audit import AuditLog
 from polytinker.scheduler.service.jobs import JobManager
 from polytinker.scheduler.service.layout import check_name
 from polytinker.scheduler.service.state import JobRow, StateStore
@@ -31,10 +34,11 @@ class CheckpointCalls:
         store: StateStore,
         jobs: JobManager,
         weights: WeightsCatalog,
+        audit: AuditLog,
         tenant: Callable[[str], str],
         base_model: str,
     ) -> None:
-        self.store, self.jobs, self.weights = store, jobs, weights
+        self.store, self.jobs, self.weights, self.audit = store, jobs, weights, audit
         self._tenant = tenant  # the tenant of an API key (AuthError for none)
         self.base_model = base_model
 
@@ -46,28 +50,34 @@ class CheckpointCalls:
             "weights_info": self.weights_info,
             "copy_checkpoint": self.copy_checkpoint,
             "export_weights": self.export_weights,
+            "storage_usage": self.storage_usage,
         }
 
     def delete_checkpoint(self, msg: m.DeleteCheckpoint) -> r.DeleteCheckpointReply:
         """Forget one of a job's named checkpoints (as the job lists them) and delete its files;
         a job of any state, the tenant's own only."""
         row = self.jobs.get(self._tenant(msg.api_key), msg.job_id)
-        files_deleted = self.weights.delete_checkpoint(row, check_name("checkpoint name", msg.name))
+        files_deleted = self.weights.delete_checkpoint(row, check_name("checkpoint name", msg.name), row.tenant)
         self.store.log_event(row.job_id, "delete_checkpoint", msg.name)
         return r.DeleteCheckpointReply(msg.name, files_deleted)
 
     def set_checkpoint_ttl(self, msg: m.SetCheckpointTtl) -> r.CheckpointTtlReply:
         row = self.jobs.get(self._tenant(msg.api_key), msg.job_id)
         expires = expiry(msg.ttl_s)
-        if not self.store.set_checkpoint_expiry(row.job_id, msg.name, expires):
+        found = self.store.checkpoint(row.job_id, msg.name)
+        if found is None or not self.store.set_checkpoint_expiry(row.job_id, msg.name, expires):
             raise ConfigError(f"job {row.job_id} has no checkpoint {msg.name!r}")
+        self.audit.checkpoint("checkpoint_ttl_set", row.tenant, row, msg.name, found[1], expires_s=expires)
         return r.CheckpointTtlReply(msg.name, expires)
 
     def publish_checkpoint(self, msg: m.PublishCheckpoint) -> r.PublishCheckpointReply:
         row = self.jobs.get(self._tenant(msg.api_key), msg.job_id)  # the owner's alone
         was = self.weights.publish(row, check_name("checkpoint name", msg.name), msg.public)
         if was != msg.public:
-            self.store.log_event(row.job_id, "publish" if msg.public else "unpublish", msg.name)
+            event = "publish" if msg.public else "unpublish"
+            self.store.log_event(row.job_id, event, msg.name)
+            found = self.store.checkpoint(row.job_id, msg.name)
+            self.audit.checkpoint(f"checkpoint_{event}", row.tenant, row, msg.name, found[1] if found else 0)
         return r.PublishCheckpointReply(msg.name, msg.public, was)
 
     def weights_info(self, msg: m.WeightsInfo) -> r.WeightsInfoReply:
@@ -88,6 +98,8 @@ class CheckpointCalls:
             self.store.delete_jobs([copy.job_id])  # nothing refers to it yet
             raise
         self.store.log_event(copy.job_id, "copy", f"from {msg.path}")
+        self.audit.record("checkpoint_read", tenant, source, msg.path, purpose="copy", into=copy.job_id)
+        self.audit.record("checkpoint_create", tenant, copy, path, copied_from=msg.path)
         return r.CopyCheckpointReply(copy.job_id, path)
 
     def export_weights(self, msg: m.ExportWeights) -> r.ExportWeightsReply:
@@ -95,8 +107,17 @@ class CheckpointCalls:
         (``adapter_config.json`` as text, the weights as one uint8 array, which travels as a raw
         frame), or a learner checkpoint's weights and ``meta.json`` (a full-parameter version's, or
         a ``save_state`` checkpoint's)."""
-        version, config, weights, full, meta = self.weights.stored_files(self._tenant(msg.api_key), msg.model_path)
+        tenant = self._tenant(msg.api_key)
+        version, config, weights, full, meta = self.weights.stored_files(tenant, msg.model_path)
+        source, _ = self.weights.info(tenant, msg.model_path)
+        self.audit.record("checkpoint_read", tenant, source, msg.model_path, version=version, purpose="download")
         return r.ExportWeightsReply(version, self.base_model, config, weights, full, meta)
+
+    def storage_usage(self, msg: m.StorageUsage) -> r.StorageUsageReply:
+        """The tenant's named checkpoints now and their bytes (per-step versions not counted: they
+        come and go with training)."""
+        named = [c for job in self.store.jobs(self._tenant(msg.api_key)) for c in self.store.checkpoints(job.job_id)]
+        return r.StorageUsageReply(len(named), sum(self.weights.size_of(c["path"], int(c["version"])) for c in named))
 
     def _copy_job(self, tenant: str, source: JobRow, reason: str) -> JobRow:
         """A finished job of ``tenant`` shaped like ``source`` (kind, base model, agent, LoRA

@@ -7,7 +7,8 @@ This module imports no torch: the scheduler process stays light.
 Client -> scheduler (every one carries ``api_key``): ``CreateJob``, ``JobQuery``, ``JobAction``,
 ``ListJobs``, ``ForwardBackward``, ``Forward``, ``OptimStep``, ``SaveState``, ``LoadState``,
 ``SaveWeights``, ``Sample``, ``ComputeLogprobs``, ``ExportWeights``, ``DeleteCheckpoint``,
-``SetCheckpointTtl``, ``PublishCheckpoint``, ``WeightsInfo``, ``CopyCheckpoint``, ``RuntimeStatus``.
+``SetCheckpointTtl``, ``PublishCheckpoint``, ``WeightsInfo``, ``CopyCheckpoint``, ``AuditLog``,
+``Usage``, ``StorageUsage``, ``RuntimeStatus``.
 
 Nested values: ``polytinker.engine.types.Datum`` (one training example) and ``SamplingParams``
 (sampling parameters), registered here as message values: the learner and the engine get the
@@ -325,6 +326,59 @@ class ExportWeights:
         )
 
 
+# What ``AuditLog.event_type`` selects, as Tinker's admin client names it: every event, or one
+# resource's. polytinker keeps events of checkpoints alone (it has no projects, teams or
+# organizations), so the other three select nothing.
+AUDIT_EVENT_TYPES = ("all", "checkpoints", "projects", "teams", "organizations")
+
+
+@message("sched.audit_log")
+@dataclass(frozen=True)
+class AuditLog:
+    """The tenant's audit log of one UTC day (``day`` as ``YYYY-MM-DD``; "": today): what it did
+    to saved weights, and what any tenant did to the weights it owns."""
+
+    api_key: str
+    day: str = ""
+    event_type: str = "all"
+
+    def __post_init__(self) -> None:
+        need(self.event_type in AUDIT_EVENT_TYPES, f"event_type must be one of {', '.join(AUDIT_EVENT_TYPES)}")
+        need(
+            self.day == "" or (len(self.day) == 10 and self.day[4] == self.day[7] == "-"),
+            "day must be a date, YYYY-MM-DD",
+        )
+
+
+MAX_USAGE_WINDOW_S = 14 * 86400.0  # one answer's window, as Tinker bounds it
+
+
+@message("sched.usage")
+@dataclass(frozen=True)
+class Usage:
+    """The tenant's usage counts of the UTC hours starting in [start_s, end_s) (Unix times; at most
+    14 days apart)."""
+
+    api_key: str
+    start_s: float
+    end_s: float
+
+    def __post_init__(self) -> None:
+        need(
+            all(isinstance(t, int | float) and math.isfinite(t) for t in (self.start_s, self.end_s)),
+            "start_s and end_s must be Unix times",
+        )
+        need(0 < self.end_s - self.start_s <= MAX_USAGE_WINDOW_S, "the window must be positive and at most 14 days")
+
+
+@message("sched.storage_usage")
+@dataclass(frozen=True)
+class StorageUsage:
+    """How many named checkpoints the tenant keeps now, and their bytes on the scheduler's disk."""
+
+    api_key: str
+
+
 @message("sched.runtime_status")
 @dataclass(frozen=True)
 class RuntimeStatus:
@@ -332,9 +386,12 @@ class RuntimeStatus:
 
 
 __all__ = [
+    "AUDIT_EVENT_TYPES",
     "JOB_ACTIONS",
     "JOB_KINDS",
     "LOSS_FNS",
+    "MAX_USAGE_WINDOW_S",
+    "AuditLog",
     "ComputeLogprobs",
     "CopyCheckpoint",
     "CreateJob",
@@ -352,6 +409,8 @@ __all__ = [
     "SaveState",
     "SaveWeights",
     "SetCheckpointTtl",
+    "StorageUsage",
+    "Usage",
     "WeightsInfo",
     "check_top_k",
     "check_ttl",

@@ -11,6 +11,7 @@ job is queued, preempting or paused: ask again soon).
 Results: ``JobReply`` (``create_job``, ``job_action``), ``JobQueryReply``, ``JobListReply``,
 ``RuntimeStatusReply``, ``ForwardBackwardReply``, ``ForwardReply``, ``OptimStepReply``,
 ``SaveStateReply``, ``LoadStateReply``, ``SaveWeightsReply``, ``ExportWeightsReply``,
+``AuditLogReply`` (of ``AuditEntry``), ``UsageReply`` (of ``UsageRow``), ``StorageUsageReply``,
 ``SampleReply`` (of ``SequenceReply``), ``LogprobsReply``.
 
 Workers answer the scheduler with typed replies too: the learner ``WorkerVersion`` (``sched.w.ensure``,
@@ -195,6 +196,53 @@ class WeightsInfoReply:
     owned: bool  # the asking tenant's own
 
 
+@message("sched.r.audit_entry")
+@dataclass(frozen=True)
+class AuditEntry:
+    """One audited act on saved weights. ``event`` is ``checkpoint_ACTION`` (create, read,
+    delete, expire, publish, unpublish, ttl_set); ``tenant`` acted (``"scheduler"`` for an expiry)
+    on weights ``owner`` owns; ``path`` names them (``polytinker-ckpt://`` or ``polytinker://``);
+    ``details`` adds the checkpoint's name and version, and a read's purpose."""
+
+    time_s: float
+    event: str
+    tenant: str
+    owner: str
+    job_id: str
+    path: str
+    details: dict[str, Any]
+
+
+@message("sched.r.audit_log")
+@dataclass(frozen=True)
+class AuditLogReply:
+    entries: list[AuditEntry]  # oldest first
+    truncated: bool  # the day had more entries than one answer carries (AuditLog.MAX_ENTRIES)
+
+
+@message("sched.r.usage_row")
+@dataclass(frozen=True)
+class UsageRow:
+    bucket_s: float  # the UTC hour's start (Unix time)
+    kind: str  # training, sampling_prefill, sampling_sample (tokens) or checkpoint (saves)
+    base_model: str
+    job_id: str
+    count: int
+
+
+@message("sched.r.usage")
+@dataclass(frozen=True)
+class UsageReply:
+    rows: list[UsageRow]  # by hour, then kind and job
+
+
+@message("sched.r.storage_usage")
+@dataclass(frozen=True)
+class StorageUsageReply:
+    checkpoint_count: int  # named checkpoints the tenant keeps
+    size_bytes: int  # their files on the scheduler's disk (a remote learner's count 0)
+
+
 @message("sched.r.export_weights")
 @dataclass(frozen=True)
 class ExportWeightsReply:
@@ -296,6 +344,8 @@ class ActorsNoted:
 
 __all__ = [
     "ActorsNoted",
+    "AuditEntry",
+    "AuditLogReply",
     "CheckpointTtlReply",
     "CopyCheckpointReply",
     "DeleteCheckpointReply",
@@ -319,6 +369,9 @@ __all__ = [
     "SavedCheckpoint",
     "SequenceReply",
     "StepResult",
+    "StorageUsageReply",
+    "UsageReply",
+    "UsageRow",
     "WaitingReply",
     "WeightsInfoReply",
     "WorkerVersion",

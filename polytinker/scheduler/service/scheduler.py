@@ -46,14 +46,16 @@ from polytinker.model_path import SAMPLER_NAME_PREFIX, CheckpointPath, ModelPath
 from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service import replies as r
 from polytinker.scheduler.service import worker_messages as wm
+from polytinker.scheduler.service.audit import AuditLog
 from polytinker.scheduler.service.broker import Broker, WorkerHandle
 from polytinker.scheduler.service.checkpoints import CheckpointCalls
 from polytinker.scheduler.service.config import RuntimeConfig
 from polytinker.scheduler.service.jobs import FINAL_STATES, LIVE_STATES, JobManager, adapter_key
 from polytinker.scheduler.service.layout import check_name
 from polytinker.scheduler.service.load import Admission
-from polytinker.scheduler.service.state import AdapterRow, JobRow, StateStore
+from polytinker.scheduler.service.state import HISTORY_RETENTION_S, AdapterRow, JobRow, StateStore
 from polytinker.scheduler.service.tenants import Tenants
+from polytinker.scheduler.service.usage import UsageMeter
 from polytinker.scheduler.service.weights import WeightsCatalog, expiry
 from polytinker.scheduler.types import JobKind, JobState
 from polytinker.transport import RpcServer, ServerCurve, TransportConfig
@@ -81,8 +83,10 @@ class SchedulerService:
             self.tenants.add(t)
         self.broker = Broker(config, token)
         self.jobs = JobManager(config, self.store, self.tenants.weights())
-        self.weights = WeightsCatalog(self.root, self.store, self.jobs, config.keep_checkpoints)
-        self.checkpoints = CheckpointCalls(self.store, self.jobs, self.weights, self._tenant, config.model)
+        self.audit = AuditLog(self.store, self._tenant)
+        self.meter = UsageMeter(self.store, self._tenant)
+        self.weights = WeightsCatalog(self.root, self.store, self.jobs, config.keep_checkpoints, self.audit)
+        self.checkpoints = CheckpointCalls(self.store, self.jobs, self.weights, self.audit, self._tenant, config.model)
         # forward_backward request ids answered since each adapter's last step: optim_step tells the
         # learner how many it must hold, so a learner restarted between a step's calls refuses the
         # step (GradientLost) instead of stepping on part of its gradient. No entry (this process
@@ -125,6 +129,9 @@ class SchedulerService:
                 if passes % 10 == 0:  # every 5 s: a query over the finished jobs, one over expiries
                     self.jobs.prune_finished()
                     self.weights.expire(time.time())
+                    self.meter.flush()
+                if passes % 7200 == 1:  # hourly, from the first pass: audit rows and usage past retention
+                    self.store.prune_history(time.time() - HISTORY_RETENTION_S)
             except Exception:  # the loop must outlive one bad pass
                 log.exception("scheduling pass failed")
 
@@ -152,7 +159,7 @@ class SchedulerService:
             "compute_logprobs": self.compute_logprobs,
             "runtime_status": self.runtime_status,
         }
-        h |= self.checkpoints.handlers()
+        h |= self.checkpoints.handlers() | self.audit.handlers() | self.meter.handlers()
         return {f"sched.{k}": self._guard(v) for k, v in h.items()} | {
             "sched.w.register": self.broker.register,
             "sched.w.workers": self.broker.workers_query,
@@ -303,6 +310,7 @@ class SchedulerService:
         ids = self._fb_ids.get(a.adapter_key)
         if ids is not None:
             ids.add(req.request_id)
+        self.meter.tokens(row.tenant, "training", [d.input_tokens for d in msg.data], row.base_model, row.job_id)
         return out  # the learner's answer goes on to the client as it is
 
     def forward(self, msg: m.Forward) -> r.ForwardReply:
@@ -310,6 +318,7 @@ class SchedulerService:
         req = wm.LearnerForward(a.adapter_key, msg.data, row.kind == JobKind.FULL_RL)
         with self.admission.admit(row.tenant, "train"), self.broker.slicers[learner].turn(row.job_id, row.priority):
             out: r.ForwardReply = self.broker.call(learner, "sched.w.forward", req, prepare=self._prepare(row, a))
+        self.meter.tokens(row.tenant, "training", [d.input_tokens for d in msg.data], row.base_model, row.job_id)
         return out
 
     def optim_step(self, msg: m.OptimStep) -> r.OptimStepReply:
@@ -364,6 +373,8 @@ class SchedulerService:
             out: r.SavedCheckpoint = self.broker.call(learner, "sched.w.save", req, prepare=self._prepare(row, a))
         saved = wm.WeightsRef(a.adapter_key, out.version, "checkpoint", msg.name)
         self.store.add_checkpoint(row.job_id, msg.name, saved.relative_path, out.version, expiry(msg.ttl_s))
+        self.audit.checkpoint("checkpoint_create", row.tenant, row, msg.name, out.version)
+        self.meter.add(row.tenant, "checkpoint", 1, row.base_model, row.job_id)
         return r.SaveStateReply(str(CheckpointPath(row.job_id, msg.name)), out.version)
 
     def load_state(self, msg: m.LoadState) -> r.LoadStateReply:
@@ -388,6 +399,10 @@ class SchedulerService:
                 req_export = wm.LearnerExport(a.adapter_key, out.version, loaded_from=loaded)
                 export = self.broker.call(learner, "sched.w.export", req_export, retry=False).weights
             self.store.record_version(a.adapter_key, out.version, path, export)
+        source = row if src_job == row.job_id else self.store.job(src_job)
+        if source is not None:
+            read = {"purpose": "load_state", "into": row.job_id}
+            self.audit.checkpoint("checkpoint_read", row.tenant, source, name, version, **read)
         self._fb_ids[a.adapter_key] = set()  # loading replaced the adapter's state, gradient included
         return r.LoadStateReply(out.version)
 
@@ -406,6 +421,8 @@ class SchedulerService:
             a = self.store.adapter(a.adapter_key) or a
         if name:
             self.store.add_checkpoint(row.job_id, name, a.export_dir, a.version, expiry(msg.ttl_s))
+            self.audit.checkpoint("checkpoint_create", row.tenant, row, name, a.version)
+            self.meter.add(row.tenant, "checkpoint", 1, row.base_model, row.job_id)
         return r.SaveWeightsReply(str(ModelPath(row.job_id, row.agent, a.version)), a.version)
 
     def sample(self, msg: m.Sample) -> r.SampleReply:
@@ -418,6 +435,9 @@ class SchedulerService:
                 key, version, export, msg.prompt_token_ids, msg.num_samples, msg.params, tenant, full=full
             )
             out: r.SampleReply = self.broker.call(engine, "sched.w.sample", req)
+        self._sampled(tenant, msg, [msg.prompt_token_ids])
+        sampled = [q.tokens for q in out.sequences]
+        self.meter.tokens(tenant, "sampling_sample", sampled, msg.base_model, self._job_of(msg))
         return out  # the engine's answer goes on to the client as it is
 
     def compute_logprobs(self, msg: m.ComputeLogprobs) -> r.LogprobsReply:
@@ -428,7 +448,17 @@ class SchedulerService:
             engine = self.jobs.route(key or None, msg.base_model)
             req = wm.EngineLogprobs(key, version, export, msg.sequences, full=full, top_k=msg.top_k)
             out: r.LogprobsReply = self.broker.call(engine, "sched.w.logprobs", req)
+        self._sampled(tenant, msg, msg.sequences)
         return out
+
+    def _job_of(self, msg: m.Sample | m.ComputeLogprobs) -> str:
+        return ModelPath.parse(msg.model_path).job_id if msg.model_path else msg.job_id
+
+    def _sampled(self, tenant: str, msg: m.Sample | m.ComputeLogprobs, read: Any) -> None:
+        """A sampling call answered: the tokens it read counted, and a saved version's read audited."""
+        self.meter.tokens(tenant, "sampling_prefill", read, msg.base_model, self._job_of(msg))
+        if msg.model_path:
+            self.audit.sampled(tenant, msg.model_path)
 
     def _sampling_job(self, tenant: str, msg: m.Sample | m.ComputeLogprobs) -> None:
         """The job a sampling call belongs to, which the call counts as activity of. A base-model

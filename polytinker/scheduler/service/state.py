@@ -8,7 +8,10 @@ Tables:
 - ``adapters``: one row per adapter (tenant/job/agent): its latest version, checkpoint and export;
 - ``adapter_versions``: every version's checkpoint and peft export (the ones kept on disk);
 - ``checkpoints``: named ``save_state`` checkpoints per job;
-- ``events``: the decision log (what the policy decided and why).
+- ``events``: the decision log (what the policy decided and why);
+- ``usage``: per tenant, hour, kind, base model and job, the tokens (or saves) it used (``UsageMeter``);
+- ``audit``: who did what to which saved weights (``AuditLog``): each row belongs to the tenant that
+  acted and to the tenant that owns the weights.
 
 Privacy: the state directory holds every tenant's weights and the job table, so
 ``private_state_dir`` keeps it 0700 (tightening a looser one, with a warning) and the database
@@ -38,6 +41,8 @@ from polytinker.scheduler.types import JobKind, JobState
 
 log = logging.getLogger("polytinker.scheduler.state")
 
+HISTORY_RETENTION_S = 90 * 86400.0  # how long audit rows and usage counts are kept (prune_history)
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tenants (
     name TEXT PRIMARY KEY, key_hash TEXT NOT NULL UNIQUE, weight REAL NOT NULL, created_s REAL NOT NULL);
@@ -61,6 +66,14 @@ CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT, time_s REAL NOT NULL, job_id TEXT NOT NULL, kind TEXT NOT NULL,
     reason TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS events_by_job ON events (job_id, id);
+CREATE TABLE IF NOT EXISTS audit (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, time_s REAL NOT NULL, event TEXT NOT NULL, actor TEXT NOT NULL,
+    owner TEXT NOT NULL, job_id TEXT NOT NULL, path TEXT NOT NULL, details TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS audit_by_actor ON audit (actor, time_s);
+CREATE INDEX IF NOT EXISTS audit_by_owner ON audit (owner, time_s);
+CREATE TABLE IF NOT EXISTS usage (
+    tenant TEXT NOT NULL, bucket_s REAL NOT NULL, kind TEXT NOT NULL, base_model TEXT NOT NULL, job_id TEXT NOT NULL,
+    count INTEGER NOT NULL, PRIMARY KEY (tenant, bucket_s, kind, base_model, job_id));
 """
 
 
@@ -397,6 +410,47 @@ class StateStore:
         )
         return [dict(r) for r in reversed(rows)]
 
+    def add_audit(self, event: str, actor: str, owner: str, job_id: str, path: str, details: dict[str, Any]) -> None:
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO audit (time_s, event, actor, owner, job_id, path, details) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (time.time(), event, actor, owner, job_id, path, json.dumps(details, sort_keys=True)),
+            )
+
+    def audit(self, tenant: str, start_s: float, end_s: float, prefix: str, limit: int) -> list[dict[str, Any]]:
+        """The audit rows ``tenant`` acted in or owns, in [start_s, end_s), whose event starts with
+        ``prefix``; oldest first, at most ``limit``."""
+        rows = self._query(
+            "SELECT time_s, event, actor, owner, job_id, path, details FROM audit"
+            " WHERE (actor = ? OR owner = ?) AND time_s >= ? AND time_s < ? AND substr(event, 1, ?) = ?"
+            " ORDER BY id LIMIT ?",
+            (tenant, tenant, start_s, end_s, len(prefix), prefix, limit),
+        )
+        return [{**dict(r), "details": json.loads(r["details"])} for r in rows]
+
+    def prune_history(self, before_s: float) -> int:
+        """Delete the audit rows and usage counts older than ``before_s``; how many."""
+        with self._tx() as db:
+            n = db.execute("DELETE FROM audit WHERE time_s < ?", (before_s,)).rowcount
+            return int(n + db.execute("DELETE FROM usage WHERE bucket_s < ?", (before_s,)).rowcount)
+
+    def add_usage(self, rows: list[tuple[str, float, str, str, str, int]]) -> None:
+        """Add (tenant, bucket_s, kind, base_model, job_id, count) rows to the counts kept."""
+        with self._tx() as db:
+            db.executemany(
+                "INSERT INTO usage (tenant, bucket_s, kind, base_model, job_id, count) VALUES (?, ?, ?, ?, ?, ?)"
+                " ON CONFLICT DO UPDATE SET count = count + excluded.count",
+                rows,
+            )
+
+    def usage(self, tenant: str, start_s: float, end_s: float) -> list[dict[str, Any]]:
+        rows = self._query(
+            "SELECT bucket_s, kind, base_model, job_id, count FROM usage WHERE tenant = ? AND bucket_s >= ?"
+            " AND bucket_s < ? ORDER BY bucket_s, kind, job_id",
+            (tenant, start_s, end_s),
+        )
+        return [dict(r) for r in rows]
+
 
 def _job(r: sqlite3.Row) -> JobRow:
     return JobRow(
@@ -416,4 +470,4 @@ def _job(r: sqlite3.Row) -> JobRow:
     )
 
 
-__all__ = ["AdapterRow", "JobRow", "StateStore", "private_state_dir"]
+__all__ = ["HISTORY_RETENTION_S", "AdapterRow", "JobRow", "StateStore", "private_state_dir"]

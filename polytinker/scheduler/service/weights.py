@@ -23,6 +23,7 @@ from typing import Any
 
 from polytinker.errors import AuthError, ConfigError
 from polytinker.model_path import CKPT_PREFIX, SAMPLER_NAME_PREFIX, CheckpointPath, ModelPath
+from polytinker.scheduler.service.audit import EXPIRY_ACTOR, AuditLog
 from polytinker.scheduler.service.jobs import JobManager, adapter_key
 from polytinker.scheduler.service.layout import check_name, parse_relative, under
 from polytinker.scheduler.service.state import AdapterRow, JobRow, StateStore
@@ -40,8 +41,8 @@ def expiry(ttl_s: float) -> float | None:
 class WeightsCatalog:
     """Resolves a tenant's checkpoint names and model paths to stored weights under ``root``."""
 
-    def __init__(self, root: Path, store: StateStore, jobs: JobManager, keep_checkpoints: int) -> None:
-        self.root, self.store, self.jobs = root, store, jobs
+    def __init__(self, root: Path, store: StateStore, jobs: JobManager, keep_checkpoints: int, audit: AuditLog) -> None:
+        self.root, self.store, self.jobs, self.audit = root, store, jobs, audit
         self.keep_checkpoints = keep_checkpoints
 
     def stored(self, text: str, version: int) -> WeightsRef:
@@ -75,16 +76,18 @@ class WeightsCatalog:
         shutil.rmtree(under(self.root, ref.relative_path), ignore_errors=True)
         return True
 
-    def delete_checkpoint(self, row: JobRow, name: str) -> bool:
+    def delete_checkpoint(self, row: JobRow, name: str, actor: str, event: str = "checkpoint_delete") -> bool:
         """Forget the job's checkpoint ``name`` (a save_state name, or ``sampler-NAME``) and delete
         its files; whether they were deleted. A named sampler save's version becomes one like any
         other: pruned now when it is older than the kept ones. A save_state checkpoint's files stay
-        while an adapter's kept version was loaded from them (a restart reloads from there)."""
+        while an adapter's kept version was loaded from them (a restart reloads from there).
+        ``actor`` did it, as ``event`` (the audit log's)."""
         found = self.store.checkpoint(row.job_id, name)
         if found is None:
             raise ConfigError(f"job {row.job_id} has no checkpoint {name!r} (polytinker checkpoints list names them)")
         path, version = found
         self.store.delete_checkpoint(row.job_id, name)
+        self.audit.checkpoint(event, actor, row, name, version)
         if name.startswith(SAMPLER_NAME_PREFIX):
             a = self.store.adapter(adapter_key(row.tenant, row.job_id, row.agent))
             if a is None:
@@ -117,7 +120,7 @@ class WeightsCatalog:
                 if row is None:
                     self.store.delete_checkpoint(job_id, name)
                     continue
-                self.delete_checkpoint(row, name)
+                self.delete_checkpoint(row, name, EXPIRY_ACTOR, "checkpoint_expire")
                 self.store.log_event(job_id, "expired", f"checkpoint {name}: its ttl ran out")
             except Exception:  # one bad row must not keep the others alive
                 log.exception("expiring checkpoint %s of job %s failed", name, job_id)
