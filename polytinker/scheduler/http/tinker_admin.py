@@ -11,6 +11,8 @@ runtime. polytinker keeps no prices, so every cost and rate is null.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -34,9 +36,13 @@ class TinkerAdmin:
     def __init__(self, backend: TinkerBackend) -> None:
         self.backend = backend
 
+    def _runs(self, t: Tenant) -> Callable[[str], tuple[str, str | None]]:
+        """A lookup, one query per job however many rows name it: (model id, session id) of a job
+        the tenant made through this gateway; (job id, None) for any other (made by polytinker's
+        own client, or another tenant's)."""
+        return functools.cache(lambda job_id: self._run(t, job_id))
+
     def _run(self, t: Tenant, job_id: str) -> tuple[str, str | None]:
-        """(model id, session id) of a job the tenant made through this gateway; (job id, None)
-        for any other (made by polytinker's own client, or another tenant's)."""
         run = self.backend.store.model(t.owner, job_id)
         if run is None:
             return job_id, None
@@ -46,9 +52,10 @@ class TinkerAdmin:
     def audit_log(self, t: Tenant, event_type: str, day: str | None) -> dict[str, Any]:
         """One UTC day of the tenant's audit log, as ``AuditLogResponse``."""
         log = t.service.audit_log(day or None, event_type)
+        run = self._runs(t)
         entries = []
         for e in log.entries:
-            model_id, _ = self._run(t, e.job_id)
+            model_id, _ = run(e.job_id)
             tinker_path = to_tinker_path(e.path)
             details = {"tenant": e.tenant, "owner": e.owner, "model_id": model_id, "tinker_path": tinker_path}
             entries.append(
@@ -66,9 +73,10 @@ class TinkerAdmin:
     def usage(self, t: Tenant, starting_on: str, ending_before: str) -> dict[str, Any]:
         """The tenant's hourly usage in [starting_on, ending_before), as ``BillingUsageResponse``."""
         start, end = _unix(starting_on, "starting_on"), _unix(ending_before, "ending_before")
+        run = self._runs(t)
         data = []
         for row in t.service.usage(start, end).rows:
-            _, session_id = self._run(t, row.job_id)
+            _, session_id = run(row.job_id)
             info: dict[str, Any] = {"type": row.kind}
             if row.kind == "checkpoint":
                 info["count"] = row.count

@@ -77,7 +77,8 @@ class CheckpointCalls:
             event = "publish" if msg.public else "unpublish"
             self.store.log_event(row.job_id, event, msg.name)
             found = self.store.checkpoint(row.job_id, msg.name)
-            self.audit.checkpoint(f"checkpoint_{event}", row.tenant, row, msg.name, found[1] if found else 0)
+            assert found is not None  # publish found it
+            self.audit.checkpoint(f"checkpoint_{event}", row.tenant, row, msg.name, found[1])
         return r.PublishCheckpointReply(msg.name, msg.public, was)
 
     def weights_info(self, msg: m.WeightsInfo) -> r.WeightsInfoReply:

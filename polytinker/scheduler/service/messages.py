@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from datetime import date
 
 from polytinker.engine.types import LOSS_FNS, Datum, SamplingParams
 from polytinker.errors import ConfigError
@@ -344,10 +345,14 @@ class AuditLog:
 
     def __post_init__(self) -> None:
         need(self.event_type in AUDIT_EVENT_TYPES, f"event_type must be one of {', '.join(AUDIT_EVENT_TYPES)}")
-        need(
-            self.day == "" or (len(self.day) == 10 and self.day[4] == self.day[7] == "-"),
-            "day must be a date, YYYY-MM-DD",
-        )
+        need(self.day == "" or _is_date(self.day), f"day {self.day[:40]!r} is not a date, YYYY-MM-DD")
+
+
+def _is_date(text: str) -> bool:
+    try:
+        return len(text) == 10 and bool(date.fromisoformat(text))
+    except ValueError:
+        return False
 
 
 MAX_USAGE_WINDOW_S = 14 * 86400.0  # one answer's window, as Tinker bounds it

@@ -373,8 +373,7 @@ class SchedulerService:
             out: r.SavedCheckpoint = self.broker.call(learner, "sched.w.save", req, prepare=self._prepare(row, a))
         saved = wm.WeightsRef(a.adapter_key, out.version, "checkpoint", msg.name)
         self.store.add_checkpoint(row.job_id, msg.name, saved.relative_path, out.version, expiry(msg.ttl_s))
-        self.audit.checkpoint("checkpoint_create", row.tenant, row, msg.name, out.version)
-        self.meter.add(row.tenant, "checkpoint", 1, row.base_model, row.job_id)
+        self._named(row, msg.name, out.version)
         return r.SaveStateReply(str(CheckpointPath(row.job_id, msg.name)), out.version)
 
     def load_state(self, msg: m.LoadState) -> r.LoadStateReply:
@@ -421,9 +420,13 @@ class SchedulerService:
             a = self.store.adapter(a.adapter_key) or a
         if name:
             self.store.add_checkpoint(row.job_id, name, a.export_dir, a.version, expiry(msg.ttl_s))
-            self.audit.checkpoint("checkpoint_create", row.tenant, row, name, a.version)
-            self.meter.add(row.tenant, "checkpoint", 1, row.base_model, row.job_id)
+            self._named(row, name, a.version)
         return r.SaveWeightsReply(str(ModelPath(row.job_id, row.agent, a.version)), a.version)
+
+    def _named(self, row: JobRow, name: str, version: int) -> None:
+        """A save that named a checkpoint: audited as created, counted as a checkpoint."""
+        self.audit.checkpoint("checkpoint_create", row.tenant, row, name, version)
+        self.meter.add(row.tenant, "checkpoint", 1, row.base_model, row.job_id)
 
     def sample(self, msg: m.Sample) -> r.SampleReply:
         tenant = self._tenant(msg.api_key)
@@ -435,9 +438,7 @@ class SchedulerService:
                 key, version, export, msg.prompt_token_ids, msg.num_samples, msg.params, tenant, full=full
             )
             out: r.SampleReply = self.broker.call(engine, "sched.w.sample", req)
-        self._sampled(tenant, msg, [msg.prompt_token_ids])
-        sampled = [q.tokens for q in out.sequences]
-        self.meter.tokens(tenant, "sampling_sample", sampled, msg.base_model, self._job_of(msg))
+        self._sampled(tenant, msg, [msg.prompt_token_ids], [q.tokens for q in out.sequences])
         return out  # the engine's answer goes on to the client as it is
 
     def compute_logprobs(self, msg: m.ComputeLogprobs) -> r.LogprobsReply:
@@ -448,15 +449,15 @@ class SchedulerService:
             engine = self.jobs.route(key or None, msg.base_model)
             req = wm.EngineLogprobs(key, version, export, msg.sequences, full=full, top_k=msg.top_k)
             out: r.LogprobsReply = self.broker.call(engine, "sched.w.logprobs", req)
-        self._sampled(tenant, msg, msg.sequences)
+        self._sampled(tenant, msg, msg.sequences, ())
         return out
 
-    def _job_of(self, msg: m.Sample | m.ComputeLogprobs) -> str:
-        return ModelPath.parse(msg.model_path).job_id if msg.model_path else msg.job_id
-
-    def _sampled(self, tenant: str, msg: m.Sample | m.ComputeLogprobs, read: Any) -> None:
-        """A sampling call answered: the tokens it read counted, and a saved version's read audited."""
-        self.meter.tokens(tenant, "sampling_prefill", read, msg.base_model, self._job_of(msg))
+    def _sampled(self, tenant: str, msg: m.Sample | m.ComputeLogprobs, read: Any, sampled: Any) -> None:
+        """A sampling call answered: the tokens it read and sampled counted against its job, and a
+        saved version's read audited."""
+        job_id = ModelPath.parse(msg.model_path).job_id if msg.model_path else msg.job_id
+        self.meter.tokens(tenant, "sampling_prefill", read, msg.base_model, job_id)
+        self.meter.tokens(tenant, "sampling_sample", sampled, msg.base_model, job_id)
         if msg.model_path:
             self.audit.sampled(tenant, msg.model_path)
 

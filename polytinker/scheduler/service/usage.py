@@ -27,7 +27,6 @@ from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service import replies as r
 from polytinker.scheduler.service.state import StateStore
 
-USAGE_KINDS = ("training", "sampling_prefill", "sampling_sample", "checkpoint")
 BUCKET_S = 3600.0
 
 
@@ -73,4 +72,4 @@ class UsageMeter:
         return r.UsageReply([r.UsageRow(*(row[f] for f in fields)) for row in rows])
 
 
-__all__ = ["BUCKET_S", "USAGE_KINDS", "UsageMeter"]
+__all__ = ["BUCKET_S", "UsageMeter"]
