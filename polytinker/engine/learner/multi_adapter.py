@@ -10,6 +10,7 @@ The KL reference and ``adapter=None`` requests run the same weights under
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model, set_peft_model_state_dict
+from peft.tuners.lora import LoraLayer
 from safetensors.torch import save_file
 from torch import nn
 
@@ -55,6 +57,52 @@ def _peft_key(param_name: str, adapter: str) -> str:
     raise ConfigError(f"{param_name} is not a tensor of adapter {adapter!r}")
 
 
+@contextlib.contextmanager
+def _adapters_off(layers: Sequence[Any]) -> Iterator[None]:
+    """The base model alone in the body. Each LoRA layer's public ``enable_adapters`` toggle:
+    ``PeftModel.disable_adapter`` does the same plus a walk over the whole model's status that
+    cost a third of a small forward_backward here. Leaving makes peft's active adapter trainable
+    again and every other adapter frozen (``set_adapter``)."""
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+
+
+@contextlib.contextmanager
+def _per_row_adapters(layers: Sequence[Any], names: list[str]) -> Iterator[None]:
+    """Row ``i`` of every batch in the body runs adapter ``names[i]``; call it with peft's own
+    LoRA path off (``_adapters_off``).
+
+    peft's own mixed batches gather and scatter each adapter's rows by index in every LoRA layer;
+    on a CPU that indexing cost as much as the matmuls. Here each run of consecutive rows of one
+    adapter is a ``split`` view and the adapters' deltas are one ``cat`` (both cheap, forward and
+    backward), added to the base layer's output by a forward hook. Callers keep each adapter's
+    rows together.
+    """
+    runs = [(name, len(list(rows))) for name, rows in itertools.groupby(names)]
+    sizes = [n for _, n in runs]
+
+    def add_deltas(layer: Any, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
+        x = args[0]
+        if x.shape[0] != len(names):
+            raise ConfigError(f"per-row adapters for {len(names)} rows, got a batch of {x.shape[0]}")
+        deltas = []
+        for (name, _), x_part in zip(runs, x.split(sizes), strict=True):
+            lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
+            h = layer.lora_dropout[name](x_part.to(lora_a.weight.dtype))
+            deltas.append(lora_b(lora_a(h)) * layer.scaling[name])
+        return out + torch.cat(deltas).to(out.dtype)
+
+    with contextlib.ExitStack() as stack:
+        for layer in layers:
+            stack.callback(layer.register_forward_hook(add_deltas).remove)
+        yield
+
+
 class MultiAdapterLearner(Learner):
     """A learner for many LoRA adapters over one frozen base model."""
 
@@ -70,6 +118,8 @@ class MultiAdapterLearner(Learner):
         self.peft_model: PeftModel | None = None
         self._slots: dict[AdapterName, Slot] = {}
         self._lora: dict[AdapterName, LoraConfig] = {}
+        self._layers: list[Any] | None = None  # peft's LoRA layers, found once per adapter set
+        self._rows_mode = False  # inside forward_backward_many: peft's LoRA path off, hooks add the deltas
 
     # -- adapters -------------------------------------------------------------------------------
     def add_adapter(self, name: AdapterName, lora: LoraConfig | None = None, seed: int = 0) -> AdapterRef:
@@ -90,6 +140,7 @@ class MultiAdapterLearner(Learner):
         params = {n: p for n, p in self.peft_model.named_parameters() if _is_param_of(n, name)}
         if not params:
             raise ConfigError(f"LoraConfig.target_modules {lora.target_modules} match no module of this model")
+        self._layers = None
         broadcast_(list(params.values()))  # data-parallel ranks start from rank 0's initialisation
         self._slots[name] = Slot(name, params)
         self._lora[name] = lora
@@ -99,6 +150,7 @@ class MultiAdapterLearner(Learner):
         self._slot(name)
         assert self.peft_model is not None
         self.peft_model.delete_adapter(name)
+        self._layers = None
         del self._slots[name], self._lora[name]
 
     def adapters(self) -> list[AdapterRef]:
@@ -131,47 +183,34 @@ class MultiAdapterLearner(Learner):
         loss_fn_config: dict[str, float] | None = None,
     ) -> dict[AdapterName, ForwardBackwardResult]:
         """``forward_backward`` for several adapters in shared passes: each micro-batch may mix
-        adapters (peft's per-row ``adapter_names``), so the base model's matmuls see one larger
-        batch. Gradients and results are the same as one call per adapter."""
+        adapters (``_per_row_adapters``), so the base model's matmuls see one larger batch.
+        Gradients and results are the same as one call per adapter."""
         loss_cfg = LossConfig.from_mapping(loss_fn_config)
         kl_coef = self.config.kl_coef if loss_cfg.kl_coef is None else loss_cfg.kl_coef
         rows = [(name, d) for name, data in data_by_adapter.items() for d in data]
         check_loss_inputs(loss_fn, [d for _, d in rows])
         slots = {name: self._slot(name) for name in data_by_adapter}
-        assert self.peft_model is not None
         sums = {name: _Sums() for name in slots}
         index_in_adapter: list[int] = []  # each row's index within its adapter's list
         seen: dict[AdapterName, int] = {}
         for name, _ in rows:
             index_in_adapter.append(seen.get(name, 0))
             seen[name] = index_in_adapter[-1] + 1
-        for order, chunk in self._chunks(rows):
-            batch = collate([d for _, d in chunk], pad_token_id=self.pad_token_id, device=self.dist.device)
-            names = [name for name, _ in chunk]
-            if kl_coef > 0:  # first: leaving disable_adapter() resets requires_grad, set just below
-                with torch.inference_mode(), self._reference():
-                    ref_BT = self._logprobs(batch)
-                ref_BT = ref_BT.clone()  # a normal tensor: autograd may save it
-            # peft's set_adapter and disable_adapter leave only the active adapter trainable, and
-            # autograd skips accumulating into a tensor that no longer requires grad at backward:
-            # make every adapter of this micro-batch trainable for the whole pass.
-            for name in set(names):
-                for p in slots[name].params.values():
+        position = {name: i for i, name in enumerate(data_by_adapter)}
+        # peft's LoRA path stays off for the whole call (each switch walks every layer): the
+        # reference is the base model as it stands, and hooks add each row's own adapter.
+        with _adapters_off(self._lora_layers()), self._per_row_mode():
+            for slot in slots.values():  # switching off froze every adapter: these train
+                for p in slot.params.values():
                     p.requires_grad_(True)
-            logprobs_BT = self._logprobs(batch, grad_BT=batch.weights_BT != 0, adapter_names=names)
-            total = logprobs_BT.new_zeros(())
-            for name in dict.fromkeys(names):
-                index_R = [i for i, n in enumerate(names) if n == name]
-                sub = batch.rows(index_R)
-                sub_logprobs_BT = logprobs_BT[index_R]
-                loss, extra = policy_loss(loss_fn, sub_logprobs_BT, sub, loss_cfg)
-                kl = kl_to_reference(sub_logprobs_BT, ref_BT[index_R], sub.weights_BT) if kl_coef > 0 else None
-                if kl is not None:
-                    loss = loss + kl_coef * kl
-                total = total + loss
-                sums[name].add(loss, kl, sub, extra, sub_logprobs_BT, [index_in_adapter[order[i]] for i in index_R])
-            if total.requires_grad:  # False when no position of the micro-batch has weight
-                total.backward()
+            for order, chunk in self._chunks(rows):
+                # Each adapter's rows together: one run per adapter in every LoRA layer.
+                perm = sorted(range(len(chunk)), key=lambda i: position[chunk[i][0]])
+                order, chunk = [order[i] for i in perm], [chunk[i] for i in perm]
+                names = [name for name, _ in chunk]
+                batch = collate([d for _, d in chunk], pad_token_id=self.pad_token_id, device=self.dist.device)
+                row_index = [index_in_adapter[i] for i in order]
+                self._mixed_micro_batch(batch, names, row_index, loss_fn, loss_cfg, kl_coef, sums)
         results = {}
         for name, acc in sums.items():
             slots[name].pending_tokens += acc.values["tokens"]
@@ -179,6 +218,45 @@ class MultiAdapterLearner(Learner):
                 acc.values["loss"], acc.logprobs, _metrics(loss_fn, kl_coef, acc.values)
             )
         return results
+
+    def _mixed_micro_batch(
+        self,
+        batch: Any,
+        names: list[AdapterName],
+        row_index: list[int],
+        loss_fn: LossFnName,
+        loss_cfg: LossConfig,
+        kl_coef: float,
+        sums: dict[AdapterName, _Sums],
+    ) -> None:
+        """One micro-batch of ``forward_backward_many``: row ``i`` is row ``row_index[i]`` of
+        adapter ``names[i]``; each adapter's loss is its own, the backward one pass."""
+        if kl_coef > 0:
+            with torch.inference_mode():
+                ref_BT = self._logprobs(batch)  # no per-row hooks: the base model
+            ref_BT = ref_BT.clone()  # a normal tensor: autograd may save it
+        logprobs_BT = self._logprobs(batch, grad_BT=batch.weights_BT != 0, adapter_names=names)
+        total = logprobs_BT.new_zeros(())
+        for name in dict.fromkeys(names):
+            index_R = [i for i, n in enumerate(names) if n == name]
+            sub = batch.rows(index_R)
+            sub_logprobs_BT = logprobs_BT[index_R]
+            loss, extra = policy_loss(loss_fn, sub_logprobs_BT, sub, loss_cfg)
+            kl = kl_to_reference(sub_logprobs_BT, ref_BT[index_R], sub.weights_BT) if kl_coef > 0 else None
+            if kl is not None:
+                loss = loss + kl_coef * kl
+            total = total + loss
+            sums[name].add(loss, kl, sub, extra, sub_logprobs_BT, [row_index[i] for i in index_R])
+        if total.requires_grad:  # False when no position of the micro-batch has weight
+            total.backward()
+
+    @contextlib.contextmanager
+    def _per_row_mode(self) -> Iterator[None]:
+        self._rows_mode = True
+        try:
+            yield
+        finally:
+            self._rows_mode = False
 
     # -- state ----------------------------------------------------------------------------------
     def save_state(self, path: str | os.PathLike[str], adapter: AdapterName | None = None) -> Path:
@@ -263,15 +341,22 @@ class MultiAdapterLearner(Learner):
     def _row_context(self, names: Sequence[str] | None) -> contextlib.AbstractContextManager[Any]:
         if names is None or self.peft_model is None:
             return contextlib.nullcontext()
-        # peft's per-row adapters (what PeftModel.forward(adapter_names=...) does around its call).
-        return self.peft_model._enable_peft_forward_hooks(adapter_names=list(names))
+        if not self._rows_mode:
+            raise ConfigError("per-row adapters run inside forward_backward_many only")
+        return _per_row_adapters(self._lora_layers(), list(names))
+
+    def _lora_layers(self) -> list[Any]:
+        if self._layers is None:
+            assert self.peft_model is not None
+            self._layers = [m for m in self.peft_model.modules() if isinstance(m, LoraLayer)]
+        return self._layers
 
     @contextlib.contextmanager
     def _reference(self) -> Iterator[None]:
         if self.peft_model is None:
             yield
             return
-        with self.peft_model.disable_adapter():
+        with _adapters_off(self._lora_layers()):
             yield
 
 
