@@ -55,6 +55,25 @@ def test_train_then_sample_end_to_end() -> None:
     store.close()
 
 
+def test_agents_calls_that_meet_at_the_learner_run_as_one_pass() -> None:
+    with client(KEY_ALICE) as alice:
+        agents = [alice.create_lora_training_client(MODEL, rank=4, agent=f"team-{i}") for i in range(3)]
+        batches = [data(20, n=32), data(21), data(22)]
+        # What each agent's call gives alone: its forward pass (no gradient, never batched).
+        alone = [t.forward(b, "cross_entropy").result() for t, b in zip(agents, batches, strict=True)]
+        before = alice.runtime_status()["stats"]["learner-0"]["batched_forward_backward"]
+        # Sent together: the second and third arrive while the first runs (its 32 rows take the
+        # longest), so at least those two meet in one pass.
+        futures = [t.forward_backward(b, "cross_entropy") for t, b in zip(agents, batches, strict=True)]
+        outs = [f.result() for f in futures]
+        assert alice.runtime_status()["stats"]["learner-0"]["batched_forward_backward"] >= before + 2
+        for out, ref in zip(outs, alone, strict=True):
+            assert out.loss == pytest.approx(ref.loss, rel=1e-4)
+            for a, b in zip(out.logprobs, ref.logprobs, strict=True):
+                assert list(a) == pytest.approx(list(b), abs=1e-4)
+        assert [t.optim_step(ADAM).result().version for t in agents] == [1, 1, 1]  # each its own step
+
+
 def test_two_tenants_train_concurrently_and_cannot_touch_each_other() -> None:
     with client(KEY_ALICE) as alice, client(KEY_BOB) as bob:
         ta = alice.create_lora_training_client(MODEL, rank=4, agent="a")

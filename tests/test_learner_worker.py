@@ -121,6 +121,60 @@ def test_worker_matches_in_process_learner(tmp_path: Path) -> None:
         assert err.value.remote_type == "NotResident"
 
 
+BOB = "bob/job/agent"
+
+
+def other_data() -> list[Datum]:
+    g = torch.Generator().manual_seed(11)
+    rows = []
+    for n in (5, 8, 6):
+        tokens = torch.randint(1, 4000, (n + 1,), generator=g).tolist()
+        rows.append(Datum(tokens[:-1], tokens[1:], [1.0] * n))
+    return rows
+
+
+@pytest.mark.timeout(300)
+def test_worker_batches_agents_calls_with_the_results_of_each_alone(tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    local = local_learner()
+    local.add_adapter(BOB, LORA, seed=8)
+    config = LearnerWorkerConfig(micro_batch_size=4)
+    with worker_process(config, model=TINY_RANDOM, state_dir=tmp_path / "state", run_dir=tmp_path) as learner:
+        learner.call("sched.w.ensure", ensure(ALICE))
+        learner.call("sched.w.ensure", dataclasses.replace(ensure(BOB), seed=8))
+        alice = dataclasses.replace(fb(ALICE), request_id="a1")
+        bob = wm.LearnerForwardBackward(BOB, wire(other_data()), "cross_entropy", request_id="b1")
+        batch = wm.LearnerForwardBackwardMany((alice, bob))
+        out: r.ForwardBackwardManyReply = learner.call("sched.w.fb_many", batch)
+        # Each adapter's result is what its own call gives, alone, in an in-process learner.
+        for got, (name, rows) in zip(out.results, ((ALICE, data()), (BOB, other_data())), strict=True):
+            alone = local.forward_backward(rows, "cross_entropy", name)
+            assert got.loss == pytest.approx(alone.loss, rel=1e-4)
+            assert got.metrics["loss/tokens"] == alone.metrics["loss/tokens"]
+            for a, b in zip(got.logprobs, alone.logprobs, strict=True):
+                torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-4)
+        # A resend of the batch is answered from the first run: no second gradient.
+        assert learner.call("sched.w.fb_many", dataclasses.replace(batch, attempt=1)) == out
+        stats = learner.call("sched.w.stats", wm.WorkerStats())
+        assert (stats["batched_forward_backward"], stats["duplicates"]) == (2, 2)
+        # Each adapter's gradient and AdamW state are its own: the steps match the local ones.
+        for name in (ALICE, BOB):
+            stepped = learner.call("sched.w.step", dataclasses.replace(step(name), expected_fb=1))
+            assert stepped.version == local.optim_step(ADAM, name).version == 1
+            exported = read_adapter_dir(AdapterRef(name, 1), tmp_path / "state" / stepped.export_dir)
+            for k, v in local.export_adapter(name).tensors.items():
+                torch.testing.assert_close(exported.tensors[k], v, rtol=1e-4, atol=1e-5)
+        # An adapter the worker does not hold fails the batch before any work, so nothing is counted.
+        stranger = wm.LearnerForwardBackward("carol/job/agent", wire(data()), "cross_entropy", request_id="c1")
+        with pytest.raises(RemoteError, match="not resident") as err:
+            learner.call(
+                "sched.w.fb_many",
+                wm.LearnerForwardBackwardMany((dataclasses.replace(alice, request_id="a2"), stranger)),
+            )
+        assert err.value.remote_type == "NotResident"
+        assert learner.call("sched.w.stats", wm.WorkerStats())["batched_forward_backward"] == 2
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_worker_leading_a_group_of_two(tmp_path: Path) -> None:
@@ -131,9 +185,18 @@ def test_worker_leading_a_group_of_two(tmp_path: Path) -> None:
         learner.call("sched.w.ensure", ensure(ALICE))
         remote = learner.call("sched.w.fb", fb())
         stepped = learner.call("sched.w.step", step())
+        # A batch over two adapters, each adapter's rows split over the two ranks.
+        learner.call("sched.w.ensure", dataclasses.replace(ensure(BOB), seed=8))
+        bob = wm.LearnerForwardBackward(BOB, wire(other_data()), "cross_entropy")
+        batched = learner.call("sched.w.fb_many", wm.LearnerForwardBackwardMany((fb(), bob))).results
     exported = read_adapter_dir(AdapterRef(ALICE, stepped.version), root / stepped.export_dir)
     local = local_learner()
     assert remote.loss == pytest.approx(local.forward_backward(data(), "cross_entropy", ALICE).loss, rel=1e-5)
     local.optim_step(ADAM, ALICE)
     for k, v in local.export_adapter(ALICE).tensors.items():
         torch.testing.assert_close(exported.tensors[k], v, rtol=1e-4, atol=1e-6)
+    local.add_adapter(BOB, LORA, seed=8)
+    for got, (name, rows) in zip(batched, ((ALICE, data()), (BOB, other_data())), strict=True):
+        alone = local.forward_backward(rows, "cross_entropy", name)
+        assert got.loss == pytest.approx(alone.loss, rel=1e-4)
+        assert got.metrics["loss/tokens"] == alone.metrics["loss/tokens"]

@@ -90,9 +90,21 @@ def _execute(learner: AnyLearner, info: DistInfo, group: Any, op: str, args: dic
         if end > start and op == "forward":
             mine["logprobs"] = learner.forward(data[start:end], args["adapter"])
         elif end > start:
-            r = learner.forward_backward(data[start:end], args["loss_fn"], args["adapter"], args["loss_fn_config"])
-            mine = {"logprobs": r.logprobs, "loss": r.loss, "metrics": r.metrics}
+            mine = _part(
+                learner.forward_backward(data[start:end], args["loss_fn"], args["adapter"], args["loss_fn_config"])
+            )
         return _gather(mine, group)
+    if op == "forward_backward_many":
+        assert isinstance(learner, MultiAdapterLearner)
+        shards = {}
+        for name, rows in args["data"].items():  # each adapter's datums split over the ranks
+            start, end = shard_bounds(len(rows), info.rank, info.world_size)
+            if end > start:
+                shards[name] = [Datum(*row) for row in rows[start:end]]
+        out = learner.forward_backward_many(shards, args["loss_fn"], args["loss_fn_config"]) if shards else {}
+        empty = {"logprobs": [], "loss": 0.0, "metrics": {}}
+        parts = {name: _part(out[name]) if name in out else empty for name in args["data"]}
+        return _gather(parts, group)
     if op == "optim_step":
         return learner.optim_step(AdamParams(**args["adam"]), args["adapter"])
     if op == "discard_gradient":
@@ -107,6 +119,10 @@ def _execute(learner: AnyLearner, info: DistInfo, group: Any, op: str, args: dic
     if op == "load_state":
         return learner.load_state(args["path"], args["adapter"], optimizer=args.get("optimizer", True))
     raise ConfigError(f"unknown learner group op {op!r}")
+
+
+def _part(r: ForwardBackwardResult) -> dict[str, Any]:
+    return {"logprobs": r.logprobs, "loss": r.loss, "metrics": r.metrics}
 
 
 def _merge(parts: list[dict[str, Any]]) -> ForwardBackwardResult:
@@ -213,6 +229,24 @@ class LearnerGroup:
             "forward_backward", data=wire, loss_fn=loss_fn, adapter=adapter, loss_fn_config=loss_fn_config
         )
         return _merge(parts)
+
+    def forward_backward_many(
+        self,
+        data_by_adapter: dict[AdapterName, list[Datum]],
+        loss_fn: LossFnName,
+        loss_fn_config: dict[str, float] | None = None,
+    ) -> dict[AdapterName, ForwardBackwardResult]:
+        """Several adapters' ``forward_backward`` in shared passes (each rank on its shard of each)."""
+        assert isinstance(self.learner, MultiAdapterLearner)
+        if self._group is None:
+            return self.learner.forward_backward_many(data_by_adapter, loss_fn, loss_fn_config)
+        for name, data in data_by_adapter.items():
+            self._check(name, data)
+            check_loss_inputs(loss_fn, data)
+        LossConfig.from_mapping(loss_fn_config)
+        wire = {name: [_datum_to_wire(d) for d in data] for name, data in data_by_adapter.items()}
+        ranks = self._call("forward_backward_many", data=wire, loss_fn=loss_fn, loss_fn_config=loss_fn_config)
+        return {name: _merge([rank[name] for rank in ranks]) for name in data_by_adapter}
 
     def optim_step(self, adam_params: AdamParams, adapter: AdapterName | None = None) -> AdapterRef:
         if self._group is None:

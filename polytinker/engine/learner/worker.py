@@ -44,6 +44,7 @@ from polytinker.scheduler.service.config import LearnerWorkerConfig
 from polytinker.scheduler.service.layout import under
 from polytinker.scheduler.service.replies import (
     ExportedWeights,
+    ForwardBackwardManyReply,
     ForwardBackwardReply,
     ForwardReply,
     SavedCheckpoint,
@@ -55,6 +56,7 @@ from polytinker.scheduler.service.worker_messages import (
     LearnerExport,
     LearnerForward,
     LearnerForwardBackward,
+    LearnerForwardBackwardMany,
     LearnerLoad,
     LearnerSave,
     LearnerStep,
@@ -78,7 +80,14 @@ class LearnerWorker:
         self._lora: Any = None  # the LearnerGroup of every LoRA adapter (None while a full model holds the replicas)
         self._full: dict[str, Any] = {}  # the full-parameter job served -> its own model's LearnerGroup (one)
         self._lora_group()
-        self.stats = {"forward_backward": 0, "optim_steps": 0, "loads": 0, "adapters_created": 0, "duplicates": 0}
+        self.stats = {
+            "forward_backward": 0,
+            "batched_forward_backward": 0,
+            "optim_steps": 0,
+            "loads": 0,
+            "adapters_created": 0,
+            "duplicates": 0,
+        }
         # Keyed calls: (adapter, request_id) -> ("fb" | "step", result), newest last.
         self._done: OrderedDict[tuple[str, str], tuple[str, Any]] = OrderedDict()
         self._fb_since_step: dict[str, int] = {}  # forward_backward calls held in each adapter's gradient
@@ -88,6 +97,7 @@ class LearnerWorker:
         return {
             "sched.w.ensure": self.ensure,
             "sched.w.fb": self.forward_backward,
+            "sched.w.fb_many": self.forward_backward_many,
             "sched.w.forward": self.forward,
             "sched.w.step": self.step,
             "sched.w.save": self.save,
@@ -274,6 +284,32 @@ class LearnerWorker:
             result = ForwardBackwardReply(r.loss, r.logprobs, r.metrics)
             self._remember(msg.adapter, msg.request_id, "fb", result)
             return result
+
+    def forward_backward_many(self, msg: LearnerForwardBackwardMany) -> ForwardBackwardManyReply:
+        """The items' calls in shared passes over their adapters (``forward_backward_many``): each
+        adapter's gradient, result and count are what its own ``forward_backward`` would leave. An
+        item this worker already ran (a resend) answers its first result and runs nothing."""
+        with self._keyed:
+            results: list[ForwardBackwardReply | None] = [
+                self._duplicate(i.adapter, i.request_id, "fb") for i in msg.items
+            ]
+            todo = [i for i, r in zip(msg.items, results, strict=True) if r is None]
+            if todo:
+                for item in todo:
+                    self._slot(item.adapter, False)  # NotResident before any work: the broker prepares again
+                first = todo[0]
+                many = self._lora.forward_backward_many(
+                    {i.adapter: list(i.data) for i in todo}, first.loss_fn, first.loss_fn_config
+                )
+                for item in todo:
+                    r = many[item.adapter]
+                    reply = ForwardBackwardReply(r.loss, r.logprobs, r.metrics)
+                    self.stats["forward_backward"] += 1
+                    self.stats["batched_forward_backward"] += 1
+                    self._fb_since_step[item.adapter] = self._fb_since_step.get(item.adapter, 0) + 1
+                    self._remember(item.adapter, item.request_id, "fb", reply)
+                    results[msg.items.index(item)] = reply
+            return ForwardBackwardManyReply(tuple(r for r in results if r is not None))
 
     def forward(self, msg: LearnerForward) -> ForwardReply:
         group, name = self._slot(msg.adapter, msg.full)

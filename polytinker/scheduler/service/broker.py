@@ -21,9 +21,11 @@
   ``ActorsReport`` (``supervised``) marks that incarnation exited and closes its connection, so
   the calls in flight to it fail over at once (to wait for the restarted worker), not a heartbeat
   liveness later. A stale heartbeat of an exited incarnation cannot bring it back.
-- ``LearnerSlicer``: many jobs share a learner group; it is held by one job from its first
-  ``forward_backward`` to its ``optim_step`` (a step boundary) and then handed to the waiting job
+- ``LearnerSlicer``: many jobs share a learner group; a job holds it from its first
+  ``forward_backward`` to its ``optim_step`` (a step boundary) and then hands it to the waiting job
   that ``next_learner_job`` (the decision core) picks: highest priority, then longest waiting.
+  LoRA jobs hold it together (their calls that meet run as one batched pass); a full-parameter
+  job holds it alone.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from polytinker.errors import (
 )
 from polytinker.scheduler.placement import next_learner_job
 from polytinker.scheduler.service.config import RuntimeConfig
+from polytinker.scheduler.service.fb_batcher import FbBatcher, Prepare, Send
 from polytinker.scheduler.service.replies import ActorsNoted, Registered, WorkersReply
 from polytinker.scheduler.service.worker_auth import (
     launcher_credential,
@@ -99,6 +102,18 @@ class Broker:
             request_timeout_s=config.request_timeout_s, heartbeat_interval_s=hb, heartbeat_liveness=3
         )
         self.slicers = {g.learner_id: LearnerSlicer(config.learner_slice_idle_s) for g in config.learners}
+        self.batchers = {
+            g.learner_id: FbBatcher(
+                self._keyed_sender(g.learner_id), config.learner_batch_window_s, config.learner_batch_max
+            )
+            for g in config.learners
+        }
+
+    def _keyed_sender(self, learner_id: str) -> Send:
+        def send(kind: str, payload: Any, prepares: list[Prepare]) -> Any:
+            return self.call(learner_id, kind, payload, prepare=prepares, keyed=True)
+
+        return send
 
     # --- registration ------------------------------------------------------------------------------
     def register(self, msg: Register) -> Registered:
@@ -220,31 +235,35 @@ class Broker:
         kind: str,
         payload: Any,
         *,
-        prepare: tuple[str, Callable[[WorkerHandle], None]] | None = None,
+        prepare: tuple[str, Callable[[WorkerHandle], None]]
+        | list[tuple[str, Callable[[WorkerHandle], None]]]
+        | None = None,
         timeout_s: float | None = None,
         retry: bool = True,
         keyed: bool = False,
     ) -> Any:
         """Forward one request, riding out a restart of the worker (see the module docstring).
-        ``prepare=(key, fn)``: run ``fn(handle)`` once per incarnation before the request.
+        ``prepare=(key, fn)`` (or a list of them): run ``fn(handle)`` once per incarnation before the request.
         ``retry=False``: a request that must not run twice fails when its worker dies.
         ``keyed``: the worker answers a resend of ``payload`` (a dataclass with ``attempt``) with its
         first result, so it may go to the same incarnation again."""
+        prepares = [prepare] if isinstance(prepare, tuple) else list(prepare or [])
         deadline = time.monotonic() + self.config.worker_retry_s
         avoid = ""
         reprepared = False
         while True:
             h = self.wait_for(worker_id, max(0.0, deadline - time.monotonic()), not_incarnation=avoid)
             try:
-                if prepare is not None and prepare[0] not in h.prepared:
-                    prepare[1](h)
-                    h.prepared.add(prepare[0])
+                for key, fn in prepares:
+                    if key not in h.prepared:
+                        fn(h)
+                        h.prepared.add(key)
                 return h.client.call(kind, payload, timeout_s=timeout_s or self.config.request_timeout_s)
             except RemoteError as exc:
-                if exc.code != NotResident.code or prepare is None or reprepared:
+                if exc.code != NotResident.code or not prepares or reprepared:
                     raise
                 log.info("%s on %s: %s; preparing it again", kind, worker_id, exc)
-                h.prepared.discard(prepare[0])
+                h.prepared.difference_update(key for key, _ in prepares)
                 reprepared = True
             except (PeerDeadError, TransportError) as exc:
                 if isinstance(exc, ProtocolError):
@@ -261,56 +280,73 @@ class Broker:
 
 
 class LearnerSlicer:
-    """Time-slices one learner group between jobs at step boundaries (see the module docstring)."""
+    """Time-slices one learner group between jobs at step boundaries (see the module docstring).
+
+    LoRA jobs (``shared``) hold the group together: their adapters live side by side, and their
+    ``forward_backward`` calls that meet are batched into one pass (``FbBatcher``). A
+    full-parameter job holds it alone. A shared job joins the holders only while no waiting job
+    has a higher priority and no exclusive job waits (so a full-parameter job is not starved).
+    """
 
     def __init__(self, idle_s: float) -> None:
         self._cv = threading.Condition()
         self._idle_s = idle_s
-        self._holder: str | None = None
-        self._busy = 0
-        self._last_use = 0.0
-        self._waiting: dict[str, int] = {}
+        self._holders: dict[str, bool] = {}  # job -> shared
+        self._busy: dict[str, int] = {}  # calls in progress per holder
+        self._last_use: dict[str, float] = {}
+        self._waiting: dict[str, tuple[int, bool]] = {}  # job -> (priority, shared)
         self._last_run: dict[str, float] = {}
+        self._last_joined: str | None = None
         self.switches = 0
 
-    def _may_run(self, job_id: str, now: float) -> bool:
-        if self._holder == job_id:
+    def _expire(self, now: float) -> None:
+        for job in [j for j in self._holders if not self._busy.get(j) and now - self._last_use[j] > self._idle_s]:
+            del self._holders[job]
+
+    def _may_run(self, job_id: str, shared: bool, now: float) -> bool:
+        if job_id in self._holders:
             return True
-        expired = self._holder is not None and self._busy == 0 and now - self._last_use > self._idle_s
-        if self._holder is not None and not expired:
-            return False
-        ready = [(j, p, self._last_run.get(j, 0.0)) for j, p in self._waiting.items()]
+        self._expire(now)
+        if self._holders:
+            priority = self._waiting[job_id][0]
+            return (
+                shared
+                and all(self._holders.values())
+                and not any(p > priority or not sh for j, (p, sh) in self._waiting.items() if j != job_id)
+            )
+        ready = [(j, p, self._last_run.get(j, 0.0)) for j, (p, _) in self._waiting.items()]
         return next_learner_job(ready) == job_id
 
     @contextlib.contextmanager
-    def turn(self, job_id: str, priority: int, *, ends_step: bool = False) -> Iterator[None]:
+    def turn(self, job_id: str, priority: int, *, ends_step: bool = False, shared: bool = False) -> Iterator[None]:
         """Run the body while ``job_id`` holds the group; ``ends_step`` hands it on afterwards."""
         with self._cv:
-            self._waiting[job_id] = priority
+            self._waiting[job_id] = (priority, shared)
             try:
-                while not self._may_run(job_id, time.monotonic()):
+                while not self._may_run(job_id, shared, time.monotonic()):
                     self._cv.wait(0.05)
             finally:
-                del self._waiting[job_id]
-            if self._holder != job_id:
+                self._waiting.pop(job_id, None)
+            if job_id not in self._holders and self._last_joined != job_id:
                 self.switches += 1
-            self._holder = job_id
-            self._busy += 1
+            self._holders[job_id] = shared
+            self._last_joined = job_id
+            self._busy[job_id] = self._busy.get(job_id, 0) + 1
         try:
             yield
         finally:
             with self._cv:
-                self._busy -= 1
-                self._last_use = self._last_run[job_id] = time.monotonic()
-                if ends_step and self._busy == 0:
-                    self._holder = None
+                self._busy[job_id] -= 1
+                self._last_use[job_id] = self._last_run[job_id] = time.monotonic()
+                if ends_step and self._busy[job_id] == 0:
+                    self._holders.pop(job_id, None)
                 self._cv.notify_all()
 
     def release(self, job_id: str) -> None:
         """The job left (finished, paused, cancelled): it holds nothing any more."""
         with self._cv:
-            if self._holder == job_id and self._busy == 0:
-                self._holder = None
+            if not self._busy.get(job_id):
+                self._holders.pop(job_id, None)
             self._last_run.pop(job_id, None)
             self._cv.notify_all()
 

@@ -247,6 +247,11 @@ class RuntimeConfig:
     # Per-step checkpoints kept per adapter (named save_state checkpoints are always kept).
     learner_slice_idle_s: float = 2.0
     # A job holding a shared learner group between steps loses its turn after this idle time.
+    learner_batch_window_s: float = 0.02
+    # How long a LoRA forward_backward waits for other agents' calls to the same learner before it
+    # goes; those that meet run in one pass over their adapters (0: only calls already waiting).
+    learner_batch_max: int = 8
+    # At most this many calls per batched pass (1: every call alone).
     start_timeout_s: float = 180.0
     # How long a local runtime waits for its workers to load their models and register.
     max_restarts: int = 5
@@ -277,6 +282,7 @@ class RuntimeConfig:
             "keep_finished_inference",
             "max_queued_jobs",
             "max_queued_per_tenant",
+            "learner_batch_max",
         )
         for name in bounds:
             if getattr(self, name) < 1:
@@ -301,6 +307,8 @@ class RuntimeConfig:
                 f"max_inflight_train ({self.max_inflight_samples + self.max_inflight_train}), so refusals and "
                 "registrations are always answered; raise it or lower the bounds"
             )
+        if not self.learner_batch_window_s >= 0:
+            raise ConfigError(f"RuntimeConfig.learner_batch_window_s must be >= 0, got {self.learner_batch_window_s}")
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ConfigError(f"RuntimeConfig.max_restarts must be an int >= 0, got {self.max_restarts!r}")
         if self.worker_token and len(self.worker_token) < 16:
@@ -311,6 +319,13 @@ class RuntimeConfig:
         if not self.state_dir:
             raise ConfigError("RuntimeConfig.state_dir is empty; the runtime fills it in at start")
         return Path(self.state_dir).expanduser()
+
+    @property
+    def local_address(self) -> str:
+        """Where processes on this machine reach the scheduler: its address, or with Curve a Unix socket."""
+        if not self.curve_secret_file:
+            return self.address
+        return f"ipc://{self.state_path / 'scheduler.sock'}"
 
     def api_key(self) -> str:
         """The API key of the first tenant that has one (the generated ``local`` tenant unless configured)."""

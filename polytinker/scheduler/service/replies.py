@@ -122,6 +122,12 @@ class ForwardBackwardReply:
     metrics: dict[str, Any]
 
 
+@message("sched.r.forward_backward_many")
+@dataclass(frozen=True)
+class ForwardBackwardManyReply:
+    results: tuple[ForwardBackwardReply, ...]  # one per item of the batch, in order
+
+
 @message("sched.r.forward")
 @dataclass(frozen=True)
 class ForwardReply:
@@ -351,6 +357,7 @@ __all__ = [
     "DeleteCheckpointReply",
     "ExportWeightsReply",
     "ExportedWeights",
+    "ForwardBackwardManyReply",
     "ForwardBackwardReply",
     "ForwardReply",
     "JobListReply",

@@ -45,7 +45,7 @@ from polytinker.scheduler.service.config import RuntimeConfig, TenantConfig
 from polytinker.scheduler.service.home import Holder, StateLock
 from polytinker.scheduler.service.messages import RuntimeStatus
 from polytinker.scheduler.service.replies import RuntimeStatusReply, WorkersReply
-from polytinker.scheduler.service.scheduler import SchedulerActor, local_address
+from polytinker.scheduler.service.scheduler import SchedulerActor
 from polytinker.scheduler.service.state import private_state_dir
 from polytinker.scheduler.service.tenants import new_api_key
 from polytinker.scheduler.service.worker_auth import launcher_credential
@@ -108,7 +108,7 @@ class LocalRuntime:
     @property
     def local_address(self) -> str:
         """Where this machine's processes reach the scheduler (a Unix socket when it serves with Curve)."""
-        return local_address(self.config)
+        return self.config.local_address
 
     @property
     def api_key(self) -> str:

@@ -64,13 +64,6 @@ from polytinker.transport.server import peer_user_id
 log = logging.getLogger("polytinker.scheduler.service")
 
 
-def local_address(config: RuntimeConfig) -> str:
-    """Where processes on this machine reach the scheduler: its address, or with Curve a Unix socket."""
-    if not config.curve_secret_file:
-        return config.address
-    return f"ipc://{config.state_path / 'scheduler.sock'}"
-
-
 class SchedulerService:
     """Handlers of every client and worker request; see the module docstring."""
 
@@ -115,7 +108,7 @@ class SchedulerService:
         if curve is not None:
             # Processes on this machine (local workers, the launcher) talk over a Unix socket that
             # only this user can open, so they need no Curve keys of their own.
-            self.local_server = RpcServer(local_address(self.config), self.handlers(), config=cfg).start()
+            self.local_server = RpcServer(self.config.local_address, self.handlers(), config=cfg).start()
         threading.Thread(target=self._tick, name="scheduler-tick", daemon=True).start()
         return self
 
@@ -291,6 +284,11 @@ class SchedulerService:
 
         return f"ensure:{a.adapter_key}", ensure
 
+    def _turn(self, learner: str, row: JobRow, ends_step: bool = False) -> Any:
+        """The job's turn on its learner group: LoRA jobs share it, a full-parameter job holds it alone."""
+        shared = row.kind != JobKind.FULL_RL
+        return self.broker.slicers[learner].turn(row.job_id, row.priority, ends_step=ends_step, shared=shared)
+
     def forward_backward(self, msg: m.ForwardBackward) -> r.ForwardBackwardReply:
         row, a, learner = self._training(msg.api_key, msg.job_id)
         req = wm.LearnerForwardBackward(
@@ -303,10 +301,9 @@ class SchedulerService:
             from_version=a.version,
             attempt=msg.attempt,
         )
-        with self.admission.admit(row.tenant, "train"), self.broker.slicers[learner].turn(row.job_id, row.priority):
-            out: r.ForwardBackwardReply = self.broker.call(
-                learner, "sched.w.fb", req, prepare=self._prepare(row, a), keyed=True
-            )
+        with self.admission.admit(row.tenant, "train"), self._turn(learner, row):
+            # LoRA calls that meet at this learner run as one pass; a full-parameter call goes alone.
+            out: r.ForwardBackwardReply = self.broker.batchers[learner].call(req, self._prepare(row, a))
         ids = self._fb_ids.get(a.adapter_key)
         if ids is not None:
             ids.add(req.request_id)
@@ -316,7 +313,7 @@ class SchedulerService:
     def forward(self, msg: m.Forward) -> r.ForwardReply:
         row, a, learner = self._training(msg.api_key, msg.job_id)
         req = wm.LearnerForward(a.adapter_key, msg.data, row.kind == JobKind.FULL_RL)
-        with self.admission.admit(row.tenant, "train"), self.broker.slicers[learner].turn(row.job_id, row.priority):
+        with self.admission.admit(row.tenant, "train"), self._turn(learner, row):
             out: r.ForwardReply = self.broker.call(learner, "sched.w.forward", req, prepare=self._prepare(row, a))
         self.meter.tokens(row.tenant, "training", [d.input_tokens for d in msg.data], row.base_model, row.job_id)
         return out
@@ -340,8 +337,7 @@ class SchedulerService:
             expected_fb=-1 if fb_ids is None else len(fb_ids),
             grad_clip_norm=msg.grad_clip_norm,
         )
-        slicer = self.broker.slicers[learner]
-        with self.admission.admit(row.tenant, "train"), slicer.turn(row.job_id, row.priority, ends_step=True):
+        with self.admission.admit(row.tenant, "train"), self._turn(learner, row, ends_step=True):
             # Resent when the learner goes silent: the same process answers a step it took once; a
             # replacement answers it from the key written next to its checkpoint, or refuses
             # (GradientLost) when the step's gradient died with the old process.
@@ -369,7 +365,7 @@ class SchedulerService:
         row, a, learner = self._training(msg.api_key, msg.job_id)
         check_name("checkpoint name", msg.name)
         req = wm.LearnerSave(a.adapter_key, msg.name, row.kind == JobKind.FULL_RL)
-        with self.admission.admit(row.tenant, "train"), self.broker.slicers[learner].turn(row.job_id, row.priority):
+        with self.admission.admit(row.tenant, "train"), self._turn(learner, row):
             out: r.SavedCheckpoint = self.broker.call(learner, "sched.w.save", req, prepare=self._prepare(row, a))
         saved = wm.WeightsRef(a.adapter_key, out.version, "checkpoint", msg.name)
         self.store.add_checkpoint(row.job_id, msg.name, saved.relative_path, out.version, expiry(msg.ttl_s))
@@ -386,7 +382,7 @@ class SchedulerService:
         req = wm.LearnerLoad(
             a.adapter_key, self.weights.stored(path, version), row.kind == JobKind.FULL_RL, msg.optimizer
         )
-        with self.admission.admit(row.tenant, "train"), self.broker.slicers[learner].turn(row.job_id, row.priority):
+        with self.admission.admit(row.tenant, "train"), self._turn(learner, row):
             out: r.WorkerVersion = self.broker.call(
                 learner, "sched.w.load", req, prepare=self._prepare(row, a), retry=False
             )
@@ -412,7 +408,7 @@ class SchedulerService:
         if not a.export_dir:  # version 0 was never stepped: export the fresh weights once
             full = row.kind == JobKind.FULL_RL  # full: the export is a checkpoint, kept with them
             req = wm.LearnerExport(a.adapter_key, a.version, full)
-            with self.broker.slicers[learner].turn(row.job_id, row.priority):
+            with self._turn(learner, row):
                 out: r.ExportedWeights = self.broker.call(learner, "sched.w.export", req, prepare=self._prepare(row, a))
             self.store.set_export(a.adapter_key, a.version, out.weights)
             if self.store.version_row(a.adapter_key, a.version) is None:
@@ -496,4 +492,4 @@ class SchedulerActor(Actor):
             self._service.stop()
 
 
-__all__ = ["SchedulerActor", "SchedulerService", "local_address"]
+__all__ = ["SchedulerActor", "SchedulerService"]

@@ -137,6 +137,27 @@ class LearnerForwardBackward:
         _adapter_ok(self.adapter)
 
 
+@message("sched.w.fb_many")
+@dataclass(frozen=True)
+class LearnerForwardBackwardMany:
+    """Several LoRA adapters' ``forward_backward`` calls in one pass over their adapters (they met
+    at the learner: ``FbBatcher``). One loss function and config; each adapter once; each item
+    keeps its own idempotency key. The answer is one ``ForwardBackwardReply`` per item, in order."""
+
+    items: tuple[LearnerForwardBackward, ...]
+    attempt: int = 0  # resends of the whole batch by the scheduler
+
+    def __post_init__(self) -> None:
+        need(len(self.items) >= 2, "a batched forward_backward holds at least two calls")
+        need(all(isinstance(i, LearnerForwardBackward) and not i.full for i in self.items), "items are LoRA calls")
+        need(len({i.adapter for i in self.items}) == len(self.items), "each adapter once per batch")
+        first = self.items[0]
+        need(
+            all((i.loss_fn, i.loss_fn_config) == (first.loss_fn, first.loss_fn_config) for i in self.items),
+            "one loss function and config per batch",
+        )
+
+
 @message("sched.w.forward")
 @dataclass(frozen=True)
 class LearnerForward:
@@ -266,6 +287,7 @@ __all__ = [
     "LearnerExport",
     "LearnerForward",
     "LearnerForwardBackward",
+    "LearnerForwardBackwardMany",
     "LearnerLoad",
     "LearnerSave",
     "LearnerStep",
