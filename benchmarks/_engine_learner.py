@@ -70,15 +70,17 @@ def _worker(spec: dict[str, Any]) -> None:
     names = [f"agent{i}" for i in range(spec["adapters"])]
     for i, name in enumerate(names):
         learner.add_adapter(name, LoraConfig(rank=16, alpha=32), seed=i)
-    data = _data(spec["batch"], spec["seq_len"], seed=spec["seed"])
+    # Each agent its own rows (as agents' episodes are): the same seeds in the shared learner and
+    # in the separate processes, so both train on the same work.
+    data = {name: _data(spec["batch"], spec["seq_len"], seed=spec["seed"] + i) for i, name in enumerate(names)}
     adam = AdamParams(learning_rate=1e-4)
 
     def train_round(mixed: bool) -> None:
         if mixed:  # all adapters' rows in shared micro-batches
-            learner.forward_backward_many({name: data for name in names}, "cross_entropy")
+            learner.forward_backward_many(data, "cross_entropy")
         else:
             for name in names:
-                learner.forward_backward(data, "cross_entropy", name)
+                learner.forward_backward(data[name], "cross_entropy", name)
         for name in names:
             learner.optim_step(adam, name)
 
@@ -100,9 +102,12 @@ def _worker(spec: dict[str, Any]) -> None:
 
 
 def _run_workers(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    # PASSIVE: OpenMP threads sleep instead of spinning while they wait; on a loaded machine
-    # spinning threads of several processes starve each other (10x slower, measured here).
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_WAIT_POLICY": "PASSIVE"}
+    # Several processes: PASSIVE (OpenMP threads sleep instead of spinning while they wait), or
+    # their spinning threads starve each other (10x slower, measured here). One process keeps the
+    # default: PASSIVE's wake-ups cost a lone 2-thread learner 2.5x at the quick sizes.
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    if len(specs) > 1:
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
     procs = [
         subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(s)],
@@ -228,7 +233,7 @@ def run(quick: bool = False) -> dict[str, float]:
     base = {"batch": batch, "seq_len": seq_len, "steps": steps}
     shared = _run_workers([{**base, "adapters": N_ADAPTERS, "threads": min(4, cores), "seed": 0}])
     separate = _run_workers(
-        [{**base, "adapters": 1, "threads": max(1, cores // N_ADAPTERS), "seed": 0} for _ in range(N_ADAPTERS)]
+        [{**base, "adapters": 1, "threads": max(1, cores // N_ADAPTERS), "seed": i} for i in range(N_ADAPTERS)]
     )
     separate_tps, separate_cpu = _tok_per_s(separate, "per_adapter"), _tok_per_cpu_s(separate, "per_adapter")
     shared_peak, separate_peak = shared[0]["maxrss_bytes"], sum(r["maxrss_bytes"] for r in separate)

@@ -11,10 +11,10 @@ Every figure is measured in this run, on the same model and requests:
 - ``engine_tok_per_s`` / ``engine_batches``: the same requests submitted one by one to an
   InferenceEngine, which merges them by dynamic batching.
 
-Sections from ``_engine_learner.py`` and ``_engine_vllm.py`` next to this file (each with
+Sections from ``_engine_learner.py``, ``_engine_runtime.py`` and ``_engine_vllm.py`` next to this file (each with
 ``run(quick: bool) -> dict[str, float]``) are run and printed when present.
 
-    python benchmarks/engine.py [--quick] [--only hf|learner|vllm] [--threads N]
+    python benchmarks/engine.py [--quick] [--only hf|learner|runtime|vllm] [--threads N]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-SECTIONS = ("hf", "learner", "vllm")
+SECTIONS = ("hf", "learner", "runtime", "vllm")
 ADAPTERS = 4
 ROUNDS = 2
 
