@@ -78,12 +78,12 @@ def test_four_adapters_and_base_in_one_batch(backends: Any, tiny_model: Any) -> 
     alone = [vllm.sample([SampleRequest(prompt_token_ids=ids, adapter=r, params=GREEDY)])[0] for r in refs]
     order = refs + refs[::-1]
     mixed = vllm.sample([SampleRequest(prompt_token_ids=ids, adapter=r, params=GREEDY) for r in order])
-    for ref, result in zip(order, mixed, strict=True):
-        assert result.sequences[0].token_ids == alone[refs.index(ref)].sequences[0].token_ids, f"adapter {ref}"
     assert len({r.sequences[0].token_ids for r in alone}) == len(refs)
-    # Every row, the base model's included, is served with its own weights: check against the
-    # float32 reference on the sequences vLLM generated.
-    for ref, result in zip(refs, alone, strict=True):
+    # Every row, alone or in the mixed batch, the base model's included, is served with its own
+    # weights: its sequence scores as the float32 reference scores it under that row's adapter.
+    # (Not token equality across batch compositions: bfloat16 kernels are not batch-invariant, so
+    # a near-tie in a greedy step may go either way.)
+    for ref, result in [*zip(refs, alone, strict=True), *zip(order, mixed, strict=True)]:
         assert_logprobs_match(backends, [list(ids + result.sequences[0].token_ids)], ref)
     for ref in refs[1:]:
         for backend in backends:
