@@ -125,6 +125,20 @@ def _check_worker_addresses(args: argparse.Namespace) -> None:
         )
 
 
+def _placed(cfg: Any, args: argparse.Namespace, role: str) -> Any:
+    """The config with ``--device`` / ``--dtype`` set on this worker's learner group."""
+    chosen = {k: v for k, v in (("device", args.device), ("dtype", args.dtype)) if v is not None}
+    if not chosen:
+        return cfg
+    if role != "learner":
+        raise ConfigError(
+            "--device and --dtype place learner groups; the hf engine runs on the CPU (not built for CUDA), "
+            "and a vllm engine takes the GPUs CUDA_VISIBLE_DEVICES shows it"
+        )
+    learners = tuple(dataclasses.replace(g, **chosen) if g.learner_id == args.id else g for g in cfg.learners)
+    return dataclasses.replace(cfg, learners=learners)
+
+
 def _worker(args: argparse.Namespace) -> int:
     from polytinker.scheduler.service.workers import WorkerServer, build_worker
     from polytinker.transport import ClientCurve, load_keypair
@@ -136,6 +150,7 @@ def _worker(args: argparse.Namespace) -> int:
     roles = {e.engine_id: "engine" for e in cfg.engines} | {g.learner_id: "learner" for g in cfg.learners}
     if args.id not in roles:
         raise ConfigError(f"--id {args.id!r} is not an engine or learner of the config; declared: {sorted(roles)}")
+    cfg = _placed(cfg, args, roles[args.id])
     token = args.token or os.environ.get("POLYTINKER_WORKER_TOKEN", "")
     if not token:
         raise ConfigError("pass --token (the runtime's worker.token) or set POLYTINKER_WORKER_TOKEN")
@@ -390,6 +405,10 @@ def _add_worker_parser(sub: Any) -> None:
         help="where this worker keeps checkpoints and adapter exports (default ./polytinker-runtime); "
         "engines must see the learners' files there",
     )
+    w.add_argument(
+        "--device", help="a learner group's device: auto, cpu, cuda or cuda:N (overrides the config's entry for --id)"
+    )
+    w.add_argument("--dtype", help="a learner group's dtype: auto, float32 or bfloat16 (overrides the config)")
     w.add_argument("--curve-secret", help="this worker's Curve .key_secret (polytinker keys generate)")
     w.add_argument("--scheduler-key", help="the scheduler's Curve .key (public) file")
     w.set_defaults(func=_worker)

@@ -27,12 +27,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from polytinker.engine.device import rank_device
 from polytinker.engine.learner._base import ForwardBackwardResult
 from polytinker.engine.learner.config import AdamParams, LearnerConfig, LossConfig
 from polytinker.engine.learner.distributed import DistInfo, free_port, init_distributed
 from polytinker.engine.learner.full_param import FullParamLearner
 from polytinker.engine.learner.losses import check_loss_inputs
 from polytinker.engine.learner.multi_adapter import MultiAdapterLearner
+from polytinker.engine.models import DType
 from polytinker.engine.types import AdapterName, AdapterRef, Datum, LoraConfig, LossFnName
 from polytinker.errors import ConfigError
 
@@ -150,9 +152,15 @@ class LearnerGroup:
 
     @classmethod
     def start(
-        cls, model_spec: str, world_size: int, config: LearnerConfig | None = None, device: str = "cpu"
+        cls,
+        model_spec: str,
+        world_size: int,
+        config: LearnerConfig | None = None,
+        device: str = "cpu",
+        dtype: DType = "float32",
     ) -> LearnerGroup:
-        """Make this process rank 0 of a fresh group of ``world_size`` and spawn the followers."""
+        """Make this process rank 0 of a fresh group of ``world_size`` and spawn the followers.
+        ``device``: rank 0's (``cuda:N``: rank r on ``cuda:N+r``, NCCL; else the CPU, gloo)."""
         if dist.is_initialized():
             raise ConfigError("this process already belongs to a torch.distributed group; start the group elsewhere")
         config = config or LearnerConfig()
@@ -161,14 +169,14 @@ class LearnerGroup:
         procs = [
             ctx.Process(
                 target=_follower_main,
-                args=(r, world_size, addr, model_spec, config, device, torch.get_num_threads()),
+                args=(r, world_size, addr, model_spec, config, device, dtype, torch.get_num_threads()),
                 daemon=True,
             )
             for r in range(1, world_size)
         ]
         for p in procs:
             p.start()
-        learner, info = _build(0, world_size, addr, model_spec, config, device)
+        learner, info = _build(0, world_size, addr, model_spec, config, device, dtype)
         return cls(learner, info, procs)
 
     # -- the learner API ------------------------------------------------------------------------
@@ -289,21 +297,27 @@ class LearnerGroup:
 
 
 def _build(
-    rank: int, world: int, addr: str | None, model_spec: str, config: LearnerConfig, device: str
+    rank: int,
+    world: int,
+    addr: str | None,
+    model_spec: str,
+    config: LearnerConfig,
+    device: str,
+    dtype: DType = "float32",
 ) -> tuple[AnyLearner, DistInfo]:
     from polytinker.engine.learner import make_learner
-    from polytinker.engine.models import load_model
+    from polytinker.engine.models import ModelConfig, load_model
 
     if addr is not None:
-        backend = "nccl" if device.startswith("cuda") else "gloo"
+        dev = rank_device(torch.device(device), rank)
+        backend = "nccl" if dev.type == "cuda" else "gloo"
         # A bounded wait: a follower that fails to start makes rank 0 raise instead of hanging.
         timeout = datetime.timedelta(seconds=JOIN_TIMEOUT_S)
         dist.init_process_group(backend, init_method=addr, rank=rank, world_size=world, timeout=timeout)
-        dev = torch.device(f"cuda:{rank}" if device.startswith("cuda") else "cpu")
         info = DistInfo(rank, world, rank, dev)
     else:
         info = init_distributed(device=device)
-    model, tokenizer = load_model(model_spec)
+    model, tokenizer = load_model(model_spec, ModelConfig(dtype=dtype))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return make_learner(model, config, info, pad_token_id=int(pad)), info
 
@@ -324,10 +338,17 @@ def serve(learner: AnyLearner, info: DistInfo, group: Any) -> None:
 
 
 def _follower_main(
-    rank: int, world: int, addr: str, model_spec: str, config: LearnerConfig, device: str, threads: int
+    rank: int,
+    world: int,
+    addr: str,
+    model_spec: str,
+    config: LearnerConfig,
+    device: str,
+    dtype: DType,
+    threads: int,
 ) -> None:
     torch.set_num_threads(threads)  # as many as rank 0 uses: replicas share the machine evenly
-    learner, info = _build(rank, world, addr, model_spec, config, device)
+    learner, info = _build(rank, world, addr, model_spec, config, device, dtype)
     try:
         serve(learner, info, dist.new_group(backend="gloo"))
     finally:

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from polytinker.engine.device import resolve_device, resolve_dtype
 from polytinker.errors import ConfigError, GradientLost, NotResident
 from polytinker.scheduler.service.config import LearnerWorkerConfig
 from polytinker.scheduler.service.layout import under
@@ -113,16 +114,19 @@ class LearnerWorker:
     # --- slots -------------------------------------------------------------------------------------
     def _start(self, mode: str) -> Any:
         """A learner group of ``world_size`` replicas in ``mode`` (one process: no followers)."""
-        from polytinker.engine.learner import SINGLE, LearnerConfig, make_learner
+        from polytinker.engine.learner import DistInfo, LearnerConfig, make_learner
         from polytinker.engine.learner.group import LearnerGroup
-        from polytinker.engine.models import load_model
+        from polytinker.engine.models import ModelConfig, load_model
 
         lcfg = LearnerConfig(mode=mode, micro_batch_size=self.cfg.micro_batch_size)  # type: ignore[arg-type]
+        device = resolve_device(self.cfg.device, self.cfg.world_size)  # ConfigError before any model loads
+        dtype = resolve_dtype(self.cfg.dtype, device)
         if self.cfg.world_size > 1:
-            return LearnerGroup.start(self.model, self.cfg.world_size, lcfg)
-        base, tokenizer = load_model(self.model)
+            return LearnerGroup.start(self.model, self.cfg.world_size, lcfg, device=str(device), dtype=dtype)
+        base, tokenizer = load_model(self.model, ModelConfig(dtype=dtype))
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        return LearnerGroup(make_learner(base, lcfg, SINGLE, pad_token_id=int(pad)), SINGLE)
+        info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
+        return LearnerGroup(make_learner(base, lcfg, info, pad_token_id=int(pad)), info)
 
     def _lora_group(self) -> Any:
         if self._lora is None:

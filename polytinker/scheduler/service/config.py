@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from polytinker.engine.device import check_device, check_dtype
 from polytinker.errors import ConfigError
 from polytinker.tables import from_table
 
@@ -75,9 +76,16 @@ class LearnerWorkerConfig:
     # Jobs time-sliced on the group at once.
     local: bool = True
     # True: the runtime starts this learner group; False: a remote `polytinker worker` joins.
+    device: str = "auto"
+    # Where the replicas' models live: auto (the first GPU where torch sees one, else the CPU),
+    # cpu, cuda or cuda:N (a group of K replicas takes cuda:N..cuda:N+K-1, one each).
+    dtype: str = "auto"
+    # The models' parameter dtype: auto (bfloat16 on CUDA, float32 on the CPU), float32, bfloat16.
 
     def __post_init__(self) -> None:
         check_id("LearnerWorkerConfig.learner_id", self.learner_id)
+        check_device("LearnerWorkerConfig.device", self.device)
+        check_dtype("LearnerWorkerConfig.dtype", self.dtype)
         if self.world_size < 1 or self.micro_batch_size < 1 or self.max_jobs < 1:
             raise ConfigError("LearnerWorkerConfig: world_size, micro_batch_size and max_jobs must be >= 1")
         if self.memory_gb <= 0:

@@ -40,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from polytinker.actors import ActorConfig, ActorRef, ChildReport, RestartPolicy, Supervisor
+from polytinker.engine.device import resolve_device
 from polytinker.errors import ConfigError, RequestTimeout, RuntimeDead
 from polytinker.scheduler.service.config import RuntimeConfig, TenantConfig
 from polytinker.scheduler.service.home import Holder, StateLock
@@ -124,6 +125,9 @@ class LocalRuntime:
 
     def start(self) -> LocalRuntime:
         cfg = self.config
+        for g in cfg.learners:  # a GPU asked for where there is none fails here, not in a worker's log
+            if g.local:
+                resolve_device(g.device, g.world_size)
         run_dir = private_state_dir(cfg.state_path) / "run"
         lock = StateLock(cfg.state_path)
         lock.acquire()  # one runtime per state directory (StateDirInUse names the other)
