@@ -75,3 +75,5 @@ def test_polytinker_worker_device_flag(tmp_path: Path, capsys: pytest.CaptureFix
 def test_the_shipped_gpu_runtime_configs_read(path: Path) -> None:
     config = RuntimeConfig.from_toml(path)
     assert all(g.device.startswith("cuda") for g in config.learners)
+    for engine in config.engines:  # and each vllm engine's settings make a VllmBackendConfig
+        assert engine.backend == "vllm" and engine.vllm_config(config.model).max_lora_rank == engine.max_lora_rank()

@@ -147,6 +147,39 @@ def test_lora_on_the_unembedding_is_refused_at_creation_where_an_engine_is_vllm(
     assert create(sft, "alice", KEY_A, kind="sft", target_modules=unembed)  # no engine samples an SFT job
 
 
+def test_a_lora_rank_no_vllm_engine_serves_is_refused_at_creation(tmp_path: Path) -> None:
+    default = manager(tmp_path / "default", engines=(EngineWorkerConfig(backend="vllm"),))
+    assert create(default, "alice", KEY_A, rank=32)  # a Tinker client's default rank: served by default
+    with pytest.raises(
+        ConfigError, match=r"LoRA rank 64 is above .*'engine-0': 32.*raise \[engines.vllm\] max_lora_rank"
+    ):
+        create(default, "alice", KEY_A, rank=64)
+    wide = EngineWorkerConfig(backend="vllm", vllm={"max_lora_rank": 128, "kv_cache_gib": 4.0})
+    assert create(manager(tmp_path / "wide", engines=(wide,)), "alice", KEY_A, rank=128)
+    assert create(manager(tmp_path / "hf"), "alice", KEY_A, rank=256)  # the hf engine serves any rank
+    # A misspelt or impossible vllm setting fails where the config is read.
+    with pytest.raises(ConfigError, match="unknown vllm settings"):
+        EngineWorkerConfig(backend="vllm", vllm={"max_lora_rnak": 64})
+    with pytest.raises(ConfigError, match="max_lora_rank must be one of"):
+        EngineWorkerConfig(backend="vllm", vllm={"max_lora_rank": 48})
+    with pytest.raises(ConfigError, match="need backend = 'vllm'"):
+        EngineWorkerConfig(vllm={"max_lora_rank": 64})
+
+
+def test_vllm_settings_reach_the_engine_s_vllm_arguments() -> None:
+    engine = EngineWorkerConfig(
+        backend="vllm",
+        adapter_slots=6,
+        vllm={"gpu_memory_utilization": 0.45, "kv_cache_gib": 0, "tensor_parallel_size": 2, "dtype": "float16"},
+    )
+    kwargs = engine.vllm_config("tiny-random").llm_kwargs(Path("/models/tiny"))
+    assert kwargs["max_loras"] == 6 and kwargs["max_lora_rank"] == 32 and kwargs["dtype"] == "float16"
+    assert kwargs["gpu_memory_utilization"] == 0.45 and kwargs["tensor_parallel_size"] == 2
+    assert "kv_cache_memory_bytes" not in kwargs  # sized from the memory share instead
+    raw = RuntimeConfig(engines=(engine,)).to_dict()
+    assert RuntimeConfig.from_dict(raw).engines[0] == engine  # and survive the trip to a worker process
+
+
 def test_job_lifecycle_and_tenant_isolation(tmp_path: Path) -> None:
     mgr = manager(tmp_path)
     job = create(mgr, "alice", KEY_A)

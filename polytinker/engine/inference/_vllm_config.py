@@ -58,6 +58,9 @@ class VllmBackendConfig:
     # may take. On a CPU keep it low (0.2): the default of 0.9 asks for most of the machine's RAM.
     max_num_seqs: int | None = None
     # Most sequences in one forward step; None keeps vLLM's default for the device.
+    tensor_parallel_size: int = 1
+    # GPUs one engine's model is split over (vLLM's tensor parallelism); the engine process must
+    # see that many (CUDA_VISIBLE_DEVICES).
     enforce_eager: bool = True
     # True skips torch.compile and CUDA graphs: start-up takes seconds instead of minutes. Set
     # False on a GPU for long-lived engines, where the faster decode steps repay the compile time.
@@ -104,6 +107,10 @@ class VllmBackendConfig:
             raise ConfigError(
                 f"VllmBackendConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ConfigError(
+                f"VllmBackendConfig.tensor_parallel_size must be an int >= 1, got {self.tensor_parallel_size!r}"
+            )
         if self.max_num_seqs is not None and self.max_num_seqs <= 0:
             raise ConfigError(f"VllmBackendConfig.max_num_seqs must be positive or None, got {self.max_num_seqs}")
         if self.adapter_dir is not None:
@@ -126,6 +133,8 @@ class VllmBackendConfig:
             "seed": self.seed,
             "gpu_memory_utilization": self.gpu_memory_utilization,
         }
+        if self.tensor_parallel_size > 1:
+            kwargs["tensor_parallel_size"] = self.tensor_parallel_size
         if self.kv_cache_gib is not None:
             kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_gib * 2**30)
         if self.max_num_seqs is not None:

@@ -36,9 +36,9 @@ log = logging.getLogger("polytinker.engine.inference.worker")
 
 def make_backend(model: str, cfg: EngineWorkerConfig) -> Any:
     if cfg.backend == "vllm":
-        from polytinker.engine.inference.vllm_backend import VllmBackend, VllmBackendConfig
+        from polytinker.engine.inference.vllm_backend import VllmBackend
 
-        return VllmBackend(VllmBackendConfig(model=model, max_loras=cfg.adapter_slots))
+        return VllmBackend(cfg.vllm_config(model))
     from polytinker.engine.inference.config import HFBackendConfig
     from polytinker.engine.inference.hf import HFBackend
 

@@ -15,11 +15,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from polytinker.engine.device import check_device, check_dtype
+from polytinker.engine.types import UNEMBED_MODULE
 from polytinker.errors import ConfigError
 from polytinker.tables import from_table
 
@@ -31,6 +33,11 @@ def check_id(what: str, value: str) -> str:
     if not isinstance(value, str) or not value or not set(value) <= _ID_CHARS or len(value) > 64:
         raise ConfigError(f"{what} {value!r}: use 1-64 letters, digits, '_', '-' or '.'")
     return value
+
+
+# A runtime's vllm engines serve LoRA ranks up to this by default (VllmBackendConfig's own default
+# is 16): 32 is a Tinker client's default rank.
+ENGINE_MAX_LORA_RANK = 32
 
 
 @dataclass(frozen=True)
@@ -51,15 +58,50 @@ class EngineWorkerConfig:
     # After the first request of a batch arrives, wait this long for others to join it.
     local: bool = True
     # True: the runtime starts this engine as a child process; False: a remote `polytinker worker` joins.
+    vllm: dict[str, Any] = field(default_factory=dict)
+    # backend = "vllm" only: VllmBackendConfig's settings ([engines.vllm] in TOML): dtype,
+    # max_lora_rank, max_cpu_loras, kv_cache_gib or gpu_memory_utilization, max_model_len,
+    # tensor_parallel_size, enforce_eager, max_num_seqs, engine_args... max_loras defaults to
+    # adapter_slots and max_lora_rank to 32 (a Tinker client's default rank); the model is the runtime's.
+    # kv_cache_gib = 0 sizes the KV cache from gpu_memory_utilization (vLLM's own way).
 
     def __post_init__(self) -> None:
         check_id("EngineWorkerConfig.engine_id", self.engine_id)
+        if self.vllm:
+            if self.backend != "vllm":
+                raise ConfigError(f"EngineWorkerConfig {self.engine_id}: vllm settings need backend = 'vllm'")
+            self.vllm_config("tiny-random")  # a wrong key or value fails here, when the config is read
         if self.backend not in ("hf", "vllm"):
             raise ConfigError(f"EngineWorkerConfig.backend must be 'hf' or 'vllm', got {self.backend!r}")
         if min(self.adapter_slots, self.full_weight_slots, self.max_batch_size) < 1:
             raise ConfigError("EngineWorkerConfig: adapter_slots, full_weight_slots and max_batch_size must be >= 1")
         if self.memory_gb <= 0 or self.batch_window_s < 0:
             raise ConfigError("EngineWorkerConfig: memory_gb must be > 0 and batch_window_s >= 0")
+
+    def vllm_config(self, model: str) -> Any:
+        """The ``VllmBackendConfig`` this engine runs ``model`` with (imports torch: call it where
+        a vllm engine is configured or built, not on every config read)."""
+        import dataclasses as dc
+
+        from polytinker.engine.inference._vllm_config import VllmBackendConfig
+
+        allowed = {f.name for f in dc.fields(VllmBackendConfig)} - {"model", "model_config"}
+        unknown = sorted(set(self.vllm) - allowed)
+        if unknown:
+            raise ConfigError(
+                f"EngineWorkerConfig {self.engine_id}: unknown vllm settings {unknown}; known: {sorted(allowed)}"
+            )
+        defaults = {"max_loras": self.adapter_slots, "max_lora_rank": ENGINE_MAX_LORA_RANK}
+        settings = {**defaults, **self.vllm}
+        if settings.get("kv_cache_gib") == 0:  # TOML has no null: 0 sizes the cache from gpu_memory_utilization
+            settings["kv_cache_gib"] = None
+        return VllmBackendConfig(model=model, **settings)
+
+    def max_lora_rank(self) -> int | None:
+        """The largest LoRA rank this engine serves (None: any; the hf engine has no limit)."""
+        if self.backend != "vllm":
+            return None
+        return int(self.vllm.get("max_lora_rank", ENGINE_MAX_LORA_RANK))  # checked when the config was read
 
 
 @dataclass(frozen=True)
@@ -334,6 +376,23 @@ class RuntimeConfig:
         if not self.curve_secret_file:
             return self.address
         return f"ipc://{self.state_path / 'scheduler.sock'}"
+
+    def check_servable_lora(self, rank: int, target_modules: Sequence[str]) -> None:
+        """Refuse a LoRA RL job now, not at its first sample, when some engine cannot serve its
+        adapter: its samples may go to any engine (a hot adapter gets replicas)."""
+        vllm = [e.engine_id for e in self.engines if e.backend == "vllm"]
+        if UNEMBED_MODULE in target_modules and vllm:  # vLLM serves no LoRA on lm_head
+            raise ConfigError(
+                f"LoRA on {UNEMBED_MODULE} (train_unembed) is served by the hf engine backend only, and engines"
+                f" {vllm} are vllm: pass train_unembed=False (or target_modules without {UNEMBED_MODULE})"
+            )
+        limits = {e.engine_id: e.max_lora_rank() for e in self.engines}
+        short = {engine: limit for engine, limit in limits.items() if limit is not None and rank > limit}
+        if short:
+            raise ConfigError(
+                f"LoRA rank {rank} is above what vllm engines serve here (max_lora_rank {short}): "
+                f"pass rank <= {min(short.values())}, or raise [engines.vllm] max_lora_rank in the runtime config"
+            )
 
     def api_key(self) -> str:
         """The API key of the first tenant that has one (the generated ``local`` tenant unless configured)."""

@@ -30,7 +30,6 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from polytinker.engine.types import UNEMBED_MODULE
 from polytinker.errors import AuthError, ConfigError, JobNotRunning, OverloadedError
 from polytinker.scheduler.config import SchedulerPolicyConfig
 from polytinker.scheduler.policy import FairSharePolicy
@@ -162,13 +161,8 @@ class JobManager:
             raise ConfigError(f"this runtime serves base model {self.config.model!r}, not {msg.base_model!r}")
         if msg.kind == JobKind.INFERENCE and msg.adapter:
             raise ConfigError("inference jobs sample the base model here; sample adapters with their model_path")
-        vllm = [e.engine_id for e in self.config.engines if e.backend == "vllm"]
-        if msg.kind == JobKind.LORA_RL and UNEMBED_MODULE in msg.target_modules and vllm:
-            # vLLM's LoRA serves no adapter on the unembedding (lm_head); refused now, not at the first sample.
-            raise ConfigError(
-                f"LoRA on {UNEMBED_MODULE} (train_unembed) is served by the hf engine backend only, and engines"
-                f" {vllm} are vllm: pass train_unembed=False (or target_modules without {UNEMBED_MODULE})"
-            )
+        if msg.kind == JobKind.LORA_RL:  # the one kind whose adapter the engines sample from
+            self.config.check_servable_lora(msg.rank, msg.target_modules)
         now = time.time()
         job_id = f"{msg.kind.replace('_', '')}-{uuid.uuid4().hex[:10]}"
         lora = {"rank": msg.rank, "alpha": msg.alpha, "target_modules": list(msg.target_modules), "seed": msg.seed}
