@@ -118,6 +118,20 @@ def test_losses_against_formulas() -> None:
     assert logp_BT.grad is not None and torch.count_nonzero(logp_BT.grad) == 0
 
 
+def test_the_sampler_logprob_gap_is_reported() -> None:
+    batch = collate([make_datum(3, rl=True), make_datum(4, rl=True)])
+    mask = (batch.weights_BT != 0).float()
+    gap = 0.2 * torch.sign(torch.randn(batch.weights_BT.shape))  # the learner +-0.2 nats off the sampler
+    for loss_fn in ("importance_sampling", "ppo", "cispo", "dro"):
+        _, sums = policy_loss(loss_fn, batch.sampling_logprobs_BT + gap, batch, LossConfig())
+        tokens = float(mask.sum())
+        assert sums["gap_abs_sum"] / tokens == pytest.approx(0.2)
+        k3 = ((torch.exp(gap) - 1 - gap) * mask).sum() / tokens  # KL(sampler || learner), estimated
+        assert sums["sampler_kl_sum"] / tokens == pytest.approx(float(k3), rel=1e-4) and float(k3) > 0
+    _, same = policy_loss("ppo", batch.sampling_logprobs_BT.clone(), batch, LossConfig())
+    assert same["gap_abs_sum"] == 0 and same["sampler_kl_sum"] == pytest.approx(0, abs=1e-6)
+
+
 def test_masked_tokens_get_no_gradient(learner: MultiAdapterLearner) -> None:
     d = make_datum(5)
     fully_masked = Datum(d.input_tokens, d.target_tokens_T, [0.0] * len(d.weights_T))

@@ -74,7 +74,9 @@ class _Sums:
     """Running sums of one forward_backward call (they add across micro-batches)."""
 
     def __init__(self) -> None:
-        self.values = {"loss": 0.0, "tokens": 0.0, "kl": 0.0, "ratio_sum": 0.0, "clipped_tokens": 0.0}
+        self.values = dict.fromkeys(
+            ("loss", "tokens", "kl", "ratio_sum", "gap_abs_sum", "sampler_kl_sum", "clipped_tokens"), 0.0
+        )
         self._rows: list[tuple[int, list[float]]] = []
 
     def add(
@@ -279,6 +281,9 @@ def _metrics(loss_fn: str, kl_coef: float, sums: dict[str, float]) -> dict[str, 
         metrics["kl/coef"] = kl_coef
     if loss_fn != "cross_entropy":
         metrics[f"{loss_fn}/ratio_mean"] = sums["ratio_sum"] / tokens
+        # The sampler's logprobs against the learner's (docs/learner.md, "Sampler and learner").
+        metrics[f"{loss_fn}/sampler_logprob_gap"] = sums["gap_abs_sum"] / tokens
+        metrics[f"{loss_fn}/sampler_kl"] = sums["sampler_kl_sum"] / tokens
     if loss_fn in ("ppo", "cispo"):
         metrics[f"{loss_fn}/clip_fraction"] = sums["clipped_tokens"] / tokens
     return metrics

@@ -108,6 +108,19 @@ def check_loss_inputs(loss_fn: LossFnName, data: list[Datum]) -> None:
             )
 
 
+def _sampler_gap(log_ratio_BT: torch.Tensor, mask_BT: torch.Tensor) -> dict[str, float]:
+    """How far the learner's logprobs are from the sampler's on the trained tokens (sums): the
+    importance ratio, the absolute logprob gap, and k3 = r - 1 - log r, an estimate of
+    KL(sampler || learner) from the sampler's tokens. A bfloat16 sampler and a float32 learner
+    differ even at the same weights; these say by how much."""
+    ratio_BT = torch.exp(log_ratio_BT)
+    return {
+        "ratio_sum": float((ratio_BT * mask_BT).sum()),
+        "gap_abs_sum": float((log_ratio_BT.abs() * mask_BT).sum()),
+        "sampler_kl_sum": float(((ratio_BT - 1.0 - log_ratio_BT) * mask_BT).sum()),
+    }
+
+
 def policy_loss(
     loss_fn: LossFnName, logprobs_BT: torch.Tensor, batch: Batch, cfg: LossConfig
 ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -118,28 +131,22 @@ def policy_loss(
     ratio_BT = torch.exp(logprobs_BT - batch.sampling_logprobs_BT)
     adv_BT = batch.advantages_BT
     mask_BT = (w_BT != 0).float()
+    sums = _sampler_gap(logprobs_BT.detach() - batch.sampling_logprobs_BT, mask_BT)
     if loss_fn == "importance_sampling":
-        loss = -(w_BT * ratio_BT * adv_BT).sum()
-        return loss, {"ratio_sum": float((ratio_BT.detach() * mask_BT).sum())}
+        return -(w_BT * ratio_BT * adv_BT).sum(), sums
     if loss_fn == "ppo":
         clipped_BT = ratio_BT.clamp(cfg.clip_low_threshold, cfg.clip_high_threshold)
         objective_BT = torch.minimum(ratio_BT * adv_BT, clipped_BT * adv_BT)
         was_clipped = (objective_BT.detach() != (ratio_BT * adv_BT).detach()).float()
-        return -(w_BT * objective_BT).sum(), {
-            "ratio_sum": float((ratio_BT.detach() * mask_BT).sum()),
-            "clipped_tokens": float((was_clipped * mask_BT).sum()),
-        }
+        return -(w_BT * objective_BT).sum(), {**sums, "clipped_tokens": float((was_clipped * mask_BT).sum())}
     if loss_fn == "cispo":
         weight_BT = ratio_BT.detach().clamp(cfg.clip_low_threshold, cfg.clip_high_threshold)
         was_clipped = (weight_BT != ratio_BT.detach()).float()
-        return -(w_BT * weight_BT * adv_BT * logprobs_BT).sum(), {
-            "ratio_sum": float((ratio_BT.detach() * mask_BT).sum()),
-            "clipped_tokens": float((was_clipped * mask_BT).sum()),
-        }
+        loss = -(w_BT * weight_BT * adv_BT * logprobs_BT).sum()
+        return loss, {**sums, "clipped_tokens": float((was_clipped * mask_BT).sum())}
     if loss_fn == "dro":
         penalty_BT = (logprobs_BT - batch.sampling_logprobs_BT) ** 2
-        loss = -(w_BT * (logprobs_BT * adv_BT - 0.5 * cfg.beta * penalty_BT)).sum()
-        return loss, {"ratio_sum": float((ratio_BT.detach() * mask_BT).sum())}
+        return -(w_BT * (logprobs_BT * adv_BT - 0.5 * cfg.beta * penalty_BT)).sum(), sums
     raise ConfigError(f"unknown loss_fn {loss_fn!r}; choose one of {list(LOSS_FNS)}")
 
 
