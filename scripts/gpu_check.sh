@@ -5,7 +5,7 @@
 #   WHEEL_DIR    wheels to add to the machine's Python first (e.g. pyzmq when it is missing)
 #   MODEL_CACHE  a polytinker model cache holding models/tiny-random (POLYTINKER_CACHE), relative
 #                to the checkout or absolute
-# Runs the tests marked `gpu` that need no vLLM: learner workers placed on CUDA by their device
+# Runs the tests marked `gpu` that need no vLLM: the hf engine on CUDA, learner workers placed on CUDA by their device
 # and dtype, agents' batched updates on the GPU, NCCL learner groups (torchrun and
 # LearnerGroup.start) and CUDA tensors through the transport codec. Fails when CUDA is absent, when
 # any of them fails, when any is skipped, or when none ran: a check that skips has not passed.
@@ -41,7 +41,7 @@ print("transformers", transformers.__version__, "peft", peft.__version__, "nccl"
 PY
 echo "vLLM on CUDA: not run by this check (tests/test_gpu_vllm.py needs vLLM's CUDA build)"
 python3 -m pytest -q -p no:cacheprovider -m gpu -rs --timeout 300 --junitxml "$OUT_DIR/gpu_tests.xml" \
-  tests/test_learner_torchrun.py tests/test_transport_codec.py tests/test_gpu_learner.py 2>&1 | tee "$OUT_DIR/gpu_tests.log"
+  tests/test_learner_torchrun.py tests/test_transport_codec.py tests/test_gpu_learner.py tests/test_gpu_hf.py 2>&1 | tee "$OUT_DIR/gpu_tests.log"
 # pytest exits 0 when every test is skipped: count them from its report.
 python3 - "$OUT_DIR/gpu_tests.xml" <<'PY'
 import sys

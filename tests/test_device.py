@@ -1,4 +1,4 @@
-"""Device and dtype of learner groups: names checked where a config is read, the machine checked
+"""Device and dtype of learner groups and hf engines: names checked where a config is read, the machine checked
 where a worker starts (CUDA asked for on a machine without it is a ConfigError, before any model
 loads). The CUDA side itself is in tests/test_gpu_learner.py, run by scripts/gpu_check.sh."""
 
@@ -67,8 +67,24 @@ def test_polytinker_worker_device_flag(tmp_path: Path, capsys: pytest.CaptureFix
     common += ["--state-dir", str(tmp_path / "state")]
     assert cli.main([*common, "--id", "learner-0", "--device", "cuda"]) != 0
     assert "sees no CUDA device" in capsys.readouterr().err
-    assert cli.main([*common, "--id", "engine-0", "--device", "cuda"]) != 0
-    assert "--device and --dtype place learner groups" in capsys.readouterr().err
+    assert cli.main([*common, "--id", "engine-0", "--device", "cuda"]) != 0  # the hf engine: refused alike
+    assert "sees no CUDA device" in capsys.readouterr().err
+
+
+def test_an_hf_engine_takes_a_device_and_a_vllm_engine_refuses_one() -> None:
+    from polytinker.scheduler.service import EngineWorkerConfig
+
+    assert EngineWorkerConfig(device="cuda:1", dtype="bfloat16").device == "cuda:1"
+    with pytest.raises(ConfigError, match="vllm engine takes the GPUs CUDA_VISIBLE_DEVICES shows it"):
+        EngineWorkerConfig(backend="vllm", device="cuda:1")
+
+
+@no_cuda
+def test_an_hf_backend_on_cuda_where_there_is_none_is_refused() -> None:
+    from polytinker.engine.inference import HFBackend, HFBackendConfig
+
+    with pytest.raises(ConfigError, match="sees no CUDA device"):
+        HFBackend(HFBackendConfig(model="tiny-random", device="cuda"))
 
 
 @pytest.mark.parametrize("path", sorted(Path(__file__).parents[1].glob("examples/runtime/*.toml")), ids=str)

@@ -126,15 +126,13 @@ def _check_worker_addresses(args: argparse.Namespace) -> None:
 
 
 def _placed(cfg: Any, args: argparse.Namespace, role: str) -> Any:
-    """The config with ``--device`` / ``--dtype`` set on this worker's learner group."""
+    """The config with ``--device`` / ``--dtype`` set on this worker (a learner group or an hf engine)."""
     chosen = {k: v for k, v in (("device", args.device), ("dtype", args.dtype)) if v is not None}
     if not chosen:
         return cfg
-    if role != "learner":
-        raise ConfigError(
-            "--device and --dtype place learner groups; the hf engine runs on the CPU (not built for CUDA), "
-            "and a vllm engine takes the GPUs CUDA_VISIBLE_DEVICES shows it"
-        )
+    if role == "engine":  # EngineWorkerConfig refuses them for a vllm engine (CUDA_VISIBLE_DEVICES places it)
+        engines = tuple(dataclasses.replace(e, **chosen) if e.engine_id == args.id else e for e in cfg.engines)
+        return dataclasses.replace(cfg, engines=engines)
     learners = tuple(dataclasses.replace(g, **chosen) if g.learner_id == args.id else g for g in cfg.learners)
     return dataclasses.replace(cfg, learners=learners)
 
@@ -406,9 +404,9 @@ def _add_worker_parser(sub: Any) -> None:
         "engines must see the learners' files there",
     )
     w.add_argument(
-        "--device", help="a learner group's device: auto, cpu, cuda or cuda:N (overrides the config's entry for --id)"
+        "--device", help="a learner group's or hf engine's device: auto, cpu, cuda or cuda:N (overrides the config)"
     )
-    w.add_argument("--dtype", help="a learner group's dtype: auto, float32 or bfloat16 (overrides the config)")
+    w.add_argument("--dtype", help="its dtype: auto, float32 or bfloat16 (overrides the config)")
     w.add_argument("--curve-secret", help="this worker's Curve .key_secret (polytinker keys generate)")
     w.add_argument("--scheduler-key", help="the scheduler's Curve .key (public) file")
     w.set_defaults(func=_worker)

@@ -87,7 +87,7 @@ class MultiLora:
             setattr(parent, child, wrapper)
             self._layers[path] = wrapper
 
-    def load(self, slot: str, weights: AdapterWeights, dtype: torch.dtype) -> None:
+    def load(self, slot: str, weights: AdapterWeights, dtype: torch.dtype, device: torch.device | None = None) -> None:
         """Put ``weights`` in ``slot`` (replacing what was there); checks every tensor fits."""
         self._wrap(weights.config.target_modules)
         scale = weights.config.alpha / weights.config.rank
@@ -110,7 +110,8 @@ class MultiLora:
                     f"{layer.base.in_features} -> {layer.base.out_features}"
                 )
             # A private copy: the caller (a learner) may keep updating its tensors in place.
-            loaded[path] = (a.detach().to(dtype).clone(), b.detach().to(dtype).clone(), scale)
+            on = device or layer.base.weight.device
+            loaded[path] = (a.detach().to(on, dtype).clone(), b.detach().to(on, dtype).clone(), scale)
         self.unload(slot)
         for path, lora in loaded.items():
             self._layers[path].loras[slot] = lora

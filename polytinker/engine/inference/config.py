@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from polytinker.engine.device import check_device
 from polytinker.engine.models import DEFAULT_MODEL, ModelConfig
 from polytinker.errors import ConfigError
 
@@ -21,8 +22,12 @@ class HFBackendConfig:
     logprobs_chunk_tokens: int = 2048
     # compute_logprobs materialises vocab-sized logits for this many tokens at a time
     # (2048 x 49152 floats = 400 MB); lower it to save memory.
+    device: str = "cpu"
+    # Where the model runs: cpu, cuda, cuda:N or auto (polytinker.engine.device). Sampling's
+    # per-row generators stay on the CPU: each step brings one row of logits per sequence back.
 
     def __post_init__(self) -> None:
+        check_device("HFBackendConfig.device", self.device)
         if self.num_threads is not None and self.num_threads <= 0:
             raise ConfigError(f"HFBackendConfig.num_threads must be positive or None, got {self.num_threads}")
         if self.logprobs_chunk_tokens <= 0:

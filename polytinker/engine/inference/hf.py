@@ -1,4 +1,5 @@
-"""The ``hf`` backend: transformers on the CPU, many LoRA adapters in one mixed batch.
+"""The ``hf`` backend: transformers (on the CPU, or a GPU: ``HFBackendConfig.device``), many LoRA
+adapters in one mixed batch.
 
 Every resident adapter version sits in its own slot on one shared base model (tensors in peft's
 layout and with peft's scaling); a batch's rows are sorted by adapter, so rows for different
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 
+from polytinker.engine.device import resolve_device
 from polytinker.engine.inference._multilora import MultiLora
 from polytinker.engine.inference._sampling import RowSampler, choose_tokens, make_row_sampler
 from polytinker.engine.inference.adapter_io import read_adapter_dir
@@ -69,6 +71,9 @@ class HFBackend:
             model, tokenizer = load_model(self.config.model, self.config.model_config)
         elif tokenizer is None:
             raise ConfigError("HFBackend: pass the tokenizer together with the model")
+        if self.config.device != "cpu":
+            model = model.to(resolve_device(self.config.device))  # ConfigError where there is no such GPU
+        self.device = next(model.parameters()).device
         self.model = model.eval()
         self.tokenizer = tokenizer
         self._lora = MultiLora(self.model)
@@ -99,7 +104,7 @@ class HFBackend:
             if name is None:
                 name = f"slot{self._next_slot}"
                 self._next_slot += 1
-            self._lora.load(name, weights, self._dtype)  # validates every tensor before it replaces any
+            self._lora.load(name, weights, self._dtype, self.device)  # validates every tensor before it replaces any
             self._names[weights.ref] = name
 
     def load_adapter_dir(self, ref: AdapterRef, path: Path) -> None:
@@ -134,10 +139,11 @@ class HFBackend:
         cache: Any = None,
         logits_to_keep: int = 0,
     ) -> torch.Tensor:
+        on = self.device
         kwargs: dict[str, Any] = {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "position_ids": position_ids,
+            "input_ids": input_ids.to(on),
+            "attention_mask": attention_mask.to(on),
+            "position_ids": None if position_ids is None else position_ids.to(on),
             "past_key_values": cache,
             "use_cache": cache is not None,
             "logits_to_keep": logits_to_keep,
@@ -196,11 +202,11 @@ class HFBackend:
             mask_UL[u, width - len(row.prompt) :] = 1
         pos_UL = (mask_UL.cumsum(-1) - 1).clamp(min=0)
         logits = self._forward(ids_UL, mask_UL, pos_UL, [r.adapter for r in unique], cache, logits_to_keep=1)
-        logits_UV, next_pos_U = logits[:, -1].float(), pos_UL[:, -1] + 1
+        logits_UV, next_pos_U = logits[:, -1].float().cpu(), pos_UL[:, -1] + 1
         if len(unique) == len(rows):
             return logits_UV, mask_UL, next_pos_U
         index = torch.tensor(owner_B)
-        cache.reorder_cache(index)
+        cache.reorder_cache(index.to(self.device))
         return logits_UV[index], mask_UL[index], next_pos_U[index]
 
     def _decode(self, rows: list[_Row]) -> None:
@@ -220,13 +226,13 @@ class HFBackend:
             if len(keep) < len(live):
                 # Finished rows leave the batch and the KV cache: later steps do not pay for them.
                 index = torch.tensor(keep)
-                cache.batch_select_indices(index)
+                cache.batch_select_indices(index.to(self.device))
                 mask_BL, next_pos_B, tokens_B = mask_BL[index], next_pos_B[index], tokens_B[index]
                 live = [live[j] for j in keep]
             mask_BL = torch.cat([mask_BL, mask_BL.new_ones((len(live), 1))], dim=1)
             adapters = [rows[i].adapter for i in live]
             logits = self._forward(tokens_B[:, None], mask_BL, next_pos_B[:, None], adapters, cache, logits_to_keep=1)
-            logits_BV = logits[:, -1].float()
+            logits_BV = logits[:, -1].float().cpu()
             next_pos_B = next_pos_B + 1
 
     def _append(self, row: _Row, token: int, logprob: float) -> bool:
@@ -299,6 +305,7 @@ class HFBackend:
             mask_BT[b, : len(seq)] = 1
         logits_BTV = self._forward(ids_BT, mask_BT, None, [adapter] * len(sequences)).float()
         all_BTV = logits_BTV[:, :-1].log_softmax(-1)
+        ids_BT = ids_BT.to(all_BTV.device)
         logprobs_BT = all_BTV.gather(2, ids_BT[:, 1:, None])[..., 0]
         best_lp_BTK, best_id_BTK = all_BTV.topk(k, dim=-1) if k else (None, None)
         out = []

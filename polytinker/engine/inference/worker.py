@@ -39,10 +39,14 @@ def make_backend(model: str, cfg: EngineWorkerConfig) -> Any:
         from polytinker.engine.inference.vllm_backend import VllmBackend
 
         return VllmBackend(cfg.vllm_config(model))
+    from polytinker.engine.device import resolve_device, resolve_dtype
     from polytinker.engine.inference.config import HFBackendConfig
     from polytinker.engine.inference.hf import HFBackend
+    from polytinker.engine.models import ModelConfig
 
-    return HFBackend(HFBackendConfig(model=model))
+    device = resolve_device(cfg.device)  # ConfigError before the model loads
+    dtype = resolve_dtype(cfg.dtype, device)
+    return HFBackend(HFBackendConfig(model=model, model_config=ModelConfig(dtype=dtype), device=str(device)))
 
 
 def _params(p: SamplingParams, n: int) -> SamplingParams:

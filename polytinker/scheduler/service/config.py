@@ -58,6 +58,11 @@ class EngineWorkerConfig:
     # After the first request of a batch arrives, wait this long for others to join it.
     local: bool = True
     # True: the runtime starts this engine as a child process; False: a remote `polytinker worker` joins.
+    device: str = "auto"
+    # backend = "hf": where its model runs (auto: the first GPU where torch sees one, else the
+    # CPU; cpu; cuda; cuda:N). A vllm engine uses the GPUs CUDA_VISIBLE_DEVICES shows its process.
+    dtype: str = "auto"
+    # backend = "hf": auto (bfloat16 on CUDA, float32 on the CPU), float32 or bfloat16. vllm: its own.
     vllm: dict[str, Any] = field(default_factory=dict)
     # backend = "vllm" only: VllmBackendConfig's settings ([engines.vllm] in TOML): dtype,
     # max_lora_rank, max_cpu_loras, kv_cache_gib or gpu_memory_utilization, max_model_len,
@@ -67,6 +72,13 @@ class EngineWorkerConfig:
 
     def __post_init__(self) -> None:
         check_id("EngineWorkerConfig.engine_id", self.engine_id)
+        check_device("EngineWorkerConfig.device", self.device)
+        check_dtype("EngineWorkerConfig.dtype", self.dtype)
+        if self.backend == "vllm" and (self.device, self.dtype) != ("auto", "auto"):
+            raise ConfigError(
+                f"EngineWorkerConfig {self.engine_id}: a vllm engine takes the GPUs CUDA_VISIBLE_DEVICES shows it "
+                "and its dtype from [engines.vllm]: leave device and dtype at 'auto'"
+            )
         if self.vllm:
             if self.backend != "vllm":
                 raise ConfigError(f"EngineWorkerConfig {self.engine_id}: vllm settings need backend = 'vllm'")

@@ -125,9 +125,13 @@ class LocalRuntime:
 
     def start(self) -> LocalRuntime:
         cfg = self.config
-        for g in cfg.learners:  # a GPU asked for where there is none fails here, not in a worker's log
+        # A GPU asked for where there is none fails here, not in a worker's log.
+        for g in cfg.learners:
             if g.local:
                 resolve_device(g.device, g.world_size)
+        for e in cfg.engines:
+            if e.local:
+                resolve_device(e.device)
         run_dir = private_state_dir(cfg.state_path) / "run"
         lock = StateLock(cfg.state_path)
         lock.acquire()  # one runtime per state directory (StateDirInUse names the other)
