@@ -9,6 +9,7 @@
 # and dtype, agents' batched updates on the GPU, NCCL learner groups (torchrun and
 # LearnerGroup.start) and CUDA tensors through the transport codec. Fails when CUDA is absent, when
 # any of them fails, when any is skipped, or when none ran: a check that skips has not passed.
+# Then prints benchmarks/gpu.py's figures (random-weight 1B Llama shape built on the GPU; no download).
 # vLLM on CUDA (tests/test_gpu_vllm.py) is not run here: its CUDA wheels are far larger than what
 # such a machine can be given; run `pytest -m gpu tests/test_gpu_vllm.py` where vllm is installed.
 set -euo pipefail
@@ -54,3 +55,6 @@ if ran == 0 or skipped:
     sys.exit(f"gpu_check: {skipped} of {ran} GPU tests skipped: a skipped GPU test is a failure")
 print(f"gpu_check: {ran} GPU tests passed, none skipped")
 PY
+# The figures: engine mixed 8-adapter vs single-adapter, learner 4 adapters batched vs in turn,
+# adapter sync, and a LoRA RL step of the runtime with its engine and learner on the GPU.
+timeout 420 python3 benchmarks/gpu.py | tee "$OUT_DIR/gpu_figures.txt"
