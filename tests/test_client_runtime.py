@@ -14,7 +14,7 @@ from fixtures.client import KEY_ALICE, KEY_BOB, MODEL, client, data, shared_runt
 from polytinker import cli
 from polytinker.client import SamplingClient, ServiceClient, TrainingClient
 from polytinker.engine.learner.config import AdamParams
-from polytinker.engine.types import SamplingParams
+from polytinker.engine.types import Datum, SamplingParams
 from polytinker.errors import NotBuiltError
 from polytinker.scheduler.service import AuthError, JobNotRunning, StateStore
 
@@ -53,6 +53,34 @@ def test_train_then_sample_end_to_end() -> None:
     row = store.adapter(f"alice/{trainer.job_id}/hero")
     assert row is not None and row.version == 2 and row.checkpoint.endswith("v2")
     store.close()
+
+
+def test_an_engine_that_cannot_read_a_version_gets_its_tensors_over_the_transport() -> None:
+    state = shared_runtime().config.state_path
+    with client(KEY_ALICE) as alice:
+        trainer = alice.create_lora_training_client(MODEL, rank=4, agent="far")
+        trainer.forward_backward(data(8)).result()
+        trainer.optim_step(ADAM).result()
+        sampler = trainer.save_weights_and_get_sampling_client()
+        store = StateStore(state / "scheduler.sqlite3")
+        row = store.adapter(f"alice/{trainer.job_id}/far")
+        store.close()
+        assert row is not None and row.export_dir
+        # As on an engine with no shared filesystem: the version's export is not where it can read it.
+        export, hidden = state / row.export_dir, state / (row.export_dir + ".hidden")
+        export.rename(hidden)
+        try:
+            before = alice.runtime_status()["stats"]
+            seq = [5, 6, 7, 8, 9, 10, 11]
+            scored = sampler.compute_logprobs(seq).result()
+            after = alice.runtime_status()["stats"]
+        finally:
+            hidden.rename(export)
+        assert after["engine-0"]["adapters_received"] == before["engine-0"]["adapters_received"] + 1
+        assert after["learner-0"]["adapters_sent"] == before["learner-0"]["adapters_sent"] + 1
+        # The tensors sent are the trained version: the engine scores as the learner does.
+        learner = trainer.forward([Datum(seq[:-1], seq[1:], [1.0] * 6)]).result()[0]
+        assert scored[1:] == pytest.approx(learner, abs=1e-3)
 
 
 def test_agents_calls_that_meet_at_the_learner_run_as_one_pass() -> None:

@@ -167,8 +167,8 @@ def _same_reply(reply: SampleReply, result: SampleResult) -> bool:
 def test_engine_worker_samples_in_a_child_process(backend: HFBackend, tmp_path: Path) -> None:
     """The engine worker the runtime runs, in its own process and called over its Curve RPC server
     with the scheduler's messages: an adapter version served from the peft directory a learner
-    left, concurrent requests batched together, logprobs as in-process, and a version with no
-    stored weights refused back to the caller while the worker serves on."""
+    left, concurrent requests batched together, logprobs as in-process, and a version it cannot
+    read answered NotResident, then served from tensors sent over the transport."""
     for ref in backend.loaded_adapters():
         backend.unload_adapter(ref)
     weights = _adapter(backend, "remote", seed=4)
@@ -191,8 +191,23 @@ def test_engine_worker_samples_in_a_child_process(backend: HFBackend, tmp_path: 
         sequence = (*PROMPT, *got[0].sequences[0].tokens)
         remote = engine.call("sched.w.logprobs", wm.EngineLogprobs(REMOTE, 0, stored, (sequence,))).logprobs[0]
         assert remote == pytest.approx(backend.compute_logprobs([list(sequence)], weights.ref)[0], abs=1e-4)
-        with pytest.raises(RemoteError, match="no stored weights"):
-            engine.call("sched.w.sample", _sample_msg(REMOTE, wm.WeightsRef(REMOTE, 1, "export"), version=1))
+        # A version this engine cannot read (no shared filesystem): NotResident, so the scheduler
+        # sends its tensors over the transport (sched.w.put_adapter), and then it serves.
+        unread = wm.WeightsRef(REMOTE, 1, "export")
+        assert engine.call("sched.w.has_weights", wm.EngineHasWeights(unread)) is False
+        with pytest.raises(RemoteError, match="not here; send its tensors") as err:
+            engine.call("sched.w.sample", _sample_msg(REMOTE, unread, version=1))
+        assert err.value.remote_type == "NotResident"
+        newer = _adapter(backend, REMOTE, version=1, seed=5)
+        c = newer.config
+        engine.call(
+            "sched.w.put_adapter", wm.EnginePutAdapter(unread, c.rank, c.alpha, c.target_modules, newer.tensors)
+        )
+        assert engine.call("sched.w.has_weights", wm.EngineHasWeights(unread)) is True
+        backend.load_adapter(newer)
+        sent = engine.call("sched.w.sample", _sample_msg(REMOTE, unread, version=1))
+        assert _same_reply(sent, backend.sample([_request(newer.ref)])[0])
+        assert engine.call("sched.w.stats", wm.WorkerStats())["adapters_received"] == 1
         assert _same_reply(engine.call("sched.w.sample", _sample_msg("", None)), expected[1])
 
 

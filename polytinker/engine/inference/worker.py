@@ -25,11 +25,18 @@ from typing import Any
 
 from polytinker.engine.inference.full_weights import FullWeightEngines
 from polytinker.engine.types import SamplingParams
-from polytinker.errors import ConfigError
+from polytinker.errors import ConfigError, NotResident
 from polytinker.scheduler.service.config import EngineWorkerConfig
 from polytinker.scheduler.service.layout import under
 from polytinker.scheduler.service.replies import LogprobsReply, SampleReply, SequenceReply
-from polytinker.scheduler.service.worker_messages import EngineLogprobs, EngineSample, WeightsRef, WorkerStats
+from polytinker.scheduler.service.worker_messages import (
+    EngineHasWeights,
+    EngineLogprobs,
+    EnginePutAdapter,
+    EngineSample,
+    WeightsRef,
+    WorkerStats,
+)
 
 log = logging.getLogger("polytinker.engine.inference.worker")
 
@@ -74,9 +81,16 @@ class EngineWorker:
         # (load_state) keeps its number but not its weights, so other weights re-register it.
         self._dirs: dict[Any, WeightsRef] = {}
         self._lock = threading.Lock()
+        self._pushed = 0  # versions received as tensors (put_adapter)
 
     def handlers(self) -> dict[str, Callable[[Any], Any]]:
-        return {"sched.w.sample": self.sample, "sched.w.logprobs": self.logprobs, "sched.w.stats": self.get_stats}
+        return {
+            "sched.w.sample": self.sample,
+            "sched.w.logprobs": self.logprobs,
+            "sched.w.has_weights": self.has_weights,
+            "sched.w.put_adapter": self.put_adapter,
+            "sched.w.stats": self.get_stats,
+        }
 
     def close(self) -> None:
         self.full.close()
@@ -92,11 +106,13 @@ class EngineWorker:
         with self.full.use(adapter, version, str(self._path(adapter, weights))) as engine:
             yield engine, None
 
-    def _path(self, adapter: str, weights: WeightsRef | None) -> Path:
+    def _path(self, adapter: str, weights: WeightsRef | None, full: bool = True) -> Path:
         if weights is None or weights.adapter.split("/")[0] != adapter.split("/")[0]:
             # The scheduler resolves a version to its own tenant's weights: another tenant's is a bug.
             raise ConfigError(f"adapter {adapter}: no stored weights named for it")
         path = under(self.root, weights.relative_path)
+        if not path.is_dir() and not full:  # not on this machine: the scheduler sends the tensors, then resends
+            raise NotResident(f"adapter {adapter} v{weights.version}: not here; send its tensors (sched.w.put_adapter)")
         if not path.is_dir():
             raise ConfigError(f"adapter {adapter} v{weights.version}: no stored weights {weights.relative_path!r}")
         return path
@@ -111,11 +127,37 @@ class EngineWorker:
         with self._lock:
             if weights is not None and self._dirs.get(ref) == weights and ref in self.engine.slots.known():
                 return ref
-            path = self._path(adapter, weights)
+            path = self._path(adapter, weights, full=False)
             assert weights is not None  # _path refuses None
             self.engine.load_adapter_dir(ref, path)
             self._dirs[ref] = weights
         return ref
+
+    def has_weights(self, msg: EngineHasWeights) -> bool:
+        """Whether a request naming this export can be served without its tensors being sent."""
+        from polytinker.engine.types import AdapterRef
+
+        w = msg.weights
+        with self._lock:
+            if self._dirs.get(AdapterRef(w.adapter, w.version)) == w:
+                return True
+        return under(self.root, w.relative_path).is_dir()
+
+    def put_adapter(self, msg: EnginePutAdapter) -> bool:
+        """A version's tensors, sent over the transport: registered in the engine's host cache
+        (loaded into a slot when a request needs it), as if read from the export they name."""
+        from polytinker.engine.types import AdapterRef, AdapterWeights, LoraConfig
+
+        w = msg.weights
+        ref = AdapterRef(w.adapter, w.version)
+        lora = LoraConfig(rank=msg.rank, alpha=msg.alpha, target_modules=tuple(msg.target_modules))
+        # The received tensors share the message's frames: a private copy before they are kept.
+        tensors = {k: v.clone() for k, v in msg.tensors.items()}
+        with self._lock:
+            self.engine.load_adapter(AdapterWeights(ref, lora, tensors))
+            self._dirs[ref] = w
+            self._pushed += 1
+        return True
 
     def sample(self, msg: EngineSample) -> SampleReply:
         from polytinker.engine.types import SampleRequest
@@ -138,6 +180,7 @@ class EngineWorker:
         st = self.engine.stats
         return {
             "batches": len(st.batch_sizes),
+            "adapters_received": self._pushed,
             "requests": st.requests,
             "max_batch_sequences": max(st.batch_sizes, default=0),
             "mixed_adapter_batches": sum(1 for n in st.batch_adapters if n > 1),

@@ -44,6 +44,7 @@ from polytinker.errors import ConfigError, GradientLost, NotResident
 from polytinker.scheduler.service.config import LearnerWorkerConfig
 from polytinker.scheduler.service.layout import under
 from polytinker.scheduler.service.replies import (
+    AdapterTensors,
     ExportedWeights,
     ForwardBackwardManyReply,
     ForwardBackwardReply,
@@ -54,6 +55,7 @@ from polytinker.scheduler.service.replies import (
 )
 from polytinker.scheduler.service.worker_messages import (
     EnsureAdapter,
+    LearnerAdapterWeights,
     LearnerExport,
     LearnerForward,
     LearnerForwardBackward,
@@ -88,6 +90,7 @@ class LearnerWorker:
             "loads": 0,
             "adapters_created": 0,
             "duplicates": 0,
+            "adapters_sent": 0,  # versions sent as tensors to engines that could not read them
         }
         # Keyed calls: (adapter, request_id) -> ("fb" | "step", result), newest last.
         self._done: OrderedDict[tuple[str, str], tuple[str, Any]] = OrderedDict()
@@ -104,6 +107,7 @@ class LearnerWorker:
             "sched.w.save": self.save,
             "sched.w.load": self.load,
             "sched.w.export": self.export,
+            "sched.w.adapter_weights": self.adapter_weights,
             "sched.w.stats": self.get_stats,
         }
 
@@ -408,6 +412,21 @@ class LearnerWorker:
             group.save_state(self._path(ckpt), None)
             return ExportedWeights(ckpt.relative_path)
         return ExportedWeights(self._export(WeightsRef(msg.adapter, msg.version, "export", msg.loaded_from)))
+
+    def adapter_weights(self, msg: LearnerAdapterWeights) -> AdapterTensors:
+        """An export's tensors for an engine that cannot read them: the resident version from
+        memory (no disk), an older one from this learner's own copy."""
+        from polytinker.engine.inference.adapter_io import read_adapter_dir
+        from polytinker.engine.types import AdapterRef
+
+        w = msg.weights
+        if not w.name and self._versions().get(w.adapter) == w.version:
+            weights = self._lora.export_adapter(w.adapter)
+        else:
+            weights = read_adapter_dir(AdapterRef(w.adapter, w.version), self._path(w))
+        self.stats["adapters_sent"] += 1
+        c = weights.config
+        return AdapterTensors(c.rank, c.alpha, tuple(c.target_modules), dict(weights.tensors))
 
     def get_stats(self, _msg: WorkerStats) -> dict[str, Any]:
         return {**self.stats, "adapters": len(self._versions()), "full_slots": len(self._full), "pid": os.getpid()}

@@ -456,6 +456,12 @@ class JobManager:
         self._served.pop(job_id, None)
         self._idle_paused.discard(job_id)
 
+    def learner_of(self, job_id: str) -> str | None:
+        """The learner group a job is placed on now (None: it is not). Changes nothing."""
+        with self._lock:
+            live = self._live.get(job_id)
+            return live.placement.learner if live is not None and live.placement is not None else None
+
     def route(self, adapter: str | None, base_model: str) -> str:
         """The engine a sample request goes to: placement's choice for an adapter (a holder, or one
         that loads it), round-robin over the base model's engines for the base model itself."""

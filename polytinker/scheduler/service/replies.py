@@ -128,6 +128,17 @@ class ForwardBackwardManyReply:
     results: tuple[ForwardBackwardReply, ...]  # one per item of the batch, in order
 
 
+@message("sched.r.adapter_tensors")
+@dataclass(frozen=True)
+class AdapterTensors:
+    """A LoRA version's tensors (peft's key layout) and its shape, from the learner that trained it."""
+
+    rank: int
+    alpha: int
+    target_modules: tuple[str, ...]
+    tensors: dict[str, Any]
+
+
 @message("sched.r.forward")
 @dataclass(frozen=True)
 class ForwardReply:
@@ -350,6 +361,7 @@ class ActorsNoted:
 
 __all__ = [
     "ActorsNoted",
+    "AdapterTensors",
     "AuditEntry",
     "AuditLogReply",
     "CheckpointTtlReply",

@@ -56,6 +56,7 @@ from polytinker.scheduler.service.load import Admission
 from polytinker.scheduler.service.state import HISTORY_RETENTION_S, AdapterRow, JobRow, StateStore
 from polytinker.scheduler.service.tenants import Tenants
 from polytinker.scheduler.service.usage import UsageMeter
+from polytinker.scheduler.service.weight_push import WeightPush
 from polytinker.scheduler.service.weights import WeightsCatalog, expiry
 from polytinker.scheduler.types import JobKind, JobState
 from polytinker.transport import RpcServer, ServerCurve, TransportConfig
@@ -76,6 +77,7 @@ class SchedulerService:
             self.tenants.add(t)
         self.broker = Broker(config, token)
         self.jobs = JobManager(config, self.store, self.tenants.weights())
+        self.push = WeightPush(config, self.broker, self.jobs)  # versions to engines that cannot read them
         self.audit = AuditLog(self.store, self._tenant)
         self.meter = UsageMeter(self.store, self._tenant)
         self.weights = WeightsCatalog(self.root, self.store, self.jobs, config.keep_checkpoints, self.audit)
@@ -433,7 +435,9 @@ class SchedulerService:
             req = wm.EngineSample(
                 key, version, export, msg.prompt_token_ids, msg.num_samples, msg.params, tenant, full=full
             )
-            out: r.SampleReply = self.broker.call(engine, "sched.w.sample", req)
+            out: r.SampleReply = self.broker.call(
+                engine, "sched.w.sample", req, prepare=self.push.prepare(key, export, full)
+            )
         self._sampled(tenant, msg, [msg.prompt_token_ids], [q.tokens for q in out.sequences])
         return out  # the engine's answer goes on to the client as it is
 
@@ -444,7 +448,8 @@ class SchedulerService:
         with self.admission.admit(tenant, "sample"):
             engine = self.jobs.route(key or None, msg.base_model)
             req = wm.EngineLogprobs(key, version, export, msg.sequences, full=full, top_k=msg.top_k)
-            out: r.LogprobsReply = self.broker.call(engine, "sched.w.logprobs", req)
+            prepare = self.push.prepare(key, export, full)
+            out: r.LogprobsReply = self.broker.call(engine, "sched.w.logprobs", req, prepare=prepare)
         self._sampled(tenant, msg, msg.sequences, ())
         return out
 

@@ -14,6 +14,7 @@ and the checks are shared with the client requests in ``messages``. This module 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from polytinker.engine.types import Datum, SamplingParams
 from polytinker.scheduler.service.layout import KINDS, check_adapter_key, check_name, relative_path
@@ -241,6 +242,45 @@ class LearnerExport:
             check_name("checkpoint name", self.loaded_from)
 
 
+@message("sched.w.adapter_weights")
+@dataclass(frozen=True)
+class LearnerAdapterWeights:
+    """The LoRA tensors of the export ``weights`` names, for an engine that cannot read them (no
+    shared filesystem): from memory when it is the resident version, else from the learner's own
+    copy. Answered with an ``AdapterTensors``."""
+
+    weights: WeightsRef
+
+    def __post_init__(self) -> None:
+        need(self.weights.kind == "export", "adapter weights are sent for exports")
+
+
+@message("sched.w.has_weights")
+@dataclass(frozen=True)
+class EngineHasWeights:
+    """Whether the engine holds the export ``weights`` names or can read it itself (a bool)."""
+
+    weights: WeightsRef
+
+
+@message("sched.w.put_adapter", arrays=True)
+@dataclass(frozen=True)
+class EnginePutAdapter:
+    """A LoRA version's tensors for the engine's host cache (peft's key layout), sent over the
+    transport; registered as the export ``weights`` names, so requests naming it use them."""
+
+    weights: WeightsRef
+    rank: int
+    alpha: int
+    target_modules: tuple[str, ...]
+    tensors: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        need(self.weights.kind == "export", "adapter tensors are put for exports")
+        need(isinstance(self.rank, int) and self.rank >= 1, "LoRA rank must be an int >= 1")
+        need(all(isinstance(k, str) for k in self.tensors), "tensor names are strings")
+
+
 @message("sched.w.sample")
 @dataclass(frozen=True)
 class EngineSample:
@@ -281,9 +321,12 @@ class WorkerStats:
 __all__ = [
     "ActorState",
     "ActorsReport",
+    "EngineHasWeights",
     "EngineLogprobs",
+    "EnginePutAdapter",
     "EngineSample",
     "EnsureAdapter",
+    "LearnerAdapterWeights",
     "LearnerExport",
     "LearnerForward",
     "LearnerForwardBackward",

@@ -1,0 +1,58 @@
+"""LoRA versions to engines as tensors over the transport, so an engine needs no shared filesystem.
+
+A learner writes each version's export (the peft directory) under its own state root. An engine on
+the same machine (or on a shared filesystem) reads it there. One that cannot gets the tensors
+sent: before the first request for a version reaches an engine incarnation, the broker runs
+``WeightPush.prepare``'s step, which asks the engine whether it holds or can read the export
+(``sched.w.has_weights``) and, when it cannot, fetches the tensors from the learner that trained
+the adapter (``sched.w.adapter_weights``: the resident version from memory, an older one from the
+learner's copy) and puts them into the engine's host cache (``sched.w.put_adapter``). The tensors
+travel as the codec's out-of-band frames (no pickling, no copy into the message body).
+
+Full-parameter versions are whole models: engines read them from their checkpoints (not sent).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from polytinker.scheduler.service import worker_messages as wm
+from polytinker.scheduler.service.config import RuntimeConfig
+from polytinker.scheduler.service.replies import AdapterTensors
+
+
+class WeightPush:
+    """Sends an engine the versions it cannot read (module docstring)."""
+
+    def __init__(self, config: RuntimeConfig, broker: Any, jobs: Any) -> None:
+        self._config, self._broker, self._jobs = config, broker, jobs
+        self.pushed = 0  # versions sent to an engine as tensors
+
+    def prepare(
+        self, adapter: str, weights: wm.WeightsRef | None, full: bool
+    ) -> tuple[str, Callable[[Any], None]] | None:
+        """The broker's prepare step for a request naming ``weights`` (None: nothing to send)."""
+        if full or not adapter or weights is None:
+            return None
+        timeout = self._config.request_timeout_s
+
+        def send(engine: Any) -> None:
+            if engine.client.call("sched.w.has_weights", wm.EngineHasWeights(weights), timeout_s=timeout):
+                return
+            learner = self._learner_of(adapter)
+            t: AdapterTensors = self._broker.call(learner, "sched.w.adapter_weights", wm.LearnerAdapterWeights(weights))
+            put = wm.EnginePutAdapter(weights, t.rank, t.alpha, tuple(t.target_modules), t.tensors)
+            engine.client.call("sched.w.put_adapter", put, timeout_s=timeout)
+            self.pushed += 1
+
+        return f"weights:{weights.relative_path}", send
+
+    def _learner_of(self, adapter: str) -> str:
+        """The learner group the adapter's job is placed on; for a job placed nowhere now (paused,
+        finished), the first: with one group that is where its exports are."""
+        placed: str | None = self._jobs.learner_of(adapter.split("/")[1])
+        return placed or self._config.learners[0].learner_id
+
+
+__all__ = ["WeightPush"]
