@@ -55,9 +55,7 @@ def cookbook(serve: Serve, args: list[str], cwd: Path) -> subprocess.CompletedPr
         "HF_HUB_OFFLINE": "1",
     }
     env.pop("PYTHONPATH", None)  # polytinker's environment is not the cookbook's
-    return subprocess.run(
-        [str(COOKBOOK_PYTHON), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
-    )
+    return subprocess.run([str(COOKBOOK_PYTHON), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
 def run_script(serve: Serve, name: str, log_dir: Path) -> str:

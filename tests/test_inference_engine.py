@@ -21,7 +21,7 @@ from polytinker.engine.types import AdapterRef, AdapterWeights, SampleRequest, S
 from polytinker.errors import ConfigError, ModelError, RemoteError
 from polytinker.scheduler.service import worker_messages as wm
 from polytinker.scheduler.service.config import EngineWorkerConfig
-from polytinker.scheduler.service.replies import SampleReply
+from polytinker.scheduler.service.replies import AdapterTensors, SampleReply
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 PROMPT = (1, 9690, 198, 2683, 359, 253)
@@ -200,9 +200,8 @@ def test_engine_worker_samples_in_a_child_process(backend: HFBackend, tmp_path: 
         assert err.value.remote_type == "NotResident"
         newer = _adapter(backend, REMOTE, version=1, seed=5)
         c = newer.config
-        engine.call(
-            "sched.w.put_adapter", wm.EnginePutAdapter(unread, c.rank, c.alpha, c.target_modules, newer.tensors)
-        )
+        tensors = AdapterTensors(c.rank, c.alpha, tuple(c.target_modules), dict(newer.tensors))
+        engine.call("sched.w.put_adapter", wm.EnginePutAdapter(unread, tensors))
         assert engine.call("sched.w.has_weights", wm.EngineHasWeights(unread)) is True
         backend.load_adapter(newer)
         sent = engine.call("sched.w.sample", _sample_msg(REMOTE, unread, version=1))

@@ -150,9 +150,10 @@ class EngineWorker:
 
         w = msg.weights
         ref = AdapterRef(w.adapter, w.version)
-        lora = LoraConfig(rank=msg.rank, alpha=msg.alpha, target_modules=tuple(msg.target_modules))
+        a = msg.adapter
+        lora = LoraConfig(rank=a.rank, alpha=a.alpha, target_modules=tuple(a.target_modules))
         # The received tensors share the message's frames: a private copy before they are kept.
-        tensors = {k: v.clone() for k, v in msg.tensors.items()}
+        tensors = {k: v.clone() for k, v in a.tensors.items()}
         with self._lock:
             self.engine.load_adapter(AdapterWeights(ref, lora, tensors))
             self._dirs[ref] = w

@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from polytinker.errors import ProtocolError
 from polytinker.scheduler.types import JobState
 from polytinker.transport.messages import message, to_fields
 
@@ -131,12 +132,17 @@ class ForwardBackwardManyReply:
 @message("sched.r.adapter_tensors")
 @dataclass(frozen=True)
 class AdapterTensors:
-    """A LoRA version's tensors (peft's key layout) and its shape, from the learner that trained it."""
+    """A LoRA version's tensors (peft's key layout) and its shape, from the learner that trained it
+    (``sched.w.adapter_weights``); the scheduler hands it on to an engine (``EnginePutAdapter``)."""
 
     rank: int
     alpha: int
     target_modules: tuple[str, ...]
     tensors: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.rank, int) and self.rank >= 1 and all(isinstance(k, str) for k in self.tensors)):
+            raise ProtocolError("AdapterTensors: rank must be an int >= 1 and tensor names strings")
 
 
 @message("sched.r.forward")

@@ -42,8 +42,7 @@ class WeightPush:
                 return
             learner = self._learner_of(adapter)
             t: AdapterTensors = self._broker.call(learner, "sched.w.adapter_weights", wm.LearnerAdapterWeights(weights))
-            put = wm.EnginePutAdapter(weights, t.rank, t.alpha, tuple(t.target_modules), t.tensors)
-            engine.client.call("sched.w.put_adapter", put, timeout_s=timeout)
+            engine.client.call("sched.w.put_adapter", wm.EnginePutAdapter(weights, t), timeout_s=timeout)
             self.pushed += 1
 
         return f"weights:{weights.relative_path}", send

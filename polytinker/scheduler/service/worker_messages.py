@@ -14,11 +14,11 @@ and the checks are shared with the client requests in ``messages``. This module 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from polytinker.engine.types import Datum, SamplingParams
 from polytinker.scheduler.service.layout import KINDS, check_adapter_key, check_name, relative_path
 from polytinker.scheduler.service.messages import check_top_k, need
+from polytinker.scheduler.service.replies import AdapterTensors
 from polytinker.transport.messages import message
 
 
@@ -266,19 +266,15 @@ class EngineHasWeights:
 @message("sched.w.put_adapter", arrays=True)
 @dataclass(frozen=True)
 class EnginePutAdapter:
-    """A LoRA version's tensors for the engine's host cache (peft's key layout), sent over the
+    """A LoRA version's tensors for the engine's host cache (as the learner sent them), over the
     transport; registered as the export ``weights`` names, so requests naming it use them."""
 
     weights: WeightsRef
-    rank: int
-    alpha: int
-    target_modules: tuple[str, ...]
-    tensors: dict[str, Any]
+    adapter: AdapterTensors
 
     def __post_init__(self) -> None:
         need(self.weights.kind == "export", "adapter tensors are put for exports")
-        need(isinstance(self.rank, int) and self.rank >= 1, "LoRA rank must be an int >= 1")
-        need(all(isinstance(k, str) for k in self.tensors), "tensor names are strings")
+        need(isinstance(self.adapter, AdapterTensors), "adapter is an AdapterTensors")
 
 
 @message("sched.w.sample")
