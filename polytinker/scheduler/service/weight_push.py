@@ -27,7 +27,6 @@ class WeightPush:
 
     def __init__(self, config: RuntimeConfig, broker: Any, jobs: Any) -> None:
         self._config, self._broker, self._jobs = config, broker, jobs
-        self.pushed = 0  # versions sent to an engine as tensors
 
     def prepare(
         self, adapter: str, weights: wm.WeightsRef | None, full: bool
@@ -43,7 +42,6 @@ class WeightPush:
             learner = self._learner_of(adapter)
             t: AdapterTensors = self._broker.call(learner, "sched.w.adapter_weights", wm.LearnerAdapterWeights(weights))
             engine.client.call("sched.w.put_adapter", wm.EnginePutAdapter(weights, t), timeout_s=timeout)
-            self.pushed += 1
 
         return f"weights:{weights.relative_path}", send
 
