@@ -65,6 +65,10 @@ def test_depth_is_counted_across_messages_and_containers_and_is_configurable():
     with pytest.raises(ProtocolError, match="max_depth"):
         encode(value, config=TransportConfig(max_depth=8))  # the encoder keeps the same bound
     check_depth(list(range(100_000)), 2)  # wide and flat is fine
+    check_depth([[i, i] for i in range(10_000)], 2)  # a list of flat lists: one level at C speed
+    for too_deep in ([[1], [[2]]], [(1,), [{"a": 1}]], [[[1]]]):
+        with pytest.raises(ProtocolError, match="max_depth"):
+            check_depth(too_deep, 2)
 
 
 def test_arrays_are_refused_where_a_kind_takes_none():
