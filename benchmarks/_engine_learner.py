@@ -16,10 +16,16 @@ Real model (SmolLM2-135M-Instruct), fp32, LoRA rank 16, alpha 32, on every linea
   processes win more time slices than one 2-thread process; ``learner_cpu_throughput_ratio``
   (tokens per CPU-second, shared over separate) is the load-independent form of the same comparison.
 - ``adapter_sync_ms``: a new adapter version from the learner to an engine: ``export_adapter``
-  (CPU snapshot), the transport codec's encode and decode (tensors out of band, what crosses a
-  process boundary), and the HF engine's ``load_adapter`` of that new version. Median of repeats.
-- ``adapter_sync_vs_memcpy_ratio``: that time over one ``copy_`` of the same number of bytes.
-  ``adapter_export_ms`` and ``adapter_engine_load_ms`` split it: the learner's part and the engine's.
+  (one copy of the adapter's flat buffer into a reused snapshot buffer), the transport codec's
+  encode and decode of the ``AdapterTensors`` message a learner answers with (the buffer out of
+  band, what crosses a process boundary), and the HF engine's ``load_adapter`` of that new
+  version (one copy into a spare buffer of the engine's). Median of repeats.
+- ``adapter_sync_vs_memcpy_ratio``: that time over one ``copy_`` of the same number of bytes
+  (target <= 3: two copies and the bookkeeping). ``adapter_export_ms`` and
+  ``adapter_engine_load_ms`` split it: the learner's part and the engine's.
+- ``adapter_sync_fresh_ms`` (and its ratio): the same with a newly allocated snapshot per
+  version, as the learner worker's reply makes (its buffer belongs to the transport until sent):
+  the difference is the first-touch page faults of fresh memory.
 - ``colocated_sync_ms``: the colocated alternative (engine and learner sharing one model in one
   process): copying the trained adapter into a serving slot of the same peft model, which is all
   a colocated engine needs so in-flight requests keep their version. No export, no second model.
@@ -165,7 +171,8 @@ def measure_sync(repeats: int) -> dict[str, float]:
     from polytinker.engine.inference.hf import HFBackend
     from polytinker.engine.learner import AdamParams, MultiAdapterLearner
     from polytinker.engine.models import load_model
-    from polytinker.engine.types import AdapterRef, AdapterWeights, LoraConfig
+    from polytinker.engine.types import AdapterRef, LoraConfig
+    from polytinker.scheduler.service.replies import AdapterTensors
     from polytinker.transport.codec import decode, encode
 
     model, tokenizer = load_model(MODEL)
@@ -177,15 +184,17 @@ def measure_sync(repeats: int) -> dict[str, float]:
     engine = HFBackend(model=load_model(MODEL)[0], tokenizer=tokenizer)
     version = iter(range(1, 1 << 30))
     parts: dict[str, list[float]] = {"export": [], "load": []}
+    staging = learner.export_adapter("alice").flat  # the learner's reused snapshot buffer
+    fresh = False
 
     def sync() -> None:
         t0 = time.perf_counter()
-        w = learner.export_adapter("alice")
+        w = learner.export_adapter("alice", out=None if fresh else staging)
         t1 = time.perf_counter()
-        received = decode(encode({"tensors": w.tensors}))["tensors"]
+        received: AdapterTensors = decode(encode(AdapterTensors.of(w)))
         ref = AdapterRef("alice", next(version))
         t2 = time.perf_counter()
-        engine.load_adapter(AdapterWeights(ref, w.config, received))
+        engine.load_adapter(received.weights(ref))
         parts["export"].append((t1 - t0) * 1e3)
         parts["load"].append((time.perf_counter() - t2) * 1e3)
         if ref.version > 1:  # the previous version leaves, so residency stays constant across repeats
@@ -194,6 +203,9 @@ def measure_sync(repeats: int) -> dict[str, float]:
     sync()  # warm: the first adapter wraps the engine model in peft
     parts = {"export": [], "load": []}
     sync_ms = _median_ms(sync, repeats)
+    export_ms, load_ms = statistics.median(parts["export"]), statistics.median(parts["load"])
+    fresh = True
+    fresh_ms = _median_ms(sync, repeats)
     nbytes = learner.export_adapter("alice").nbytes()
     src = torch.empty(nbytes, dtype=torch.uint8).random_(0, 255)
     dst = torch.empty_like(src)
@@ -204,8 +216,10 @@ def measure_sync(repeats: int) -> dict[str, float]:
         "adapter_sync_ms": sync_ms,
         "adapter_sync_vs_memcpy_ratio": sync_ms / memcpy_ms,
         "adapter_sync_mb": nbytes / 1e6,
-        "adapter_export_ms": statistics.median(parts["export"]),
-        "adapter_engine_load_ms": statistics.median(parts["load"]),
+        "adapter_export_ms": export_ms,
+        "adapter_engine_load_ms": load_ms,
+        "adapter_sync_fresh_ms": fresh_ms,
+        "adapter_sync_fresh_vs_memcpy_ratio": fresh_ms / memcpy_ms,
         "colocated_sync_ms": colocated_ms,
     }
 

@@ -138,7 +138,7 @@ def learner_figures(shape: str, device: str, dtype: torch.dtype, quick: bool, en
         _sync(device)
         start = time.perf_counter()
         w = learner.export_adapter("agent0")
-        engine.load_adapter(AdapterWeights(AdapterRef("synced", next(version)), w.config, w.tensors))
+        engine.load_adapter(AdapterWeights(AdapterRef("synced", next(version)), w.config, w.flat, w.layout))
         _sync(device)
         sync_ms.append((time.perf_counter() - start) * 1e3)
     return {

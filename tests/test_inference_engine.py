@@ -199,9 +199,7 @@ def test_engine_worker_samples_in_a_child_process(backend: HFBackend, tmp_path: 
             engine.call("sched.w.sample", _sample_msg(REMOTE, unread, version=1))
         assert err.value.remote_type == "NotResident"
         newer = _adapter(backend, REMOTE, version=1, seed=5)
-        c = newer.config
-        tensors = AdapterTensors(c.rank, c.alpha, tuple(c.target_modules), dict(newer.tensors))
-        engine.call("sched.w.put_adapter", wm.EnginePutAdapter(unread, tensors))
+        engine.call("sched.w.put_adapter", wm.EnginePutAdapter(unread, AdapterTensors.of(newer)))
         assert engine.call("sched.w.has_weights", wm.EngineHasWeights(unread)) is True
         backend.load_adapter(newer)
         sent = engine.call("sched.w.sample", _sample_msg(REMOTE, unread, version=1))

@@ -13,7 +13,7 @@ from polytinker.engine.inference import random_adapter, render_prompt, write_ada
 from polytinker.engine.inference.config import HFBackendConfig
 from polytinker.engine.inference.hf import HFBackend
 from polytinker.engine.models import DEFAULT_MODEL, TINY_RANDOM, load_model
-from polytinker.engine.types import AdapterRef, FinishReason, SampleRequest, SamplingParams
+from polytinker.engine.types import AdapterRef, AdapterWeights, FinishReason, LoraConfig, SampleRequest, SamplingParams
 from polytinker.errors import ConfigError, ModelError
 
 CHAT = ({"role": "user", "content": "What is the capital of France?"},)
@@ -157,8 +157,9 @@ def test_adapter_dir_replace_unload_and_bad_keys(backend: HFBackend, tmp_path: P
     backend.unload_adapter(ref)
     with pytest.raises(ConfigError, match="not loaded"):
         backend.sample([_greedy(ref)])
-    broken = random_adapter(backend.model, AdapterRef("x"), seed=1)
-    broken.tensors["base_model.model.model.nothing.lora_A.weight"] = torch.zeros(2, 2)
+    tensors = {**random_adapter(backend.model, AdapterRef("x"), seed=1).tensors}
+    tensors["base_model.model.model.nothing.lora_A.weight"] = torch.zeros(2, 2)
+    broken = AdapterWeights.pack(AdapterRef("x"), LoraConfig(), tensors)
     with pytest.raises(ModelError, match="nothing"):
         backend.load_adapter(broken)
     assert AdapterRef("x") not in backend.loaded_adapters()

@@ -154,9 +154,9 @@ def test_adapter_dir_is_copied(backend: Any, tiny_model: Any, tmp_path: Path) ->
 def test_bad_adapters_are_rejected_and_the_engine_survives(backend: Any, tiny_model: Any, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="max_lora_rank"):
         backend.load_adapter(adapter(tiny_model, "big", 1, rank=32))
-    broken = adapter(tiny_model, "broken", 2)
-    key = next(k for k in broken.tensors if k.endswith("q_proj.lora_A.weight"))
-    broken.tensors[key] = torch.zeros(16, 7)  # wrong input width
+    good = adapter(tiny_model, "broken", 2)
+    key = next(k for k in good.tensors if k.endswith("q_proj.lora_A.weight"))
+    broken = AdapterWeights.pack(good.ref, good.config, {**good.tensors, key: torch.zeros(16, 7)})  # wrong input width
     with pytest.raises(ModelError, match="broken"):
         backend.load_adapter(broken)
     assert AdapterRef("broken") not in backend.loaded_adapters()

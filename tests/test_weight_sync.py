@@ -6,20 +6,24 @@ adapter crosses as exported CPU tensors through the transport codec (what a sock
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from polytinker.engine.inference.hf import HFBackend
 from polytinker.engine.learner import AdamParams, MultiAdapterLearner
 from polytinker.engine.models import TINY_RANDOM, load_model
-from polytinker.engine.types import AdapterRef, AdapterWeights, Datum, LoraConfig
+from polytinker.engine.types import MAX_LAYOUT_TENSORS, AdapterRef, AdapterWeights, Datum, LoraConfig, TensorLayout
+from polytinker.errors import ConfigError, ProtocolError
+from polytinker.scheduler.service.replies import AdapterTensors
 from polytinker.transport.codec import decode, encode
+from polytinker.transport.messages import from_fields
 
 SEQUENCE = [1, 17, 230, 4051, 88, 912, 7, 3300, 41, 5]
 
 
 def over_the_wire(w: AdapterWeights) -> AdapterWeights:
-    body = decode(encode({"tensors": w.tensors}))
-    return AdapterWeights(w.ref, w.config, {k: v.clone() for k, v in body["tensors"].items()})
+    received: AdapterTensors = decode(encode(AdapterTensors.of(w)))
+    return received.weights(w.ref)
 
 
 def test_engine_scores_with_the_version_the_learner_just_made() -> None:
@@ -47,3 +51,78 @@ def test_engine_scores_with_the_version_the_learner_just_made() -> None:
     assert v2[3:].sum() > v0[3:].sum()  # it learned the trained continuation
     # The old version is still resident and unchanged (requests in flight keep their version).
     torch.testing.assert_close(torch.tensor(engine.compute_logprobs([SEQUENCE], AdapterRef("alice", 0))[0]), v0)
+
+
+def test_a_version_moves_as_one_buffer_and_a_freed_slot_is_reused_for_the_next() -> None:
+    """Export into a reused staging buffer, over the codec as one frame, into an engine whose
+    unloaded version's buffer the next version is copied into: each engine version scores as the
+    learner's own version did, though staging and spare buffers are written again and again."""
+    torch.set_num_threads(1)
+    model, tokenizer = load_model(TINY_RANDOM)
+    learner = MultiAdapterLearner(model)
+    learner.add_adapter("alice", LoraConfig(rank=8, alpha=16), seed=0)
+    engine = HFBackend(model=load_model(TINY_RANDOM)[0], tokenizer=tokenizer)
+    probe = [Datum(SEQUENCE[:-1], SEQUENCE[1:], [1.0] * (len(SEQUENCE) - 1))]
+    train = [Datum(SEQUENCE[:-1], SEQUENCE[1:], [1.0] * (len(SEQUENCE) - 1))]
+    staging = learner.export_adapter("alice").flat
+    frames = encode(AdapterTensors.of(learner.export_adapter("alice", out=staging)))
+    assert len(frames) == 2  # the body and one buffer, whatever the number of tensors
+    previous: AdapterRef | None = None
+    for _ in range(3):
+        learner.forward_backward(train, "cross_entropy", "alice")
+        ref = learner.optim_step(AdamParams(learning_rate=1e-2), "alice")
+        sent = learner.export_adapter("alice", out=staging)
+        assert sent.flat is staging and sent.ref == ref
+        engine.load_adapter(over_the_wire(sent))
+        if previous is not None:
+            engine.unload_adapter(previous)  # its buffer is the spare the next version fills
+        previous = ref
+        expected = torch.tensor(learner.forward(probe, "alice")[0])
+        got = torch.tensor(engine.compute_logprobs([SEQUENCE], ref)[0])
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    staging.fill_(7.0)  # the engine's version is its own copy, not the staging buffer
+    after = torch.tensor(engine.compute_logprobs([SEQUENCE], ref)[0])
+    torch.testing.assert_close(after, expected, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ConfigError, match="out="):
+        learner.export_adapter("alice", out=torch.empty(3))
+
+
+def test_export_follows_a_parameter_that_was_given_new_storage() -> None:
+    model, _ = load_model(TINY_RANDOM)
+    learner = MultiAdapterLearner(model)
+    learner.add_adapter("alice", LoraConfig(rank=4, alpha=8), seed=0)
+    name, param = next((n, p) for n, p in learner.peft_model.named_parameters() if "lora_B.alice" in n)
+    param.data = torch.full_like(param, 0.5)  # no longer a view of the adapter's flat buffer
+    exported = learner.export_adapter("alice").tensors
+    assert torch.equal(exported[name.replace(".alice", "")], torch.full_like(param, 0.5))
+    with torch.no_grad():
+        param.add_(1.0)  # written in place again: the next export sees it too
+    assert torch.equal(learner.export_adapter("alice").tensors[name.replace(".alice", "")], param.detach())
+
+
+@pytest.mark.parametrize(
+    ("names", "shapes"),
+    [
+        (["a", "b"], [[2, 2]]),  # counts differ
+        (["a"], [[2, -1]]),  # a negative dim
+        (["a"], [[1] * 9]),  # too many dims
+        ([7], [[2]]),  # a name that is no string
+        (["a"], [[2.5]]),  # a dim that is no int
+        (["a"], [["2"]]),
+    ],
+)
+def test_a_hostile_layout_is_a_protocol_error(names: list, shapes: list) -> None:
+    with pytest.raises(ProtocolError, match="TensorLayout"):
+        from_fields("sched.tensor_layout", {"names": names, "shapes": shapes})
+
+
+def test_a_buffer_that_does_not_match_its_layout_is_a_protocol_error() -> None:
+    layout = TensorLayout(("a", "b"), ((2, 3), (4,)))
+    fields = {"rank": 1, "alpha": 1, "target_modules": ["q_proj"], "layout": layout}
+    AdapterTensors(**fields, flat=torch.zeros(10))
+    for flat in (torch.zeros(11), torch.zeros(2, 5), "ten floats"):
+        with pytest.raises(ProtocolError, match="flat"):
+            from_fields("sched.r.adapter_tensors", {**fields, "flat": flat})
+    too_many = MAX_LAYOUT_TENSORS + 1
+    with pytest.raises(ProtocolError, match="TensorLayout"):
+        from_fields("sched.tensor_layout", {"names": ["a"] * too_many, "shapes": [[1]] * too_many})

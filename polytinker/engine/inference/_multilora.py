@@ -15,15 +15,26 @@ the two against each other.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from polytinker.engine.types import AdapterWeights
+from polytinker.engine.types import AdapterWeights, TensorLayout
 from polytinker.errors import ModelError
 
 _PREFIX = "base_model.model."
+_MAX_PLANS = 64  # layouts remembered as checked: one per adapter shape in use
+_MAX_SPARES = 4  # unloaded adapters' buffers kept for reuse: new versions copy into warm memory
+
+
+@dataclass
+class _Held:
+    """One slot's adapter on the model's device: its flat buffer, and (layer path, A, B) views of it."""
+
+    flat: torch.Tensor
+    loras: list[tuple[str, torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -74,8 +85,15 @@ class MultiLora:
         self.model = model
         self.router = Router()
         self._layers: dict[str, MultiLoraLinear] = {}  # module path -> wrapper
+        self._held: dict[str, tuple[Any, _Held]] = {}  # slot -> (layout, dtype, device), its buffer
+        self._spares: list[tuple[Any, _Held]] = []  # unloaded slots' buffers, oldest first
+        self._wrapped: set[str] = set()  # target module names already wrapped everywhere
+        self._plans: dict[TensorLayout, list[tuple[str, int, int]]] = {}  # checked layouts (_plan)
 
     def _wrap(self, targets: tuple[str, ...]) -> None:
+        if self._wrapped.issuperset(targets):  # the walk over every module, once per target set
+            return
+        self._wrapped.update(targets)
         for path, module in list(self.model.named_modules()):
             if path in self._layers or not isinstance(module, nn.Linear):
                 continue
@@ -88,37 +106,72 @@ class MultiLora:
             self._layers[path] = wrapper
 
     def load(self, slot: str, weights: AdapterWeights, dtype: torch.dtype, device: torch.device | None = None) -> None:
-        """Put ``weights`` in ``slot`` (replacing what was there); checks every tensor fits."""
+        """Put ``weights`` in ``slot`` (replacing what was there); checks every tensor fits.
+
+        The adapter's flat buffer is copied in one op (dtype and device conversion included) into
+        a buffer of the engine's own: a spare one of the same layout that an unloaded version
+        left, else a new one that each layer gets views of. No per-tensor work but installing."""
         self._wrap(weights.config.target_modules)
+        plan = self._plan(weights)
+        on = device or next(iter(self._layers.values())).base.weight.device
+        key = (weights.layout, dtype, on)
+        spare = next((i for i, (k, _) in enumerate(self._spares) if k == key), None)
+        if spare is not None:
+            held = self._spares.pop(spare)[1]
+            with torch.no_grad():
+                held.flat.copy_(weights.flat)
+        else:
+            flat = weights.flat.detach().to(on, dtype, copy=True)
+            views = list(weights.layout.split(flat).values())
+            held = _Held(flat, [(path, views[i_a], views[i_b]) for path, i_a, i_b in plan])
+        self.unload(slot)
+        self._held[slot] = (key, held)
         scale = weights.config.alpha / weights.config.rank
-        pairs: dict[str, dict[str, torch.Tensor]] = {}
-        for key, tensor in weights.tensors.items():
+        for path, a, b in held.loras:
+            self._layers[path].loras[slot] = (a, b, scale)
+
+    def _plan(self, weights: AdapterWeights) -> list[tuple[str, int, int]]:
+        """(layer path, index of A, index of B) per layer, checked against the model; one check
+        per layout (an adapter's versions share theirs)."""
+        plan = self._plans.get(weights.layout)
+        if plan is not None:
+            return plan
+        pairs: dict[str, dict[str, int]] = {}
+        for i, key in enumerate(weights.layout.names):
             if not key.startswith(_PREFIX) or not key.endswith((".lora_A.weight", ".lora_B.weight")):
                 raise ModelError(f"adapter {weights.ref}: unexpected tensor {key!r}; keys follow peft's layout")
             path, kind = key[len(_PREFIX) :].rsplit(".", 2)[0], key.rsplit(".", 2)[1]
-            pairs.setdefault(path, {})[kind] = tensor
-        loaded: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
+            pairs.setdefault(path, {})[kind] = i
+        shapes = weights.layout.shapes
+        plan = []
         for path, pair in pairs.items():
             layer = self._layers.get(path)
             if layer is None or set(pair) != {"lora_A", "lora_B"}:
                 raise ModelError(f"adapter {weights.ref}: {path!r} is not a target linear layer with lora_A and lora_B")
-            a, b = pair["lora_A"], pair["lora_B"]
-            fits = a.shape[1] == layer.base.in_features and b.shape[0] == layer.base.out_features
-            if not fits or a.shape[0] != b.shape[1]:
+            a, b = shapes[pair["lora_A"]], shapes[pair["lora_B"]]
+            fits = len(a) == len(b) == 2 and a[1] == layer.base.in_features and b[0] == layer.base.out_features
+            if not fits or a[0] != b[1]:
                 raise ModelError(
-                    f"adapter {weights.ref}: {path} has A {tuple(a.shape)}, B {tuple(b.shape)}; the layer is "
+                    f"adapter {weights.ref}: {path} has A {a}, B {b}; the layer is "
                     f"{layer.base.in_features} -> {layer.base.out_features}"
                 )
-            # A private copy: the caller (a learner) may keep updating its tensors in place.
-            on = device or layer.base.weight.device
-            loaded[path] = (a.detach().to(on, dtype).clone(), b.detach().to(on, dtype).clone(), scale)
-        self.unload(slot)
-        for path, lora in loaded.items():
-            self._layers[path].loras[slot] = lora
+            plan.append((path, pair["lora_A"], pair["lora_B"]))
+        if len(self._plans) >= _MAX_PLANS:
+            self._plans.pop(next(iter(self._plans)))
+        self._plans[weights.layout] = plan
+        return plan
 
     def unload(self, slot: str) -> None:
-        for layer in self._layers.values():
-            layer.loras.pop(slot, None)
+        """Free ``slot``; its buffer becomes a spare for the next version of the same layout
+        (the engine unloads a version only once no request uses it)."""
+        entry = self._held.pop(slot, None)
+        if entry is None:
+            return
+        key, held = entry
+        for path, _, _ in held.loras:
+            self._layers[path].loras.pop(slot, None)
+        self._spares.append((key, held))
+        del self._spares[:-_MAX_SPARES]
 
 
 __all__ = ["MultiLora", "MultiLoraLinear", "Router"]

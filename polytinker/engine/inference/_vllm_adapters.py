@@ -78,7 +78,7 @@ def zero_adapter(linears: dict[str, tuple[int, int]], target_modules: tuple[str,
                 f"{prefix}.lora_B.weight": torch.zeros(out_features, ZERO_RANK),
             }
             lora = LoraConfig(rank=ZERO_RANK, alpha=ZERO_RANK, target_modules=(suffix,))
-            return AdapterWeights(ref=AdapterRef(BASE_ADAPTER_NAME), config=lora, tensors=tensors)
+            return AdapterWeights.pack(AdapterRef(BASE_ADAPTER_NAME), lora, tensors)
     raise ModelError(f"no linear module of the model is named by lora_target_modules {target_modules}")
 
 

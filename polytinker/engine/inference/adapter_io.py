@@ -87,7 +87,7 @@ def read_adapter_dir(ref: AdapterRef, path: Path) -> AdapterWeights:
         raise ModelError(f"{path} is not a peft adapter directory: it needs {CONFIG_FILE} and {WEIGHTS_FILE}")
     config = from_peft_config(json.loads(config_file.read_text()))
     tensors: dict[str, torch.Tensor] = load_file(str(weights_file))
-    return AdapterWeights(ref=ref, config=config, tensors=tensors)
+    return AdapterWeights.pack(ref, config, tensors)
 
 
 def random_adapter(
@@ -116,7 +116,7 @@ def random_adapter(
         tensors[f"{prefix}.lora_B.weight"] = torch.randn(b_shape, generator=generator) * scale
     if not tensors:
         raise ModelError(f"no module of the model matches target_modules {config.target_modules}")
-    return AdapterWeights(ref=ref, config=config, tensors=tensors)
+    return AdapterWeights.pack(ref, config, tensors)
 
 
 __all__ = ["from_peft_config", "random_adapter", "read_adapter_dir", "to_peft_config", "write_adapter_dir"]

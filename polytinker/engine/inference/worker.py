@@ -146,16 +146,15 @@ class EngineWorker:
     def put_adapter(self, msg: EnginePutAdapter) -> bool:
         """A version's tensors, sent over the transport: registered in the engine's host cache
         (loaded into a slot when a request needs it), as if read from the export they name."""
-        from polytinker.engine.types import AdapterRef, AdapterWeights, LoraConfig
+        from polytinker.engine.types import AdapterRef
 
         w = msg.weights
         ref = AdapterRef(w.adapter, w.version)
-        a = msg.adapter
-        lora = LoraConfig(rank=a.rank, alpha=a.alpha, target_modules=tuple(a.target_modules))
-        # The received tensors share the message's frames: a private copy before they are kept.
-        tensors = {k: v.clone() for k, v in a.tensors.items()}
+        # Kept as received (the message's frame, one flat buffer) in the host cache: nothing
+        # writes it, the frame lives as long as the tensor does, and a slot copies it.
+        weights = msg.adapter.weights(ref)
         with self._lock:
-            self.engine.load_adapter(AdapterWeights(ref, lora, tensors))
+            self.engine.load_adapter(weights)
             self._dirs[ref] = w
             self._pushed += 1
         return True

@@ -425,8 +425,7 @@ class LearnerWorker:
         else:
             weights = read_adapter_dir(AdapterRef(w.adapter, w.version), self._path(w))
         self.stats["adapters_sent"] += 1
-        c = weights.config
-        return AdapterTensors(c.rank, c.alpha, tuple(c.target_modules), dict(weights.tensors))
+        return AdapterTensors.of(weights)
 
     def get_stats(self, _msg: WorkerStats) -> dict[str, Any]:
         return {**self.stats, "adapters": len(self._versions()), "full_slots": len(self._full), "pid": os.getpid()}

@@ -34,9 +34,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from polytinker.engine.types import AdapterRef, AdapterWeights, LoraConfig, TensorLayout
 from polytinker.errors import ProtocolError
 from polytinker.scheduler.types import JobState
-from polytinker.transport.messages import message, to_fields
+from polytinker.transport.messages import message, register_message, to_fields
 
 
 class _Ok:
@@ -129,20 +130,41 @@ class ForwardBackwardManyReply:
     results: tuple[ForwardBackwardReply, ...]  # one per item of the batch, in order
 
 
+# An adapter's layout travels inside AdapterTensors: registered where that message is defined,
+# so every process that can decode the one decodes the other.
+register_message("sched.tensor_layout", TensorLayout)
+
+
 @message("sched.r.adapter_tensors")
 @dataclass(frozen=True)
 class AdapterTensors:
-    """A LoRA version's tensors (peft's key layout) and its shape, from the learner that trained it
-    (``sched.w.adapter_weights``); the scheduler hands it on to an engine (``EnginePutAdapter``)."""
+    """A LoRA version's tensors and its shape, from the learner that trained it
+    (``sched.w.adapter_weights``); the scheduler hands it on to an engine (``EnginePutAdapter``).
+    The tensors travel as one flat buffer (one frame, out of band) that ``layout`` (peft's keys
+    and the shapes, in order) cuts up."""
 
     rank: int
     alpha: int
     target_modules: tuple[str, ...]
-    tensors: dict[str, Any]
+    layout: TensorLayout
+    flat: Any  # a 1-D torch tensor
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.rank, int) and self.rank >= 1 and all(isinstance(k, str) for k in self.tensors)):
-            raise ProtocolError("AdapterTensors: rank must be an int >= 1 and tensor names strings")
+        if not (isinstance(self.rank, int) and self.rank >= 1 and isinstance(self.layout, TensorLayout)):
+            raise ProtocolError("AdapterTensors: rank must be an int >= 1 and layout a TensorLayout")
+        if getattr(self.flat, "dim", lambda: -1)() != 1 or self.flat.numel() != self.layout.numel:
+            raise ProtocolError(f"AdapterTensors: flat must be a 1-D tensor of {self.layout.numel} elements")
+
+    @classmethod
+    def of(cls, weights: AdapterWeights) -> AdapterTensors:
+        """From an ``AdapterWeights`` (sharing its buffer)."""
+        c = weights.config
+        return cls(c.rank, c.alpha, tuple(c.target_modules), weights.layout, weights.flat)
+
+    def weights(self, ref: AdapterRef) -> AdapterWeights:
+        """As the ``AdapterWeights`` of ``ref`` (sharing ``flat``: treat it as read-only)."""
+        lora = LoraConfig(rank=self.rank, alpha=self.alpha, target_modules=tuple(self.target_modules))
+        return AdapterWeights(ref, lora, self.flat, self.layout)
 
 
 @message("sched.r.forward")
