@@ -15,7 +15,7 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -30,6 +30,7 @@ from polytinker.engine.learner.losses import (
     policy_loss,
 )
 from polytinker.engine.learner.scoring import score
+from polytinker.engine.learner.sharding import as_float, is_sharded
 from polytinker.engine.types import AdapterName, AdapterRef, Datum, LossFnName
 from polytinker.errors import ConfigError
 
@@ -115,6 +116,10 @@ class Learner:
         # eval(): no dropout, so K ranks and one process compute the same gradients; autograd still runs.
         self.base_model = model.to(dist.device).eval()
         self.last_step_metrics: dict[str, float] = {}  # optim/grad_norm, optim/tokens of the latest optim_step
+        # A sharded learner (sharding.py) scores through its root FSDP unit, and runs a call's
+        # passes in lockstep with the other ranks: (passes, filler datum) while a call runs.
+        self._scoring_root: nn.Module | None = None
+        self._lockstep: tuple[int, Datum] | None = None
 
     # -- subclass hooks -------------------------------------------------------------------------
     def _module(self) -> nn.Module:
@@ -142,14 +147,30 @@ class Learner:
         ``optimizer=False`` the weights only: the optimizer starts afresh (Tinker's ``load_state``)."""
         raise NotImplementedError
 
+    @contextlib.contextmanager
+    def lockstep(self, passes: int, filler: Datum) -> Iterator[None]:
+        """Within: each ``forward``/``forward_backward`` call runs exactly ``passes`` micro-batch
+        passes, its own and then zero-weight ``filler`` ones (whose results are dropped), and
+        accepts no data at all; a pass with no weighted token still runs its backward. What the
+        ranks of a sharded group need, since every pass gathers every layer collectively."""
+        self._lockstep = (passes, filler)
+        try:
+            yield
+        finally:
+            self._lockstep = None
+
     # -- primitives -----------------------------------------------------------------------------
     def forward(self, data: list[Datum], adapter: AdapterName | None = None) -> list[list[float]]:
         """Per-datum logprobs of the target tokens; no gradient, no state change."""
         out: list[list[float] | None] = [None] * len(data)
+        # FSDP's gathers write into parameters: no_grad, not inference_mode, for a sharded learner.
+        no_grad = torch.no_grad if self._scoring_root is not None else torch.inference_mode
         for order, chunk in self._chunks(data):
             batch = collate(chunk, pad_token_id=self.pad_token_id, device=self.dist.device)
-            with torch.inference_mode(), self._selected(adapter):
+            with no_grad(), self._selected(adapter):
                 logprobs_BT = self._logprobs(batch)
+            if order is None:  # a lockstep filler
+                continue
             for i, row in zip(order, _unpad(logprobs_BT, batch.lengths_B), strict=True):
                 out[i] = row
         return [row for row in out if row is not None]
@@ -174,7 +195,10 @@ class Learner:
             kl = None
             with self._selected(adapter):
                 # Only weighted positions carry gradients; the others are scored without autograd.
-                logprobs_BT = self._logprobs(batch, grad_BT=batch.weights_BT != 0)
+                grad_BT = batch.weights_BT != 0
+                if self._lockstep is not None and not grad_BT.any():
+                    grad_BT = torch.ones_like(grad_BT)  # a zero loss that still runs every layer's backward
+                logprobs_BT = self._logprobs(batch, grad_BT=grad_BT)
                 loss, extra = policy_loss(loss_fn, logprobs_BT, batch, loss_cfg)
                 if kl_coef > 0:
                     with torch.inference_mode(), self._reference():
@@ -183,7 +207,8 @@ class Learner:
                     loss = loss + kl_coef * kl
                 if loss.requires_grad:  # False when no position of the micro-batch has weight
                     loss.backward()
-            sums.add(loss, kl, batch, extra, logprobs_BT, order)
+            if order is not None:  # not a lockstep filler
+                sums.add(loss, kl, batch, extra, logprobs_BT, order)
         slot.pending_tokens += sums.values["tokens"]
         return ForwardBackwardResult(sums.values["loss"], sums.logprobs, _metrics(loss_fn, kl_coef, sums.values))
 
@@ -203,7 +228,8 @@ class Learner:
             if p.grad is None:  # no forward_backward here since the last step: every rank must still reduce
                 p.grad = torch.zeros_like(p)
         tokens = torch.tensor([slot.pending_tokens], dtype=torch.float64, device=self.dist.device)
-        all_reduce_sum_([p.grad for p in params if p.grad is not None] + [tokens])
+        # A sharded gradient is summed over the ranks already (FSDP's reduce-scatter in backward).
+        all_reduce_sum_([p.grad for p in params if p.grad is not None and not is_sharded(p.grad)] + [tokens])
         if self.config.grad_normalization == "per_token":
             scale = 1.0 / max(float(tokens.item()), 1.0)
             for p in params:
@@ -211,7 +237,7 @@ class Learner:
                     p.grad.mul_(scale)
         # The tighter of the learner's clip and the step's (AdamParams.grad_clip_norm; 0: none).
         clip = min(self.config.max_grad_norm or math.inf, adam_params.grad_clip_norm or math.inf)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+        grad_norm = as_float(torch.nn.utils.clip_grad_norm_(params, clip))
         optimizer = slot.make_optimizer(adam_params)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -222,14 +248,15 @@ class Learner:
         return slot.ref()
 
     # -- helpers --------------------------------------------------------------------------------
-    def _chunks(self, data: list[T_]) -> Iterator[tuple[list[int], list[T_]]]:
-        """Micro-batches of at most ``micro_batch_size`` items, with each item's index in ``data``.
+    def _chunks(self, data: list[T_]) -> Iterator[tuple[list[int] | None, list[T_]]]:
+        """Micro-batches of at most ``micro_batch_size`` items, with each item's index in ``data``;
+        in :meth:`lockstep`, then filler micro-batches (index None) up to its number of passes.
 
         A call larger than one micro-batch runs in token order (datums sorted by their input
         tokens): datums of one prompt land in the same micro-batch, so their shared prefix runs
         once (see ``scoring``), and rows of similar length pad less.
         """
-        if not data:
+        if not data and self._lockstep is None:
             raise ConfigError("a learner call needs at least one Datum")
         size = self.config.micro_batch_size
         order = list(range(len(data)))
@@ -238,6 +265,10 @@ class Learner:
         for start in range(0, len(order), size):
             index = order[start : start + size]
             yield index, [data[i] for i in index]
+        if self._lockstep is not None:
+            passes, filler = self._lockstep
+            for _ in range(passes - math.ceil(len(data) / size)):
+                yield None, [cast(T_, filler)]
 
     def _row_context(self, names: Sequence[str] | None) -> contextlib.AbstractContextManager[Any]:
         """Context in which the module applies per-row adapters ``names`` (None: the selected one)."""
@@ -249,6 +280,17 @@ class Learner:
         self, batch: Batch, grad_BT: torch.Tensor | None = None, adapter_names: Sequence[str] | None = None
     ) -> torch.Tensor:
         """Float32 logprobs of ``batch``'s targets; differentiable at ``grad_BT`` (see ``scoring.score``)."""
+        if self._scoring_root is not None:  # through the root FSDP unit, which runs score on the model
+            return self._scoring_root(
+                score,
+                batch.input_ids_BT,
+                batch.attention_mask_BT,
+                batch.targets_BT,
+                batch.lengths_B,
+                grad_BT,
+                share_prefix=False,
+                checkpoint_layers=self.config.gradient_checkpointing,
+            )
         return score(
             self.base_model,
             batch.input_ids_BT,
@@ -261,6 +303,18 @@ class Learner:
             share_prefix=self.config.share_prefix,
             checkpoint_layers=self.config.gradient_checkpointing,
         )
+
+
+def filler_datum(d: Datum) -> Datum:
+    """A one-token, zero-weight datum shaped like ``d`` (its loss inputs too): a lockstep pass
+    that trains nothing."""
+    return Datum(
+        d.input_tokens[:1],
+        d.target_tokens_T[:1],
+        [0.0],
+        d.advantages_T[:1] if d.advantages_T is not None else None,
+        d.sampling_logprobs_T[:1] if d.sampling_logprobs_T is not None else None,
+    )
 
 
 def _input_tokens(item: Any) -> list[int]:
@@ -289,4 +343,4 @@ def _metrics(loss_fn: str, kl_coef: float, sums: dict[str, float]) -> dict[str, 
     return metrics
 
 
-__all__ = ["ForwardBackwardResult", "Learner", "Slot"]
+__all__ = ["ForwardBackwardResult", "Learner", "Slot", "filler_datum"]

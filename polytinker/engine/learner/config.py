@@ -15,6 +15,7 @@ from polytinker.errors import ConfigError
 
 LearnerMode = Literal["lora", "full"]
 GradNormalization = Literal["sum", "per_token"]
+FullSharding = Literal["fsdp", "replicate"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,10 @@ class LearnerConfig:
     share_prefix: bool = True
     # Run a micro-batch's common token prefix (a GRPO group's prompt) once and its rows' suffixes on
     # its key/value cache; the same logprobs and gradients as the full pass, up to float rounding.
+    full_sharding: FullSharding = "fsdp"
+    # A full-parameter group of K > 1 ranks: "fsdp" keeps 1/K of every parameter, gradient and
+    # AdamW state per rank (FSDP2, see sharding.py), so a model larger than one device trains;
+    # "replicate" keeps a whole copy per rank and all-reduces gradients. LoRA groups replicate.
     gradient_checkpointing: bool = False
     # Decoder layers keep only their inputs for backward and recompute the rest there: less
     # activation memory (~190 MiB on the train benchmark's learner) for about twice the
@@ -50,6 +55,8 @@ class LearnerConfig:
             raise ConfigError(
                 f"LearnerConfig.grad_normalization must be 'sum' or 'per_token', got {self.grad_normalization!r}"
             )
+        if self.full_sharding not in ("fsdp", "replicate"):
+            raise ConfigError(f"LearnerConfig.full_sharding must be 'fsdp' or 'replicate', got {self.full_sharding!r}")
         if self.kl_coef < 0:
             raise ConfigError(f"LearnerConfig.kl_coef must be >= 0, got {self.kl_coef}")
         if self.kl_coef > 0 and self.mode == "full":

@@ -2,7 +2,8 @@
 
 Every parameter trains with one AdamW. The one slot is addressed as ``adapter=None`` and its
 versions are reported as ``AdapterRef(FULL_SLOT, n)``. A KL term against the base model is
-refused: the reference would need a second copy of the weights.
+refused: the reference would need a second copy of the weights. In a group of K > 1 ranks the
+model is sharded with FSDP2 unless ``LearnerConfig.full_sharding = "replicate"`` (``sharding``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 from polytinker.engine.learner._base import Learner, Slot
 from polytinker.engine.learner.config import LearnerConfig
 from polytinker.engine.learner.distributed import SINGLE, DistInfo, broadcast_
+from polytinker.engine.learner.sharding import gather_full, gather_optimizer_state, shard_model, shard_optimizer_state
 from polytinker.engine.learner.state import Checkpoint, copy_full_weights, load_checkpoint, save_checkpoint
 from polytinker.engine.types import AdapterName, AdapterRef
 from polytinker.errors import ConfigError, NotBuiltError
@@ -35,11 +37,13 @@ class FullParamLearner(Learner):
         if config.mode != "full":
             raise ConfigError("FullParamLearner needs LearnerConfig(mode='full'); use MultiAdapterLearner for LoRA")
         super().__init__(model, config, dist, pad_token_id)
-        params = dict(self.base_model.named_parameters())
-        for p in params.values():
+        for p in self.base_model.parameters():
             p.requires_grad_(True)
-        broadcast_(list(params.values()))
-        self._slot_ = Slot(FULL_SLOT, params)
+        broadcast_(list(self.base_model.parameters()))
+        self.sharded = dist.world_size > 1 and self.config.full_sharding == "fsdp"
+        if self.sharded:
+            self._scoring_root = shard_model(self.base_model, dist)  # parameters become DTensors
+        self._slot_ = Slot(FULL_SLOT, dict(self.base_model.named_parameters()))
 
     def _slot(self, adapter: AdapterName | None) -> Slot:
         if adapter not in (None, FULL_SLOT):
@@ -59,6 +63,8 @@ class FullParamLearner(Learner):
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """A CPU snapshot of every weight (``state_dict`` keys), e.g. for an engine to reload."""
+        if self.sharded:
+            raise ConfigError("a sharded learner's whole weights are gathered by save_state, which every rank runs")
         return {k: v.detach().to("cpu", copy=True) for k, v in self.base_model.state_dict().items()}
 
     def save_state(self, path: str | os.PathLike[str], adapter: AdapterName | None = None) -> Path:
@@ -66,7 +72,13 @@ class FullParamLearner(Learner):
         opt_state = slot.optimizer.state_dict() if slot.optimizer is not None else None
         meta = {"mode": "full", "adapter": FULL_SLOT, "version": slot.version}
         # Tied weights (embeddings / lm_head) share storage; save each parameter once, by parameter name.
-        return save_checkpoint(path, Checkpoint({k: p.detach() for k, p in slot.params.items()}, opt_state, meta))
+        tensors = {k: p.detach() for k, p in slot.params.items()}
+        if self.sharded:  # every rank gathers (collective); rank 0 writes what one process would
+            tensors = gather_full(slot.params)
+            opt_state = gather_optimizer_state(opt_state) if opt_state is not None else None
+            if not self.dist.is_main:
+                return Path(path)
+        return save_checkpoint(path, Checkpoint(tensors, opt_state, meta))
 
     def load_state(
         self, path: str | os.PathLike[str], adapter: AdapterName | None = None, *, optimizer: bool = True
@@ -78,8 +90,10 @@ class FullParamLearner(Learner):
             p.grad = None
         slot.optimizer = None
         if optimizer and ckpt.optimizer_state is not None:
-            slot.optimizer = torch.optim.AdamW(list(slot.params.values()), foreach=False)
-            slot.optimizer.load_state_dict(ckpt.optimizer_state)
+            params = list(slot.params.values())
+            slot.optimizer = torch.optim.AdamW(params, foreach=False)
+            state = ckpt.optimizer_state
+            slot.optimizer.load_state_dict(shard_optimizer_state(state, params) if self.sharded else state)
         slot.version = int(ckpt.meta["version"])
         slot.pending_tokens = 0.0
         return slot.ref()

@@ -4,7 +4,9 @@ Rank 0 holds a :class:`LearnerGroup`, which has a learner's methods. Each call t
 model is broadcast to every rank over a gloo control group (msgpack bytes, never pickle); every
 rank runs it on its contiguous shard of the datums; ``optim_step`` sums the gradients over the
 ranks before stepping, so K ranks make the same update as one process on the whole batch (losses
-are sums; see ``losses``). Results come back to rank 0 with an all-gather.
+are sums; see ``losses``). Results come back to rank 0 with an all-gather. A full-parameter group
+is sharded with FSDP2 (``sharding``): its ranks run each call's passes in lockstep, and
+``save_state`` is a call of every rank.
 
 Two ways to start one:
 
@@ -16,8 +18,10 @@ Two ways to start one:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
+import math
 import os
 from dataclasses import asdict
 from typing import Any
@@ -28,7 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from polytinker.engine.device import rank_device
-from polytinker.engine.learner._base import ForwardBackwardResult
+from polytinker.engine.learner._base import ForwardBackwardResult, filler_datum
 from polytinker.engine.learner.config import AdamParams, LearnerConfig, LossConfig
 from polytinker.engine.learner.distributed import DistInfo, free_port, init_distributed
 from polytinker.engine.learner.full_param import FullParamLearner
@@ -89,12 +93,14 @@ def _execute(learner: AnyLearner, info: DistInfo, group: Any, op: str, args: dic
         data = [Datum(*row) for row in args["data"]]
         start, end = shard_bounds(len(data), info.rank, info.world_size)
         mine: dict[str, Any] = {"logprobs": [], "loss": 0.0, "metrics": {}}
-        if end > start and op == "forward":
-            mine["logprobs"] = learner.forward(data[start:end], args["adapter"])
-        elif end > start:
-            mine = _part(
-                learner.forward_backward(data[start:end], args["loss_fn"], args["adapter"], args["loss_fn_config"])
-            )
+        with _lockstep(learner, info, data):
+            if (end > start or _sharded(learner)) and op == "forward":
+                mine["logprobs"] = learner.forward(data[start:end], args["adapter"])
+            elif end > start or _sharded(learner):
+                result = learner.forward_backward(
+                    data[start:end], args["loss_fn"], args["adapter"], args["loss_fn_config"]
+                )
+                mine = _part(result) if end > start else mine
         return _gather(mine, group)
     if op == "forward_backward_many":
         assert isinstance(learner, MultiAdapterLearner)
@@ -118,9 +124,25 @@ def _execute(learner: AnyLearner, info: DistInfo, group: Any, op: str, args: dic
     if op == "remove_adapter":
         assert isinstance(learner, MultiAdapterLearner)
         return learner.remove_adapter(args["name"])
+    if op == "save_state":  # sharded: every rank gathers, rank 0 writes
+        return learner.save_state(args["path"], args["adapter"])
     if op == "load_state":
         return learner.load_state(args["path"], args["adapter"], optimizer=args.get("optimizer", True))
     raise ConfigError(f"unknown learner group op {op!r}")
+
+
+def _sharded(learner: AnyLearner) -> bool:
+    return isinstance(learner, FullParamLearner) and learner.sharded
+
+
+def _lockstep(learner: AnyLearner, info: DistInfo, data: list[Datum]) -> contextlib.AbstractContextManager[None]:
+    """For a sharded learner: every rank runs as many micro-batch passes as the rank with the
+    most (``Learner.lockstep``); a replicated one runs its own shard as it is."""
+    if not _sharded(learner) or not data:
+        return contextlib.nullcontext()
+    size = learner.config.micro_batch_size
+    spans = [shard_bounds(len(data), r, info.world_size) for r in range(info.world_size)]
+    return learner.lockstep(max(math.ceil((end - start) / size) for start, end in spans), filler_datum(data[0]))
 
 
 def _part(r: ForwardBackwardResult) -> dict[str, Any]:
@@ -279,6 +301,9 @@ class LearnerGroup:
         return ref
 
     def save_state(self, path: str | os.PathLike[str], adapter: AdapterName | None = None) -> Any:
+        if self._group is not None and _sharded(self.learner):
+            self._check(adapter)
+            return self._call("save_state", path=str(path), adapter=adapter)
         return self.learner.save_state(path, adapter)  # replicas hold the same state: rank 0 writes it
 
     def export_adapter(self, name: AdapterName) -> Any:

@@ -247,6 +247,7 @@ class MultiAdapterLearner(Learner):
                 for p in slot.params.values():
                     p.requires_grad_(True)
             for order, chunk in self._chunks(rows):
+                assert order is not None  # a LoRA learner is never sharded, so never in lockstep
                 # Each adapter's rows together: one run per adapter in every LoRA layer.
                 perm = sorted(range(len(chunk)), key=lambda i: position[chunk[i][0]])
                 order, chunk = [order[i] for i in perm], [chunk[i] for i in perm]

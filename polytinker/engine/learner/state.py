@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from polytinker.engine.learner.sharding import copy_into_shards
 from polytinker.errors import ConfigError
 
 FORMAT_VERSION = 1
@@ -109,9 +110,7 @@ def copy_full_weights(path: str | os.PathLike[str], ckpt: Checkpoint, params: Ma
     missing = sorted(set(params) - set(ckpt.tensors))
     if missing:
         raise ConfigError(f"{path} lacks parameters {missing[:3]}; was it saved from another model?")
-    with torch.no_grad():
-        for name, p in params.items():
-            p.copy_(ckpt.tensors[name])
+    copy_into_shards(params, ckpt.tensors)
 
 
 def load_full_weights(path: str | os.PathLike[str], model: torch.nn.Module) -> None:

@@ -122,7 +122,11 @@ class LearnerWorker:
         from polytinker.engine.learner.group import LearnerGroup
         from polytinker.engine.models import ModelConfig, load_model
 
-        lcfg = LearnerConfig(mode=mode, micro_batch_size=self.cfg.micro_batch_size)  # type: ignore[arg-type]
+        lcfg = LearnerConfig(
+            mode=mode,  # type: ignore[arg-type]
+            micro_batch_size=self.cfg.micro_batch_size,
+            full_sharding=self.cfg.full_sharding,  # type: ignore[arg-type]
+        )
         device = resolve_device(self.cfg.device, self.cfg.world_size)  # ConfigError before any model loads
         dtype = resolve_dtype(self.cfg.dtype, device)
         if self.cfg.world_size > 1:

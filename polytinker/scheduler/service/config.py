@@ -135,9 +135,16 @@ class LearnerWorkerConfig:
     # cpu, cuda or cuda:N (a group of K replicas takes cuda:N..cuda:N+K-1, one each).
     dtype: str = "auto"
     # The models' parameter dtype: auto (bfloat16 on CUDA, float32 on the CPU), float32, bfloat16.
+    full_sharding: str = "fsdp"
+    # A full-parameter job on a group of world_size > 1: fsdp (each replica holds 1/world_size of
+    # the weights, gradients and AdamW state: a model larger than one device trains) or replicate.
 
     def __post_init__(self) -> None:
         check_id("LearnerWorkerConfig.learner_id", self.learner_id)
+        if self.full_sharding not in ("fsdp", "replicate"):
+            raise ConfigError(
+                f"LearnerWorkerConfig.full_sharding must be fsdp or replicate, got {self.full_sharding!r}"
+            )
         check_device("LearnerWorkerConfig.device", self.device)
         check_dtype("LearnerWorkerConfig.dtype", self.dtype)
         if self.world_size < 1 or self.micro_batch_size < 1 or self.max_jobs < 1:
