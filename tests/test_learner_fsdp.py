@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_learner_distributed import batch
 
 from polytinker.engine.learner import AdamParams, FullParamLearner, LearnerConfig
 from polytinker.engine.learner.group import LearnerGroup
@@ -20,19 +21,6 @@ ADAM = AdamParams(learning_rate=1e-3, weight_decay=0.01)
 # One datum per pass: 3 datums on 2 ranks are 2 passes and 1, and a call of 1 leaves rank 1 with
 # none, so the ranks' lockstep fillers are exercised on every call but the even ones.
 CONFIG = LearnerConfig(mode="full", micro_batch_size=1)
-
-
-def batch(n: int = 5) -> list[Datum]:
-    g = torch.Generator().manual_seed(5)
-    out = []
-    for i in range(n):
-        length = 5 + 2 * i
-        tokens = torch.randint(1, 4000, (length + 1,), generator=g).tolist()
-        weights = [0.0] * 2 + [1.0] * (length - 2)
-        adv = torch.randn(length, generator=g).tolist()
-        samp = (-8.0 - torch.rand(length, generator=g)).tolist()
-        out.append(Datum(tokens[:-1], tokens[1:], weights, adv, samp))
-    return out
 
 
 def steps(learner: FullParamLearner | LearnerGroup, data: list[Datum]) -> dict[str, Any]:
@@ -62,7 +50,7 @@ def weights(learner: FullParamLearner) -> dict[str, torch.Tensor]:
 @pytest.mark.timeout(300)
 def test_two_sharded_ranks_match_one_process_and_checkpoints_move_between_sizes(tmp_path: Path) -> None:
     torch.set_num_threads(1)
-    data = batch()
+    data = batch()  # 5 datums of unequal lengths, with loss inputs for every loss
     single = FullParamLearner(load_model(TINY_RANDOM)[0], CONFIG)
     expected = steps(single, data)
     single.save_state(tmp_path / "single")

@@ -26,12 +26,17 @@ def over_the_wire(w: AdapterWeights) -> AdapterWeights:
     return received.weights(w.ref)
 
 
-def test_engine_scores_with_the_version_the_learner_just_made() -> None:
+def learner_and_engine() -> tuple[MultiAdapterLearner, HFBackend]:
+    """A learner with adapter alice and an engine on a separate copy of the same model."""
     torch.set_num_threads(1)
     model, tokenizer = load_model(TINY_RANDOM)
     learner = MultiAdapterLearner(model)
     learner.add_adapter("alice", LoraConfig(rank=8, alpha=16), seed=0)
-    engine = HFBackend(model=load_model(TINY_RANDOM)[0], tokenizer=tokenizer)
+    return learner, HFBackend(model=load_model(TINY_RANDOM)[0], tokenizer=tokenizer)
+
+
+def test_engine_scores_with_the_version_the_learner_just_made() -> None:
+    learner, engine = learner_and_engine()
     probe = [Datum(SEQUENCE[:-1], SEQUENCE[1:], [1.0] * (len(SEQUENCE) - 1))]
 
     engine.load_adapter(over_the_wire(learner.export_adapter("alice")))
@@ -57,13 +62,8 @@ def test_a_version_moves_as_one_buffer_and_a_freed_slot_is_reused_for_the_next()
     """Export into a reused staging buffer, over the codec as one frame, into an engine whose
     unloaded version's buffer the next version is copied into: each engine version scores as the
     learner's own version did, though staging and spare buffers are written again and again."""
-    torch.set_num_threads(1)
-    model, tokenizer = load_model(TINY_RANDOM)
-    learner = MultiAdapterLearner(model)
-    learner.add_adapter("alice", LoraConfig(rank=8, alpha=16), seed=0)
-    engine = HFBackend(model=load_model(TINY_RANDOM)[0], tokenizer=tokenizer)
-    probe = [Datum(SEQUENCE[:-1], SEQUENCE[1:], [1.0] * (len(SEQUENCE) - 1))]
-    train = [Datum(SEQUENCE[:-1], SEQUENCE[1:], [1.0] * (len(SEQUENCE) - 1))]
+    learner, engine = learner_and_engine()
+    probe = train = [Datum(SEQUENCE[:-1], SEQUENCE[1:], [1.0] * (len(SEQUENCE) - 1))]
     staging = learner.export_adapter("alice").flat
     frames = encode(AdapterTensors.of(learner.export_adapter("alice", out=staging)))
     assert len(frames) == 2  # the body and one buffer, whatever the number of tensors

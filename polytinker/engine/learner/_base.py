@@ -114,7 +114,9 @@ class Learner:
         self.dist = dist
         self.pad_token_id = pad_token_id
         # eval(): no dropout, so K ranks and one process compute the same gradients; autograd still runs.
-        self.base_model = model.to(dist.device).eval()
+        # A sharded model stays where it was loaded: fully_shard moves each unit to the device and
+        # cuts it there, so the device never holds the whole model (sharding.py).
+        self.base_model = (model if config.sharded(dist.world_size) else model.to(dist.device)).eval()
         self.last_step_metrics: dict[str, float] = {}  # optim/grad_norm, optim/tokens of the latest optim_step
         # A sharded learner (sharding.py) scores through its root FSDP unit, and runs a call's
         # passes in lockstep with the other ranks: (passes, filler datum) while a call runs.

@@ -46,6 +46,10 @@ class LearnerConfig:
     # activation memory (~190 MiB on the train benchmark's learner) for about twice the
     # forward_backward time there. Not applied to forward_backward_many's mixed-adapter passes.
 
+    def sharded(self, world_size: int) -> bool:
+        """Whether a learner of this config in a group of ``world_size`` is sharded with FSDP2."""
+        return self.mode == "full" and world_size > 1 and self.full_sharding == "fsdp"
+
     def __post_init__(self) -> None:
         if self.mode not in ("lora", "full"):
             raise ConfigError(f"LearnerConfig.mode must be 'lora' or 'full', got {self.mode!r}")

@@ -39,10 +39,13 @@ class FullParamLearner(Learner):
         super().__init__(model, config, dist, pad_token_id)
         for p in self.base_model.parameters():
             p.requires_grad_(True)
-        broadcast_(list(self.base_model.parameters()))
-        self.sharded = dist.world_size > 1 and self.config.full_sharding == "fsdp"
+        self.sharded = config.sharded(dist.world_size)
         if self.sharded:
+            # No broadcast first: the model is still on the CPU, which NCCL cannot broadcast from;
+            # every rank loaded the same weights (a checkpoint, or a seeded random preset).
             self._scoring_root = shard_model(self.base_model, dist)  # parameters become DTensors
+        else:
+            broadcast_(list(self.base_model.parameters()))
         self._slot_ = Slot(FULL_SLOT, dict(self.base_model.named_parameters()))
 
     def _slot(self, adapter: AdapterName | None) -> Slot:
