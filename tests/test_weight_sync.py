@@ -101,23 +101,26 @@ def test_export_follows_a_parameter_that_was_given_new_storage() -> None:
 
 
 @pytest.mark.parametrize(
-    ("names", "shapes"),
+    ("joined_names", "dims", "ndims"),
     [
-        (["a", "b"], [[2, 2]]),  # counts differ
-        (["a"], [[2, -1]]),  # a negative dim
-        (["a"], [[1] * 9]),  # too many dims
-        ([7], [[2]]),  # a name that is no string
-        (["a"], [[2.5]]),  # a dim that is no int
-        (["a"], [["2"]]),
+        ("a\nb", [2, 2], [2]),  # two names, one shape
+        ("a", [2, -1], [2]),  # a negative dim
+        ("a", [1] * 9, [9]),  # too many dims
+        ("a", [], [0]),  # too few
+        ("a", [2, 2], [1]),  # dims left over
+        (7, [2], [1]),  # names that are no string
+        ("a", [2.5], [1]),  # a dim that is no int
+        ("a", ["2"], [1]),
     ],
 )
-def test_a_hostile_layout_is_a_protocol_error(names: list, shapes: list) -> None:
+def test_a_hostile_layout_is_a_protocol_error(joined_names: object, dims: list, ndims: list) -> None:
     with pytest.raises(ProtocolError, match="TensorLayout"):
-        from_fields("sched.tensor_layout", {"names": names, "shapes": shapes})
+        from_fields("sched.tensor_layout", {"joined_names": joined_names, "dims": dims, "ndims": ndims})
 
 
 def test_a_buffer_that_does_not_match_its_layout_is_a_protocol_error() -> None:
-    layout = TensorLayout(("a", "b"), ((2, 3), (4,)))
+    layout = TensorLayout.of_shapes(["a", "b"], [(2, 3), (4,)])
+    assert (layout.names, layout.shapes, layout.sizes, layout.offsets) == (("a", "b"), ((2, 3), (4,)), (6, 4), (0, 6))
     fields = {"rank": 1, "alpha": 1, "target_modules": ["q_proj"], "layout": layout}
     AdapterTensors(**fields, flat=torch.zeros(10))
     for flat in (torch.zeros(11), torch.zeros(2, 5), "ten floats"):
@@ -125,4 +128,8 @@ def test_a_buffer_that_does_not_match_its_layout_is_a_protocol_error() -> None:
             from_fields("sched.r.adapter_tensors", {**fields, "flat": flat})
     too_many = MAX_LAYOUT_TENSORS + 1
     with pytest.raises(ProtocolError, match="TensorLayout"):
-        from_fields("sched.tensor_layout", {"names": ["a"] * too_many, "shapes": [[1]] * too_many})
+        from_fields(
+            "sched.tensor_layout",
+            {"joined_names": "\n".join(["a"] * too_many), "dims": [1] * too_many, "ndims": [1] * too_many},
+        )
+    assert TensorLayout.of_shapes(["a", "b"], [(2, 3), (4,)]).interned() is layout.interned()

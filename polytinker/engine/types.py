@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Literal, get_args
@@ -43,6 +43,7 @@ LOSS_FNS: tuple[str, ...] = get_args(LossFnName)  # the same names, to check a v
 MAX_SAMPLE_TOKENS = 1 << 16  # the most tokens one sample may ask for
 MAX_LAYOUT_TENSORS = 1 << 16  # the most tensors one TensorLayout may name (a 70B LoRA on every linear has ~5600)
 MAX_TENSOR_DIMS = 8
+MAX_INTERNED_LAYOUTS = 64  # distinct adapter layouts remembered (TensorLayout.interned)
 
 # The modules Tinker's train_attn / train_mlp / train_unembed put LoRA on; the default is the first two.
 ATTN_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -90,37 +91,56 @@ class TensorLayout:
 
     An adapter version moves and installs as that one buffer: on a CPU every tensor op costs
     ~8 us of dispatch, and a LoRA on every linear layer of a 30-layer model has 420 tensors, so
-    per-tensor copies cost 4x one memcpy of the same bytes (benchmarks/_engine_learner.py)."""
+    per-tensor copies cost 4x one memcpy of the same bytes (benchmarks/_engine_learner.py). The
+    layout itself is compact for the same reason (it is sent, checked and compared with every
+    version): ``joined_names`` is the names joined by newlines, ``dims`` every shape's dims one
+    after another, ``ndims`` how many dims each shape has (1 to 8). Build one with
+    :meth:`of_shapes` or :meth:`of`; read it through ``names``, ``shapes``, ``sizes``."""
 
-    names: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
+    joined_names: str
+    dims: tuple[int, ...]
+    ndims: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        names, shapes = self.names, self.shapes
-        if isinstance(shapes, tuple) and set(map(type, shapes)) == {list}:  # as decoded off the wire
-            object.__setattr__(self, "shapes", shapes := tuple(map(tuple, shapes)))
-        # Whole-sequence checks at C speed: a layout has hundreds of entries and is checked on
-        # every adapter version an engine receives.
-        dims = list(itertools.chain.from_iterable(shapes)) if set(map(type, shapes)) <= {tuple} else None
+        # Whole-sequence checks at C speed: a layout has hundreds of entries.
+        n = self.joined_names.count("\n") + 1 if isinstance(self.joined_names, str) and self.joined_names else 0
         ok = (
-            isinstance(names, tuple)
-            and isinstance(shapes, tuple)
-            and len(names) == len(shapes) <= MAX_LAYOUT_TENSORS
-            and set(map(type, names)) <= {str}
-            and dims is not None
-            and max(map(len, shapes), default=0) <= MAX_TENSOR_DIMS
-            and set(map(type, dims)) <= {int}
-            and min(dims, default=0) >= 0
+            isinstance(self.joined_names, str)
+            and isinstance(self.dims, tuple)
+            and isinstance(self.ndims, tuple)
+            and n == len(self.ndims) <= MAX_LAYOUT_TENSORS
+            and set(map(type, self.dims)) <= {int}
+            and set(map(type, self.ndims)) <= {int}
+            and min(self.dims, default=0) >= 0
+            and min(self.ndims, default=1) >= 1
+            and max(self.ndims, default=1) <= MAX_TENSOR_DIMS
+            and sum(self.ndims) == len(self.dims)
         )
         if not ok:
             raise ConfigError(
-                f"TensorLayout: as many str names as shapes (at most {MAX_LAYOUT_TENSORS}), "
-                f"each shape <= {MAX_TENSOR_DIMS} ints >= 0"
+                f"TensorLayout: as many newline-separated names as ndims (at most {MAX_LAYOUT_TENSORS}), "
+                f"each shape 1 to {MAX_TENSOR_DIMS} dims >= 0, dims as many as the ndims add up to"
             )
 
     @classmethod
+    def of_shapes(cls, names: Sequence[str], shapes: Sequence[Sequence[int]]) -> TensorLayout:
+        if len(names) != len(shapes) or any("\n" in n or not n for n in names):
+            raise ConfigError("TensorLayout: one non-empty name without a newline per shape")
+        dims = tuple(int(d) for shape in shapes for d in shape)
+        return cls("\n".join(names), dims, tuple(len(shape) for shape in shapes))
+
+    @classmethod
     def of(cls, tensors: Mapping[str, torch.Tensor]) -> TensorLayout:
-        return cls(tuple(tensors), tuple(tuple(t.shape) for t in tensors.values()))
+        return cls.of_shapes(list(tensors), [tuple(t.shape) for t in tensors.values()])
+
+    @functools.cached_property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.joined_names.split("\n")) if self.joined_names else ()
+
+    @functools.cached_property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        bounds = itertools.accumulate(self.ndims, initial=0)
+        return tuple(self.dims[a:b] for a, b in itertools.pairwise(bounds))
 
     @functools.cached_property
     def sizes(self) -> tuple[int, ...]:
@@ -134,6 +154,17 @@ class TensorLayout:
     def offsets(self) -> tuple[int, ...]:
         """Where each tensor starts in the flat buffer, in elements."""
         return tuple(itertools.accumulate(self.sizes, initial=0))[:-1]
+
+    def interned(self) -> TensorLayout:
+        """The first-seen layout equal to this one (bounded memo): an engine receives the same
+        layout with every version, and keys its checks on it; a known object hashes and
+        compares at no cost, and keeps its cached names and sizes."""
+        known = _LAYOUTS.get(self)
+        if known is None:
+            if len(_LAYOUTS) >= MAX_INTERNED_LAYOUTS:
+                _LAYOUTS.pop(next(iter(_LAYOUTS)))
+            known = _LAYOUTS[self] = self
+        return known
 
     def split(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Views of ``flat``, one per tensor (no copy)."""
@@ -152,6 +183,9 @@ class TensorLayout:
             for view, name in zip(torch.split(flat, list(self.sizes)), self.names, strict=True):
                 view.copy_(tensors[name].reshape(-1))
         return flat
+
+
+_LAYOUTS: dict[TensorLayout, TensorLayout] = {}
 
 
 @dataclass

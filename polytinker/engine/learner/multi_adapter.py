@@ -71,7 +71,7 @@ def _pack_params(params: dict[str, nn.Parameter], adapter: str) -> tuple[torch.T
     checks). Keys are peft's: the parameter name without the adapter name."""
     if len({p.dtype for p in params.values()}) != 1:
         raise ConfigError(f"adapter {adapter!r}: its LoRA parameters differ in dtype; one flat buffer needs one")
-    layout = TensorLayout(tuple(_peft_key(k, adapter) for k in params), tuple(tuple(p.shape) for p in params.values()))
+    layout = TensorLayout.of_shapes([_peft_key(k, adapter) for k in params], [p.shape for p in params.values()])
     flat = layout.pack({_peft_key(k, adapter): p.detach() for k, p in params.items()})
     for p, view in zip(params.values(), layout.split(flat).values(), strict=True):
         p.data = view
@@ -80,9 +80,9 @@ def _pack_params(params: dict[str, nn.Parameter], adapter: str) -> tuple[torch.T
 
 def _aliases(params: dict[str, nn.Parameter], flat: torch.Tensor, layout: TensorLayout) -> bool:
     """Whether every parameter is still its view of ``flat`` (``p.data = ...`` or ``module.to``
-    would have given it storage of its own)."""
+    would have given it storage of its own). One C-level pass: it runs with every export."""
     base, size = flat.data_ptr(), flat.element_size()
-    return all(p.data_ptr() == base + off * size for p, off in zip(params.values(), layout.offsets, strict=True))
+    return list(map(torch.Tensor.data_ptr, params.values())) == [base + off * size for off in layout.offsets]
 
 
 @contextlib.contextmanager

@@ -152,6 +152,8 @@ class AdapterTensors:
     def __post_init__(self) -> None:
         if not (isinstance(self.rank, int) and self.rank >= 1 and isinstance(self.layout, TensorLayout)):
             raise ProtocolError("AdapterTensors: rank must be an int >= 1 and layout a TensorLayout")
+        # The known equal layout, whose sizes are computed already (every version repeats it).
+        object.__setattr__(self, "layout", self.layout.interned())
         if getattr(self.flat, "dim", lambda: -1)() != 1 or self.flat.numel() != self.layout.numel:
             raise ProtocolError(f"AdapterTensors: flat must be a 1-D tensor of {self.layout.numel} elements")
 
