@@ -123,8 +123,8 @@ def decode(frames: Sequence[Frame], *, config: TransportConfig | None = None, ar
     bufs = [_as_buffer(f) for f in frames]
     if len(bufs[0]) > cfg.max_body_bytes:
         raise ProtocolError(f"msgpack body of {len(bufs[0])} bytes exceeds max_body_bytes={cfg.max_body_bytes}")
+    decoder = _Decoder(bufs, cfg, arrays)
     try:
-        decoder = _Decoder(bufs, cfg, arrays)
         obj = decoder.unpack(bufs[0])
         check_depth(obj, cfg.max_depth)
         return obj
@@ -132,6 +132,11 @@ def decode(frames: Sequence[Frame], *, config: TransportConfig | None = None, ar
         raise
     except Exception as exc:  # msgpack and numpy raise many types on hostile bytes
         raise ProtocolError(f"malformed message body: {type(exc).__name__}: {describe(exc)}") from exc
+    finally:
+        # The decoder and its unpack partial (whose ext_hook is the decoder's) form a cycle: break
+        # it, so the frames go as soon as nothing decoded from them is left, not at the next
+        # garbage collection (a 20 MB frame per adapter version piled up until then).
+        decoder.close()
 
 
 # Containers the depth check descends into (typed messages too; tuples are what they turn lists into).
@@ -267,6 +272,10 @@ class _Decoder:
             max_array_len=cfg.max_container_len,
             max_map_len=cfg.max_container_len,
         )
+
+    def close(self) -> None:
+        self.unpack = None  # type: ignore[assignment]
+        self.bufs = []
 
     def ext_hook(self, code: int, data: bytes) -> Any:
         if code == EXT_MESSAGE:
