@@ -16,16 +16,14 @@ Real model (SmolLM2-135M-Instruct), fp32, LoRA rank 16, alpha 32, on every linea
   processes win more time slices than one 2-thread process; ``learner_cpu_throughput_ratio``
   (tokens per CPU-second, shared over separate) is the load-independent form of the same comparison.
 - ``adapter_sync_ms``: a new adapter version from the learner to an engine: ``export_adapter``
-  (one copy of the adapter's flat buffer into a reused snapshot buffer), the transport codec's
-  encode and decode of the ``AdapterTensors`` message a learner answers with (the buffer out of
-  band, what crosses a process boundary), and the HF engine's ``load_adapter`` of that new
-  version (one copy into a spare buffer of the engine's). Median of repeats.
+  (one copy of the adapter's flat buffer into a new snapshot, as the learner worker's reply
+  makes), the transport codec's encode and decode of the ``AdapterTensors`` message a learner
+  answers with (the buffer out of band, what crosses a process boundary), the HF engine's
+  ``load_adapter`` of that new version (one copy into the buffer the version before left), and
+  the unloading of the version before. Median of repeats.
 - ``adapter_sync_vs_memcpy_ratio``: that time over one ``copy_`` of the same number of bytes
   (target <= 3: two copies and the bookkeeping). ``adapter_export_ms`` and
   ``adapter_engine_load_ms`` split it: the learner's part and the engine's.
-- ``adapter_sync_fresh_ms`` (and its ratio): the same with a newly allocated snapshot per
-  version, as the learner worker's reply makes (its buffer belongs to the transport until sent):
-  the difference is the first-touch page faults of fresh memory.
 - ``colocated_sync_ms``: the colocated alternative (engine and learner sharing one model in one
   process): copying the trained adapter into a serving slot of the same peft model, which is all
   a colocated engine needs so in-flight requests keep their version. No export, no second model.
@@ -184,12 +182,10 @@ def measure_sync(repeats: int) -> dict[str, float]:
     engine = HFBackend(model=load_model(MODEL)[0], tokenizer=tokenizer)
     version = iter(range(1, 1 << 30))
     parts: dict[str, list[float]] = {"export": [], "load": []}
-    staging = learner.export_adapter("alice").flat  # the learner's reused snapshot buffer
-    fresh = False
 
     def sync() -> None:
         t0 = time.perf_counter()
-        w = learner.export_adapter("alice", out=None if fresh else staging)
+        w = learner.export_adapter("alice")
         t1 = time.perf_counter()
         received: AdapterTensors = decode(encode(AdapterTensors.of(w)))
         ref = AdapterRef("alice", next(version))
@@ -204,8 +200,6 @@ def measure_sync(repeats: int) -> dict[str, float]:
     parts = {"export": [], "load": []}
     sync_ms = _median_ms(sync, repeats)
     export_ms, load_ms = statistics.median(parts["export"]), statistics.median(parts["load"])
-    fresh = True
-    fresh_ms = _median_ms(sync, repeats)
     nbytes = learner.export_adapter("alice").nbytes()
     src = torch.empty(nbytes, dtype=torch.uint8).random_(0, 255)
     dst = torch.empty_like(src)
@@ -218,8 +212,6 @@ def measure_sync(repeats: int) -> dict[str, float]:
         "adapter_sync_mb": nbytes / 1e6,
         "adapter_export_ms": export_ms,
         "adapter_engine_load_ms": load_ms,
-        "adapter_sync_fresh_ms": fresh_ms,
-        "adapter_sync_fresh_vs_memcpy_ratio": fresh_ms / memcpy_ms,
         "colocated_sync_ms": colocated_ms,
     }
 

@@ -188,24 +188,14 @@ class MultiAdapterLearner(Learner):
     def adapters(self) -> list[AdapterRef]:
         return [slot.ref() for slot in self._slots.values()]
 
-    def export_adapter(self, name: AdapterName, out: torch.Tensor | None = None) -> AdapterWeights:
+    def export_adapter(self, name: AdapterName) -> AdapterWeights:
         """A snapshot of the adapter's current version on the CPU, keyed as peft saves it: one
-        copy of its flat buffer, into ``out`` when given (a 1-D CPU buffer of the adapter's size
-        that the caller reuses once the previous snapshot is consumed: fresh memory costs its
-        first-touch page faults, ~4x the copy itself on some machines)."""
+        copy of its flat buffer into a new one."""
         slot = self._slot(name)
         flat, layout = self._packed[name]
         if not _aliases(slot.params, flat, layout):
             flat, layout = self._packed[name] = _pack_params(slot.params, name)
-        if out is None:
-            snapshot = flat.detach().to("cpu", copy=True)
-        else:
-            if out.shape != flat.shape or out.dtype != flat.dtype or out.device.type != "cpu":
-                raise ConfigError(
-                    f"export_adapter(out=...) needs a CPU {flat.dtype} tensor of shape {tuple(flat.shape)}"
-                )
-            snapshot = out.copy_(flat.detach())
-        return AdapterWeights(slot.ref(), self._lora[name], snapshot, layout)
+        return AdapterWeights(slot.ref(), self._lora[name], flat.detach().to("cpu", copy=True), layout)
 
     def export_adapter_dir(self, name: AdapterName, path: str | os.PathLike[str]) -> Path:
         """Write the adapter in peft's directory format (what vLLM's LoRARequest loads), atomically."""
