@@ -65,6 +65,9 @@ def shard_model(model: nn.Module, info: DistInfo) -> ScoringRoot:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
+    if info.device.type == "cuda":
+        # FSDP places each unit on the current device (and the mesh takes it too): this rank's.
+        torch.cuda.set_device(info.device)
     mesh = init_device_mesh(info.device.type, (info.world_size,))
     units: list[Any] = [fully_shard(block, mesh=mesh) for block in _blocks(model)]
     root = ScoringRoot(model)
