@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -159,12 +160,13 @@ class TensorLayout:
         """The first-seen layout equal to this one (bounded memo): an engine receives the same
         layout with every version, and keys its checks on it; a known object hashes and
         compares at no cost, and keeps its cached names and sizes."""
-        known = _LAYOUTS.get(self)
-        if known is None:
-            if len(_LAYOUTS) >= MAX_INTERNED_LAYOUTS:
-                _LAYOUTS.pop(next(iter(_LAYOUTS)))
-            known = _LAYOUTS[self] = self
-        return known
+        with _LAYOUTS_LOCK:  # decodes run on several threads
+            known = _LAYOUTS.get(self)
+            if known is None:
+                if len(_LAYOUTS) >= MAX_INTERNED_LAYOUTS:
+                    _LAYOUTS.pop(next(iter(_LAYOUTS)))
+                known = _LAYOUTS[self] = self
+            return known
 
     def split(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Views of ``flat``, one per tensor (no copy)."""
@@ -173,12 +175,12 @@ class TensorLayout:
         parts = torch.split(flat, list(self.sizes))
         return {n: t.view(s) for n, t, s in zip(self.names, parts, self.shapes, strict=True)}
 
-    def pack(self, tensors: Mapping[str, torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
-        """``tensors`` (this layout's names) copied into one flat buffer, ``out`` or a new one."""
+    def pack(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """``tensors`` (this layout's names) copied into one new flat buffer."""
         import torch
 
         first = tensors[self.names[0]]
-        flat = out if out is not None else torch.empty(self.numel, dtype=first.dtype, device=first.device)
+        flat = torch.empty(self.numel, dtype=first.dtype, device=first.device)
         with torch.no_grad():
             for view, name in zip(torch.split(flat, list(self.sizes)), self.names, strict=True):
                 view.copy_(tensors[name].reshape(-1))
@@ -186,6 +188,7 @@ class TensorLayout:
 
 
 _LAYOUTS: dict[TensorLayout, TensorLayout] = {}
+_LAYOUTS_LOCK = threading.Lock()
 
 
 @dataclass
@@ -202,7 +205,7 @@ class AdapterWeights:
     layout: TensorLayout
 
     def __post_init__(self) -> None:
-        if not self.layout.names:
+        if not self.layout.ndims:
             raise ConfigError(f"adapter {self.ref} has no tensors")
         if self.flat.dim() != 1 or self.flat.numel() != self.layout.numel:
             raise ConfigError(

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import Literal, get_args
 
 from polytinker.errors import ConfigError
 
 LearnerMode = Literal["lora", "full"]
 GradNormalization = Literal["sum", "per_token"]
 FullSharding = Literal["fsdp", "replicate"]
+FULL_SHARDINGS: tuple[str, ...] = get_args(FullSharding)
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,8 @@ class LearnerConfig:
             raise ConfigError(
                 f"LearnerConfig.grad_normalization must be 'sum' or 'per_token', got {self.grad_normalization!r}"
             )
-        if self.full_sharding not in ("fsdp", "replicate"):
-            raise ConfigError(f"LearnerConfig.full_sharding must be 'fsdp' or 'replicate', got {self.full_sharding!r}")
+        if self.full_sharding not in FULL_SHARDINGS:
+            raise ConfigError(f"LearnerConfig.full_sharding: one of {FULL_SHARDINGS}, not {self.full_sharding!r}")
         if self.kl_coef < 0:
             raise ConfigError(f"LearnerConfig.kl_coef must be >= 0, got {self.kl_coef}")
         if self.kl_coef > 0 and self.mode == "full":

@@ -93,14 +93,15 @@ def _execute(learner: AnyLearner, info: DistInfo, group: Any, op: str, args: dic
         data = [Datum(*row) for row in args["data"]]
         start, end = shard_bounds(len(data), info.rank, info.world_size)
         mine: dict[str, Any] = {"logprobs": [], "loss": 0.0, "metrics": {}}
-        with _lockstep(learner, info, data):
-            if (end > start or _sharded(learner)) and op == "forward":
-                mine["logprobs"] = learner.forward(data[start:end], args["adapter"])
-            elif end > start or _sharded(learner):
-                result = learner.forward_backward(
-                    data[start:end], args["loss_fn"], args["adapter"], args["loss_fn_config"]
-                )
-                mine = _part(result) if end > start else mine
+        if end > start or _sharded(learner):  # a sharded rank without datums still runs its passes
+            with _lockstep(learner, info, data):
+                if op == "forward":
+                    mine["logprobs"] = learner.forward(data[start:end], args["adapter"])
+                else:
+                    result = learner.forward_backward(
+                        data[start:end], args["loss_fn"], args["adapter"], args["loss_fn_config"]
+                    )
+                    mine = _part(result) if end > start else mine
         return _gather(mine, group)
     if op == "forward_backward_many":
         assert isinstance(learner, MultiAdapterLearner)

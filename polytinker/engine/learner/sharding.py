@@ -112,7 +112,7 @@ def gather_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
     per_param = {}
     for index in sorted(state["state"]):
         per_param[index] = {
-            key: (_whole(value).cpu() if is_sharded(value) else value)
+            key: (value.full_tensor().cpu() if is_sharded(value) else value)
             for key, value in sorted(state["state"][index].items())
         }
     return {"state": per_param, "param_groups": state["param_groups"]}
@@ -122,7 +122,7 @@ def copy_into_shards(params: Mapping[str, torch.Tensor], whole: Mapping[str, tor
     """Copy whole tensors into (possibly sharded) parameters; each rank keeps its own shard."""
     with torch.no_grad():
         for name, p in params.items():
-            p.copy_(_like(whole[name], p))
+            p.copy_(_like(whole[name], p) if is_sharded(p) else whole[name])  # copy_ converts dtype and device
 
 
 def shard_optimizer_state(state: dict[str, Any], params: Sequence[torch.Tensor]) -> dict[str, Any]:
@@ -132,20 +132,18 @@ def shard_optimizer_state(state: dict[str, Any], params: Sequence[torch.Tensor])
     for index, entry in state["state"].items():
         p = params[int(index)]
         per_param[index] = {
-            key: _like(value, p) if torch.is_tensor(value) and tuple(value.shape) == tuple(p.shape) else value
+            key: _like(value, p) if is_sharded(p) and torch.is_tensor(value) and value.shape == p.shape else value
             for key, value in entry.items()
         }
     return {"state": per_param, "param_groups": state["param_groups"]}
 
 
 def _like(whole: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """``whole`` as ``p`` holds it: this rank's shard when ``p`` is sharded (local data, no
-    communication: every rank read the same whole tensor), else as it is, in ``p``'s dtype."""
-    whole = whole.to(device=p.device, dtype=p.dtype)
-    if not is_sharded(p):
-        return whole
+    """``whole`` as the sharded ``p`` holds it: this rank's shard, in ``p``'s dtype and device
+    (local data, no communication: every rank read the same whole tensor)."""
     from torch.distributed.tensor import distribute_tensor
 
+    whole = whole.to(device=p.device, dtype=p.dtype)
     return distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)  # type: ignore[attr-defined]
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from polytinker.engine.device import check_device, check_dtype
+from polytinker.engine.learner.config import FULL_SHARDINGS
 from polytinker.engine.types import UNEMBED_MODULE
 from polytinker.errors import ConfigError
 from polytinker.tables import from_table
@@ -141,10 +142,8 @@ class LearnerWorkerConfig:
 
     def __post_init__(self) -> None:
         check_id("LearnerWorkerConfig.learner_id", self.learner_id)
-        if self.full_sharding not in ("fsdp", "replicate"):
-            raise ConfigError(
-                f"LearnerWorkerConfig.full_sharding must be fsdp or replicate, got {self.full_sharding!r}"
-            )
+        if self.full_sharding not in FULL_SHARDINGS:
+            raise ConfigError(f"LearnerWorkerConfig.full_sharding: one of {FULL_SHARDINGS}, not {self.full_sharding!r}")
         check_device("LearnerWorkerConfig.device", self.device)
         check_dtype("LearnerWorkerConfig.dtype", self.dtype)
         if self.world_size < 1 or self.micro_batch_size < 1 or self.max_jobs < 1:
