@@ -16,6 +16,7 @@ from polytinker.engine.learner.group import LearnerGroup
 from polytinker.engine.learner.sharding import is_sharded
 from polytinker.engine.models import TINY_RANDOM, load_model
 from polytinker.engine.types import Datum
+from polytinker.errors import ConfigError
 
 ADAM = AdamParams(learning_rate=1e-3, weight_decay=0.01)
 # One datum per pass: 3 datums on 2 ranks are 2 passes and 1, and a call of 1 leaves rank 1 with
@@ -88,8 +89,11 @@ def test_two_sharded_ranks_match_one_process_and_checkpoints_move_between_sizes(
         torch.testing.assert_close(weights(other)[name], value, rtol=1e-5, atol=1e-5)
 
 
-def test_replicate_keeps_whole_copies_and_lora_groups_are_never_sharded() -> None:
-    with pytest.raises(Exception, match="full_sharding"):
+def test_only_full_parameter_groups_of_two_or_more_are_sharded() -> None:
+    with pytest.raises(ConfigError, match="full_sharding"):
         LearnerConfig(mode="full", full_sharding="zero3")  # type: ignore[arg-type]
+    assert CONFIG.sharded(2) and not CONFIG.sharded(1)
+    assert not LearnerConfig(mode="full", full_sharding="replicate").sharded(2)
+    assert not LearnerConfig(mode="lora").sharded(2)  # LoRA groups replicate
     single = FullParamLearner(load_model(TINY_RANDOM)[0], CONFIG)
     assert not single.sharded  # a group of one has nothing to shard
