@@ -160,17 +160,19 @@ def test_a_parent_that_exits_normally_stops_its_actors_gracefully(tmp_path):
         import sys
         from fixtures.actors import Counter
         from polytinker.actors import ActorConfig, RestartPolicy, Supervisor, spawn
-        ref = spawn(Counter, 7, name="left-behind", run_dir=sys.argv[1])
+        # a stop at exit waits each child's stop_timeout_s: generous, so that a loaded machine is no cause
+        ref = spawn(Counter, 7, name="left-behind", run_dir=sys.argv[1], config=ActorConfig(stop_timeout_s=30))
         sup = Supervisor(run_dir=sys.argv[1])
         # permanent: even a clean exit would be restarted, were the process not exiting
-        config = ActorConfig(restart=RestartPolicy(mode="permanent", backoff_initial_s=0.01))
+        restart = RestartPolicy(mode="permanent", backoff_initial_s=0.01)
+        config = ActorConfig(restart=restart, stop_timeout_s=30)
         supervised = sup.spawn(Counter, 8, name="supervised", config=config)
         print(ref.pid, supervised.pid, flush=True)
         """
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}
     out = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path)], env=env, capture_output=True, text=True, timeout=30
+        [sys.executable, "-c", script, str(tmp_path)], env=env, capture_output=True, text=True, timeout=90
     )
     assert out.returncode == 0, out.stderr
     for pid in map(int, out.stdout.split()):

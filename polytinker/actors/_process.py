@@ -36,11 +36,14 @@ def remove_ipc_files(*addresses: str) -> None:
 class ChildProcess:
     """One running incarnation of an actor: its process, address and log."""
 
-    def __init__(self, popen: subprocess.Popen[bytes], name: str, run_dir: Path, log: _logs.LogFile) -> None:
+    def __init__(
+        self, popen: subprocess.Popen[bytes], name: str, run_dir: Path, log: _logs.LogFile, stop_timeout_s: float = 5.0
+    ) -> None:
         self.popen = popen
         self.pid = popen.pid
         self.name = name
         self.run_dir = run_dir
+        self.stop_timeout_s = stop_timeout_s  # its ActorConfig's: how long on_stop may take at the parent's exit
         self.address = ""
         self.concurrent_address = ""
         self.concurrent_kinds: frozenset[str] = frozenset()

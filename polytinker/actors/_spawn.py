@@ -219,7 +219,7 @@ def start_child(
         raise
     finally:
         os.close(ready_w)
-    child = ChildProcess(popen, name, run_dir, _logs.LogFile(_logs.log_path(run_dir, name)))
+    child = ChildProcess(popen, name, run_dir, _logs.LogFile(_logs.log_path(run_dir, name)), config.stop_timeout_s)
     _reaper.watch(child)
     try:
         assert popen.stdin is not None
@@ -318,16 +318,22 @@ def is_exiting() -> bool:
 
 
 def _stop_all_at_exit() -> None:
-    """Stop the children still running when the parent exits normally (SIGTERM, then SIGKILL)."""
-    _exiting.set()
-    live = _reaper.live()
-    for child in live:
-        child.signal(signal.SIGTERM)
-    deadline = time.monotonic() + 5.0
-    for child in live:
-        if child.wait(max(0.0, deadline - time.monotonic())) is None:
-            child.signal(signal.SIGKILL)
-        child.remove_sockets()
+    """Stop the children still running when the parent exits normally: SIGTERM, then SIGKILL after
+    each child's own ``stop_timeout_s``. Children that a thread (a supervisor's restart) was starting
+    meanwhile are stopped too: a child never signalled would die by the parent-death SIGKILL instead,
+    without its on_stop."""
+    _exiting.set()  # from here on start_child refuses, so the rounds below end
+    signalled: set[ChildProcess] = set()
+    while live := [c for c in _reaper.live() if c not in signalled]:
+        for child in live:
+            child.signal(signal.SIGTERM)
+        signalled.update(live)
+        start = time.monotonic()
+        for child in live:
+            if child.wait(max(0.0, start + child.stop_timeout_s - time.monotonic())) is None:
+                child.signal(signal.SIGKILL)
+                child.wait(1.0)
+            child.remove_sockets()
 
 
 atexit.register(_stop_all_at_exit)
