@@ -133,6 +133,30 @@ def test_mixed_adapters_with_a_shared_prefix_equal_one_call_per_adapter() -> Non
         torch.testing.assert_close(grads(mixed, name), grads(separate, name), rtol=1e-4, atol=1e-6)
 
 
+def test_micro_batches_keep_each_prompt_whole_and_mix_adapters_only_where_it_costs_nothing() -> None:
+    def tokens(seed: int, n: int) -> list[int]:
+        return torch.randint(1, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+    short, long = tokens(1, 30), tokens(2, 200)  # two agents' prompts: a solver's and a verifier's
+    rows = [("solver", short + tokens(10 + k, 6)) for k in range(6)]
+    rows += [("verifier", long + tokens(20 + k, 40)) for k in range(5)]
+    plan = scoring.plan_micro_batches(rows, size=32)
+    assert sorted(i for batch in plan for i in batch) == list(range(len(rows)))
+    assert sorted(sorted(batch) for batch in plan) == [list(range(6)), list(range(6, 11))]
+    # the cost the planner avoided: one padded pass over all rows against the two prefix passes
+    together = scoring.pass_cost(0, [len(t) for _, t in rows], 2)
+    apart = scoring.pass_cost(30, [36] * 6, 1) + scoring.pass_cost(200, [240] * 5, 1)
+    assert together > 4 * apart
+    # rows that share nothing fill micro-batches whichever adapter they belong to, up to the size
+    unrelated = [(("alice", "bob")[k % 2], tokens(100 + k, 20)) for k in range(10)]
+    plan = scoring.plan_micro_batches(unrelated, size=4)
+    assert [len(b) for b in plan] == [4, 4, 2]
+    assert any(len({unrelated[i][0] for i in b}) == 2 for b in plan)
+    # one prompt answered by two adapters: one micro-batch, its prefix run once per adapter
+    both = [(name, short + tokens(50 + k, 4)) for k, name in enumerate(("alice", "bob", "alice", "bob"))]
+    assert scoring.plan_micro_batches(both, size=8) == [sorted(range(4), key=lambda i: both[i][1])]
+
+
 def test_head_runs_in_chunks_and_only_where_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     data = grpo_group(6, prompt_len=10, n=6)
     reference = make_learner(False)
@@ -192,9 +216,17 @@ def test_one_adapter_runs_the_prefix_once_and_the_suffixes_packed(monkeypatch: p
         lambda _m, _args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
     )
     lrn.forward_backward(data, "importance_sampling", "alice")
-    lrn.forward_backward_many({"alice": data[:2], "bob": data[2:]}, "importance_sampling")
+    # four completions of 4 tokens each (no padding to lose): worth one mixed micro-batch
+    last = data[3]
+    same_length = []
+    for j in range(4):
+        tokens, targets = list(last.input_tokens), list(last.target_tokens_T)
+        tokens[-1] = targets[-2] = 1 + j
+        same_length.append(Datum(tokens, targets, last.weights_T, last.advantages_T, last.sampling_logprobs_T))
+    lrn.forward_backward_many({"alice": same_length[:2], "bob": same_length[2:]}, "importance_sampling")
     handle.remove()
     own = sum(len(d.input_tokens) - 12 for d in data)
     # One adapter: prefix once, then every row's own tokens unpadded in one row. Two adapters: a
     # prefix row each, then the suffixes padded, one row per datum.
-    assert shapes == [(1, 12), (1, own), (2, 12), (4, 4)]
+    # (The four mixed rows differ only in their last token: all the rest is their shared prefix.)
+    assert shapes == [(1, 12), (1, own), (2, len(last.input_tokens) - 1), (4, 1)]

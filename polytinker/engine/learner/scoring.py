@@ -147,6 +147,57 @@ def _checkpointed_layers(decoder: nn.Module, enabled: bool) -> Iterator[None]:
             del layer.forward  # back to the class's forward
 
 
+def pass_cost(prefix_len: int, lengths_B: Sequence[int], owners: int) -> int:
+    """Token positions the decoder runs for one micro-batch (what :func:`_hidden` does with it):
+    a shared prefix once per distinct adapter and the suffixes (unpadded with one adapter, padded
+    with several), else every row padded to the longest."""
+    if prefix_len < MIN_SHARED_PREFIX:
+        return len(lengths_B) * max(lengths_B)
+    if owners == 1:
+        return prefix_len + sum(lengths_B) - len(lengths_B) * prefix_len
+    return owners * prefix_len + len(lengths_B) * (max(lengths_B) - prefix_len)
+
+
+def plan_micro_batches(rows: Sequence[tuple[str, Sequence[int]]], size: int) -> list[list[int]]:
+    """Micro-batches (lists of indices into ``rows``, each ``(adapter, input tokens)``) of at most
+    ``size`` rows, in token order, for scoring with :func:`score`.
+
+    A row joins the micro-batch being built unless that costs more decoder positions
+    (:func:`pass_cost`) than the row alone would: rows of one prompt (a GRPO group) stay together
+    and share their prefix; a row that would cut the shared prefix short (another agent's prompt, a
+    different system prompt) starts the next micro-batch; rows that share nothing still fill
+    micro-batches, so the base model's matmuls see many rows.
+    """
+    order = sorted(range(len(rows)), key=lambda i: list(rows[i][1]))
+    batches: list[list[int]] = []
+    prefix: Sequence[int] = ()
+    lengths: list[int] = []
+    owners: set[str] = set()
+    for i in order:
+        name, tokens = rows[i]
+        if batches and len(batches[-1]) < size:
+            common = _common_prefix_len(prefix, tokens)
+            new_lengths = [*lengths, len(tokens)]
+            joined = min(common, min(new_lengths) - 1)
+            old = pass_cost(min(len(prefix), min(lengths) - 1), lengths, len(owners))
+            if pass_cost(joined, new_lengths, len(owners | {name})) - old <= len(tokens):
+                batches[-1].append(i)
+                prefix, lengths = tokens[:common], new_lengths
+                owners.add(name)
+                continue
+        batches.append([i])
+        prefix, lengths, owners = tokens, [len(tokens)], {name}
+    return batches
+
+
+def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
 def _hidden(
     decoder: nn.Module,
     input_ids_BT: torch.Tensor,
@@ -322,4 +373,4 @@ def score(
     return out.reshape(B, T)
 
 
-__all__ = ["LOGIT_CHUNK", "MIN_SHARED_PREFIX", "score", "shared_prefix_len"]
+__all__ = ["LOGIT_CHUNK", "MIN_SHARED_PREFIX", "pass_cost", "plan_micro_batches", "score", "shared_prefix_len"]
