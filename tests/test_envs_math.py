@@ -289,6 +289,17 @@ def test_the_verifier_is_read_by_its_first_keyword_and_critiques_are_bounded():
         assert isinstance(env.parse_action("verifier", text), InvalidAction), text
 
 
+def test_only_the_verifier_gets_the_tools_it_is_given():
+    env, _ = _team()
+    assert env.tools("solver") == env.tools("verifier") == ()
+    env, _ = _team(verifier_tools=["calculator"])
+    assert env.tools("verifier") == ("calculator",) and env.tools("solver") == ()
+    assert "calculator tool to check the answer" in env.instructions("verifier")
+    assert "calculator" not in env.instructions("solver")
+    with pytest.raises(ConfigError, match="tools must be tool names"):
+        make("solver_verifier-v0", verifier_tools=["rm -rf /"])
+
+
 def test_a_verifier_beats_the_lenient_baseline():
     lenient = _play("solver_verifier-v0", ["heuristic", "lenient"], n=80)
     checked = _play("solver_verifier-v0", ["heuristic", "heuristic"], n=80)

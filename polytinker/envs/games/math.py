@@ -56,15 +56,15 @@ class MathHeuristic(ScriptedPolicy):
         return f"The answer is {right_answer(view)}"
 
 
-def tool_sentence(tools: tuple[str, ...]) -> str:
+def tool_sentence(tools: tuple[str, ...], purpose: str = "work it out") -> str:
     """The instructions' mention of the tools (how to call them is the runtime's to say)."""
     if not tools:
         return ""
     names = " and ".join(f"the {name} tool" for name in tools)
-    return f" You may use {names} to work it out."
+    return f" You may use {names} to {purpose}."
 
 
-def _check_tools(tools: Any) -> tuple[str, ...]:
+def check_tools(tools: Any) -> tuple[str, ...]:
     names = (tools,) if isinstance(tools, str) else tuple(tools)
     if not all(isinstance(n, str) and n.isidentifier() for n in names):
         raise ConfigError(f"math: tools must be tool names such as 'calculator' or 'python', got {list(names)}")
@@ -89,7 +89,7 @@ class MathEnv(TextAECEnv):
         super().__init__(config, render_mode)
         self.task = MathTaskConfig.from_kwargs(task)
         self.attempts = attempts
-        self._tools = _check_tools(tools)
+        self._tools = check_tools(tools)
         self.problem = MathProblem("", "", 0)
         self.answers: list[int | None] = []
 

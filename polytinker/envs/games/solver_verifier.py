@@ -19,8 +19,13 @@ a right one, else ``reject: N is too high/low``; solver: right the first time ha
 near miss otherwise, and right when it revises), ``lenient`` (verifier: accepts everything, so a
 solver with a lenient verifier scores as the solver alone: the baseline a verifier must beat;
 solver: as heuristic) and ``random`` (verifier: accept or reject at random; solver: a number
-near the answer every time). The keyword arguments besides ``rounds``, ``verifier_credit`` and
-``max_critique_chars`` are ``MathTaskConfig``'s.
+near the answer every time).
+
+``verifier_tools`` (default none) names tools the verifier may call before its verdict, e.g.
+``("calculator",)``: checking an answer with a calculator is easier than finding it without one,
+which is what can make a verifier worth having for a solver that has none. The keyword arguments
+besides ``rounds``, ``verifier_credit``, ``max_critique_chars`` and ``verifier_tools`` are
+``MathTaskConfig``'s.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from typing import Any, ClassVar, Literal
 
 from polytinker.envs.base import TextAECEnv
 from polytinker.envs.config import EnvConfig
-from polytinker.envs.games.math import ANSWER_FORMAT, NO_ANSWER, near_guess, right_answer
+from polytinker.envs.games.math import ANSWER_FORMAT, NO_ANSWER, check_tools, near_guess, right_answer, tool_sentence
 from polytinker.envs.games.math_tasks import MathProblem, MathTaskConfig, generate, parse_answer, solve
 from polytinker.envs.opponents import ScriptedPolicy
 from polytinker.envs.types import AgentID, InvalidAction, PolicyInput
@@ -102,6 +107,7 @@ class SolverVerifierEnv(TextAECEnv):
         rounds: int = 1,
         verifier_credit: Literal["mean", "sum"] = "mean",
         max_critique_chars: int = 200,
+        verifier_tools: tuple[str, ...] | list[str] = (),
         **task: Any,
     ) -> None:
         if not 0 <= rounds <= 5:
@@ -114,6 +120,7 @@ class SolverVerifierEnv(TextAECEnv):
         super().__init__(config, render_mode)
         self.task = MathTaskConfig.from_kwargs(task)
         self.rounds, self.verifier_credit, self.max_critique_chars = rounds, verifier_credit, max_critique_chars
+        self.verifier_tools = check_tools(verifier_tools)
         self.problem = MathProblem("", "", 0)
         self.answers: list[int | None] = []
         self.decisions: list[tuple[bool, str]] = []  # (accepted, critique) per verifier turn
@@ -129,7 +136,11 @@ class SolverVerifierEnv(TextAECEnv):
             "You check a solver's answer to an arithmetic problem. Reply accept if it is right, or "
             f"reject: <what is wrong> if it is wrong; after a reject the solver revises ({revise}). "
             "You score for accepting right answers and rejecting wrong ones."
+            + tool_sentence(self.verifier_tools, "check the answer")
         )
+
+    def tools(self, agent: AgentID) -> tuple[str, ...]:
+        return self.verifier_tools if agent == VERIFIER else ()
 
     def _new_game(self) -> None:
         self.problem = generate(self.task, self._rng)
