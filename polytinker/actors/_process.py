@@ -37,7 +37,7 @@ class ChildProcess:
     """One running incarnation of an actor: its process, address and log."""
 
     def __init__(
-        self, popen: subprocess.Popen[bytes], name: str, run_dir: Path, log: _logs.LogFile, stop_timeout_s: float = 5.0
+        self, popen: subprocess.Popen[bytes], name: str, run_dir: Path, log: _logs.LogFile, stop_timeout_s: float
     ) -> None:
         self.popen = popen
         self.pid = popen.pid
