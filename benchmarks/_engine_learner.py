@@ -16,13 +16,14 @@ Real model (SmolLM2-135M-Instruct), fp32, LoRA rank 16, alpha 32, on every linea
   processes win more time slices than one 2-thread process; ``learner_cpu_throughput_ratio``
   (tokens per CPU-second, shared over separate) is the load-independent form of the same comparison.
 - ``adapter_sync_ms``: a new adapter version from the learner to an engine: ``export_adapter``
-  (one copy of the adapter's flat buffer into a new snapshot, as the learner worker's reply
-  makes), the transport codec's encode and decode of the ``AdapterTensors`` message a learner
-  answers with (the buffer out of band, what crosses a process boundary), the HF engine's
-  ``load_adapter`` of that new version (one copy into the buffer the version before left), and
+  (one copy of the adapter's flat buffer into a snapshot, as the learner worker's reply makes),
+  the transport codec's encode and decode of the ``AdapterTensors`` message a learner answers
+  with (the buffer out of band, what crosses a process boundary), the HF engine's
+  ``load_adapter`` of that new version (served from the buffer it came in: views, no copy), and
   the unloading of the version before. Median of repeats.
 - ``adapter_sync_vs_memcpy_ratio``: that time over one ``copy_`` of the same number of bytes
-  (target <= 3: two copies and the bookkeeping). ``adapter_export_ms`` and
+  between two buffers copied again and again (target <= 3: the copy and the bookkeeping).
+  ``adapter_export_ms`` and
   ``adapter_engine_load_ms`` split it: the learner's part and the engine's.
 - ``colocated_sync_ms``: the colocated alternative (engine and learner sharing one model in one
   process): copying the trained adapter into a serving slot of the same peft model, which is all

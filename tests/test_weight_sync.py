@@ -6,6 +6,8 @@ adapter crosses as exported CPU tensors through the transport codec (what a sock
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -58,28 +60,69 @@ def test_engine_scores_with_the_version_the_learner_just_made() -> None:
     torch.testing.assert_close(torch.tensor(engine.compute_logprobs([SEQUENCE], AdapterRef("alice", 0))[0]), v0)
 
 
-def test_a_version_moves_as_one_buffer_and_a_freed_slot_is_reused_for_the_next() -> None:
-    """One frame over the codec whatever the number of tensors, into an engine whose unloaded
-    version's buffer the next version is copied into: each engine version scores as the learner's
-    own version did, and keeps doing so while the learner trains on (a snapshot, not a view)."""
-    learner, engine = learner_and_engine()
+def train_and_sync(learner: MultiAdapterLearner, engine: HFBackend, versions: int) -> tuple[AdapterRef, torch.Tensor]:
+    """``versions`` updates, each sent to the engine, which unloads the version before; each engine
+    version scores as the learner's own did. Returns the last version and its scores."""
     probe = train = [Datum(SEQUENCE[:-1], SEQUENCE[1:], [1.0] * (len(SEQUENCE) - 1))]
-    assert len(encode(AdapterTensors.of(learner.export_adapter("alice")))) == 2  # the body and one buffer
     previous: AdapterRef | None = None
-    for _ in range(3):
+    for _ in range(versions):
         learner.forward_backward(train, "cross_entropy", "alice")
         ref = learner.optim_step(AdamParams(learning_rate=1e-2), "alice")
         engine.load_adapter(over_the_wire(learner.export_adapter("alice")))
         if previous is not None:
-            engine.unload_adapter(previous)  # its buffer is the spare the next version fills
+            engine.unload_adapter(previous)
         previous = ref
         expected = torch.tensor(learner.forward(probe, "alice")[0])
         got = torch.tensor(engine.compute_logprobs([SEQUENCE], ref)[0])
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-    learner.forward_backward(train, "cross_entropy", "alice")
-    learner.optim_step(AdamParams(learning_rate=1e-2), "alice")
+    return ref, expected
+
+
+def test_a_version_moves_as_one_buffer_and_is_served_from_it_while_the_learner_trains_on() -> None:
+    """One frame over the codec whatever the number of tensors; an engine of the learner's dtype
+    serves each version from the buffer it came in (the learner's snapshot: no copy), which the
+    learner's next snapshots leave alone until the engine lets go of it, then reuse."""
+    learner, engine = learner_and_engine()
+    assert len(encode(AdapterTensors.of(learner.export_adapter("alice")))) == 2  # the body and one buffer
+    gc.collect()
+    ref, expected = train_and_sync(learner, engine, versions=3)
+    gc.collect()
+    assert learner._snapshots.in_use() == 1  # the engine serves the last version from its snapshot
+    train_and_sync(learner, engine, versions=1)  # the learner trains on: the engine's version holds
     after = torch.tensor(engine.compute_logprobs([SEQUENCE], ref)[0])
     torch.testing.assert_close(after, expected, rtol=1e-4, atol=1e-4)
+    for loaded in engine.loaded_adapters():
+        engine.unload_adapter(loaded)
+    gc.collect()
+    assert learner._snapshots.in_use() == 0
+    assert len(learner._snapshots._arrays) <= 3  # released snapshots' memory was reused
+
+
+def test_an_engine_of_another_dtype_copies_each_version_into_a_freed_buffer() -> None:
+    """A float64 engine converts each float32 version in one copy, into the buffer the version
+    before left (a spare): the learner's snapshot is released as soon as it is loaded."""
+    learner, engine = learner_and_engine()
+    engine = HFBackend(model=engine.model.double(), tokenizer=engine.tokenizer)
+    assert engine.model.dtype == torch.float64
+    with torch.no_grad():
+        train_and_sync(learner, engine, versions=3)
+    gc.collect()
+    assert learner._snapshots.in_use() == 0
+
+
+def test_split_makes_one_view_per_tensor_in_runs_of_equal_shapes() -> None:
+    names = ["a", "b", "c", "d", "e", "f", "g"]
+    shapes = [(2, 3), (2, 3), (4,), (0, 5), (3, 2), (3, 2), (3, 2)]
+    layout = TensorLayout.of_shapes(names, shapes)
+    assert layout.runs == (((2, 3), 2), ((4,), 1), ((0, 5), 1), ((3, 2), 3))
+    flat = torch.arange(layout.numel, dtype=torch.float32)
+    views = layout.split(flat)
+    assert list(views) == names
+    for name, shape, offset, size in zip(names, shapes, layout.offsets, layout.sizes, strict=True):
+        assert views[name].shape == shape and views[name].is_contiguous()
+        assert torch.equal(views[name].reshape(-1), flat[offset : offset + size])
+        if size:
+            assert views[name].data_ptr() == flat.data_ptr() + 4 * offset  # a view, not a copy
 
 
 def test_export_follows_a_parameter_that_was_given_new_storage() -> None:

@@ -168,12 +168,22 @@ class TensorLayout:
                 known = _LAYOUTS[self] = self
             return known
 
+    @functools.cached_property
+    def runs(self) -> tuple[tuple[tuple[int, ...], int], ...]:
+        """(shape, count) per run of consecutive tensors of one shape."""
+        return tuple((shape, len(list(group))) for shape, group in itertools.groupby(self.shapes))
+
     def split(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Views of ``flat``, one per tensor (no copy)."""
+        """Views of ``flat``, one per tensor (no copy). A run of equal shapes is one
+        ``view(count, *shape)`` unbound in C++: an adapter's 420 views cost what a copy of its
+        buffer did when each was made in Python, and a learner orders its layout by shape."""
         import torch
 
-        parts = torch.split(flat, list(self.sizes))
-        return {n: t.view(s) for n, t, s in zip(self.names, parts, self.shapes, strict=True)}
+        blocks = torch.split(flat, [math.prod(shape) * count for shape, count in self.runs])
+        parts: list[torch.Tensor] = []
+        for block, (shape, count) in zip(blocks, self.runs, strict=True):
+            parts.extend(block.view(count, *shape).unbind(0) if count > 1 else (block.view(shape),))
+        return dict(zip(self.names, parts, strict=True))
 
     def pack(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """``tensors`` (this layout's names) copied into one new flat buffer."""

@@ -29,19 +29,29 @@ _MAX_PLANS = 64  # layouts remembered as checked: one per adapter shape in use
 _MAX_SPARES = 4  # unloaded adapters' buffers kept for reuse: new versions copy into warm memory
 
 
+# One slot's adapter as the wrapped layers read it: (A, B) views per layer index, and its scale.
+_Table = tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], float]
+
+
 @dataclass
 class _Held:
-    """One slot's adapter on the model's device: its flat buffer, and (layer path, A, B) views of it."""
+    """One slot's adapter on the model's device: its flat buffer, which its table's views are of.
+    ``owned``: the engine made the buffer, so it may write it again (as a spare); a version served
+    from the buffer it came in is read-only."""
 
     flat: torch.Tensor
-    loras: list[tuple[str, torch.Tensor, torch.Tensor]]
+    table: _Table
+    owned: bool
 
 
 @dataclass
 class Router:
-    """Which adapter serves which rows in the current forward call: (slot, start, stop) runs."""
+    """Which adapter serves which rows in the current forward call: (slot, start, stop) runs, and
+    each loaded slot's table. One object all wrapped layers share, so loading or unloading a
+    version is one entry here, not one per layer."""
 
     segments: list[tuple[str, int, int]] = field(default_factory=list)
+    tables: dict[str, _Table] = field(default_factory=dict)
 
     def set_rows(self, slots: list[str]) -> None:
         """Run-length encode one slot name per row (rows sorted by slot give one run each)."""
@@ -55,22 +65,26 @@ class Router:
 
 
 class MultiLoraLinear(nn.Module):
-    """A frozen linear layer plus any number of LoRA updates, each applied to its rows only."""
+    """A frozen linear layer plus any number of LoRA updates, each applied to its rows only.
+    ``index`` is the layer's key in every slot's table."""
 
-    def __init__(self, base: nn.Linear, router: Router) -> None:
+    def __init__(self, base: nn.Linear, router: Router, index: int) -> None:
         super().__init__()
         self.base = base
         self.router = router
-        self.loras: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}  # slot -> (A, B, scale)
+        self.index = index
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         rows = x.shape[0]
         for slot, start, stop in self.router.segments:
-            lora = self.loras.get(slot)
-            if lora is None:  # the base model's rows, or an adapter that leaves this layer alone
+            table = self.router.tables.get(slot)
+            if table is None:  # the base model's rows
                 continue
-            a, b, scale = lora
+            lora = table[0].get(self.index)
+            if lora is None:  # an adapter that leaves this layer alone
+                continue
+            (a, b), scale = lora, table[1]
             if start == 0 and stop == rows:
                 y = y + F.linear(F.linear(x, a), b) * scale
             else:
@@ -88,7 +102,7 @@ class MultiLora:
         self._held: dict[str, tuple[Any, _Held]] = {}  # slot -> (layout, dtype, device), its buffer
         self._spares: list[tuple[Any, _Held]] = []  # unloaded slots' buffers, oldest first
         self._wrapped: set[str] = set()  # target module names already wrapped everywhere
-        self._plans: dict[TensorLayout, list[tuple[str, int, int]]] = {}  # checked layouts (_plan)
+        self._plans: dict[TensorLayout, list[tuple[int, int, int]]] = {}  # checked layouts (_plan)
 
     def _wrap(self, targets: tuple[str, ...]) -> None:
         if self._wrapped.issuperset(targets):  # the walk over every module, once per target set
@@ -101,37 +115,40 @@ class MultiLora:
                 continue
             parent_path, _, child = path.rpartition(".")
             parent = self.model.get_submodule(parent_path) if parent_path else self.model
-            wrapper = MultiLoraLinear(module, self.router)
+            wrapper = MultiLoraLinear(module, self.router, index=len(self._layers))
             setattr(parent, child, wrapper)
             self._layers[path] = wrapper
 
     def load(self, slot: str, weights: AdapterWeights, dtype: torch.dtype, device: torch.device | None = None) -> None:
         """Put ``weights`` in ``slot`` (replacing what was there); checks every tensor fits.
 
-        The adapter's flat buffer is copied in one op (dtype and device conversion included) into
-        a buffer of the engine's own: a spare one of the same layout that an unloaded version
-        left, else a new one that each layer gets views of. No per-tensor work but installing."""
+        A version already in the engine's dtype and on its device is served from its own buffer
+        (an ``AdapterWeights`` is a snapshot nothing writes: the learner's export, or the frame it
+        arrived in): no copy, only views. Any other is copied in one op (dtype and device
+        conversion included) into a buffer of the engine's own: a spare of the same layout that an
+        unloaded version left, else a new one. No per-tensor work but making the views."""
         self._wrap(weights.config.target_modules)
         plan = self._plan(weights)
         on = device or next(iter(self._layers.values())).base.weight.device
         key = (weights.layout, dtype, on)
+        scale = weights.config.alpha / weights.config.rank
         spare = next((i for i, (k, _) in enumerate(self._spares) if k == key), None)
-        if spare is not None:
+        if weights.flat.dtype == dtype and weights.flat.device == on:
+            held = _Held(weights.flat.detach(), _table(weights.flat, weights.layout, plan, scale), owned=False)
+        elif spare is not None:
             held = self._spares.pop(spare)[1]
             with torch.no_grad():
                 held.flat.copy_(weights.flat)
+            held.table = (held.table[0], scale)
         else:
             flat = weights.flat.detach().to(on, dtype, copy=True)
-            views = list(weights.layout.split(flat).values())
-            held = _Held(flat, [(path, views[i_a], views[i_b]) for path, i_a, i_b in plan])
+            held = _Held(flat, _table(flat, weights.layout, plan, scale), owned=True)
         self.unload(slot)
         self._held[slot] = (key, held)
-        scale = weights.config.alpha / weights.config.rank
-        for path, a, b in held.loras:
-            self._layers[path].loras[slot] = (a, b, scale)
+        self.router.tables[slot] = held.table
 
-    def _plan(self, weights: AdapterWeights) -> list[tuple[str, int, int]]:
-        """(layer path, index of A, index of B) per layer, checked against the model; one check
+    def _plan(self, weights: AdapterWeights) -> list[tuple[int, int, int]]:
+        """(layer index, index of A, index of B) per layer, checked against the model; one check
         per layout (an adapter's versions share theirs)."""
         plan = self._plans.get(weights.layout)
         if plan is not None:
@@ -155,7 +172,7 @@ class MultiLora:
                     f"adapter {weights.ref}: {path} has A {a}, B {b}; the layer is "
                     f"{layer.base.in_features} -> {layer.base.out_features}"
                 )
-            plan.append((path, pair["lora_A"], pair["lora_B"]))
+            plan.append((layer.index, pair["lora_A"], pair["lora_B"]))
         if len(self._plans) >= _MAX_PLANS:
             self._plans.pop(next(iter(self._plans)))
         self._plans[weights.layout] = plan
@@ -168,10 +185,15 @@ class MultiLora:
         if entry is None:
             return
         key, held = entry
-        for path, _, _ in held.loras:
-            self._layers[path].loras.pop(slot, None)
-        self._spares.append((key, held))
-        del self._spares[:-_MAX_SPARES]
+        self.router.tables.pop(slot, None)
+        if held.owned:
+            self._spares.append((key, held))
+            del self._spares[:-_MAX_SPARES]
+
+
+def _table(flat: torch.Tensor, layout: TensorLayout, plan: list[tuple[int, int, int]], scale: float) -> _Table:
+    views = list(layout.split(flat).values())
+    return {layer: (views[i_a], views[i_b]) for layer, i_a, i_b in plan}, scale
 
 
 __all__ = ["MultiLora", "MultiLoraLinear", "Router"]

@@ -28,6 +28,7 @@ from polytinker.engine.learner.config import LearnerConfig, LossConfig
 from polytinker.engine.learner.distributed import SINGLE, DistInfo, broadcast_
 from polytinker.engine.learner.losses import check_loss_inputs, collate, kl_to_reference, policy_loss
 from polytinker.engine.learner.scoring import plan_micro_batches
+from polytinker.engine.learner.snapshots import SnapshotBuffers
 from polytinker.engine.learner.state import Checkpoint, load_checkpoint, save_checkpoint, write_atomic_dir
 from polytinker.engine.types import (
     AdapterName,
@@ -66,24 +67,29 @@ def _peft_key(param_name: str, adapter: str) -> str:
     raise ConfigError(f"{param_name} is not a tensor of adapter {adapter!r}")
 
 
-def _pack_params(params: dict[str, nn.Parameter], adapter: str) -> tuple[torch.Tensor, TensorLayout]:
+def _pack_params(params: dict[str, nn.Parameter], adapter: str) -> tuple[torch.Tensor, TensorLayout, tuple[str, ...]]:
     """Move ``params`` into one flat buffer and make each a view of it (optimizer steps,
     checkpoint loads and broadcasts write parameters in place, so the views hold; ``_aliases``
-    checks). Keys are peft's: the parameter name without the adapter name."""
+    checks). Keys are peft's: the parameter name without the adapter name. The buffer holds the
+    parameters ordered by shape, so an engine makes its views of a version in a few runs
+    (``TensorLayout.split``); returned with the parameters' names in that order."""
     if len({p.dtype for p in params.values()}) != 1:
         raise ConfigError(f"adapter {adapter!r}: its LoRA parameters differ in dtype; one flat buffer needs one")
-    layout = TensorLayout.of_shapes([_peft_key(k, adapter) for k in params], [p.shape for p in params.values()])
-    flat = layout.pack({_peft_key(k, adapter): p.detach() for k, p in params.items()})
-    for p, view in zip(params.values(), layout.split(flat).values(), strict=True):
+    ordered = sorted(params.items(), key=lambda item: tuple(item[1].shape))  # stable: peft's order within a shape
+    layout = TensorLayout.of_shapes([_peft_key(k, adapter) for k, _ in ordered], [p.shape for _, p in ordered])
+    flat = layout.pack({_peft_key(k, adapter): p.detach() for k, p in ordered})
+    for (_, p), view in zip(ordered, layout.split(flat).values(), strict=True):
         p.data = view
-    return flat, layout
+    return flat, layout, tuple(k for k, _ in ordered)
 
 
-def _aliases(params: dict[str, nn.Parameter], flat: torch.Tensor, layout: TensorLayout) -> bool:
-    """Whether every parameter is still its view of ``flat`` (``p.data = ...`` or ``module.to``
-    would have given it storage of its own). One C-level pass: it runs with every export."""
+def _aliases(params: dict[str, nn.Parameter], order: tuple[str, ...], flat: torch.Tensor, layout: TensorLayout) -> bool:
+    """Whether every parameter (named in ``layout``'s ``order``) is still its view of ``flat``
+    (``p.data = ...`` or ``module.to`` would have given it storage of its own). One C-level
+    pass: it runs with every export."""
     base, size = flat.data_ptr(), flat.element_size()
-    return list(map(torch.Tensor.data_ptr, params.values())) == [base + off * size for off in layout.offsets]
+    ptrs = list(map(torch.Tensor.data_ptr, map(params.__getitem__, order)))
+    return ptrs == [base + off * size for off in layout.offsets]
 
 
 @contextlib.contextmanager
@@ -148,9 +154,11 @@ class MultiAdapterLearner(Learner):
         self._slots: dict[AdapterName, Slot] = {}
         self._lora: dict[AdapterName, LoraConfig] = {}
         self._layers: list[Any] | None = None  # peft's LoRA layers, found once per adapter set
-        # Per adapter: one flat buffer its parameters are views of, and their peft keys and shapes
-        # in that buffer (export copies the buffer in one op: _pack_params).
-        self._packed: dict[AdapterName, tuple[torch.Tensor, TensorLayout]] = {}
+        # Per adapter: one flat buffer its parameters are views of, their peft keys and shapes in
+        # that buffer, and the parameters' names in that order (export copies the buffer in one op:
+        # _pack_params).
+        self._packed: dict[AdapterName, tuple[torch.Tensor, TensorLayout, tuple[str, ...]]] = {}
+        self._snapshots = SnapshotBuffers()  # export_adapter's host buffers, reused once released
         self._rows_mode = False  # inside forward_backward_many: peft's LoRA path off, hooks add the deltas
 
     # -- adapters -------------------------------------------------------------------------------
@@ -191,12 +199,15 @@ class MultiAdapterLearner(Learner):
 
     def export_adapter(self, name: AdapterName) -> AdapterWeights:
         """A snapshot of the adapter's current version on the CPU, keyed as peft saves it: one
-        copy of its flat buffer into a new one."""
+        copy of its flat buffer into host memory no earlier snapshot still uses (``snapshots``)."""
         slot = self._slot(name)
-        flat, layout = self._packed[name]
-        if not _aliases(slot.params, flat, layout):
-            flat, layout = self._packed[name] = _pack_params(slot.params, name)
-        return AdapterWeights(slot.ref(), self._lora[name], flat.detach().to("cpu", copy=True), layout)
+        flat, layout, order = self._packed[name]
+        if not _aliases(slot.params, order, flat, layout):
+            flat, layout, _ = self._packed[name] = _pack_params(slot.params, name)
+        snapshot = self._snapshots.take(flat.numel(), flat.dtype)
+        with torch.no_grad():
+            snapshot.copy_(flat)
+        return AdapterWeights(slot.ref(), self._lora[name], snapshot, layout)
 
     def export_adapter_dir(self, name: AdapterName, path: str | os.PathLike[str]) -> Path:
         """Write the adapter in peft's directory format (what vLLM's LoRARequest loads), atomically."""
