@@ -3,6 +3,7 @@ learner time-slicing, and the RPC surface against malformed and overloaded traff
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 import time
@@ -667,3 +668,15 @@ def test_a_learner_worker_holds_one_full_parameter_model_at_a_time(tmp_path: Pat
         assert worker.forward(wm.LearnerForward("a/1/x", batch, full=True)) == trained
     finally:
         worker.close()
+
+
+def test_worker_threads_take_omp_num_threads_else_the_cores_shared_by_a_groups_ranks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from polytinker.scheduler.service.workers import worker_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert worker_threads() == worker_threads(4) == 3
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert (worker_threads(), worker_threads(1), worker_threads(2), worker_threads(16)) == (8, 8, 4, 1)
