@@ -182,7 +182,7 @@ class TensorLayout:
         blocks = torch.split(flat, [math.prod(shape) * count for shape, count in self.runs])
         parts: list[torch.Tensor] = []
         for block, (shape, count) in zip(blocks, self.runs, strict=True):
-            parts.extend(block.view(count, *shape).unbind(0) if count > 1 else (block.view(shape),))
+            parts.extend(block.view(count, *shape).unbind(0))
         return dict(zip(self.names, parts, strict=True))
 
     def pack(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:

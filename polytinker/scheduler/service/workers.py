@@ -97,13 +97,23 @@ def worker_threads(ranks: int = 1) -> int:
     cores shared by the ranks of the worker's learner group (an engine or a one-rank learner
     takes them all). In a synchronous training loop the engine samples while the learner waits,
     and the learner trains while the engine waits, so whichever runs gets every core: the main
-    job (`make train`) took 101 s with one thread a worker, 67 s with two, with the same results.
-    Where workers do run at once (several experiments on one runtime, asynchronous loops), set
-    ``$OMP_NUM_THREADS`` to share the cores out instead."""
+    job (`make train`) took 1 min 41 s with one thread a worker, 1 min 13 s with every core, with
+    the same results. Where workers do run at once (several experiments on one runtime,
+    asynchronous loops), set ``$OMP_NUM_THREADS`` to share the cores out instead."""
     if os.environ.get("OMP_NUM_THREADS"):
         return max(1, int(os.environ["OMP_NUM_THREADS"]))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // max(1, ranks))
+
+
+def set_worker_threads(role: str, worker_id: str, config: RuntimeConfig) -> None:
+    """Give this worker process ``worker_threads`` torch threads: a runtime's worker actor and
+    ``polytinker worker`` call it before they build the worker (an in-process runtime does not:
+    its threads are the caller's)."""
+    import torch
+
+    ranks = next((g.world_size for g in config.learners if g.learner_id == worker_id), 1) if role == "learner" else 1
+    torch.set_num_threads(worker_threads(ranks))
 
 
 def build_worker(role: str, worker_id: str, config: RuntimeConfig) -> Any:
@@ -136,12 +146,9 @@ class _WorkerActor(Actor):
         self._server: WorkerServer | None = None
 
     def on_start(self) -> None:
-        import torch
-
         os.umask(0o077)  # checkpoints and adapter exports hold a tenant's weights: this user's alone
 
-        ranks = next((g.world_size for g in self._config.learners if g.learner_id == self._worker_id), 1)
-        torch.set_num_threads(worker_threads(ranks if self.role == "learner" else 1))
+        set_worker_threads(self.role, self._worker_id, self._config)
         self._worker = build_worker(self.role, self._worker_id, self._config)
         # Engines take many concurrent sample requests (the batcher joins them); learners one at a time.
         threads = 256 if self.role == "engine" else 1
@@ -176,4 +183,4 @@ class LearnerActor(_WorkerActor):
     role = "learner"
 
 
-__all__ = ["EngineActor", "LearnerActor", "WorkerServer", "build_worker"]
+__all__ = ["EngineActor", "LearnerActor", "WorkerServer", "build_worker", "set_worker_threads", "worker_threads"]
