@@ -257,3 +257,17 @@ def test_numbered_moves_are_listed_and_the_number_answered_names_the_move(tokeni
     action = asyncio.run(players.policy({3: {"player_0": Slot(SlotKind.LEARNER, "a")}})("player_0", inp))
     assert action.text == "look" and action.meta == {"answer": " 3"}
     assert tokenizer.decode(action.sample.completion_tokens) == " 3"  # what the model wrote is trained on
+
+
+def test_constrained_choices_are_the_moves_then_the_end_of_the_turn(tokenizer):
+    moves = ("go to cabinet 1", "open drawer 1", "look")
+    inp = PolicyInput("player_0", "ep", "tw", "Tidy.", TextObservation("You are in a kitchen.", moves), seed=3)
+    end = tokenizer.eos_token_id
+    text = Renderer(tokenizer, RendererConfig(constrain_moves=True))
+    choices = text.choices(inp)
+    assert [tokenizer.decode(c[:-1]) for c in choices] == [f" {m}" for m in moves]
+    assert all(c[-1] == end for c in choices)
+    assert text.chosen_move(inp, " open drawer 1") == "open drawer 1"
+    numbered = Renderer(tokenizer, RendererConfig(constrain_moves=True, numbered_moves=True))
+    assert [tokenizer.decode(c) for c in numbered.choices(inp)] == [f" {i}{tokenizer.eos_token}" for i in (1, 2, 3)]
+    assert Renderer(tokenizer, RendererConfig()).choices(inp) == ()

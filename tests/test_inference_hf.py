@@ -190,3 +190,43 @@ def test_real_model_mixed_batch_equals_unmixed(real_backend: HFBackend) -> None:
     mixed = [r.sequences[0].token_ids for r in real_backend.sample(requests)]
     assert mixed == [real_backend.sample([r])[0].sequences[0].token_ids for r in requests]
     assert len(set(mixed)) > 1, "the adapters should steer the model apart"
+
+
+def test_choices_constrain_the_completion_and_keep_the_models_logprobs(backend: HFBackend) -> None:
+    # Three answers of different lengths sharing a first token; a random model left alone would
+    # spell none of them.
+    choices = ((11, 12, 13), (11, 14), (20,))
+    seen = set()
+    for seed in range(12):
+        params = SamplingParams(max_tokens=3, temperature=1.5, seed=seed, choices=choices)
+        for ref in (None, REFS[0]):
+            result = backend.sample([_greedy(ref, params)])[0]
+            seq = result.sequences[0]
+            assert seq.token_ids in choices and seq.finish_reason is FinishReason.STOP
+            seen.add(seq.token_ids)
+            scored = backend.compute_logprobs([result.prompt_token_ids + seq.token_ids], ref)[0]
+            assert scored[-len(seq.token_ids) :] == pytest.approx(seq.logprobs, abs=1e-4)
+    assert seen == set(choices)  # every choice is reachable: the mask keeps what continues one
+    unconstrained = backend.sample([_greedy(None, SamplingParams(max_tokens=3, temperature=1.5, seed=0))])[0]
+    assert unconstrained.sequences[0].token_ids not in choices
+
+
+def test_greedy_choice_follows_the_likeliest_allowed_token(backend: HFBackend) -> None:
+    prompt = backend.sample([_greedy(None, SamplingParams(max_tokens=1, temperature=0))])[0].prompt_token_ids
+    a, b = 30, 31  # two first tokens: the greedy choice is the one the model prefers
+    la = backend.compute_logprobs([(*prompt, a)])[0][-1]
+    lb = backend.compute_logprobs([(*prompt, b)])[0][-1]
+    params = SamplingParams(max_tokens=2, temperature=0, choices=((a, 5), (b, 6)))
+    seq = backend.sample([SampleRequest(prompt_token_ids=prompt, params=params)])[0].sequences[0]
+    assert seq.token_ids == ((a, 5) if la > lb else (b, 6))
+
+
+def test_choices_are_checked() -> None:
+    with pytest.raises(ConfigError, match="prefix"):
+        SamplingParams(max_tokens=4, choices=((1, 2), (1, 2, 3)))
+    with pytest.raises(ConfigError, match="max_tokens"):
+        SamplingParams(max_tokens=2, choices=((1, 2, 3),))
+    with pytest.raises(ConfigError, match="token ids"):
+        SamplingParams(max_tokens=2, choices=((1, -2),))
+    with pytest.raises(ConfigError, match="token ids"):
+        SamplingParams(max_tokens=2, choices=((),))

@@ -269,3 +269,31 @@ def test_an_agent_calls_its_envs_tool_and_trains_on_what_it_wrote(service, tmp_p
     assert turn["meta"]["tool_calls"] == 1
     (exchange,) = turn["meta"]["tools"]
     assert exchange["tool"] == "calculator" and exchange["result"]
+
+
+def test_constrained_moves_are_always_legal_and_train(service, tmp_path):
+    """constrain_moves with the real engine: a random model, which otherwise answers off the list,
+    plays only legal text-world moves (no invalid answer in training or evaluation), and the
+    datums train on the tokens it was made to write."""
+    from polytinker.agents import RendererConfig
+
+    householder = dataclasses.replace(
+        agent("householder"), sampling=SamplingConfig(max_tokens=2), renderer=RendererConfig(constrain_moves=True)
+    )
+    kwargs = {"receptacles": 3, "info_commands": False, "max_steps": 4}
+    config = ExperimentConfig(
+        name="constrained",
+        env=EnvSetup("textworld-v0", kwargs),
+        agents=(householder,),
+        train=TrainConfig(steps=1, groups=2, group_size=2),
+        eval=EvalConfig(episodes=2, win="solved"),
+        output=OutputConfig(root=str(tmp_path), progress=False, tensorboard=False),
+    )
+    Experiment(config).train(service=service)
+    rows = read_metrics(tmp_path / "constrained")
+    assert rows[1]["invalid_rate/householder"] == 0.0  # rows[0]: the evaluation before training
+    episodes = [json.loads(line) for line in (tmp_path / "constrained" / "transcripts.jsonl").read_text().splitlines()]
+    turns = [t for e in episodes for t in e["turns"]["player_0"]]
+    assert len(turns) >= 4 and not any(t.get("invalid") for t in turns)
+    # Whole moves although max_tokens=2: a constrained answer may be as long as its longest choice.
+    assert all(t["action"].startswith(("go to ", "open ", "close ", "take ", "put ")) for t in turns)

@@ -29,6 +29,7 @@ from typing import Any
 from polytinker.agents.spec import RendererConfig
 from polytinker.engine.types import Datum
 from polytinker.envs.types import PolicyInput
+from polytinker.errors import ConfigError
 
 _FIRST_NUMBER = re.compile(r"\d{1,4}")
 # Stands for an assistant message's content when the template is asked what follows one.
@@ -60,12 +61,32 @@ class Renderer:
 
     def chosen_move(self, inp: PolicyInput, answer: str) -> str:
         """With ``numbered_moves``: the listed move the answer's first number names, or the answer
-        itself (the env judges it) when it names none."""
+        itself (the env judges it) when it names none. With ``constrain_moves`` alone: the move
+        the answer spells."""
+        if self.config.constrain_moves and not self.config.numbered_moves:
+            move = answer.strip()  # a choice is the move after a space
+            return move if move in inp.observation.legal_moves else answer
         moves = self.listed_moves(inp) if self.config.numbered_moves else ()
         found = _FIRST_NUMBER.search(answer)
         if moves and found and 1 <= int(found.group()) <= len(moves):
             return moves[int(found.group()) - 1]
         return answer
+
+    def choices(self, inp: PolicyInput) -> tuple[tuple[int, ...], ...]:
+        """With ``constrain_moves``: the token sequences the answer may be, each the answer's text
+        (a listed number with ``numbered_moves``, else a legal move, after a space) and the end of
+        the turn; () when unconstrained or the env lists no moves."""
+        if not self.config.constrain_moves:
+            return ()
+        if self.config.numbered_moves:
+            answers = [f" {i}" for i in range(1, len(self.listed_moves(inp)) + 1)]
+        else:
+            answers = [f" {move}" for move in inp.observation.legal_moves]
+        end = self.tokenizer.eos_token_id
+        if end is None:
+            raise ConfigError("constrain_moves needs a tokenizer with an end-of-turn (eos) token")
+        unique = dict.fromkeys((*self._encode(text), int(end)) for text in answers)
+        return tuple(unique)
 
     def messages(self, inp: PolicyInput) -> list[dict[str, str]]:
         system = self.config.system_prompt or inp.instructions

@@ -106,6 +106,10 @@ class _ModelTurn:
         self.renderer = players.renderers[agent]
         self.tools = players.toolset(inp.tools)
         self.format = tool_format(self.spec.renderer.tool_format) if self.tools else None
+        if self.tools and self.spec.renderer.constrain_moves:
+            names = ", ".join(self.tools)
+            raise ConfigError(f"agent {agent}: constrain_moves cannot be used in an env with tools ({names})")
+        self.choices = players.renderers[agent].choices(inp)
 
     async def play(self, evaluation: bool, seed: int) -> AgentAction:
         tools_text = self.format.describe(list(self.tools.values()), self.players.tool_limits) if self.format else ""
@@ -149,18 +153,20 @@ class _ModelTurn:
         # The env reads the answer after the last tool result (all of it when there was no call),
         # or the listed move it names by number.
         action = self.renderer.chosen_move(self.inp, seq.text)
-        if action != seq.text:
+        if action != seq.text.strip():
             meta = {**meta, "answer": seq.text}
         return AgentAction(action, meta=meta, sample=sample)
 
     def _params(self, evaluation: bool, seed: int, may_call: bool) -> SamplingParams:
         sampling = self.spec.sampling
         return SamplingParams(
-            max_tokens=sampling.max_tokens,
+            # A constrained answer may be as long as its longest choice.
+            max_tokens=max([sampling.max_tokens, *map(len, self.choices)]),
             temperature=sampling.eval_temperature if evaluation else sampling.temperature,
             top_p=sampling.top_p,
             seed=seed,
             stop=tuple(self.format.stop_strings(self.tools)) if may_call and self.format is not None else (),
+            choices=self.choices,
         )
 
 

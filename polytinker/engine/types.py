@@ -5,7 +5,7 @@
 - ``LoraConfig``: rank, alpha, target modules of an adapter.
 - ``AdapterWeights``: one version of an adapter's tensors, keyed as in peft's ``adapter_model.safetensors``,
   packed back to back in one flat buffer whose ``TensorLayout`` names and shapes them.
-- ``SamplingParams``: how to sample (max_tokens, temperature, top_p, top_k, stop, seed, n).
+- ``SamplingParams``: how to sample (max_tokens, temperature, top_p, top_k, stop, seed, n, choices).
 - ``SampleRequest`` / ``SampleResult`` / ``SampledSequence``: one request to an engine and its answer.
 - ``FinishReason``: why a sequence stopped.
 - ``Datum``: one training example in Tinker's shape (model input tokens and per-token loss inputs).
@@ -42,6 +42,7 @@ ScoredTopK = tuple[list[list[float]], list[list[TopTokens]]]
 LossFnName = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
 LOSS_FNS: tuple[str, ...] = get_args(LossFnName)  # the same names, to check a value against
 MAX_SAMPLE_TOKENS = 1 << 16  # the most tokens one sample may ask for
+MAX_CHOICES = 1024  # the most completions a constrained sample may choose among (SamplingParams.choices)
 MAX_LAYOUT_TENSORS = 1 << 16  # the most tensors one TensorLayout may name (a 70B LoRA on every linear has ~5600)
 MAX_TENSOR_DIMS = 8
 MAX_INTERNED_LAYOUTS = 64  # distinct adapter layouts remembered (TensorLayout.interned)
@@ -257,10 +258,17 @@ class SamplingParams:
     seed: int | None = None
     n: int = 1
     ignore_eos: bool = False  # keep sampling past EOS (stop_token_ids still stop): fixed-length benchmarks
+    # Constrained sampling: the completion is exactly one of these token sequences (none may be a
+    # prefix of another, each at most max_tokens long). At each step only tokens that continue some
+    # choice may be drawn; the row finishes when it has spelled one. The logprobs are the model's own
+    # (before the constraint), what a learner scores the same tokens with. Empty: unconstrained.
+    choices: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 < self.max_tokens <= MAX_SAMPLE_TOKENS:
             raise ConfigError(f"SamplingParams.max_tokens must be in 1..{MAX_SAMPLE_TOKENS}, got {self.max_tokens}")
+        if self.choices:
+            check_choices(self.choices, self.max_tokens)
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ConfigError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -269,6 +277,26 @@ class SamplingParams:
             raise ConfigError(f"SamplingParams.top_k must be >= 0 (0 disables it), got {self.top_k}")
         if self.n <= 0:
             raise ConfigError(f"SamplingParams.n must be positive, got {self.n}")
+
+
+def check_choices(choices: Sequence[Sequence[int]], max_tokens: int) -> None:
+    """ConfigError unless ``choices`` are 1..MAX_CHOICES non-empty sequences of token ids, each at
+    most ``max_tokens`` long, none a prefix of another (a row must know when it is done)."""
+    ok = isinstance(choices, tuple) and len(choices) <= MAX_CHOICES
+    ok = ok and all(isinstance(c, tuple) and 0 < len(c) <= max_tokens for c in choices)
+    ok = ok and all(type(t) is int and t >= 0 for c in choices for t in c)
+    if not ok:
+        raise ConfigError(
+            f"SamplingParams.choices: at most {MAX_CHOICES} tuples of token ids (ints >= 0), "
+            f"each 1..max_tokens={max_tokens} long"
+        )
+    ordered = sorted(choices)  # a prefix sorts right before the sequences it starts
+    for shorter, longer in itertools.pairwise(ordered):
+        if longer[: len(shorter)] == shorter:
+            raise ConfigError(
+                f"SamplingParams.choices: {list(shorter)} is a prefix of {list(longer)} (end each choice "
+                "with a stop token, e.g. the end of the turn)"
+            )
 
 
 @dataclass(frozen=True)

@@ -125,6 +125,11 @@ def _converter_for(hint: Any) -> Callable[[Any], Any] | None:
             return None
         return _converter_for(options[0])
     if hint is tuple or origin is tuple:
+        args = typing.get_args(hint)
+        # tuple[tuple[int, ...], ...]: the inner sequences are tuples too (msgpack gives lists).
+        inner = _converter_for(args[0]) if len(args) == 2 and args[1] is Ellipsis else None
+        if inner is not None:
+            return lambda v: tuple(inner(x) for x in v) if isinstance(v, list | tuple) else v
         return lambda v: tuple(v) if isinstance(v, list) else v
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         return hint

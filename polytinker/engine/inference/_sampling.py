@@ -4,6 +4,10 @@ Each row has a temperature, top-k, top-p and its own ``torch.Generator``, so a s
 draws the same tokens whatever else shares its batch. Sampling uses the exponential race
 (``argmax(log p - log E)``, ``E ~ Exp(1)``), which draws exactly from ``p`` and lets the noise
 come from each row's generator while the arithmetic stays batched.
+
+A row with ``choices`` (``SamplingParams.choices``) may only draw tokens that continue one of
+them (``constrain``): everything else is masked out before the draw, and the row finishes once it
+has spelled a choice.
 """
 
 from __future__ import annotations
@@ -36,6 +40,28 @@ def make_row_sampler(params: SamplingParams, index: int) -> RowSampler:
     else:
         seed = int(np.random.SeedSequence([params.seed, index]).generate_state(1, np.uint64)[0] >> 1)
     return RowSampler(params, torch.Generator().manual_seed(seed))
+
+
+def allowed_next(choices: Sequence[Sequence[int]], so_far: Sequence[int]) -> list[int]:
+    """The tokens that continue some choice after ``so_far``."""
+    k = len(so_far)
+    prefix = tuple(so_far)
+    return sorted({c[k] for c in choices if len(c) > k and tuple(c[:k]) == prefix})
+
+
+def constrain(logits_BV: torch.Tensor, samplers: Sequence[RowSampler], tokens: Sequence[Sequence[int]]) -> torch.Tensor:
+    """``logits_BV`` with every token no choice continues set to -inf, in the rows that have
+    choices (the same tensor when none has)."""
+    rows = [i for i, s in enumerate(samplers) if s.params.choices]
+    if not rows:
+        return logits_BV
+    masked_BV = torch.full_like(logits_BV, float("-inf"))
+    keep = [i for i in range(len(samplers)) if not samplers[i].params.choices]
+    masked_BV[keep] = logits_BV[keep]
+    for i in rows:
+        allowed = torch.tensor(allowed_next(samplers[i].params.choices, tokens[i]), dtype=torch.long)
+        masked_BV[i, allowed] = logits_BV[i, allowed]
+    return masked_BV
 
 
 def _filter_top_k_top_p(logits_RV: torch.Tensor, top_k_R: torch.Tensor, top_p_R: torch.Tensor) -> torch.Tensor:
@@ -72,4 +98,4 @@ def choose_tokens(logits_BV: torch.Tensor, samplers: Sequence[RowSampler]) -> to
     return tokens_B
 
 
-__all__ = ["RowSampler", "choose_tokens", "make_row_sampler"]
+__all__ = ["RowSampler", "allowed_next", "choose_tokens", "constrain", "make_row_sampler"]

@@ -23,7 +23,7 @@ import torch
 
 from polytinker.engine.device import resolve_device
 from polytinker.engine.inference._multilora import MultiLora
-from polytinker.engine.inference._sampling import RowSampler, choose_tokens, make_row_sampler
+from polytinker.engine.inference._sampling import RowSampler, choose_tokens, constrain, make_row_sampler
 from polytinker.engine.inference.adapter_io import read_adapter_dir
 from polytinker.engine.inference.base import cut_at_stop, render_prompt
 from polytinker.engine.inference.config import HFBackendConfig
@@ -218,7 +218,9 @@ class HFBackend:
         logits_BV, mask_BL, next_pos_B = self._prefill(rows, cache)
         live = list(range(len(rows)))
         while True:
-            tokens_B = choose_tokens(logits_BV, [rows[i].sampler for i in live])
+            samplers = [rows[i].sampler for i in live]
+            # Choices mask what may be drawn; the logprobs stay the model's own (what a learner scores).
+            tokens_B = choose_tokens(constrain(logits_BV, samplers, [rows[i].tokens for i in live]), samplers)
             logprobs_B = logits_BV.log_softmax(-1).gather(1, tokens_B[:, None])[:, 0]
             keep = [j for j, i in enumerate(live) if not self._append(rows[i], int(tokens_B[j]), float(logprobs_B[j]))]
             if not keep:
@@ -240,7 +242,10 @@ class HFBackend:
         row.tokens.append(token)
         row.logprobs.append(logprob)
         params = row.sampler.params
-        if token in row.stop_ids or (params.stop and cut_at_stop(self._text(row.tokens), params.stop)[1]):
+        if params.choices:  # done once it spells a choice (none is a prefix of another)
+            if tuple(row.tokens) in params.choices:
+                row.finish = FinishReason.STOP
+        elif token in row.stop_ids or (params.stop and cut_at_stop(self._text(row.tokens), params.stop)[1]):
             row.finish = FinishReason.STOP
         elif len(row.tokens) >= row.max_tokens:
             row.finish = FinishReason.LENGTH

@@ -245,6 +245,11 @@ class VllmBackend:
         """vLLM's SamplingParams for ``params`` (with ``n`` samples), max_tokens clipped to the room left."""
         from vllm import SamplingParams as VllmSamplingParams
 
+        if params.choices:
+            raise ConfigError(
+                "SamplingParams.choices (constrained answers, the renderer's constrain_moves) is built for the "
+                "hf engine backend only: run the experiment with runtime.backend = 'hf'"
+            )
         room = self.config.max_model_len - prompt_len
         if room <= 0:
             raise ConfigError(
