@@ -193,12 +193,12 @@ def test_real_model_mixed_batch_equals_unmixed(real_backend: HFBackend) -> None:
 
 
 def test_choices_constrain_the_completion_and_keep_the_models_logprobs(backend: HFBackend) -> None:
-    # Three answers of different lengths sharing a first token; a random model left alone would
-    # spell none of them.
+    # Answers of different lengths sharing a first token; a random model left alone spells none.
     choices = ((11, 12, 13), (11, 14), (20,))
     seen = set()
     for seed in range(12):
-        params = SamplingParams(max_tokens=3, temperature=1.5, seed=seed, choices=choices)
+        # A high temperature flattens the draw (each choice's chance ~ p(choice) ** (1 / T)).
+        params = SamplingParams(max_tokens=3, temperature=50.0, seed=seed, choices=choices)
         for ref in (None, REFS[0]):
             result = backend.sample([_greedy(ref, params)])[0]
             seq = result.sequences[0]
@@ -206,19 +206,33 @@ def test_choices_constrain_the_completion_and_keep_the_models_logprobs(backend: 
             seen.add(seq.token_ids)
             scored = backend.compute_logprobs([result.prompt_token_ids + seq.token_ids], ref)[0]
             assert scored[-len(seq.token_ids) :] == pytest.approx(seq.logprobs, abs=1e-4)
-    assert seen == set(choices)  # every choice is reachable: the mask keeps what continues one
+    assert seen == set(choices)
     unconstrained = backend.sample([_greedy(None, SamplingParams(max_tokens=3, temperature=1.5, seed=0))])[0]
     assert unconstrained.sequences[0].token_ids not in choices
 
 
-def test_greedy_choice_follows_the_likeliest_allowed_token(backend: HFBackend) -> None:
+def test_a_greedy_choice_is_the_likeliest_whole_answer(backend: HFBackend) -> None:
     prompt = backend.sample([_greedy(None, SamplingParams(max_tokens=1, temperature=0))])[0].prompt_token_ids
-    a, b = 30, 31  # two first tokens: the greedy choice is the one the model prefers
-    la = backend.compute_logprobs([(*prompt, a)])[0][-1]
-    lb = backend.compute_logprobs([(*prompt, b)])[0][-1]
-    params = SamplingParams(max_tokens=2, temperature=0, choices=((a, 5), (b, 6)))
-    seq = backend.sample([SampleRequest(prompt_token_ids=prompt, params=params)])[0].sequences[0]
-    assert seq.token_ids == ((a, 5) if la > lb else (b, 6))
+    choices = ((30, 5, 7), (31, 6), (32,))
+    totals = [sum(backend.compute_logprobs([(*prompt, *c)])[0][-len(c) :]) for c in choices]
+    for n in (1, 3):  # n rows of one request score their choices apart and agree
+        params = SamplingParams(max_tokens=3, temperature=0, choices=choices, n=n)
+        result = backend.sample([SampleRequest(prompt_token_ids=prompt, params=params)])[0]
+        assert {s.token_ids for s in result.sequences} == {choices[totals.index(max(totals))]}
+
+
+def test_many_choices_are_scored_in_slices(backend: HFBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    import polytinker.engine.inference.hf as hf
+
+    prompt = tuple(range(5, 25))
+    choices = tuple((100 + i, 2) for i in range(40))
+    params = SamplingParams(max_tokens=2, temperature=0, choices=choices)
+    request = SampleRequest(prompt_token_ids=prompt, params=params)
+    whole = backend.sample([request])[0].sequences[0]
+    monkeypatch.setattr(hf, "_CHOICE_POSITIONS", 50)  # two choices of 22 positions a pass: 20 passes
+    sliced = backend.sample([request])[0].sequences[0]
+    assert sliced.token_ids == whole.token_ids
+    assert sliced.logprobs == pytest.approx(whole.logprobs, abs=1e-4)
 
 
 def test_choices_are_checked() -> None:

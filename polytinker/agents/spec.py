@@ -137,8 +137,8 @@ class RendererConfig:
     # as written (and is refused there, in the metrics like any invalid answer).
     constrain_moves: bool = False
     # The answer is one of the env's legal moves (or, with numbered_moves, one of the listed
-    # numbers), then the end of the turn: the engine draws only tokens that continue one of them,
-    # so a small model never answers off the list (hf engine backend). The datum and its logprobs
+    # numbers), then the end of the turn: the engine scores each whole move and draws one by the
+    # model's probability of it, so a small model never answers off the list (hf engine backend). The datum and its logprobs
     # are the model's own tokens and scores; invalid answers cannot happen, so they stay at 0 in
     # the metrics. Not with tools (an answer that may be a tool call is not a move).
     name_role: bool = False

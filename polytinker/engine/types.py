@@ -259,9 +259,10 @@ class SamplingParams:
     n: int = 1
     ignore_eos: bool = False  # keep sampling past EOS (stop_token_ids still stop): fixed-length benchmarks
     # Constrained sampling: the completion is exactly one of these token sequences (none may be a
-    # prefix of another, each at most max_tokens long). At each step only tokens that continue some
-    # choice may be drawn; the row finishes when it has spelled one. The logprobs are the model's own
-    # (before the constraint), what a learner scores the same tokens with. Empty: unconstrained.
+    # prefix of another, each at most max_tokens long), drawn with probability proportional to the
+    # model's probability of the whole sequence to the power 1 / temperature (greedy: the likeliest);
+    # top_k and top_p do not apply. The logprobs are the model's own per token, what a learner scores
+    # the same tokens with. Empty: unconstrained.
     choices: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
@@ -279,7 +280,7 @@ class SamplingParams:
             raise ConfigError(f"SamplingParams.n must be positive, got {self.n}")
 
 
-def check_choices(choices: Sequence[Sequence[int]], max_tokens: int) -> None:
+def check_choices(choices: tuple[tuple[int, ...], ...], max_tokens: int) -> None:
     """ConfigError unless ``choices`` are 1..MAX_CHOICES non-empty sequences of token ids, each at
     most ``max_tokens`` long, none a prefix of another (a row must know when it is done)."""
     ok = isinstance(choices, tuple) and len(choices) <= MAX_CHOICES

@@ -5,9 +5,8 @@ draws the same tokens whatever else shares its batch. Sampling uses the exponent
 (``argmax(log p - log E)``, ``E ~ Exp(1)``), which draws exactly from ``p`` and lets the noise
 come from each row's generator while the arithmetic stays batched.
 
-A row with ``choices`` (``SamplingParams.choices``) may only draw tokens that continue one of
-them (``constrain``): everything else is masked out before the draw, and the row finishes once it
-has spelled a choice.
+A row with ``choices`` (``SamplingParams.choices``) draws a whole choice (``pick_choice``) from
+the summed logprobs the engine scores for each of them after its prompt.
 """
 
 from __future__ import annotations
@@ -42,26 +41,23 @@ def make_row_sampler(params: SamplingParams, index: int) -> RowSampler:
     return RowSampler(params, torch.Generator().manual_seed(seed))
 
 
-def allowed_next(choices: Sequence[Sequence[int]], so_far: Sequence[int]) -> list[int]:
-    """The tokens that continue some choice after ``so_far``."""
-    k = len(so_far)
-    prefix = tuple(so_far)
-    return sorted({c[k] for c in choices if len(c) > k and tuple(c[:k]) == prefix})
+def pick_choice(logprobs_K: Sequence[float], sampler: RowSampler) -> int:
+    """Which of a row's choices it takes, from each choice's summed logprob: the likeliest for a
+    greedy row, else a draw from ``softmax(logprob / temperature)`` with the row's generator (the
+    model's distribution conditioned on the answer being one of the choices, at temperature 1)."""
+    scores_K = torch.tensor(list(logprobs_K), dtype=torch.float64)
+    if sampler.generator is None:
+        return int(scores_K.argmax())
+    noise_K = torch.empty_like(scores_K).exponential_(generator=sampler.generator)
+    return int((scores_K / sampler.params.temperature - noise_K.log()).argmax())
 
 
-def constrain(logits_BV: torch.Tensor, samplers: Sequence[RowSampler], tokens: Sequence[Sequence[int]]) -> torch.Tensor:
-    """``logits_BV`` with every token no choice continues set to -inf, in the rows that have
-    choices (the same tensor when none has)."""
-    rows = [i for i, s in enumerate(samplers) if s.params.choices]
-    if not rows:
-        return logits_BV
-    masked_BV = torch.full_like(logits_BV, float("-inf"))
-    keep = [i for i in range(len(samplers)) if not samplers[i].params.choices]
-    masked_BV[keep] = logits_BV[keep]
-    for i in rows:
-        allowed = torch.tensor(allowed_next(samplers[i].params.choices, tokens[i]), dtype=torch.long)
-        masked_BV[i, allowed] = logits_BV[i, allowed]
-    return masked_BV
+def choice_slices(prompt_len: int, choices: Sequence[Sequence[int]], budget: int) -> list[range]:
+    """A row's choices in slices of at most ``budget`` positions (each choice costs its prompt's
+    cached positions and its own): one slice unless the choices are very many or the prompt long."""
+    cost = prompt_len + max(map(len, choices))
+    per = max(1, budget // cost)
+    return [range(i, min(i + per, len(choices))) for i in range(0, len(choices), per)]
 
 
 def _filter_top_k_top_p(logits_RV: torch.Tensor, top_k_R: torch.Tensor, top_p_R: torch.Tensor) -> torch.Tensor:
@@ -98,4 +94,4 @@ def choose_tokens(logits_BV: torch.Tensor, samplers: Sequence[RowSampler]) -> to
     return tokens_B
 
 
-__all__ = ["RowSampler", "allowed_next", "choose_tokens", "constrain", "make_row_sampler"]
+__all__ = ["RowSampler", "choice_slices", "choose_tokens", "make_row_sampler", "pick_choice"]

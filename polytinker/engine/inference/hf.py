@@ -23,7 +23,13 @@ import torch
 
 from polytinker.engine.device import resolve_device
 from polytinker.engine.inference._multilora import MultiLora
-from polytinker.engine.inference._sampling import RowSampler, choose_tokens, constrain, make_row_sampler
+from polytinker.engine.inference._sampling import (
+    RowSampler,
+    choice_slices,
+    choose_tokens,
+    make_row_sampler,
+    pick_choice,
+)
 from polytinker.engine.inference.adapter_io import read_adapter_dir
 from polytinker.engine.inference.base import cut_at_stop, render_prompt
 from polytinker.engine.inference.config import HFBackendConfig
@@ -56,6 +62,14 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: FinishReason | None = None
+
+
+# KV positions (prompt and choice, over all choices) one pass of choice scoring may cache at once.
+_CHOICE_POSITIONS = 8192
+
+
+def _longest(row: _Row, part: range) -> int:
+    return max(len(row.sampler.params.choices[k]) for k in part)
 
 
 class HFBackend:
@@ -158,8 +172,11 @@ class HFBackend:
             self._check_open()
             prompts = [render_prompt(self.tokenizer, r) for r in requests]
             rows = [row for i, r in enumerate(requests) for row in self._rows_for(i, r, prompts[i])]
-            if rows:
-                self._decode(rows)
+            free = [row for row in rows if not row.sampler.params.choices]
+            if free:
+                self._decode(free)
+            if len(free) < len(rows):
+                self._choose([row for row in rows if row.sampler.params.choices])
             by_request: list[list[_Row]] = [[] for _ in requests]
             for row in rows:
                 by_request[row.request_index].append(row)
@@ -218,9 +235,7 @@ class HFBackend:
         logits_BV, mask_BL, next_pos_B = self._prefill(rows, cache)
         live = list(range(len(rows)))
         while True:
-            samplers = [rows[i].sampler for i in live]
-            # Choices mask what may be drawn; the logprobs stay the model's own (what a learner scores).
-            tokens_B = choose_tokens(constrain(logits_BV, samplers, [rows[i].tokens for i in live]), samplers)
+            tokens_B = choose_tokens(logits_BV, [rows[i].sampler for i in live])
             logprobs_B = logits_BV.log_softmax(-1).gather(1, tokens_B[:, None])[:, 0]
             keep = [j for j, i in enumerate(live) if not self._append(rows[i], int(tokens_B[j]), float(logprobs_B[j]))]
             if not keep:
@@ -237,15 +252,71 @@ class HFBackend:
             logits_BV = logits[:, -1].float().cpu()
             next_pos_B = next_pos_B + 1
 
+    def _choose(self, rows: list[_Row]) -> None:
+        """Rows with ``choices``: every choice is scored after its row's prompt (the prompt
+        prefilled once, its cache repeated for each choice), and the row takes one whole
+        (``pick_choice``) with the model's own logprob of each of its tokens."""
+        for row in rows:
+            longest = max(map(len, row.sampler.params.choices))
+            if longest > row.max_tokens:  # the model's positions left after the prompt
+                raise ConfigError(f"a choice of {longest} tokens does not fit after a prompt of {len(row.prompt)}")
+        scores: dict[int, list[list[float]]] = {id(row): [] for row in rows}
+        jobs = [
+            (row, part)
+            for row in rows
+            for part in choice_slices(len(row.prompt), row.sampler.params.choices, _CHOICE_POSITIONS)
+        ]
+        chunk: list[tuple[_Row, range]] = []
+        used = 0
+        for row, part in [*jobs, (None, range(0))]:  # the sentinel flushes the last chunk
+            cost = len(part) * (len(row.prompt) + _longest(row, part)) if row is not None else 0
+            if chunk and (row is None or used + cost > _CHOICE_POSITIONS):
+                for (done, _), values in zip(chunk, self._score_choices(chunk), strict=True):
+                    scores[id(done)].extend(values)
+                chunk, used = [], 0
+            if row is not None:
+                chunk.append((row, part))
+                used += cost
+        for row in rows:
+            choices = row.sampler.params.choices
+            per_token = scores[id(row)]
+            k = pick_choice([sum(v) for v in per_token], row.sampler)
+            row.tokens, row.logprobs, row.finish = list(choices[k]), per_token[k], FinishReason.STOP
+
+    def _score_choices(self, jobs: list[tuple[_Row, range]]) -> list[list[list[float]]]:
+        """Per job, per choice of its slice: the logprob of each of the choice's tokens."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        logits_JV, mask_JL, next_pos_J = self._prefill([row for row, _ in jobs], cache)
+        pairs = [(j, row.sampler.params.choices[k]) for j, (row, part) in enumerate(jobs) for k in part]
+        width = max(len(c) for _, c in pairs)
+        owner = torch.tensor([j for j, _ in pairs])
+        cache.reorder_cache(owner.to(self.device))  # each job's cached prompt, once per choice
+        ids_PL = torch.zeros((len(pairs), width), dtype=torch.long)
+        tail_PL = torch.zeros((len(pairs), width), dtype=torch.long)
+        for p, (_, choice) in enumerate(pairs):
+            ids_PL[p, : len(choice)] = torch.tensor(choice)
+            tail_PL[p, : len(choice)] = 1
+        pos_PL = next_pos_J[owner][:, None] + torch.arange(width)[None, :]
+        adapters = [jobs[j][0].adapter for j, _ in pairs]
+        logits = self._forward(ids_PL, torch.cat([mask_JL[owner], tail_PL], dim=1), pos_PL, adapters, cache)
+        # The first token is scored by the prompt's last logits, each next one by the choice's own.
+        first_PV = logits_JV[owner].log_softmax(-1)
+        rest_PLV = logits[:, :-1].float().cpu().log_softmax(-1)
+        out: list[list[list[float]]] = [[] for _ in jobs]
+        for p, (j, choice) in enumerate(pairs):
+            values = [float(first_PV[p, choice[0]])]
+            values += [float(rest_PLV[p, i - 1, t]) for i, t in enumerate(choice) if i > 0]
+            out[j].append(values)
+        return out
+
     def _append(self, row: _Row, token: int, logprob: float) -> bool:
         """Record a drawn token; True when the row is finished."""
         row.tokens.append(token)
         row.logprobs.append(logprob)
         params = row.sampler.params
-        if params.choices:  # done once it spells a choice (none is a prefix of another)
-            if tuple(row.tokens) in params.choices:
-                row.finish = FinishReason.STOP
-        elif token in row.stop_ids or (params.stop and cut_at_stop(self._text(row.tokens), params.stop)[1]):
+        if token in row.stop_ids or (params.stop and cut_at_stop(self._text(row.tokens), params.stop)[1]):
             row.finish = FinishReason.STOP
         elif len(row.tokens) >= row.max_tokens:
             row.finish = FinishReason.LENGTH
