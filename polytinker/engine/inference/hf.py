@@ -68,8 +68,18 @@ class _Row:
 _CHOICE_POSITIONS = 8192
 
 
-def _longest(row: _Row, part: range) -> int:
-    return max(len(row.sampler.params.choices[k]) for k in part)
+def _chunked(jobs: list[tuple[_Row, range]]) -> list[list[tuple[_Row, range]]]:
+    """Consecutive (row, slice of its choices) jobs grouped under ``_CHOICE_POSITIONS``."""
+    chunks: list[list[tuple[_Row, range]]] = [[]]
+    used = 0
+    for row, part in jobs:
+        cost = len(part) * (len(row.prompt) + max(len(row.sampler.params.choices[k]) for k in part))
+        if chunks[-1] and used + cost > _CHOICE_POSITIONS:
+            chunks.append([])
+            used = 0
+        chunks[-1].append((row, part))
+        used += cost
+    return [c for c in chunks if c]
 
 
 class HFBackend:
@@ -266,17 +276,9 @@ class HFBackend:
             for row in rows
             for part in choice_slices(len(row.prompt), row.sampler.params.choices, _CHOICE_POSITIONS)
         ]
-        chunk: list[tuple[_Row, range]] = []
-        used = 0
-        for row, part in [*jobs, (None, range(0))]:  # the sentinel flushes the last chunk
-            cost = len(part) * (len(row.prompt) + _longest(row, part)) if row is not None else 0
-            if chunk and (row is None or used + cost > _CHOICE_POSITIONS):
-                for (done, _), values in zip(chunk, self._score_choices(chunk), strict=True):
-                    scores[id(done)].extend(values)
-                chunk, used = [], 0
-            if row is not None:
-                chunk.append((row, part))
-                used += cost
+        for chunk in _chunked(jobs):
+            for (row, _), values in zip(chunk, self._score_choices(chunk), strict=True):
+                scores[id(row)].extend(values)
         for row in rows:
             choices = row.sampler.params.choices
             per_token = scores[id(row)]
@@ -287,7 +289,7 @@ class HFBackend:
         """Per job, per choice of its slice: the logprob of each of the choice's tokens."""
         from transformers import DynamicCache
 
-        cache = DynamicCache(config=self.model.config)
+        cache: Any = DynamicCache(config=self.model.config)
         logits_JV, mask_JL, next_pos_J = self._prefill([row for row, _ in jobs], cache)
         pairs = [(j, row.sampler.params.choices[k]) for j, (row, part) in enumerate(jobs) for k in part]
         width = max(len(c) for _, c in pairs)
