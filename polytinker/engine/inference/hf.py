@@ -271,6 +271,7 @@ class HFBackend:
             if longest > row.max_tokens:  # the model's positions left after the prompt
                 raise ConfigError(f"a choice of {longest} tokens does not fit after a prompt of {len(row.prompt)}")
         scores: dict[int, list[list[float]]] = {id(row): [] for row in rows}
+        rows = sorted(rows, key=lambda r: r.adapter)  # one run of rows per adapter (see _multilora)
         jobs = [
             (row, part)
             for row in rows
