@@ -84,3 +84,9 @@ def test_the_runtime_config_of_polytinker_serve_is_checked_the_same_way(tmp_path
     path.write_text('model = "tiny-random"\n[jobs]\nsteps = 5\nstepz = 1\n')
     with pytest.raises(ConfigError, match=r"jobs: unknown keys \['stepz'\]"):
         RuntimeConfig.from_toml(path)
+
+
+def test_constrained_answers_on_the_vllm_backend_are_refused_at_load(tmp_path):
+    with pytest.raises(ConfigError, match="constrain_moves.*runtime.backend = 'vllm' does not"):
+        load(tmp_path, '[agents.renderer]\nconstrain_moves = true\n[runtime]\nbackend = "vllm"\n')
+    assert load(tmp_path, "[agents.renderer]\nconstrain_moves = true\n").agents[0].renderer.constrain_moves

@@ -205,6 +205,12 @@ class ExperimentConfig:
         models = {a.base_model for a in self.agents}
         if len(models) > 1:
             raise ConfigError(f"every agent shares one base model (one runtime serves one); got {sorted(models)}")
+        constrained = [a.name for a in self.agents if a.renderer.constrain_moves]
+        if constrained and self.runtime.backend == "vllm":
+            raise ConfigError(
+                f"agents {constrained} set renderer.constrain_moves, which the hf engine backend serves; "
+                "runtime.backend = 'vllm' does not"
+            )
 
     @property
     def base_model(self) -> str:
