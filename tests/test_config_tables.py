@@ -87,6 +87,6 @@ def test_the_runtime_config_of_polytinker_serve_is_checked_the_same_way(tmp_path
 
 
 def test_constrained_answers_on_the_vllm_backend_are_refused_at_load(tmp_path):
-    with pytest.raises(ConfigError, match="constrain_moves.*runtime.backend = 'vllm' does not"):
+    with pytest.raises(ConfigError, match=r"constrain_moves.*runtime\.backend = 'vllm' does not"):
         load(tmp_path, '[agents.renderer]\nconstrain_moves = true\n[runtime]\nbackend = "vllm"\n')
     assert load(tmp_path, "[agents.renderer]\nconstrain_moves = true\n").agents[0].renderer.constrain_moves

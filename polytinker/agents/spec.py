@@ -138,9 +138,10 @@ class RendererConfig:
     constrain_moves: bool = False
     # The answer is one of the env's legal moves (or, with numbered_moves, one of the listed
     # numbers), then the end of the turn: the engine scores each whole move and draws one by the
-    # model's probability of it, so a small model never answers off the list (hf engine backend). The datum and its logprobs
-    # are the model's own tokens and scores; invalid answers cannot happen, so they stay at 0 in
-    # the metrics. Not with tools (an answer that may be a tool call is not a move).
+    # model's probability of it, so a small model never answers off the list (hf engine backend).
+    # The datum and its logprobs are the model's own tokens and scores; invalid answers cannot
+    # happen, so they stay at 0 in the metrics. Not with tools (an answer that may be a tool call
+    # is not a move).
     name_role: bool = False
     # Tell the agent which env role it plays ("You are player_1."): needed for self-play.
     system_prompt: str = ""
