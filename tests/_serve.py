@@ -28,10 +28,13 @@ class Serve:
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._pick_ports()
+
+    def _pick_ports(self) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
-        (root / "runtime.toml").write_text(
+        (self.root / "runtime.toml").write_text(
             f'model = "{MODEL}"\naddress = "tcp://127.0.0.1:{_free_port()}"\n'
             f'[[tenants]]\nname = "alice"\napi_key = "{KEY}"\n[[tenants]]\nname = "bob"\napi_key = "{KEY_BOB}"\n'
             # A test module's runs stay live (Tinker code never ends them): room for all of them.
@@ -39,6 +42,19 @@ class Serve:
         )
 
     def start(self) -> None:
+        """Start serve; a port picked free that something else took before serve bound it (the
+        runtime's own sockets bind ephemeral ports too) is picked again, up to three times."""
+        for _ in range(3):
+            start = (self.root / "serve.log").stat().st_size if (self.root / "serve.log").exists() else 0
+            if self._start_once():
+                return
+            if "Address already in use" not in (self.root / "serve.log").read_text()[start:]:
+                break
+            self._pick_ports()
+        raise AssertionError("serve exited: " + (self.root / "serve.log").read_text()[-3000:])
+
+    def _start_once(self) -> bool:
+        """True once serve answers; False when it exited first."""
         log = open(self.root / "serve.log", "ab")  # noqa: SIM115 (the child writes to it)
         self.proc = subprocess.Popen(
             [
@@ -58,10 +74,11 @@ class Serve:
         )
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
-            assert self.proc.poll() is None, (self.root / "serve.log").read_text()[-3000:]
+            if self.proc.poll() is not None:
+                return False
             try:
                 if httpx.get(f"{self.url}/api/v1/healthz", timeout=1).status_code == 200:
-                    return
+                    return True
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
