@@ -244,3 +244,8 @@ def test_choices_are_checked() -> None:
         SamplingParams(max_tokens=2, choices=((1, -2),))
     with pytest.raises(ConfigError, match="token ids"):
         SamplingParams(max_tokens=2, choices=((),))
+
+
+def test_a_choice_longer_than_an_answer_is_refused() -> None:
+    with pytest.raises(ConfigError, match="256"):
+        SamplingParams(max_tokens=1000, choices=(tuple(range(300)),))

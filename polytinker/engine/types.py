@@ -43,6 +43,7 @@ LossFnName = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dr
 LOSS_FNS: tuple[str, ...] = get_args(LossFnName)  # the same names, to check a value against
 MAX_SAMPLE_TOKENS = 1 << 16  # the most tokens one sample may ask for
 MAX_CHOICES = 1024  # the most completions a constrained sample may choose among (SamplingParams.choices)
+MAX_CHOICE_TOKENS = 256  # the longest of them: an answer, scored whole for every choice
 MAX_LAYOUT_TENSORS = 1 << 16  # the most tensors one TensorLayout may name (a 70B LoRA on every linear has ~5600)
 MAX_TENSOR_DIMS = 8
 MAX_INTERNED_LAYOUTS = 64  # distinct adapter layouts remembered (TensorLayout.interned)
@@ -284,12 +285,12 @@ def check_choices(choices: tuple[tuple[int, ...], ...], max_tokens: int) -> None
     """ConfigError unless ``choices`` are 1..MAX_CHOICES non-empty sequences of token ids, each at
     most ``max_tokens`` long, none a prefix of another (a row must know when it is done)."""
     ok = isinstance(choices, tuple) and len(choices) <= MAX_CHOICES
-    ok = ok and all(isinstance(c, tuple) and 0 < len(c) <= max_tokens for c in choices)
+    ok = ok and all(isinstance(c, tuple) and 0 < len(c) <= min(max_tokens, MAX_CHOICE_TOKENS) for c in choices)
     ok = ok and all(type(t) is int and t >= 0 for c in choices for t in c)
     if not ok:
         raise ConfigError(
             f"SamplingParams.choices: at most {MAX_CHOICES} tuples of token ids (ints >= 0), "
-            f"each 1..max_tokens={max_tokens} long"
+            f"each 1..min(max_tokens={max_tokens}, {MAX_CHOICE_TOKENS}) long"
         )
     ordered = sorted(choices)  # a prefix sorts right before the sequences it starts
     for shorter, longer in itertools.pairwise(ordered):

@@ -52,11 +52,12 @@ def pick_choice(logprobs_K: Sequence[float], sampler: RowSampler) -> int:
     return int((scores_K / sampler.params.temperature - noise_K.log()).argmax())
 
 
-def choice_slices(prompt_len: int, choices: Sequence[Sequence[int]], budget: int) -> list[range]:
-    """A row's choices in slices of at most ``budget`` positions (each choice costs its prompt's
-    cached positions and its own): one slice unless the choices are very many or the prompt long."""
-    cost = prompt_len + max(map(len, choices))
-    per = max(1, budget // cost)
+def choice_slices(prompt_len: int, choices: Sequence[Sequence[int]], budget: int, logits: int) -> list[range]:
+    """A row's choices in slices of at most ``budget`` cached positions (each choice costs its
+    prompt's and its own) and ``logits`` choice tokens (each a vocabulary-wide row of logits): one
+    slice unless the choices are very many or the prompt long."""
+    longest = max(map(len, choices))
+    per = max(1, min(budget // (prompt_len + longest), logits // longest))
     return [range(i, min(i + per, len(choices))) for i in range(0, len(choices), per)]
 
 

@@ -68,17 +68,19 @@ class _Row:
 _CHOICE_POSITIONS = 8192
 
 
-def _chunked(jobs: list[tuple[_Row, range]]) -> list[list[tuple[_Row, range]]]:
-    """Consecutive (row, slice of its choices) jobs grouped under ``_CHOICE_POSITIONS``."""
+def _chunked(jobs: list[tuple[_Row, range]], logits: int) -> list[list[tuple[_Row, range]]]:
+    """Consecutive (row, slice of its choices) jobs grouped under ``_CHOICE_POSITIONS`` cached
+    positions and ``logits`` choice tokens a pass."""
     chunks: list[list[tuple[_Row, range]]] = [[]]
-    used = 0
+    positions = tokens = 0
     for row, part in jobs:
-        cost = len(part) * (len(row.prompt) + max(len(row.sampler.params.choices[k]) for k in part))
-        if chunks[-1] and used + cost > _CHOICE_POSITIONS:
+        longest = max(len(row.sampler.params.choices[k]) for k in part)
+        cost, width = len(part) * (len(row.prompt) + longest), len(part) * longest
+        if chunks[-1] and (positions + cost > _CHOICE_POSITIONS or tokens + width > logits):
             chunks.append([])
-            used = 0
+            positions = tokens = 0
         chunks[-1].append((row, part))
-        used += cost
+        positions, tokens = positions + cost, tokens + width
     return [c for c in chunks if c]
 
 
@@ -272,12 +274,13 @@ class HFBackend:
                 raise ConfigError(f"a choice of {longest} tokens does not fit after a prompt of {len(row.prompt)}")
         scores: dict[int, list[list[float]]] = {id(row): [] for row in rows}
         rows = sorted(rows, key=lambda r: r.adapter)  # one run of rows per adapter (see _multilora)
+        budget = self.config.logprobs_chunk_tokens  # the logits one pass materialises, as in scoring
         jobs = [
             (row, part)
             for row in rows
-            for part in choice_slices(len(row.prompt), row.sampler.params.choices, _CHOICE_POSITIONS)
+            for part in choice_slices(len(row.prompt), row.sampler.params.choices, _CHOICE_POSITIONS, budget)
         ]
-        for chunk in _chunked(jobs):
+        for chunk in _chunked(jobs, budget):
             for (row, _), values in zip(chunk, self._score_choices(chunk), strict=True):
                 scores[id(row)].extend(values)
         for row in rows:
