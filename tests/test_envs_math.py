@@ -259,12 +259,41 @@ def test_a_reject_shows_the_critique_and_the_solver_revises():
     assert env.rewards == {"solver": 1.0, "verifier": 1.0}  # mean over two right decisions
 
 
-@pytest.mark.parametrize(("credit", "verifier_total"), [("mean", 0.5), ("sum", 1.0)])
+@pytest.mark.parametrize(("credit", "verifier_total"), [("mean", 0.5), ("sum", 1.0), ("team", 1.0)])
 def test_a_needless_reject_costs_the_verifier_under_mean_credit(credit, verifier_total):
     env, right = _team(verifier_credit=credit)
     totals = _steps(env, (str(right), "reject: check again", str(right), "accept"))
     assert all(env.terminations.values())
     assert totals == {"solver": 1.0, "verifier": verifier_total}
+
+
+def test_team_credit_pays_the_verifier_the_final_answer_only():
+    env, right = _team(verifier_credit="team")
+    assert "You score when the solver's final answer is right." in env.instructions("verifier")
+    # A right reject whose critique does not lead to a right revision earns nothing under team credit.
+    assert _steps(env, (str(right + 1), f"reject: {right + 1} is wrong", str(right + 2), "reject")) == {
+        "solver": 0.0,
+        "verifier": 0.0,
+    }
+    env, right = _team(verifier_credit="team")
+    assert _steps(env, (str(right + 1), f"reject: it is {right}", str(right), "accept")) == {
+        "solver": 1.0,
+        "verifier": 1.0,
+    }
+
+
+def test_correction_credit_counts_a_reject_only_with_the_right_answer():
+    env, right = _team(verifier_credit="correction")
+    assert "reject: <the right answer>" in env.instructions("verifier")
+    env.step(str(right + 1))
+    assert "reject: <the right answer>." in env.observe("verifier")["text"]
+    # A reject that names no number, then one that names the right answer: one of two decisions right.
+    totals = _steps(env, ("reject: too high", str(right + 2), f"reject: it is {right}"))
+    assert all(env.terminations.values()) and totals == {"solver": 0.0, "verifier": 0.5}
+    env, right = _team(verifier_credit="correction")
+    assert _steps(env, (str(right), "accept")) == {"solver": 1.0, "verifier": 1.0}
+    env, right = _team(verifier_credit="correction")
+    assert _steps(env, (str(right), f"reject: {right}", str(right), "accept")) == {"solver": 1.0, "verifier": 0.5}
 
 
 def test_the_episode_ends_when_the_revisions_run_out():
@@ -285,6 +314,9 @@ def test_the_verifier_is_read_by_its_first_keyword_and_critiques_are_bounded():
     assert env.parse_action("verifier", "I accept") == (True, "")
     assert env.parse_action("verifier", "reject: I cannot accept this") == (False, "I cannot a")
     assert env.parse_action("verifier", "It rejects; fine") == (False, "fine")
+    # A bare number is the verifier's own answer: equal to the solver's accepts, else it is the critique.
+    assert env.parse_action("verifier", " 3.") == (True, "")
+    assert env.parse_action("verifier", "The answer is 12") == (False, "12")
     for text in ("looks fine to me", "acceptable", "unaccepted", ""):
         assert isinstance(env.parse_action("verifier", text), InvalidAction), text
 

@@ -3,8 +3,10 @@ that two adapters of one base model can learn.
 
 Turns: the ``solver`` answers the problem; the ``verifier`` sees the problem and that answer and
 replies ``accept`` or ``reject: <critique>`` (the first of the two words it writes decides; the
-text after ``reject`` is the critique). On a reject the solver sees the critique and revises, up
-to ``rounds`` times (default 1); the episode ends on an accept or when the revisions run out.
+text after ``reject`` is the critique), or a number without either word: its own answer, which
+accepts the solver's when the two are equal and else rejects it with that number as the critique.
+On a reject the solver sees the critique and revises, up to ``rounds`` times (default 1); the
+episode ends on an accept or when the revisions run out.
 
 Credit per role:
 
@@ -12,7 +14,12 @@ Credit per role:
   the team accuracy is the solver's mean reward.
 - verifier: a decision is right when it accepts a right answer or rejects a wrong one.
   ``verifier_credit = "mean"`` (default): the share of its decisions that were right, at the end
-  (so a needless reject of a right answer costs it); ``"sum"``: +1 at each right decision.
+  (so a needless reject of a right answer costs it); ``"sum"``: +1 at each right decision;
+  ``"correction"``: as ``"mean"``, but a reject is right only when its critique states the right
+  answer (its last number): a verifier paid for corrections the solver can use;
+  ``"team"``: the team's score, as the solver's (a verifier then gains from critiques the solver
+  can use, not only from right verdicts: with a solver right most of the time, accepting every
+  answer already earns most of a decision-counting credit).
 
 Scripted policies (``scripted``): ``heuristic`` (verifier: computes the answer and accepts only
 a right one, else ``reject: N is too high/low``; solver: right the first time half the time, a
@@ -43,6 +50,11 @@ from polytinker.errors import ConfigError
 
 SOLVER, VERIFIER = "solver", "verifier"
 DECISIONS = ("accept", "reject")
+CREDITS = ("mean", "sum", "correction", "team")
+_CREDIT_SENTENCES = {
+    "correction": "You score for accepting right answers and rejecting wrong ones with the right answer.",
+    "team": "You score when the solver's final answer is right.",
+}
 _DECISION_RE = re.compile(r"(?<![A-Za-z])(accept|reject)(?:s|ed)?(?![A-Za-z])", re.IGNORECASE)
 
 
@@ -105,15 +117,15 @@ class SolverVerifierEnv(TextAECEnv):
         config: EnvConfig | None = None,
         render_mode: str | None = None,
         rounds: int = 1,
-        verifier_credit: Literal["mean", "sum"] = "mean",
+        verifier_credit: Literal["mean", "sum", "correction", "team"] = "mean",
         max_critique_chars: int = 200,
         verifier_tools: tuple[str, ...] | list[str] = (),
         **task: Any,
     ) -> None:
         if not 0 <= rounds <= 5:
             raise ConfigError(f"solver_verifier: rounds (revisions after a reject) must be in 0..5, got {rounds}")
-        if verifier_credit not in ("mean", "sum"):
-            raise ConfigError(f"solver_verifier: verifier_credit must be 'mean' or 'sum', got {verifier_credit!r}")
+        if verifier_credit not in CREDITS:
+            raise ConfigError(f"solver_verifier: verifier_credit must be one of {CREDITS}, got {verifier_credit!r}")
         if not 0 <= max_critique_chars <= 1000:
             raise ConfigError(f"solver_verifier: max_critique_chars must be in 0..1000, got {max_critique_chars}")
         self.possible_agents = [SOLVER, VERIFIER]
@@ -134,10 +146,16 @@ class SolverVerifierEnv(TextAECEnv):
             )
         return (
             "You check a solver's answer to an arithmetic problem. Reply accept if it is right, or "
-            f"reject: <what is wrong> if it is wrong; after a reject the solver revises ({revise}). "
-            "You score for accepting right answers and rejecting wrong ones."
+            f"{self._reject_form} if it is wrong; after a reject the solver revises ({revise}). "
+            + _CREDIT_SENTENCES.get(
+                self.verifier_credit, "You score for accepting right answers and rejecting wrong ones."
+            )
             + tool_sentence(self.verifier_tools, "check the answer")
         )
+
+    @property
+    def _reject_form(self) -> str:
+        return "reject: <the right answer>" if self.verifier_credit == "correction" else "reject: <what is wrong>"
 
     def tools(self, agent: AgentID) -> tuple[str, ...]:
         return self.verifier_tools if agent == VERIFIER else ()
@@ -160,7 +178,12 @@ class SolverVerifierEnv(TextAECEnv):
             return InvalidAction(ANSWER_FORMAT) if value is None else value
         found = _DECISION_RE.search(text)
         if found is None:
-            return InvalidAction("reply accept, or reject: <what is wrong>")
+            # A bare number is the verifier's own answer: the solver's accepted, any other rejected
+            # with that number as the critique (what a verifier that computed the answer writes first).
+            own = parse_answer(text)
+            if own is None:
+                return InvalidAction(f"reply accept, or {self._reject_form}")
+            return (True, "") if self.answers and own == self.answers[-1] else (False, str(own))
         accepted = found.group(1).lower() == "accept"
         critique = "" if accepted else text[found.end() :].strip(" \t\n:;,.!-")[: self.max_critique_chars]
         return (accepted, critique)
@@ -187,13 +210,18 @@ class SolverVerifierEnv(TextAECEnv):
             rewards[VERIFIER] = float(self._decision_right(len(self.decisions) - 1))
         if self._is_over():
             rewards[SOLVER] = float(self.final_correct)
-            if self.verifier_credit == "mean":
+            if self.verifier_credit in ("mean", "correction"):
                 right = sum(self._decision_right(i) for i in range(len(self.decisions)))
                 rewards[VERIFIER] = right / len(self.decisions)
+            elif self.verifier_credit == "team":
+                rewards[VERIFIER] = rewards[SOLVER]
         return rewards
 
     def _decision_right(self, i: int) -> bool:
-        return self.decisions[i][0] == self._right(self.answers[i])
+        accepted, critique = self.decisions[i]
+        if accepted or self._right(self.answers[i]):
+            return accepted == self._right(self.answers[i])
+        return self.verifier_credit != "correction" or self._right(parse_answer(critique))
 
     def _is_over(self) -> bool:
         if not self.decisions:
@@ -216,7 +244,11 @@ class SolverVerifierEnv(TextAECEnv):
             shown = _shown(self.answers[-1])
             if agent == SOLVER:
                 return f"Your answer {shown}: waiting for the verifier."
-            return f"The solver answers: {shown}. Reply accept if it is right, or reject: <what is wrong>."
+            # The expression last, right where the verifier's reply (often a calculator call) starts.
+            return (
+                f"The solver answers: {shown}. Reply accept if it is right, or {self._reject_form}. "
+                f"Check: {self.problem.expression}"
+            )
         if agent == VERIFIER:
             return "Waiting for the solver."
         return f"Revise your answer (revision {len(self.decisions)} of {self.rounds})." if self.decisions else ""
