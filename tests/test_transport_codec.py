@@ -245,3 +245,40 @@ def test_decoded_frames_are_released_without_waiting_for_the_garbage_collector()
         assert alive() is None
     finally:
         gc.enable()
+
+
+# -- reused messages: a value sent again and again is packed and unpacked once
+
+
+@message("test.codec.reused_shape", reused=True)
+@dataclasses.dataclass(frozen=True)
+class ReusedShape:
+    names: str
+    dims: tuple[int, ...]
+
+
+def test_a_reused_message_decodes_once_and_a_changed_one_anew():
+    value = ReusedShape("w" * 2000, tuple(range(300)))
+    first, second = decode(encode([value])), decode(encode([value]))
+    assert first == second == [value]
+    assert first[0] is second[0]  # the same immutable instance for the same bytes
+    changed = ReusedShape("w" * 2000, (*range(299), 7))
+    assert decode(encode([changed])) == [changed]
+    assert decode(encode([value]))[0].dims[-1] == 299
+
+
+def test_a_reused_value_is_handed_out_only_under_the_limits_it_was_checked_against():
+    value = ReusedShape("w" * 2000, tuple(range(300)))
+    frames = encode(value)
+    assert decode(frames) == value
+    with pytest.raises(ProtocolError):
+        decode(frames, config=TransportConfig(max_container_len=10))
+
+
+def test_only_frozen_messages_without_arrays_may_be_reused():
+    with pytest.raises(ConfigError, match="frozen dataclass without arrays"):
+        message("test.codec.reused_mutable", reused=True)(
+            dataclasses.dataclass(type("Mutable", (), {"__annotations__": {"x": int}}))
+        )
+    with pytest.raises(ConfigError, match="frozen dataclass without arrays"):
+        message("test.codec.reused_arrays", reused=True, arrays=True)(ReusedShape)

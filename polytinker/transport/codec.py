@@ -77,6 +77,37 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable, and
 
 # Values msgpack packs by itself (no ext types, no buffers): encoded without an _Encoder.
 _PLAIN = frozenset({type(None), bool, int, float, str, bytes})
+# Reused messages (messages.register_message(reused=True)), encoded by value and decoded by their
+# bytes: a value sent with every adapter version (its 420-tensor layout) is packed, unpacked and
+# checked once. Bounded; smaller values encode and decode faster than they hash.
+# Keyed by the decoder's TransportConfig too: a value is only handed out under the limits it was
+# checked against. At most 16 values of at most 256 KiB each: what a hostile peer can pin is small.
+_REUSE_MIN_BYTES = 1024
+_REUSE_MAX_BYTES = 256 * 1024
+_REUSE_MAX_ENTRIES = 16
+
+
+class _Reused:
+    """A bounded map (oldest out first) shared by every thread's encodes and decodes."""
+
+    def __init__(self) -> None:
+        self._items: dict[Any, Any] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: Any) -> Any:
+        with self._lock:
+            return self._items.get(key)
+
+    def put(self, key: Any, value: Any) -> None:
+        with self._lock:
+            if len(self._items) >= _REUSE_MAX_ENTRIES:
+                self._items.pop(next(iter(self._items)))
+            self._items[key] = value
+
+
+_encoded_reused = _Reused()  # value -> its ExtType
+_decoded_reused = _Reused()  # (config, ext bytes) -> the value
+
 _SMALL = 4096  # bytes and str up to this long go through the thread's own Packer (its buffer stays small)
 _local = threading.local()
 
@@ -199,6 +230,10 @@ class _Encoder:
             return obj.item()
         name = messages.message_name(type(obj))
         if name is not None:
+            reused = messages.is_reused(type(obj))
+            known = _encoded_reused.get(obj) if reused else None
+            if known is not None:
+                return known
             if self.depth >= self.max_depth:  # each level is a nested packb: bound the stack it takes
                 raise ProtocolError(f"typed messages nest deeper than max_depth={self.max_depth}")
             self.depth += 1
@@ -206,7 +241,10 @@ class _Encoder:
                 inner = msgpack.packb([name, messages.to_fields(obj)], default=self.default, use_bin_type=True)
             finally:
                 self.depth -= 1
-            return msgpack.ExtType(EXT_MESSAGE, inner)
+            ext = msgpack.ExtType(EXT_MESSAGE, inner)
+            if reused and _REUSE_MIN_BYTES <= len(inner) <= _REUSE_MAX_BYTES:
+                _encoded_reused.put(obj, ext)
+            return ext
         if isinstance(obj, enum.Enum):
             return obj.value
         raise ProtocolError(
@@ -286,6 +324,10 @@ class _Decoder:
             self.ext_budget -= len(data)
             if self.ext_budget < 0:
                 raise ProtocolError(f"typed messages nest more than {_EXT_COPIES} levels deep around most of the body")
+            memo = _REUSE_MIN_BYTES <= len(data) <= _REUSE_MAX_BYTES
+            known = _decoded_reused.get((self.cfg, data)) if memo else None
+            if known is not None:
+                return known
             self.depth += 1
             try:
                 parts = self.unpack(data)
@@ -293,7 +335,10 @@ class _Decoder:
                 self.depth -= 1
             if not (isinstance(parts, list) and len(parts) == 2 and isinstance(parts[0], str)):
                 raise ProtocolError("message ext must hold [name, fields]")
-            return messages.from_fields(parts[0], parts[1])
+            obj = messages.from_fields(parts[0], parts[1])
+            if memo and messages.is_reused(type(obj)):
+                _decoded_reused.put((self.cfg, data), obj)
+            return obj
         if code in (EXT_NDARRAY, EXT_TENSOR) and not self.arrays:
             raise ProtocolError("this message may not carry arrays or tensors (ext types 1 and 2)")
         if code == EXT_NDARRAY:

@@ -33,13 +33,19 @@ _lock = threading.Lock()
 _by_name: dict[str, type] = {}
 _by_type: dict[type, str] = {}
 _with_arrays: set[type] = set()  # registered with arrays=True
+_reused: set[type] = set()  # registered with reused=True
 # Per-type field converters, built on first decode (type hints may name classes defined later).
 _converters: dict[type, dict[str, Callable[[Any], Any]]] = {}
 
 
-def register_message(name: str, cls: type, *, arrays: bool = False) -> None:
+def register_message(name: str, cls: type, *, arrays: bool = False, reused: bool = False) -> None:
     """Register dataclass ``cls`` under ``name``; a name or a class registers once. ``arrays``:
-    a request of kind ``name`` may carry numpy arrays and torch tensors."""
+    a request of kind ``name`` may carry numpy arrays and torch tensors. ``reused``: instances are
+    immutable values (a frozen dataclass of strings, numbers and tuples, no arrays) that peers send
+    again and again, such as an adapter's layout with each version: the codec may encode one once
+    and hand out one decoded instance for equal bytes."""
+    if reused and (arrays or not getattr(getattr(cls, "__dataclass_params__", None), "frozen", False)):
+        raise ConfigError(f"@message({name!r}): a reused message must be a frozen dataclass without arrays")
     if not name or not isinstance(name, str):
         raise ConfigError(f"message name must be a non-empty string, got {name!r}")
     if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
@@ -53,14 +59,17 @@ def register_message(name: str, cls: type, *, arrays: bool = False) -> None:
         _by_type[cls] = name
         if arrays:
             _with_arrays.add(cls)
+        if reused:
+            _reused.add(cls)
 
 
-def message(name: str, *, arrays: bool = False) -> Callable[[type[T]], type[T]]:
+def message(name: str, *, arrays: bool = False, reused: bool = False) -> Callable[[type[T]], type[T]]:
     """Class decorator: ``@message("kind")`` above ``@dataclass(frozen=True)`` registers the class;
-    ``arrays=True`` lets a request of that kind carry numpy arrays and torch tensors."""
+    ``arrays=True`` lets a request of that kind carry numpy arrays and torch tensors; ``reused``
+    is :func:`register_message`'s."""
 
     def deco(cls: type[T]) -> type[T]:
-        register_message(name, cls, arrays=arrays)
+        register_message(name, cls, arrays=arrays, reused=reused)
         return cls
 
     return deco
@@ -74,6 +83,11 @@ def message_name(cls: type) -> str | None:
 def message_type(name: str) -> type | None:
     """The class registered under ``name``, or None."""
     return _by_name.get(name)
+
+
+def is_reused(cls: type) -> bool:
+    """Whether ``cls`` was registered with ``reused=True``."""
+    return cls in _reused
 
 
 def takes_arrays(cls: type) -> bool:

@@ -132,7 +132,7 @@ class ForwardBackwardManyReply:
 
 # An adapter's layout travels inside AdapterTensors: registered where that message is defined,
 # so every process that can decode the one decodes the other.
-register_message("sched.tensor_layout", TensorLayout)
+register_message("sched.tensor_layout", TensorLayout, reused=True)
 
 
 @message("sched.r.adapter_tensors")
