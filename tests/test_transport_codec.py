@@ -282,3 +282,14 @@ def test_only_frozen_messages_without_arrays_may_be_reused():
         )
     with pytest.raises(ConfigError, match="frozen dataclass without arrays"):
         message("test.codec.reused_arrays", reused=True, arrays=True)(ReusedShape)
+
+
+@message("test.codec.reused_list", reused=True)
+@dataclasses.dataclass(frozen=True)
+class ReusedList:
+    items: list[int]
+
+
+def test_a_reused_message_with_an_unhashable_field_still_round_trips():
+    value = ReusedList(list(range(600)))
+    assert decode(encode(value)) == decode(encode(value)) == ReusedList(list(range(600)))

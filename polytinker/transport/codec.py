@@ -95,10 +95,17 @@ class _Reused:
         self._lock = threading.Lock()
 
     def get(self, key: Any) -> Any:
-        with self._lock:
-            return self._items.get(key)
+        try:
+            with self._lock:
+                return self._items.get(key)
+        except TypeError:  # an unhashable field: such a value is not remembered
+            return None
 
     def put(self, key: Any, value: Any) -> None:
+        try:
+            hash(key)
+        except TypeError:
+            return
         with self._lock:
             if len(self._items) >= _REUSE_MAX_ENTRIES:
                 self._items.pop(next(iter(self._items)))

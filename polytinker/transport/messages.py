@@ -43,7 +43,7 @@ def register_message(name: str, cls: type, *, arrays: bool = False, reused: bool
     a request of kind ``name`` may carry numpy arrays and torch tensors. ``reused``: instances are
     immutable values (a frozen dataclass of strings, numbers and tuples, no arrays) that peers send
     again and again, such as an adapter's layout with each version: the codec may encode one once
-    and hand out one decoded instance for equal bytes."""
+    (equal instances must encode alike) and hand out one decoded instance for equal bytes."""
     if reused and (arrays or not getattr(getattr(cls, "__dataclass_params__", None), "frozen", False)):
         raise ConfigError(f"@message({name!r}): a reused message must be a frozen dataclass without arrays")
     if not name or not isinstance(name, str):
