@@ -219,8 +219,10 @@ class SolverVerifierEnv(TextAECEnv):
 
     def _decision_right(self, i: int) -> bool:
         accepted, critique = self.decisions[i]
-        if accepted or self._right(self.answers[i]):
-            return accepted == self._right(self.answers[i])
+        answer_right = self._right(self.answers[i])
+        if accepted or answer_right:
+            return accepted == answer_right
+        # A reject of a wrong answer: under correction credit only one that states the right answer.
         return self.verifier_credit != "correction" or self._right(parse_answer(critique))
 
     def _is_over(self) -> bool:
