@@ -75,7 +75,11 @@ def _worker(spec: dict[str, Any]) -> None:
     from polytinker.engine.types import LoraConfig
 
     model, _ = load_model(MODEL)
-    learner = MultiAdapterLearner(model, LearnerConfig(micro_batch_size=spec["batch"]))
+    # The default LearnerConfig in every worker, as the runtime runs it: its micro-batch (8 rows)
+    # holds one separate process's whole batch and the shared learner's 4 adapters' rows at the
+    # quick sizes (2 micro-batches at the full sizes). A micro-batch of one adapter's batch made
+    # the shared pass 4 small passes, with nothing batched.
+    learner = MultiAdapterLearner(model, LearnerConfig())
     names = [f"agent{i}" for i in range(spec["adapters"])]
     for i, name in enumerate(names):
         learner.add_adapter(name, LoraConfig(rank=16, alpha=32), seed=i)

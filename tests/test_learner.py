@@ -358,3 +358,29 @@ def test_the_package_and_its_config_import_without_torch() -> None:
         "assert 'peft' in sys.modules and MultiAdapterLearner.__name__ == 'MultiAdapterLearner'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_a_slots_adamw_is_fused_and_steps_as_the_per_tensor_loop() -> None:
+    from polytinker.engine.learner._base import new_adamw
+
+    torch.manual_seed(0)
+    shapes = [(16, 64), (64, 16), (3,)]
+    fused_params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    loop_params = [torch.nn.Parameter(p.detach().clone()) for p in fused_params]
+    start = [p.detach().clone() for p in fused_params]
+    fused = new_adamw(fused_params, lr=1e-2)
+    loop = torch.optim.AdamW(loop_params, lr=1e-2, foreach=False)
+    assert fused.defaults["fused"] is True
+    for _ in range(3):
+        for a, b in zip(fused_params, loop_params, strict=True):
+            grad = torch.randn_like(a)
+            a.grad, b.grad = grad, grad.clone()
+        fused.step()
+        loop.step()
+    for a, b, a0 in zip(fused_params, loop_params, start, strict=True):
+        assert not torch.equal(a, a0)  # the steps moved it
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # The saved state loads into a per-tensor AdamW and back (checkpoints keep one format).
+    restored = new_adamw([torch.nn.Parameter(p.detach().clone()) for p in loop_params])
+    restored.load_state_dict(loop.state_dict())
+    assert restored.state_dict()["state"][0]["exp_avg"].shape == (16, 64)

@@ -47,6 +47,16 @@ class ForwardBackwardResult:
     metrics: dict[str, float] = field(default_factory=dict)  # namespaced: loss/..., kl/..., ppo/...
 
 
+def new_adamw(params: list[nn.Parameter], lr: float = 1e-3) -> torch.optim.AdamW:
+    """A slot's AdamW. Fused (one kernel per tensor, no temporaries): 3x faster than the per-tensor
+    loop on a LoRA adapter's 420 small tensors here, where that loop was 10% of a 4-adapter round.
+    Sharded (DTensor) parameters keep the per-tensor loop FSDP2 is tested with. Every rank builds
+    the same one, so replicas stay identical."""
+    if any(is_sharded(p) for p in params):
+        return torch.optim.AdamW(params, lr=lr, foreach=False)
+    return torch.optim.AdamW(params, lr=lr, fused=True)
+
+
 @dataclass
 class Slot:
     """One independently optimised set of parameters."""
@@ -62,8 +72,7 @@ class Slot:
 
     def make_optimizer(self, adam: AdamParams) -> torch.optim.AdamW:
         if self.optimizer is None:
-            # foreach=False: per-tensor updates keep peak memory low on a CPU and results identical across ranks.
-            self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=adam.learning_rate, foreach=False)
+            self.optimizer = new_adamw(list(self.params.values()), adam.learning_rate)
         for group in self.optimizer.param_groups:
             group.update(
                 lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps, weight_decay=adam.weight_decay

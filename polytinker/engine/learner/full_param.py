@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from polytinker.engine.learner._base import Learner, Slot
+from polytinker.engine.learner._base import Learner, Slot, new_adamw
 from polytinker.engine.learner.config import LearnerConfig
 from polytinker.engine.learner.distributed import SINGLE, DistInfo, broadcast_
 from polytinker.engine.learner.sharding import gather_full, gather_optimizer_state, shard_model, shard_optimizer_state
@@ -94,7 +94,7 @@ class FullParamLearner(Learner):
         slot.optimizer = None
         if optimizer and ckpt.optimizer_state is not None:
             params = list(slot.params.values())
-            slot.optimizer = torch.optim.AdamW(params, foreach=False)
+            slot.optimizer = new_adamw(params)
             state = ckpt.optimizer_state
             slot.optimizer.load_state_dict(shard_optimizer_state(state, params) if self.sharded else state)
         slot.version = int(ckpt.meta["version"])

@@ -23,7 +23,7 @@ from peft.tuners.lora import LoraLayer
 from safetensors.torch import save_file
 from torch import nn
 
-from polytinker.engine.learner._base import ForwardBackwardResult, Learner, Slot, _metrics, _Sums
+from polytinker.engine.learner._base import ForwardBackwardResult, Learner, Slot, _metrics, _Sums, new_adamw
 from polytinker.engine.learner.config import LearnerConfig, LossConfig
 from polytinker.engine.learner.distributed import SINGLE, DistInfo, broadcast_
 from polytinker.engine.learner.losses import check_loss_inputs, collate, kl_to_reference, policy_loss
@@ -129,7 +129,9 @@ def _per_row_adapters(layers: Sequence[Any], names: list[str]) -> Iterator[None]
         for (name, _), x_part in zip(runs, x.split(sizes), strict=True):
             lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
             h = layer.lora_dropout[name](x_part.to(lora_a.weight.dtype))
-            deltas.append(lora_b(lora_a(h)) * layer.scaling[name])
+            # Scaled at rank width (rows x r), not at the output's (rows x out): the same delta, a
+            # smaller multiply, forward and backward.
+            deltas.append(lora_b(lora_a(h) * layer.scaling[name]))
         return out + torch.cat(deltas).to(out.dtype)
 
     with contextlib.ExitStack() as stack:
@@ -363,7 +365,7 @@ class MultiAdapterLearner(Learner):
             p.grad = None
         slot.optimizer = None
         if optimizer and ckpt.optimizer_state is not None:
-            adamw = torch.optim.AdamW(list(slot.params.values()), foreach=False)
+            adamw = new_adamw(list(slot.params.values()))
             adamw.load_state_dict(ckpt.optimizer_state)
             slot.optimizer = adamw
         slot.version = int(ckpt.meta["version"])
