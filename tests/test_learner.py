@@ -380,7 +380,7 @@ def test_a_slots_adamw_is_fused_and_steps_as_the_per_tensor_loop() -> None:
     for a, b, a0 in zip(fused_params, loop_params, start, strict=True):
         assert not torch.equal(a, a0)  # the steps moved it
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    # The saved state loads into a per-tensor AdamW and back (checkpoints keep one format).
+    # A per-tensor AdamW's saved state (a checkpoint written before this change) loads into it.
     restored = new_adamw([torch.nn.Parameter(p.detach().clone()) for p in loop_params])
     restored.load_state_dict(loop.state_dict())
     assert restored.state_dict()["state"][0]["exp_avg"].shape == (16, 64)
