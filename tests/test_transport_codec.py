@@ -293,3 +293,16 @@ class ReusedList:
 def test_a_reused_message_with_an_unhashable_field_still_round_trips():
     value = ReusedList(list(range(600)))
     assert decode(encode(value)) == decode(encode(value)) == ReusedList(list(range(600)))
+
+
+def test_only_reused_messages_are_looked_up_in_the_memo(monkeypatch):
+    from polytinker.transport import codec
+
+    looked_up = []
+    real_get = codec._decoded_reused.get
+    monkeypatch.setattr(codec._decoded_reused, "get", lambda key: looked_up.append(key) or real_get(key))
+    other = Point(xs=tuple(range(50)), color=Color.RED, extra="w" * 2000)  # memo-sized, not reused
+    assert decode(encode(other)) == decode(encode(other))
+    assert looked_up == []
+    assert decode(encode(ReusedShape("w" * 2000, (1,)))) == ReusedShape("w" * 2000, (1,))
+    assert len(looked_up) == 1

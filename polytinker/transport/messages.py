@@ -34,6 +34,7 @@ _by_name: dict[str, type] = {}
 _by_type: dict[type, str] = {}
 _with_arrays: set[type] = set()  # registered with arrays=True
 _reused: set[type] = set()  # registered with reused=True
+_reused_names: tuple[str, ...] = ()  # their names (a new tuple at each registration)
 # Per-type field converters, built on first decode (type hints may name classes defined later).
 _converters: dict[type, dict[str, Callable[[Any], Any]]] = {}
 
@@ -44,6 +45,7 @@ def register_message(name: str, cls: type, *, arrays: bool = False, reused: bool
     immutable values (a frozen dataclass of strings, numbers and tuples, no arrays) that peers send
     again and again, such as an adapter's layout with each version: the codec may encode one once
     (equal instances must encode alike) and hand out one decoded instance for equal bytes."""
+    global _reused_names
     if reused and (arrays or not getattr(getattr(cls, "__dataclass_params__", None), "frozen", False)):
         raise ConfigError(f"@message({name!r}): a reused message must be a frozen dataclass without arrays")
     if not name or not isinstance(name, str):
@@ -59,8 +61,9 @@ def register_message(name: str, cls: type, *, arrays: bool = False, reused: bool
         _by_type[cls] = name
         if arrays:
             _with_arrays.add(cls)
-        if reused:
+        if reused and cls not in _reused:
             _reused.add(cls)
+            _reused_names = (*_reused_names, name)
 
 
 def message(name: str, *, arrays: bool = False, reused: bool = False) -> Callable[[type[T]], type[T]]:
@@ -88,6 +91,11 @@ def message_type(name: str) -> type | None:
 def is_reused(cls: type) -> bool:
     """Whether ``cls`` was registered with ``reused=True``."""
     return cls in _reused
+
+
+def reused_names() -> tuple[str, ...]:
+    """The names registered with ``reused=True``."""
+    return _reused_names
 
 
 def takes_arrays(cls: type) -> bool:
