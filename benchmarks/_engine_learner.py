@@ -29,13 +29,12 @@ Real model (SmolLM2-135M-Instruct), fp32, LoRA rank 16, alpha 32, on every linea
   between two buffers copied again and again (``memcpy_ms``; target <= 3: the copy and the
   bookkeeping). Copied back to back, those two buffers stay in the cache; the syncs' buffers, two
   of them in turn and 2 ms apart, partly do not: a copy right after 1 ms of pure Python took 1.0 ms
-  against 0.77 back to back here (2.3 against 1.8 on one thread).
+  against 0.77 back to back here (2.3 against 1.8 on one thread). ``adapter_export_ms`` and
+  ``adapter_engine_load_ms`` split the sync: the learner's part and the engine's.
 - ``adapter_sync_vs_memcpy_ratio_cold``: both measured from the same cache state, each sync and
   each memcpy timed once right after a sweep over 256 MiB of other memory, taking turns
   (``adapter_sync_cold_ms``, ``memcpy_cold_ms``): the state a version leaves the learner in after a
   training step.
-  ``adapter_export_ms`` and
-  ``adapter_engine_load_ms`` split it: the learner's part and the engine's.
 - ``colocated_sync_ms``: the colocated alternative (engine and learner sharing one model in one
   process): copying the trained adapter into a serving slot of the same peft model, which is all
   a colocated engine needs so in-flight requests keep their version. No export, no second model.
