@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from filelock import FileLock
 
+from polytinker.engine.types import ModelLimits
 from polytinker.errors import ConfigError, ModelError
 
 if TYPE_CHECKING:
@@ -174,6 +175,24 @@ def resolve_model(spec: str = DEFAULT_MODEL, config: ModelConfig | None = None) 
     )
 
 
+def model_limits(spec: str = DEFAULT_MODEL, config: ModelConfig | None = None) -> ModelLimits:
+    """The ids and positions ``spec`` can read, from its ``config.json`` (a multimodal model's
+    ``text_config``); 0 for what it does not say. Reads JSON only: no torch, no weights."""
+    import json
+
+    try:
+        raw = json.loads((resolve_model(spec, config) / "config.json").read_text())
+    except (OSError, ValueError):
+        return ModelLimits()
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+
+    def read(key: str) -> int:
+        value = text.get(key, raw.get(key))
+        return value if type(value) is int and 0 < value < 1 << 31 else 0
+
+    return ModelLimits(read("vocab_size"), read("max_position_embeddings"))
+
+
 # Tokenizer classes that are nothing but a ``tokenizer.json`` (the class AutoTokenizer picks for them
 # is the plain fast tokenizer). For these the fast tokenizer is loaded directly: AutoTokenizer imports
 # torch, about 340 MiB more in a client process that only renders prompts.
@@ -239,5 +258,6 @@ __all__ = [
     "cached_models",
     "load_model",
     "load_tokenizer",
+    "model_limits",
     "resolve_model",
 ]

@@ -42,6 +42,9 @@ ScoredTopK = tuple[list[list[float]], list[list[TopTokens]]]
 LossFnName = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
 LOSS_FNS: tuple[str, ...] = get_args(LossFnName)  # the same names, to check a value against
 MAX_SAMPLE_TOKENS = 1 << 16  # the most tokens one sample may ask for
+MAX_SAMPLES = 1024  # the most sequences one sample call may ask for (split into engine batches)
+MAX_STOPS = 64  # stop strings, and stop token ids, of one sample
+MAX_STOP_CHARS = 1024
 MAX_CHOICES = 1024  # the most completions a constrained sample may choose among (SamplingParams.choices)
 MAX_CHOICE_TOKENS = 256  # the longest of them: an answer, scored whole for every choice
 MAX_LAYOUT_TENSORS = 1 << 16  # the most tensors one TensorLayout may name (a 70B LoRA on every linear has ~5600)
@@ -277,8 +280,15 @@ class SamplingParams:
             raise ConfigError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ConfigError(f"SamplingParams.top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if self.n <= 0:
-            raise ConfigError(f"SamplingParams.n must be positive, got {self.n}")
+        if not 0 < self.n <= MAX_SAMPLES:
+            raise ConfigError(f"SamplingParams.n must be in 1..{MAX_SAMPLES}, got {self.n}")
+        if self.seed is not None and not 0 <= self.seed < 1 << 63:
+            raise ConfigError(f"SamplingParams.seed must be in 0..2**63-1, got {self.seed}")
+        if len(self.stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ConfigError(f"SamplingParams.stop: at most {MAX_STOPS} strings of {MAX_STOP_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOPS:
+            raise ConfigError(f"SamplingParams.stop_token_ids: at most {MAX_STOPS} ids")
+        check_token_ids(self.stop_token_ids, "SamplingParams.stop_token_ids")
 
 
 def check_choices(choices: tuple[tuple[int, ...], ...], max_tokens: int) -> None:
@@ -359,6 +369,61 @@ class Datum:
                 raise ConfigError(f"Datum.{name} has {len(value)} entries, expected {n} (one per target token)")
 
 
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a base model can read: ids in ``[0, vocab_size)`` and at most ``max_positions``
+    tokens in one sequence (0: not known). Workers read them from the model's config and report
+    them when they register, so the scheduler checks requests at its door with them."""
+
+    vocab_size: int = 0
+    max_positions: int = 0
+
+    def check_context(self, prompt_tokens: int, new_tokens: int) -> None:
+        if self.max_positions and prompt_tokens + new_tokens > self.max_positions:
+            raise ConfigError(
+                f"{prompt_tokens} prompt tokens and max_tokens={new_tokens} exceed the model's context of "
+                f"{self.max_positions} tokens"
+            )
+
+
+def check_token_ids(ids: Sequence[int], field: str, vocab_size: int = 0) -> None:
+    """ConfigError naming ``field`` unless every id is in ``[0, vocab_size)`` (``vocab_size`` 0:
+    unknown, only ``>= 0`` is checked). min/max run at C speed over long prompts."""
+    if not ids:
+        return
+    low, high = min(ids), max(ids)
+    if low < 0 or (vocab_size and high >= vocab_size):
+        bad = low if low < 0 else high
+        limit = f"0..{vocab_size - 1}" if vocab_size else ">= 0"
+        raise ConfigError(f"{field}: token id {bad} is out of range (the model's ids are {limit})")
+
+
+def check_finite(values: Sequence[float] | None, field: str) -> None:
+    """ConfigError naming ``field`` when one of ``values`` is NaN or infinite: one such number
+    in a loss input makes every weight of the adapter NaN after the step."""
+    if values is not None and not all(map(math.isfinite, values)):
+        bad = next(v for v in values if not math.isfinite(v))
+        raise ConfigError(f"{field} holds a non-finite number ({bad})")
+
+
+def check_data(data: Sequence[Datum], loss_fn: str = "cross_entropy", vocab_size: int = 0) -> None:
+    """ConfigError naming the datum and the field of the first value a learner must not read:
+    a token id out of range, a non-finite weight, advantage or logprob, or a policy loss's input
+    missing. The scheduler runs it at its door (``vocab_size`` once a worker told it the model's)
+    and a learner before it touches the model."""
+    if loss_fn not in LOSS_FNS:
+        raise ConfigError(f"loss_fn must be one of {LOSS_FNS}, got {loss_fn!r}")
+    policy_loss = loss_fn != "cross_entropy"
+    for i, d in enumerate(data):
+        check_token_ids(d.input_tokens, f"data[{i}].input_tokens", vocab_size)
+        check_token_ids(d.target_tokens_T, f"data[{i}].target_tokens", vocab_size)
+        check_finite(d.weights_T, f"data[{i}].weights")
+        check_finite(d.advantages_T, f"data[{i}].advantages")
+        check_finite(d.sampling_logprobs_T, f"data[{i}].logprobs")
+        if policy_loss and (d.advantages_T is None or d.sampling_logprobs_T is None):
+            raise ConfigError(f"data[{i}]: loss_fn {loss_fn!r} needs advantages and logprobs on every datum")
+
+
 __all__ = [
     "ATTN_MODULES",
     "DEFAULT_TARGET_MODULES",
@@ -372,6 +437,7 @@ __all__ = [
     "FinishReason",
     "LoraConfig",
     "LossFnName",
+    "ModelLimits",
     "SampleRequest",
     "SampleResult",
     "SampledSequence",
@@ -379,4 +445,7 @@ __all__ = [
     "ScoredTopK",
     "TensorLayout",
     "TopTokens",
+    "check_data",
+    "check_finite",
+    "check_token_ids",
 ]

@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from polytinker.engine.types import ModelLimits
 from polytinker.errors import (
     AuthError,
     ConfigError,
@@ -97,6 +98,7 @@ class Broker:
         self._workers: dict[str, WorkerHandle] = {}
         self._actors: tuple[ActorState, ...] = ()  # the local runtime's last ActorsReport
         self._cv = threading.Condition()
+        self.model_limits = ModelLimits()  # until a worker registers: ids are checked >= 0 only
         hb = config.worker_heartbeat_s
         self._transport = TransportConfig(
             request_timeout_s=config.request_timeout_s, heartbeat_interval_s=hb, heartbeat_liveness=3
@@ -117,7 +119,10 @@ class Broker:
 
     # --- registration ------------------------------------------------------------------------------
     def register(self, msg: Register) -> Registered:
-        fields = (msg.worker_id, msg.role, msg.address, msg.incarnation, msg.base_model, msg.curve_public_key)
+        fields = (
+            *(msg.worker_id, msg.role, msg.address, msg.incarnation, msg.base_model, msg.curve_public_key),
+            *(msg.vocab_size, msg.max_positions),
+        )
         if not same(msg.proof, register_proof(self._token, *fields)):
             raise AuthError("worker token rejected: start the worker with the runtime's --token")
         role = self._declared.get(msg.worker_id)
@@ -129,6 +134,7 @@ class Broker:
             raise ConfigError(
                 f"{msg.worker_id} is declared as a {role} of {self.config.model}, not a {msg.role} of {msg.base_model}"
             )
+        self._note_limits(msg)
         now = time.monotonic()
         with self._cv:
             old = self._workers.get(msg.worker_id)
@@ -150,6 +156,18 @@ class Broker:
             "worker %s (%s) registered at %s, incarnation %s", msg.worker_id, msg.role, msg.address, msg.incarnation
         )
         return Registered(known=False)
+
+    def _note_limits(self, msg: Register) -> None:
+        """The base model's limits as its workers read them (the smallest where two disagree):
+        what the scheduler checks requests against at its door."""
+
+        def least(a: int, b: int) -> int:
+            return min(a, b) if a and b else a or b
+
+        with self._cv:
+            known = self.model_limits
+            vocab, positions = least(known.vocab_size, msg.vocab_size), least(known.max_positions, msg.max_positions)
+            self.model_limits = ModelLimits(vocab, positions)
 
     def _check_launcher(self, credential: str) -> None:
         if not same(credential, self._launcher):

@@ -29,6 +29,7 @@ import threading
 import uuid
 from typing import Any
 
+from polytinker.engine.models import model_limits
 from polytinker.errors import ConfigError
 from polytinker.scheduler.service.config import RuntimeConfig
 from polytinker.scheduler.service.runtime import prepared
@@ -114,7 +115,11 @@ class InprocRuntime:
     def _register_message(self, role: str, worker_id: str) -> Register:
         token = self.config.worker_token
         curve_key = worker_server_curve(token, worker_id, None).public_key.decode()  # what a WorkerServer sends
-        fields = (worker_id, role, f"direct://{worker_id}", uuid.uuid4().hex[:12], self.config.model, curve_key)
+        limits = model_limits(self.config.model)  # build_worker built the model: this reads its config.json
+        fields = (
+            *(worker_id, role, f"direct://{worker_id}", uuid.uuid4().hex[:12], self.config.model, curve_key),
+            *(limits.vocab_size, limits.max_positions),
+        )
         return Register(register_proof(token, *fields), *fields)
 
     def _heartbeat(self, register: Register) -> None:

@@ -23,7 +23,15 @@ import math
 from dataclasses import dataclass, field
 from datetime import date
 
-from polytinker.engine.types import LOSS_FNS, Datum, SamplingParams
+from polytinker.engine.types import (
+    LOSS_FNS,
+    MAX_SAMPLES,
+    Datum,
+    ModelLimits,
+    SamplingParams,
+    check_data,
+    check_token_ids,
+)
 from polytinker.errors import ConfigError
 from polytinker.model_path import CKPT_PREFIX, MODEL_PREFIX
 from polytinker.scheduler.service.layout import check_name
@@ -35,6 +43,10 @@ _RL_KINDS = (JobKind.LORA_RL, JobKind.FULL_RL)  # they sample and train
 JOB_ACTIONS = ("cancel", "pause", "resume", "finish")
 MAX_DATA = 100_000  # datums in one call
 MAX_PROMPTS = 4096
+MAX_STEPS = 1_000_000_000  # a job's step budget
+MAX_NAME_CHARS = 256  # a base model's or an adapter's name
+MAX_TARGET_MODULES = 64
+MAX_LOSS_CONFIG = 16  # keys of loss_fn_config
 
 
 def need(cond: bool, msg: str) -> None:
@@ -86,9 +98,20 @@ class CreateJob:
             not self.max_staleness or self.kind in _RL_KINDS,
             f"max_staleness is for RL jobs (they sample and train); a {self.kind} job leaves it at 0",
         )
-        need(bool(self.base_model), "base_model must be named")
-        need(0 < self.rank <= 1024 and self.alpha > 0, "LoRA rank must be in 1..1024 and alpha > 0")
-        need(self.steps >= 0 and -1000 <= self.priority <= 1000, "steps >= 0, priority in -1000..1000")
+        need(
+            0 < len(self.base_model) <= MAX_NAME_CHARS,
+            f"base_model must be named (at most {MAX_NAME_CHARS} characters)",
+        )
+        need(len(self.adapter) <= MAX_NAME_CHARS, f"adapter: at most {MAX_NAME_CHARS} characters")
+        need(0 < self.rank <= 1024, f"rank must be in 1..1024, got {self.rank}")
+        need(0 < self.alpha <= 1 << 16, f"alpha must be in 1..65536, got {self.alpha}")
+        need(0 <= self.steps <= MAX_STEPS, f"steps must be in 0..{MAX_STEPS}, got {self.steps}")
+        need(-1000 <= self.priority <= 1000, f"priority must be in -1000..1000, got {self.priority}")
+        need(0 <= self.seed < 1 << 63, f"seed must be in 0..2**63-1, got {self.seed}")
+        need(self.max_staleness <= 1000, f"max_staleness must be in 0..1000, got {self.max_staleness}")
+        need(len(self.target_modules) <= MAX_TARGET_MODULES, f"target_modules: at most {MAX_TARGET_MODULES} names")
+        for name in self.target_modules:
+            check_name("target_modules", name)
 
 
 @message("sched.job_query")
@@ -131,7 +154,12 @@ class ForwardBackward:
         need(0 < len(self.data) <= MAX_DATA, f"forward_backward needs 1..{MAX_DATA} datums")
         need(all(isinstance(d, Datum) for d in self.data), "data must hold datums")
         need(self.loss_fn in LOSS_FNS, f"loss_fn must be one of {LOSS_FNS}, got {self.loss_fn!r}")
+        check_data(self.data, self.loss_fn)
+        check_loss_config(self.loss_fn_config)
         request_id_ok(self.request_id, self.attempt)
+
+    def check_model(self, limits: ModelLimits) -> None:
+        check_data(self.data, self.loss_fn, limits.vocab_size)
 
 
 @message("sched.forward")
@@ -144,6 +172,10 @@ class Forward:
     def __post_init__(self) -> None:
         need(0 < len(self.data) <= MAX_DATA, f"forward needs 1..{MAX_DATA} datums")
         need(all(isinstance(d, Datum) for d in self.data), "data must hold datums")
+        check_data(self.data)
+
+    def check_model(self, limits: ModelLimits) -> None:
+        check_data(self.data, vocab_size=limits.vocab_size)
 
 
 @message("sched.optim_step")
@@ -163,6 +195,11 @@ class OptimStep:
     def __post_init__(self) -> None:
         request_id_ok(self.request_id, self.attempt)
         need(math.isfinite(self.grad_clip_norm) and self.grad_clip_norm >= 0, "grad_clip_norm must be >= 0")
+        need(0 <= self.learning_rate <= 10, f"learning_rate must be in [0, 10], got {self.learning_rate}")
+        need(0 <= self.beta1 < 1, f"beta1 must be in [0, 1), got {self.beta1}")
+        need(0 <= self.beta2 < 1, f"beta2 must be in [0, 1), got {self.beta2}")
+        need(0 < self.eps <= 1, f"eps must be in (0, 1], got {self.eps}")
+        need(0 <= self.weight_decay <= 10, f"weight_decay must be in [0, 10], got {self.weight_decay}")
 
 
 @message("sched.save_state")
@@ -210,9 +247,17 @@ class Sample:
     job_id: str = ""  # the base model: the caller's inference job, which gates and accounts the call
 
     def __post_init__(self) -> None:
-        need(len(self.prompt_token_ids) > 0, "the prompt needs at least one token")
-        need(0 < self.num_samples <= 1024, "num_samples must be in 1..1024")
+        need(len(self.prompt_token_ids) > 0, "prompt_token_ids: the prompt needs at least one token")
+        need(0 < self.num_samples <= MAX_SAMPLES, f"num_samples must be in 1..{MAX_SAMPLES}, got {self.num_samples}")
         need(isinstance(self.params, SamplingParams), "params must be sampling parameters")
+        check_token_ids(self.prompt_token_ids, "prompt_token_ids")
+
+    def check_model(self, limits: ModelLimits) -> None:
+        check_token_ids(self.prompt_token_ids, "prompt_token_ids", limits.vocab_size)
+        check_token_ids(self.params.stop_token_ids, "stop_token_ids", limits.vocab_size)
+        for i, choice in enumerate(self.params.choices):
+            check_token_ids(choice, f"choices[{i}]", limits.vocab_size)
+        limits.check_context(len(self.prompt_token_ids), self.params.max_tokens)
 
 
 @message("sched.compute_logprobs")
@@ -226,8 +271,22 @@ class ComputeLogprobs:
     top_k: int = 0  # also the k likeliest tokens at each position (LogprobsReply.topk)
 
     def __post_init__(self) -> None:
-        need(0 < len(self.sequences) <= MAX_PROMPTS and all(self.sequences), "1..4096 non-empty sequences")
+        need(0 < len(self.sequences) <= MAX_PROMPTS and all(self.sequences), "sequences: 1..4096 non-empty sequences")
         check_top_k(self.top_k)
+        for i, seq in enumerate(self.sequences):
+            check_token_ids(seq, f"sequences[{i}]")
+
+    def check_model(self, limits: ModelLimits) -> None:
+        for i, seq in enumerate(self.sequences):
+            check_token_ids(seq, f"sequences[{i}]", limits.vocab_size)
+            limits.check_context(len(seq), 0)
+
+
+def check_loss_config(config: dict[str, float] | None) -> None:
+    need(
+        config is None or (len(config) <= MAX_LOSS_CONFIG and all(map(math.isfinite, config.values()))),
+        f"loss_fn_config: at most {MAX_LOSS_CONFIG} finite numbers",
+    )
 
 
 MAX_TOP_K = 20  # as vLLM's engines serve at most by default (max_logprobs)

@@ -162,10 +162,15 @@ class SchedulerService:
         }
 
     def _guard(self, fn: Any) -> Any:
-        """Answer the expected refusals as typed retry answers (``OverloadedReply``, ``WaitingReply``)
-        instead of errors."""
+        """Check a request against the base model (token ids, context: ``check_model`` of the
+        message types that carry tokens) before anything is queued or stored, and answer the
+        expected refusals as typed retry answers (``OverloadedReply``, ``WaitingReply``) instead of
+        errors."""
 
         def run(msg: Any) -> Any:
+            check_model = getattr(msg, "check_model", None)
+            if check_model is not None:
+                check_model(self.broker.model_limits)
             try:
                 with self.jobs.activity():  # the job the call names is busy until it ends
                     return fn(msg)

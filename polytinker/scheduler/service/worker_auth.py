@@ -55,11 +55,11 @@ def worker_server_curve(token: str, worker_id: str, keypair: tuple[bytes, bytes]
     return ServerCurve(public, secret, frozenset({scheduler_client_keypair(token)[0]}))
 
 
-def register_proof(
-    token: str, worker_id: str, role: str, address: str, incarnation: str, base_model: str, curve_public_key: str
-) -> str:
-    fields = "\n".join((worker_id, role, address, incarnation, base_model, curve_public_key))
-    return hmac.new(_mac(token, "register"), fields.encode("utf-8"), hashlib.sha256).hexdigest()
+def register_proof(token: str, *fields: str | int) -> str:
+    """The MAC of a ``Register``'s fields, in its order (worker id, role, address, incarnation,
+    base model, Curve key, model limits)."""
+    joined = "\n".join(map(str, fields))
+    return hmac.new(_mac(token, "register"), joined.encode("utf-8"), hashlib.sha256).hexdigest()
 
 
 def launcher_credential(token: str) -> str:

@@ -32,8 +32,11 @@ class Register:
     incarnation: str  # new at every process start: a change means its memory is empty again
     base_model: str
     curve_public_key: str  # the Curve key the worker serves with (every worker serves with Curve)
+    vocab_size: int = 0  # the base model's ModelLimits, read from its config (0: unknown)
+    max_positions: int = 0
 
     def __post_init__(self) -> None:
+        need(0 <= self.vocab_size < 1 << 31 and 0 <= self.max_positions < 1 << 31, "model limits out of range")
         need(self.role in ("engine", "learner"), f"role must be 'engine' or 'learner', got {self.role!r}")
         need(len(self.curve_public_key) == 40, "curve_public_key must be the worker's 40-character Z85 key")
 

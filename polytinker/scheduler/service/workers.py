@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from polytinker.actors import Actor
+from polytinker.engine.models import model_limits
 from polytinker.errors import ConfigError
 from polytinker.scheduler.service.config import RuntimeConfig
 from polytinker.scheduler.service.worker_auth import register_proof, worker_server_curve
@@ -59,6 +60,7 @@ class WorkerServer:
         curve = worker_server_curve(token, worker_id, keypair)
         self.server = RpcServer(bind, handlers, config=cfg, curve=curve).start()
         self._public = curve.public_key.decode()
+        self.limits = model_limits(base_model)  # the worker built the model: this reads its config.json
         self._client = RpcClient(scheduler, config=cfg, curve=client_curve)
         self._token, self._heartbeat_s = token, heartbeat_s
         self._stop = threading.Event()
@@ -67,7 +69,10 @@ class WorkerServer:
         self._thread.start()
 
     def _message(self) -> Register:
-        fields = (self.worker_id, self.role, self.server.address, self.incarnation, self.base_model, self._public)
+        fields = (
+            *(self.worker_id, self.role, self.server.address, self.incarnation, self.base_model, self._public),
+            *(self.limits.vocab_size, self.limits.max_positions),
+        )
         return Register(register_proof(self._token, *fields), *fields)
 
     def _loop(self) -> None:
