@@ -9,6 +9,7 @@ PING, PONG and CANCEL carry the header only.
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 import struct
 import threading
@@ -156,6 +157,17 @@ def describe(exc: BaseException) -> str:
     return text if len(text) <= MAX_ERROR_MESSAGE else text[:MAX_ERROR_MESSAGE] + "..."
 
 
+# An absolute filesystem path of two or more parts: not inside a URL (``tinker://JOB/AGENT``,
+# ``polytinker-ckpt://JOB/NAME``, ``http://host/x``) nor a relative one. What a server's error
+# says about its own disk is for its log, not for a peer of another tenant.
+_SERVER_PATH = re.compile(r"(?<![\w:/.~-])/(?:[\w.@+=,-]+/)+[\w.@+=,-]*")
+
+
+def scrub_paths(text: str) -> str:
+    """``text`` with every absolute filesystem path replaced by ``<server path>``."""
+    return _SERVER_PATH.sub("<server path>", text) if "/" in text else text
+
+
 def new_error_id() -> str:
     """The id a failed request's answer and the server's log line share."""
     return secrets.token_hex(6)
@@ -164,13 +176,14 @@ def new_error_id() -> str:
 def error_body(
     code: ErrorCode | str, exc: BaseException | None = None, message: str = "", *, error_id: str = "", trace: str = ""
 ) -> bytes:
-    """The msgpack body of an ERROR reply: code, type, message, error id (and a traceback only when
-    the server is configured to expose it). Built from bounded strings only: it cannot fail."""
+    """The msgpack body of an ERROR reply: code, type, message (without server paths), error id
+    (and a traceback only when the server is configured to expose it). Built from bounded strings
+    only: it cannot fail."""
     return msgpack.packb(
         {
             "code": str(code),
             "type": type(exc).__name__ if exc is not None else "",
-            "message": message or (describe(exc) if exc is not None else ""),
+            "message": scrub_paths(message or (describe(exc) if exc is not None else "")),
             "error_id": error_id,
             "traceback": trace,
         }
@@ -257,5 +270,6 @@ __all__ = [
     "pack_header",
     "parse_header",
     "recv_frames",
+    "scrub_paths",
     "send_frames",
 ]

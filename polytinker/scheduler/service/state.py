@@ -11,7 +11,10 @@ Tables:
 - ``events``: the decision log (what the policy decided and why);
 - ``usage``: per tenant, hour, kind, base model and job, the tokens (or saves) it used (``UsageMeter``);
 - ``audit``: who did what to which saved weights (``AuditLog``): each row belongs to the tenant that
-  acted and to the tenant that owns the weights.
+  acted and to the tenant that owns the weights;
+- ``quarantined_jobs``: job rows that could not be read back (a value no request can store any
+  more, written by an older version or by hand): moved here whole, with the reason, so the
+  scheduler serves every other job instead of failing to start.
 
 Privacy: the state directory holds every tenant's weights and the job table, so
 ``private_state_dir`` keeps it 0700 (tightening a looser one, with a warning) and the database
@@ -71,6 +74,8 @@ CREATE TABLE IF NOT EXISTS audit (
     owner TEXT NOT NULL, job_id TEXT NOT NULL, path TEXT NOT NULL, details TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS audit_by_actor ON audit (actor, time_s);
 CREATE INDEX IF NOT EXISTS audit_by_owner ON audit (owner, time_s);
+CREATE TABLE IF NOT EXISTS quarantined_jobs (
+    job_id TEXT NOT NULL, row TEXT NOT NULL, reason TEXT NOT NULL, time_s REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS usage (
     tenant TEXT NOT NULL, bucket_s REAL NOT NULL, kind TEXT NOT NULL, base_model TEXT NOT NULL, job_id TEXT NOT NULL,
     count INTEGER NOT NULL, PRIMARY KEY (tenant, bucket_s, kind, base_model, job_id));
@@ -209,19 +214,8 @@ class StateStore:
             db.execute(
                 "INSERT INTO jobs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
-                    row.job_id,
-                    row.tenant,
-                    row.kind,
-                    row.base_model,
-                    row.agent,
-                    json.dumps(row.lora),
-                    row.state,
-                    row.priority,
-                    row.steps,
-                    row.reason,
-                    row.created_s,
-                    row.updated_s,
-                    row.max_staleness,
+                    *(row.job_id, row.tenant, row.kind, row.base_model, row.agent, json.dumps(row.lora)),
+                    *(row.state, row.priority, row.steps, row.reason, row.created_s, row.updated_s, row.max_staleness),
                 ),
             )
 
@@ -233,18 +227,43 @@ class StateStore:
             )
 
     def job(self, job_id: str) -> JobRow | None:
-        rows = self._query("SELECT * FROM jobs WHERE job_id = ?", (job_id,))
-        return _job(rows[0]) if rows else None
+        rows = self._readable(self._query("SELECT * FROM jobs WHERE job_id = ?", (job_id,)))
+        return rows[0] if rows else None
 
     def jobs(self, tenant: str | None = None) -> list[JobRow]:
         if tenant is None:
-            return [_job(r) for r in self._query("SELECT * FROM jobs ORDER BY created_s")]
-        return [_job(r) for r in self._query("SELECT * FROM jobs WHERE tenant = ? ORDER BY created_s", (tenant,))]
+            return self._readable(self._query("SELECT * FROM jobs ORDER BY created_s"))
+        return self._readable(self._query("SELECT * FROM jobs WHERE tenant = ? ORDER BY created_s", (tenant,)))
 
     def jobs_of(self, kind: JobKind, states: tuple[JobState, ...]) -> list[JobRow]:
         marks = ", ".join("?" * len(states))
         rows = self._query(f"SELECT * FROM jobs WHERE kind = ? AND state IN ({marks})", (kind, *states))
-        return [_job(r) for r in rows]
+        return self._readable(rows)
+
+    def _readable(self, rows: list[sqlite3.Row]) -> list[JobRow]:
+        """The rows as JobRows; one that cannot be read is quarantined (see the module docstring)
+        and left out, so one bad row never makes a tenant's list, or the scheduler's start, fail."""
+        out = []
+        for r in rows:
+            try:
+                out.append(_job(r))
+            except (ValueError, TypeError, OverflowError, KeyError) as exc:
+                self._quarantine(r, f"{type(exc).__name__}: {exc}")
+        return out
+
+    def _quarantine(self, r: sqlite3.Row, reason: str) -> None:
+        job_id = str(r["job_id"])
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO quarantined_jobs VALUES (?, ?, ?, ?)",
+                (job_id, json.dumps(dict(r), default=repr), reason[:2000], time.time()),
+            )
+            db.execute("DELETE FROM jobs WHERE job_id = ?", (job_id,))
+        log.warning("job %s cannot be read (%s): moved to quarantined_jobs; the other jobs are served", job_id, reason)
+
+    def quarantined(self) -> list[dict[str, Any]]:
+        """The quarantined job rows: job id, the row as JSON, why, when."""
+        return [dict(r) for r in self._query("SELECT * FROM quarantined_jobs ORDER BY time_s")]
 
     def delete_jobs(self, job_ids: list[str]) -> None:
         """Forget jobs and their events (finished inference jobs: nothing else refers to them)."""
@@ -453,13 +472,16 @@ class StateStore:
 
 
 def _job(r: sqlite3.Row) -> JobRow:
+    lora = json.loads(r["lora"])
+    if not isinstance(lora, dict) or not isinstance(r["job_id"], str) or not isinstance(r["tenant"], str):
+        raise TypeError("job_id and tenant must be text, lora a JSON object")
     return JobRow(
         job_id=r["job_id"],
         tenant=r["tenant"],
         kind=JobKind(r["kind"]),
         base_model=r["base_model"],
         agent=r["agent"],
-        lora=json.loads(r["lora"]),
+        lora=lora,
         state=JobState(r["state"]),
         priority=int(r["priority"]),
         steps=int(r["steps"]),
