@@ -337,3 +337,51 @@ def test_reservation_windows_use_an_async_jobs_shorter_span(staleness):
     async_job = replace(lora("async", 10.0, steps=95, step_s=1.0, sample_s=9.0, at=22.0), max_staleness=1)
     policy.submit(async_job, 22.0)
     assert started(policy.schedule(22.0)) == ["async"]
+
+
+def slot_job(job_id: str, tenant: str, priority: int = 0) -> Job:
+    """A LoRA RL job whose adapter slot binds (memory is plentiful)."""
+    return Job(job_id, tenant, JobKind.LORA_RL, "base", priority, 5, 1.0, 1.0, 1.0, 1.0, 0.0, f"{tenant}/{job_id}")
+
+
+def slots_held(priorities: dict[str, int] | None = None) -> FairSharePolicy:
+    """Four adapter slots on one engine: tenant b holds three, tenant c one; tenant a waits."""
+    engine = EngineSpec("e0", "base", memory_gb=40.0, adapter_slots=4)
+    policy = FairSharePolicy(ClusterSpec((engine,), one_group().learners))
+    for job_id in ("b1", "b2", "b3", "c1"):
+        policy.submit(slot_job(job_id, job_id[0], (priorities or {}).get(job_id, 0)), 0.0)
+    assert len(started(policy.schedule(0.0))) == 4
+    policy.submit(slot_job("a1", "a"), 1.0)
+    assert started(policy.schedule(1.0)) == []  # every slot is pinned by a running job
+    return policy
+
+
+def test_an_idle_job_of_a_tenant_over_its_share_goes_first_then_the_longest_idle():
+    policy = slots_held()
+    # c1 has been quiet longest, but tenant c holds 1/4 of the slots, within its share of 1/3;
+    # b holds 3/4. Of b's idle jobs, b2 has been quiet longer; b3 is in use (not in idle_s).
+    got = policy.reclaim_idle(30.0, {"b1": 10.0, "b2": 20.0, "c1": 100.0}, lambda j: True)
+    assert [(r.for_job, r.victims) for r in got] == [("a1", ("b2",))]
+    why = got[0].reasons[0]
+    assert "tenant b" in why and "more than its fair share" in why and "a1" not in why and "tenant a" not in why
+    assert policy.reclaim_idle(30.0, {"b1": 10.0, "b2": 20.0}, lambda j: False) == []  # no one waits on a1
+    assert policy.reclaim_idle(30.0, {}, lambda j: True) == []  # nothing idle
+    policy.cancel("b2", 30.0)  # the service's idle pause takes it out
+    assert started(policy.schedule(30.0)) == ["a1"]
+
+
+def test_an_idle_job_is_taken_only_within_the_fair_share_and_priority_rules():
+    policy = slots_held()
+    # a holds nothing, within its share: it may take c's idle job once b has none idle.
+    assert [r.victims for r in policy.reclaim_idle(30.0, {"c1": 5.0}, lambda j: True)] == [("c1",)]
+    policy.submit(slot_job("b4", "b"), 2.0)
+    wanted_b4 = lambda j: j == "b4"  # noqa: E731
+    # b, over its share, takes nothing from c, which is within its own; it may take its own idle job.
+    assert policy.reclaim_idle(30.0, {"c1": 50.0}, wanted_b4) == []
+    assert [r.victims for r in policy.reclaim_idle(30.0, {"c1": 50.0, "b1": 5.0}, wanted_b4)] == [("b1",)]
+    # Two waiting jobs never share one victim.
+    got = policy.reclaim_idle(30.0, {"b1": 5.0, "b3": 7.0}, lambda j: True)
+    assert sorted(v for r in got for v in r.victims) == ["b1", "b3"] and len(got) == 2
+    # A job of higher priority than the waiting one keeps its slot, however long it was quiet.
+    high = slots_held({"b1": 1, "b2": 1, "b3": 1, "c1": 1})
+    assert high.reclaim_idle(30.0, {"b1": 500.0, "c1": 500.0}, lambda j: True) == []

@@ -30,13 +30,14 @@ import heapq
 import itertools
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from polytinker.errors import ConfigError
 from polytinker.scheduler.cluster import ClusterState
 from polytinker.scheduler.config import SchedulerPolicyConfig
 from polytinker.scheduler.queue import RetryEstimator, TenantQueue
+from polytinker.scheduler.reclaim import Reclaim, idle_victims
 from polytinker.scheduler.types import (
     Accepted,
     ClusterSpec,
@@ -312,6 +313,19 @@ class FairSharePolicy(SchedulingPolicy):
             victims.discard(job_id)
             if not victims:  # all stopped or finished: it may look for victims again
                 del self._draining_for[waiting]
+
+    def reclaim_idle(
+        self, now_s: float, idle_s: Mapping[JobID, float], wanted: Callable[[JobID], bool]
+    ) -> list[Reclaim]:
+        """Idle running jobs to take out so that queued jobs someone waits on (``wanted``) fit, by
+        ``polytinker.scheduler.reclaim``'s rules; ``idle_s``: seconds since the last call of each job
+        the caller counts as idle. The caller takes them out (``cancel``) and runs a pass."""
+        looked = itertools.islice(self._candidates(), self.config.backfill_depth)
+        fits = lambda e: self.cluster.fit(e.job, now_s, self._allowed_for(e, now_s)) is not None  # noqa: E731
+        blocked = (e.job for e in looked if wanted(e.job.job_id) and not fits(e))
+        idle = {j: s for j, s in idle_s.items() if j in self._entries and self._entries[j].state is JobState.RUNNING}
+        weights = {t: self.config.weight(t) for t, n in self._active.items() if n > 0}
+        return idle_victims(self.cluster, blocked, idle, weights)
 
     # --- the pass --------------------------------------------------------------------------------
     def schedule(self, now_s: float) -> list[Decision]:

@@ -307,6 +307,14 @@ class RuntimeConfig:
     # An inference job (a base-model sampler) with no call for this long is paused: it holds no
     # state, so its next call resumes it at once; one idle-paused for job_idle_pause_s more is
     # finished (its client is gone). A queued one that no client asks for this long is paused too.
+    slot_reclaim_idle_s: float = 5.0
+    # A placed job with no call for this long (and none in flight) gives up its resources (an
+    # adapter slot, engine memory, a learner share) when a queued job that some client is asking
+    # for cannot start without them: it is paused as idle (its weights, versions and checkpoints
+    # stay) and its next call queues it again. Which one goes: the policy's choice, tenants over
+    # their fair share first, then the longest idle; never one of higher priority than the waiting
+    # job. Nothing is taken while no one waits. Above the client's 2 s cap on retrying a "waiting"
+    # answer, so a job just started for a waiting client is called before it could count as idle.
     keep_finished_inference: int = 32
     # Finished inference jobs kept in the job table per tenant (the newest); older ones are deleted.
     finished_inference_keep_s: float = 3600.0
@@ -359,6 +367,7 @@ class RuntimeConfig:
             "retry_after_s",
             "job_idle_pause_s",
             "inference_idle_s",
+            "slot_reclaim_idle_s",
             "finished_inference_keep_s",
             "worker_heartbeat_s",
             "worker_retry_s",

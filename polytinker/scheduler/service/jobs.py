@@ -12,7 +12,9 @@ paused, done, cancelled, rejected.
 Activity: every call that names a job (training calls, and sampling: a base-model sampler names
 its inference job, an adapter's model path names its training job) marks the job active while it
 runs and when it ends (``activity``, ``running``, ``touch``); ``pause_idle`` applies the idle
-rules of ``idle_verdict`` to the rest. A job's history (the events table) records what happened:
+rules of ``idle_verdict`` (``idle.py``) to the rest, and pauses placed jobs idle for
+``slot_reclaim_idle_s`` whose resources a queued job someone waits on needs (the policy picks
+which: ``FairSharePolicy.reclaim_idle``). A job's history (the events table) records what happened:
 an idle pause is a ``pause`` event with its reason, never a ``cancel``. ``prune_finished``
 deletes finished inference jobs beyond ``keep_finished_inference`` per tenant or older than
 ``finished_inference_keep_s``.
@@ -27,13 +29,21 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from polytinker.errors import AuthError, ConfigError, JobNotRunning, OverloadedError
 from polytinker.scheduler.config import SchedulerPolicyConfig
 from polytinker.scheduler.policy import FairSharePolicy
 from polytinker.scheduler.service.config import RuntimeConfig
+from polytinker.scheduler.service.idle import (
+    IDLE_REASON,
+    asked_for,
+    finished_to_prune,
+    idle_actions,
+    idle_verdict,
+    reclaim_pause_reason,
+)
 from polytinker.scheduler.service.messages import CreateJob
 from polytinker.scheduler.service.state import JobRow, StateStore
 from polytinker.scheduler.types import (
@@ -54,32 +64,8 @@ log = logging.getLogger("polytinker.scheduler.service")
 
 LIVE_STATES = (JobState.QUEUED, JobState.RUNNING, JobState.PREEMPTING)
 FINAL_STATES = (JobState.DONE, JobState.CANCELLED, JobState.REJECTED)
-IDLE_REASON = "idle:"
 # The state each of a tenant's job actions (but resume) leaves the job in.
 _ACTION_STATES = {"cancel": JobState.CANCELLED, "pause": JobState.PAUSED, "finish": JobState.DONE}
-
-
-def idle_verdict(
-    config: RuntimeConfig, kind: JobKind, state: JobState, reason: str, *, placed: bool, idle_s: float, in_flight: int
-) -> str | None:
-    """What the idle rules do to a job now: "pause", "finish" or None.
-
-    A call in flight keeps any job live. A placed job (running, preempting) idle for its limit is
-    paused: ``inference_idle_s`` for inference jobs (a base sampler holds no state and resumes at
-    once), ``job_idle_pause_s`` for the others (their client probably died). A queued inference
-    job that no client asked for in ``inference_idle_s`` is paused too (a live client keeps asking
-    while it waits). An inference job idle-paused for ``job_idle_pause_s`` more is finished (its
-    client is gone; finished ones are pruned). Paused training jobs stay paused: they hold state."""
-    if in_flight > 0:
-        return None
-    if kind == JobKind.INFERENCE:
-        if (placed or state == JobState.QUEUED) and idle_s >= config.inference_idle_s:
-            return "pause"
-        idle_paused = state == JobState.PAUSED and reason.startswith(IDLE_REASON)
-        if idle_paused and idle_s >= config.inference_idle_s + config.job_idle_pause_s:
-            return "finish"
-        return None
-    return "pause" if placed and idle_s >= config.job_idle_pause_s else None
 
 
 def adapter_key(tenant: str, job_id: str, agent: str) -> str:
@@ -109,8 +95,15 @@ _calls = threading.local()  # the jobs the current handler thread's call named (
 class JobManager:
     """Jobs of every tenant; thread-safe (one lock around the policy and the job table)."""
 
-    def __init__(self, config: RuntimeConfig, store: StateStore, tenant_weights: tuple[tuple[str, float], ...]):
+    def __init__(
+        self,
+        config: RuntimeConfig,
+        store: StateStore,
+        tenant_weights: tuple[tuple[str, float], ...],
+        clock: Callable[[], float] = time.monotonic,  # seconds; tests pass one they move by hand
+    ):
         self.config = config
+        self._clock = clock
         self.store = store
         policy_config = SchedulerPolicyConfig(
             tenant_weights=tenant_weights,
@@ -119,7 +112,7 @@ class JobManager:
         )
         self.policy = FairSharePolicy(cluster_spec(config), policy_config)
         self._lock = threading.RLock()
-        self._t0 = time.monotonic()
+        self._t0 = self._clock()
         self._live: dict[str, _Live] = {}
         self._touched: dict[str, float] = {}  # monotonic time of each job's last call
         self._busy: Counter[str] = Counter()  # calls in flight per job
@@ -130,7 +123,7 @@ class JobManager:
         self._rr = itertools.count()
 
     def now(self) -> float:
-        return time.monotonic() - self._t0
+        return self._clock() - self._t0
 
     # --- recovery ----------------------------------------------------------------------------------
     def recover(self) -> int:
@@ -147,7 +140,7 @@ class JobManager:
                     and row.reason.startswith(IDLE_REASON)
                 ):
                     self._idle_paused.add(row.job_id)  # its idle time counts again from now
-                    self._touched[row.job_id] = time.monotonic()
+                    self._touched[row.job_id] = self._clock()
             self.schedule()
         return n
 
@@ -223,7 +216,7 @@ class JobManager:
         self._log(result.decision)
         if isinstance(result, Accepted):
             self._live[row.job_id] = _Live(policy_id, start_version=steps_done, kind=row.kind)
-            self._touched[row.job_id] = time.monotonic()
+            self._touched[row.job_id] = self._clock()
             self._by_policy_id[policy_id] = row.job_id
             self._set_state(row.job_id, JobState.QUEUED, result.decision.reason)
             return result
@@ -241,7 +234,7 @@ class JobManager:
                 self._log(d)
                 if d.kind is DecisionKind.START:
                     self._live[job_id].placement = d.placement
-                    self._touched[job_id] = time.monotonic()  # idle time counts from its start
+                    self._touched[job_id] = self._clock()  # idle time counts from its start
                     self._set_state(job_id, JobState.RUNNING, d.reason)
                 elif d.kind is DecisionKind.PREEMPT:
                     self._set_state(job_id, JobState.PREEMPTING, d.reason)
@@ -252,44 +245,60 @@ class JobManager:
 
     def pause_idle(self) -> list[str]:
         """Apply the idle rules (``idle_verdict``): pause the idle jobs (their resources go back
-        to the pool; the next call resumes them) and finish the inference jobs whose client is
-        gone. Returns the ids of the jobs paused or finished."""
-        now = time.monotonic()
+        to the pool; the next call resumes them), finish the inference jobs whose client is gone,
+        and pause the placed jobs idle for ``slot_reclaim_idle_s`` whose resources a queued job
+        needs (``_reclaim``). Returns the ids of the jobs paused or finished."""
+        now = self._clock()
         changed = []
         with self._lock:
-            for job_id, live in list(self._live.items()):
-                placed = live.placement is not None
-                idle_s = now - self._touched.get(job_id, now)
-                verdict = idle_verdict(
-                    self.config, live.kind, JobState.RUNNING if placed else JobState.QUEUED, "", placed=placed,
-                    idle_s=idle_s, in_flight=self._busy[job_id],
-                )  # fmt: skip
+            live = [
+                (j, x.kind, x.placement is not None, now - self._touched.get(j, now), self._busy[j])
+                for j, x in self._live.items()
+            ]
+            paused = [(j, now - self._touched.get(j, now), self._busy[j]) for j in self._idle_paused]
+            for job_id, verdict, reason in idle_actions(self.config, live, paused):
                 if verdict == "pause":
-                    self._pause_for_idle(job_id, live.kind, placed)
-                    changed.append(job_id)
-            for job_id in list(self._idle_paused):
-                idle_s = now - self._touched.get(job_id, now)
-                verdict = idle_verdict(
-                    self.config, JobKind.INFERENCE, JobState.PAUSED, IDLE_REASON, placed=False, idle_s=idle_s,
-                    in_flight=self._busy[job_id],
-                )  # fmt: skip
-                if verdict == "finish":
-                    reason = f"{IDLE_REASON} no call for {idle_s:.0f} s; finished (its client is gone)"
+                    self._pause_for_idle(job_id, self._live[job_id].kind, reason)
+                else:
                     self._set_state(job_id, JobState.DONE, reason)
                     self.store.log_event(job_id, "finish", reason)
                     self._forget(job_id)
-                    changed.append(job_id)
-            if changed:
+                changed.append(job_id)
+            if changed:  # what they freed may be enough: take nothing more from idle jobs than needed
                 self.schedule()
-        return changed
+            reclaimed = self._reclaim(now)
+            if reclaimed:
+                self.schedule()
+        return changed + reclaimed
 
-    def _pause_for_idle(self, job_id: str, kind: JobKind, placed: bool) -> None:
-        limit = self.config.inference_idle_s if kind == JobKind.INFERENCE else self.config.job_idle_pause_s
+    def _reclaim(self, now: float) -> list[str]:
+        """Pause placed jobs with no call for ``slot_reclaim_idle_s`` (and none in flight) whose
+        resources queued jobs need, while someone waits on those (``asked_for``); the policy picks
+        which (``FairSharePolicy.reclaim_idle``). Each is an idle pause: its state stays and its
+        next call queues it again. The waiting job's history gets a ``reclaim`` event."""
+        idle: dict[str, float] = {}
+        for job_id, live in self._live.items():
+            idle_s = now - self._touched.get(job_id, now)
+            if live.placement is not None and not self._busy[job_id] and idle_s >= self.config.slot_reclaim_idle_s:
+                idle[live.policy_id] = idle_s
+
+        def wanted(policy_id: str) -> bool:
+            return asked_for(now, self._touched.get(self._by_policy_id.get(policy_id, "")))
+
+        paused = []
+        for r in self.policy.reclaim_idle(self.now(), idle, wanted):
+            waiting = self._by_policy_id[r.for_job]
+            for victim, why in zip(r.victims, r.reasons, strict=True):
+                job_id = self._by_policy_id[victim]
+                log.info("idle job %s paused so that %s fits: %s", job_id, waiting, why)
+                self._pause_for_idle(job_id, self._live[job_id].kind, reclaim_pause_reason(why))
+                paused.append(job_id)
+            # No victim named: they may be another tenant's, and this history is this job's tenant's.
+            self.store.log_event(waiting, "reclaim", f"{len(r.victims)} idle job(s) paused to free resources for it")
+        return paused
+
+    def _pause_for_idle(self, job_id: str, kind: JobKind, reason: str) -> None:
         self._leave_policy(job_id, "pause")
-        if placed:
-            reason = f"{IDLE_REASON} no call for {limit:g} s; paused to free its resources (a call resumes it)"
-        else:
-            reason = f"{IDLE_REASON} no client asked for it for {limit:g} s while queued; paused (a call resumes it)"
         self._set_state(job_id, JobState.PAUSED, reason)
         self.store.log_event(job_id, "pause", reason)
         if kind == JobKind.INFERENCE:
@@ -350,7 +359,7 @@ class JobManager:
 
     def _mark(self, job_id: str) -> None:
         """The job is active now; inside ``activity`` it also counts as busy until the call ends."""
-        self._touched[job_id] = time.monotonic()
+        self._touched[job_id] = self._clock()
         named = getattr(_calls, "jobs", None)
         if named is not None and job_id not in named:
             named.append(job_id)
@@ -373,7 +382,7 @@ class JobManager:
 
     def _end_calls(self, named: list[str], ok: bool) -> None:
         with self._lock:
-            now = time.monotonic()
+            now = self._clock()
             for job_id in named:
                 self._busy[job_id] -= 1
                 if self._busy[job_id] <= 0:
@@ -384,7 +393,7 @@ class JobManager:
 
     def job_stats(self) -> dict[str, dict[str, float]]:
         """Per job known to this process: calls served, calls in flight, seconds since its last call."""
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             return {
                 job_id: {"calls": self._served[job_id], "in_flight": self._busy[job_id], "idle_s": now - t}
@@ -396,15 +405,9 @@ class JobManager:
         but the newest ``keep_finished_inference``, and any finished ``finished_inference_keep_s``
         ago. A base sampler leaves nothing else behind; training jobs are never deleted."""
         cutoff = time.time() - self.config.finished_inference_keep_s
-        by_tenant: dict[str, list[JobRow]] = {}
         with self._lock:  # a call resumes an idle-finished job under this lock: never delete one it revived
-            for row in self.store.jobs_of(JobKind.INFERENCE, FINAL_STATES):
-                by_tenant.setdefault(row.tenant, []).append(row)
-            doomed = []
-            for rows in by_tenant.values():
-                rows.sort(key=lambda r: r.updated_s, reverse=True)
-                keep = self.config.keep_finished_inference
-                doomed += [r.job_id for i, r in enumerate(rows) if i >= keep or r.updated_s < cutoff]
+            rows = self.store.jobs_of(JobKind.INFERENCE, FINAL_STATES)
+            doomed = finished_to_prune(rows, self.config.keep_finished_inference, cutoff)
             if doomed:
                 self.store.delete_jobs(doomed)
         if doomed:
