@@ -87,7 +87,7 @@ class SchedulerService:
         # step (GradientLost) instead of stepping on part of its gradient. No entry (this process
         # restarted, or a step failed): the count is unknown and only resent steps are checked.
         self._fb_ids: dict[str, set[str]] = {}
-        self.admission = Admission(config)
+        self.admission = Admission(config, weights=dict(self.tenants.weights()))
         self._stop = threading.Event()
         self.server: RpcServer | None = None
         self.local_server: RpcServer | None = None
@@ -155,21 +155,16 @@ class SchedulerService:
             "runtime_status": self.runtime_status,
         }
         h |= self.checkpoints.handlers() | self.audit.handlers() | self.meter.handlers()
-        return {f"sched.{k}": self._guard(v) for k, v in h.items()} | {
-            "sched.w.register": self.broker.register,
-            "sched.w.workers": self.broker.workers_query,
-            "sched.w.actors": self.broker.supervised,
-        }
+        workers = {"register": self.broker.register, "workers": self.broker.workers_query}
+        workers["actors"] = self.broker.supervised
+        return {f"sched.{k}": self._guard(v) for k, v in h.items()} | {f"sched.w.{k}": v for k, v in workers.items()}
 
     def _guard(self, fn: Any) -> Any:
-        """Check a request against the base model (token ids, context: ``check_model`` of the
-        message types that carry tokens) before anything is queued or stored, and answer the
-        expected refusals as typed retry answers (``OverloadedReply``, ``WaitingReply``) instead of
-        errors."""
+        """Check the tokens a request carries against the base model (its ``check_model``) before
+        anything is queued, and answer the expected refusals as typed retry answers instead of errors."""
 
         def run(msg: Any) -> Any:
-            check_model = getattr(msg, "check_model", None)
-            if check_model is not None:
+            if (check_model := getattr(msg, "check_model", None)) is not None:
                 check_model(self.broker.model_limits)
             try:
                 with self.jobs.activity():  # the job the call names is busy until it ends
