@@ -6,6 +6,8 @@
   The vLLM backend lives in ``vllm_backend.py`` and is imported only where vLLM is installed.
 - ``InferenceEngine`` (``engine.py``): thread-safe ``submit`` with dynamic batching over a
   backend; ``AdapterSlots`` (``slots.py``): LRU residency, pinning, versions held by requests.
+  Internals: ``_requests.py`` checks a request against the model and splits a big one into
+  chunks; ``_queue.py`` keeps one lane per tenant and fills batches round-robin across them.
 - ``EngineConfig`` / ``HFBackendConfig`` (``config.py``).
 - ``EngineWorker`` (``worker.py``, not re-exported: it speaks the scheduler's messages): the
   engine process the runtime runs, serving ``sched.w.sample`` / ``logprobs`` / ``stats``.

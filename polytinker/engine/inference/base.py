@@ -7,6 +7,8 @@ batch at a time.
 
 Conventions every backend keeps (the tests check them for each one):
 
+- ``vocab_size`` and ``max_model_len`` say what the model can read; the engine refuses a request
+  outside them before it shares a batch (``_requests.check_request``).
 - ``sample`` serves one mixed batch: each request names its own adapter version (``None`` is the
   base model) and its own sampling parameters; results come back in request order, each with
   ``params.n`` sequences.
@@ -43,6 +45,8 @@ class InferenceBackend(Protocol):
     """One base model, many resident adapter versions; one batch at a time."""
 
     name: str  # "hf" or "vllm"
+    vocab_size: int  # token ids the model reads are in [0, vocab_size)
+    max_model_len: int  # positions in one sequence: prompt and generated tokens together
 
     def sample(self, requests: Sequence[SampleRequest]) -> list[SampleResult]:
         """Serve one mixed batch (adapters and sampling parameters may differ per request)."""

@@ -43,12 +43,14 @@ class EngineConfig:
     batch_window_s: float = 0.01
     # After the first request of a batch arrives, wait this long for others to join it.
     max_batch_size: int = 64
-    # Most sequences (requests x n) in one batch; more wait for the next batch.
+    # Most sequences (requests x n) in one batch; more wait for the next batch. A request of more
+    # samples runs as chunks of at most this many, taking turns with other tenants' work.
     max_resident_adapters: int = 8
     # Adapter versions resident in the backend at once; the least recently used unpinned one
     # with no request in flight is evicted to make room (its tensors stay in host memory).
     max_queue: int = 4096
-    # Requests waiting at most; submit() beyond this fails fast instead of growing without bound.
+    # Requests (each chunk of a split one counting) and jobs waiting at most; submit() beyond this
+    # fails fast instead of growing without bound.
 
     def __post_init__(self) -> None:
         if self.batch_window_s < 0:

@@ -1,25 +1,42 @@
 """The inference engine: a thread-safe front over one backend, with dynamic batching.
 
 ``submit`` may be called from any thread and returns a ``Future``. One worker thread owns the
-backend: it takes the oldest waiting request, waits ``batch_window_s`` for others to arrive,
-and serves everything that fits (``max_batch_size`` sequences, adapters within the resident
-slots) as one mixed batch. Adapter loads and ``compute_logprobs`` calls also run on that
-thread, between batches, so a batch never sees its weights change under it.
+backend: it takes the oldest waiting work, waits ``batch_window_s`` for others to arrive, and
+serves what fits (``max_batch_size`` sequences, adapters within the resident slots) as one mixed
+batch. Adapter loads and ``compute_logprobs`` calls also run on that thread, between batches, so
+a batch never sees its weights change under it.
+
+Tenants share the engine without hurting each other:
+
+- A request is checked against the model before it is queued (``_requests.check_request``): a
+  token id outside the vocabulary or a prompt too long for the model is refused for it alone.
+- A request of more samples than ``max_batch_size`` is split into chunks of at most that many
+  (``_requests.split_request``, which says what a split request's seed means), and batches take
+  turns across the tenants named at ``submit`` (``_queue.FairQueue``): another tenant's small
+  request runs in the next batch, not after every chunk.
+- When a batch fails, it is run again in halves down to the request that fails it: the others
+  are answered, and only that request gets the error.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from polytinker.engine.inference._queue import FairQueue, Pending
+from polytinker.engine.inference._requests import (
+    check_answer,
+    check_request,
+    check_sequences,
+    join_chunks,
+    split_request,
+)
 from polytinker.engine.inference.base import InferenceBackend
 from polytinker.engine.inference.config import EngineConfig
 from polytinker.engine.inference.slots import AdapterSlots
@@ -30,23 +47,13 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Pending:
-    """A queued request (``request`` set) or a job to run alone on the worker thread."""
-
-    future: Future[Any]
-    arrived_s: float
-    request: SampleRequest | None = None
-    job: Callable[[], Any] | None = None
-    refs: tuple[AdapterRef | None, ...] = ()  # versions held until it completes
-
-
-@dataclass
 class EngineStats:
     """What the engine did so far: batch sizes in sequences (tests check merging with these)."""
 
     batch_sizes: list[int] = field(default_factory=list)
     batch_adapters: list[int] = field(default_factory=list)  # distinct adapters (base counts) per batch
     requests: int = 0
+    failed_batches: int = 0  # backend calls that raised (a failed batch is retried in halves)
 
 
 class InferenceEngine:
@@ -57,7 +64,7 @@ class InferenceEngine:
         self.config = config or EngineConfig()
         self.slots = AdapterSlots(backend, self.config.max_resident_adapters)
         self.stats = EngineStats()
-        self._queue: deque[_Pending] = deque()
+        self._queue = FairQueue()
         self._cv = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="polytinker-engine", daemon=True)
@@ -65,20 +72,37 @@ class InferenceEngine:
 
     # ----- public API (any thread) -----
 
-    def submit(self, request: SampleRequest) -> Future[SampleResult]:
-        """Queue one request; the future resolves when its batch has run."""
+    def submit(self, request: SampleRequest, *, tenant: str = "") -> Future[SampleResult]:
+        """Queue one request; the future resolves when its batch (all its chunks) has run.
+
+        ``tenant`` names whose work it is: batches take turns across tenants. A request the model
+        cannot run (see ``_requests.check_request``) raises ``ConfigError`` here."""
+        check_request(request, self.backend.vocab_size, self.backend.max_model_len)
+        chunks = split_request(request, self.config.max_batch_size)
         self.slots.acquire(request.adapter)  # fails fast on an unknown adapter version
-        return self._enqueue(_Pending(Future(), time.monotonic(), request=request, refs=(request.adapter,)))
+        for _ in chunks[1:]:
+            self.slots.acquire(request.adapter)  # each chunk holds the version until it completes
+        now = time.monotonic()
+        items = [Pending(Future(), now, request=c, refs=(request.adapter,), tenant=tenant) for c in chunks]
+        self._enqueue(items, requests=1)
+        if len(items) == 1:
+            return items[0].future
+        return join_chunks([p.future for p in items], request.adapter)
 
     def sample(self, requests: Sequence[SampleRequest], timeout_s: float | None = None) -> list[SampleResult]:
         futures = [self.submit(r) for r in requests]
         return [f.result(timeout=timeout_s) for f in futures]
 
     def compute_logprobs(
-        self, sequences: Sequence[Sequence[int]], adapter: AdapterRef | None = None, timeout_s: float | None = None
+        self,
+        sequences: Sequence[Sequence[int]],
+        adapter: AdapterRef | None = None,
+        timeout_s: float | None = None,
+        *,
+        tenant: str = "",
     ) -> list[list[float]]:
         """See :meth:`InferenceBackend.compute_logprobs`; runs between batches."""
-        return self.compute_logprobs_topk(sequences, 0, adapter, timeout_s)[0]
+        return self.compute_logprobs_topk(sequences, 0, adapter, timeout_s, tenant=tenant)[0]
 
     def compute_logprobs_topk(
         self,
@@ -86,17 +110,21 @@ class InferenceEngine:
         k: int,
         adapter: AdapterRef | None = None,
         timeout_s: float | None = None,
+        *,
+        tenant: str = "",
     ) -> ScoredTopK:
         """See :meth:`InferenceBackend.compute_logprobs_topk`; runs between batches."""
-        self.slots.acquire(adapter)
         seqs = [list(s) for s in sequences]
+        check_sequences(seqs, self.backend.vocab_size, self.backend.max_model_len)
+        self.slots.acquire(adapter)
 
         def job() -> ScoredTopK:
             self.slots.prepare([adapter])
             return self.backend.compute_logprobs_topk(seqs, k, adapter)
 
-        future = self._enqueue(_Pending(Future(), time.monotonic(), job=job, refs=(adapter,)))
-        result: ScoredTopK = future.result(timeout=timeout_s)
+        pending = Pending(Future(), time.monotonic(), job=job, refs=(adapter,), tenant=tenant)
+        self._enqueue([pending])
+        result: ScoredTopK = pending.future.result(timeout=timeout_s)
         return result
 
     def load_adapter(self, weights: AdapterWeights, *, pin: bool = False) -> None:
@@ -147,22 +175,30 @@ class InferenceEngine:
     # ----- internals -----
 
     def _run_job(self, job: Callable[[], Any]) -> Any:
-        return self._enqueue(_Pending(Future(), time.monotonic(), job=job)).result()
+        pending = Pending(Future(), time.monotonic(), job=job)
+        self._enqueue([pending])
+        return pending.future.result()
 
-    def _enqueue(self, pending: _Pending) -> Future[Any]:
+    def _enqueue(self, items: list[Pending], requests: int = 0) -> None:
+        """Queue ``items`` (a request's chunks) all or none."""
         with self._cv:
             if self._closed:
-                self._release(pending)
+                self._release_all(items)
                 raise ModelError("the inference engine is closed")
-            if len(self._queue) >= self.config.max_queue:
-                self._release(pending)
-                raise ModelError(f"the engine queue is full ({self.config.max_queue} waiting); retry later")
-            self._queue.append(pending)
-            self.stats.requests += pending.request is not None
+            if len(self._queue) + len(items) > self.config.max_queue:
+                self._release_all(items)
+                raise ModelError(
+                    f"the engine queue is full ({len(self._queue)} waiting, {len(items)} more asked); retry later"
+                )
+            self._queue.push(items)
+            self.stats.requests += requests
             self._cv.notify_all()
-        return pending.future
 
-    def _release(self, pending: _Pending) -> None:
+    def _release_all(self, items: list[Pending]) -> None:
+        for pending in items:
+            self._release(pending)
+
+    def _release(self, pending: Pending) -> None:
         for ref in pending.refs:
             self.slots.release(ref)
 
@@ -173,74 +209,77 @@ class InferenceEngine:
                 return
             self._run(batch)
 
-    def _next_batch(self) -> list[_Pending] | None:
-        """Block for work; a job alone, or the requests that fit one batch after the window."""
+    def _next_batch(self) -> list[Pending] | None:
+        """Block for work; then, after the window, a job alone or the requests of one batch."""
         with self._cv:
-            while not self._queue:
+            while len(self._queue) == 0:
                 if self._closed:
                     return None
                 self._cv.wait()
-            head = self._queue[0]
-            if head.job is not None:
-                return [self._queue.popleft()]
-            deadline = head.arrived_s + self.config.batch_window_s
-            while not self._closed and self._waiting_sequences() < self.config.max_batch_size:
+            deadline = self._queue.oldest_s() + self.config.batch_window_s
+            while not self._closed and self._queue.waiting_rows() < self.config.max_batch_size:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._cv.wait(left)
-            return self._take_batch()
+            return self._queue.take(self.config.max_batch_size, self.slots.fits)
 
-    def _waiting_sequences(self) -> int:
-        waiting = itertools.takewhile(lambda p: p.request is not None, self._queue)
-        return sum(p.request.params.n for p in waiting if p.request is not None)
-
-    def _take_batch(self) -> list[_Pending]:
-        """Requests in arrival order that fit; a job stops the batch (it runs after it)."""
-        batch: list[_Pending] = []
-        sequences, refs, skipped = 0, set[AdapterRef](), []
-        while self._queue and self._queue[0].request is not None:
-            pending = self._queue.popleft()
-            assert pending.request is not None
-            ref, n = pending.request.adapter, pending.request.params.n
-            new_refs = refs | ({ref} if ref is not None else set())
-            if batch and (sequences + n > self.config.max_batch_size or not self.slots.fits(new_refs)):
-                skipped.append(pending)
-                if sequences >= self.config.max_batch_size:
-                    break
-                continue
-            batch.append(pending)
-            sequences, refs = sequences + n, new_refs
-        self._queue.extendleft(reversed(skipped))  # skipped requests keep their place in line
-        return batch
-
-    def _run(self, batch: list[_Pending]) -> None:
+    def _run(self, batch: list[Pending]) -> None:
         live = [p for p in batch if p.future.set_running_or_notify_cancel()]
-        outcomes: list[Any] = []
-        error: BaseException | None = None
-        try:
-            if live and live[0].job is not None:
-                outcomes = [live[0].job()]
-            elif live:
-                requests = [p.request for p in live if p.request is not None]
-                self.slots.prepare(r.adapter for r in requests)
-                outcomes = list(self.backend.sample(requests))
-                self.stats.batch_sizes.append(sum(r.params.n for r in requests))
-                self.stats.batch_adapters.append(len({r.adapter for r in requests}))
-        except BaseException as exc:  # the callers get the error; the worker keeps serving
-            log.warning("engine batch of %d failed: %s", len(live), exc)
-            error = exc
-        finally:
-            # Release before resolving: a caller that sees its result also sees its version released.
-            for p in batch:
-                self._release(p)
-        for i, p in enumerate(live):
-            if error is not None:
-                p.future.set_exception(error)
+        running = {id(p) for p in live}
+        self._release_all([p for p in batch if id(p) not in running])  # cancelled while queued
+        if not live:
+            return
+        if live[0].job is not None:
+            try:
+                outcome = live[0].job()
+            except Exception as exc:  # the caller gets the error; the worker keeps serving
+                self._resolve(live[0], error=exc)
+            except BaseException as exc:
+                self._resolve(live[0], error=exc)
+                raise
             else:
-                p.future.set_result(outcomes[i])
-        if error is not None and not isinstance(error, Exception):
-            raise error
+                self._resolve(live[0], outcome)
+            return
+        self._serve(live)
+
+    def _serve(self, live: list[Pending]) -> None:
+        """Run ``live`` as one batch. If it fails, run each half again, down to the request that
+        fails it: every other request is answered, and only that one gets the error."""
+        requests = [p.request for p in live if p.request is not None]
+        try:
+            self.slots.prepare(r.adapter for r in requests)
+            outcomes = list(self.backend.sample(requests))
+            if len(outcomes) != len(requests):
+                raise ModelError(f"the backend answered {len(outcomes)} results for {len(requests)} requests")
+            for request, outcome in zip(requests, outcomes, strict=True):
+                check_answer(request, outcome)
+        except Exception as exc:
+            self.stats.failed_batches += 1
+            if len(live) == 1:
+                self._resolve(live[0], error=exc)
+                return
+            log.warning("engine batch of %d requests failed (%s); running it again in halves", len(live), exc)
+            half = len(live) // 2
+            self._serve(live[:half])
+            self._serve(live[half:])
+            return
+        except BaseException as exc:  # an interrupt: nothing is retried
+            for p in live:
+                self._resolve(p, error=exc)
+            raise
+        self.stats.batch_sizes.append(sum(r.params.n for r in requests))
+        self.stats.batch_adapters.append(len({r.adapter for r in requests}))
+        for p, outcome in zip(live, outcomes, strict=True):
+            self._resolve(p, outcome)
+
+    def _resolve(self, pending: Pending, outcome: Any = None, error: BaseException | None = None) -> None:
+        # Release before resolving: a caller that sees its result also sees its version released.
+        self._release(pending)
+        if error is not None:
+            pending.future.set_exception(error)
+        else:
+            pending.future.set_result(outcome)
 
 
 __all__ = ["EngineStats", "InferenceEngine"]

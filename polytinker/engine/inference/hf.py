@@ -108,6 +108,9 @@ class HFBackend:
         self._next_slot = 0
         self._eos_ids = self._find_eos_ids()
         self._max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+        self.max_model_len = self._max_positions
+        # The embedding's rows, not the tokenizer's length: an id past them is what fails a batch.
+        self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         # Callers are expected to use one thread; the lock makes a stray concurrent call safe.
         self._lock = threading.RLock()
         self._closed = False

@@ -86,6 +86,13 @@ def _tensor_shapes(file: Path) -> dict[str, tuple[int, ...]]:
         raise ModelError(f"{file} is not a readable safetensors file: {exc}") from exc
 
 
+def _vocab_size(model_path: Path) -> int:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model_path))
+    return int(config.get_text_config().vocab_size)
+
+
 class VllmBackend:
     """vLLM with LoRA; implements :class:`~polytinker.engine.inference.base.InferenceBackend`."""
 
@@ -106,6 +113,8 @@ class VllmBackend:
         self.model_path = resolve_model(self.config.model, self.config.model_config)
         self.tokenizer = load_tokenizer(str(self.model_path), self.config.model_config)
         self._linears = linear_shapes(self.model_path)  # what adapters are checked against
+        self.vocab_size = _vocab_size(self.model_path)
+        self.max_model_len = self.config.max_model_len
         # Where adapter versions are written for vLLM to read (one directory per version id).
         self.adapter_root = _scratch_root(self.config.adapter_dir)
         # Removes the scratch directory even when close() is never called (it may sit in RAM).

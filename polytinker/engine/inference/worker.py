@@ -1,11 +1,15 @@
 """The engine worker: one ``InferenceEngine`` (dynamic batching over a backend) behind the scheduler.
 
-Sample requests from every job and tenant go into the engine's one queue and are served in mixed
+Sample requests from every job and tenant go into the engine's queue and are served in mixed
 batches: each request names its own adapter version, so requests of different jobs share the base
-model's matmuls. Adapter versions are registered from the peft directory the scheduler names by
-ids (``WeightsRef``: the path is made under this worker's state root, never taken from a message)
-and made resident by the engine when a batch needs them (least recently used evicted beyond
-``adapter_slots``). ``stats`` counts batches, and those that mixed adapters.
+model's matmuls. The message's tag (the tenant) is the engine's tenant: batches take turns across
+tenants, and a request of many samples runs in chunks (engine.py). Sizes in a message are bounded
+here and checked against the model by the engine, never trusted.
+
+Adapter versions are registered from the peft directory the scheduler names by ids
+(``WeightsRef``: the path is made under this worker's state root, never taken from a message) and
+made resident by the engine when a batch needs them (least recently used evicted beyond
+``adapter_slots``). ``stats`` counts batches, those that mixed adapters, and those that failed.
 
 A full-parameter job's version (``full`` in the request) is a whole model: it is served by an
 engine of its own, built from the version's checkpoint (``FullWeightEngines``, at most
@@ -24,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from polytinker.engine.inference.full_weights import FullWeightEngines
-from polytinker.engine.types import SamplingParams
+from polytinker.engine.types import MAX_SAMPLES, SamplingParams
 from polytinker.errors import ConfigError, NotResident
 from polytinker.scheduler.service.config import EngineWorkerConfig
 from polytinker.scheduler.service.layout import under
@@ -56,9 +60,23 @@ def make_backend(model: str, cfg: EngineWorkerConfig) -> Any:
     return HFBackend(HFBackendConfig(model=model, model_config=ModelConfig(dtype=dtype), device=str(device)))
 
 
-def _params(p: SamplingParams, n: int) -> SamplingParams:
-    """The request's parameters with its number of samples (the request says it, not ``p.n``)."""
-    return dataclasses.replace(p, n=n)
+# The most samples one message may ask for, as many as the scheduler's Sample allows. The engine
+# splits them into batches of its max_batch_size, so the bound caps one request's queue entries.
+
+
+def _params(msg: EngineSample) -> SamplingParams:
+    """The request's parameters with its number of samples (the message says it, not ``params.n``),
+    its sizes bounded: nothing in a message is trusted. ``replace`` runs ``SamplingParams``' own
+    checks again (``max_tokens`` among them), and the backend clips ``max_tokens`` to the room the
+    prompt leaves; the engine refuses a prompt the model cannot read."""
+    n = msg.num_samples
+    if type(n) is not int or not 0 < n <= MAX_SAMPLES:
+        raise ConfigError(f"EngineSample.num_samples must be in 1..{MAX_SAMPLES}, got {n!r}")
+    if not msg.prompt_token_ids:
+        raise ConfigError("EngineSample.prompt_token_ids: the prompt is empty; give at least one token")
+    if not isinstance(msg.params, SamplingParams):
+        raise ConfigError("EngineSample.params must be sampling parameters")
+    return dataclasses.replace(msg.params, n=n)
 
 
 class EngineWorker:
@@ -162,18 +180,18 @@ class EngineWorker:
     def sample(self, msg: EngineSample) -> SampleReply:
         from polytinker.engine.types import SampleRequest
 
-        params = _params(msg.params, msg.num_samples)
+        params = _params(msg)
         with self._target(msg.adapter, msg.version, msg.weights, msg.full) as (engine, ref):
-            result = engine.submit(
-                SampleRequest(prompt_token_ids=tuple(msg.prompt_token_ids), adapter=ref, params=params)
-            ).result()
+            request = SampleRequest(prompt_token_ids=tuple(msg.prompt_token_ids), adapter=ref, params=params)
+            # The tenant (the message's tag) takes turns with the others in the engine's batches.
+            result = engine.submit(request, tenant=msg.tag).result()
         return SampleReply(
             [SequenceReply(list(s.token_ids), list(s.logprobs), str(s.finish_reason), s.text) for s in result.sequences]
         )
 
     def logprobs(self, msg: EngineLogprobs) -> LogprobsReply:
         with self._target(msg.adapter, msg.version, msg.weights, msg.full) as (engine, ref):
-            out, top = engine.compute_logprobs_topk([list(s) for s in msg.sequences], msg.top_k, ref)
+            out, top = engine.compute_logprobs_topk([list(s) for s in msg.sequences], msg.top_k, ref, tenant=msg.tag)
         return LogprobsReply(out, top if msg.top_k else None)
 
     def get_stats(self, _msg: WorkerStats) -> dict[str, Any]:
@@ -182,6 +200,7 @@ class EngineWorker:
             "batches": len(st.batch_sizes),
             "adapters_received": self._pushed,
             "requests": st.requests,
+            "failed_batches": st.failed_batches,
             "max_batch_sequences": max(st.batch_sizes, default=0),
             "mixed_adapter_batches": sum(1 for n in st.batch_adapters if n > 1),
             "adapter_loads": self.engine.slots.loads,

@@ -1,0 +1,148 @@
+"""The engine's queue: one lane per tenant, batches filled round-robin across tenants.
+
+A tenant's work waits in its own lane in arrival order. A batch is filled in rounds: in each
+round every tenant with waiting work adds its oldest request that still fits (sequences and
+adapter slots), the tenant served longest ago first. So a tenant with one small request waits
+for at most the batch in progress, however many chunks another tenant has queued, and a tenant
+with many requests gets one more turn per round, not the whole batch.
+
+A job (``compute_logprobs``, ``pin``) runs alone, between batches, when its tenant's turn comes
+with the job at the head of its lane; a tenant's requests queued after its job wait for it, so
+each tenant's work keeps its order. Callers that name no tenant share the lane ``""``, which
+keeps the plain arrival order with a job as a barrier.
+
+Not thread-safe: the engine holds its condition's lock around every call.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from polytinker.engine.types import AdapterRef, SampleRequest
+
+# Tenants whose last turn is remembered: one that comes back after more tenants than this were
+# served is treated as never served (first in line), which is what it would get anyway.
+MAX_REMEMBERED_TENANTS = 4096
+
+
+@dataclass
+class Pending:
+    """A queued request or chunk of one (``request`` set), or a job to run alone on the worker thread."""
+
+    future: Future[Any]
+    arrived_s: float
+    request: SampleRequest | None = None
+    job: Callable[[], Any] | None = None
+    refs: tuple[AdapterRef | None, ...] = ()  # versions held until it completes
+    tenant: str = ""  # whose work it is: batches take turns across tenants
+
+    @property
+    def rows(self) -> int:
+        return self.request.params.n if self.request is not None else 0
+
+
+class FairQueue:
+    """Lanes of :class:`Pending` per tenant; :meth:`take` makes the next batch (or job)."""
+
+    def __init__(self) -> None:
+        self._lanes: dict[str, deque[Pending]] = {}
+        self._served: dict[str, int] = {}  # tenant -> turn number of its last batch, oldest first
+        self._turn = itertools.count()
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def push(self, items: Sequence[Pending]) -> None:
+        for item in items:
+            self._lanes.setdefault(item.tenant, deque()).append(item)
+        self._size += len(items)
+
+    def _requests(self, tenant: str) -> Iterator[Pending]:
+        """A lane's requests up to its first job."""
+        return itertools.takewhile(lambda p: p.request is not None, self._lanes[tenant])
+
+    def waiting_rows(self) -> int:
+        """Sequences a batch could take now."""
+        return sum(p.rows for tenant in self._lanes for p in self._requests(tenant))
+
+    def oldest_s(self) -> float:
+        return min(lane[0].arrived_s for lane in self._lanes.values())
+
+    def _order(self) -> list[str]:
+        """Tenants with waiting work, the one served longest ago (or never) first."""
+        return sorted(self._lanes, key=lambda t: (self._served.get(t, -1), self._lanes[t][0].arrived_s))
+
+    def take(self, max_rows: int, fits: Callable[[set[AdapterRef]], bool]) -> list[Pending]:
+        """The next batch: a job alone when the first tenant in line has one at its head, else
+        requests in rounds across tenants while they fit (the first always does)."""
+        order = self._order()
+        head = self._lanes[order[0]][0]
+        if head.job is not None:
+            self._remove({id(head)})
+            self._mark([order[0]])
+            return [head]
+        batch: list[Pending] = []
+        rows, refs = 0, set[AdapterRef]()
+        candidates = {t: self._requests(t) for t in order}
+        served: list[str] = []
+        while candidates and rows < max_rows:
+            for tenant in list(candidates):
+                item = self._fitting(candidates[tenant], batch, rows, refs, max_rows, fits)
+                if item is None:
+                    del candidates[tenant]  # nothing later in its lane fits either
+                    continue
+                batch.append(item)
+                ref = item.request.adapter if item.request is not None else None
+                if not item.future.cancelled():  # dropped by the engine: it takes no room
+                    rows += item.rows
+                    refs |= {ref} if ref is not None else set()
+                if tenant not in served:
+                    served.append(tenant)
+        self._remove({id(p) for p in batch})
+        self._mark(served)
+        return batch
+
+    @staticmethod
+    def _fitting(
+        lane: Iterator[Pending],
+        batch: list[Pending],
+        rows: int,
+        refs: set[AdapterRef],
+        max_rows: int,
+        fits: Callable[[set[AdapterRef]], bool],
+    ) -> Pending | None:
+        """The next request of a lane that fits beside ``batch``. One that does not fit now never
+        will (rows and adapters only grow), so the lane's iterator moves past it for good."""
+        for item in lane:
+            assert item.request is not None
+            ref = item.request.adapter
+            new_refs = refs | ({ref} if ref is not None else set())
+            if not batch or item.future.cancelled() or (rows + item.rows <= max_rows and fits(new_refs)):
+                return item
+        return None
+
+    def _remove(self, ids: set[int]) -> None:
+        for tenant in list(self._lanes):
+            lane = self._lanes[tenant]
+            kept = deque(p for p in lane if id(p) not in ids)
+            self._size -= len(lane) - len(kept)
+            if kept:
+                self._lanes[tenant] = kept
+            else:
+                del self._lanes[tenant]
+
+    def _mark(self, tenants: list[str]) -> None:
+        for tenant in tenants:
+            self._served.pop(tenant, None)  # re-inserted last: the dict stays oldest first
+            self._served[tenant] = next(self._turn)
+        while len(self._served) > MAX_REMEMBERED_TENANTS:
+            del self._served[next(iter(self._served))]
+
+
+__all__ = ["MAX_REMEMBERED_TENANTS", "FairQueue", "Pending"]
