@@ -391,11 +391,15 @@ def check_token_ids(ids: Sequence[int], field: str, vocab_size: int = 0) -> None
     unknown, only ``>= 0`` is checked). min/max run at C speed over long prompts."""
     if not ids:
         return
+    if not set(map(type, ids)) <= {int} and not all(hasattr(t, "__index__") and type(t) is not bool for t in ids):
+        raise ConfigError(f"{field}: token ids must be integers")
     low, high = min(ids), max(ids)
     if low < 0 or (vocab_size and high >= vocab_size):
         bad = low if low < 0 else high
         limit = f"0..{vocab_size - 1}" if vocab_size else ">= 0"
-        raise ConfigError(f"{field}: token id {bad} is out of range (the model's ids are {limit})")
+        raise ConfigError(
+            f"{field}: token id {bad} at position {list(ids).index(bad)} is out of range (the model's ids are {limit})"
+        )
 
 
 def check_finite(values: Sequence[float] | None, field: str) -> None:

@@ -447,7 +447,7 @@ class SchedulerService:
         self._sampling_job(tenant, msg)
         with self.admission.admit(tenant, "sample"):
             engine = self.jobs.route(key or None, msg.base_model)
-            req = wm.EngineLogprobs(key, version, export, msg.sequences, full=full, top_k=msg.top_k)
+            req = wm.EngineLogprobs(key, version, export, msg.sequences, full=full, top_k=msg.top_k, tag=tenant)
             prepare = self.push.prepare(key, export, full)
             out: r.LogprobsReply = self.broker.call(engine, "sched.w.logprobs", req, prepare=prepare)
         self._sampled(tenant, msg, msg.sequences, ())

@@ -289,7 +289,7 @@ class EngineSample:
     prompt_token_ids: tuple[int, ...]
     num_samples: int
     params: SamplingParams
-    tag: str = ""  # the tenant, for the engine's mixed-batch statistics only
+    tag: str = ""  # the tenant: the engine takes turns between tenants, and counts its mixed batches
     full: bool = False  # a full-parameter job's version: weights is its checkpoint
 
     def __post_init__(self) -> None:
@@ -305,6 +305,7 @@ class EngineLogprobs:
     sequences: tuple[tuple[int, ...], ...]
     full: bool = False
     top_k: int = 0  # also the k likeliest tokens at each position
+    tag: str = ""  # the tenant: the engine takes turns between tenants (as EngineSample.tag)
 
     def __post_init__(self) -> None:
         _adapter_ok(self.adapter, base_allowed=True)
