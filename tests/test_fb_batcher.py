@@ -35,9 +35,10 @@ def reply(req: wm.LearnerForwardBackward) -> r.ForwardBackwardReply:
 class Recorder:
     """A sender that answers each call from its adapter's name and records what was sent."""
 
-    def __init__(self, refuse_batches: bool = False) -> None:
+    def __init__(self, refuse_batches: bool = False, batch_code: str = ConfigError.code) -> None:
         self.sent: list[tuple[str, tuple[str, ...], int]] = []  # (kind, adapters, prepares)
         self.refuse_batches = refuse_batches
+        self.batch_code = batch_code  # the code of the error a refused batch gets
         self.lock = threading.Lock()
 
     def __call__(self, kind: str, payload: Any, prepares: list[Any]) -> Any:
@@ -46,7 +47,7 @@ class Recorder:
             self.sent.append((kind, tuple(agent(i) for i in items), len(prepares)))
         if kind == "sched.w.fb_many":
             if self.refuse_batches:
-                raise RemoteError("bad datum", code=ConfigError.code)
+                raise RemoteError("bad datum", code=self.batch_code)
             return r.ForwardBackwardManyReply(tuple(reply(i) for i in items))
         if agent(payload) == "bad":
             raise RemoteError("bad datum", code=ConfigError.code)
@@ -112,6 +113,19 @@ def test_a_batch_refused_before_any_work_is_sent_again_call_by_call() -> None:
     bad = next(o for o in out if isinstance(o, RemoteError))
     assert good == reply(fb("a")) and bad.code == ConfigError.code  # each caller its own outcome
     assert [kind for kind, _, _ in sent.sent] == ["sched.w.fb_many", "sched.w.fb", "sched.w.fb"]
+    assert batcher.batches == 0
+
+
+def test_a_batch_whose_pass_failed_at_the_learner_is_sent_again_call_by_call() -> None:
+    # Not a refusal before any work: the learner ran the pass and it raised (one member's datum
+    # broke the model's code). The learner kept none of the batch, so each call alone gets its own
+    # outcome and only the culprit its error.
+    sent = Recorder(refuse_batches=True, batch_code="handler")
+    batcher = FbBatcher(sent, window_s=1.0, max_calls=3)
+    out = together(batcher, [fb("a"), fb("bad"), fb("cc")])
+    assert out[0] == reply(fb("a")) and out[2] == reply(fb("cc"))
+    assert isinstance(out[1], RemoteError) and out[1].code == ConfigError.code
+    assert [kind for kind, _, _ in sent.sent] == ["sched.w.fb_many"] + ["sched.w.fb"] * 3
     assert batcher.batches == 0
 
 

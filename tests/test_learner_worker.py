@@ -1,10 +1,12 @@
 """The learner worker the runtime runs, in a real child process (tiny-random model): called over
 its Curve RPC server with the scheduler's messages, it gives the same results as an in-process
-``MultiAdapterLearner``, and what it exports is what an engine then scores with."""
+``MultiAdapterLearner``, and what it exports is what an engine then scores with. It refuses what its
+model cannot take before touching it, and one batch-mate's failure stays with that call."""
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ from polytinker.errors import RemoteError
 from polytinker.scheduler.service import replies as r
 from polytinker.scheduler.service import worker_messages as wm
 from polytinker.scheduler.service.config import LearnerWorkerConfig
+from polytinker.scheduler.service.fb_batcher import FbBatcher
 
 LORA = LoraConfig(rank=4, alpha=8)
 ADAM = AdamParams(learning_rate=1e-2)
@@ -200,3 +203,110 @@ def test_worker_leading_a_group_of_two(tmp_path: Path) -> None:
         alone = local.forward_backward(rows, "cross_entropy", name)
         assert got.loss == pytest.approx(alone.loss, rel=1e-4)
         assert got.metrics["loss/tokens"] == alone.metrics["loss/tokens"]
+
+
+def spoiled(rows: list[Datum], **fields: object) -> tuple[Datum, ...]:
+    """``rows`` with datum 0's ``fields`` replaced (the values a message may carry, unchecked)."""
+    return wire([dataclasses.replace(rows[0], **fields), *rows[1:]])  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(300)
+def test_worker_refuses_what_its_model_cannot_take_and_a_non_finite_step(tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    local = local_learner()
+    config = LearnerWorkerConfig(micro_batch_size=4)
+    with worker_process(config, model=TINY_RANDOM, state_dir=tmp_path / "state", run_dir=tmp_path) as learner:
+        learner.call("sched.w.ensure", ensure(ALICE))
+        rows = data()
+        n = len(rows[0].input_tokens)
+        rl = {"advantages_T": [1.0] * n, "sampling_logprobs_T": [-3.0] * n}
+        refused = [
+            (
+                spoiled(rows, input_tokens=[1] * (n - 1) + [60000]),
+                "cross_entropy",
+                r"data\[0\]\.input_tokens\[6\] is 60000",
+            ),
+            (spoiled(rows, target_tokens_T=[-5] * n), "cross_entropy", r"data\[0\]\.target_tokens_T\[0\] is -5"),
+            (
+                spoiled(rows, **{**rl, "advantages_T": [float("nan")] * n}),
+                "ppo",
+                r"data\[0\]\.advantages_T holds a non-finite value",
+            ),
+            (
+                spoiled(rows, weights_T=[float("inf")] * n),
+                "cross_entropy",
+                r"data\[0\]\.weights_T holds a non-finite value",
+            ),
+            (spoiled(rows, advantages_T=[1.0] * n), "ppo", r"reads data\[0\]\.sampling_logprobs_T, which is missing"),
+        ]
+        for bad, loss_fn, message in refused:
+            with pytest.raises(RemoteError, match=message) as err:
+                learner.call("sched.w.fb", wm.LearnerForwardBackward(ALICE, bad, loss_fn))
+            assert err.value.code == "config"
+        with pytest.raises(RemoteError, match=r"data\[0\]\.input_tokens\[6\] is 60000"):
+            learner.call("sched.w.forward", wm.LearnerForward(ALICE, refused[0][0]))
+        assert learner.call("sched.w.stats", wm.WorkerStats())["forward_backward"] == 0
+
+        # A finite loss whose gradient norm overflows: the step is refused and the gradient dropped,
+        # so the step after the next call is the one the good call alone makes.
+        huge = spoiled(rows, weights_T=[0.0] * 3 + [1e25] * (n - 3))
+        assert learner.call("sched.w.fb", wm.LearnerForwardBackward(ALICE, huge, "cross_entropy")).loss > 1e25
+        with pytest.raises(RemoteError, match=r"norm is not finite \(inf\); the step was not applied") as err:
+            learner.call("sched.w.step", dataclasses.replace(step(), expected_fb=1))
+        assert err.value.code == "config"
+        learner.call("sched.w.fb", fb())
+        stepped = learner.call("sched.w.step", dataclasses.replace(step(), expected_fb=1))
+        local.forward_backward(data(), "cross_entropy", ALICE)
+        assert stepped.version == local.optim_step(ADAM, ALICE).version == 1
+        exported = read_adapter_dir(AdapterRef(ALICE, 1), tmp_path / "state" / stepped.export_dir)
+        for k, v in local.export_adapter(ALICE).tensors.items():
+            torch.testing.assert_close(exported.tensors[k], v, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_a_batch_mates_failure_stays_with_it(tmp_path: Path) -> None:
+    """bob's loss is infinite in a batch with alice: the worker keeps none of the batch, and the
+    batcher sends each call again alone, so alice gets what her call alone gets and bob the error."""
+    torch.set_num_threads(1)
+    local = local_learner()
+    config = LearnerWorkerConfig(micro_batch_size=4)
+    with worker_process(config, model=TINY_RANDOM, state_dir=tmp_path / "state", run_dir=tmp_path) as learner:
+        learner.call("sched.w.ensure", ensure(ALICE))
+        learner.call("sched.w.ensure", dataclasses.replace(ensure(BOB), seed=8))
+        alice = dataclasses.replace(fb(ALICE), request_id="a1")
+        bad_rows = spoiled(other_data(), weights_T=[3e38] * len(other_data()[0].weights_T))
+        bob = wm.LearnerForwardBackward(BOB, bad_rows, "cross_entropy", request_id="b1")
+        with pytest.raises(RemoteError, match=r"adapter '.*bob.*': the loss is not finite \(inf\)") as err:
+            learner.call("sched.w.fb_many", wm.LearnerForwardBackwardMany((alice, bob)))
+        assert "alice" not in str(err.value)
+        assert learner.call("sched.w.stats", wm.WorkerStats())["forward_backward"] == 0  # nothing kept
+
+        batcher = FbBatcher(lambda kind, msg, _prepares: learner.call(kind, msg), window_s=2.0, max_calls=2)
+        out: dict[str, object] = {}
+
+        def call(req: wm.LearnerForwardBackward) -> None:
+            try:
+                out[req.adapter] = batcher.call(req, ("ensure", lambda _h: None))
+            except Exception as exc:
+                out[req.adapter] = exc
+
+        threads = [threading.Thread(target=call, args=(req,)) for req in (alice, bob)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        got, error = out[ALICE], out[BOB]
+        assert isinstance(error, RemoteError) and "the loss is not finite" in str(error)
+        assert isinstance(got, r.ForwardBackwardReply)
+        alone = local.forward_backward(data(), "cross_entropy", ALICE)
+        assert got.loss == pytest.approx(alone.loss, rel=1e-5)
+        for a, b in zip(got.logprobs, alone.logprobs, strict=True):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-4)
+        stats = learner.call("sched.w.stats", wm.WorkerStats())
+        assert (stats["forward_backward"], stats["batched_forward_backward"]) == (1, 0)
+        # alice's gradient is her call's alone: her step matches the in-process one.
+        stepped = learner.call("sched.w.step", dataclasses.replace(step(ALICE), expected_fb=1))
+        local.optim_step(ADAM, ALICE)
+        exported = read_adapter_dir(AdapterRef(ALICE, 1), tmp_path / "state" / stepped.export_dir)
+        for k, v in local.export_adapter(ALICE).tensors.items():
+            torch.testing.assert_close(exported.tensors[k], v, rtol=1e-5, atol=1e-6)

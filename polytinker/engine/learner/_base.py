@@ -4,6 +4,10 @@ A slot is one LoRA adapter (multi-adapter mode) or the whole model (full-paramet
 slot has its own AdamW, its own version counter and its own pending-token count. Gradients
 accumulate in the slot's ``.grad`` tensors across ``forward_backward`` calls until ``optim_step``,
 which (in a data-parallel group) sums them over ranks first.
+
+A non-finite number never reaches a slot's weights: a ``forward_backward`` adds its gradient
+only when its loss and gradient are finite, on every rank (``guard``), and ``optim_step`` refuses
+a gradient whose norm is not, leaving weights and optimizer state as they were.
 """
 
 from __future__ import annotations
@@ -12,23 +16,20 @@ import contextlib
 import logging
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
+from polytinker.engine.learner.checks import NonFinite, check_data
 from polytinker.engine.learner.config import AdamParams, LearnerConfig, LossConfig
 from polytinker.engine.learner.distributed import SINGLE, DistInfo, all_reduce_sum_, log0
-from polytinker.engine.learner.losses import (
-    Batch,
-    check_loss_inputs,
-    collate,
-    kl_to_reference,
-    policy_loss,
-)
+from polytinker.engine.learner.guard import GradientGuard
+from polytinker.engine.learner.losses import Batch, collate, kl_to_reference, policy_loss
 from polytinker.engine.learner.scoring import score
 from polytinker.engine.learner.sharding import as_float, is_sharded
 from polytinker.engine.types import AdapterName, AdapterRef, Datum, LossFnName
@@ -122,6 +123,11 @@ class Learner:
         self.config = config
         self.dist = dist
         self.pad_token_id = pad_token_id
+        self.vocab_size = _vocab_size(model)  # token ids a datum may hold: [0, vocab_size)
+        # Every rank's verdict on a training call, from this rank's problem ('' for none): the
+        # first problem of any rank, so that all of them keep or drop the call's gradient together.
+        # One process decides alone; a learner group puts its collective vote here.
+        self.vote: Callable[[str], str] = _alone
         # eval(): no dropout, so K ranks and one process compute the same gradients; autograd still runs.
         # A sharded model stays where it was loaded: fully_shard moves each unit to the device and
         # cuts it there, so the device never holds the whole model (sharding.py).
@@ -173,6 +179,8 @@ class Learner:
     # -- primitives -----------------------------------------------------------------------------
     def forward(self, data: list[Datum], adapter: AdapterName | None = None) -> list[list[float]]:
         """Per-datum logprobs of the target tokens; no gradient, no state change."""
+        if data or self._lockstep is None:
+            check_data(data, self.vocab_size)
         out: list[list[float] | None] = [None] * len(data)
         # FSDP's gathers write into parameters: no_grad, not inference_mode, for a sharded learner.
         no_grad = torch.no_grad if self._scoring_root is not None else torch.inference_mode
@@ -193,13 +201,28 @@ class Learner:
         adapter: AdapterName | None = None,
         loss_fn_config: dict[str, float] | None = None,
     ) -> ForwardBackwardResult:
-        """Compute the loss on ``data`` and add its gradient to ``adapter``'s accumulated gradient."""
-        check_loss_inputs(loss_fn, data)
-        loss_cfg = LossConfig.from_mapping(loss_fn_config)
-        kl_coef = self.config.kl_coef if loss_cfg.kl_coef is None else loss_cfg.kl_coef
-        if kl_coef > 0 and self.config.mode == "full":
-            raise ConfigError("a KL term against the base model needs mode='lora'; set kl_coef=0 in full mode")
-        slot = self._slot(adapter)
+        """Compute the loss on ``data`` and add its gradient to ``adapter``'s accumulated gradient;
+        all of it, or, when the loss or the gradient is not finite or the call fails (on any rank),
+        none of it, and the call raises (``NonFinite``, a ``ConfigError``, for a non-finite one)."""
+        what = "forward_backward" if adapter is None else f"forward_backward of adapter {adapter!r}"
+        with self._all_or_nothing() as guard:
+            if data or self._lockstep is None:  # a lockstep rank may run filler passes only
+                check_data(data, self.vocab_size, loss_fn)
+            loss_cfg = LossConfig.from_mapping(loss_fn_config)
+            kl_coef = self.config.kl_coef if loss_cfg.kl_coef is None else loss_cfg.kl_coef
+            if kl_coef > 0 and self.config.mode == "full":
+                raise ConfigError("a KL term against the base model needs mode='lora'; set kl_coef=0 in full mode")
+            slot = self._slot(adapter)
+            guard.hold(slot.name, list(slot.params.values()))
+            sums = self._accumulate(data, loss_fn, adapter, loss_cfg, kl_coef)
+            guard.finish({slot.name: (what, sums.values["loss"])})
+        slot.pending_tokens += sums.values["tokens"]
+        return ForwardBackwardResult(sums.values["loss"], sums.logprobs, _metrics(loss_fn, kl_coef, sums.values))
+
+    def _accumulate(
+        self, data: list[Datum], loss_fn: LossFnName, adapter: AdapterName | None, loss_cfg: LossConfig, kl_coef: float
+    ) -> _Sums:
+        """``forward_backward``'s passes: each micro-batch's gradient goes into the parameters' ``.grad``."""
         sums = _Sums()
         for order, chunk in self._chunks(data):
             batch = collate(chunk, pad_token_id=self.pad_token_id, device=self.dist.device)
@@ -220,8 +243,27 @@ class Learner:
                     loss.backward()
             if order is not None:  # not a lockstep filler
                 sums.add(loss, kl, batch, extra, logprobs_BT, order)
-        slot.pending_tokens += sums.values["tokens"]
-        return ForwardBackwardResult(sums.values["loss"], sums.logprobs, _metrics(loss_fn, kl_coef, sums.values))
+        return sums
+
+    @contextlib.contextmanager
+    def _all_or_nothing(self) -> Iterator[GradientGuard]:
+        """The body's gradients (of the slots it ``hold``s) are added when every rank's body ends
+        well; otherwise every rank drops them and raises: its own error, or the first rank's."""
+        guard = GradientGuard()
+        failure: Exception | None = None
+        problem = ""
+        try:
+            yield guard
+        except Exception as exc:
+            failure, problem = exc, str(exc) or type(exc).__name__
+        except BaseException:
+            guard.drop()
+            raise
+        verdict = self.vote(problem)
+        if verdict:
+            guard.drop()
+            raise failure if failure is not None else ConfigError(verdict)
+        guard.commit()
 
     def discard_gradient(self, adapter: AdapterName | None = None) -> None:
         """Drop the gradient ``adapter`` accumulated since its last ``optim_step`` (the part of a
@@ -232,7 +274,9 @@ class Learner:
         slot.pending_tokens = 0.0
 
     def optim_step(self, adam_params: AdamParams, adapter: AdapterName | None = None) -> AdapterRef:
-        """Apply the accumulated gradient of ``adapter`` (summed over ranks) with its own AdamW."""
+        """Apply the accumulated gradient of ``adapter`` (summed over ranks) with its own AdamW. A
+        gradient whose norm is not finite is refused (``NonFinite``) and dropped; the weights,
+        the optimizer's state and the version stay as they were."""
         slot = self._slot(adapter)
         params = list(slot.params.values())
         for p in params:
@@ -246,9 +290,21 @@ class Learner:
             for p in params:
                 if p.grad is not None:
                     p.grad.mul_(scale)
+        # The norm is taken before any clip: clipping by a NaN or infinite norm would itself write
+        # NaN or zeros into the gradient. Every rank computes the same one (reduced above).
+        norm = get_total_norm([p.grad for p in params if p.grad is not None])
+        grad_norm = as_float(norm)
+        if not math.isfinite(grad_norm):
+            self.discard_gradient(adapter)
+            raise NonFinite(
+                f"optim_step of {slot.ref()}: the accumulated gradient's norm is not finite ({grad_norm}); the step"
+                " was not applied (weights and optimizer state are unchanged) and the gradient was dropped: redo"
+                " the step's forward_backward calls"
+            )
         # The tighter of the learner's clip and the step's (AdamParams.grad_clip_norm; 0: none).
         clip = min(self.config.max_grad_norm or math.inf, adam_params.grad_clip_norm or math.inf)
-        grad_norm = as_float(torch.nn.utils.clip_grad_norm_(params, clip))
+        if clip < math.inf:
+            clip_grads_with_norm_(params, clip, norm)
         optimizer = slot.make_optimizer(adam_params)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -326,6 +382,23 @@ def filler_datum(d: Datum) -> Datum:
         d.advantages_T[:1] if d.advantages_T is not None else None,
         d.sampling_logprobs_T[:1] if d.sampling_logprobs_T is not None else None,
     )
+
+
+def _alone(problem: str) -> str:
+    return problem
+
+
+def _vocab_size(model: nn.Module) -> int:
+    """Rows of the model's embedding (and of its output head, where it has one of its own)."""
+    sizes = []
+    for get in ("get_input_embeddings", "get_output_embeddings"):
+        module = getattr(model, get, lambda: None)()
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor):
+            sizes.append(int(weight.shape[0]))
+    if not sizes:
+        sizes.append(int(getattr(getattr(model, "config", None), "vocab_size", 0)))
+    return min(sizes)
 
 
 def _input_tokens(item: Any) -> list[int]:

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Literal, get_args
@@ -62,11 +63,11 @@ class LearnerConfig:
             )
         if self.full_sharding not in FULL_SHARDINGS:
             raise ConfigError(f"LearnerConfig.full_sharding: one of {FULL_SHARDINGS}, not {self.full_sharding!r}")
-        if self.kl_coef < 0:
-            raise ConfigError(f"LearnerConfig.kl_coef must be >= 0, got {self.kl_coef}")
+        if not 0 <= self.kl_coef < math.inf:
+            raise ConfigError(f"LearnerConfig.kl_coef must be finite and >= 0, got {self.kl_coef}")
         if self.kl_coef > 0 and self.mode == "full":
             raise ConfigError("LearnerConfig.kl_coef > 0 needs mode='lora' (the reference is the adapter-less base)")
-        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ConfigError(f"LearnerConfig.max_grad_norm must be positive or None, got {self.max_grad_norm}")
 
 
@@ -88,18 +89,20 @@ class AdamParams:
     # Clip the gradient's global norm to this before the step; 0: no clip (Tinker's meaning).
 
     def __post_init__(self) -> None:
-        if self.learning_rate < 0:
-            raise ConfigError(f"AdamParams.learning_rate must be >= 0, got {self.learning_rate}")
+        # A NaN or an infinity here would step every weight to NaN: each bound is written so that
+        # NaN fails it too.
+        if not 0 <= self.learning_rate < math.inf:
+            raise ConfigError(f"AdamParams.learning_rate must be finite and >= 0, got {self.learning_rate}")
         for name in ("beta1", "beta2"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 raise ConfigError(f"AdamParams.{name} must be in [0, 1), got {value}")
-        if self.eps <= 0:
-            raise ConfigError(f"AdamParams.eps must be positive, got {self.eps}")
+        if not 0 < self.eps < math.inf:
+            raise ConfigError(f"AdamParams.eps must be finite and positive, got {self.eps}")
         if not self.grad_clip_norm >= 0:
             raise ConfigError(f"AdamParams.grad_clip_norm must be >= 0 (0: no clip), got {self.grad_clip_norm}")
-        if self.weight_decay < 0:
-            raise ConfigError(f"AdamParams.weight_decay must be >= 0, got {self.weight_decay}")
+        if not 0 <= self.weight_decay < math.inf:
+            raise ConfigError(f"AdamParams.weight_decay must be finite and >= 0, got {self.weight_decay}")
 
 
 @dataclass(frozen=True)
@@ -121,10 +124,10 @@ class LossConfig:
                 "LossConfig needs 0 <= clip_low_threshold <= 1 <= clip_high_threshold, got "
                 f"{self.clip_low_threshold} and {self.clip_high_threshold}"
             )
-        if self.kl_coef is not None and self.kl_coef < 0:
-            raise ConfigError(f"LossConfig.kl_coef must be >= 0, got {self.kl_coef}")
-        if not self.beta >= 0:
-            raise ConfigError(f"LossConfig.beta must be >= 0, got {self.beta}")
+        if self.kl_coef is not None and not 0 <= self.kl_coef < math.inf:
+            raise ConfigError(f"LossConfig.kl_coef must be finite and >= 0, got {self.kl_coef}")
+        if not 0 <= self.beta < math.inf:
+            raise ConfigError(f"LossConfig.beta must be finite and >= 0, got {self.beta}")
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, float] | None) -> LossConfig:

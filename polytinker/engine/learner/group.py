@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import logging
 import math
 import os
@@ -33,10 +34,10 @@ import torch.multiprocessing as mp
 
 from polytinker.engine.device import rank_device
 from polytinker.engine.learner._base import ForwardBackwardResult, filler_datum
+from polytinker.engine.learner.checks import check_data
 from polytinker.engine.learner.config import AdamParams, LearnerConfig, LossConfig
 from polytinker.engine.learner.distributed import DistInfo, free_port, init_distributed
 from polytinker.engine.learner.full_param import FullParamLearner
-from polytinker.engine.learner.losses import check_loss_inputs
 from polytinker.engine.learner.multi_adapter import MultiAdapterLearner
 from polytinker.engine.models import DType
 from polytinker.engine.types import AdapterName, AdapterRef, Datum, LoraConfig, LossFnName
@@ -93,7 +94,9 @@ def _execute(learner: AnyLearner, info: DistInfo, group: Any, op: str, args: dic
         data = [Datum(*row) for row in args["data"]]
         start, end = shard_bounds(len(data), info.rank, info.world_size)
         mine: dict[str, Any] = {"logprobs": [], "loss": 0.0, "metrics": {}}
-        if end > start or _sharded(learner):  # a sharded rank without datums still runs its passes
+        if op == "forward_backward" and end <= start and not _sharded(learner):
+            _abstain(learner)
+        elif end > start or _sharded(learner):  # a sharded rank without datums still runs its passes
             with _lockstep(learner, info, data):
                 if op == "forward":
                     mine["logprobs"] = learner.forward(data[start:end], args["adapter"])
@@ -110,7 +113,10 @@ def _execute(learner: AnyLearner, info: DistInfo, group: Any, op: str, args: dic
             start, end = shard_bounds(len(rows), info.rank, info.world_size)
             if end > start:
                 shards[name] = [Datum(*row) for row in rows[start:end]]
-        out = learner.forward_backward_many(shards, args["loss_fn"], args["loss_fn_config"]) if shards else {}
+        if shards:
+            out = learner.forward_backward_many(shards, args["loss_fn"], args["loss_fn_config"])
+        else:
+            out = _abstain(learner)
         empty = {"logprobs": [], "loss": 0.0, "metrics": {}}
         parts = {name: _part(out[name]) if name in out else empty for name in args["data"]}
         return _gather(parts, group)
@@ -130,6 +136,27 @@ def _execute(learner: AnyLearner, info: DistInfo, group: Any, op: str, args: dic
     if op == "load_state":
         return learner.load_state(args["path"], args["adapter"], optimizer=args.get("optimizer", True))
     raise ConfigError(f"unknown learner group op {op!r}")
+
+
+def _abstain(learner: AnyLearner) -> dict[str, Any]:
+    """A rank with no datums in a training call still votes on its outcome (``Learner.vote``)."""
+    verdict = learner.vote("")
+    if verdict:
+        raise ConfigError(verdict)
+    return {}
+
+
+def _vote(problem: str, group: Any) -> str:
+    """The first problem any rank had in a training call ('' for none), the same on every rank."""
+    for rank, p in enumerate(_gather(problem, group)):
+        if p:
+            return p if rank == 0 else f"{p} (rank {rank})"
+    return ""
+
+
+def _voting(learner: AnyLearner, group: Any) -> None:
+    """Make ``learner``'s training calls keep or drop their gradient as all the group's ranks do."""
+    learner.vote = functools.partial(_vote, group=group)
 
 
 def _sharded(learner: AnyLearner) -> bool:
@@ -172,6 +199,8 @@ class LearnerGroup:
     def __init__(self, learner: AnyLearner, info: DistInfo, processes: Any = None):
         self.learner, self.info, self._processes = learner, info, processes
         self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        if self._group is not None:
+            _voting(learner, self._group)
 
     @classmethod
     def start(
@@ -209,12 +238,22 @@ class LearnerGroup:
             return _execute(self.learner, self.info, self._group, op, args)
         return None
 
-    def _check(self, adapter: AdapterName | None, data: list[Datum] | None = None, *, trains: bool = True) -> None:
-        """Raise here, before broadcasting, what every rank would raise, so followers stay in step."""
+    def _check(
+        self,
+        adapter: AdapterName | None,
+        data: list[Datum] | None = None,
+        loss_fn: str | None = None,
+        *,
+        trains: bool = True,
+        where: str = "",
+    ) -> None:
+        """Raise here, before broadcasting, what every rank would raise, so followers stay in step:
+        a rank that failed its shard's check while the others ran their passes would leave them
+        waiting in a collective."""
         if trains or adapter is not None:
             self.learner._slot(adapter)
-        if data is not None and not data:
-            raise ConfigError("a learner call needs at least one Datum")
+        if data is not None:
+            check_data(data, self.learner.vocab_size, loss_fn, where=where)
 
     def add_adapter(self, name: AdapterName, lora: LoraConfig | None = None, seed: int = 0) -> AdapterRef:
         lora = lora or LoraConfig()
@@ -252,8 +291,7 @@ class LearnerGroup:
     ) -> ForwardBackwardResult:
         if self._group is None:
             return self.learner.forward_backward(data, loss_fn, adapter, loss_fn_config)
-        self._check(adapter, data)
-        check_loss_inputs(loss_fn, data)
+        self._check(adapter, data, loss_fn)
         LossConfig.from_mapping(loss_fn_config)
         wire = [_datum_to_wire(d) for d in data]
         parts = self._call(
@@ -272,8 +310,7 @@ class LearnerGroup:
         if self._group is None:
             return self.learner.forward_backward_many(data_by_adapter, loss_fn, loss_fn_config)
         for name, data in data_by_adapter.items():
-            self._check(name, data)
-            check_loss_inputs(loss_fn, data)
+            self._check(name, data, loss_fn, where=f"adapter {name!r}")
         LossConfig.from_mapping(loss_fn_config)
         wire = {name: [_datum_to_wire(d) for d in data] for name, data in data_by_adapter.items()}
         ranks = self._call("forward_backward_many", data=wire, loss_fn=loss_fn, loss_fn_config=loss_fn_config)
@@ -350,6 +387,7 @@ def _build(
 
 def serve(learner: AnyLearner, info: DistInfo, group: Any) -> None:
     """A follower's loop: run each broadcast call until rank 0 says stop."""
+    _voting(learner, group)
     while True:
         msg = _recv(group)
         op = msg.pop("op")

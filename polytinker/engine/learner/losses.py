@@ -95,19 +95,6 @@ def token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.
     return -nll.reshape(B, T)
 
 
-def check_loss_inputs(loss_fn: LossFnName, data: list[Datum]) -> None:
-    """Reject a call whose datums lack what the loss reads, before any compute."""
-    if loss_fn not in LOSS_FNS:
-        raise ConfigError(f"unknown loss_fn {loss_fn!r}; choose one of {list(LOSS_FNS)}")
-    if loss_fn == "cross_entropy":
-        return
-    for i, d in enumerate(data):
-        if d.advantages_T is None or d.sampling_logprobs_T is None:
-            raise ConfigError(
-                f"loss_fn {loss_fn!r} needs advantages_T and sampling_logprobs_T on every Datum; datum {i} lacks them"
-            )
-
-
 def _sampler_gap(log_ratio_BT: torch.Tensor, mask_BT: torch.Tensor) -> dict[str, float]:
     """How far the learner's logprobs are from the sampler's on the trained tokens (sums): the
     importance ratio, the absolute logprob gap, and k3 = r - 1 - log r, an estimate of
@@ -157,4 +144,4 @@ def kl_to_reference(logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor, we
     return (weights_BT * k3_BT).sum()
 
 
-__all__ = ["LOSS_FNS", "Batch", "check_loss_inputs", "collate", "kl_to_reference", "policy_loss", "token_logprobs"]
+__all__ = ["LOSS_FNS", "Batch", "collate", "kl_to_reference", "policy_loss", "token_logprobs"]

@@ -24,9 +24,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 from polytinker.engine.learner._base import ForwardBackwardResult, Learner, Slot, _metrics, _Sums, new_adamw
+from polytinker.engine.learner.checks import check_data
 from polytinker.engine.learner.config import LearnerConfig, LossConfig
 from polytinker.engine.learner.distributed import SINGLE, DistInfo, broadcast_
-from polytinker.engine.learner.losses import check_loss_inputs, collate, kl_to_reference, policy_loss
+from polytinker.engine.learner.losses import collate, kl_to_reference, policy_loss
 from polytinker.engine.learner.scoring import plan_micro_batches
 from polytinker.engine.learner.snapshots import SnapshotBuffers
 from polytinker.engine.learner.state import Checkpoint, load_checkpoint, save_checkpoint, write_atomic_dir
@@ -231,13 +232,44 @@ class MultiAdapterLearner(Learner):
     ) -> dict[AdapterName, ForwardBackwardResult]:
         """``forward_backward`` for several adapters in shared passes: each micro-batch may mix
         adapters (``_per_row_adapters``), so the base model's matmuls see one larger batch.
-        Gradients and results are the same as one call per adapter."""
-        loss_cfg = LossConfig.from_mapping(loss_fn_config)
-        kl_coef = self.config.kl_coef if loss_cfg.kl_coef is None else loss_cfg.kl_coef
+        Gradients and results are the same as one call per adapter.
+
+        All or nothing: when one adapter's data is refused, its loss or gradient is not finite,
+        or the pass fails, no adapter's gradient changes and the call raises, naming each adapter
+        at fault; each call sent alone then gets its own answer. A row's computation never reads
+        another row's (each LoRA delta is taken on its own adapter's rows), so a NaN in one
+        adapter's rows does not reach the others' losses or gradients, and the check names the
+        culprit alone."""
+        what = {name: f"forward_backward of adapter {name!r}" for name in data_by_adapter}
+        with self._all_or_nothing() as guard:
+            for name, data in data_by_adapter.items():
+                check_data(data, self.vocab_size, loss_fn, where=f"adapter {name!r}")
+            loss_cfg = LossConfig.from_mapping(loss_fn_config)
+            kl_coef = self.config.kl_coef if loss_cfg.kl_coef is None else loss_cfg.kl_coef
+            slots = {name: self._slot(name) for name in data_by_adapter}
+            for slot in slots.values():
+                guard.hold(slot.name, list(slot.params.values()))
+            sums = self._mixed_passes(data_by_adapter, loss_fn, loss_cfg, kl_coef)
+            losses = {name: (what[name], acc.values["loss"]) for name, acc in sums.items()}
+            guard.finish(losses, kept="no adapter's gradient of this batch was accumulated")
+        results = {}
+        for name, acc in sums.items():
+            slots[name].pending_tokens += acc.values["tokens"]
+            results[name] = ForwardBackwardResult(
+                acc.values["loss"], acc.logprobs, _metrics(loss_fn, kl_coef, acc.values)
+            )
+        return results
+
+    def _mixed_passes(
+        self,
+        data_by_adapter: dict[AdapterName, list[Datum]],
+        loss_fn: LossFnName,
+        loss_cfg: LossConfig,
+        kl_coef: float,
+    ) -> dict[AdapterName, _Sums]:
+        """``forward_backward_many``'s passes, each adapter's gradient into its parameters' ``.grad``."""
         rows = [(name, d) for name, data in data_by_adapter.items() for d in data]
-        check_loss_inputs(loss_fn, [d for _, d in rows])
-        slots = {name: self._slot(name) for name in data_by_adapter}
-        sums = {name: _Sums() for name in slots}
+        sums = {name: _Sums() for name in data_by_adapter}
         index_in_adapter: list[int] = []  # each row's index within its adapter's list
         seen: dict[AdapterName, int] = {}
         for name, _ in rows:
@@ -247,8 +279,8 @@ class MultiAdapterLearner(Learner):
         # peft's LoRA path stays off for the whole call (each switch walks every layer): the
         # reference is the base model as it stands, and hooks add each row's own adapter.
         with _adapters_off(self._lora_layers()), self._per_row_mode():
-            for slot in slots.values():  # switching off froze every adapter: these train
-                for p in slot.params.values():
+            for name in data_by_adapter:  # switching off froze every adapter: these train
+                for p in self._slots[name].params.values():
                     p.requires_grad_(True)
             for order in self._mixed_chunks(rows):
                 # Each adapter's rows together: one run per adapter in every LoRA layer.
@@ -258,13 +290,7 @@ class MultiAdapterLearner(Learner):
                 batch = collate([d for _, d in chunk], pad_token_id=self.pad_token_id, device=self.dist.device)
                 row_index = [index_in_adapter[i] for i in order]
                 self._mixed_micro_batch(batch, names, row_index, loss_fn, loss_cfg, kl_coef, sums)
-        results = {}
-        for name, acc in sums.items():
-            slots[name].pending_tokens += acc.values["tokens"]
-            results[name] = ForwardBackwardResult(
-                acc.values["loss"], acc.logprobs, _metrics(loss_fn, kl_coef, acc.values)
-            )
-        return results
+        return sums
 
     def _mixed_chunks(self, rows: list[tuple[AdapterName, Datum]]) -> list[list[int]]:
         """Micro-batches of ``forward_backward_many``. Adapters' rows mix where that costs nothing,

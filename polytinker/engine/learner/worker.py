@@ -26,6 +26,13 @@ not lost; a resent step this process holds no gradient for is refused (``Gradien
 stepping on nothing. A step also carries ``expected_fb``, the number of the step's
 ``forward_backward`` calls the scheduler saw answered: a process holding another number (it
 restarted between them) drops what it holds and refuses the step, even on its first send.
+
+What a message carries is checked against this worker's model before the model sees it (the
+scheduler's token admits the sender, not the sizes and values it sends): a token id outside the
+vocabulary, a non-finite weight, advantage or logprob, or a missing loss input is refused with a
+``ConfigError`` naming the datum and field (``checks``). A loss or gradient that still comes out
+non-finite is never applied (``guard``): the call or the step is refused and the adapter's state
+stays as it was; a refused step's gradient is dropped, so the step's calls are made again.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from polytinker.engine.device import resolve_device, resolve_dtype
+from polytinker.engine.learner.checks import NonFinite, check_data
 from polytinker.errors import ConfigError, GradientLost, NotResident
 from polytinker.scheduler.service.config import LearnerWorkerConfig
 from polytinker.scheduler.service.layout import under
@@ -290,6 +298,7 @@ class LearnerWorker:
             if first is not None:
                 return first
             group, name = self._slot(msg.adapter, msg.full)
+            check_data(msg.data, group.learner.vocab_size, msg.loss_fn)
             r = group.forward_backward(list(msg.data), msg.loss_fn, name, msg.loss_fn_config)
             self.stats["forward_backward"] += 1
             self._fb_since_step[msg.adapter] = self._fb_since_step.get(msg.adapter, 0) + 1
@@ -300,15 +309,18 @@ class LearnerWorker:
     def forward_backward_many(self, msg: LearnerForwardBackwardMany) -> ForwardBackwardManyReply:
         """The items' calls in shared passes over their adapters (``forward_backward_many``): each
         adapter's gradient, result and count are what its own ``forward_backward`` would leave. An
-        item this worker already ran (a resend) answers its first result and runs nothing."""
+        item this worker already ran (a resend) answers its first result and runs nothing. All or
+        nothing: when one item is refused or fails, no item's gradient is kept or its result
+        remembered, and the error names the items at fault, so each call can be sent alone."""
         with self._keyed:
             results: list[ForwardBackwardReply | None] = [
                 self._duplicate(i.adapter, i.request_id, "fb") for i in msg.items
             ]
             todo = [i for i, r in zip(msg.items, results, strict=True) if r is None]
             if todo:
-                for item in todo:
-                    self._slot(item.adapter, False)  # NotResident before any work: the broker prepares again
+                for item in todo:  # NotResident or a refused datum before any work: nothing to undo
+                    group, _ = self._slot(item.adapter, False)
+                    check_data(item.data, group.learner.vocab_size, item.loss_fn, where=f"adapter {item.adapter}")
                 first = todo[0]
                 many = self._lora.forward_backward_many(
                     {i.adapter: list(i.data) for i in todo}, first.loss_fn, first.loss_fn_config
@@ -325,6 +337,7 @@ class LearnerWorker:
 
     def forward(self, msg: LearnerForward) -> ForwardReply:
         group, name = self._slot(msg.adapter, msg.full)
+        check_data(msg.data, group.learner.vocab_size)
         return ForwardReply(group.forward(list(msg.data), name))
 
     def step(self, msg: LearnerStep) -> StepResult:
@@ -352,7 +365,11 @@ class LearnerWorker:
                     f"optim_step {msg.request_id} of {msg.adapter} was resent to a learner that holds no gradient"
                     " for it (the process that took its forward_backward calls is gone): redo this step's calls"
                 )
-            result = self._step(msg)
+            try:
+                result = self._step(msg)
+            except NonFinite:
+                self._gradient_gone(msg.adapter)  # the learner dropped the gradient it refused to step on
+                raise
             self._gradient_gone(msg.adapter)  # spent by the step: a late resend of a call belongs to no step
             self._remember(msg.adapter, msg.request_id, "step", result)
             if msg.request_id:

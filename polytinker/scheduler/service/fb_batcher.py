@@ -11,9 +11,12 @@ batch runs gather for the next one, so a busy learner batches more and an idle o
 ``window_s`` to a call.
 
 Every call keeps its idempotency key inside the batch (the worker answers a resent item with its
-first result), and each caller gets its own answer. A batch the learner refuses before any work
-(a ``ConfigError``: one call's data or loss config is bad) is sent again call by call, so each
-caller gets its own answer or error; any other failure is every caller's.
+first result), and each caller gets its own answer. A failure stays with the call that caused it:
+a batch the learner answers with an error (one call's data or loss config refused, one adapter's
+loss or gradient not finite, the pass itself failing) is sent again call by call, so each caller
+gets its own answer or error. That is safe because the learner keeps a failed batch's gradients
+all or nothing (``MultiAdapterLearner.forward_backward_many``): none of them stayed. A failure of
+the send itself (the learner did not answer) is every caller's.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from polytinker.errors import ConfigError, RemoteError
+from polytinker.errors import RemoteError
 from polytinker.scheduler.service.replies import ForwardBackwardManyReply, ForwardBackwardReply
 from polytinker.scheduler.service.worker_messages import LearnerForwardBackward, LearnerForwardBackwardMany
 
@@ -112,10 +115,8 @@ class FbBatcher:
             msg = LearnerForwardBackwardMany(tuple(c.req for c in batch))
             try:
                 out: ForwardBackwardManyReply = self._send("sched.w.fb_many", msg, [c.prepare for c in batch])
-            except RemoteError as exc:
-                if exc.code != ConfigError.code:
-                    raise
-                for c in batch:  # refused before any work: each call alone, for its own answer
+            except RemoteError:
+                for c in batch:  # the learner kept none of the batch: each call alone, for its own answer
                     self._one(c)
                 return
             self.batches += 1
