@@ -221,6 +221,9 @@ def test_a_bad_key_is_an_authentication_error(server: str) -> None:
         ({"messages": [{"role": "wizard", "content": "x"}]}, "role"),
         ({"top_logprobs": 3, "logprobs": True}, "top_logprobs"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"extra_body": {"n": "2"}}, "n"),  # strict: a count is a number, not a string
+        ({"extra_body": {"top_k": 10**30}}, "top_k"),
+        ({"extra_body": {"stop_token_ids": [10**6]}}, "stop_token_ids"),
     ],
 )
 def test_a_malformed_request_is_a_bad_request(client: openai.OpenAI, kwargs: dict[str, Any], needle: str) -> None:

@@ -12,12 +12,14 @@ protobuf's parser limits nesting depth itself, and nothing in this schema recurs
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from polytinker.errors import ConfigError
+from polytinker.scheduler.service.messages import MAX_DATA
 
 _PACKAGE = "polytinker.tinker_wire"
 _F = descriptor_pb2.FieldDescriptorProto
@@ -154,44 +156,63 @@ def _build() -> dict[str, Any]:
 _CLASSES = _build()
 
 _NUMPY = {DTYPE_FLOAT32: np.float32, DTYPE_INT64: np.int64, DTYPE_INT32: np.int32}
+MAX_DATUM_TOKENS = 1 << 20  # one datum's sequence, well past any served model's context
+MAX_DIMS = 8
+MAX_ID_CHARS = 256
 
 
-def _tensor(t: Any) -> np.ndarray:
+def _tensor(t: Any, where: str) -> np.ndarray:
     """A dense 1-D or N-D array from a ``Tensor``; sparse tensors are refused (no loss here reads one)."""
     if t.WhichOneof("encoding") != "dense":
-        raise ConfigError("a loss input tensor must be dense (sparse CSR inputs are not supported)")
+        raise ConfigError(f"{where} must be dense (sparse CSR inputs are not supported)")
     dtype = _NUMPY.get(t.dtype)
     if dtype is None:
-        raise ConfigError(f"unsupported tensor dtype {t.dtype} (float32, int64 or int32)")
+        raise ConfigError(f"{where}: unsupported tensor dtype {t.dtype} (float32, int64 or int32)")
     if len(t.dense) % np.dtype(dtype).itemsize:
-        raise ConfigError("a tensor's bytes are not a whole number of its elements")
+        raise ConfigError(f"{where}: the tensor's bytes are not a whole number of its elements")
     arr = np.frombuffer(t.dense, dtype=dtype)
-    shape = tuple(int(s) for s in t.shape)
-    if shape and int(np.prod(shape, dtype=np.int64)) != arr.size:
-        raise ConfigError(f"a tensor's shape {list(shape)} does not match its {arr.size} elements")
+    shape = [int(s) for s in t.shape]
+    if len(shape) > MAX_DIMS or any(s < 0 for s in shape) or (shape and math.prod(shape) != arr.size):
+        raise ConfigError(f"{where}: the tensor's shape {shape[: MAX_DIMS + 1]} does not hold its {arr.size} elements")
     return arr.reshape(shape) if shape else arr
+
+
+def _tokens(datum: Any, where: str) -> np.ndarray:
+    """A datum's token ids, counted before any is read."""
+    parts = []
+    count = 0
+    for chunk in datum.model_input:
+        which = chunk.WhichOneof("chunk")
+        if which != "encoded_text":
+            raise ConfigError(f"{where}: model input chunks of type {which!r} are not supported (text tokens only)")
+        raw = chunk.encoded_text.tokens
+        count += len(raw) // 4
+        if len(raw) % 4:
+            raise ConfigError(f"{where}: encoded text tokens must be int32")
+        if count > MAX_DATUM_TOKENS:
+            raise ConfigError(f"{where} must hold at most {MAX_DATUM_TOKENS} tokens")
+        parts.append(np.frombuffer(raw, dtype=np.int32))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
 
 
 def decode_forward_backward(body: bytes) -> dict[str, Any]:
     """The SDK's protobuf ``ForwardBackwardRequest`` as plain values: ``model_id``, ``seq_id``,
-    ``loss_fn``, ``loss_fn_config`` (name -> float), ``forward_only`` and ``data``, a list of
-    ``{"tokens": [...], "loss_fn_inputs": {name: ndarray}}``. Raises ``ConfigError`` when malformed."""
+    ``loss_fn``, ``loss_fn_config`` (name -> float or text), ``forward_only`` and ``data``, a list of
+    ``{"tokens": int32 array, "loss_fn_inputs": {name: array}}``. Counts are checked before
+    anything is built; ``ConfigError`` names what is malformed (``data[2].model_input``)."""
     msg = _CLASSES["ForwardBackwardRequest"]()
     try:
         msg.ParseFromString(body)
     except Exception as exc:  # protobuf's DecodeError (and its depth limit)
         raise ConfigError(f"the forward_backward body is not a valid protobuf message: {exc}") from None
+    if not 0 < len(msg.data) <= MAX_DATA:
+        raise ConfigError(f"data must hold 1..{MAX_DATA} datums, got {len(msg.data)}")
+    if len(msg.model_id) > MAX_ID_CHARS or len(msg.loss_fn) > MAX_ID_CHARS:
+        raise ConfigError(f"model_id and loss_fn must be at most {MAX_ID_CHARS} characters")
     data = []
-    for datum in msg.data:
-        tokens: list[int] = []
-        for chunk in datum.model_input:
-            which = chunk.WhichOneof("chunk")
-            if which != "encoded_text":
-                raise ConfigError(f"model input chunks of type {which!r} are not supported (text tokens only)")
-            if len(chunk.encoded_text.tokens) % 4:
-                raise ConfigError("encoded text tokens must be int32")
-            tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist())
-        data.append({"tokens": tokens, "loss_fn_inputs": {k: _tensor(v) for k, v in datum.loss_fn_inputs.items()}})
+    for i, datum in enumerate(msg.data):
+        inputs = {k: _tensor(v, f"data[{i}].loss_fn_inputs.{k}") for k, v in datum.loss_fn_inputs.items()}
+        data.append({"tokens": _tokens(datum, f"data[{i}].model_input"), "loss_fn_inputs": inputs})
     config: dict[str, Any] = {k: float(v) for k, v in msg.loss_fn_config.items()}
     for k, v in msg.loss_fn_config_v2.items():
         config[k] = v.text if v.WhichOneof("value") == "text" else float(v.number)

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from polytinker.errors import ConfigError, PolytinkerError
 from polytinker.scheduler.http.errors import error_body, error_response
 from polytinker.scheduler.http.futures import FutureTable
+from polytinker.scheduler.http.limits import BodyBudget, InFlight
 from polytinker.scheduler.http.openai_api import openai_router
 from polytinker.scheduler.http.tinker_api import tinker_router
 from polytinker.scheduler.http.tinker_backend import TinkerBackend
@@ -34,8 +35,20 @@ from polytinker.transport import ClientCurve
 log = logging.getLogger("polytinker.http")
 
 
-def create_app(backend: TinkerBackend, config: HttpConfig) -> FastAPI:
+# Request bytes in flight, in multiples of the largest body: a key may send two of them at once,
+# all keys together four, so that no tenant's uploads take all the memory bodies may.
+TENANT_BODIES_IN_FLIGHT = 2
+TOTAL_BODIES_IN_FLIGHT = 4
+
+
+def create_app(backend: TinkerBackend, config: HttpConfig, *, body_budget: InFlight | None = None) -> FastAPI:
+    """The gateway's app; ``body_budget``: the request bytes each key and all keys may have in
+    flight (default: ``TENANT_BODIES_IN_FLIGHT`` and ``TOTAL_BODIES_IN_FLIGHT`` largest bodies)."""
     app = FastAPI(title="polytinker", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.body_budget = body_budget or InFlight(
+        TENANT_BODIES_IN_FLIGHT * config.max_body_bytes, TOTAL_BODIES_IN_FLIGHT * config.max_body_bytes
+    )
+    app.add_middleware(BodyBudget, budget=app.state.body_budget)
     # Ids older than a result is kept are of no use to anyone: a client would have read them by now.
     backend.store.forget_requests_before(time.time() - config.future_ttl_s)
     futures = FutureTable(

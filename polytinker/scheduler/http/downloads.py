@@ -5,7 +5,13 @@ An authenticated call puts a checkpoint's files here and gets a token; each file
 at ``/api/v1/downloads/TOKEN/FILE`` without a key, as a signed URL is, until the token expires.
 The token is 256 random bits (the URL is the capability); tokens live in this process only, so a
 restart of the gateway invalidates them (the SDK and the cookbook sign new ones when a download
-fails or nears expiry). Bounded: at most ``max_entries`` sets of files, oldest dropped first.
+fails or nears expiry).
+
+Bounded per tenant and in total, and one tenant never evicts another's URLs: a tenant holds at
+most ``max_per_tenant`` sets of files and ``max_tenant_bytes`` bytes (its own oldest go first when
+it signs more); all tenants together at most ``max_entries`` sets and ``max_bytes`` bytes, and a
+tenant whose new set does not fit even after dropping its own is refused (``OverloadedError``, a
+429) until others' expire.
 """
 
 from __future__ import annotations
@@ -14,42 +20,86 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
-from polytinker.errors import ConfigError
+from polytinker.errors import ConfigError, OverloadedError
+from polytinker.scheduler.http.errors import HttpError
+
+
+@dataclass(frozen=True)
+class _Signed:
+    owner: str
+    expires: float
+    files: dict[str, bytes]
+    size: int
 
 
 class SignedDownloads:
-    def __init__(self, *, ttl_s: float = 3600.0, max_entries: int = 16) -> None:
+    def __init__(
+        self,
+        *,
+        ttl_s: float = 3600.0,
+        max_per_tenant: int = 16,
+        max_tenant_bytes: int = 512 << 20,
+        max_entries: int = 1024,
+        max_bytes: int = 2 << 30,
+    ) -> None:
+        if min(ttl_s, max_per_tenant, max_tenant_bytes, max_entries, max_bytes) <= 0:
+            raise ConfigError("SignedDownloads: every bound must be > 0")
         self.ttl_s = ttl_s
-        self._max = max_entries
-        self._entries: OrderedDict[str, tuple[float, dict[str, bytes]]] = OrderedDict()
+        self.max_per_tenant, self.max_tenant_bytes = max_per_tenant, min(max_tenant_bytes, max_bytes)
+        self.max_entries, self.max_bytes = max_entries, max_bytes
+        self._entries: OrderedDict[str, _Signed] = OrderedDict()  # oldest first
+        self._bytes = 0
         self._lock = threading.Lock()
 
-    def put(self, files: dict[str, bytes]) -> tuple[str, float]:
-        """A new token for ``files`` and when it expires (a Unix time)."""
+    def put(self, owner: str, files: dict[str, bytes]) -> tuple[str, float]:
+        """A new token of tenant ``owner`` for ``files`` and when it expires (a Unix time). Drops
+        the tenant's own oldest sets as its bounds need; HttpError 413 for a set larger than a
+        tenant may hold, OverloadedError while other tenants' sets fill the total."""
+        size = sum(len(data) for data in files.values())
+        if size > self.max_tenant_bytes:
+            raise HttpError(
+                413,
+                f"these files ({size} bytes) are more than one tenant may sign for download here "
+                f"({self.max_tenant_bytes} bytes); polytinker checkpoints export writes them to a directory",
+            )
         token = secrets.token_urlsafe(32)
-        expires = time.time() + self.ttl_s
+        now = time.time()
         with self._lock:
-            self._drop_expired()
-            self._entries[token] = (expires, dict(files))
-            while len(self._entries) > self._max:
-                self._entries.popitem(last=False)
-        return token, expires
+            self._drop_expired(now)
+            own = [t for t, e in self._entries.items() if e.owner == owner]
+            others = [e for e in self._entries.values() if e.owner != owner]
+            other_bytes = sum(e.size for e in others)
+            if len(others) + 1 > self.max_entries or other_bytes + size > self.max_bytes:
+                wait_s = min(60.0, min(e.expires for e in others) - now) if others else 1.0
+                raise OverloadedError("the gateway holds as many download URLs as it may: try again later", wait_s)
+            held = [self._entries[t] for t in own]
+            own_bytes = sum(e.size for e in held)
+            while own and (
+                len(own) + 1 > self.max_per_tenant
+                or own_bytes + size > self.max_tenant_bytes
+                or len(self._entries) + 1 > self.max_entries
+                or self._bytes + size > self.max_bytes
+            ):
+                dropped = self._entries.pop(own.pop(0))
+                own_bytes -= dropped.size
+                self._bytes -= dropped.size
+            self._entries[token] = _Signed(owner, now + self.ttl_s, dict(files), size)
+            self._bytes += size
+        return token, now + self.ttl_s
 
     def get(self, token: str, name: str) -> bytes | None:
         """The file ``name`` of an unexpired token; None otherwise."""
         with self._lock:
-            self._drop_expired()
+            self._drop_expired(time.time())
             entry = self._entries.get(token)
-        if entry is None:
-            return None
-        return entry[1].get(name)
+        return None if entry is None else entry.files.get(name)
 
-    def _drop_expired(self) -> None:
-        now = time.time()
-        for token in [t for t, (expires, _) in self._entries.items() if expires <= now]:
-            del self._entries[token]
+    def _drop_expired(self, now: float) -> None:
+        for token in [t for t, e in self._entries.items() if e.expires <= now]:
+            self._bytes -= self._entries.pop(token).size
 
 
 MAX_AGE_RECIPIENTS = 10  # as Tinker allows

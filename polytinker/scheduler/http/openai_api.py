@@ -251,6 +251,8 @@ class _Routes:
             raise HttpError(400, "the prompt needs at least one token")
         if any(not 0 <= i < vocab.size for i in ids):
             raise HttpError(400, f"prompt token ids must be in 0..{vocab.size - 1}")
+        if any(not 0 <= i < vocab.size for i in p.stop_token_ids):
+            raise HttpError(400, f"stop_token_ids must be in 0..{vocab.size - 1}")
         if vocab.context and len(ids) + p.max_tokens > vocab.context:
             raise HttpError(
                 400,

@@ -13,6 +13,7 @@ from typing import Any
 from polytinker.engine.models import load_tokenizer
 from polytinker.errors import ConfigError, NotBuiltError
 from polytinker.scheduler.http.openai_types import ChatRequest, ContentPart, ToolCall
+from polytinker.scheduler.http.wire import MAX_JSON_DEPTH, depth_ok
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -101,10 +102,13 @@ def _text(content: str | list[ContentPart] | None) -> str:
 
 
 def _arguments(raw: str) -> Any:
+    """A tool call's arguments as JSON where they are JSON nested no deeper than a request may be
+    (a chat template renders them, recursively); as the text otherwise."""
     try:
-        return json.loads(raw)
-    except ValueError:
+        value = json.loads(raw)
+    except (ValueError, RecursionError):
         return raw
+    return value if depth_ok(value, MAX_JSON_DEPTH) else raw
 
 
 def _tool_call_text(call: ToolCall) -> str:

@@ -1,14 +1,21 @@
-"""The OpenAI API's request bodies, decoded at the edge (pydantic; unknown fields ignored)."""
+"""The OpenAI API's request bodies, decoded at the edge (pydantic; unknown fields ignored).
+
+Strict: a field takes its own JSON type only (no "3" or true for a count, no number for a
+string), every float is finite, and every list and count is bounded, so that a hostile body is a
+400 naming the field before anything is built from it."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+MAX_INT32 = (1 << 31) - 1
+
 
 class Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # fields of newer API versions are ignored, as by vLLM
+    # Fields of newer API versions are ignored, as by vLLM.
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(Body):
@@ -17,19 +24,19 @@ class StreamOptions(Body):
 
 class SamplingFields(Body):
     model: str = Field(min_length=1, max_length=1000)
-    n: int = Field(1, ge=1)
-    max_tokens: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1, le=MAX_INT32)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)  # extension (vLLM's): -1 or 0 is none
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT32)  # extension (vLLM's): -1 or 0 is none
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = Field(None, max_length=64)  # extension (vLLM's)
+    stop: str | list[str] | None = Field(None, max_length=1000)
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_INT32)]] | None = Field(None, max_length=64)  # vLLM's
     stream: bool = False
     stream_options: StreamOptions | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(None, max_length=1024)
 
 
 class ContentPart(Body):
@@ -50,10 +57,10 @@ class ToolCall(Body):
 
 class Message(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
+    content: str | list[ContentPart] | None = Field(None, max_length=1 << 24)
+    name: str | None = Field(None, max_length=256)
+    tool_calls: list[ToolCall] | None = Field(None, max_length=128)
+    tool_call_id: str | None = Field(None, max_length=256)
 
 
 class FunctionDef(Body):
@@ -69,8 +76,8 @@ class Tool(Body):
 
 
 class ChatRequest(SamplingFields):
-    messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    messages: list[Message] = Field(min_length=1, max_length=4096)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = Field(None, max_length=128)
@@ -79,10 +86,10 @@ class ChatRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(max_length=1 << 24)
     echo: bool | None = None
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=-MAX_INT32, le=MAX_INT32)
     logprobs: int | None = Field(None, ge=0, le=5)
 
 

@@ -17,7 +17,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from polytinker.errors import ConfigError
-from polytinker.scheduler.http.tinker_backend import Tenant, TinkerBackend, to_tinker_path
+from polytinker.scheduler.http.tinker_backend import Tenant, TinkerBackend
+from polytinker.scheduler.http.tinker_names import to_tinker_path
 from polytinker.scheduler.http.wire import iso_time
 from polytinker.scheduler.service.usage import BUCKET_S
 

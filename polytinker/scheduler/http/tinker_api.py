@@ -12,23 +12,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from polytinker.engine.types import Datum
-from polytinker.errors import ConfigError, NotBuiltError
-from polytinker.scheduler.http import _proto
+from polytinker.errors import ConfigError, NotBuiltError, OverloadedError
+from polytinker.scheduler.http import _proto, checks
+from polytinker.scheduler.http.checks import Spec, check_body
 from polytinker.scheduler.http.errors import error_body
 from polytinker.scheduler.http.futures import FutureTable
+from polytinker.scheduler.http.limits import InFlight
 from polytinker.scheduler.http.tinker_admin import TinkerAdmin
-from polytinker.scheduler.http.tinker_backend import Tenant, TinkerBackend, tinker_datum, to_tinker_path
+from polytinker.scheduler.http.tinker_backend import Tenant, TinkerBackend, tinker_datum
+from polytinker.scheduler.http.tinker_names import to_tinker_path
+from polytinker.scheduler.http.tinker_render import failed, fb_render, sample_render, step_metrics
 from polytinker.scheduler.http.tinker_runs import TinkerRuns
 from polytinker.scheduler.http.wire import api_key, read_body, read_json, ttl_of
 
@@ -47,17 +48,12 @@ CLIENT_CONFIG = {
     "sample_join_sampling_session": False,
 }
 
+# Telemetry is accepted from any key and dropped: small bodies, few at a time (docs/tinker.md).
+TELEMETRY_MAX_BYTES = 1 << 20
+TELEMETRY_PER_TENANT = 4
+TELEMETRY_TOTAL = 16
+
 log = logging.getLogger("polytinker.http")
-
-
-def _metrics(loss: float, metrics: dict[str, float], n_tokens: float) -> dict[str, float]:
-    """Tinker's metric names (``loss:sum``; ``name:mean`` style) from polytinker's (``loss/x``)."""
-    out = {"loss:sum": float(loss)}
-    for k, v in metrics.items():
-        if isinstance(v, int | float) and math.isfinite(float(v)):
-            out[k.replace("/", ":") if ":" in k or "/" in k else f"{k}:mean"] = float(v)
-    out.setdefault("tokens:sum", float(n_tokens))
-    return out
 
 
 @dataclass(frozen=True)
@@ -69,6 +65,7 @@ class _Api:
     runs: TinkerRuns
     long_poll_s: float
     max_body_bytes: int
+    uploads: InFlight  # telemetry uploads in progress, per key and in total
 
     def tenant(self, request: Request) -> Tenant:
         return self.backend.tenant(api_key(request))
@@ -77,16 +74,21 @@ class _Api:
         # The first request of a key asks the scheduler: never on the event loop.
         return await asyncio.to_thread(self.tenant, request)
 
-    async def json(self, request: Request) -> dict[str, Any]:
-        return await read_json(request, self.max_body_bytes)
+    async def json(self, request: Request, spec: Spec) -> dict[str, Any]:
+        """The body as a JSON object whose fields ``spec`` names passed their checks (checks.py)."""
+        return check_body(await read_json(request, self.max_body_bytes), spec)
 
     async def call(
-        self, request: Request, op: Callable[[Tenant, dict[str, Any]], Future[Any]], render: Callable[[Any], Any]
+        self,
+        request: Request,
+        op: Callable[[Tenant, dict[str, Any]], Future[Any]],
+        render: Callable[[Any], Any],
+        spec: Spec,
     ) -> dict[str, Any]:
         """A model's call that takes time: ``op(tenant, body)`` off the event loop, its future filed
         (``submit``) under the body's model id."""
         t = await self.tenant_of(request)
-        body = await self.json(request)
+        body = await self.json(request, spec)
         return self.submit(t, await asyncio.to_thread(op, t, body), render, body.get("model_id"))
 
     def submit(
@@ -108,7 +110,8 @@ def tinker_router(
     backend: TinkerBackend, futures: FutureTable, *, long_poll_s: float, max_body_bytes: int
 ) -> APIRouter:
     r = APIRouter(prefix="/api/v1")
-    api = _Api(backend, futures, TinkerRuns(backend), long_poll_s, max_body_bytes)
+    uploads = InFlight(TELEMETRY_PER_TENANT, TELEMETRY_TOTAL)
+    api = _Api(backend, futures, TinkerRuns(backend), long_poll_s, max_body_bytes, uploads)
     _add_service_routes(r, api)
     _add_model_routes(r, api)
     _add_training_routes(r, api)
@@ -149,27 +152,33 @@ def _add_service_routes(r: APIRouter, api: _Api) -> None:
     @r.post("/create_session")
     async def create_session(request: Request) -> dict[str, Any]:
         t = await api.tenant_of(request)
-        body = await api.json(request)
+        body = await api.json(request, checks.CREATE_SESSION)
         return {"type": "create_session", "session_id": api.backend.create_session(t, body)}
 
     @r.post("/sessions/{session_id}/finish")
     async def finish_session(session_id: str, request: Request) -> dict[str, Any]:
         t = await api.tenant_of(request)
-        body = await api.json(request)
+        body = await api.json(request, checks.FINISH_SESSION)
         await asyncio.to_thread(api.backend.finish_session, t, session_id, body)
         return {}
 
     @r.post("/session_heartbeat")
     async def heartbeat(request: Request) -> dict[str, Any]:
         t = await api.tenant_of(request)
-        body = await api.json(request)
-        api.backend.check_session(t, str(body.get("session_id", "")))
-        api.backend.store.heartbeat(str(body["session_id"]))
+        body = await api.json(request, checks.HEARTBEAT)
+        api.backend.check_session(t, body["session_id"])
+        api.backend.store.heartbeat(body["session_id"])
         return {"type": "session_heartbeat"}
 
     @r.post("/telemetry")
     async def telemetry(request: Request) -> dict[str, Any]:
-        await read_body(request, api.max_body_bytes)  # accepted and dropped: nothing leaves this machine
+        t = await api.tenant_of(request)
+        if not api.uploads.take(t.owner, 1):
+            raise OverloadedError("too many telemetry uploads at once: try again soon", 1.0)
+        try:  # read to its end, bounded, and dropped: nothing leaves this machine
+            await read_body(request, TELEMETRY_MAX_BYTES)
+        finally:
+            api.uploads.give(t.owner, 1)
         return {"status": "accepted"}
 
 
@@ -179,20 +188,20 @@ def _add_model_routes(r: APIRouter, api: _Api) -> None:
     @r.post("/create_model")
     async def create_model(request: Request) -> dict[str, Any]:
         t = await api.tenant_of(request)
-        body = await api.json(request)
+        body = await api.json(request, checks.CREATE_MODEL)
         return api.submit(t, await asyncio.to_thread(api.backend.create_model, t, body), lambda out: out)
 
     @r.post("/get_info")
     async def get_info(request: Request) -> dict[str, Any]:
         t = await api.tenant_of(request)
-        body = await api.json(request)
-        return await asyncio.to_thread(api.backend.info, t, str(body.get("model_id", "")))
+        body = await api.json(request, checks.MODEL)
+        return await asyncio.to_thread(api.backend.info, t, body["model_id"])
 
     @r.post("/unload_model")
     async def unload_model(request: Request) -> dict[str, Any]:
         t = await api.tenant_of(request)
-        body = await api.json(request)
-        model_id = str(body.get("model_id", ""))
+        body = await api.json(request, checks.MODEL)
+        model_id = body["model_id"]
         tc = await asyncio.to_thread(api.backend.training_client, t, model_id)
         fut: Future[Any] = Future()
         try:
@@ -213,14 +222,30 @@ def _add_training_routes(r: APIRouter, api: _Api) -> None:
             raise ConfigError(f"forward_backward takes a protobuf body ({PROTO}), as the tinker SDK sends it")
         if request.headers.get("content-encoding"):
             raise NotBuiltError("compressed request bodies are not accepted (client config says so)")
-        req = _proto.decode_forward_backward(await read_body(request, api.max_body_bytes))
-        req["datums"] = [tinker_datum(d) for d in req["data"]]
+        body = await read_body(request, api.max_body_bytes)
+        # Decoding and checking a batch takes time in proportion to it: off the event loop.
+        req = await asyncio.to_thread(_fb_request, api.backend, t, body)
         fut = await asyncio.to_thread(api.backend.forward_backward, t, req)
-        return api.submit(t, fut, _fb_render(req["datums"]), req["model_id"])
+        return api.submit(t, fut, fb_render(req["datums"]), req["model_id"])
 
     @r.post("/optim_step")
     async def optim_step(request: Request) -> dict[str, Any]:
-        return await api.call(request, api.backend.optim_step, lambda out: {"metrics": _step_metrics(out.metrics)})
+        render = lambda out: {"metrics": step_metrics(out.metrics)}  # noqa: E731
+        return await api.call(request, api.backend.optim_step, render, checks.OPTIM_STEP)
+
+
+def _fb_request(backend: TinkerBackend, t: Tenant, body: bytes) -> dict[str, Any]:
+    """A forward_backward's protobuf body, decoded and checked at the door: its loss and loss
+    config, and each datum against the run's base model (errors name ``data[i]...``); then
+    ``datums``, the data as polytinker's datums."""
+    req = _proto.decode_forward_backward(body)
+    req["loss_fn_config"] = checks.check_loss(req["loss_fn"], req["loss_fn_config"])
+    vocab = checks.vocab_size(backend.model(t, req["model_id"]).base_model)
+    rl_loss = None if req["forward_only"] or req["loss_fn"] == "cross_entropy" else req["loss_fn"]
+    for i, d in enumerate(req["data"]):
+        checks.check_datum(d, i, vocab, rl_loss)
+    req["datums"] = [tinker_datum(d) for d in req["data"]]
+    return req
 
 
 def _add_weights_routes(r: APIRouter, api: _Api) -> None:
@@ -229,26 +254,26 @@ def _add_weights_routes(r: APIRouter, api: _Api) -> None:
     @r.post("/save_weights")
     async def save_weights(request: Request) -> dict[str, Any]:
         render = lambda path: {"type": "save_weights", "path": to_tinker_path(path)}  # noqa: E731
-        return await api.call(request, api.backend.save_state, render)
+        return await api.call(request, api.backend.save_state, render, checks.SAVE)
 
     @r.post("/save_weights_for_sampler")
     async def save_for_sampler(request: Request) -> dict[str, Any]:
-        return await api.call(request, api.backend.save_for_sampler, _as_is)
+        return await api.call(request, api.backend.save_for_sampler, _as_is, checks.SAVE)
 
     @r.post("/save_weights_external")
     async def save_weights_external(request: Request) -> dict[str, Any]:
-        return await api.call(request, api.backend.save_external, _as_is)
+        return await api.call(request, api.backend.save_external, _as_is, checks.SAVE_EXTERNAL)
 
     @r.post("/load_weights")
     async def load_weights(request: Request) -> dict[str, Any]:
-        return await api.call(request, api.backend.load_state, _as_is)
+        return await api.call(request, api.backend.load_state, _as_is, checks.LOAD)
 
     @r.get("/weights_info")
     @r.post("/weights_info")
     async def weights_info(request: Request) -> dict[str, Any]:
         t = await api.tenant_of(request)
-        body = await api.json(request) if request.method == "POST" else dict(request.query_params)
-        return await asyncio.to_thread(api.backend.weights_info, t, str(body.get("tinker_path", "")))
+        body = await api.json(request, checks.WEIGHTS_INFO) if request.method == "POST" else dict(request.query_params)
+        return await asyncio.to_thread(api.backend.weights_info, t, str(body.get("tinker_path") or ""))
 
 
 def _add_run_routes(r: APIRouter, api: _Api) -> None:
@@ -296,7 +321,7 @@ def _add_checkpoint_routes(r: APIRouter, api: _Api) -> None:
     @r.post("/copy_weights")
     async def copy_weights(request: Request) -> dict[str, Any]:
         t = await api.tenant_of(request)
-        body = await api.json(request)
+        body = await api.json(request, checks.COPY)
         token = request.headers.get("x-tinker-weights-access-token")
         return await asyncio.to_thread(runs.copy_weights, t, body, token)
 
@@ -319,7 +344,7 @@ def _add_checkpoint_routes(r: APIRouter, api: _Api) -> None:
     @r.put("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl")
     async def set_checkpoint_ttl(run_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
         t = await api.tenant_of(request)
-        ttl = ttl_of(await api.json(request))
+        ttl = ttl_of(await api.json(request, checks.SET_TTL))
         await asyncio.to_thread(runs.set_ttl, t, run_id, checkpoint_id, ttl)
         return {}
 
@@ -350,7 +375,7 @@ def _add_sampling_routes(r: APIRouter, api: _Api) -> None:
     @r.post("/create_sampling_session")
     async def create_sampling_session(request: Request) -> dict[str, Any]:
         t = await api.tenant_of(request)
-        body = await api.json(request)
+        body = await api.json(request, checks.CREATE_SAMPLER)
         return {
             "type": "create_sampling_session",
             "sampling_session_id": await asyncio.to_thread(api.backend.create_sampler, t, body),
@@ -369,10 +394,10 @@ def _add_sampling_routes(r: APIRouter, api: _Api) -> None:
     @r.post("/asample")
     async def asample(request: Request) -> dict[str, Any]:
         t = await api.tenant_of(request)
-        body = await api.json(request)
-        out = api.submit(t, await asyncio.to_thread(api.backend.sample, t, body), _sample_render, kind="sample")
+        body = await api.json(request, checks.ASAMPLE)  # num_samples among the rest: bounded before use
+        out = api.submit(t, await asyncio.to_thread(api.backend.sample, t, body), sample_render, kind="sample")
         # Each sequence's id, in the response's order (the SDK names its SampledSequences by them).
-        out["sample_sequence_ids"] = [f"{out['request_id']}-{i}" for i in range(int(body.get("num_samples", 1)))]
+        out["sample_sequence_ids"] = [f"{out['request_id']}-{i}" for i in range(body.get("num_samples") or 1)]
         return out
 
 
@@ -382,8 +407,8 @@ def _add_future_routes(r: APIRouter, api: _Api) -> None:
     @r.post("/retrieve_future")
     async def retrieve_future(request: Request) -> Response:
         t = await api.tenant_of(request)
-        body = await api.json(request)
-        request_id = str(body.get("request_id", ""))
+        body = await api.json(request, checks.REQUEST)
+        request_id = body["request_id"]
         entry = api.futures.get(t.owner, request_id)
         if entry is None:
             return _unknown_request(api, t, request_id)
@@ -401,8 +426,8 @@ def _add_future_routes(r: APIRouter, api: _Api) -> None:
     @r.post("/cancel_future")
     async def cancel_future(request: Request) -> dict[str, Any]:
         t = await api.tenant_of(request)
-        body = await api.json(request)
-        return {"cancelled": api.futures.cancel(t.owner, str(body.get("request_id", "")))}
+        body = await api.json(request, checks.REQUEST)
+        return {"cancelled": api.futures.cancel(t.owner, body["request_id"])}
 
 
 def _unknown_request(api: _Api, t: Tenant, request_id: str) -> Response:
@@ -432,48 +457,11 @@ def _as_is(out: Any) -> Any:
     return out
 
 
-def failed(exc: BaseException) -> dict[str, Any]:
-    """A failed call as the SDK reads it: the message, and whether the caller (``user``) or the
-    runtime (``server``) was at fault; a runtime fault names only an error id."""
-    from polytinker.scheduler.http.errors import classify
-
-    status, body = classify(exc)
-    err = body["error"]
-    message = err["message"] if status < 500 else f"internal error (error id {err['error_id']})"
-    return {"error": message, "category": "user" if status < 500 else "server", "error_id": err["error_id"]}
-
-
 def _page(n: int) -> int:
     """A pagination bound from the query string: at least 0, at most 10000."""
     if n < 0:
         raise ConfigError("limit and offset must not be negative")
     return min(n, 10_000)
-
-
-def _step_metrics(metrics: dict[str, float]) -> dict[str, float]:
-    return {k.replace("/", ":"): float(v) for k, v in metrics.items() if isinstance(v, int | float)}
-
-
-def _fb_render(datums: list[Datum]) -> Callable[[Any], bytes]:
-    weights = [np.asarray(d.weights_T, dtype=np.float64) for d in datums]
-
-    def render(out: Any) -> bytes:
-        if isinstance(out, list):  # forward: per-datum logprobs; the loss is cross entropy's
-            logprobs = out
-            loss = -sum(float(np.dot(w, lp)) for w, lp in zip(weights, logprobs, strict=True))
-            metrics: dict[str, float] = {}
-        else:
-            logprobs, loss, metrics = out.logprobs, out.loss, out.metrics
-        n = float(sum((w != 0).sum() for w in weights))
-        outputs = [{"logprobs": np.asarray(lp, dtype=np.float32)} for lp in logprobs]
-        return _proto.encode_forward_backward_output(outputs, _metrics(loss, metrics, n))
-
-    return render
-
-
-def _sample_render(response: Any) -> bytes:
-    seqs = [{"tokens": s.tokens, "logprobs": s.logprobs, "stop_reason": s.stop_reason} for s in response.sequences]
-    return _proto.encode_sample_response(seqs, response.prompt_logprobs, response.topk_prompt_logprobs)
 
 
 __all__ = ["CLIENT_CONFIG", "tinker_router"]

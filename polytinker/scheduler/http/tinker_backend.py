@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,39 +33,24 @@ from polytinker.client.service_client import ServiceClient
 from polytinker.client.training_client import TrainingClient
 from polytinker.engine.types import ATTN_MODULES, DEFAULT_TARGET_MODULES, MLP_MODULES, UNEMBED_MODULE, Datum
 from polytinker.errors import AuthError, ConfigError, NotBuiltError
-from polytinker.model_path import MODEL_PREFIX, TINKER_PREFIX, CheckpointPath, ModelPath, from_tinker
+from polytinker.model_path import TINKER_PREFIX, from_tinker
+from polytinker.scheduler.http.checks import check_tokens, vocab_size
 from polytinker.scheduler.http.downloads import age_recipients
 from polytinker.scheduler.http.errors import HttpError
 from polytinker.scheduler.http.store import GatewayStore, ModelRow, SamplerRow, SavedRow
+from polytinker.scheduler.http.tinker_names import (
+    EXTERNAL_NAME_PREFIX,
+    external_path,
+    from_tinker_path,
+    owner_of,
+    to_tinker_path,
+)
 from polytinker.scheduler.http.wire import prompt_ints, ttl_of
 from polytinker.scheduler.service.layout import check_name
-from polytinker.scheduler.service.messages import MAX_TOP_K
 from polytinker.scheduler.service.replies import WeightsInfoReply
 from polytinker.transport import ClientCurve
 from polytinker.types import SamplingParams as TinkerSamplingParams
-
-EXTERNAL_NAME_PREFIX = "external."  # a save_weights_external(NAME) is the job's sampler save external.NAME
-
-
-def owner_of(api_key: str) -> str:
-    """The tenant's handle in the gateway's tables: a hash of its key (the key itself is not kept)."""
-    return hashlib.sha256(api_key.encode("utf-8")).hexdigest()
-
-
-def to_tinker_path(path: str) -> str:
-    """The ``tinker://`` path of a polytinker checkpoint or sampler path."""
-    checkpoint = CheckpointPath.parse(path)
-    if checkpoint is not None:
-        return checkpoint.tinker
-    if path.startswith(MODEL_PREFIX):
-        return ModelPath.parse(path).tinker
-    raise ConfigError(f"{path!r} is not a polytinker path")
-
-
-def from_tinker_path(path: str, kind: str) -> str:
-    """The polytinker path of a ``tinker://JOB/weights/NAME`` (``kind="weights"``) or
-    ``tinker://JOB/sampler_weights/AGENT@V`` (``kind="sampler_weights"``) path; ConfigError else."""
-    return str(CheckpointPath.from_tinker(path) if kind == "weights" else ModelPath.from_tinker(path))
+from polytinker.types import split_stop
 
 
 @dataclass
@@ -80,11 +65,9 @@ class Tenant:
 
 
 def tinker_datum(d: dict[str, Any]) -> Datum:
-    """A polytinker datum from a decoded Tinker datum (``tokens`` and ``loss_fn_inputs``): the
-    client library's conversion (``to_datum``), so both front doors read Tinker's datums alike."""
-    if "target_tokens" not in d["loss_fn_inputs"]:
-        raise ConfigError("each datum needs loss_fn_inputs['target_tokens']")
-    return to_datum({"model_input": list(d["tokens"]), "loss_fn_inputs": d["loss_fn_inputs"]})
+    """A polytinker datum from a decoded and checked Tinker datum (``tokens`` and ``loss_fn_inputs``):
+    the client library's conversion (``to_datum``), so both front doors read Tinker's datums alike."""
+    return to_datum({"model_input": d["tokens"].tolist(), "loss_fn_inputs": d["loss_fn_inputs"]})
 
 
 class TinkerBackend:
@@ -192,25 +175,28 @@ class TinkerBackend:
         return tc
 
     def create_model(self, t: Tenant, req: dict[str, Any]) -> Future[dict[str, Any]]:
-        session_id = str(req.get("session_id", ""))
+        """``req`` is checked (checks.CREATE_MODEL); what the fields mean together is checked here,
+        before the job is asked for."""
+        session_id = req["session_id"]
         self.check_session(t, session_id)
-        model_id = f"{session_id}:train:{int(req.get('model_seq_id', 0))}"
+        model_id = f"{session_id}:train:{req.get('model_seq_id') or 0}"
         base_model = self._base_model(req.get("base_model"))
         lora = req.get("lora_config")
+        optimizer = (req.get("optimizer_config") or {}).get("type", "adamw")
+        if optimizer != "adamw":
+            raise NotBuiltError(f"optimizer_config.type {optimizer!r} is not built (adamw is)")
+        mlp, attn, unembed = ((lora or {}).get(k) is not False for k in ("train_mlp", "train_attn", "train_unembed"))
+        if lora is not None and not (mlp or attn or unembed):
+            raise ConfigError("lora_config: train_mlp, train_attn and train_unembed are all false: nothing to train")
 
         def run() -> dict[str, Any]:
             if lora is None:
                 tc = t.service.create_training_client(base_model)
                 rank = 0
             else:
-                rank = int(lora["rank"])
+                rank = lora["rank"]
                 tc = t.service.create_lora_training_client(
-                    base_model,
-                    rank,
-                    int(lora.get("seed") or 0),
-                    train_mlp=bool(lora.get("train_mlp", True)),
-                    train_attn=bool(lora.get("train_attn", True)),
-                    train_unembed=bool(lora.get("train_unembed", True)),
+                    base_model, rank, lora.get("seed") or 0, train_mlp=mlp, train_attn=attn, train_unembed=unembed
                 )
             self.store.add_model(ModelRow(model_id, t.owner, tc.job_id, base_model, rank))
             if req.get("user_metadata"):
@@ -250,10 +236,9 @@ class TinkerBackend:
         """``req["datums"]``: the call's data as polytinker datums (``tinker_datum``)."""
         tc = self.training_client(t, req["model_id"])
         data = req["datums"]
-        config = {k: v for k, v in req["loss_fn_config"].items() if isinstance(v, float)} or None
         if req["forward_only"]:
             return tc.forward(data)
-        return tc.forward_backward(data, req["loss_fn"], config)
+        return tc.forward_backward(data, req["loss_fn"], req["loss_fn_config"])
 
     def optim_step(self, t: Tenant, req: dict[str, Any]) -> Future[Any]:
         tc = self.training_client(t, str(req.get("model_id", "")))
@@ -410,8 +395,11 @@ class TinkerBackend:
             raise ConfigError(f"unknown sampling session {sampler_id!r}")
         return row
 
-    def sampling_client(self, t: Tenant, req: dict[str, Any]) -> SamplingClient:
-        """The client of the request's sampling session, or of its model_path / base_model."""
+    def sampling_client(
+        self, t: Tenant, req: dict[str, Any], check: Callable[[str], None] | None = None
+    ) -> SamplingClient:
+        """The client of the request's sampling session, or of its model_path / base_model;
+        ``check(base_model)`` runs before a client is made or used."""
         sampler_id = req.get("sampling_session_id")
         base: str | None
         if sampler_id:
@@ -425,8 +413,10 @@ class TinkerBackend:
             key, path = f"base:{base}", ""
         with t.lock:
             sc = t.samplers.get(key)
+        base = base or (sc.base_model if sc is not None else self.source(t, path).base_model)
+        if check is not None:
+            check(base)
         if sc is None:
-            base = base or self.source(t, path).base_model
             sc = t.service.create_sampling_client(model_path=path or None, base_model=base)
             with t.lock:
                 sc = t.samplers.setdefault(key, sc)
@@ -434,8 +424,10 @@ class TinkerBackend:
 
     def sampling_params(self, p: dict[str, Any]) -> TinkerSamplingParams:
         """Tinker's sampling parameters as the SDK sent them (polytinker's client reads their
-        meanings: ``top_k=-1`` none, ``stop`` a string, strings or token ids, ``[]`` not even EOS,
-        ``max_tokens=0`` no sequences); ``max_tokens=None``: the gateway's default."""
+        meanings: ``top_k=-1`` none, ``stop`` a string, strings or token ids, ``[]`` not even EOS);
+        ``max_tokens=None``: the gateway's default. ``max_tokens=0`` was refused at the door
+        (checks.SAMPLING): the SDK wants one sequence per sample, and ``max_tokens=1`` scores a
+        prompt in one prefill."""
         if not isinstance(p, dict):
             raise ConfigError("sampling_params must be an object")
         known = {f.name for f in dataclasses.fields(TinkerSamplingParams)}
@@ -449,26 +441,26 @@ class TinkerBackend:
 
     def sample(self, t: Tenant, req: dict[str, Any]) -> Future[Any]:
         """A ``SampleResponse`` of polytinker's client: the sequences and, as asked, the prompt's
-        logprobs and its top-k ones (one scoring pass for both)."""
+        logprobs and its top-k ones (one scoring pass for both). ``req`` passed checks.ASAMPLE;
+        its token ids are checked against the sampler's base model before a client is made."""
         for unsupported in ("topk_sample_logprobs", "prompt_alt_tokens_k", "prompt_logprobs_last_n"):
             if req.get(unsupported):
                 raise NotBuiltError(f"{unsupported} is not built in polytinker (prompt_logprobs and topk are)")
         if req.get("target_prompt_logprobs") is not None:
             raise NotBuiltError("target_prompt_logprobs is not built in polytinker (prompt_logprobs is)")
-        top_k = req.get("topk_prompt_logprobs") or 0
-        if not isinstance(top_k, int) or isinstance(top_k, bool) or not 0 <= top_k <= MAX_TOP_K:
-            raise ConfigError(f"topk_prompt_logprobs must be a whole number in 0..{MAX_TOP_K}, got {top_k!r}")
-        sc = self.sampling_client(t, req)
         tokens = prompt_ints(req.get("prompt"))
         params = self.sampling_params(req.get("sampling_params") or {})
-        num = int(req.get("num_samples", 1))
+        stop_ids = split_stop(params.stop)[1]
+
+        def in_vocabulary(base_model: str) -> None:
+            vocab = vocab_size(base_model)
+            check_tokens(tokens, "prompt.tokens", vocab)
+            check_tokens(stop_ids, "sampling_params.stop", vocab)
+
+        sc = self.sampling_client(t, req, in_vocabulary)
+        num, top_k = req.get("num_samples") or 1, req.get("topk_prompt_logprobs") or 0
         want_prompt = bool(req.get("prompt_logprobs"))
         return self._pool.submit(lambda: sc.sample(tokens, num, params, want_prompt, top_k).result())
-
-
-def external_path(job_id: str, name: str) -> str:
-    """The ``tinker://`` path of the job's ``save_weights_external(name)``."""
-    return f"{TINKER_PREFIX}{job_id}/external_weights/{name}"
 
 
 def _str_dict(d: Any) -> dict[str, str]:

@@ -19,14 +19,8 @@ from polytinker.model_path import SAMPLER_NAME_PREFIX, CheckpointPath, ModelPath
 from polytinker.scheduler.http.downloads import SignedDownloads, age_encrypt
 from polytinker.scheduler.http.errors import HttpError
 from polytinker.scheduler.http.store import ModelRow, SavedRow
-from polytinker.scheduler.http.tinker_backend import (
-    EXTERNAL_NAME_PREFIX,
-    TINKER_PREFIX,
-    Tenant,
-    TinkerBackend,
-    external_path,
-    to_tinker_path,
-)
+from polytinker.scheduler.http.tinker_backend import Tenant, TinkerBackend
+from polytinker.scheduler.http.tinker_names import EXTERNAL_NAME_PREFIX, TINKER_PREFIX, external_path, to_tinker_path
 from polytinker.scheduler.http.wire import iso_time, ttl_of
 
 
@@ -233,7 +227,7 @@ class TinkerRuns:
         if found is None:
             raise HttpError(404, f"run {row.job_id} has no external weights {checkpoint_id!r}", "not_found")
         files = age_encrypt(t.service.export_files(found.tinker_path), self.backend.store.recipients(row.job_id, name))
-        token, expires = self.downloads.put(files)
+        token, expires = self.downloads.put(t.owner, files)
         root = f"{base_url.rstrip('/')}/api/v1/downloads/{token}"
         return {"urls": {f: f"{root}/{f}" for f in files}, "expires": iso_time(expires)}
 
