@@ -190,8 +190,9 @@ def test_a_request_the_backend_refuses_fails_alone(backend: HFBackend) -> None:
 
 
 def test_a_huge_request_does_not_delay_another_tenants_small_one(backend: HFBackend) -> None:
-    """B asks for 1024 samples: they run as 32 batches of at most max_batch_size. A's one sample,
-    arriving after B's first batch, runs in the very next batch, not after B's other 31."""
+    """B asks for 1024 samples: they run as 32 batches of at most max_batch_size. C's sample runs
+    between the decode steps of B's first batch; A's, arriving then, runs when that batch ends,
+    not after B's other 31."""
     engine = _engine(backend, batch_window_s=0.0, max_batch_size=32)
     hog_params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, n=1024)
     seen: dict[str, Any] = {}
@@ -202,7 +203,7 @@ def test_a_huge_request_does_not_delay_another_tenants_small_one(backend: HFBack
         a_done.set()
 
     def a_arrives(_: Future[SampleResult]) -> None:
-        # On the engine thread, between batches: A arrives after the batches counted so far.
+        # On the engine thread, inside B's first batch: A arrives after the batches counted so far.
         seen["arrival"], seen["hog_done"] = len(engine.stats.batch_sizes), hog.done()
         seen["a"] = engine.submit(_request(PROMPTS[0]), tenant="A")
         seen["a"].add_done_callback(a_ran)
@@ -213,11 +214,69 @@ def test_a_huge_request_does_not_delay_another_tenants_small_one(backend: HFBack
         assert a_done.wait(120)
         assert len(hog.result(timeout=300).sequences) == 1024
         assert not seen["hog_done"], "A must arrive while B's chunks are still waiting"
-        assert seen["a_batch"] == seen["arrival"] + 1, (
+        # Counted when they end: B's batch in progress (A's 4 tokens are not fewer than the 32
+        # it has left, so A waits for it), then A's own.
+        assert seen["a_batch"] == seen["arrival"] + 2, (
             f"A ran {seen['a_batch'] - seen['arrival']} batches after it arrived"
         )
         assert _tokens(seen["a"].result()) == _alone(backend)[0]
         assert max(engine.stats.batch_sizes) <= 32 and sum(engine.stats.batch_sizes) == 1024 + 2
+    finally:
+        engine.close(close_backend=False)
+
+
+def _once_running(future: Future[Any], timeout_s: float = 60.0) -> None:
+    """Wait until ``future``'s batch has started on the engine's thread."""
+    deadline = time.monotonic() + timeout_s
+    while not future.running():
+        assert not future.done() and time.monotonic() < deadline, "the batch never started"
+        time.sleep(0.001)
+
+
+LONG = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True, n=32)
+
+
+def test_a_small_request_runs_between_the_steps_of_another_tenants_long_batch(backend: HFBackend) -> None:
+    """B's batch draws 32 x 400 tokens; A's 4-token sample, submitted once it runs, is answered
+    between its decode steps, long before it ends. B's own second request waits its turn, and
+    both answer what they answer alone."""
+    engine = _engine(backend, batch_window_s=0.0, max_batch_size=32)
+    finished: list[str] = []
+    try:
+        hog = engine.submit(_request(PROMPTS[1], LONG), tenant="B")
+        _once_running(hog)
+        mine = engine.submit(_request(PROMPTS[2]), tenant="B")
+        a = engine.submit(_request(PROMPTS[0]), tenant="A")
+        for name, future in (("hog", hog), ("B's second", mine), ("A", a)):
+            future.add_done_callback(lambda _, name=name: finished.append(name))
+        results = [f.result(timeout=300) for f in (hog, mine, a)]
+        assert finished == ["A", "hog", "B's second"]
+        assert engine.stats.batch_sizes == [1, 32, 1], "A's batch ran (and was counted) inside B's"
+        alone = [backend.sample([_request(PROMPTS[i], p)])[0] for i, p in ((1, LONG), (2, GREEDY), (0, GREEDY))]
+        assert [_tokens(r) for r in results] == [_tokens(r) for r in alone]
+    finally:
+        engine.close(close_backend=False)
+
+
+def test_a_batch_run_between_steps_keeps_the_paused_batchs_adapter_resident(backend: HFBackend) -> None:
+    """Two adapter slots; B's long batch uses x. A (adapter y) and C (adapter z) arrive while it
+    runs: y and z cannot both sit beside x, so they run one after the other between B's steps,
+    and the slots make room by evicting each other, never x: B answers what it answers alone."""
+    engine = _engine(backend, batch_window_s=0.0, max_batch_size=32, max_resident_adapters=2)
+    x, y, z = AdapterRef("x", 1), AdapterRef("y", 1), AdapterRef("z", 1)
+    for seed, ref in enumerate((x, y, z)):
+        engine.load_adapter(random_adapter(backend.model, ref, seed=seed, scale=0.1))
+    try:
+        alone = engine.submit(_request(PROMPTS[1], LONG, x), tenant="B").result(timeout=300)
+        hog = engine.submit(_request(PROMPTS[1], LONG, x), tenant="B")
+        _once_running(hog)
+        small = [engine.submit(_request(PROMPTS[i], ref=ref), tenant=t) for i, ref, t in ((0, y, "A"), (2, z, "C"))]
+        for f in small:
+            f.result(timeout=300)
+            assert not hog.done(), "A and C run between the steps of B's batch"
+        assert _tokens(hog.result(timeout=300)) == _tokens(alone)
+        assert engine.stats.batch_sizes == [32, 1, 1, 32] and engine.stats.failed_batches == 0
+        assert engine.slots.evictions >= 1 and x in engine.slots.resident()
     finally:
         engine.close(close_backend=False)
 

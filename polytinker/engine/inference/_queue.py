@@ -45,6 +45,27 @@ class Pending:
     def rows(self) -> int:
         return self.request.params.n if self.request is not None else 0
 
+    @property
+    def tokens(self) -> int:
+        """The most tokens it draws: its work in a decode loop."""
+        return self.rows * self.request.params.max_tokens if self.request is not None else 0
+
+
+@dataclass
+class Gap:
+    """The room between two decode steps of the batches in progress (each paused inside the
+    next): other tenants' work smaller than what the innermost one has left may run there, so a
+    long batch lets short requests by while a short one is not held up by a long one."""
+
+    tenants: frozenset[str]  # the tenants of every paused batch: their work waits its turn
+    tokens_left: int  # the most tokens (sequences x max_tokens) the innermost has left to draw
+
+    def admits(self, pending: Pending) -> bool:
+        return pending.tenant not in self.tenants and pending.tokens < self.tokens_left
+
+    def spend(self, pending: Pending) -> None:
+        self.tokens_left -= pending.tokens
+
 
 class FairQueue:
     """Lanes of :class:`Pending` per tenant; :meth:`take` makes the next batch (or job)."""
@@ -78,12 +99,20 @@ class FairQueue:
         """Tenants with waiting work, the one served longest ago (or never) first."""
         return sorted(self._lanes, key=lambda t: (self._served.get(t, -1), self._lanes[t][0].arrived_s))
 
-    def take(self, max_rows: int, fits: Callable[[set[AdapterRef]], bool]) -> list[Pending]:
+    def take(
+        self, max_rows: int, fits: Callable[[set[AdapterRef]], bool], *, gap: Gap | None = None
+    ) -> list[Pending]:
         """The next batch: a job alone when the first tenant in line has one at its head, else
-        requests in rounds across tenants while they fit (the first always does)."""
+        requests in rounds across tenants while they fit (the first always does).
+
+        ``gap``: the batch is to run between the decode steps of batches in progress. Then it
+        holds only the requests the gap admits, every one of which must fit (no job: a job runs
+        between batches), and may be empty."""
         order = self._order()
-        head = self._lanes[order[0]][0]
-        if head.job is not None:
+        if gap is not None:
+            order = [t for t in order if t not in gap.tenants]
+        elif self._lanes[order[0]][0].job is not None:
+            head = self._lanes[order[0]][0]
             self._remove({id(head)})
             self._mark([order[0]])
             return [head]
@@ -93,19 +122,22 @@ class FairQueue:
         served: list[str] = []
         while candidates and rows < max_rows:
             for tenant in list(candidates):
-                item = self._fitting(candidates[tenant], batch, rows, refs, max_rows, fits)
+                item = self._fitting(candidates[tenant], batch, rows, refs, max_rows, fits, gap)
                 if item is None:
                     del candidates[tenant]  # nothing later in its lane fits either
                     continue
                 batch.append(item)
+                if gap is not None:
+                    gap.spend(item)
                 ref = item.request.adapter if item.request is not None else None
                 if not item.future.cancelled():  # dropped by the engine: it takes no room
                     rows += item.rows
                     refs |= {ref} if ref is not None else set()
                 if tenant not in served:
                     served.append(tenant)
-        self._remove({id(p) for p in batch})
-        self._mark(served)
+        if batch:
+            self._remove({id(p) for p in batch})
+            self._mark(served)
         return batch
 
     @staticmethod
@@ -116,14 +148,20 @@ class FairQueue:
         refs: set[AdapterRef],
         max_rows: int,
         fits: Callable[[set[AdapterRef]], bool],
+        gap: Gap | None,
     ) -> Pending | None:
-        """The next request of a lane that fits beside ``batch``. One that does not fit now never
-        will (rows and adapters only grow), so the lane's iterator moves past it for good."""
+        """The next request of a lane that fits beside ``batch`` (the first of a batch is taken as
+        it is, except in a gap). One that does not fit now never will (rows and adapters only
+        grow), so the lane's iterator moves past it for good."""
         for item in lane:
             assert item.request is not None
             ref = item.request.adapter
             new_refs = refs | ({ref} if ref is not None else set())
-            if not batch or item.future.cancelled() or (rows + item.rows <= max_rows and fits(new_refs)):
+            if gap is not None and not gap.admits(item):
+                continue
+            if (gap is None and not batch) or item.future.cancelled():
+                return item
+            if rows + item.rows <= max_rows and fits(new_refs):
                 return item
         return None
 
@@ -145,4 +183,4 @@ class FairQueue:
             del self._served[next(iter(self._served))]
 
 
-__all__ = ["MAX_REMEMBERED_TENANTS", "FairQueue", "Pending"]
+__all__ = ["MAX_REMEMBERED_TENANTS", "FairQueue", "Gap", "Pending"]

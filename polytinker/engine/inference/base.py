@@ -30,7 +30,7 @@ Conventions every backend keeps (the tests check them for each one):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -48,8 +48,15 @@ class InferenceBackend(Protocol):
     vocab_size: int  # token ids the model reads are in [0, vocab_size)
     max_model_len: int  # positions in one sequence: prompt and generated tokens together
 
-    def sample(self, requests: Sequence[SampleRequest]) -> list[SampleResult]:
-        """Serve one mixed batch (adapters and sampling parameters may differ per request)."""
+    def sample(
+        self, requests: Sequence[SampleRequest], between_steps: Callable[[int], None] | None = None
+    ) -> list[SampleResult]:
+        """Serve one mixed batch (adapters and sampling parameters may differ per request).
+
+        ``between_steps``, where given, is called on the calling thread between two decode steps
+        of the batch, with the most tokens the batch has left to draw (over all its sequences):
+        the engine runs smaller work of other tenants there, so a long batch does not hold them up
+        to its end. A backend that runs a batch as one call never calls it."""
         ...
 
     def compute_logprobs(

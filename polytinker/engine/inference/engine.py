@@ -14,6 +14,13 @@ Tenants share the engine without hurting each other:
   (``_requests.split_request``, which says what a split request's seed means), and batches take
   turns across the tenants named at ``submit`` (``_queue.FairQueue``): another tenant's small
   request runs in the next batch, not after every chunk.
+- A long batch does not hold other tenants up to its end: between two of its decode steps, the
+  engine runs a batch of other tenants' waiting requests, of fewer tokens than it has left to
+  draw (``_between_steps``), to its end, inside it; that one may in turn let a third set of tenants in, up to
+  ``MAX_NESTED_BATCHES`` batches at once (each keeps its own KV cache meanwhile). The paused batch
+  goes on one step per such batch, so a tenant's 64-token chunk delays another's 4-token sample by
+  about one step, not 64. The ``hf`` backend decodes in steps; vLLM runs a batch as one call, so
+  there a batch runs to its end.
 - When a batch fails, it is run again in halves down to the request that fails it: the others
   are answered, and only that request gets the error.
 """
@@ -29,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from polytinker.engine.inference._queue import FairQueue, Pending
+from polytinker.engine.inference._queue import FairQueue, Gap, Pending
 from polytinker.engine.inference._requests import (
     check_answer,
     check_request,
@@ -44,6 +51,18 @@ from polytinker.engine.types import AdapterName, AdapterRef, AdapterWeights, Sam
 from polytinker.errors import ModelError
 
 log = logging.getLogger(__name__)
+
+# Batches in progress at once, each paused between its steps while the next runs inside it: the
+# memory of this many batches' KV caches is what an engine may hold.
+MAX_NESTED_BATCHES = 3
+
+
+@dataclass(frozen=True)
+class _Paused:
+    """A batch waiting between its decode steps while another runs: its tenants and versions."""
+
+    tenants: frozenset[str]
+    refs: frozenset[AdapterRef | None]
 
 
 @dataclass
@@ -224,7 +243,7 @@ class InferenceEngine:
                 self._cv.wait(left)
             return self._queue.take(self.config.max_batch_size, self.slots.fits)
 
-    def _run(self, batch: list[Pending]) -> None:
+    def _run(self, batch: list[Pending], paused: tuple[_Paused, ...] = ()) -> None:
         live = [p for p in batch if p.future.set_running_or_notify_cancel()]
         running = {id(p) for p in live}
         self._release_all([p for p in batch if id(p) not in running])  # cancelled while queued
@@ -241,15 +260,40 @@ class InferenceEngine:
             else:
                 self._resolve(live[0], outcome)
             return
-        self._serve(live)
+        self._serve(live, paused)
 
-    def _serve(self, live: list[Pending]) -> None:
-        """Run ``live`` as one batch. If it fails, run each half again, down to the request that
-        fails it: every other request is answered, and only that one gets the error."""
+    def _between_steps(self, paused: tuple[_Paused, ...]) -> Callable[[int], None] | None:
+        """What a batch runs between its decode steps (``paused`` ends with itself), told the
+        tokens it has left to draw: a batch of the waiting requests of tenants none of ``paused``
+        serves, of fewer tokens in all, whose versions fit in the slots beside theirs, to its
+        end. Only smaller work: a small request in progress is not held up by a big one."""
+        if len(paused) >= MAX_NESTED_BATCHES:
+            return None
+        tenants = frozenset().union(*(p.tenants for p in paused))
+        refs = {r for p in paused for r in p.refs if r is not None}
+
+        def fits(new: set[AdapterRef]) -> bool:
+            return self.slots.fits(new | refs)
+
+        def run_other_tenants(tokens_left: int) -> None:
+            if not len(self._queue):  # a racy read: a request that just arrived waits one step
+                return
+            with self._cv:
+                batch = self._queue.take(self.config.max_batch_size, fits, gap=Gap(tenants, tokens_left))
+            if batch:
+                self._run(batch, paused)
+
+        return run_other_tenants
+
+    def _serve(self, live: list[Pending], paused: tuple[_Paused, ...] = ()) -> None:
+        """Run ``live`` as one batch (inside the ``paused`` ones, whose versions stay resident).
+        If it fails, run each half again, down to the request that fails it: every other request
+        is answered, and only that one gets the error."""
         requests = [p.request for p in live if p.request is not None]
+        me = _Paused(frozenset(p.tenant for p in live), frozenset(r.adapter for r in requests))
         try:
-            self.slots.prepare(r.adapter for r in requests)
-            outcomes = list(self.backend.sample(requests))
+            self.slots.prepare((r.adapter for r in requests), keep=(r for p in paused for r in p.refs))
+            outcomes = list(self.backend.sample(requests, self._between_steps((*paused, me))))
             if len(outcomes) != len(requests):
                 raise ModelError(f"the backend answered {len(outcomes)} results for {len(requests)} requests")
             for request, outcome in zip(requests, outcomes, strict=True):
@@ -261,8 +305,8 @@ class InferenceEngine:
                 return
             log.warning("engine batch of %d requests failed (%s); running it again in halves", len(live), exc)
             half = len(live) // 2
-            self._serve(live[:half])
-            self._serve(live[half:])
+            self._serve(live[:half], paused)
+            self._serve(live[half:], paused)
             return
         except BaseException as exc:  # an interrupt: nothing is retried
             for p in live:

@@ -14,7 +14,7 @@ and finished rows leave the batch (and the cache) at once, so they cost nothing 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -182,14 +182,16 @@ class HFBackend:
 
     # ----- sampling -----
 
-    def sample(self, requests: Sequence[SampleRequest]) -> list[SampleResult]:
+    def sample(
+        self, requests: Sequence[SampleRequest], between_steps: Callable[[int], None] | None = None
+    ) -> list[SampleResult]:
         with self._lock, torch.inference_mode():
             self._check_open()
             prompts = [render_prompt(self.tokenizer, r) for r in requests]
             rows = [row for i, r in enumerate(requests) for row in self._rows_for(i, r, prompts[i])]
             free = [row for row in rows if not row.sampler.params.choices]
             if free:
-                self._decode(free)
+                self._decode(free, between_steps)
             if len(free) < len(rows):
                 self._choose([row for row in rows if row.sampler.params.choices])
             by_request: list[list[_Row]] = [[] for _ in requests]
@@ -241,7 +243,11 @@ class HFBackend:
         cache.reorder_cache(index.to(self.device))
         return logits_UV[index], mask_UL[index], next_pos_U[index]
 
-    def _decode(self, rows: list[_Row]) -> None:
+    def _decode(self, rows: list[_Row], between_steps: Callable[[int], None] | None = None) -> None:
+        """Draw tokens for ``rows`` until each stops. ``between_steps`` runs before every step
+        after the first, told the most tokens left to draw; this batch's cache and rows wait
+        meanwhile (another batch it runs has its own), and ``_forward`` sets the adapter rows
+        afresh on each call."""
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
@@ -251,7 +257,8 @@ class HFBackend:
         live = list(range(len(rows)))
         while True:
             tokens_B = choose_tokens(logits_BV, [rows[i].sampler for i in live])
-            logprobs_B = logits_BV.log_softmax(-1).gather(1, tokens_B[:, None])[:, 0]
+            # The drawn token's logprob without a vocabulary-sized log_softmax for every row.
+            logprobs_B = logits_BV.gather(1, tokens_B[:, None])[:, 0] - logits_BV.logsumexp(-1)
             keep = [j for j, i in enumerate(live) if not self._append(rows[i], int(tokens_B[j]), float(logprobs_B[j]))]
             if not keep:
                 return
@@ -261,6 +268,8 @@ class HFBackend:
                 cache.batch_select_indices(index.to(self.device))
                 mask_BL, next_pos_B, tokens_B = mask_BL[index], next_pos_B[index], tokens_B[index]
                 live = [live[j] for j in keep]
+            if between_steps is not None:
+                between_steps(sum(rows[i].max_tokens - len(rows[i].tokens) for i in live))
             mask_BL = torch.cat([mask_BL, mask_BL.new_ones((len(live), 1))], dim=1)
             adapters = [rows[i].adapter for i in live]
             logits = self._forward(tokens_B[:, None], mask_BL, next_pos_B[:, None], adapters, cache, logits_to_keep=1)

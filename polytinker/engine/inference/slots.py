@@ -125,19 +125,22 @@ class AdapterSlots:
 
     # ----- worker thread only -----
 
-    def prepare(self, refs: Iterable[AdapterRef | None]) -> None:
-        """Make every ref resident (evicting as needed) and bring the backend up to date."""
+    def prepare(self, refs: Iterable[AdapterRef | None], keep: Iterable[AdapterRef | None] = ()) -> None:
+        """Make every ref resident (evicting as needed) and bring the backend up to date.
+        ``keep``: the versions of batches paused between their steps (the engine runs this batch
+        inside theirs): neither evicted nor unloaded, even when forgotten, until they end."""
         needed = {r for r in refs if r is not None}
+        kept = {r for r in keep if r is not None}
         with self._lock:
-            for ref in list(self._to_unload):
+            for ref in list(self._to_unload - kept):
                 if ref in self._resident:
                     del self._resident[ref]
                     self._backend.unload_adapter(ref)
-            self._to_unload.clear()
-            if len(needed | self._pinned) > self.capacity:
+                self._to_unload.discard(ref)
+            if len(needed | kept | self._pinned) > self.capacity:
                 raise ConfigError(f"a batch needs {len(needed)} adapters but only {self.capacity} slots exist")
             for ref in sorted(needed, key=str):
-                self._make_resident(ref, protect=needed)
+                self._make_resident(ref, protect=needed | kept)
 
     def _make_resident(self, ref: AdapterRef, protect: set[AdapterRef]) -> None:
         if ref not in self._sources:
