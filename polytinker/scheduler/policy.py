@@ -432,7 +432,9 @@ class FairSharePolicy(SchedulingPolicy):
         for vid in victims:
             v = self._entries[vid]
             v.state = JobState.PREEMPTING
-            why = f"priority {v.job.priority} is the lowest running where {job.job_id} (priority {job.priority}) "
+            # The victim's tenant reads this reason: another tenant's job is not named to it.
+            who = job.job_id if job.tenant == v.job.tenant else "a job of another tenant"
+            why = f"priority {v.job.priority} is the lowest running where {who} (priority {job.priority}) "
             why += "fits; stop at the next step boundary and save state"
             out.append(Decision(DecisionKind.PREEMPT, now_s, vid, why, v.job.tenant, v.placement, True, job.job_id))
         self._draining_for[job.job_id] = set(victims)
