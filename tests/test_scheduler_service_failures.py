@@ -19,6 +19,8 @@ from polytinker.errors import GradientLost
 
 ADAM = AdamParams(learning_rate=1e-2)
 LONG = SamplingParams(max_tokens=64, temperature=1.0, ignore_eos=True, seed=1)
+# Long enough to be still generating when the engine is killed half a second in, on any machine.
+IN_FLIGHT = SamplingParams(max_tokens=1500, temperature=1.0, ignore_eos=True, seed=1)
 
 
 def wait_restarted(ref: ActorRef, old_pid: int | None, timeout_s: float = 180.0) -> None:
@@ -40,7 +42,7 @@ def test_engine_and_learner_killed_mid_run_work_is_retried_and_the_job_goes_on()
         engine, learner = runtime.workers["engine-0"], runtime.workers["learner-0"]
         old_engine, old_learner = engine.pid, learner.pid
         assert old_engine is not None and old_learner is not None
-        futures = [sampler.sample([3, 4, 5], 1, LONG) for _ in range(4)]
+        futures = [sampler.sample([3, 4, 5], 1, IN_FLIGHT) for _ in range(4)]
         time.sleep(0.5)
         assert not any(f.done() for f in futures)  # still generating: in flight on the engine
         os.kill(old_engine, signal.SIGKILL)
@@ -48,7 +50,7 @@ def test_engine_and_learner_killed_mid_run_work_is_retried_and_the_job_goes_on()
         # Sent again once the supervisor has restarted them; the adapter comes back from its files.
         after = trainer.forward(batch).result()
         results = [f.result(timeout=240) for f in futures]
-        assert all(len(r.sequences[0].tokens) == LONG.max_tokens for r in results)
+        assert all(len(r.sequences[0].tokens) == IN_FLIGHT.max_tokens for r in results)
         assert engine.pid != old_engine and learner.pid != old_learner
         pairs = [(a, b) for ra, rb in zip(after, before, strict=True) for a, b in zip(ra, rb, strict=True)]
         assert max(abs(a - b) for a, b in pairs) < 1e-4  # reloaded from the step-1 checkpoint
