@@ -1,5 +1,6 @@
 """The HTTP gateway against hostile and careless callers: bodies of the wrong types, counts in the
-millions, NaNs, oversized and stalled uploads, one tenant crowding out another, and error messages
+millions, NaNs, oversized and stalled uploads, one tenant crowding out another, a hostile tenant
+beside a good one (who loses nothing and keeps her runs over a restart), and error messages
 that would show the server's paths.
 
 The unit tests drive the gateway's parts (the body checks, the byte budget middleware, error
@@ -131,6 +132,8 @@ def test_the_body_budget_refuses_a_key_over_its_bytes_and_gives_them_back() -> N
             "user_metadata.k",
         ),
         (checks.OPTIM_STEP, {"model_id": "m", "adam_params": {"learning_rate": math.nan}}, "adam_params.learning_rate"),
+        # The SDK sends learning_rate=inf (or NaN) as null: refused, not taken as absent.
+        (checks.OPTIM_STEP, {"model_id": "m", "adam_params": {"learning_rate": None}}, "adam_params.learning_rate"),
         (checks.OPTIM_STEP, {"model_id": "m", "adam_params": {"beta1": 1.0}}, "adam_params.beta1"),
         (checks.OPTIM_STEP, {"model_id": "m", "adam_params": {"eps": 0}}, "adam_params.eps"),
         (checks.OPTIM_STEP, {"model_id": ["m"]}, "model_id"),
@@ -518,3 +521,131 @@ def _eventually_not_429(serve: Serve, path: str, body: Any) -> None:
     while (r := _post(serve, path, body)).status_code == 429:
         assert time.monotonic() < deadline, r.text
         time.sleep(0.2)
+
+
+# --- a hostile neighbour beside a good tenant, then a restart (last: it restarts serve) ----------------
+ALICE_TOKENS = [1, 504, 3458, 314, 4154, 28, 216, 6464, 30, 2]
+
+
+def _alice_run(service: Any, name: str) -> dict[str, Any]:
+    """Alice's loop: three steps of cross entropy on one datum (seeded adapter), each followed by
+    three concurrent greedy samples and a logprob score of its weights."""
+    from tinker import types
+
+    tc = service.create_lora_training_client(base_model=MODEL, rank=4, seed=7).result()
+    toks = ALICE_TOKENS
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(toks[:-1]),
+        loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0] * (len(toks) - 1)},
+    )
+    prompt = types.ModelInput.from_ints(toks[:4])
+    out: dict[str, Any] = {"losses": [], "logprobs": [], "samples": 0, "paths": []}
+    for step in range(3):
+        out["losses"].append(tc.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"])
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        path = tc.save_weights_for_sampler(f"{name}-{step}").result().path
+        sampler = tc.create_sampling_client(path).result()
+        calls = [sampler.sample(prompt, 2, types.SamplingParams(max_tokens=4, temperature=0)) for _ in range(3)]
+        out["samples"] += sum(len(c.result().sequences) for c in calls)
+        out["logprobs"].append(sampler.compute_logprobs(types.ModelInput.from_ints(toks)).result()[1:])
+        out["paths"].append(path)
+    out["model_id"] = tc.model_id
+    return out
+
+
+def _bob_bad_inputs(serve: Serve, tinker: Any, stop: Any) -> list[tuple[str, str]]:
+    """Bob's bad inputs through the SDK and raw HTTP, in a loop until ``stop``: what each answered
+    that was not a 4xx naming the expected field (an empty list is what the test wants)."""
+    from tinker import types
+
+    bob = tinker.ServiceClient(base_url=serve.url, api_key=KEY_BOB)
+    run = bob.create_lora_training_client(base_model=MODEL, rank=4).result()
+    sampler = bob.create_sampling_client(base_model=MODEL).result()
+    hog = sampler.sample(types.ModelInput.from_ints([1, 2, 3]), 1024, types.SamplingParams(max_tokens=16))
+
+    def datum(**inputs: list[Any]) -> Any:
+        base: dict[str, list[Any]] = {"target_tokens": [2, 3, 4], "advantages": [1.0] * 3, "logprobs": [-1.0] * 3}
+        return types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]), loss_fn_inputs={**base, **inputs})
+
+    params = types.SamplingParams(max_tokens=2)
+    sdk_calls: list[tuple[str, Any]] = [
+        ("lora_config.rank", lambda: bob.create_lora_training_client(base_model=MODEL, rank=0).result()),
+        ("target_tokens", lambda: run.forward_backward([datum(target_tokens=[2, 10**6, 4])], "ppo").result()),
+        ("advantages", lambda: run.forward_backward([datum(advantages=[1.0, math.nan, 1.0])], "ppo").result()),
+        ("logprobs", lambda: run.forward_backward([datum(logprobs=[-1.0, math.inf, -1.0])], "ppo").result()),
+        ("learning_rate", lambda: run.optim_step(types.AdamParams(learning_rate=math.inf)).result()),
+        ("tokens", lambda: sampler.sample(types.ModelInput.from_ints([1, 49152]), 1, params).result()),
+        ("num_samples", lambda: sampler.sample(types.ModelInput.from_ints([1]), 10**6, params).result()),
+        (
+            "max_tokens",
+            lambda: sampler.sample(types.ModelInput.from_ints([1]), 1, types.SamplingParams(max_tokens=0)).result(),
+        ),
+    ]
+    prompt = {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]}
+    raw: list[tuple[str, Any]] = [
+        ("num_samples", {"base_model": MODEL, "prompt": prompt, "num_samples": "9", "sampling_params": {}}),
+        ("prompt", {"base_model": MODEL, "prompt": {"chunks": [{"tokens": [-5]}]}, "sampling_params": {}}),
+        ("temperature", b'{"base_model": "%s", "sampling_params": {"temperature": NaN}}' % MODEL.encode()),
+    ]
+    wrong: list[tuple[str, str]] = []
+    while not stop.is_set():
+        for field, call in sdk_calls:
+            try:
+                call()
+                wrong.append((field, "accepted"))
+            except tinker.BadRequestError as exc:
+                if field not in str(exc):
+                    wrong.append((field, str(exc)))
+            except Exception as exc:  # anything but a 400 is a failure of the door
+                wrong.append((field, f"{type(exc).__name__}: {exc}"))
+        for field, body in raw:
+            r = _post(serve, "/api/v1/asample", body, key=KEY_BOB)
+            if r.status_code != 400 or field not in r.text:
+                wrong.append((field, f"{r.status_code} {r.text[:200]}"))
+    with contextlib.suppress(Exception):
+        hog.result(timeout=1)  # still running, most likely: closing the session ends it
+    bob.close("success").result()
+    return wrong
+
+
+@pytest.mark.slow
+def test_a_hostile_neighbour_costs_a_good_tenant_nothing_and_a_restart_keeps_her_runs(
+    serve: Serve, tinker: Any
+) -> None:
+    """Alice's loop alone, then again while bob sends every bad input above (and keeps a
+    1024-sample request in flight): every one of bob's calls is a 400 naming its field, alice's
+    calls all succeed with the same losses and logprobs as alone, and after a restart of serve
+    her runs are listed and her saved weights score the same."""
+    import threading
+
+    alone_client = tinker.ServiceClient(base_url=serve.url, api_key=KEY)
+    alone = _alice_run(alone_client, "alone")
+    stop = threading.Event()
+    wrong: list[tuple[str, str]] = []
+    bob = threading.Thread(target=lambda: wrong.extend(_bob_bad_inputs(serve, tinker, stop)))
+    bob.start()
+    try:
+        time.sleep(2.0)  # bob's first bad calls and his hog are in before alice starts
+        beside = _alice_run(tinker.ServiceClient(base_url=serve.url, api_key=KEY), "beside")
+    finally:
+        stop.set()
+        bob.join(300)
+    assert not bob.is_alive()
+    assert wrong == [], wrong[:5]
+    assert beside["samples"] == alone["samples"] == 18
+    assert beside["losses"] == pytest.approx(alone["losses"], rel=1e-4)
+    for mine, ref in zip(beside["logprobs"], alone["logprobs"], strict=True):
+        assert mine == pytest.approx(ref, abs=1e-4)
+
+    serve.stop()
+    serve.start()
+    fresh = tinker.ServiceClient(base_url=serve.url, api_key=KEY)
+    rest = tinker.RestClient(base_url=serve.url, api_key=KEY)
+    listed = {r.training_run_id for r in rest.list_training_runs(limit=100).result().training_runs}
+    for run in (alone, beside):
+        assert rest.get_training_run(run["model_id"]).result().training_run_id in listed
+    from tinker import types
+
+    again = fresh.create_sampling_client(model_path=beside["paths"][-1]).result()
+    scored = again.compute_logprobs(types.ModelInput.from_ints(ALICE_TOKENS)).result()[1:]
+    assert scored == pytest.approx(beside["logprobs"][-1], abs=1e-3)

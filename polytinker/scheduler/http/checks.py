@@ -85,8 +85,9 @@ def flag(value: Any, where: str) -> None:
         _fail(where, "true or false", value)
 
 
-def fields(spec: Spec, *, required: bool = False) -> Check:
-    """An object whose fields ``spec`` checks."""
+def fields(spec: Spec, *, required: bool = False, nulls: bool = True) -> Check:
+    """An object whose fields ``spec`` checks. ``nulls=False``: a field sent as null is refused,
+    not taken as absent (the SDK serializes NaN and infinities as null)."""
 
     def check(value: Any, where: str) -> None:
         if value is None and not required:
@@ -94,6 +95,8 @@ def fields(spec: Spec, *, required: bool = False) -> Check:
         if not isinstance(value, dict):
             _fail(where, "an object", value)
         for name, inner in spec.items():
+            if not nulls and name in value and value[name] is None:
+                _fail(f"{where}.{name}", "a finite number (NaN and infinities arrive as null)", None)
             inner(value.get(name), f"{where}.{name}")
 
     return check
@@ -283,8 +286,8 @@ ADAM: Spec = {
 OPTIM_STEP: Spec = {
     "model_id": MODEL_ID,
     "seq_id": SEQ_ID,
-    "adam_params": fields(ADAM),
-    "optim_params": fields(ADAM),
+    "adam_params": fields(ADAM, nulls=False),
+    "optim_params": fields(ADAM, nulls=False),
     "optimizer_params": fields({"type": text(32)}),
 }
 SAVE: Spec = {
