@@ -25,10 +25,11 @@ from _serve import KEY, KEY_BOB, MODEL, Serve
 
 from polytinker.errors import ConfigError, NotBuiltError, OverloadedError, RemoteError
 from polytinker.scheduler.http import _proto, checks
-from polytinker.scheduler.http.errors import PATH_WORD, classify, scrub_paths
+from polytinker.scheduler.http.errors import classify
 from polytinker.scheduler.http.limits import BodyBudget, InFlight
 from polytinker.scheduler.http.tinker_render import failed
 from polytinker.scheduler.http.wire import prompt_ints
+from polytinker.transport.protocol import PATH_WORD, scrub_paths
 
 
 # --- error messages carry no server paths -------------------------------------------------------------

@@ -157,15 +157,21 @@ def describe(exc: BaseException) -> str:
     return text if len(text) <= MAX_ERROR_MESSAGE else text[:MAX_ERROR_MESSAGE] + "..."
 
 
-# An absolute filesystem path of two or more parts: not inside a URL (``tinker://JOB/AGENT``,
-# ``polytinker-ckpt://JOB/NAME``, ``http://host/x``) nor a relative one. What a server's error
-# says about its own disk is for its log, not for a peer of another tenant.
-_SERVER_PATH = re.compile(r"(?<![\w:/.~-])/(?:[\w.@+=,-]+/)+[\w.@+=,-]*")
+# An absolute filesystem path: a "/" that starts a word (not the "//" of a URL's scheme such as
+# ``tinker://JOB/AGENT``, not inside a name like TENANT/JOB), not one of the HTTP gateway's own
+# routes (``/v1/...``, ``/api/v1/...``), ending before trailing punctuation; or a file:// URL. What
+# a server's error says about its own disk is for its log, not for a peer of another tenant.
+_PATH_CHAR = r"[^\s'\"`,;()<>\[\]{}]"
+_SERVER_PATH = re.compile(
+    rf"file://{_PATH_CHAR}*[^\s'\"`,;()<>\[\]{{}}:.]"
+    rf"|(?<![\w/.~-])~?/(?!/|v1/|api/v1/){_PATH_CHAR}*[^\s'\"`,;()<>\[\]{{}}:.]"
+)
+PATH_WORD = "<server path>"
 
 
 def scrub_paths(text: str) -> str:
-    """``text`` with every absolute filesystem path replaced by ``<server path>``."""
-    return _SERVER_PATH.sub("<server path>", text) if "/" in text else text
+    """``text`` with every absolute filesystem path replaced by ``PATH_WORD``."""
+    return _SERVER_PATH.sub(PATH_WORD, text) if "/" in text else text
 
 
 def new_error_id() -> str:
@@ -255,6 +261,7 @@ class RateLimitedLog:
 
 
 __all__ = [
+    "PATH_WORD",
     "PING_HEADER",
     "PONG_HEADER",
     "PROTOCOL_VERSION",

@@ -5,15 +5,14 @@ with the message; anything else is a 500 that names only an error id, which the 
 carries next to the traceback. The body has OpenAI's shape, which both the ``openai`` and the
 ``tinker`` SDK print: ``{"error": {"message", "type", "param", "code", "error_id"}}``.
 
-A message never carries a path of the server's filesystem (``scrub_paths``): errors relayed from
-the scheduler or a worker may name the files they failed on, and those are the runtime's, not the
-tenant's. ``tinker://`` and ``polytinker://`` names (the tenant's own) pass unchanged.
+A message never carries a path of the server's filesystem (``transport.protocol.scrub_paths``):
+errors relayed from the scheduler or a worker may name the files they failed on, and those are
+the runtime's, not the tenant's. ``tinker://`` and ``polytinker://`` names (the tenant's own) pass unchanged.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import uuid
 from typing import Any
 
@@ -29,6 +28,7 @@ from polytinker.errors import (
     ProtocolError,
     RequestTimeout,
 )
+from polytinker.transport.protocol import scrub_paths
 
 log = logging.getLogger("polytinker.http")
 
@@ -59,20 +59,6 @@ _STATUS: tuple[tuple[type[BaseException], int, str, str], ...] = (
     (TypeError, 400, "invalid_request_error", "invalid_request"),
 )
 
-
-_PATH_CHAR = r"[^\s'\"`,;()<>\[\]{}]"
-# An absolute path: a "/" that starts a word (not the "//" of a URL's scheme, not inside a name like
-# TENANT/JOB), not one of this server's own routes, ending before trailing punctuation; or a file:// URL.
-_PATH_RE = re.compile(
-    rf"file://{_PATH_CHAR}*[^\s'\"`,;()<>\[\]{{}}:.]"
-    rf"|(?<![\w/.~-])~?/(?!/|v1/|api/v1/){_PATH_CHAR}*[^\s'\"`,;()<>\[\]{{}}:.]"
-)
-PATH_WORD = "<server path>"
-
-
-def scrub_paths(message: str) -> str:
-    """``message`` with every absolute filesystem path replaced by ``PATH_WORD``."""
-    return _PATH_RE.sub(PATH_WORD, message)
 
 
 def error_body(message: str, kind: str = "invalid_request_error", code: str = "") -> dict[str, Any]:
@@ -109,4 +95,4 @@ def error_response(exc: BaseException) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-__all__ = ["PATH_WORD", "HttpError", "classify", "error_body", "error_response", "scrub_paths"]
+__all__ = ["HttpError", "classify", "error_body", "error_response"]
