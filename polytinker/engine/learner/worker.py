@@ -28,9 +28,10 @@ stepping on nothing. A step also carries ``expected_fb``, the number of the step
 restarted between them) drops what it holds and refuses the step, even on its first send.
 
 What a message carries is checked against this worker's model before the model sees it (the
-scheduler's token admits the sender, not the sizes and values it sends): a token id outside the
-vocabulary, a non-finite weight, advantage or logprob, or a missing loss input is refused with a
-``ConfigError`` naming the datum and field (``checks``). A loss or gradient that still comes out
+scheduler's token admits the sender, not the sizes and values it sends): every learner call
+checks its datums first (``checks``), so a token id outside the vocabulary, a non-finite weight,
+advantage or logprob, or a missing loss input is refused with a ``ConfigError`` naming the datum
+and field. A loss or gradient that still comes out
 non-finite is never applied (``guard``): the call or the step is refused and the adapter's state
 stays as it was; a refused step's gradient is dropped, so the step's calls are made again.
 """
@@ -47,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from polytinker.engine.device import resolve_device, resolve_dtype
-from polytinker.engine.learner.checks import NonFinite, check_data
+from polytinker.engine.learner.checks import NonFinite
 from polytinker.errors import ConfigError, GradientLost, NotResident
 from polytinker.scheduler.service.config import LearnerWorkerConfig
 from polytinker.scheduler.service.layout import under
@@ -298,7 +299,6 @@ class LearnerWorker:
             if first is not None:
                 return first
             group, name = self._slot(msg.adapter, msg.full)
-            check_data(msg.data, group.learner.vocab_size, msg.loss_fn)
             r = group.forward_backward(list(msg.data), msg.loss_fn, name, msg.loss_fn_config)
             self.stats["forward_backward"] += 1
             self._fb_since_step[msg.adapter] = self._fb_since_step.get(msg.adapter, 0) + 1
@@ -318,9 +318,8 @@ class LearnerWorker:
             ]
             todo = [i for i, r in zip(msg.items, results, strict=True) if r is None]
             if todo:
-                for item in todo:  # NotResident or a refused datum before any work: nothing to undo
-                    group, _ = self._slot(item.adapter, False)
-                    check_data(item.data, group.learner.vocab_size, item.loss_fn, where=f"adapter {item.adapter}")
+                for item in todo:
+                    self._slot(item.adapter, False)  # NotResident before any work: the broker prepares again
                 first = todo[0]
                 many = self._lora.forward_backward_many(
                     {i.adapter: list(i.data) for i in todo}, first.loss_fn, first.loss_fn_config
@@ -337,7 +336,6 @@ class LearnerWorker:
 
     def forward(self, msg: LearnerForward) -> ForwardReply:
         group, name = self._slot(msg.adapter, msg.full)
-        check_data(msg.data, group.learner.vocab_size)
         return ForwardReply(group.forward(list(msg.data), name))
 
     def step(self, msg: LearnerStep) -> StepResult:
