@@ -142,6 +142,7 @@ def test_the_body_budget_refuses_a_key_over_its_bytes_and_gives_them_back() -> N
         (checks.ASAMPLE, {"num_samples": 0}, "num_samples"),
         (checks.ASAMPLE, {"sampling_params": {"max_tokens": 0}}, "sampling_params.max_tokens"),
         (checks.ASAMPLE, {"sampling_params": {"temperature": math.inf}}, "sampling_params.temperature"),
+        (checks.ASAMPLE, {"sampling_params": {"temperature": None}}, "sampling_params.temperature"),
         (checks.ASAMPLE, {"sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
         (checks.ASAMPLE, {"sampling_params": {"seed": -1}}, "sampling_params.seed"),
         (checks.ASAMPLE, {"sampling_params": {"stop": [1, "x"]}}, "sampling_params.stop"),
@@ -192,6 +193,8 @@ def test_prompts_and_losses_are_checked_before_they_are_used() -> None:
         checks.check_loss("no-such-loss", {})
     with pytest.raises(ConfigError, match=r"loss_fn_config\.beta"):
         checks.check_loss("dro", {"beta": math.nan})
+    with pytest.raises(ConfigError, match=r"loss_fn_config\.beta must be a finite number"):
+        checks.check_loss("dro", {"beta": None})
     with pytest.raises(ConfigError, match="loss_fn_config: unknown loss_fn_config keys"):
         checks.check_loss("ppo", {"nope": 1.0})
     with pytest.raises(NotBuiltError, match=r"loss_fn_config\.mode"):

@@ -77,7 +77,20 @@ def number(lo: float, hi: float = math.inf, *, lo_open: bool = False, hi_open: b
         if not ok:
             _fail(where, what, value)
 
+    _NUMBERS.add(check)
     return check
+
+
+# The checks number() made (all at import): a field they check that is sent as null is refused
+# rather than taken as absent, for the SDK serializes NaN and infinities as null (_field).
+_NUMBERS: set[Check] = set()
+
+
+def _field(obj: dict[str, Any], name: str, check: Check, where: str) -> None:
+    """Run ``check`` on ``obj[name]`` (None when absent)."""
+    if name in obj and obj[name] is None and check in _NUMBERS:
+        _fail(where, "a finite number (the SDK sends NaN and infinities as null)", None)
+    check(obj.get(name), where)
 
 
 def flag(value: Any, where: str) -> None:
@@ -85,9 +98,8 @@ def flag(value: Any, where: str) -> None:
         _fail(where, "true or false", value)
 
 
-def fields(spec: Spec, *, required: bool = False, nulls: bool = True) -> Check:
-    """An object whose fields ``spec`` checks. ``nulls=False``: a field sent as null is refused,
-    not taken as absent (the SDK serializes NaN and infinities as null)."""
+def fields(spec: Spec, *, required: bool = False) -> Check:
+    """An object whose fields ``spec`` checks."""
 
     def check(value: Any, where: str) -> None:
         if value is None and not required:
@@ -95,9 +107,7 @@ def fields(spec: Spec, *, required: bool = False, nulls: bool = True) -> Check:
         if not isinstance(value, dict):
             _fail(where, "an object", value)
         for name, inner in spec.items():
-            if not nulls and name in value and value[name] is None:
-                _fail(f"{where}.{name}", "a finite number (NaN and infinities arrive as null)", None)
-            inner(value.get(name), f"{where}.{name}")
+            _field(value, name, inner, f"{where}.{name}")
 
     return check
 
@@ -150,7 +160,7 @@ def stop(value: Any, where: str) -> None:
 def check_body(body: dict[str, Any], spec: Spec) -> dict[str, Any]:
     """``body`` once every field of ``spec`` passed its check."""
     for name, check in spec.items():
-        check(body.get(name), name)
+        _field(body, name, check, name)
     return body
 
 
@@ -210,6 +220,9 @@ def check_datum(d: dict[str, Any], i: int, vocab: int | None, rl_loss: str | Non
             _fail(f"{at}[{bad}]", "a finite number", float(arr[bad]))
 
 
+_ANY_NUMBER = number(-math.inf)
+
+
 def check_loss(loss_fn: str, config: dict[str, Any]) -> dict[str, float] | None:
     """``loss_fn`` one of polytinker's losses and ``config`` (the SDK's ``loss_fn_config``) one the
     learner takes: known names, finite numbers, in range; the config as the learner reads it."""
@@ -217,10 +230,10 @@ def check_loss(loss_fn: str, config: dict[str, Any]) -> dict[str, float] | None:
 
     if loss_fn not in LOSS_FNS:
         _fail("loss_fn", f"one of {', '.join(LOSS_FNS)}", loss_fn)
-    for key, value in config.items():
-        if isinstance(value, str):
+    for key in config:
+        if isinstance(config[key], str):
             raise NotBuiltError(f"loss_fn_config.{key}: text values are not built (numbers are)")
-        number(-math.inf)(value, f"loss_fn_config.{key}")
+        _field(config, key, _ANY_NUMBER, f"loss_fn_config.{key}")
     try:
         LossConfig.from_mapping(config)
     except ConfigError as exc:
@@ -286,8 +299,8 @@ ADAM: Spec = {
 OPTIM_STEP: Spec = {
     "model_id": MODEL_ID,
     "seq_id": SEQ_ID,
-    "adam_params": fields(ADAM, nulls=False),
-    "optim_params": fields(ADAM, nulls=False),
+    "adam_params": fields(ADAM),
+    "optim_params": fields(ADAM),
     "optimizer_params": fields({"type": text(32)}),
 }
 SAVE: Spec = {
