@@ -105,7 +105,7 @@ def test_a_learner_wrongly_declared_dead_applies_a_resent_gradient_and_step_once
     that result, so the adapter ends exactly where a job without the fault does."""
     runtime = shared_runtime()
     learner = runtime.workers["learner-0"]
-    dead_after_s = 3 * runtime.config.worker_heartbeat_s  # the broker's heartbeat liveness
+    dead_after_s = runtime.config.worker_silence_s  # the broker's heartbeat liveness
     batch = data(21)
     with client(KEY_ALICE) as service:
         reference = service.create_lora_training_client(MODEL, rank=4, agent="once-reference")

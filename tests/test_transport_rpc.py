@@ -288,6 +288,44 @@ def test_dead_peer_fails_pending_calls(transport, tmp_path):
         srv.proc.kill()
 
 
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+def test_a_closed_connection_fails_pending_calls_at_once_whatever_the_silence_limit(transport, tmp_path):
+    """A killed server closes its connection: its calls fail then, not a minute of silence later."""
+    srv = _ServerProcess(_address(transport, tmp_path))
+    try:
+        with RpcClient(srv.address, config=dataclasses.replace(FAST, heartbeat_liveness=300)) as c:
+            assert c.call("echo", 1) == 1
+            pending = c.call_async("sleep", 30)
+            time.sleep(0.2)
+            t0 = time.monotonic()
+            srv.kill()
+            with pytest.raises(PeerDeadError, match="closed the connection"):
+                pending.result(timeout=30)
+            assert time.monotonic() - t0 < 5.0  # the limit is 60 s of silence
+    finally:
+        srv.proc.kill()
+
+
+def test_a_slow_server_is_waited_for_and_its_slowness_raises_the_limit(tmp_path):
+    """A frozen (SIGSTOPped) server is silent but alive: once it has been slow, a later silence of
+    more than the configured limit (but within four times its slowest answer) kills no call."""
+    srv = _ServerProcess(_address("tcp", tmp_path))
+    limit_s = 2.0  # 10 pings of 0.2 s
+    try:
+        with RpcClient(srv.address, config=dataclasses.replace(FAST, heartbeat_liveness=10)) as c:
+            assert c.call("echo", 1) == 1
+            for frozen_s in (1.0, 2.5):  # the first teaches the client; the second is past limit_s
+                pending = c.call_async("echo", frozen_s)
+                srv.proc.send_signal(signal.SIGSTOP)
+                time.sleep(frozen_s)
+                srv.proc.send_signal(signal.SIGCONT)
+                assert pending.result(timeout=30) == frozen_s
+            assert frozen_s > limit_s
+    finally:
+        srv.proc.send_signal(signal.SIGCONT)
+        srv.proc.kill()
+
+
 def test_dead_peer_inproc():
     srv = RpcServer("inproc://test-dead", HANDLERS, config=FAST).start()
     with RpcClient(srv.address, config=FAST) as c:

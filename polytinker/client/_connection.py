@@ -7,8 +7,9 @@ Every call goes through ``Connection.request``:
   ``JobNotRunning``. Between tries the client backs off exponentially with full jitter
   (``backoff_s``: a uniform wait up to the answer's ``retry_after_s`` doubled per try, capped at
   ``OVERLOAD_CAP_S`` or ``WAITING_CAP_S``), so clients refused together do not return together;
-- a scheduler that stops answering (restarting) is retried for up to ``reconnect_s`` when the
-  request is safe to send twice (``idempotent=True``). ``forward_backward`` and ``optim_step`` are:
+- a scheduler that stops answering (restarting: its connection closed) is retried for up to
+  ``reconnect_s`` from that moment, however long the call had run, when the request is safe to
+  send twice (``idempotent=True``). ``forward_backward`` and ``optim_step`` are:
   each call carries a ``request_id``, the same on every resend (whose ``attempt`` counts up), and
   the learner applies one id once; ``load_state`` is not, and raises;
 - with ``check`` (the embedded runtime's ``LocalRuntime.check``), a runtime that stopped for good
@@ -93,6 +94,7 @@ class Connection:
         """The scheduler's answer to ``msg``, of type ``reply`` (a class of ``replies``), after the
         retries the module docstring lists; any other answer is a ``TransportError``."""
         start = time.monotonic()
+        lost_at: float | None = None  # when the scheduler went away (the reconnect window starts there)
         overloaded = waiting = 0  # refusals of this call so far: the back-off doubles with each
         while True:
             if self.check is not None:
@@ -102,7 +104,8 @@ class Connection:
             except (PeerDeadError, RequestTimeout) as exc:
                 if self.check is not None:
                     self.check()  # the scheduler is gone for good, not restarting: say why
-                if not idempotent or isinstance(exc, RequestTimeout) or time.monotonic() - start > self.reconnect_s:
+                lost_at = time.monotonic() if lost_at is None else lost_at
+                if not idempotent or isinstance(exc, RequestTimeout) or time.monotonic() - lost_at > self.reconnect_s:
                     raise
                 time.sleep(0.2)  # the scheduler is restarting: the client reconnects by itself
                 if hasattr(msg, "attempt"):
@@ -113,7 +116,7 @@ class Connection:
                 if local is exc:
                     raise
                 raise local from exc
-            waited = time.monotonic() - start
+            waited, lost_at = time.monotonic() - start, None
             if isinstance(answer, reply):
                 return answer
             if isinstance(answer, OverloadedReply):

@@ -13,6 +13,8 @@ from typing import Any
 from polytinker.errors import RequestTimeout
 from polytinker.transport.config import TransportConfig
 
+SLOW_PEER_FACTOR = 4.0
+
 
 class Pending:
     __slots__ = ("future", "kind", "timeout_s")
@@ -37,11 +39,26 @@ class PendingCalls:
         self.next_ping = now
         self.alive = False
         self.awaiting_pong = False
+        self.ping_sent = now
+        self.slowest_pong_s = 0.0  # the longest the server took to answer a ping, for the silence limit
+
+    def pinged(self, now: float) -> None:
+        if not self.awaiting_pong:  # an unanswered ping's wait counts from the first one
+            self.ping_sent = now
+            self.awaiting_pong = True
 
     def heard_from(self) -> None:
-        self.last_recv = time.monotonic()
+        now = time.monotonic()
+        if self.awaiting_pong:
+            self.slowest_pong_s = max(self.slowest_pong_s, now - self.ping_sent)
+        self.last_recv = now
         self.alive = True
         self.awaiting_pong = False
+
+    def silence_limit_s(self) -> float:
+        """Silence after which the server counts as gone: the configured liveness, or four times
+        its slowest answer to a ping so far (a peer that was slow once may be slow again)."""
+        return max(self.cfg.dead_after_s, SLOW_PEER_FACTOR * self.slowest_pong_s)
 
     def has(self, rid: int) -> bool:
         return rid in self.pending
@@ -58,7 +75,7 @@ class PendingCalls:
                 heapq.heapify(self.deadlines)
 
     def poll_timeout_ms(self) -> int:
-        wake_at = min(self.next_ping, self.last_recv + self.cfg.dead_after_s)
+        wake_at = min(self.next_ping, self.last_recv + self.silence_limit_s())
         if self.deadlines:
             wake_at = min(wake_at, self.deadlines[0][0])
         if self.backlog:

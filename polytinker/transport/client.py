@@ -3,9 +3,15 @@
 One I/O thread owns the socket. A caller encodes its payload in its own thread, queues the
 request and wakes the I/O thread through a pipe; the I/O thread sends it, matches answers to
 request ids and resolves the call's future, which the caller waits on. The I/O thread also
-enforces deadlines, pings the server every ``heartbeat_interval_s`` and, after
-``heartbeat_liveness`` intervals of silence, fails the pending calls with PeerDeadError and
-replaces the socket (a restarted server on the same address is then reached again, inproc too).
+enforces deadlines and pings the server every ``heartbeat_interval_s``. A server is dead when its
+connection is gone, not when it is slow: when the connection drops (the server's process exited
+or restarted; the socket's monitor says so at once) the calls sent over it fail with
+PeerDeadError, since no server will answer them, and the socket reconnects by itself. Silence
+alone counts as death only past ``silence_limit_s`` (a machine that vanished without closing its
+connections): ``heartbeat_liveness`` intervals, or four times the longest the server has taken to
+answer a ping, whichever is longer, so a peer on a saturated machine is waited for. Then the
+pending calls fail with PeerDeadError and the socket is replaced (a restarted server on the same
+address is then reached again, inproc too).
 A call cancelled by its caller or by its timeout is cancelled on the server too (CANCEL,
 docs/wire-protocol.md). A Curve client watches its handshakes: a server that refuses its key
 fails the calls with AuthError at once, instead of leaving them to time out.
@@ -49,6 +55,7 @@ _RETRY_S = 0.01  # how soon a request the socket could not take (no peer yet, qu
 _HANDSHAKE_EVENTS = (
     zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 )
+_LOST = int(zmq.EVENT_DISCONNECTED)  # the connection closed: the server's process is gone (or restarting)
 # Plain ints: pyzmq's flag enums cost an enum operation each time they are combined or tested.
 _NOBLOCK = int(zmq.NOBLOCK)
 _POLLIN = int(zmq.POLLIN)
@@ -196,12 +203,14 @@ class RpcClient:
     def _connect(self) -> tuple[zmq.Socket, zmq.Socket | None]:
         sock = self._ctx.socket(zmq.DEALER)
         apply_limits(sock, self._cfg)
-        monitor = None
+        events = _LOST
         if self._curve is not None:
             sock.curve_secretkey = self._curve.secret_key
             sock.curve_publickey = self._curve.public_key
             sock.curve_serverkey = self._curve.server_public_key
-            monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
+            events |= _HANDSHAKE_EVENTS
+        # inproc has no connections to lose: its monitor would never speak (silence tells there).
+        monitor = None if self._address.startswith("inproc://") else sock.get_monitor_socket(events)
         try:
             sock.connect(self._address)
         except zmq.ZMQError as exc:
@@ -248,7 +257,7 @@ class RpcClient:
         if self._waker.fd in ready:
             self._waker.drain()  # before the queue is read: an op queued later wakes us again
         if self._monitor is not None and self._monitor in ready:
-            self._handshakes()
+            self._connection_events(st)
         if self._ops or st.backlog:
             self._send_queued(st)
         if self._sock in ready:
@@ -270,12 +279,12 @@ class RpcClient:
             st.next_ping = now + self._cfg.heartbeat_interval_s
             try:
                 self._sock.send(PING_HEADER, _NOBLOCK)
-                st.awaiting_pong = True
+                st.pinged(now)
             except zmq.Again:
                 pass  # queue full towards a silent peer: liveness will tell
         for rid, kind in st.expire(now):
             self._send_cancel(rid, kind)
-        if now - st.last_recv > self._cfg.dead_after_s:
+        if now - st.last_recv > st.silence_limit_s():
             self._peer_died(st, now)
 
     def _send_queued(self, st: PendingCalls) -> None:
@@ -350,26 +359,37 @@ class RpcClient:
         else:
             settle(pending.future, exc=ProtocolError(f"unexpected {MsgType(mtype).name} in reply to {kind!r}"))
 
-    def _handshakes(self) -> None:
+    def _connection_events(self, st: PendingCalls) -> None:
         assert self._monitor is not None
         while True:
             try:
-                event = parse_monitor_message(self._monitor.recv_multipart(_NOBLOCK))
+                event = parse_monitor_message(self._monitor.recv_multipart(_NOBLOCK))["event"]
             except zmq.Again:
                 return
-            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            if event == _LOST:
+                self._connection_lost(st)
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._refused = ""
-                continue
-            self._refused = (
-                "the server refused our Curve key (not on its allow-list)"
-                if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                else "the Curve handshake failed (is the server key right?)"
-            )
-            log.warning("%s: %s", self._address, self._refused)
-            self._st.fail_all(self._refusal())
+            else:
+                self._refused = (
+                    "the server refused our Curve key (not on its allow-list)"
+                    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                    else "the Curve handshake failed (is the server key right?)"
+                )
+                log.warning("%s: %s", self._address, self._refused)
+                st.fail_all(self._refusal())
+
+    def _connection_lost(self, st: PendingCalls) -> None:
+        """The calls sent over a connection that closed get no answer (a restarted server does not
+        know them): they fail now, as PeerDeadError, for their callers to send again. The socket
+        reconnects by itself; what is sent meanwhile waits for the server to be back."""
+        st.alive = st.awaiting_pong = False
+        if st.pending:
+            self._silence("%s closed the connection: failing %d pending calls", self._address, len(st.pending))
+            st.fail_all(PeerDeadError(f"{self._address} closed the connection (the server exited or restarted)"))
 
     def _peer_died(self, st: PendingCalls, now: float) -> None:
-        why = f"did not answer heartbeats for {self._cfg.dead_after_s:.1f} s"
+        why = f"did not answer heartbeats for {st.silence_limit_s():.1f} s"
         if st.pending:
             self._silence("%s %s: failing %d pending calls, reconnecting", self._address, why, len(st.pending))
         st.fail_all(PeerDeadError(f"{self._address} {why}"))

@@ -22,8 +22,12 @@ class TransportConfig:
     heartbeat_interval_s: float = 1.0
     # A client pings its server this often; the server's socket thread answers at once, even while
     # handlers run.
-    heartbeat_liveness: int = 3
-    # The peer is dead after this many intervals with nothing received; pending calls fail with PeerDeadError.
+    heartbeat_liveness: int = 30
+    # A peer whose connection stays open is dead after this many intervals with nothing received
+    # (or four times its slowest answer to a ping, if longer); pending calls fail with
+    # PeerDeadError. A peer whose process exits closes its connection, which fails them at once:
+    # this limit is for a machine gone without a word, and must outlast a slow peer on a
+    # saturated machine (3 s declared live peers dead there).
     max_message_bytes: int = 1 << 31
     # Largest single frame a socket accepts (ZMQ_MAXMSGSIZE; libzmq drops the connection of a peer that
     # sends a bigger one) and the largest whole message (all frames) a server handles.

@@ -14,7 +14,9 @@
   runs first on every new incarnation (to reload the adapter the request needs). A request the
   worker deduplicates (``keyed``: it carries an idempotency key) is also sent again to the same
   incarnation once it re-registers (it was wrongly declared dead: alive, but silent for a while),
-  with its ``attempt`` counted up; any other request waits for a new incarnation. A worker that
+  with its ``attempt`` counted up; so is a read (``REPEATABLE``: running it twice changes
+  nothing); any other request waits for a new incarnation. A worker counts as dead when its
+  connection closes or, still open, stays silent for ``worker_silence_s``: slow is not dead. A worker that
   answers ``NotResident`` dropped what ``prepare`` loaded (a learner group whose replicas switched
   between LoRA adapters and a full-parameter model): ``prepare`` runs again, then the request.
 - A local runtime's supervisor sees a worker process exit before any heartbeat can: its
@@ -33,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -63,6 +66,12 @@ from polytinker.scheduler.service.worker_auth import (
 from polytinker.scheduler.service.worker_messages import ActorsReport, ActorState, Register, WorkersQuery
 from polytinker.transport import ClientCurve, RpcClient, TransportConfig
 from polytinker.transport.direct import Link
+
+# Worker requests that only read (the weights, the model's answers): a resend to the process that
+# may have run them already costs time, never a wrong state.
+REPEATABLE = frozenset(
+    {"sched.w.sample", "sched.w.logprobs", "sched.w.forward", "sched.w.stats", "sched.w.adapter_weights"}
+)
 
 log = logging.getLogger("polytinker.scheduler.broker")
 
@@ -101,7 +110,9 @@ class Broker:
         self.model_limits = ModelLimits()  # until a worker registers: ids are checked >= 0 only
         hb = config.worker_heartbeat_s
         self._transport = TransportConfig(
-            request_timeout_s=config.request_timeout_s, heartbeat_interval_s=hb, heartbeat_liveness=3
+            request_timeout_s=config.request_timeout_s,
+            heartbeat_interval_s=hb,
+            heartbeat_liveness=max(2, math.ceil(config.worker_silence_s / hb)),
         )
         self.slicers = {g.learner_id: LearnerSlicer(config.learner_slice_idle_s) for g in config.learners}
         self.batchers = {
@@ -225,7 +236,7 @@ class Broker:
             ]
 
     def _alive(self, h: WorkerHandle, now: float) -> bool:
-        return not h.dead and now - h.last_seen < 4 * self.config.worker_heartbeat_s
+        return not h.dead and now - h.last_seen < max(4 * self.config.worker_heartbeat_s, self.config.worker_silence_s)
 
     def wait_for(self, worker_id: str, timeout_s: float, not_incarnation: str = "") -> WorkerHandle:
         """The live handle of ``worker_id`` (a different incarnation than ``not_incarnation``)."""
@@ -291,7 +302,7 @@ class Broker:
                     h.dead = True
                 if keyed:
                     payload = dataclasses.replace(payload, attempt=payload.attempt + 1)
-                else:
+                elif kind not in REPEATABLE:
                     avoid = h.incarnation
                 if not retry or time.monotonic() >= deadline:
                     raise WorkerUnavailable(f"worker {worker_id} died and did not come back: {exc}") from exc

@@ -235,12 +235,19 @@ class HttpConfig:
     tokenizer_id: str = ""
     # What get_info answers as the tokenizer to load (a hub id, or a directory clients can read);
     # "": the base model's directory on this machine (right for clients on the same machine).
+    session_timeout_s: float = 180.0
+    # A Tinker session whose client sent no heartbeat for this long ends as its close would: its
+    # runs' jobs finish (their adapter slots go to other runs; saved weights stay) and its samplers'
+    # versions may be pruned again. The SDK heartbeats every 10 s and warns after 120 s without one.
+    # A restarted gateway gives every open session this long again.
 
     def __post_init__(self) -> None:
         if self.address:
             host_port(self.address)
         if self.max_body_bytes <= 0 or self.long_poll_s <= 0 or self.future_ttl_s <= 0:
             raise ConfigError("[http] max_body_bytes, long_poll_s and future_ttl_s must be > 0")
+        if not self.session_timeout_s > 0:
+            raise ConfigError(f"[http] session_timeout_s must be > 0, got {self.session_timeout_s}")
 
 
 def host_port(address: str) -> tuple[str, int]:
@@ -293,9 +300,13 @@ class RuntimeConfig:
     retry_after_s: float = 1.0
     # The wait an overloaded answer suggests.
     worker_heartbeat_s: float = 2.0
-    # Workers re-register this often; a worker silent for 4 intervals counts as gone. On a busy
-    # two-core machine a worker in a long torch step can go quiet for seconds: 0.5 s declared
-    # live workers dead mid-step.
+    # Workers re-register this often (a restarted scheduler learns of them within one interval).
+    worker_silence_s: float = 60.0
+    # A worker whose connection stays open but that answers nothing (no heartbeat, no
+    # re-registration) for this long counts as gone: its machine vanished. A worker whose process
+    # exits is seen at once (its connection closes; a local runtime's supervisor reports it), so
+    # this only has to outlast a slow one: on a saturated machine a live worker in a long torch
+    # step can be silent for tens of seconds, and 3-6 s limits declared live workers dead mid-step.
     worker_retry_s: float = 60.0
     # How long a request waits for a dead worker to come back (restart) before it fails.
     request_timeout_s: float = 300.0
@@ -321,6 +332,11 @@ class RuntimeConfig:
     # Finished inference jobs are deleted from the job table this long after they finished.
     keep_checkpoints: int = 2
     # Per-step checkpoints kept per adapter (named save_state checkpoints are always kept).
+    sampler_keep_s: float = 600.0
+    # An older version's sampler weights (its export) stay sampleable while they were handed out
+    # (save_weights_for_sampler) or sampled within this long, past keep_checkpoints: an evaluator
+    # or async RL samples a few steps behind. Versions a client holds (the HTTP gateway holds each
+    # live session's samplers) stay however old; 0: only those and the last keep_checkpoints.
     learner_slice_idle_s: float = 2.0
     # A job holding a shared learner group between steps loses its turn after this idle time.
     learner_batch_window_s: float = 0.02
@@ -370,6 +386,7 @@ class RuntimeConfig:
             "slot_reclaim_idle_s",
             "finished_inference_keep_s",
             "worker_heartbeat_s",
+            "worker_silence_s",
             "worker_retry_s",
             "request_timeout_s",
             "learner_slice_idle_s",
@@ -384,6 +401,8 @@ class RuntimeConfig:
                 f"max_inflight_train ({self.max_inflight_samples + self.max_inflight_train}), so refusals and "
                 "registrations are always answered; raise it or lower the bounds"
             )
+        if not self.sampler_keep_s >= 0:
+            raise ConfigError(f"RuntimeConfig.sampler_keep_s must be >= 0, got {self.sampler_keep_s}")
         if not self.learner_batch_window_s >= 0:
             raise ConfigError(f"RuntimeConfig.learner_batch_window_s must be >= 0, got {self.learner_batch_window_s}")
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
