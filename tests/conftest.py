@@ -63,6 +63,8 @@ RUNTIME_TESTS = frozenset(
         "test_scheduler_service_cli",
         "test_scheduler_service_health",
         "test_scheduler_service_unit::test_a_data_parallel_learner_worker_runs_a_full_parameter_job_then_lora_again",
+        "test_http_sdk_versions::test_json_bodies_score_as_the_sdks_protobuf_and_bad_ones_are_400s",
+        "test_http_sdk_versions::test_the_oldest_sdk_trains_and_samples",
     }
 )
 # A test that uses one of these names runs a child interpreter (the subprocess mark).

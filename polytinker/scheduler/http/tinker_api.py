@@ -4,8 +4,9 @@ Every call authenticates with ``X-API-Key`` (a key of this runtime's tenants; th
 to start with ``tml-``). Calls that take time answer ``{"request_id": ...}`` at once; the SDK
 then polls ``/api/v1/retrieve_future``, which waits up to ``long_poll_s`` and answers the result,
 ``{"type": "try_again"}``, or ``{"error": ..., "category": "user" | "server"}``.
-``forward_backward`` arrives as protobuf, and its result (and a sample's) goes back as protobuf
-when the SDK asks for it (``Accept: application/x-protobuf``); everything else is JSON.
+``forward_backward`` arrives as protobuf (or as JSON, from SDK releases before 0.25: ``fb_json``),
+and its result (and a sample's) goes back as protobuf, which every release from 0.22 on reads;
+everything else is JSON.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from polytinker.errors import ConfigError, NotBuiltError, OverloadedError
-from polytinker.scheduler.http import _proto, checks
+from polytinker.scheduler.http import _proto, checks, fb_json
 from polytinker.scheduler.http.checks import Spec, check_body
 from polytinker.scheduler.http.errors import error_body
 from polytinker.scheduler.http.futures import FutureTable
@@ -36,10 +37,15 @@ from polytinker.scheduler.http.wire import api_key, read_body, read_json, ttl_of
 PROTO = "application/x-protobuf"
 
 # What the SDK reads at start (ClientConfigResponse): API keys, no JWT exchange; one
-# forward_backward per call (the learner batches them itself); uncompressed bodies.
+# forward_backward per call (the learner batches them itself); uncompressed bodies. Releases
+# 0.22-0.24 send forward_backward as protobuf only where proto_write_fwdbwd says so, and forward
+# through it only with fwd_via_fwdbwd too (0.25 on always do both, and ignore the two flags); the
+# JSON bodies of any release are read as well (fb_json.py).
 CLIENT_CONFIG = {
     "pjwt_auth_enabled": False,
     "parallel_fwdbwd_chunks": False,
+    "proto_write_fwdbwd": True,
+    "fwd_via_fwdbwd": True,
     "proto_compress_fwdbwd": False,
     "fwdbwd_max_chunk_len": 100_000,
     "fwdbwd_max_chunk_bytes_count": 48_000_000,
@@ -213,20 +219,28 @@ def _add_model_routes(r: APIRouter, api: _Api) -> None:
 
 
 def _add_training_routes(r: APIRouter, api: _Api) -> None:
-    """``forward_backward`` (a protobuf body) and ``optim_step``."""
+    """``forward_backward`` and ``forward`` (a protobuf or JSON body) and ``optim_step``."""
+
+    async def fb(request: Request, forward: bool) -> dict[str, Any]:
+        t = await api.tenant_of(request)
+        if request.headers.get("content-encoding"):
+            raise NotBuiltError("compressed request bodies are not accepted (client config says so)")
+        proto = PROTO in request.headers.get("content-type", "")
+        body: bytes | dict[str, Any] = (
+            await read_body(request, api.max_body_bytes) if proto else await read_json(request, api.max_body_bytes)
+        )
+        # Decoding and checking a batch takes time in proportion to it: off the event loop.
+        req = await asyncio.to_thread(_fb_request, api.backend, t, body, forward)
+        fut = await asyncio.to_thread(api.backend.forward_backward, t, req)
+        return api.submit(t, fut, fb_render(req["datums"]), req["model_id"])
 
     @r.post("/forward_backward")
     async def forward_backward(request: Request) -> dict[str, Any]:
-        t = await api.tenant_of(request)
-        if PROTO not in request.headers.get("content-type", ""):
-            raise ConfigError(f"forward_backward takes a protobuf body ({PROTO}), as the tinker SDK sends it")
-        if request.headers.get("content-encoding"):
-            raise NotBuiltError("compressed request bodies are not accepted (client config says so)")
-        body = await read_body(request, api.max_body_bytes)
-        # Decoding and checking a batch takes time in proportion to it: off the event loop.
-        req = await asyncio.to_thread(_fb_request, api.backend, t, body)
-        fut = await asyncio.to_thread(api.backend.forward_backward, t, req)
-        return api.submit(t, fut, fb_render(req["datums"]), req["model_id"])
+        return await fb(request, forward=False)
+
+    @r.post("/forward")
+    async def forward(request: Request) -> dict[str, Any]:
+        return await fb(request, forward=True)
 
     @r.post("/optim_step")
     async def optim_step(request: Request) -> dict[str, Any]:
@@ -234,11 +248,16 @@ def _add_training_routes(r: APIRouter, api: _Api) -> None:
         return await api.call(request, api.backend.optim_step, render, checks.OPTIM_STEP)
 
 
-def _fb_request(backend: TinkerBackend, t: Tenant, body: bytes) -> dict[str, Any]:
-    """A forward_backward's protobuf body, decoded and checked at the door: its loss and loss
-    config, and each datum against the run's base model (errors name ``data[i]...``); then
-    ``datums``, the data as polytinker's datums."""
-    req = _proto.decode_forward_backward(body)
+def _fb_request(backend: TinkerBackend, t: Tenant, body: bytes | dict[str, Any], forward: bool) -> dict[str, Any]:
+    """A forward_backward's body (protobuf bytes, or parsed JSON: ``fb_json``; ``forward``: the
+    ``/forward`` route's), decoded and checked at the door: its loss and loss config, and each datum
+    against the run's base model (errors name ``data[i]...``); then ``datums``, the data as
+    polytinker's datums."""
+    if isinstance(body, bytes):
+        req = _proto.decode_forward_backward(body)
+        req["forward_only"] = req["forward_only"] or forward
+    else:
+        req = fb_json.decode_forward_backward_json(body, forward_only=forward)
     req["loss_fn_config"] = checks.check_loss(req["loss_fn"], req["loss_fn_config"])
     vocab = checks.vocab_size(backend.model(t, req["model_id"]).base_model)
     rl_loss = None if req["forward_only"] or req["loss_fn"] == "cross_entropy" else req["loss_fn"]
