@@ -391,6 +391,20 @@ class ServiceClient:
         msg = m.PublishCheckpoint(conn.api_key, job_id, name, public)
         return conn.request("sched.publish_checkpoint", msg, r.PublishCheckpointReply).was_public
 
+    def hold_weights(self, holder: str, model_path: str) -> int:
+        """Keep the version at ``model_path`` (a ``polytinker://`` path the tenant may sample) from
+        being pruned while ``holder`` (a name: letters, digits, ``_-.``) holds it, however far
+        training moves on; how many versions the holder holds now. ``release_weights`` ends it."""
+        conn = self._connection()
+        msg = m.HoldWeights(conn.api_key, holder, str(model_path))
+        return conn.request("sched.hold_weights", msg, r.HoldWeightsReply).held
+
+    def release_weights(self, holder: str) -> int:
+        """Drop every hold of ``holder``: versions past the job's last ``keep_checkpoints`` that
+        nothing else keeps are pruned now. How many adapters it held versions of."""
+        conn = self._connection()
+        return conn.request("sched.hold_weights", m.HoldWeights(conn.api_key, holder), r.HoldWeightsReply).held
+
     def weights_info(self, path: str) -> r.WeightsInfoReply:
         """What saved weights are (a ``polytinker-ckpt://`` checkpoint or a ``polytinker://``
         version, the tenant's own or a published one): the job that saved them, its kind, base

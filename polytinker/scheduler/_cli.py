@@ -204,7 +204,8 @@ def _client(args: argparse.Namespace) -> Any:
 
 
 def _print_jobs(jobs: list[dict[str, Any]], load: dict[str, Any]) -> None:
-    """The job table (CALLS: calls served by this scheduler process; IDLE: since the last call),
+    """The job table (CALLS: calls served by this scheduler process; IDLE: since the last call;
+    under a job that does not run, its reason: where it is in the queue and what it waits for),
     then the tenant's load: calls in flight, completed, refused as overloaded, answered waiting."""
     print(f"{'JOB':<22} {'KIND':<9} {'STATE':<10} {'AGENT':<12} {'PRIO':>4} {'CALLS':>6} {'IDLE':>6}  AGE")
     for j in jobs:
@@ -215,6 +216,8 @@ def _print_jobs(jobs: list[dict[str, Any]], load: dict[str, Any]) -> None:
             f"{j['job_id']:<22} {j['kind']:<9} {j['state']:<10} {j['agent']:<12} {j['priority']:>4} {calls:>6} "
             f"{idle:>6}  {age:.0f}s"
         )
+        if j["state"] in ("queued", "preempting", "paused") and j.get("reason"):  # why it does not run
+            print(f"    {j['reason']}")
     if load:
         states = ", ".join(f"{n} {s}" for s, n in load.get("jobs", {}).items() if n)
         print(

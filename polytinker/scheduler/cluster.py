@@ -108,6 +108,23 @@ class ClusterState:
             adapter, job.base_model, candidates, now_s, lambda c: len(self.engines[c].jobs)
         )
 
+    def wants(self, job: Job, now_s: float) -> str:
+        """What ``job`` waits for, in words, while ``fit`` finds no place for it now (what is free
+        may be reserved for another job: then it says so)."""
+        base = job.base_model
+        if job.kind.needs_learner and self._fit_learner(job, _all) is None:
+            groups = [g for g in self.learners.values() if g.spec.base_model == base]
+            held = sum(len(g.jobs) for g in groups)
+            return f"a learner of {base}: its {len(groups)} learner group(s) are full ({held} job(s) on them)"
+        if job.kind.needs_engine and self._fit_engine(job, now_s, _all) is None:
+            engines = [e for e in self.engines.values() if e.spec.base_model == base]
+            adapter = job.adapter if job.needs_slot else None
+            if adapter is not None and not any(self.adapters.can_host(e.spec.engine_id, adapter) for e in engines):
+                slots = sum(e.spec.adapter_slots for e in engines)
+                return f"an adapter slot: all {slots} on the {len(engines)} engine(s) of {base} are held by jobs"
+            return f"engine memory ({job.engine_mem_gb:g} GB) on an engine of {base}"
+        return "resources reserved for a job ahead of it"
+
     # --- allocation ------------------------------------------------------------------------------
     def allocate(self, job: Job, placement: Placement, now_s: float) -> AdapterLoad | None:
         """Take the resources; returns the adapter load it needed, if any. Raises if it does not fit."""

@@ -320,7 +320,7 @@ class FairSharePolicy(SchedulingPolicy):
         """Idle running jobs to take out so that queued jobs someone waits on (``wanted``) fit, by
         ``polytinker.scheduler.reclaim``'s rules; ``idle_s``: seconds since the last call of each job
         the caller counts as idle. The caller takes them out (``cancel``) and runs a pass."""
-        looked = itertools.islice(self._candidates(), self.config.backfill_depth)
+        looked = itertools.islice(self.candidates(), self.config.backfill_depth)
         fits = lambda e: self.cluster.fit(e.job, now_s, self._allowed_for(e, now_s)) is not None  # noqa: E731
         blocked = (e.job for e in looked if wanted(e.job.job_id) and not fits(e))
         idle = {j: s for j, s in idle_s.items() if j in self._entries and self._entries[j].state is JobState.RUNNING}
@@ -333,7 +333,7 @@ class FairSharePolicy(SchedulingPolicy):
         decisions += self._reserve_for_starving(now_s)
         misses = 0
         checks = self.config.preempt_checks_per_pass if self.config.preemption else 0
-        for e in self._candidates():
+        for e in self.candidates():
             placement = self.cluster.fit(e.job, now_s, self._allowed_for(e, now_s))
             if placement is not None:
                 decisions.append(self._start(e, placement, now_s, self._start_reason(e, misses)))
@@ -346,7 +346,7 @@ class FairSharePolicy(SchedulingPolicy):
                 break
         return decisions
 
-    def _candidates(self) -> Iterator[PolicyEntry]:
+    def candidates(self) -> Iterator[PolicyEntry]:
         """Queued jobs in decision order: higher priority first; at one priority, the tenant with the
         least weighted charge; within a tenant, its queue order. Charges move as jobs start, so the
         tenant order is re-read after every job taken."""

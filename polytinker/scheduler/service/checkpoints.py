@@ -1,7 +1,8 @@
 """The scheduler's calls on checkpoints a tenant keeps: delete, TTL, publish, describe, copy,
 export, storage (``sched.delete_checkpoint``, ``sched.set_checkpoint_ttl``,
 ``sched.publish_checkpoint``, ``sched.weights_info``, ``sched.copy_checkpoint``,
-``sched.export_weights``, ``sched.storage_usage``).
+``sched.export_weights``, ``sched.storage_usage``), and holds on versions a client may still
+sample (``sched.hold_weights``).
 
 They touch no worker: what they read and write is the scheduler's database and its state root,
 through ``WeightsCatalog``. Only the owner deletes, publishes or sets a TTL; reading (describe,
@@ -51,7 +52,17 @@ class CheckpointCalls:
             "copy_checkpoint": self.copy_checkpoint,
             "export_weights": self.export_weights,
             "storage_usage": self.storage_usage,
+            "hold_weights": self.hold_weights,
         }
+
+    def hold_weights(self, msg: m.HoldWeights) -> r.HoldWeightsReply:
+        """Hold a version the tenant may sample (its own, or published) for ``holder``, or release
+        every hold of ``holder`` (no model path), which prunes what only they kept."""
+        tenant = self._tenant(msg.api_key)
+        if not msg.model_path:
+            return r.HoldWeightsReply(self.weights.release(tenant, msg.holder))
+        self.weights.hold(tenant, msg.holder, msg.model_path)
+        return r.HoldWeightsReply(self.weights.holds.count(tenant, msg.holder))
 
     def delete_checkpoint(self, msg: m.DeleteCheckpoint) -> r.DeleteCheckpointReply:
         """Forget one of a job's named checkpoints (as the job lists them) and delete its files;

@@ -6,8 +6,8 @@ policy job with its own id (``<job_id>.<attempt>``): a paused and resumed job, o
 after a scheduler restart, is submitted afresh. Every decision is written to the events table
 with its reason.
 
-States a tenant sees: queued, running, preempting (told to stop at its next step boundary),
-paused, done, cancelled, rejected.
+States a tenant sees: queued (its reason says where in the queue and for what: ``waits.py``),
+running, preempting (told to stop at its next step boundary), paused, done, cancelled, rejected.
 
 Activity: every call that names a job (training calls, and sampling: a base-model sampler names
 its inference job, an adapter's model path names its training job) marks the job active while it
@@ -32,6 +32,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from polytinker.engine.models import model_names, served_name
 from polytinker.errors import AuthError, ConfigError, JobNotRunning, OverloadedError
 from polytinker.scheduler.config import SchedulerPolicyConfig
 from polytinker.scheduler.policy import FairSharePolicy
@@ -46,6 +47,7 @@ from polytinker.scheduler.service.idle import (
 )
 from polytinker.scheduler.service.messages import CreateJob
 from polytinker.scheduler.service.state import JobRow, StateStore
+from polytinker.scheduler.service.waits import WaitNotes
 from polytinker.scheduler.types import (
     Accepted,
     ClusterSpec,
@@ -119,6 +121,7 @@ class JobManager:
         self._served: Counter[str] = Counter()  # calls completed per live job since this process started
         self._idle_paused: set[str] = set()  # inference jobs paused for idleness (finished if it lasts)
         self._by_policy_id: dict[str, str] = {}
+        self._waits = WaitNotes()
         self._attempts = itertools.count(1)
         self._rr = itertools.count()
 
@@ -150,8 +153,10 @@ class JobManager:
 
     # --- submission --------------------------------------------------------------------------------
     def create(self, tenant: str, msg: CreateJob) -> JobRow:
-        if msg.base_model != self.config.model:
-            raise ConfigError(f"this runtime serves base model {self.config.model!r}, not {msg.base_model!r}")
+        base_model = served_name(self.config.model, msg.base_model)  # by its preset name or its hub id
+        if base_model is None:
+            names = " or ".join(map(repr, model_names(self.config.model)))
+            raise ConfigError(f"this runtime serves base model {names}, not {msg.base_model!r}")
         if msg.kind == JobKind.INFERENCE and msg.adapter:
             raise ConfigError("inference jobs sample the base model here; sample adapters with their model_path")
         if msg.kind == JobKind.LORA_RL:  # the one kind whose adapter the engines sample from
@@ -163,7 +168,7 @@ class JobManager:
             job_id,
             tenant,
             JobKind(msg.kind),
-            msg.base_model,
+            base_model,
             msg.agent,
             lora,
             JobState.QUEUED,
@@ -241,6 +246,7 @@ class JobManager:
                     row = self.store.job(job_id)
                     if row is not None and row.kind == JobKind.INFERENCE:  # no step to wait for: stop now
                         self.step_boundary(job_id, self._live[job_id].start_version)
+            self._waits.note(self.policy, self.now(), self._by_policy_id, self._set_state)
             return decisions
 
     def pause_idle(self) -> list[str]:
@@ -439,10 +445,10 @@ class JobManager:
         return got
 
     def _leave_policy(self, job_id: str, action: str) -> None:
-        """Take the job out of the policy. The job's history gets one event from the caller (the
-        tenant's request, or the idle pause with its reason), not the policy's decision: a pause,
-        or a finish of a job that never started, leaves through the policy's cancel, whose
-        "cancelled by its tenant" did not happen, and a finish's "all steps done" need not be true."""
+        """Take the job out of the policy. Its history gets one event from the caller (the tenant's request, or the
+        idle pause with its reason), not the policy's decision: a pause, or a finish of a job that never started,
+        leaves through the policy's cancel, whose "cancelled by its tenant" did not happen, and a finish's "all steps
+        done" need not be true."""
         live = self._live.pop(job_id, None)
         if live is None:
             return
@@ -468,6 +474,7 @@ class JobManager:
     def route(self, adapter: str | None, base_model: str) -> str:
         """The engine a sample request goes to: placement's choice for an adapter (a holder, or one
         that loads it), round-robin over the base model's engines for the base model itself."""
+        base_model = served_name(self.config.model, base_model) or base_model
         with self._lock:
             cluster = self.policy.cluster
             if adapter is None:
@@ -489,11 +496,4 @@ class JobManager:
         self.store.log_event(job_id, str(d.kind), d.reason)
 
 
-__all__ = [
-    "FINAL_STATES",
-    "LIVE_STATES",
-    "JobManager",
-    "adapter_key",
-    "cluster_spec",
-    "idle_verdict",
-]
+__all__ = ["FINAL_STATES", "LIVE_STATES", "JobManager", "adapter_key", "cluster_spec", "idle_verdict"]

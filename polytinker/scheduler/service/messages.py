@@ -443,6 +443,20 @@ class StorageUsage:
     api_key: str
 
 
+@message("sched.hold_weights")
+@dataclass(frozen=True)
+class HoldWeights:
+    """The tenant's ``holder`` holds the version at ``model_path`` (never pruned while held), or,
+    with ``model_path`` "", releases every version it holds (``WeightHolds``)."""
+
+    api_key: str
+    holder: str  # the client's name for what holds (the gateway: a session id); layout.check_name
+    model_path: str = ""
+
+    def __post_init__(self) -> None:
+        need(not self.model_path or self.model_path.startswith(MODEL_PREFIX), f"model_path must be {MODEL_PREFIX}...")
+
+
 @message("sched.runtime_status")
 @dataclass(frozen=True)
 class RuntimeStatus:
@@ -462,6 +476,7 @@ __all__ = [
     "DeleteCheckpoint",
     "Forward",
     "ForwardBackward",
+    "HoldWeights",
     "JobAction",
     "JobQuery",
     "ListJobs",

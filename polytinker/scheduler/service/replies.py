@@ -209,6 +209,12 @@ class DeleteCheckpointReply:
     files_deleted: bool  # False: its files stay, as an adapter's version was loaded from them
 
 
+@message("sched.r.hold_weights")
+@dataclass(frozen=True)
+class HoldWeightsReply:
+    held: int  # the holder's holds now (after a release: how many adapters it held versions of)
+
+
 @message("sched.r.checkpoint_ttl")
 @dataclass(frozen=True)
 class CheckpointTtlReply:
@@ -402,6 +408,7 @@ __all__ = [
     "ForwardBackwardManyReply",
     "ForwardBackwardReply",
     "ForwardReply",
+    "HoldWeightsReply",
     "JobListReply",
     "JobQueryReply",
     "JobReply",

@@ -80,12 +80,11 @@ class SchedulerService:
         self.push = WeightPush(config, self.broker, self.jobs)  # versions to engines that cannot read them
         self.audit = AuditLog(self.store, self._tenant)
         self.meter = UsageMeter(self.store, self._tenant)
-        self.weights = WeightsCatalog(self.root, self.store, self.jobs, config.keep_checkpoints, self.audit)
+        self.weights = WeightsCatalog(self.root, self.store, self.jobs, config, self.audit)
         self.checkpoints = CheckpointCalls(self.store, self.jobs, self.weights, self.audit, self._tenant, config.model)
-        # forward_backward request ids answered since each adapter's last step: optim_step tells the
-        # learner how many it must hold, so a learner restarted between a step's calls refuses the
-        # step (GradientLost) instead of stepping on part of its gradient. No entry (this process
-        # restarted, or a step failed): the count is unknown and only resent steps are checked.
+        # forward_backward request ids answered since each adapter's last step: optim_step tells the learner how
+        # many it must hold, so a learner restarted between a step's calls refuses the step (GradientLost) instead
+        # of stepping on part of its gradient. No entry (restarted, or a step failed): only resent steps are checked.
         self._fb_ids: dict[str, set[str]] = {}
         self.admission = Admission(config, weights=dict(self.tenants.weights()))
         self._stop = threading.Event()
@@ -419,6 +418,7 @@ class SchedulerService:
         if name:
             self.store.add_checkpoint(row.job_id, name, a.export_dir, a.version, expiry(msg.ttl_s))
             self._named(row, name, a.version)
+        self.weights.used(a.adapter_key, a.version)  # handed out: kept sampler_keep_s past keep_checkpoints
         return r.SaveWeightsReply(str(ModelPath(row.job_id, row.agent, a.version)), a.version)
 
     def _named(self, row: JobRow, name: str, version: int) -> None:

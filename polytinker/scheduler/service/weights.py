@@ -8,7 +8,9 @@ save's version samples for any tenant; deleting, publishing and TTLs stay the ow
 database keeps each version's checkpoint and export as a path relative to the state root
 (``layout``); the workers are sent ids (``WeightsRef``) and make the paths themselves. Named
 checkpoints stay until their owner deletes them or their TTL runs out (``delete_checkpoint``,
-``expire``); per-step ones go past the last ``keep_checkpoints`` (``prune``).
+``expire``); per-step ones go past the last ``keep_checkpoints`` (``prune``), but a version some
+client may still sample keeps its export (sampler weights): one a client holds (``holds``), or one
+handed out or sampled within ``sampler_keep_s``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import contextlib
 import logging
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +27,8 @@ from typing import Any
 from polytinker.errors import AuthError, ConfigError
 from polytinker.model_path import CKPT_PREFIX, SAMPLER_NAME_PREFIX, CheckpointPath, ModelPath
 from polytinker.scheduler.service.audit import EXPIRY_ACTOR, AuditLog
+from polytinker.scheduler.service.config import RuntimeConfig
+from polytinker.scheduler.service.holds import WeightHolds
 from polytinker.scheduler.service.jobs import JobManager, adapter_key
 from polytinker.scheduler.service.layout import check_name, parse_relative, under
 from polytinker.scheduler.service.state import AdapterRow, JobRow, StateStore
@@ -41,9 +46,14 @@ def expiry(ttl_s: float) -> float | None:
 class WeightsCatalog:
     """Resolves a tenant's checkpoint names and model paths to stored weights under ``root``."""
 
-    def __init__(self, root: Path, store: StateStore, jobs: JobManager, keep_checkpoints: int, audit: AuditLog) -> None:
+    def __init__(self, root: Path, store: StateStore, jobs: JobManager, config: RuntimeConfig, audit: AuditLog) -> None:
         self.root, self.store, self.jobs, self.audit = root, store, jobs, audit
-        self.keep_checkpoints = keep_checkpoints
+        self.keep_checkpoints, self.sampler_keep_s = config.keep_checkpoints, config.sampler_keep_s
+        self.holds = WeightHolds(store)
+        # When each (adapter, version) was last handed out or sampled (monotonic s), in this
+        # process: a restarted scheduler keeps what is held, and counts the window from use again.
+        self._used: dict[str, dict[int, float]] = {}  # adapter key -> version -> time
+        self._used_lock = threading.Lock()  # handler threads sample while another prunes
 
     def stored(self, text: str, version: int) -> WeightsRef:
         """The ``WeightsRef`` of a checkpoint or export path this scheduler stored."""
@@ -53,15 +63,63 @@ class WeightsCatalog:
         adapter, kind, stored_version, name = parse_relative(text)
         return WeightsRef(adapter, version if stored_version is None else stored_version, kind, name)
 
+    def used(self, adapter_key: str, version: int) -> None:
+        """A version was handed out for sampling or sampled: its export stays ``sampler_keep_s``."""
+        with self._used_lock:
+            self._used.setdefault(adapter_key, {})[version] = time.monotonic()
+
     def prune(self, a: AdapterRow, version: int) -> None:
         """Delete the per-step checkpoints and exports older than the last ``keep_checkpoints``;
         named ones (save_state, save_weights_for_sampler with a name) and other jobs' files stay,
-        and a named sampler's version stays sampleable (its path keeps resolving)."""
+        and a named sampler's version stays sampleable (its path keeps resolving). So does a
+        version in use (``in_use``): its export stays, its learner state (which only training
+        reads, and training is past it) goes."""
         named = {c["path"] for c in self.store.checkpoints(a.job_id)}
         oldest_kept = version - self.keep_checkpoints + 1
-        for ckpt, export in self.store.drop_versions_below(a.adapter_key, oldest_kept, keep=named):
+        keep = set(named)
+        for v in self.in_use(a.adapter_key, oldest_kept):
+            found = self.store.version_row(a.adapter_key, v)
+            if found is None or not found[1]:
+                continue
+            ckpt, export = found
+            keep.add(export)
+            if ckpt != export:  # a full-parameter version's export is its checkpoint
+                self._delete_step_files(a, ckpt, named)
+        for ckpt, export in self.store.drop_versions_below(a.adapter_key, oldest_kept, keep=keep):
             self._delete_step_files(a, ckpt, named)
             self._delete_step_files(a, export, named)
+
+    def in_use(self, adapter_key: str, below: int) -> set[int]:
+        """The adapter's versions older than ``below`` that a client holds, or that were handed out
+        or sampled within ``sampler_keep_s`` (older uses are forgotten here)."""
+        cutoff = time.monotonic() - self.sampler_keep_s
+        with self._used_lock:
+            uses = self._used.get(adapter_key, {})
+            for v in [v for v, t in uses.items() if t < cutoff]:
+                del uses[v]
+            recent = {v for v in uses if v < below}
+            if not uses:
+                self._used.pop(adapter_key, None)
+        return recent | {v for v in self.holds.held(adapter_key) if v < below}
+
+    def hold(self, tenant: str, holder: str, path: str) -> tuple[str, int]:
+        """The tenant's ``holder`` holds the version at model path ``path`` (one it may read):
+        it is not pruned until the holder is released. (adapter key, version)."""
+        key, version, _, _ = self.resolve(tenant, path)
+        if not key:
+            raise ConfigError("the base model has no versions to hold: name a saved version's model path")
+        self.holds.hold(tenant, check_name("holder", holder), key, version)
+        return key, version
+
+    def release(self, tenant: str, holder: str) -> int:
+        """Drop the holds of the tenant's ``holder`` and prune what they kept; how many adapters
+        they were on."""
+        adapters = self.holds.release(tenant, check_name("holder", holder))
+        for key in adapters:
+            a = self.store.adapter(key)
+            if a is not None:
+                self.prune(a, a.version)
+        return len(adapters)
 
     def _delete_step_files(self, a: AdapterRow, path: str, named: set[str]) -> bool:
         """Delete the per-step checkpoint or export at ``path`` if it is this adapter's and no name
@@ -158,6 +216,7 @@ class WeightsCatalog:
         found = self.store.version_row(key, version) if a is not None else None
         if found is None or not found[1]:
             raise AuthError(f"no saved weights {path!r} for this tenant (save_weights_for_sampler makes them)")
+        self.used(key, version)
         return key, version, self.stored(found[1], version), job is not None and job.kind == JobKind.FULL_RL
 
     def info(self, tenant: str, path: str) -> tuple[JobRow, bool]:

@@ -1,0 +1,64 @@
+"""Holds on saved versions: a version some client may still sample is not pruned.
+
+A per-step version goes when training moves ``keep_checkpoints`` past it (``WeightsCatalog.prune``),
+unless a name stands on it or a client holds it. A hold is (tenant, holder, adapter, version):
+``holder`` is the client's name for what holds it (the HTTP gateway holds each version a Tinker
+session's samplers sample, under the session's id), and the tenant's ``release`` of a holder drops
+all of its holds at once (the gateway's, when the session ends). Holds live in the scheduler's
+database, so they outlive a restart of the scheduler; they are per tenant (one tenant cannot
+release another's), and a hold on a published version of another tenant's keeps it as well.
+"""
+
+from __future__ import annotations
+
+import time
+
+from polytinker.scheduler.service.state import StateStore
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS weight_holds (
+    tenant TEXT NOT NULL, holder TEXT NOT NULL, adapter_key TEXT NOT NULL, version INTEGER NOT NULL,
+    created_s REAL NOT NULL, PRIMARY KEY (tenant, holder, adapter_key, version));
+CREATE INDEX IF NOT EXISTS weight_holds_by_adapter ON weight_holds (adapter_key, version);
+"""
+
+
+class WeightHolds:
+    """The ``weight_holds`` table, in the scheduler's database (it shares the store's connection
+    and lock, so its writes are transactions like the store's own)."""
+
+    def __init__(self, store: StateStore) -> None:
+        self.store = store
+        with store._tx() as db:
+            for statement in _SCHEMA.strip().split(";"):
+                if statement.strip():
+                    db.execute(statement)
+
+    def hold(self, tenant: str, holder: str, adapter_key: str, version: int) -> None:
+        with self.store._tx() as db:
+            db.execute(
+                "INSERT OR IGNORE INTO weight_holds VALUES (?, ?, ?, ?, ?)",
+                (tenant, holder, adapter_key, version, time.time()),
+            )
+
+    def release(self, tenant: str, holder: str) -> list[str]:
+        """Drop every hold of the tenant's ``holder``; the adapters they were on (to prune again)."""
+        with self.store._tx() as db:
+            rows = list(
+                db.execute(
+                    "DELETE FROM weight_holds WHERE tenant = ? AND holder = ? RETURNING adapter_key", (tenant, holder)
+                )
+            )
+        return sorted({str(r[0]) for r in rows})
+
+    def held(self, adapter_key: str) -> set[int]:
+        """The adapter's versions some holder holds."""
+        rows = self.store._query("SELECT DISTINCT version FROM weight_holds WHERE adapter_key = ?", (adapter_key,))
+        return {int(r[0]) for r in rows}
+
+    def count(self, tenant: str, holder: str) -> int:
+        rows = self.store._query("SELECT COUNT(*) FROM weight_holds WHERE tenant = ? AND holder = ?", (tenant, holder))
+        return int(rows[0][0])
+
+
+__all__ = ["WeightHolds"]
