@@ -7,10 +7,18 @@ coroutine that answers the same ``APIFuture`` (``await (await tc.optim_step_asyn
 an ``async`` loop can submit calls back to back before it waits. ``optim_step`` resolves only
 once the new version is durable in the scheduler's state (a checkpoint on disk, the version in
 SQLite).
+
+A learner that restarts between a step's calls loses the gradient they built; the scheduler
+refuses the step then (``GradientLost``) rather than apply part of it. The client keeps the
+``forward_backward`` calls of the step in progress and, on that refusal, sends them again (under
+new request ids: the learner that took them is gone) and then the step, up to
+``STEP_REPLAYS`` times: a run goes on through what supervision survives.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +28,7 @@ from polytinker.client._connection import Connection
 from polytinker.client._convert import fb_output, forward_metrics, to_datum
 from polytinker.client._future import APIFuture, ReadyClient, submit
 from polytinker.client.sampling_client import SamplingClient
-from polytinker.errors import ConfigError, NotBuiltError
+from polytinker.errors import ConfigError, GradientLost, NotBuiltError
 from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service import replies as r
 from polytinker.scheduler.types import JobKind
@@ -36,6 +44,8 @@ from polytinker.types import (
 )
 
 T = TypeVar("T")
+log = logging.getLogger("polytinker.client")
+STEP_REPLAYS = 3  # a step's calls sent again after GradientLost, at most this many times in a row
 # The save calls answer SaveWeightsResponse / SaveWeightsForSamplerResponse, which are str: typed
 # Any, so that code written for the Future[str] these calls answered before still type-checks
 # (a Future is invariant in its result type).
@@ -70,6 +80,8 @@ class TrainingClient(ReadyClient):
         self.lora: dict[str, Any] | None = dict(lora) if lora and self.kind != JobKind.FULL_RL else None
         self._lane = ThreadPoolExecutor(1, thread_name_prefix=f"polytinker-{self.job_id}")
         self._tokenizer: Any = None
+        # The step in progress's answered forward_backward calls (touched only in the lane).
+        self._step_calls: list[m.ForwardBackward] = []
 
     def __repr__(self) -> str:
         return f"<TrainingClient {self.job_id} ({self.kind}, agent {self.agent})>"
@@ -98,6 +110,7 @@ class TrainingClient(ReadyClient):
 
         def run() -> ForwardBackwardOutput:
             out = self._conn.request("sched.forward_backward", msg, r.ForwardBackwardReply)
+            self._step_calls.append(msg)
             return fb_output(out.loss, out.logprobs, out.metrics)
 
         return self._submit(run)
@@ -152,10 +165,30 @@ class TrainingClient(ReadyClient):
         )
 
         def run() -> OptimStepResponse:
-            out = self._conn.request("sched.optim_step", msg, r.OptimStepReply)
+            out = self._step(msg)
             return OptimStepResponse(metrics=tinker_metrics(out.metrics), version=int(out.version))
 
         return self._submit(run)
+
+    def _step(self, msg: m.OptimStep) -> r.OptimStepReply:
+        """``msg`` answered; after a ``GradientLost``, the step's calls and the step sent again."""
+        for replay in range(STEP_REPLAYS + 1):
+            try:
+                out = self._conn.request("sched.optim_step", msg, r.OptimStepReply)
+                break
+            except GradientLost as exc:
+                if replay == STEP_REPLAYS:
+                    raise
+                calls = self._step_calls
+                log.warning("%s: %s; sending the step's %d forward_backward calls again", self.job_id, exc, len(calls))
+                self._step_calls = []
+                for fb in calls:  # new ids: the learner process that answered the old ones is gone
+                    again = dataclasses.replace(fb, request_id=uuid.uuid4().hex)
+                    self._conn.request("sched.forward_backward", again, r.ForwardBackwardReply)
+                    self._step_calls.append(again)
+                msg = dataclasses.replace(msg, request_id=uuid.uuid4().hex)
+        self._step_calls = []
+        return out
 
     def save_state(self, name: str, ttl_seconds: int | None = None) -> APIFuture[_Path]:
         """Checkpoint weights and optimizer state as ``name``; resolves to its path
@@ -184,6 +217,7 @@ class TrainingClient(ReadyClient):
 
         def run() -> LoadWeightsResponse:
             version = int(self._conn.request("sched.load_state", msg, r.LoadStateReply, idempotent=False).version)
+            self._step_calls = []  # loading replaced the adapter's state, its gradient included
             return LoadWeightsResponse(path=str(path), model_id=self.job_id, version=version)
 
         return self._submit(run)

@@ -71,8 +71,24 @@ def checkpoints(log_path: str | Path) -> list[dict[str, Any]]:
 
 
 def sampler_version(tinker_path: str) -> int:
-    """The version in a polytinker sampler path (``tinker://RUN/sampler_weights/AGENT@VERSION``)."""
-    return int(tinker_path.rsplit("@", 1)[1])
+    """The version a sampler path samples. A version's path says it
+    (``tinker://RUN/sampler_weights/AGENT@VERSION``); a named save's (``.../sampler_weights/NAME``,
+    as the cookbook's checkpoints are) is asked of the server: a sampling session on it, whose
+    ``GET /samplers/ID`` answers the version's path."""
+    if "@" in tinker_path.rsplit("/", 1)[1]:
+        return int(tinker_path.rsplit("@", 1)[1])
+    import httpx
+
+    url = os.environ["TINKER_BASE_URL"].rstrip("/") + "/api/v1"
+    headers = {"X-API-Key": os.environ["TINKER_API_KEY"]}
+    session = httpx.post(f"{url}/create_session", json={}, headers=headers, timeout=60).json()["session_id"]
+    try:
+        body = {"session_id": session, "sampling_session_seq_id": 0, "model_path": tinker_path}
+        made = httpx.post(f"{url}/create_sampling_session", json=body, headers=headers, timeout=60).json()
+        sampler = httpx.get(f"{url}/samplers/{made['sampling_session_id']}", headers=headers, timeout=60).json()
+    finally:
+        httpx.post(f"{url}/sessions/{session}/finish", json={}, headers=headers, timeout=60)
+    return int(sampler["model_path"].rsplit("@", 1)[1])
 
 
 def fail(message: str) -> NoReturn:

@@ -105,6 +105,7 @@ class Gateway:
             base_models=base_models,
             default_max_tokens=config.default_max_tokens,
             tokenizer_ids=tokenizer_ids,
+            session_timeout_s=config.session_timeout_s,
         )
         host, port = host_port(config.address or "127.0.0.1:0")
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -129,6 +130,7 @@ class Gateway:
             threading.Event().wait(0.01)
         if not self._server.started:
             raise ConfigError(f"the HTTP gateway did not start on {self.address}")
+        self.backend.sessions.start()  # ends sessions whose client went silent (sessions.py)
         log.info("HTTP gateway (Tinker API, OpenAI-compatible) at %s", self.url)
         return self
 

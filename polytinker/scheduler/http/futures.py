@@ -31,6 +31,7 @@ class Pending:
     render: Callable[[Any], Any]
     created_s: float = field(default_factory=time.monotonic)
     done_s: float | None = None
+    model_id: str | None = None  # the training run the call is for (its job's queue state answers try_again)
 
 
 class RequestJournal(Protocol):
@@ -50,15 +51,23 @@ class FutureTable:
         self._per_owner: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def put(self, owner: str, future: Future[Any], render: Callable[[Any], Any], kind: str = "train") -> str:
+    def put(
+        self,
+        owner: str,
+        future: Future[Any],
+        render: Callable[[Any], Any],
+        kind: str = "train",
+        model_id: str | None = None,
+    ) -> str:
         """A new request id for ``future`` of tenant ``owner``; ``kind`` ("sample" or "train") says
-        what a restarted gateway does with it if it is lost (a sample is sent again)."""
+        what a restarted gateway does with it if it is lost (a sample is sent again); ``model_id``:
+        the training run it is a call of, if any."""
         self._expire()
         with self._lock:
             if self._per_owner.get(owner, 0) >= self.max_per_tenant:
                 raise OverloadedError(f"more than {self.max_per_tenant} unretrieved requests", 1.0)
             request_id = uuid.uuid4().hex
-            entry = Pending(owner, future, render)
+            entry = Pending(owner, future, render, model_id=model_id)
             self._entries[request_id] = entry
             self._per_owner[owner] = self._per_owner.get(owner, 0) + 1
         if self.journal is not None:

@@ -1,6 +1,8 @@
-"""What the HTTP gateway remembers across restarts: Tinker sessions, models and sampling sessions,
-the user metadata the SDK attached to them, the checkpoints saved through it, and the request ids
-of calls not yet read back (so that a restarted gateway can say which calls it lost).
+"""What the HTTP gateway remembers across restarts: Tinker sessions (their last heartbeat, how
+they finished, and those finished whose runs and holds are not yet let go: ``sessions.py``),
+models and sampling sessions, the user metadata the SDK attached to them, the checkpoints saved
+through it (a named sampler save's version too), and the request ids of calls not yet read back
+(so that a restarted gateway can say which calls it lost).
 
 The Tinker SDK names a training run by a model id it can derive itself
 (``SESSION:train:SEQ``) and a sampler by a session id the server chose, and a script keeps both
@@ -35,6 +37,9 @@ CREATE TABLE IF NOT EXISTS saved (job_id TEXT NOT NULL, kind TEXT NOT NULL, name
     tinker_path TEXT NOT NULL, created REAL NOT NULL, PRIMARY KEY (job_id, kind, name));
 CREATE TABLE IF NOT EXISTS external_recipients (job_id TEXT NOT NULL, name TEXT NOT NULL,
     recipients TEXT NOT NULL, PRIMARY KEY (job_id, name));
+CREATE TABLE IF NOT EXISTS ending_sessions (session_id TEXT PRIMARY KEY, owner TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS sampler_names (job_id TEXT NOT NULL, name TEXT NOT NULL, model_path TEXT NOT NULL,
+    PRIMARY KEY (job_id, name));
 CREATE TABLE IF NOT EXISTS requests (request_id TEXT PRIMARY KEY, owner TEXT NOT NULL, kind TEXT NOT NULL,
     created REAL NOT NULL);
 """
@@ -119,12 +124,60 @@ class GatewayStore:
             row = self._db.execute("SELECT owner FROM sessions WHERE session_id = ?", (session_id,)).fetchone()
         return None if row is None else str(row[0])
 
-    def finish_session(self, session_id: str, status: str, detail: str | None) -> None:
-        """The first finish of a session stands (Tinker's: first wins)."""
+    def finish_session(self, session_id: str, status: str, detail: str | None) -> bool:
+        """The first finish of a session stands (Tinker's: first wins); whether this was it. A
+        first finish also files the session as ending (``endings``) in the same transaction: what
+        ending it does is done, or done again after a restart, until ``ended``."""
         with self._lock:
-            self._db.execute(
-                "INSERT OR IGNORE INTO finished_sessions VALUES (?, ?, ?, ?)", (session_id, status, detail, time.time())
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                cur = self._db.execute(
+                    "INSERT OR IGNORE INTO finished_sessions VALUES (?, ?, ?, ?)",
+                    (session_id, status, detail, time.time()),
+                )
+                first = cur.rowcount > 0
+                if first:
+                    self._db.execute(
+                        "INSERT OR IGNORE INTO ending_sessions SELECT session_id, owner FROM sessions"
+                        " WHERE session_id = ?",
+                        (session_id,),
+                    )
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+        return first
+
+    def endings(self) -> list[tuple[str, str]]:
+        """(session id, owner) of the finished sessions whose runs and holds are not yet let go."""
+        with self._lock:
+            rows = self._db.execute("SELECT session_id, owner FROM ending_sessions").fetchall()
+        return [(str(r[0]), str(r[1])) for r in rows]
+
+    def ended(self, session_id: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM ending_sessions WHERE session_id = ?", (session_id,))
+
+    def silent_sessions(self, before: float) -> list[str]:
+        """Open sessions whose last heartbeat (or start) was before ``before``."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT session_id FROM sessions WHERE last_heartbeat < ?"
+                " AND session_id NOT IN (SELECT session_id FROM finished_sessions)",
+                (before,),
+            ).fetchall()
+        return [str(r[0]) for r in rows]
+
+    def refresh_heartbeats(self) -> int:
+        """Count every open session as heard from now (a restarted gateway heard nothing while it
+        was down); how many there are."""
+        with self._lock:
+            cur = self._db.execute(
+                "UPDATE sessions SET last_heartbeat = ?"
+                " WHERE session_id NOT IN (SELECT session_id FROM finished_sessions)",
+                (time.time(),),
             )
+        return int(cur.rowcount)
 
     def session_finished(self, session_id: str) -> bool:
         with self._lock:
@@ -134,6 +187,11 @@ class GatewayStore:
     def heartbeat(self, session_id: str) -> None:
         with self._lock:
             self._db.execute("UPDATE sessions SET last_heartbeat = ? WHERE session_id = ?", (time.time(), session_id))
+
+    def last_heartbeat(self, session_id: str) -> float | None:
+        with self._lock:
+            row = self._db.execute("SELECT last_heartbeat FROM sessions WHERE session_id = ?", (session_id,)).fetchone()
+        return None if row is None else float(row[0])
 
     def add_model(self, row: ModelRow) -> None:
         with self._lock:
@@ -211,8 +269,23 @@ class GatewayStore:
                 (row.job_id, row.kind, row.name, row.tinker_path, row.created),
             )
 
+    def add_sampler_name(self, job_id: str, name: str, model_path: str) -> None:
+        """``save_weights_for_sampler(name)`` of the job saved the version at ``model_path``."""
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO sampler_names VALUES (?, ?, ?)", (job_id, name, model_path))
+
+    def sampler_name(self, job_id: str, name: str) -> str | None:
+        """The ``polytinker://`` path of the job's named sampler save ``name``; None if none."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT model_path FROM sampler_names WHERE job_id = ? AND name = ?", (job_id, name)
+            ).fetchone()
+        return None if row is None else str(row[0])
+
     def delete_saved(self, job_id: str, kind: str, name: str) -> None:
         with self._lock:
+            # A deleted sampler save's path keeps naming its version, which samples while it is kept
+            # (as a version's own path does): sampler_names keeps its row.
             self._db.execute("DELETE FROM saved WHERE job_id = ? AND kind = ? AND name = ?", (job_id, kind, name))
             if kind == "external":
                 self._db.execute("DELETE FROM external_recipients WHERE job_id = ? AND name = ?", (job_id, name))

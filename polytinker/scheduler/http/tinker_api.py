@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse
 from polytinker.errors import ConfigError, NotBuiltError, OverloadedError
 from polytinker.scheduler.http import _proto, checks, fb_json
 from polytinker.scheduler.http.checks import Spec, check_body
-from polytinker.scheduler.http.errors import error_body
+from polytinker.scheduler.http.errors import HttpError, error_body
 from polytinker.scheduler.http.futures import FutureTable
 from polytinker.scheduler.http.limits import InFlight
 from polytinker.scheduler.http.tinker_admin import TinkerAdmin
@@ -106,7 +106,7 @@ class _Api:
         kind: str = "train",
     ) -> dict[str, Any]:
         """Answer a call that takes time: its request id (the SDK polls ``retrieve_future`` with it)."""
-        out: dict[str, Any] = {"request_id": self.futures.put(t.owner, fut, render, kind)}
+        out: dict[str, Any] = {"request_id": self.futures.put(t.owner, fut, render, kind, model_id)}
         if model_id is not None:
             out["model_id"] = model_id
         return out
@@ -171,9 +171,10 @@ def _add_service_routes(r: APIRouter, api: _Api) -> None:
     @r.post("/session_heartbeat")
     async def heartbeat(request: Request) -> dict[str, Any]:
         t = await api.tenant_of(request)
-        body = await api.json(request, checks.HEARTBEAT)
-        api.backend.check_session(t, body["session_id"])
-        api.backend.store.heartbeat(body["session_id"])
+        session_id = (await api.json(request, checks.HEARTBEAT))["session_id"]
+        if not await asyncio.to_thread(api.backend.sessions.heartbeat, t.owner, session_id):
+            # 410: the SDK stops heartbeating a session that has ended (closed, or silent too long).
+            raise HttpError(410, f"session {session_id!r} has ended: a new ServiceClient starts another", "gone")
         return {"type": "session_heartbeat"}
 
     @r.post("/telemetry")
@@ -432,7 +433,7 @@ def _add_future_routes(r: APIRouter, api: _Api) -> None:
         if entry is None:
             return _unknown_request(api, t, request_id)
         if not await api.futures.wait(entry, api.long_poll_s):  # not done yet, or the gateway is stopping
-            return JSONResponse({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+            return JSONResponse(await asyncio.to_thread(_try_again, api, t, entry.model_id, request_id))
         api.futures.drop(request_id)
         exc = entry.future.exception() if not entry.future.cancelled() else ConfigError("the request was cancelled")
         if exc is not None:
@@ -447,6 +448,16 @@ def _add_future_routes(r: APIRouter, api: _Api) -> None:
         t = await api.tenant_of(request)
         body = await api.json(request, checks.REQUEST)
         return {"cancelled": api.futures.cancel(t.owner, body["request_id"])}
+
+
+def _try_again(api: _Api, t: Tenant, model_id: str | None, request_id: str) -> dict[str, Any]:
+    """``try_again`` with the queue state the SDK reads (``TryAgainResponse``): ``paused_capacity``
+    and the run's reason while the call waits for its job to run (``TinkerRuns.queue_state``),
+    which the SDK logs as "paused. Reason: ..."; ``active`` otherwise."""
+    out = {"type": "try_again", "request_id": request_id, "queue_state": "active"}
+    if model_id is not None and not api.futures.closing.is_set():
+        out |= api.runs.queue_state(t, model_id)
+    return out
 
 
 def _unknown_request(api: _Api, t: Tenant, request_id: str) -> Response:

@@ -15,7 +15,6 @@ the job and a checkpoint or sampler version in it, so they stay valid across gat
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import threading
@@ -37,11 +36,14 @@ from polytinker.model_path import TINKER_PREFIX, from_tinker
 from polytinker.scheduler.http.checks import check_tokens, vocab_size
 from polytinker.scheduler.http.downloads import age_recipients
 from polytinker.scheduler.http.errors import HttpError
+from polytinker.scheduler.http.sessions import Sessions
 from polytinker.scheduler.http.store import GatewayStore, ModelRow, SamplerRow, SavedRow
 from polytinker.scheduler.http.tinker_names import (
     EXTERNAL_NAME_PREFIX,
     external_path,
     from_tinker_path,
+    named_sampler,
+    named_sampler_path,
     owner_of,
     to_tinker_path,
 )
@@ -83,6 +85,7 @@ class TinkerBackend:
         base_models: tuple[str, ...] = (),
         default_max_tokens: int = 256,
         tokenizer_ids: dict[str, str] | None = None,
+        session_timeout_s: float = 180.0,
     ) -> None:
         self.address, self.curve = scheduler_address, curve
         self.base_models = base_models
@@ -94,8 +97,10 @@ class TinkerBackend:
         self._pool = ThreadPoolExecutor(32, thread_name_prefix="polytinker-http")
         self._tenants: dict[str, Tenant] = {}
         self._lock = threading.Lock()
+        self.sessions = Sessions(self.store, self.known_tenant, session_timeout_s)  # started by the Gateway
 
     def close(self) -> None:
+        self.sessions.stop()
         with self._lock:
             tenants, self._tenants = list(self._tenants.values()), {}
         for t in tenants:
@@ -122,6 +127,11 @@ class TinkerBackend:
         with self._lock:
             return self._tenants.setdefault(owner, Tenant(owner, service))
 
+    def known_tenant(self, owner: str) -> Tenant | None:
+        """The tenant of a key this gateway has seen since it started, or None."""
+        with self._lock:
+            return self._tenants.get(owner)
+
     def create_session(self, t: Tenant, req: dict[str, Any]) -> str:
         session_id = f"session-{uuid.uuid4().hex[:16]}"
         self.store.add_session(session_id, t.owner)
@@ -141,23 +151,14 @@ class TinkerBackend:
             raise ConfigError(f"session {session_id!r} is finished: a new ServiceClient starts another")
 
     def finish_session(self, t: Tenant, session_id: str, req: dict[str, Any]) -> None:
-        """``ServiceClient.close(status)``: the session takes no more calls, and its training runs'
-        jobs finish (their adapter slots go to other runs; their saved weights stay)."""
+        """``ServiceClient.close(status)``: the session takes no more calls, its training runs'
+        jobs finish (their adapter slots go to other runs; their saved weights stay) and its
+        samplers' holds go (``Sessions``)."""
         self._own_session(t, session_id)
         reason = req.get("reason")
         status = str((reason if isinstance(reason, dict) else {}).get("type") or "success")[:32]
         detail = req.get("detail")
-        self.store.finish_session(session_id, status, None if detail is None else str(detail)[:1000])
-        for row in self.store.models(t.owner):
-            if not row.model_id.startswith(f"{session_id}:"):
-                continue
-            with t.lock:
-                tc = t.training.pop(row.job_id, None)
-            if tc is not None:
-                tc.finish()
-            else:  # made by an earlier gateway process: finish it by id
-                with contextlib.suppress(ConfigError):  # already finished
-                    t.service.finish_job(row.job_id)
+        self.sessions.finish(t, session_id, status, None if detail is None else str(detail)[:1000])
 
     # --- models --------------------------------------------------------------------------------------
     def model(self, t: Tenant, model_id: str) -> ModelRow:
@@ -263,8 +264,9 @@ class TinkerBackend:
         return saved
 
     def save_for_sampler(self, t: Tenant, req: dict[str, Any]) -> Future[dict[str, Any]]:
-        """Make the current version sampleable. Named (``path``): answer its ``tinker://`` path;
-        unnamed (``save_weights_and_get_sampling_client``): also open a sampling session on it."""
+        """Make the current version sampleable. Named (``path``): answer ``tinker://JOB/sampler_weights/NAME``,
+        which samples that version; unnamed (``save_weights_and_get_sampling_client``): also open a
+        sampling session on it, whose session holds the version (it is not pruned while the session lives)."""
         row = self.model(t, str(req.get("model_id", "")))
         tc = self.training_client(t, row.model_id)
         name = str(req.get("path") or "")
@@ -278,11 +280,16 @@ class TinkerBackend:
                 path = to_tinker_path(f.result())
                 out: dict[str, Any] = {"type": "save_weights_for_sampler", "path": path}
                 if name:
+                    out["path"] = path = named_sampler_path(row.job_id, name)
+                    self.store.add_sampler_name(row.job_id, name, f.result())
                     self.store.add_saved(SavedRow(row.job_id, "sampler", name, path, time.time()))
                 else:
+                    session_id, _, _ = row.model_id.partition(":")
+                    if self.store.session_owner(session_id) == t.owner:  # a run made in a session
+                        t.service.hold_weights(session_id, f.result())
                     sampler_id = f"sampler-{uuid.uuid4().hex[:16]}"
                     self.store.add_sampler(SamplerRow(sampler_id, t.owner, row.base_model, f.result()))
-                    self.store.add_sampler_session(sampler_id, row.model_id.partition(":")[0])
+                    self.store.add_sampler_session(sampler_id, session_id)
                     out["sampling_session_id"] = sampler_id
                 fut.set_result(out)
             except BaseException as exc:
@@ -362,7 +369,7 @@ class TinkerBackend:
     def weights_info(self, t: Tenant, tinker_path: str) -> dict[str, Any]:
         """``weights_info``: the saved weights' base model and LoRA shape, as the scheduler knows
         them (the tenant's own, or published ones)."""
-        source = self.source(t, from_tinker(tinker_path))
+        source = self.source(t, self.polytinker_path(tinker_path))
         lora = source.lora or {}
         modules = set(lora.get("target_modules") or DEFAULT_TARGET_MODULES)  # none named: the learner's default
         return {
@@ -380,14 +387,30 @@ class TinkerBackend:
         self.check_session(t, session_id)
         tinker_path = req.get("model_path")
         if tinker_path:
-            path = from_tinker_path(str(tinker_path), "sampler_weights")
+            path = self.sampler_path(str(tinker_path))
             base_model = self.source(t, path).base_model
+            t.service.hold_weights(session_id, path)  # sampleable while the session lives
         else:
             path, base_model = "", self._base_model(req.get("base_model"))
         sampler_id = f"sampler-{uuid.uuid4().hex[:16]}"
         self.store.add_sampler(SamplerRow(sampler_id, t.owner, base_model, path))
         self.store.add_sampler_session(sampler_id, session_id)
         return sampler_id
+
+    def sampler_path(self, tinker_path: str) -> str:
+        """The ``polytinker://`` path of a sampler path: ``tinker://JOB/sampler_weights/AGENT@V``,
+        or a named save's ``tinker://JOB/sampler_weights/NAME`` (ConfigError if the job has none)."""
+        named = named_sampler(tinker_path)
+        if named is None:
+            return from_tinker_path(tinker_path, "sampler_weights")
+        found = self.store.sampler_name(*named)
+        if found is None:
+            raise ConfigError(f"no sampler weights {tinker_path!r}: save_weights_for_sampler(name) makes them")
+        return found
+
+    def polytinker_path(self, tinker_path: str) -> str:
+        """The polytinker path of a ``tinker://`` path of saved weights (named sampler saves too)."""
+        return self.sampler_path(tinker_path) if named_sampler(tinker_path) else from_tinker(tinker_path)
 
     def sampler_row(self, t: Tenant, sampler_id: str) -> SamplerRow:
         row = self.store.sampler(t.owner, sampler_id)
@@ -406,7 +429,7 @@ class TinkerBackend:
             row = self.sampler_row(t, str(sampler_id))
             key, path, base = row.sampler_id, row.model_path, row.base_model
         elif req.get("model_path"):
-            path = from_tinker_path(str(req["model_path"]), "sampler_weights")
+            path = self.sampler_path(str(req["model_path"]))
             key, base = path, None  # looked up once, when its client is made
         else:
             base = self._base_model(req.get("base_model"))

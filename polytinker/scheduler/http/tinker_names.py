@@ -1,6 +1,7 @@
 """The Tinker API's names for what polytinker keeps: ``tinker://`` paths of checkpoints and sampler
 versions (polytinker's ``polytinker-ckpt://`` and ``polytinker://`` paths, tinker_backend.py's
-table), and the handle of a tenant in the gateway's tables."""
+table; a named sampler save is ``tinker://JOB/sampler_weights/NAME``, which the gateway's store maps
+to its version), and the handle of a tenant in the gateway's tables."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import hashlib
 
 from polytinker.errors import ConfigError
 from polytinker.model_path import MODEL_PREFIX, TINKER_PREFIX, CheckpointPath, ModelPath
+from polytinker.scheduler.service.layout import check_name
 
+SAMPLER_WEIGHTS = "sampler_weights"  # the middle part of a sampler path
 EXTERNAL_NAME_PREFIX = "external."  # a save_weights_external(NAME) is the job's sampler save external.NAME
 
 
@@ -33,9 +36,32 @@ def from_tinker_path(path: str, kind: str) -> str:
     return str(CheckpointPath.from_tinker(path) if kind == "weights" else ModelPath.from_tinker(path))
 
 
+def named_sampler_path(job_id: str, name: str) -> str:
+    """Tinker's path of the job's ``save_weights_for_sampler(name)``: ``tinker://JOB/sampler_weights/NAME``."""
+    return f"{TINKER_PREFIX}{job_id}/{SAMPLER_WEIGHTS}/{name}"
+
+
+def named_sampler(path: str) -> tuple[str, str] | None:
+    """(job, name) of a named sampler save's ``tinker://JOB/sampler_weights/NAME``; None for any
+    other path (a version's ``.../sampler_weights/AGENT@V`` among them: names have no ``@``)."""
+    parts = path.removeprefix(TINKER_PREFIX).split("/") if path.startswith(TINKER_PREFIX) else []
+    if len(parts) != 3 or parts[1] != SAMPLER_WEIGHTS or not parts[0] or "@" in parts[2]:
+        return None
+    return parts[0], check_name("sampler name", parts[2])
+
+
 def external_path(job_id: str, name: str) -> str:
     """The ``tinker://`` path of the job's ``save_weights_external(name)``."""
     return f"{TINKER_PREFIX}{job_id}/external_weights/{name}"
 
 
-__all__ = ["EXTERNAL_NAME_PREFIX", "TINKER_PREFIX", "external_path", "from_tinker_path", "owner_of", "to_tinker_path"]
+__all__ = [
+    "EXTERNAL_NAME_PREFIX",
+    "TINKER_PREFIX",
+    "external_path",
+    "from_tinker_path",
+    "named_sampler",
+    "named_sampler_path",
+    "owner_of",
+    "to_tinker_path",
+]

@@ -11,17 +11,20 @@ Answers follow the SDK's types (``TrainingRun``, ``Checkpoint``, ``CheckpointsLi
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 from polytinker.errors import NotBuiltError
-from polytinker.model_path import SAMPLER_NAME_PREFIX, CheckpointPath, ModelPath, from_tinker
+from polytinker.model_path import SAMPLER_NAME_PREFIX, CheckpointPath, ModelPath
 from polytinker.scheduler.http.downloads import SignedDownloads, age_encrypt
 from polytinker.scheduler.http.errors import HttpError
 from polytinker.scheduler.http.store import ModelRow, SavedRow
 from polytinker.scheduler.http.tinker_backend import Tenant, TinkerBackend
 from polytinker.scheduler.http.tinker_names import EXTERNAL_NAME_PREFIX, TINKER_PREFIX, external_path, to_tinker_path
 from polytinker.scheduler.http.wire import iso_time, ttl_of
+
+log = logging.getLogger("polytinker.http")
 
 
 class TinkerRuns:
@@ -30,6 +33,7 @@ class TinkerRuns:
     def __init__(self, backend: TinkerBackend) -> None:
         self.backend = backend
         self.downloads = SignedDownloads()
+        self._told: dict[str, str] = {}  # the last queue state logged per waiting run
 
     def _run_row(self, t: Tenant, run_id: str) -> ModelRow:
         """The tenant's run ``run_id`` (a job id or a model id); 404 for any other."""
@@ -123,6 +127,20 @@ class TinkerRuns:
         page = every[offset : offset + limit] if limit > 0 else []
         return {"checkpoints": page, "cursor": {"offset": offset, "limit": limit, "total_count": len(every)}}
 
+    def queue_state(self, t: Tenant, model_id: str) -> dict[str, str]:
+        """The ``try_again`` fields of a call of run ``model_id`` not done yet: while its job waits
+        to run (queued for capacity, being preempted, or paused), ``paused_capacity`` and the job's
+        reason (``polytinker jobs`` shows the same: where it is in the queue and what it waits
+        for); {} otherwise (the call runs), or when the scheduler cannot say now."""
+        row = self.backend.store.model(t.owner, model_id)
+        if row is None:
+            return {}
+        try:
+            job = t.service.get_job(row.job_id).get("job") or {}
+        except Exception:  # the poll answers "active" rather than fail over a status query
+            return {}
+        return queue_fields(model_id, job, self._told)
+
     def session(self, t: Tenant, session_id: str) -> dict[str, Any]:
         if self.backend.store.session_owner(session_id) != t.owner:
             raise HttpError(404, f"unknown session {session_id!r}", "not_found")
@@ -193,7 +211,7 @@ class TinkerRuns:
         if access_token:
             raise NotBuiltError("weights access tokens are not built: the owner publishes the checkpoint instead")
         source = str(req.get("source_path") or "")
-        path = from_tinker(source)
+        path = self.backend.polytinker_path(source)
         session_id = req.get("session_id")
         if session_id:
             self.backend.check_session(t, str(session_id))
@@ -232,9 +250,30 @@ class TinkerRuns:
         return {"urls": {f: f"{root}/{f}" for f in files}, "expires": iso_time(expires)}
 
 
+WAITING_STATES = ("queued", "preempting", "paused")  # a call of a job in these waits for it to run
+
+
+def queue_fields(model_id: str, job: dict[str, Any], told: dict[str, str]) -> dict[str, str]:
+    """The ``try_again`` fields for a call of run ``model_id`` whose job is ``job`` (its public
+    row): ``paused_capacity`` with a reason while the job waits to run, {} while it runs. A change
+    of what the run waits for is logged once (``told``: the last one logged per run)."""
+    state = str(job.get("state") or "")
+    if state not in WAITING_STATES:
+        told.pop(model_id, None)
+        return {}
+    why = str(job.get("reason") or "waiting to run")
+    reason = f"training run {job.get('job_id', model_id)} is {why if why.startswith(state) else f'{state}: {why}'}"
+    if told.get(model_id) != reason:
+        if len(told) > 10_000:  # runs that ended while waiting are never popped: bounded here
+            told.clear()
+        told[model_id] = reason
+        log.info("calls of %s wait: %s", model_id, reason)
+    return {"queue_state": "paused_capacity", "queue_state_reason": reason}
+
+
 def _external_name(name: str) -> str:
     """The scheduler's name of ``save_weights_external(name)``: a named sampler save."""
     return SAMPLER_NAME_PREFIX + EXTERNAL_NAME_PREFIX + name
 
 
-__all__ = ["TinkerRuns"]
+__all__ = ["WAITING_STATES", "TinkerRuns", "queue_fields"]
