@@ -175,6 +175,25 @@ def test_gradients_accumulate_until_step() -> None:
         torch.testing.assert_close(w1[k], w2[k], rtol=1e-5, atol=1e-6)
 
 
+def test_a_token_budget_splits_a_call_into_passes_with_the_same_result() -> None:
+    """max_tokens_per_pass bounds a pass by positions, not datums: 6 datums of 40 tokens under a
+    budget of 80 run as three passes, with the loss and the step of one pass."""
+    data = [make_datum(i, n=40) for i in range(6)]
+    whole = MultiAdapterLearner(tiny_model(), LearnerConfig(micro_batch_size=8))
+    small = MultiAdapterLearner(tiny_model(), LearnerConfig(micro_batch_size=8, max_tokens_per_pass=80))
+    assert len(small.micro_batch_plan([list(d.input_tokens) for d in data])) == 3
+    assert len(whole.micro_batch_plan([list(d.input_tokens) for d in data])) == 1
+    for lrn in (whole, small):
+        lrn.add_adapter("alice", LORA, seed=1)
+    losses = [lrn.forward_backward(data, "cross_entropy", "alice").loss for lrn in (whole, small)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    for lrn in (whole, small):
+        lrn.optim_step(ADAM, "alice")
+    w1, w2 = whole.export_adapter("alice").tensors, small.export_adapter("alice").tensors
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], rtol=1e-5, atol=1e-6)
+
+
 def test_training_lowers_the_loss(learner: MultiAdapterLearner) -> None:
     data = [make_datum(i) for i in range(3)]
     first = learner.forward_backward(data, "cross_entropy", "alice").loss

@@ -140,7 +140,7 @@ def test_micro_batches_keep_each_prompt_whole_and_mix_adapters_only_where_it_cos
     short, long = tokens(1, 30), tokens(2, 200)  # two agents' prompts: a solver's and a verifier's
     rows = [("solver", short + tokens(10 + k, 6)) for k in range(6)]
     rows += [("verifier", long + tokens(20 + k, 40)) for k in range(5)]
-    plan = scoring.plan_micro_batches(rows, size=32)
+    plan = scoring.plan_micro_batches(rows, size=32, max_tokens=1 << 20)
     assert sorted(i for batch in plan for i in batch) == list(range(len(rows)))
     assert sorted(sorted(batch) for batch in plan) == [list(range(6)), list(range(6, 11))]
     # the cost the planner avoided: one padded pass over all rows against the two prefix passes
@@ -149,12 +149,32 @@ def test_micro_batches_keep_each_prompt_whole_and_mix_adapters_only_where_it_cos
     assert together > 4 * apart
     # rows that share nothing fill micro-batches whichever adapter they belong to, up to the size
     unrelated = [(("alice", "bob")[k % 2], tokens(100 + k, 20)) for k in range(10)]
-    plan = scoring.plan_micro_batches(unrelated, size=4)
+    plan = scoring.plan_micro_batches(unrelated, size=4, max_tokens=1 << 20)
     assert [len(b) for b in plan] == [4, 4, 2]
     assert any(len({unrelated[i][0] for i in b}) == 2 for b in plan)
     # one prompt answered by two adapters: one micro-batch, its prefix run once per adapter
     both = [(name, short + tokens(50 + k, 4)) for k, name in enumerate(("alice", "bob", "alice", "bob"))]
-    assert scoring.plan_micro_batches(both, size=8) == [sorted(range(4), key=lambda i: both[i][1])]
+    assert scoring.plan_micro_batches(both, size=8, max_tokens=1 << 20) == [sorted(range(4), key=lambda i: both[i][1])]
+
+
+def test_a_pass_holds_at_most_max_tokens_positions_whatever_the_datum_count() -> None:
+    """Memory follows tokens: 32 long datums split into passes of at most max_tokens decoder
+    positions (a shared prompt counted once); short ones still fill a micro-batch."""
+
+    def tokens(seed: int, n: int) -> list[int]:
+        return torch.randint(1, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+    unrelated = [tokens(k, 600) for k in range(32)]
+    plan = scoring.token_micro_batches(unrelated, 32, 4096)
+    assert [len(b) for b in plan] == [6, 6, 6, 6, 6, 2] and sorted(sum(plan, [])) == list(range(32))
+    prompt = tokens(99, 500)  # a GRPO group: one 500-token prompt, 16 answers of 20 tokens
+    group = [prompt + tokens(200 + k, 20) for k in range(16)]
+    assert scoring.token_micro_batches(group, 32, 4096) == [list(range(16))]  # 500 + 16 x 20 positions
+    assert scoring.token_micro_batches([tokens(7, 5000), *unrelated[:2]], 32, 4096) == [[0], [1, 2]]
+    rows = [("a" if k % 2 else "b", t) for k, t in enumerate(unrelated)]
+    for batch in scoring.plan_micro_batches(rows, 32, 4096):
+        assert scoring.pass_cost(0, [len(rows[i][1]) for i in batch], 2) <= 4096
+    assert scoring.token_micro_batches(unrelated[:4], 2, 1 << 20) == [[0, 1], [2, 3]]  # the size still bounds
 
 
 def test_head_runs_in_chunks_and_only_where_asked(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -30,7 +30,7 @@ from polytinker.engine.learner.config import AdamParams, LearnerConfig, LossConf
 from polytinker.engine.learner.distributed import SINGLE, DistInfo, all_reduce_sum_, log0
 from polytinker.engine.learner.guard import GradientGuard
 from polytinker.engine.learner.losses import Batch, collate, kl_to_reference, policy_loss
-from polytinker.engine.learner.scoring import score
+from polytinker.engine.learner.scoring import score, token_micro_batches
 from polytinker.engine.learner.sharding import as_float, is_sharded
 from polytinker.engine.types import AdapterName, AdapterRef, Datum, LossFnName
 from polytinker.errors import ConfigError
@@ -325,17 +325,25 @@ class Learner:
         """
         if not data and self._lockstep is None:
             raise ConfigError("a learner call needs at least one Datum")
-        size = self.config.micro_batch_size
-        order = list(range(len(data)))
-        if len(data) > size:
-            order.sort(key=lambda i: _input_tokens(data[i]))
-        for start in range(0, len(order), size):
-            index = order[start : start + size]
+        plan = self.micro_batch_plan([_input_tokens(d) for d in data])
+        for index in plan:
             yield index, [data[i] for i in index]
         if self._lockstep is not None:
             passes, filler = self._lockstep
-            for _ in range(passes - math.ceil(len(data) / size)):
+            for _ in range(passes - len(plan)):
                 yield None, [cast(T_, filler)]
+
+    def micro_batch_plan(self, inputs: list[list[int]]) -> list[list[int]]:
+        """The micro-batches of a call whose datums' input tokens are ``inputs``: indices, at most
+        ``micro_batch_size`` datums and ``max_tokens_per_pass`` padded tokens each (the same plan on
+        every rank of a group, for the passes each must run)."""
+        cfg = self.config
+        order = list(range(len(inputs)))
+        whole = token_micro_batches(inputs, len(inputs), cfg.max_tokens_per_pass)
+        if len(inputs) > cfg.micro_batch_size or len(whole) > 1:  # in token order (above)
+            order.sort(key=lambda i: inputs[i])
+        cuts = token_micro_batches([inputs[i] for i in order], cfg.micro_batch_size, cfg.max_tokens_per_pass)
+        return [[order[j] for j in cut] for cut in cuts]
 
     def _row_context(self, names: Sequence[str] | None) -> contextlib.AbstractContextManager[Any]:
         """Context in which the module applies per-row adapters ``names`` (None: the selected one)."""

@@ -27,6 +27,10 @@ class LearnerConfig:
     # "full": every parameter of the model trains with one AdamW; there are no adapters.
     micro_batch_size: int = 8
     # Datums per forward/backward pass; a larger call is split so peak memory stays bounded.
+    max_tokens_per_pass: int = 4096
+    # Decoder positions per pass, too (datums x the longest, a shared prompt prefix counted once):
+    # activation memory grows with positions, not datums, so 32 long datums run as several passes
+    # (32 tic-tac-toe prompts in one pass took a learner to 11.6 GB). A longer datum runs alone.
     grad_normalization: GradNormalization = "sum"
     # "sum": gradients are of the summed per-token loss, as Tinker does; data-parallel ranks sum too.
     # "per_token": at optim_step the accumulated gradient is divided by the number of weighted tokens
@@ -57,6 +61,8 @@ class LearnerConfig:
             raise ConfigError(f"LearnerConfig.mode must be 'lora' or 'full', got {self.mode!r}")
         if self.micro_batch_size <= 0:
             raise ConfigError(f"LearnerConfig.micro_batch_size must be positive, got {self.micro_batch_size}")
+        if self.max_tokens_per_pass <= 0:
+            raise ConfigError(f"LearnerConfig.max_tokens_per_pass must be positive, got {self.max_tokens_per_pass}")
         if self.grad_normalization not in ("sum", "per_token"):
             raise ConfigError(
                 f"LearnerConfig.grad_normalization must be 'sum' or 'per_token', got {self.grad_normalization!r}"

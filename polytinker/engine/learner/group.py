@@ -22,7 +22,6 @@ import contextlib
 import datetime
 import functools
 import logging
-import math
 import os
 from dataclasses import asdict
 from typing import Any
@@ -168,9 +167,10 @@ def _lockstep(learner: AnyLearner, info: DistInfo, data: list[Datum]) -> context
     most (``Learner.lockstep``); a replicated one runs its own shard as it is."""
     if not _sharded(learner) or not data:
         return contextlib.nullcontext()
-    size = learner.config.micro_batch_size
     spans = [shard_bounds(len(data), r, info.world_size) for r in range(info.world_size)]
-    return learner.lockstep(max(math.ceil((end - start) / size) for start, end in spans), filler_datum(data[0]))
+    inputs = [list(d.input_tokens) for d in data]
+    passes = max(len(learner.micro_batch_plan(inputs[start:end])) for start, end in spans)
+    return learner.lockstep(passes, filler_datum(data[0]))
 
 
 def _part(r: ForwardBackwardResult) -> dict[str, Any]:

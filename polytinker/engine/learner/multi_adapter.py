@@ -300,7 +300,8 @@ class MultiAdapterLearner(Learner):
         a solver and a verifier's GRPO groups)."""
         if not self.config.share_prefix:
             return [order for order, _ in self._chunks(rows) if order is not None]
-        return plan_micro_batches([(name, d.input_tokens) for name, d in rows], self.config.micro_batch_size)
+        cfg = self.config
+        return plan_micro_batches([(n, d.input_tokens) for n, d in rows], cfg.micro_batch_size, cfg.max_tokens_per_pass)
 
     def _mixed_micro_batch(
         self,

@@ -158,9 +158,31 @@ def pass_cost(prefix_len: int, lengths_B: Sequence[int], owners: int) -> int:
     return owners * prefix_len + len(lengths_B) * (max(lengths_B) - prefix_len)
 
 
-def plan_micro_batches(rows: Sequence[tuple[str, Sequence[int]]], size: int) -> list[list[int]]:
+def token_micro_batches(inputs: Sequence[Sequence[int]], size: int, max_tokens: int) -> list[list[int]]:
+    """Positions in ``inputs`` (one adapter's rows' input tokens, in the order to keep) cut into
+    micro-batches of at most ``size`` rows whose pass runs at most ``max_tokens`` decoder positions
+    (:func:`pass_cost`: a shared prefix once): a pass's activations grow with its positions, so a
+    call of long datums splits into several passes rather than one that takes the machine's
+    memory. A row longer than ``max_tokens`` runs alone."""
+    batches: list[list[int]] = []
+    prefix: Sequence[int] = ()
+    lengths: list[int] = []
+    for i, tokens in enumerate(inputs):
+        if batches and len(batches[-1]) < size:
+            common = _common_prefix_len(prefix, tokens)
+            new_lengths = [*lengths, len(tokens)]
+            if pass_cost(min(common, min(new_lengths) - 1), new_lengths, 1) <= max_tokens:
+                batches[-1].append(i)
+                prefix, lengths = tokens[:common], new_lengths
+                continue
+        batches.append([i])
+        prefix, lengths = tokens, [len(tokens)]
+    return batches
+
+
+def plan_micro_batches(rows: Sequence[tuple[str, Sequence[int]]], size: int, max_tokens: int) -> list[list[int]]:
     """Micro-batches (lists of indices into ``rows``, each ``(adapter, input tokens)``) of at most
-    ``size`` rows, in token order, for scoring with :func:`score`.
+    ``size`` rows and ``max_tokens`` padded tokens, in token order, for scoring with :func:`score`.
 
     A row joins the micro-batch being built unless that costs more decoder positions
     (:func:`pass_cost`) than the row alone would: rows of one prompt (a GRPO group) stay together
@@ -180,7 +202,8 @@ def plan_micro_batches(rows: Sequence[tuple[str, Sequence[int]]], size: int) -> 
             new_lengths = [*lengths, len(tokens)]
             joined = min(common, min(new_lengths) - 1)
             old = pass_cost(min(len(prefix), min(lengths) - 1), lengths, len(owners))
-            if pass_cost(joined, new_lengths, len(owners | {name})) - old <= len(tokens):
+            cost = pass_cost(joined, new_lengths, len(owners | {name}))
+            if cost - old <= len(tokens) and cost <= max_tokens:
                 batches[-1].append(i)
                 prefix, lengths = tokens[:common], new_lengths
                 owners.add(name)
@@ -373,4 +396,12 @@ def score(
     return out.reshape(B, T)
 
 
-__all__ = ["LOGIT_CHUNK", "MIN_SHARED_PREFIX", "pass_cost", "plan_micro_batches", "score", "shared_prefix_len"]
+__all__ = [
+    "LOGIT_CHUNK",
+    "MIN_SHARED_PREFIX",
+    "pass_cost",
+    "plan_micro_batches",
+    "score",
+    "shared_prefix_len",
+    "token_micro_batches",
+]

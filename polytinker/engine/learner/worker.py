@@ -134,6 +134,7 @@ class LearnerWorker:
         lcfg = LearnerConfig(
             mode=mode,  # type: ignore[arg-type]
             micro_batch_size=self.cfg.micro_batch_size,
+            max_tokens_per_pass=self.cfg.max_tokens_per_pass,
             full_sharding=self.cfg.full_sharding,  # type: ignore[arg-type]
         )
         device = resolve_device(self.cfg.device, self.cfg.world_size)  # ConfigError before any model loads

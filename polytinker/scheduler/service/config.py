@@ -125,6 +125,10 @@ class LearnerWorkerConfig:
     # Data-parallel replicas (processes) in the group; rank 0 talks to the scheduler.
     micro_batch_size: int = 8
     # Datums per forward/backward pass.
+    max_tokens_per_pass: int = 4096
+    # Decoder positions per pass as well (datums x the longest, a shared prompt prefix once): a
+    # call of long datums runs as several passes, so the learner's memory follows tokens, not the
+    # datum count (32 tic-tac-toe prompts in one pass took a learner to 11.6 GB).
     memory_gb: float = 16.0
     # Accelerator memory beyond the base weights: the working set of the job training now.
     max_jobs: int = 16
@@ -146,8 +150,10 @@ class LearnerWorkerConfig:
             raise ConfigError(f"LearnerWorkerConfig.full_sharding: one of {FULL_SHARDINGS}, not {self.full_sharding!r}")
         check_device("LearnerWorkerConfig.device", self.device)
         check_dtype("LearnerWorkerConfig.dtype", self.dtype)
-        if self.world_size < 1 or self.micro_batch_size < 1 or self.max_jobs < 1:
-            raise ConfigError("LearnerWorkerConfig: world_size, micro_batch_size and max_jobs must be >= 1")
+        if min(self.world_size, self.micro_batch_size, self.max_jobs, self.max_tokens_per_pass) < 1:
+            raise ConfigError(
+                "LearnerWorkerConfig: world_size, micro_batch_size, max_tokens_per_pass and max_jobs must be >= 1"
+            )
         if self.memory_gb <= 0:
             raise ConfigError(f"LearnerWorkerConfig.memory_gb must be > 0, got {self.memory_gb}")
 
