@@ -51,6 +51,19 @@ def test_error_messages_carry_no_server_paths_but_keep_the_tenants_names() -> No
     assert crash["category"] == "server" and "/opt" not in crash["error"]
 
 
+def test_a_restarting_runtime_is_a_503_the_sdk_retries_not_an_internal_error() -> None:
+    from polytinker.errors import PeerDeadError, RuntimeDead, WorkerUnavailable
+    from polytinker.scheduler.http.errors import error_response
+
+    for exc in (WorkerUnavailable("worker learner-0 is not available (waited 60 s)"), PeerDeadError("gone")):
+        status, body = classify(exc)
+        assert status == 503 and body["error"]["code"] == "unavailable"
+        assert error_response(exc).headers["retry-after"] == "2"
+        report = failed(exc)  # in a future: what happened, not an error id alone
+        assert report["category"] == "server" and report["error"] == str(exc)
+    assert classify(RuntimeDead("actor 'engine-0' is down"))[0] == 503
+
+
 # --- request bytes in flight ----------------------------------------------------------------------------
 def test_in_flight_bounds_each_key_and_the_total() -> None:
     budget = InFlight(per_key=10, total=15)

@@ -11,7 +11,8 @@ Every call goes through ``Connection.request``:
   ``reconnect_s`` from that moment, however long the call had run, when the request is safe to
   send twice (``idempotent=True``). ``forward_backward`` and ``optim_step`` are:
   each call carries a ``request_id``, the same on every resend (whose ``attempt`` counts up), and
-  the learner applies one id once; ``load_state`` is not, and raises;
+  the learner applies one id once; ``load_state`` is not, and raises. A ``WorkerUnavailable``
+  answer (the scheduler waited ``worker_retry_s`` for a restarting worker) is retried alike;
 - with ``check`` (the embedded runtime's ``LocalRuntime.check``), a runtime that stopped for good
   (an actor stayed down) raises its ``RuntimeDead``, which names the actor and why, instead of
   the calls retrying a scheduler that is gone;
@@ -40,6 +41,7 @@ from polytinker.errors import (
     RemoteError,
     RequestTimeout,
     TransportError,
+    WorkerUnavailable,
     error_class,
 )
 from polytinker.scheduler.service.replies import OverloadedReply, WaitingReply
@@ -113,6 +115,13 @@ class Connection:
                 continue
             except RemoteError as exc:
                 local = _local(exc)
+                if isinstance(local, WorkerUnavailable) and idempotent:
+                    # The scheduler waited for a restarting worker in vain: a slow restart (a
+                    # model loading on a saturated machine) still counts as one.
+                    lost_at = time.monotonic() if lost_at is None else lost_at
+                    if time.monotonic() - lost_at <= self.reconnect_s:
+                        time.sleep(1.0)
+                        continue
                 if local is exc:
                     raise
                 raise local from exc

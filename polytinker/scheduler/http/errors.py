@@ -27,6 +27,8 @@ from polytinker.errors import (
     PolytinkerError,
     ProtocolError,
     RequestTimeout,
+    RuntimeDead,
+    TransportError,
 )
 from polytinker.transport.protocol import scrub_paths
 
@@ -54,11 +56,14 @@ _STATUS: tuple[tuple[type[BaseException], int, str, str], ...] = (
     (RequestTimeout, 504, "server_error", "timeout"),
     (ConfigError, 400, "invalid_request_error", "invalid_request"),
     (ProtocolError, 400, "invalid_request_error", "invalid_request"),
+    # A worker or the scheduler restarting, or the runtime stopped: the server's state, not the
+    # caller's fault, and what an SDK retries (503).
+    (RuntimeDead, 503, "server_error", "runtime_stopped"),
+    (TransportError, 503, "server_error", "unavailable"),
     (KeyError, 400, "invalid_request_error", "invalid_request"),
     (ValueError, 400, "invalid_request_error", "invalid_request"),
     (TypeError, 400, "invalid_request_error", "invalid_request"),
 )
-
 
 
 def error_body(message: str, kind: str = "invalid_request_error", code: str = "") -> dict[str, Any]:
@@ -92,6 +97,8 @@ def error_response(exc: BaseException) -> JSONResponse:
     """The answer to a request that raised ``exc`` (with ``retry-after`` when overloaded)."""
     status, body = classify(exc)
     headers = {"retry-after": str(max(1, round(exc.retry_after_s)))} if isinstance(exc, OverloadedError) else None
+    if status == 503:
+        headers = {"retry-after": "2"}  # a worker or the scheduler restarts in seconds
     return JSONResponse(body, status_code=status, headers=headers)
 
 

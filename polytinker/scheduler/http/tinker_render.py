@@ -57,7 +57,9 @@ def failed(exc: BaseException) -> dict[str, Any]:
     caller (``user``) or the runtime (``server``) was at fault; a runtime fault names only an error id."""
     status, body = classify(exc)
     err = body["error"]
-    message = err["message"] if status < 500 else f"internal error (error id {err['error_id']})"
+    # A 503 (a restarting worker, a stopped runtime) says what happened; any other fault of the
+    # runtime only its error id.
+    message = err["message"] if status < 500 or status == 503 else f"internal error (error id {err['error_id']})"
     return {"error": message, "category": "user" if status < 500 else "server", "error_id": err["error_id"]}
 
 
