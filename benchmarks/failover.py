@@ -1,13 +1,21 @@
-"""Failover time: SIGKILL the engine of a real local runtime while a sample call is in flight.
+"""Failover time: SIGKILL the engine of a real local runtime while a sample call is in flight,
+and SIGKILL a Tinker SDK client that holds every adapter slot without closing its session.
 
     python benchmarks/failover.py                 # tiny-random model, 256 new tokens per sample
     python benchmarks/failover.py --tokens 512 --heartbeat 10
+    python benchmarks/failover.py --quick         # the session phase with a 15 s session timeout
 
 Prints ``failover_s`` (from the kill to the broker failing the call in flight and waiting for the
 engine to come back, read from the scheduler's log), ``restart_registered_s`` (to the restarted
 engine's registration), ``call_done_s`` (to the in-flight call's answer, from the restarted engine)
 and ``sample_alone_s`` (the same call with no fault). With one engine the call has to wait for the
 restart anyway; ``failover_s`` is how long a call in flight to a dead worker stays stuck on it.
+
+``slots_recovered_s`` (``slots_recovered``): from the SIGKILL of a client process (the official
+``tinker`` SDK, through the HTTP gateway) whose run holds the engine's only adapter slot, to another
+tenant's run, queued meanwhile, completing a training step: the killed client's session is silent
+for ``session_timeout_s`` (``--session-timeout``; the shipped default unless ``--quick``), then ends
+and its run's job finishes. Target: at most ``session_timeout_s`` + 10 s.
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from datetime import datetime
@@ -23,6 +33,7 @@ from polytinker.actors import read_log
 from polytinker.client import ServiceClient
 from polytinker.engine.types import SamplingParams
 from polytinker.scheduler.service import EngineWorkerConfig, LocalRuntime, RuntimeConfig, TenantConfig
+from polytinker.scheduler.service.config import HttpConfig
 from polytinker.scheduler.service.worker_auth import launcher_credential
 from polytinker.scheduler.service.worker_messages import WorkersQuery
 from polytinker.transport import RpcClient
@@ -36,7 +47,7 @@ def _registered_after(runtime: LocalRuntime, old: str, killed: float, out: dict[
         while True:
             workers = rpc.call(
                 "sched.w.workers", WorkersQuery(launcher_credential(runtime.config.worker_token)), timeout_s=5
-            )
+            ).workers
             if any(w["incarnation"] != old and w["alive"] for w in workers):
                 out["restart_registered_s"] = time.monotonic() - killed
                 return
@@ -50,10 +61,77 @@ def _failed_over_after(runtime: LocalRuntime, killed_wall: float) -> float:
     return float("nan")
 
 
+# The killed client: a LoRA run that takes the engine's only adapter slot, then waits to be killed.
+_CLIENT = """
+import sys, time
+import tinker
+from tinker import types
+service = tinker.ServiceClient(base_url=sys.argv[1], api_key=sys.argv[2])
+tc = service.create_lora_training_client(base_model="tiny-random", rank=4).result()
+datum = types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]), loss_fn_inputs={"target_tokens": [6, 7, 8]})
+tc.forward_backward([datum], "cross_entropy").result()
+print("holding", flush=True)
+time.sleep(3600)
+"""
+
+
+def slots_recovered(session_timeout_s: float) -> dict[str, float]:
+    """``slots_recovered_s``: see the module docstring. Two tenants, one engine with one adapter
+    slot; idle runs are never reclaimed for a waiting one here, so only the session's end frees it."""
+    import tinker
+    from tinker import types
+
+    keys = ("tml-failover-alice-0123456789", "tml-failover-bob-01234567890")
+    cfg = RuntimeConfig(
+        model="tiny-random",
+        tenants=(TenantConfig("alice", api_key=keys[0]), TenantConfig("bob", api_key=keys[1])),
+        engines=(EngineWorkerConfig(adapter_slots=1),),
+        slot_reclaim_idle_s=3600.0,
+        start_timeout_s=240.0,
+        http=HttpConfig(address="127.0.0.1:0", session_timeout_s=session_timeout_s),
+    )
+    datum = types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]), loss_fn_inputs={"target_tokens": [6, 7, 8]})
+    with LocalRuntime(cfg) as runtime:
+        child = subprocess.Popen(
+            [sys.executable, "-c", _CLIENT, runtime.http_url, keys[0]], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert child.stdout is not None and child.stdout.readline().strip() == "holding", "the client failed"
+            bob = tinker.ServiceClient(base_url=runtime.http_url, api_key=keys[1])
+            waiting = bob.create_lora_training_client(base_model="tiny-random", rank=4).result()
+            stepped: list[float] = []
+
+            def step() -> None:
+                waiting.forward_backward([datum], "cross_entropy").result()
+                stepped.append(time.monotonic())
+
+            stepper = threading.Thread(target=step, daemon=True)
+            stepper.start()
+            time.sleep(2.0)
+            assert not stepped, "the waiting run stepped before the kill: the slot was not held"
+            killed = time.monotonic()
+            child.send_signal(signal.SIGKILL)
+            stepper.join(session_timeout_s + 120)
+            assert stepped, "the waiting run never got the slot"
+            recovered_s = stepped[0] - killed
+            bob.close("success").result()
+        finally:
+            child.kill()
+            child.wait()
+    return {"session_timeout_s": session_timeout_s, "slots_recovered_s": recovered_s}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=256, help="new tokens per sample (the call must outlast 0.3 s)")
     parser.add_argument("--heartbeat", type=float, default=2.0, help="worker_heartbeat_s (liveness: 3 of them)")
+    parser.add_argument("--quick", action="store_true", help="the session phase with a 15 s session timeout")
+    parser.add_argument(
+        "--session-timeout",
+        type=float,
+        default=None,
+        help="[http] session_timeout_s (default: 15 with --quick, else 180)",
+    )
     args = parser.parse_args()
     cfg = RuntimeConfig(
         model="tiny-random",
@@ -72,7 +150,7 @@ def main() -> None:
         with RpcClient(runtime.local_address) as rpc:
             old = rpc.call(
                 "sched.w.workers", WorkersQuery(launcher_credential(runtime.config.worker_token)), timeout_s=5
-            )[0]["incarnation"]
+            ).workers[0]["incarnation"]
         future = sampler.sample([3, 4, 5], 1, params)
         time.sleep(0.3)
         assert not future.done(), "the sample finished before the kill: raise --tokens"
@@ -92,6 +170,10 @@ def main() -> None:
     for name in ("failover_s", "restart_registered_s", "call_done_s", "sample_alone_s"):
         print(f"{name}: {figures.get(name, float('nan')):.2f}")
     print(f"failover_vs_heartbeat_timeout_ratio: {figures.get('failover_s', float('nan')) / timeout_s:.3f}")
+    # Above the SDK's 10 s heartbeat period: a shorter timeout would end the waiting client's live session too.
+    session_timeout_s = args.session_timeout or (15.0 if args.quick else HttpConfig().session_timeout_s)
+    for name, value in slots_recovered(session_timeout_s).items():
+        print(f"{name}: {value:.2f}")
 
 
 if __name__ == "__main__":
