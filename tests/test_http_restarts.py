@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from _serve import KEY, KEY_BOB, Serve
 
@@ -211,3 +212,86 @@ def test_saturated_cores_fail_no_call_of_two_tenants_and_a_train_run_finishes(
     assert train.returncode == 0, train.stderr[-3000:]
     assert [e for lp in loops for e in lp.errors] == []
     assert all(len(lp.versions) >= 2 for lp in loops)
+
+
+# --- a resent call: Tinker's seq_id ------------------------------------------------------------------
+def test_seq_ids_answer_a_resend_once_and_refuse_a_reused_id() -> None:
+    import asyncio
+
+    from polytinker.scheduler.http.errors import HttpError
+    from polytinker.scheduler.http.seq_ids import SeqIds, body_digest
+
+    runs: list[int] = []
+
+    async def run() -> dict[str, Any]:
+        runs.append(1)
+        await asyncio.sleep(0.01)
+        return {"request_id": f"r{len(runs)}"}
+
+    async def main() -> None:
+        ids = SeqIds(per_run=2)
+        a, b = body_digest("/api/v1/optim_step", {"x": 1}), body_digest("/api/v1/optim_step", {"x": 2})
+        first, again = await asyncio.gather(ids.once("t", "m", 1, a, run), ids.once("t", "m", 1, a, run))
+        assert first == again == {"request_id": "r1"} and len(runs) == 1  # concurrent resends: one call
+        with pytest.raises(HttpError, match="seq_id 1 of m was already used") as refused:
+            await ids.once("t", "m", 1, b, run)
+        assert refused.value.status == 409
+        assert await ids.once("u", "m", 1, b, run) == {"request_id": "r2"}  # another tenant's run
+        assert await ids.once("t", "m", None, a, run) == {"request_id": "r3"}  # no seq_id: always runs
+
+        async def broken() -> dict[str, Any]:
+            raise RuntimeError("scheduler restarting")
+
+        with pytest.raises(RuntimeError):
+            await ids.once("t", "m", 2, a, broken)
+        assert await ids.once("t", "m", 2, a, run) == {"request_id": "r4"}  # a failed call's retry runs
+        await ids.once("t", "m", 3, a, run)  # per_run=2: seq_id 1 is forgotten
+        assert await ids.once("t", "m", 1, b, run) == {"request_id": "r6"}
+
+    asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_a_resent_sdk_call_is_applied_once(serve: Serve, tinker: Any) -> None:
+    """What the SDK sends again when an answer is lost: the same body and seq_id, answered with the
+    first call's request id (one gradient, one step); the same seq_id with another body: a 409."""
+    service = tinker.ServiceClient(base_url=serve.url, api_key=KEY)
+    trainer = service.create_lora_training_client(base_model=MODEL, rank=4)
+    model_id = trainer.model_id
+    tokens = list(range(10, 43))
+    fb = {
+        "model_id": model_id,
+        "seq_id": 50,
+        "forward_backward_input": {
+            "loss_fn": "cross_entropy",
+            "data": [
+                {
+                    "model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens[:-1]}]},
+                    "loss_fn_inputs": {"target_tokens": {"data": tokens[1:], "dtype": "int64", "shape": [32]}},
+                }
+            ],
+        },
+    }
+    step = {"model_id": model_id, "seq_id": 51, "adam_params": {"learning_rate": 1e-3}}
+
+    def post(path: str, body: dict[str, Any]) -> httpx.Response:
+        headers = {"X-API-Key": KEY, "Content-Type": "application/json"}
+        return httpx.post(serve.url + path, content=json.dumps(body).encode(), headers=headers, timeout=120)
+
+    sent = [post("/api/v1/forward_backward", fb) for _ in range(2)]
+    assert [r.status_code for r in sent] == [200, 200] and sent[0].json() == sent[1].json()
+    changed = json.loads(json.dumps(fb).replace("[10, ", "[11, "))  # another first token, the same seq_id
+    other = post("/api/v1/forward_backward", changed)
+    assert other.status_code == 409 and "seq_id 50" in other.json()["error"]["message"]
+    steps = [post("/api/v1/optim_step", step) for _ in range(3)]
+    assert len({r.json()["request_id"] for r in steps}) == 1
+    _wait(lambda: _version(serve, model_id) == 1, 120, "the step")
+    time.sleep(1.0)
+    assert _version(serve, model_id) == 1  # one step, not three
+    out = trainer.forward_backward([_datum(tinker, 3)], "cross_entropy").result(timeout=120)
+    assert out.loss_fn_outputs  # the run goes on from the SDK's own next seq_id
+
+
+def _version(serve: Serve, model_id: str) -> int:
+    with ServiceClient(_scheduler_address(serve), api_key=KEY) as native:
+        return int(native.get_job(_job_of(serve, model_id))["adapter"]["version"])

@@ -187,7 +187,9 @@ def test_json_bodies_score_as_the_sdks_protobuf_and_bad_ones_are_400s(serve: Ser
     scored = _result(serve, _post(serve, "/api/v1/forward", forward))
     assert _logprobs(scored) == [pytest.approx(expected, abs=1e-6)]
     assert scored.metrics["loss:sum"] == pytest.approx(by_sdk.metrics["loss:sum"], abs=1e-5)
-    trained = _result(serve, _post(serve, "/api/v1/forward_backward", {**_json_body([GOOD]), "model_id": tc.model_id}))
+    trained = _result(  # the run's next seq_id: the SDK's forward took 1 (a reused one is a 409)
+        serve, _post(serve, "/api/v1/forward_backward", {**_json_body([GOOD]), "model_id": tc.model_id, "seq_id": 3})
+    )
     assert _logprobs(trained) == [pytest.approx(expected, abs=1e-6)]  # the same weights: no step between
     bad = _json_body([GOOD, _inputs(weights={"data": [1.0, None, 1.0], "dtype": "float32"})])
     for path, body, needle in [

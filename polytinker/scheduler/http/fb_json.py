@@ -1,5 +1,6 @@
 """A ``forward_backward`` or ``forward`` request sent as JSON, decoded into what the protobuf body
-decodes into (``_proto.decode_forward_backward``), so both go through the same checks after.
+decodes into (``_proto.decode_forward_backward``), so both go through the same checks after
+(``fb_request``: either body, decoded and checked at the door).
 
 The tinker SDK sends JSON where the server does not advertise protobuf (``proto_write_fwdbwd`` in
 the client config; releases before 0.25 read it), and 0.22's ``TrainingClient.forward`` always
@@ -24,9 +25,10 @@ from typing import Any, NoReturn
 import numpy as np
 
 from polytinker.errors import ConfigError, NotBuiltError
-from polytinker.scheduler.http import checks
+from polytinker.scheduler.http import _proto, checks
 from polytinker.scheduler.http._proto import MAX_DATUM_TOKENS, MAX_DIMS
 from polytinker.scheduler.http.checks import Spec, check_body, fields, text
+from polytinker.scheduler.http.tinker_backend import Tenant, TinkerBackend, tinker_datum
 from polytinker.scheduler.service.messages import MAX_DATA
 
 _INT32 = (-(1 << 31), (1 << 31) - 1)
@@ -154,4 +156,23 @@ def decode_forward_backward_json(body: dict[str, Any], *, forward_only: bool) ->
     }
 
 
-__all__ = ["decode_forward_backward_json"]
+def fb_request(backend: TinkerBackend, t: Tenant, body: bytes | dict[str, Any], forward: bool) -> dict[str, Any]:
+    """A forward_backward's body (protobuf bytes, or parsed JSON: ``fb_json``; ``forward``: the
+    ``/forward`` route's), decoded and checked at the door: its loss and loss config, and each datum
+    against the run's base model (errors name ``data[i]...``); then ``datums``, the data as
+    polytinker's datums."""
+    if isinstance(body, bytes):
+        req = _proto.decode_forward_backward(body)
+        req["forward_only"] = req["forward_only"] or forward
+    else:
+        req = decode_forward_backward_json(body, forward_only=forward)
+    req["loss_fn_config"] = checks.check_loss(req["loss_fn"], req["loss_fn_config"])
+    vocab = checks.vocab_size(backend.model(t, req["model_id"]).base_model)
+    rl_loss = None if req["forward_only"] or req["loss_fn"] == "cross_entropy" else req["loss_fn"]
+    for i, d in enumerate(req["data"]):
+        checks.check_datum(d, i, vocab, rl_loss)
+    req["datums"] = [tinker_datum(d) for d in req["data"]]
+    return req
+
+
+__all__ = ["decode_forward_backward_json", "fb_request"]

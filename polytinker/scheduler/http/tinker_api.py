@@ -15,20 +15,21 @@ import asyncio
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from polytinker.errors import ConfigError, NotBuiltError, OverloadedError
-from polytinker.scheduler.http import _proto, checks, fb_json
+from polytinker.scheduler.http import checks, fb_json
 from polytinker.scheduler.http.checks import Spec, check_body
 from polytinker.scheduler.http.errors import HttpError, error_body
 from polytinker.scheduler.http.futures import FutureTable
 from polytinker.scheduler.http.limits import InFlight
+from polytinker.scheduler.http.seq_ids import SeqIds, body_digest
 from polytinker.scheduler.http.tinker_admin import TinkerAdmin
-from polytinker.scheduler.http.tinker_backend import Tenant, TinkerBackend, tinker_datum
+from polytinker.scheduler.http.tinker_backend import Tenant, TinkerBackend
 from polytinker.scheduler.http.tinker_names import to_tinker_path
 from polytinker.scheduler.http.tinker_render import failed, fb_render, sample_render, step_metrics
 from polytinker.scheduler.http.tinker_runs import TinkerRuns
@@ -72,6 +73,7 @@ class _Api:
     long_poll_s: float
     max_body_bytes: int
     uploads: InFlight  # telemetry uploads in progress, per key and in total
+    seq_ids: SeqIds = field(default_factory=SeqIds)  # each run's calls by seq_id: a resend answered once
 
     def tenant(self, request: Request) -> Tenant:
         return self.backend.tenant(api_key(request))
@@ -95,7 +97,12 @@ class _Api:
         (``submit``) under the body's model id."""
         t = await self.tenant_of(request)
         body = await self.json(request, spec)
-        return self.submit(t, await asyncio.to_thread(op, t, body), render, body.get("model_id"))
+
+        async def run() -> dict[str, Any]:
+            return self.submit(t, await asyncio.to_thread(op, t, body), render, body.get("model_id"))
+
+        digest = body_digest(request.url.path, body)
+        return await self.seq_ids.once(t.owner, body.get("model_id"), body.get("seq_id"), digest, run)
 
     def submit(
         self,
@@ -231,9 +238,14 @@ def _add_training_routes(r: APIRouter, api: _Api) -> None:
             await read_body(request, api.max_body_bytes) if proto else await read_json(request, api.max_body_bytes)
         )
         # Decoding and checking a batch takes time in proportion to it: off the event loop.
-        req = await asyncio.to_thread(_fb_request, api.backend, t, body, forward)
-        fut = await asyncio.to_thread(api.backend.forward_backward, t, req)
-        return api.submit(t, fut, fb_render(req["datums"]), req["model_id"])
+        req = await asyncio.to_thread(fb_json.fb_request, api.backend, t, body, forward)
+
+        async def run() -> dict[str, Any]:
+            fut = await asyncio.to_thread(api.backend.forward_backward, t, req)
+            return api.submit(t, fut, fb_render(req["datums"]), req["model_id"])
+
+        digest = body_digest(request.url.path, body)  # a resend is answered once (seq_ids.py)
+        return await api.seq_ids.once(t.owner, req["model_id"], req.get("seq_id"), digest, run)
 
     @r.post("/forward_backward")
     async def forward_backward(request: Request) -> dict[str, Any]:
@@ -247,25 +259,6 @@ def _add_training_routes(r: APIRouter, api: _Api) -> None:
     async def optim_step(request: Request) -> dict[str, Any]:
         render = lambda out: {"metrics": step_metrics(out.metrics)}  # noqa: E731
         return await api.call(request, api.backend.optim_step, render, checks.OPTIM_STEP)
-
-
-def _fb_request(backend: TinkerBackend, t: Tenant, body: bytes | dict[str, Any], forward: bool) -> dict[str, Any]:
-    """A forward_backward's body (protobuf bytes, or parsed JSON: ``fb_json``; ``forward``: the
-    ``/forward`` route's), decoded and checked at the door: its loss and loss config, and each datum
-    against the run's base model (errors name ``data[i]...``); then ``datums``, the data as
-    polytinker's datums."""
-    if isinstance(body, bytes):
-        req = _proto.decode_forward_backward(body)
-        req["forward_only"] = req["forward_only"] or forward
-    else:
-        req = fb_json.decode_forward_backward_json(body, forward_only=forward)
-    req["loss_fn_config"] = checks.check_loss(req["loss_fn"], req["loss_fn_config"])
-    vocab = checks.vocab_size(backend.model(t, req["model_id"]).base_model)
-    rl_loss = None if req["forward_only"] or req["loss_fn"] == "cross_entropy" else req["loss_fn"]
-    for i, d in enumerate(req["data"]):
-        checks.check_datum(d, i, vocab, rl_loss)
-    req["datums"] = [tinker_datum(d) for d in req["data"]]
-    return req
 
 
 def _add_weights_routes(r: APIRouter, api: _Api) -> None:
