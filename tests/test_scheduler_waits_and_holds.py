@@ -23,6 +23,7 @@ from polytinker.scheduler.service.audit import AuditLog
 from polytinker.scheduler.service.jobs import JobManager, adapter_key
 from polytinker.scheduler.service.state import StateStore
 from polytinker.scheduler.service.tenants import Tenants
+from polytinker.scheduler.service.waits import MAX_NOTED
 from polytinker.scheduler.service.weights import WeightsCatalog
 from polytinker.scheduler.service.worker_messages import WeightsRef
 
@@ -81,6 +82,17 @@ def test_a_run_queued_for_an_adapter_slot_says_where_it_stands_everywhere(tmp_pa
     assert (
         paused["queue_state"] == "paused_capacity" and "pause requested by its tenant" in paused["queue_state_reason"]
     )
+
+
+def test_a_run_pushed_behind_the_first_ones_in_the_queue_says_so(tmp_path: Path) -> None:
+    _, mgr = setup(tmp_path, engines=(EngineWorkerConfig(adapter_slots=1),))
+    lora(mgr)
+    queued = [lora(mgr) for _ in range(MAX_NOTED)]
+    assert mgr.get("alice", queued[-1]).reason.startswith(f"queued for capacity: position {MAX_NOTED} in the queue;")
+    urgent = mgr.create("bob", m.CreateJob(KEY_B, "lora_rl", "tiny-random", rank=4, priority=5)).job_id
+    assert mgr.get("bob", urgent).reason.startswith("queued for capacity: position 1 in the queue;")
+    assert mgr.get("alice", queued[0]).reason.startswith("queued for capacity: position 2 in the queue;")
+    assert mgr.get("alice", queued[-1]).reason == f"queued for capacity: behind the first {MAX_NOTED} in the queue"
 
 
 def _versions(cfg: RuntimeConfig, mgr: JobManager, job_id: str, n: int) -> tuple[WeightsCatalog, str]:

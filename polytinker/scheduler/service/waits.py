@@ -6,8 +6,10 @@ After each scheduling pass, each of the first ``MAX_NOTED`` queued jobs, in the 
 would start them (``FairSharePolicy.candidates``: priority, then fair share), gets the reason
 ``queued for capacity: position N in the queue; waiting for WHAT`` (WHAT from
 ``ClusterState.wants``: an adapter slot, a learner, engine memory, or resources reserved for a job
-ahead of it). The row is written only when its reason changes. The position counts every tenant's
-queued jobs but names none of them.
+ahead of it). The row is written only when its reason changes (each write is a durable SQLite
+transaction under the job manager's lock, and a start moves every position: hence few are kept
+exact); a job that falls behind them reads ``queued for capacity: behind the first MAX_NOTED in the
+queue``. The position counts every tenant's queued jobs but names none of them.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from polytinker.scheduler.types import JobState
 log = logging.getLogger("polytinker.scheduler.service")
 
 WAIT_PREFIX = "queued for capacity"
-MAX_NOTED = 64  # a pass walks this many queued jobs at most (the rest keep their last reason)
+MAX_NOTED = 16  # queued jobs whose place a pass keeps exact
 
 
 def wait_reasons(policy: FairSharePolicy, now_s: float, limit: int = MAX_NOTED) -> dict[str, str]:
@@ -38,7 +40,7 @@ class WaitNotes:
     """The reasons written last, so that a pass writes only the ones that changed."""
 
     def __init__(self) -> None:
-        self._noted: dict[str, str] = {}  # job id -> reason
+        self._noted: dict[str, tuple[str, str]] = {}  # job id -> (policy job id, reason written)
 
     def note(
         self,
@@ -51,13 +53,16 @@ class WaitNotes:
         noted = {}
         for policy_id, why in wait_reasons(policy, now_s).items():
             job_id = job_of.get(policy_id)
-            if job_id is None:
-                continue
-            noted[job_id] = why
-            if self._noted.get(job_id) != why:
+            if job_id is not None:
+                noted[job_id] = (policy_id, why)
+        for job_id, (policy_id, _) in self._noted.items():  # fell behind the first MAX_NOTED, still queued
+            if job_id not in noted and job_of.get(policy_id) == job_id and policy.state(policy_id) is JobState.QUEUED:
+                noted[job_id] = (policy_id, f"{WAIT_PREFIX}: behind the first {MAX_NOTED} in the queue")
+        for job_id, (_, why) in noted.items():
+            if self._noted.get(job_id, ("", ""))[1] != why:
                 set_state(job_id, JobState.QUEUED, why)
                 log.info("job %s is %s", job_id, why)
-        self._noted = noted
+        self._noted = {j: n for j, n in noted.items() if not n[1].startswith(f"{WAIT_PREFIX}: behind")}
 
 
 __all__ = ["MAX_NOTED", "WAIT_PREFIX", "WaitNotes", "wait_reasons"]
