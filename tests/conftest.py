@@ -43,6 +43,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # which a second client attaches to while the first one's runtime runs: each test (and its child
 # processes) gets a directory of its own instead (``_own_state_dir``), so tests never share one.
 os.environ["POLYTINKER_STATE_DIR"] = tempfile.mkdtemp(prefix="polytinker-test-state-")
+# The Hugging Face hub cache, where `serve` places the served model's tokenizer under its hub id
+# (docs/tinker.md): one of the run's own, read without the network (the SDK's get_tokenizer would
+# otherwise spend minutes on retries where there is none).
+os.environ["HF_HUB_CACHE"] = tempfile.mkdtemp(prefix="polytinker-test-hf-")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 TESTS_DIR = Path(__file__).parent
 HEAVY_MARKS = ("slow", "learning", "vllm", "gpu", "runtime", "subprocess")

@@ -49,6 +49,29 @@ PRESET_HUB_IDS: dict[str, tuple[str, str]] = {
     ),
 }
 CACHE_ENV = "POLYTINKER_CACHE"
+
+
+def hub_id(spec: str) -> str:
+    """The Hugging Face hub id ``spec`` stands for: a preset's (``PRESET_HUB_IDS``), or a hub id
+    itself; "" for none (``tiny-random``'s weights are random, a local directory has no name)."""
+    if spec in PRESET_HUB_IDS:
+        return PRESET_HUB_IDS[spec][0]
+    return spec if spec not in PRESETS and _looks_like_hub_id(spec) and not Path(spec).expanduser().is_dir() else ""
+
+
+def model_names(spec: str) -> tuple[str, ...]:
+    """The names a runtime serving ``spec`` answers to: ``spec`` itself and the hub id it stands
+    for (``smollm2-135m-instruct`` and ``HuggingFaceTB/SmolLM2-135M-Instruct``, the name its
+    exported adapters write as their base), so code that names either reaches the same model."""
+    hub = hub_id(spec)
+    return (spec, hub) if hub and hub != spec else (spec,)
+
+
+def served_name(spec: str, name: str) -> str | None:
+    """``spec`` when ``name`` is one of its names (``model_names``), else None."""
+    return spec if name in model_names(spec) else None
+
+
 DType = Literal["float32", "bfloat16"]
 
 
@@ -256,8 +279,11 @@ __all__ = [
     "TINY_RANDOM",
     "ModelConfig",
     "cached_models",
+    "hub_id",
     "load_model",
     "load_tokenizer",
     "model_limits",
+    "model_names",
     "resolve_model",
+    "served_name",
 ]

@@ -241,6 +241,20 @@ def check_loss(loss_fn: str, config: dict[str, Any]) -> dict[str, float] | None:
     return {k: float(v) for k, v in config.items()} or None
 
 
+def served_base_model(served: tuple[str, ...], name: Any) -> str:
+    """The served base model ``name`` names, by its own name or its hub id (``models.model_names``:
+    ``HuggingFaceTB/SmolLM2-135M-Instruct`` is ``smollm2-135m-instruct``); a ConfigError for a model
+    not served. With nothing listed as served (a gateway told no model), ``name`` as it is."""
+    from polytinker.engine.models import served_name
+
+    if not isinstance(name, str) or not name:
+        raise ConfigError("base_model must be named")
+    found = next((m for m in served if served_name(m, name)), None)
+    if served and found is None:
+        raise ConfigError(f"base model {name!r} is not served here; get_server_capabilities lists {list(served)}")
+    return found or name
+
+
 @functools.lru_cache(maxsize=64)
 def vocab_size(base_model: str) -> int | None:
     """The number of token ids ``base_model``'s embedding holds, from its config.json where this
@@ -370,5 +384,6 @@ __all__ = [
     "check_datum",
     "check_loss",
     "check_tokens",
+    "served_base_model",
     "vocab_size",
 ]

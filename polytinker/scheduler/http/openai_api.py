@@ -26,6 +26,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
+from polytinker.engine.models import served_name
 from polytinker.engine.types import SamplingParams
 from polytinker.errors import AuthError, ConfigError, NotBuiltError
 from polytinker.scheduler.http.errors import HttpError, error_response
@@ -284,7 +285,7 @@ class _Routes:
     async def get_model(self, model: str, request: Request) -> Response:
         try:
             await self.tenant(request)
-            if model not in self.backend.base_models:
+            if not any(served_name(m, model) for m in self.backend.base_models):  # by its name or its hub id
                 raise HttpError(404, f"model {model!r} is not a base model served here", code="model_not_found")
             return JSONResponse(self.model_entry(model))
         except Exception as exc:

@@ -33,7 +33,7 @@ from polytinker.client.training_client import TrainingClient
 from polytinker.engine.types import ATTN_MODULES, DEFAULT_TARGET_MODULES, MLP_MODULES, UNEMBED_MODULE, Datum
 from polytinker.errors import AuthError, ConfigError, NotBuiltError
 from polytinker.model_path import TINKER_PREFIX, from_tinker
-from polytinker.scheduler.http.checks import check_tokens, vocab_size
+from polytinker.scheduler.http.checks import check_tokens, served_base_model, vocab_size
 from polytinker.scheduler.http.downloads import age_recipients
 from polytinker.scheduler.http.errors import HttpError
 from polytinker.scheduler.http.sessions import Sessions
@@ -209,13 +209,7 @@ class TinkerBackend:
         return self._pool.submit(run)
 
     def _base_model(self, name: Any) -> str:
-        if not isinstance(name, str) or not name:
-            raise ConfigError("base_model must be named")
-        if self.base_models and name not in self.base_models:
-            raise ConfigError(
-                f"base model {name!r} is not served here; get_server_capabilities lists {self.base_models}"
-            )
-        return name
+        return served_base_model(self.base_models, name)
 
     def info(self, t: Tenant, model_id: str) -> dict[str, Any]:
         row = self.model(t, model_id)

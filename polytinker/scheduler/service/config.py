@@ -239,8 +239,9 @@ class HttpConfig:
     default_max_tokens: int = 256
     # max_tokens of a sample that names none (Tinker's SamplingParams default is None).
     tokenizer_id: str = ""
-    # What get_info answers as the tokenizer to load (a hub id, or a directory clients can read);
-    # "": the base model's directory on this machine (right for clients on the same machine).
+    # What get_info answers as the tokenizer to load (a hub id, or a directory clients can read); "":
+    # the model's hub id, its tokenizer placed in this machine's Hugging Face cache (hub_tokenizer.py),
+    # or for a model without one (tiny-random, a directory) its directory here.
     session_timeout_s: float = 180.0
     # A Tinker session whose client sent no heartbeat for this long ends as its close would: its
     # runs' jobs finish (their adapter slots go to other runs; saved weights stay) and its samplers'

@@ -170,11 +170,11 @@ class LocalRuntime:
 
     def _start_gateway(self) -> Any:
         """The HTTP front door on a thread of this process, a client of the scheduler like any other."""
-        from polytinker.engine.models import resolve_model
         from polytinker.scheduler.http.app import Gateway
+        from polytinker.scheduler.http.hub_tokenizer import tokenizer_id
 
         cfg = self.config
-        tokenizer = cfg.http.tokenizer_id or str(resolve_model(cfg.model))
+        tokenizer = cfg.http.tokenizer_id or tokenizer_id(cfg.model)  # the hub id, its tokenizer in the hub cache
         gateway = Gateway(
             self.local_address, cfg.state_path, cfg.http, base_models=(cfg.model,), tokenizer_ids={cfg.model: tokenizer}
         )
