@@ -318,3 +318,25 @@ def test_sampled_turns_reach_the_training_samples_typed(tokenizer):
             sampled.completion_tokens,
             sampled.logprobs_T,
         )
+
+
+def test_a_train_run_that_stops_after_a_checkpoint_says_how_to_resume(tmp_path, monkeypatch, capsys) -> None:
+    from polytinker import cli
+    from polytinker.agents.checkpoint import STATE_FILE
+    from polytinker.agents.experiment import Experiment
+    from polytinker.errors import WorkerUnavailable
+
+    def stops(self: Experiment, **_: object) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.config.name == "checkpointed":
+            (self.run_dir / STATE_FILE).write_text("{}")
+        raise WorkerUnavailable("worker learner-0 died and did not come back")
+
+    monkeypatch.setattr(Experiment, "train", stops)
+    config = "examples/configs/prisoners_dilemma.toml"
+    for name in ("checkpointed", "fresh"):
+        assert cli.main(["train", config, "--name", name, "--root", str(tmp_path), "--no-progress"]) == 1
+        err = capsys.readouterr().err
+        assert "polytinker train: error: worker learner-0 died" in err
+        hint = f"the run's last checkpoint is in {tmp_path / name}; to continue from it"
+        assert (hint in err and f"polytinker train {config} ... --resume" in err) == (name == "checkpointed"), err

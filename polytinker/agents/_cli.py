@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import shlex
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
 
-from polytinker.errors import ConfigError
+from polytinker.agents.checkpoint import STATE_FILE
+from polytinker.errors import ConfigError, PolytinkerError
 
 DEFAULT_CONFIG = "examples/configs/prisoners_dilemma.toml"
 
@@ -37,7 +40,17 @@ def _train(args: argparse.Namespace) -> int:
         overrides["output.progress"] = False
     if args.env_address:
         overrides["env.address"] = args.env_address
-    summary = Experiment.from_toml(args.config, overrides).train(resume=args.resume, overwrite=args.overwrite)
+    experiment = Experiment.from_toml(args.config, overrides)
+    try:
+        summary = experiment.train(resume=args.resume, overwrite=args.overwrite)
+    except (PolytinkerError, KeyboardInterrupt):
+        if (experiment.run_dir / STATE_FILE).exists():  # stopped after a checkpoint: say how to go on
+            print(
+                f"polytinker train: the run's last checkpoint is in {experiment.run_dir}; to continue from it,"
+                f" run the same command with --resume: polytinker train {shlex.quote(str(args.config))} ... --resume",
+                file=sys.stderr,
+            )
+        raise
     print(summary.report())
     return 0
 
