@@ -174,7 +174,7 @@ class Busy:
             p.wait(10)
 
 
-def _train_config(serve: Serve, root: Path) -> Path:
+def _train_config(serve: Serve, root: Path, steps: int = 1) -> Path:
     agents = "".join(
         f'[[agents]]\nname = "{name}"\nbase_model = "{MODEL}"\n[agents.adapter]\nrank = 4\nalpha = 8\n'
         "[agents.sampling]\nmax_tokens = 4\n"
@@ -183,7 +183,7 @@ def _train_config(serve: Serve, root: Path) -> Path:
     path = root / "pd.toml"
     path.write_text(
         f'name = "pd-saturated"\n[env]\nid = "prisoners_dilemma-v0"\nkwargs = {{ rounds = 1 }}\n{agents}'
-        "[train]\nsteps = 1\ngroups = 1\ngroup_size = 4\n[eval]\nepisodes = 2\nat_start = false\n"
+        f"[train]\nsteps = {steps}\ngroups = 1\ngroup_size = 4\n[eval]\nepisodes = 2\nat_start = false\n"
         f'[output]\nroot = "{root}"\ntensorboard = false\nprogress = false\n'
         f'[runtime]\naddress = "{_scheduler_address(serve)}"\napi_key = "{KEY_BOB}"\n'
     )
@@ -212,6 +212,38 @@ def test_saturated_cores_fail_no_call_of_two_tenants_and_a_train_run_finishes(
     assert train.returncode == 0, train.stderr[-3000:]
     assert [e for lp in loops for e in lp.errors] == []
     assert all(len(lp.versions) >= 2 for lp in loops)
+
+
+@pytest.mark.slow
+def test_a_train_run_rides_out_a_killed_learner_and_scheduler(serve: Serve, tmp_path: Path) -> None:
+    """``polytinker train`` against serve: the learner SIGKILLed after the first step, the
+    scheduler after the second; the run finishes every step, with no error."""
+    config = _train_config(serve, tmp_path, steps=4)
+    metrics = tmp_path / "pd-saturated" / "metrics.jsonl"
+    train = subprocess.Popen(
+        [*CLI, "train", str(config), "--no-progress"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        for victim, steps in (("learner-0", 1), ("scheduler", 2)):
+            _wait(lambda s=steps: _steps(metrics) >= s or train.poll() is not None, 300, f"step {steps}")
+            assert train.poll() is None, train.communicate()[1][-3000:]
+            os.kill(_actors(serve)[victim]["pid"], signal.SIGKILL)
+        err = train.communicate(timeout=600)[1]
+    finally:
+        train.kill()
+    assert train.returncode == 0, err[-3000:]
+    assert _steps(metrics) == 4
+
+
+def _steps(metrics: Path) -> int:
+    if not metrics.exists():
+        return 0
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return len({r["step"] for r in rows if r.get("step", 0) > 0})  # an evaluation's row repeats its step
 
 
 # --- a resent call: Tinker's seq_id ------------------------------------------------------------------
