@@ -21,7 +21,9 @@ and ``hostile``. For the measured phases every core runs a busy Python loop in a
 Prints ``name: value`` lines: ``failed_calls`` (the good tenants' calls that raised, target 0),
 ``good_tenant_p99_s``, ``fairness_ratio`` (the good tenants' successful calls per second,
 min/max, target >= 0.8), ``hog_delay_ratio`` (``latency_with_hog_s / latency_alone_s``, target
-<= 3), the hostile tenant's outcomes and the raw inputs. What failed, and how, goes to stderr.
+<= 3), ``hog_samples_per_s`` (the sequences the engine answered during the soak, less the good
+tenants' samples, per second: the hog's throughput), the hostile tenant's outcomes and the raw
+inputs. What failed, and how, goes to stderr.
 """
 
 from __future__ import annotations
@@ -107,6 +109,19 @@ def start_serve(root: Path) -> tuple[subprocess.Popen[bytes], str]:
         time.sleep(0.5)
     stop_serve(proc)
     raise SystemExit(f"serve did not answer within {START_TIMEOUT_S:.0f} s")
+
+
+def engine_sequences(root: Path) -> tuple[float, int]:
+    """(now, the sequences the engines have answered so far, every tenant's), from the
+    scheduler's ``runtime_status`` (each engine's ``sequences``)."""
+    import tomllib
+
+    from polytinker import ServiceClient
+
+    address = tomllib.loads((root / "runtime.toml").read_text())["address"]
+    with ServiceClient(address, api_key=KEYS["good-a"]) as service:
+        stats = service.runtime_status()["stats"]
+    return time.monotonic(), sum(int(s.get("sequences", 0)) for s in stats.values())
 
 
 def stop_serve(proc: subprocess.Popen[bytes]) -> None:
@@ -477,7 +492,16 @@ def _p99(xs: list[float]) -> float:
     return statistics.quantiles(xs, n=100, method="inclusive")[98] if len(xs) > 1 else (xs[0] if xs else math.nan)
 
 
-def report(alone: list[float], alone_tally: Tally, s: Soak, hostile: dict[str, Any], busy_procs: int) -> None:
+def hog_rate(before: tuple[float, int], after: tuple[float, int], s: Soak) -> float:
+    """The hog's sequences per second: the engine's answered in the soak, less the good tenants'
+    (a sequence per good sample and probe that succeeded)."""
+    good = sum(1 for call, _ in s.tally.latencies if call == "sample") + len(s.probes.latencies)
+    return (after[1] - before[1] - good) / (after[0] - before[0])
+
+
+def report(
+    alone: list[float], alone_tally: Tally, s: Soak, hostile: dict[str, Any], busy_procs: int, hog_per_s: float
+) -> None:
     rates = {t: s.tally.ok[t] / s.duration_s for t in GOOD}
     failures = alone_tally.failures + s.tally.failures + s.probes.failures
     outcomes: Counter[str] = Counter(hostile.get("outcomes", {}))
@@ -487,6 +511,7 @@ def report(alone: list[float], alone_tally: Tally, s: Soak, hostile: dict[str, A
     print(f"hog_delay_ratio: {_median(s.with_hog) / _median(alone):.3f}")
     print(f"latency_alone_s: {_median(alone):.3f}")
     print(f"latency_with_hog_s: {_median(s.with_hog):.3f}")
+    print(f"hog_samples_per_s: {hog_per_s:.1f}")
     print(f"probes_alone: {len(alone)}")
     print(f"probes_with_hog: {len(s.with_hog)}")
     for t in GOOD:
@@ -552,14 +577,16 @@ def main() -> None:
             busy_procs = start_busy(cores())
             alone_tally = Tally()
             alone = probe(probe_sampler, alone_tally, budget.probes, budget.call_timeout_s)
+            before = engine_sequences(Path(tmp))
             go.set()
             result = soak(clients, probe_sampler, busy, budget)
+            hog_per_s = hog_rate(before, engine_sequences(Path(tmp)), result)
             hostile = receiver.recv() if receiver.poll(budget.call_timeout_s + 10) else {}
         finally:
             stop_busy(busy_procs)
             _stop_hostile(hostile_proc)
             stop_serve(serve)
-    report(alone, alone_tally, result, hostile, len(busy_procs))
+    report(alone, alone_tally, result, hostile, len(busy_procs), hog_per_s)
 
 
 if __name__ == "__main__":

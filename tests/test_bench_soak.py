@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-RATIOS = ("good_tenant_p99_s", "fairness_ratio", "hog_delay_ratio", "latency_alone_s", "latency_with_hog_s")
+RATIOS = (
+    "good_tenant_p99_s",
+    "fairness_ratio",
+    "hog_delay_ratio",
+    "latency_alone_s",
+    "latency_with_hog_s",
+    "hog_samples_per_s",
+)
 COUNTS = (
     "failed_calls",
     "calls_good_a",
@@ -42,3 +49,4 @@ def test_the_soak_benchmark_prints_every_figure() -> None:
     assert counts["probes_alone"] == 2 and counts["busy_processes"] >= 1, out.stdout
     assert counts["hostile_refused_4xx"] > 0, out.stdout
     assert math.isfinite(float(figures["latency_alone_s"])) and float(figures["duration_s"]) > 0
+    assert float(figures["hog_samples_per_s"]) >= 0, out.stdout  # finite: the engine's count was read twice

@@ -184,7 +184,7 @@ def test_engine_worker_samples_in_a_child_process(backend: HFBackend, tmp_path: 
         got = [f.result(timeout=240) for f in futures]
         assert all(_same_reply(g, e) for g, e in zip(got, expected, strict=True))
         stats = engine.call("sched.w.stats", wm.WorkerStats())
-        assert (stats["batches"], stats["max_batch_sequences"]) == (1, 2), (
+        assert (stats["batches"], stats["max_batch_sequences"], stats["sequences"]) == (1, 2, 2), (
             "two concurrent requests should share one batch"
         )
         assert stats["mixed_adapter_batches"] == 1 and stats["resident"] == [f"{REMOTE}@0"]

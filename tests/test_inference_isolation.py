@@ -191,8 +191,9 @@ def test_a_request_the_backend_refuses_fails_alone(backend: HFBackend) -> None:
 
 def test_a_huge_request_does_not_delay_another_tenants_small_one(backend: HFBackend) -> None:
     """B asks for 1024 samples: they run as 32 batches of at most max_batch_size. C's sample runs
-    between the decode steps of B's first batch; A's, arriving then, runs when that batch ends,
-    not after B's other 31."""
+    between the decode steps of B's first batch; A's, arriving meanwhile, runs right after C's in
+    the same gap (B's first batch has 32 tokens left, more than C's 4 and A's 4 together), not
+    after another step of B's, let alone after B's other 31 batches."""
     engine = _engine(backend, batch_window_s=0.0, max_batch_size=32)
     hog_params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, n=1024)
     seen: dict[str, Any] = {}
@@ -214,11 +215,11 @@ def test_a_huge_request_does_not_delay_another_tenants_small_one(backend: HFBack
         assert a_done.wait(120)
         assert len(hog.result(timeout=300).sequences) == 1024
         assert not seen["hog_done"], "A must arrive while B's chunks are still waiting"
-        # Counted when they end: B's batch in progress (A's 4 tokens are not fewer than the 32
-        # it has left, so A waits for it), then A's own.
-        assert seen["a_batch"] == seen["arrival"] + 2, (
+        # Counted when they end: C's (counted at A's arrival), then A's own, before B's first.
+        assert seen["a_batch"] == seen["arrival"] + 1, (
             f"A ran {seen['a_batch'] - seen['arrival']} batches after it arrived"
         )
+        assert engine.stats.batch_sizes[: seen["a_batch"]] == [1, 1], "C and A ran inside B's first batch"
         assert _tokens(seen["a"].result()) == _alone(backend)[0]
         assert max(engine.stats.batch_sizes) <= 32 and sum(engine.stats.batch_sizes) == 1024 + 2
     finally:
@@ -254,6 +255,51 @@ def test_a_small_request_runs_between_the_steps_of_another_tenants_long_batch(ba
         assert engine.stats.batch_sizes == [1, 32, 1], "A's batch ran (and was counted) inside B's"
         alone = [backend.sample([_request(PROMPTS[i], p)])[0] for i, p in ((1, LONG), (2, GREEDY), (0, GREEDY))]
         assert [_tokens(r) for r in results] == [_tokens(r) for r in alone]
+    finally:
+        engine.close(close_backend=False)
+
+
+def test_a_gap_runs_batch_after_batch_within_one_batchs_rows(
+    backend: HFBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ten tenants' 1-row samples, each submitted when the one before it is answered, while B's
+    4-row batch of 400 tokens runs: one arriving while another runs between two of B's steps runs
+    there too, batch after batch, up to max_batch_size rows in all; then B takes its next step.
+    B answers what it answers alone."""
+    engine = _engine(backend, batch_window_s=0.0, max_batch_size=4)
+    gaps: list[list[int]] = []  # the batches (their sizes) run in each gap of B's batch that ran any
+    between_steps = engine._between_steps
+
+    def counted(paused: Any) -> Any:  # the engine's own hook, its batches counted
+        run = between_steps(paused)
+        if run is None or len(paused) != 1:
+            return run
+
+        def run_counted(tokens_left: int) -> None:
+            before = len(engine.stats.batch_sizes)
+            run(tokens_left)
+            if len(engine.stats.batch_sizes) > before:
+                gaps.append(engine.stats.batch_sizes[before:])
+
+        return run_counted
+
+    monkeypatch.setattr(engine, "_between_steps", counted)
+    long4 = dataclasses.replace(LONG, n=4)
+    answered: list[Future[SampleResult]] = []
+
+    def submit(k: int) -> None:
+        future = engine.submit(_request(PROMPTS[k % len(PROMPTS)]), tenant=f"T{k}")
+        answered.append(future)
+        if k < 9:  # on the engine's thread, inside the gap the previous one ran in
+            future.add_done_callback(lambda _: submit(k + 1))
+
+    try:
+        hog = engine.submit(_request(PROMPTS[1], long4), tenant="B")
+        _once_running(hog)
+        submit(0)
+        assert _tokens(hog.result(timeout=300)) == _tokens(backend.sample([_request(PROMPTS[1], long4)])[0])
+        assert len(answered) == 10 and all(f.done() for f in answered)
+        assert gaps == [[1, 1, 1, 1], [1, 1, 1, 1], [1, 1]], f"batches per gap: {gaps}"
     finally:
         engine.close(close_backend=False)
 

@@ -15,12 +15,13 @@ Tenants share the engine without hurting each other:
   turns across the tenants named at ``submit`` (``_queue.FairQueue``): another tenant's small
   request runs in the next batch, not after every chunk.
 - A long batch does not hold other tenants up to its end: between two of its decode steps, the
-  engine runs a batch of other tenants' waiting requests, of fewer tokens than it has left to
-  draw (``_between_steps``), to its end, inside it; that one may in turn let a third set of tenants in, up to
-  ``MAX_NESTED_BATCHES`` batches at once (each keeps its own KV cache meanwhile). The paused batch
-  goes on one step per such batch, so a tenant's 64-token chunk delays another's 4-token sample by
-  about one step, not 64. The ``hf`` backend decodes in steps; vLLM runs a batch as one call, so
-  there a batch runs to its end.
+  engine runs batches of other tenants' waiting requests, of fewer tokens in all than it has left
+  to draw and at most ``max_batch_size`` sequences in all (``_between_steps``), each to its end,
+  inside it; one that arrives while another runs there runs next, not after another step. Each
+  may in turn let a third set of tenants in, up to ``MAX_NESTED_BATCHES`` batches at once (each
+  keeps its own KV cache meanwhile). The paused batch goes on one step per such gap, so a tenant's
+  64-token chunk delays another's 4-token sample by at most about one step, not 64. The ``hf``
+  backend decodes in steps; vLLM runs a batch as one call, so there a batch runs to its end.
 - When a batch fails, it is run again in halves down to the request that fails it: the others
   are answered, and only that request gets the error.
 """
@@ -264,9 +265,10 @@ class InferenceEngine:
 
     def _between_steps(self, paused: tuple[_Paused, ...]) -> Callable[[int], None] | None:
         """What a batch runs between its decode steps (``paused`` ends with itself), told the
-        tokens it has left to draw: a batch of the waiting requests of tenants none of ``paused``
-        serves, of fewer tokens in all, whose versions fit in the slots beside theirs, to its
-        end. Only smaller work: a small request in progress is not held up by a big one."""
+        tokens it has left to draw: batches of the waiting requests of tenants none of ``paused``
+        serves, of fewer tokens in all and at most one batch's sequences in all, whose versions
+        fit in the slots beside theirs, each to its end. Only smaller work: a small request in
+        progress is not held up by a big one."""
         if len(paused) >= MAX_NESTED_BATCHES:
             return None
         tenants = frozenset().union(*(p.tenants for p in paused))
@@ -276,11 +278,17 @@ class InferenceEngine:
             return self.slots.fits(new | refs)
 
         def run_other_tenants(tokens_left: int) -> None:
-            if not len(self._queue):  # a racy read: a request that just arrived waits one step
-                return
-            with self._cv:
-                batch = self._queue.take(self.config.max_batch_size, fits, gap=Gap(tenants, tokens_left))
-            if batch:
+            # Batch after batch while work is admitted, so a request that arrived while one of them
+            # ran does not wait for another step of the paused batch. The bounds (one batch's
+            # sequences, fewer tokens than the paused batch has left) keep it going step by step.
+            gap, rows_left = Gap(tenants, tokens_left), self.config.max_batch_size
+            # len() is a racy read: a request that arrives just then waits one step.
+            while rows_left > 0 and len(self._queue):
+                with self._cv:
+                    batch = self._queue.take(rows_left, fits, gap=gap)
+                if not batch:
+                    return
+                rows_left -= sum(p.rows for p in batch)
                 self._run(batch, paused)
 
         return run_other_tenants

@@ -26,9 +26,9 @@ from polytinker.engine.inference._multilora import MultiLora
 from polytinker.engine.inference._sampling import (
     RowSampler,
     choice_slices,
-    choose_tokens,
     make_row_sampler,
     pick_choice,
+    sample_tokens,
 )
 from polytinker.engine.inference.adapter_io import read_adapter_dir
 from polytinker.engine.inference.base import cut_at_stop, render_prompt
@@ -256,10 +256,9 @@ class HFBackend:
         logits_BV, mask_BL, next_pos_B = self._prefill(rows, cache)
         live = list(range(len(rows)))
         while True:
-            tokens_B = choose_tokens(logits_BV, [rows[i].sampler for i in live])
-            # The drawn token's logprob without a vocabulary-sized log_softmax for every row.
-            logprobs_B = logits_BV.gather(1, tokens_B[:, None])[:, 0] - logits_BV.logsumexp(-1)
-            keep = [j for j, i in enumerate(live) if not self._append(rows[i], int(tokens_B[j]), float(logprobs_B[j]))]
+            tokens_B, logprobs_B = sample_tokens(logits_BV, [rows[i].sampler for i in live])
+            tokens, logprobs = tokens_B.tolist(), logprobs_B.tolist()  # one conversion, not one a row
+            keep = [j for j, i in enumerate(live) if not self._append(rows[i], tokens[j], logprobs[j])]
             if not keep:
                 return
             if len(keep) < len(live):

@@ -9,7 +9,8 @@ here and checked against the model by the engine, never trusted.
 Adapter versions are registered from the peft directory the scheduler names by ids
 (``WeightsRef``: the path is made under this worker's state root, never taken from a message) and
 made resident by the engine when a batch needs them (least recently used evicted beyond
-``adapter_slots``). ``stats`` counts batches, those that mixed adapters, and those that failed.
+``adapter_slots``). ``stats`` counts batches, those that mixed adapters, and those that failed,
+and the sequences answered.
 
 A full-parameter job's version (``full`` in the request) is a whole model: it is served by an
 engine of its own, built from the version's checkpoint (``FullWeightEngines``, at most
@@ -200,6 +201,7 @@ class EngineWorker:
             "batches": len(st.batch_sizes),
             "adapters_received": self._pushed,
             "requests": st.requests,
+            "sequences": sum(st.batch_sizes),  # sequences answered, every tenant's (each chunk as it ends)
             "failed_batches": st.failed_batches,
             "max_batch_sequences": max(st.batch_sizes, default=0),
             "mixed_adapter_batches": sum(1 for n in st.batch_adapters if n > 1),
