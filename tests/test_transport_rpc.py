@@ -293,7 +293,8 @@ def test_a_closed_connection_fails_pending_calls_at_once_whatever_the_silence_li
     """A killed server closes its connection: its calls fail then, not a minute of silence later."""
     srv = _ServerProcess(_address(transport, tmp_path))
     try:
-        with RpcClient(srv.address, config=dataclasses.replace(FAST, heartbeat_liveness=300)) as c:
+        lost = threading.Event()
+        with RpcClient(srv.address, config=dataclasses.replace(FAST, heartbeat_liveness=300), on_lost=lost.set) as c:
             assert c.call("echo", 1) == 1
             pending = c.call_async("sleep", 30)
             time.sleep(0.2)
@@ -302,6 +303,7 @@ def test_a_closed_connection_fails_pending_calls_at_once_whatever_the_silence_li
             with pytest.raises(PeerDeadError, match="closed the connection"):
                 pending.result(timeout=30)
             assert time.monotonic() - t0 < 5.0  # the limit is 60 s of silence
+            assert lost.wait(5.0)  # and the owner's hook heard of it
     finally:
         srv.proc.kill()
 

@@ -24,6 +24,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -109,8 +110,12 @@ class RpcClient:
         config: TransportConfig | None = None,
         curve: auth.ClientCurve | None = None,
         context: zmq.Context | None = None,
+        on_lost: Callable[[], None] | None = None,
     ) -> None:
+        """``on_lost``: called (on the client's I/O thread: keep it short) when the connection to
+        the server closes, e.g. to announce oneself again to a server that restarts."""
         self._address = address
+        self._on_lost = on_lost
         self._cfg = config or DEFAULT_CONFIG
         self._curve = curve
         self._ctx = context or zmq.Context.instance()
@@ -387,6 +392,11 @@ class RpcClient:
         if st.pending:
             self._silence("%s closed the connection: failing %d pending calls", self._address, len(st.pending))
             st.fail_all(PeerDeadError(f"{self._address} closed the connection (the server exited or restarted)"))
+        if self._on_lost is not None:
+            try:
+                self._on_lost()
+            except Exception as exc:  # the caller's hook must not end the I/O thread
+                log.warning("on_lost hook of the client of %s failed: %r", self._address, exc)
 
     def _peer_died(self, st: PendingCalls, now: float) -> None:
         why = f"did not answer heartbeats for {st.silence_limit_s():.1f} s"

@@ -1,8 +1,9 @@
 """Running a worker (engine or learner group) and keeping it registered with the scheduler.
 
 ``WorkerServer`` serves a worker's handlers on its own RPC server and re-registers with the
-scheduler every ``heartbeat_s`` from a background thread: a restarted scheduler learns about it
-within one interval, and a restarted worker (new incarnation) is picked up the same way. It always
+scheduler every ``heartbeat_s`` from a background thread, and at once when its connection to the
+scheduler closes: a restarted scheduler learns about it as soon as it is up, and a restarted
+worker (new incarnation) is picked up the same way. It always
 serves with Curve and admits only the scheduler (keys derived from the worker token, see
 ``worker_auth``): no other process on the host, tenant or not, gets an answer from it. Its
 checkpoints and exports live under the state root it is built with (``build_worker``).
@@ -61,7 +62,10 @@ class WorkerServer:
         self.server = RpcServer(bind, handlers, config=cfg, curve=curve).start()
         self._public = curve.public_key.decode()
         self.limits = model_limits(base_model)  # the worker built the model: this reads its config.json
-        self._client = RpcClient(scheduler, config=cfg, curve=client_curve)
+        # A scheduler that restarts knows no worker: register again as soon as the connection
+        # closes (the request waits in the socket for the new scheduler), not a heartbeat later.
+        self._wake = threading.Event()
+        self._client = RpcClient(scheduler, config=cfg, curve=client_curve, on_lost=self._wake.set)
         self._token, self._heartbeat_s = token, heartbeat_s
         self._stop = threading.Event()
         self.registered = threading.Event()
@@ -88,10 +92,12 @@ class WorkerServer:
                 if not failing:
                     log.warning("%s cannot register with %s: %s", self.worker_id, self._client.address, exc)
                 failing = True
-            self._stop.wait(self._heartbeat_s)
+            self._wake.wait(self._heartbeat_s)
+            self._wake.clear()
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
         self._thread.join(5.0)
         self._client.close()
         self.server.stop()
