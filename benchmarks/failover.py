@@ -16,6 +16,16 @@ restart anyway; ``failover_s`` is how long a call in flight to a dead worker sta
 tenant's run, queued meanwhile, completing a training step: the killed client's session is silent
 for ``session_timeout_s`` (``--session-timeout``; the shipped default unless ``--quick``), then ends
 and its run's job finishes. Target: at most ``session_timeout_s`` + 10 s.
+
+``scheduler_restart_call_delay_s``: an SDK sample (through the HTTP gateway) in flight when the
+scheduler is SIGKILLed, from the kill to its answer; ``scheduler_restart_s``: from the kill to
+the restarted scheduler answering a call. Target: the delay at most 3x the restart time
+(``scheduler_restart_delay_ratio`` <= 3): the call is sent again at once, not after its timeout.
+
+``saturated_failed_calls``: SDK training runs of two tenants (forward_backward, optim_step, a
+sample from the new weights, over and over) for ``--saturated-s`` seconds while busy processes
+hold every core, two per core; the calls that raised (target 0) and ``saturated_calls``, the
+calls answered.
 """
 
 from __future__ import annotations
@@ -121,11 +131,116 @@ def slots_recovered(session_timeout_s: float) -> dict[str, float]:
     return {"session_timeout_s": session_timeout_s, "slots_recovered_s": recovered_s}
 
 
+def _tinker_runtime(keys: tuple[str, ...]) -> RuntimeConfig:
+    """tiny-random with one engine, one learner and the HTTP gateway, one tenant per key."""
+    tenants = tuple(TenantConfig(f"tenant-{i}", api_key=k) for i, k in enumerate(keys))
+    return RuntimeConfig(
+        model="tiny-random", tenants=tenants, start_timeout_s=240.0, http=HttpConfig(address="127.0.0.1:0")
+    )
+
+
+def scheduler_restart(tokens: int) -> dict[str, float]:
+    """``scheduler_restart_call_delay_s`` and ``scheduler_restart_s``: see the module docstring."""
+    import tinker
+    from tinker import types
+
+    key = "tml-failover-restart-0123456789"
+    with LocalRuntime(_tinker_runtime((key,))) as runtime:
+        sampler = (
+            tinker.ServiceClient(base_url=runtime.http_url, api_key=key)
+            .create_sampling_client(base_model="tiny-random")
+            .result()
+        )
+        params = types.SamplingParams(max_tokens=tokens, temperature=1.0)
+        prompt = types.ModelInput.from_ints([3, 4, 5])
+        sampler.sample(prompt, 1, params).result()  # warm
+        assert runtime.scheduler is not None
+        old = runtime.scheduler.pid
+        assert old is not None
+        in_flight = sampler.sample(prompt, 1, params)
+        time.sleep(0.3)
+        assert not in_flight.done(), "the sample finished before the kill: raise --tokens"
+        killed = time.monotonic()
+        os.kill(old, signal.SIGKILL)
+        with ServiceClient(runtime.address, api_key=key) as probe:
+            while runtime.scheduler.pid in (None, old):
+                time.sleep(0.01)
+            probe.list_jobs()  # answered by the new scheduler
+            restart_s = time.monotonic() - killed
+        in_flight.result(timeout=300)
+        delay_s = time.monotonic() - killed
+    return {
+        "scheduler_restart_s": restart_s,
+        "scheduler_restart_call_delay_s": delay_s,
+        "scheduler_restart_delay_ratio": delay_s / restart_s,
+    }
+
+
+def saturated(seconds: float) -> dict[str, float]:
+    """``saturated_failed_calls`` and ``saturated_calls``: see the module docstring."""
+    import tinker
+    from tinker import types
+
+    keys = ("tml-failover-busy-a-0123456789", "tml-failover-busy-b-0123456789")
+    calls, failures, lock = [0], [], threading.Lock()
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(list(range(10, 42))),
+        loss_fn_inputs={"target_tokens": list(range(11, 43))},
+    )
+
+    def run(url: str, key: str, deadline: float) -> None:
+        trainer = (
+            tinker.ServiceClient(base_url=url, api_key=key)
+            .create_lora_training_client(base_model="tiny-random", rank=4)
+            .result()
+        )
+        with lock:
+            calls[0] += 1
+        while time.monotonic() < deadline:
+            try:
+                trainer.forward_backward([datum] * 4, "cross_entropy").result(timeout=600)
+                trainer.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=600)
+                sampler = trainer.save_weights_and_get_sampling_client().result()
+                sampler.sample(types.ModelInput.from_ints([1, 2, 3]), 2, types.SamplingParams(max_tokens=8)).result(
+                    timeout=600
+                )
+                with lock:
+                    calls[0] += 4
+            except Exception as exc:
+                with lock:
+                    failures.append(f"{type(exc).__name__}: {exc}"[:300])
+
+    with LocalRuntime(_tinker_runtime(keys)) as runtime:
+        busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * _cores())]
+        try:
+            deadline = time.monotonic() + seconds
+            threads = [
+                threading.Thread(target=run, args=(runtime.http_url, key, deadline), daemon=True)
+                for key in (*keys, *keys)
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(seconds + 900)
+        finally:
+            for p in busy:
+                p.kill()
+                p.wait()
+    for failure in failures:
+        print(f"saturated failure: {failure}", file=sys.stderr)
+    return {"saturated_failed_calls": float(len(failures)), "saturated_calls": float(calls[0])}
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=256, help="new tokens per sample (the call must outlast 0.3 s)")
-    parser.add_argument("--heartbeat", type=float, default=2.0, help="worker_heartbeat_s (liveness: 3 of them)")
+    parser.add_argument("--heartbeat", type=float, default=2.0, help="worker_heartbeat_s")
     parser.add_argument("--quick", action="store_true", help="the session phase with a 15 s session timeout")
+    parser.add_argument("--saturated-s", type=float, default=None, help="the saturated phase (default 20, --quick 10)")
     parser.add_argument(
         "--session-timeout",
         type=float,
@@ -165,7 +280,9 @@ def main() -> None:
         watcher.join(30)
         time.sleep(0.2)  # the scheduler's log line is written by its own process
         figures["failover_s"] = _failed_over_after(runtime, killed_wall)
-    timeout_s = 3 * args.heartbeat  # what a call to a dead worker waited before: its connection's silence
+    # What a call to a dead worker would wait without the supervisor's report and the closed
+    # connection: its connection's silence limit.
+    timeout_s = cfg.worker_silence_s
     print(f"heartbeat_timeout_s: {timeout_s:.1f}")
     for name in ("failover_s", "restart_registered_s", "call_done_s", "sample_alone_s"):
         print(f"{name}: {figures.get(name, float('nan')):.2f}")
@@ -174,6 +291,10 @@ def main() -> None:
     session_timeout_s = args.session_timeout or (15.0 if args.quick else HttpConfig().session_timeout_s)
     for name, value in slots_recovered(session_timeout_s).items():
         print(f"{name}: {value:.2f}")
+    for name, value in scheduler_restart(args.tokens).items():
+        print(f"{name}: {value:.2f}")
+    for name, value in saturated(args.saturated_s or (10.0 if args.quick else 20.0)).items():
+        print(f"{name}: {value:.0f}")
 
 
 if __name__ == "__main__":

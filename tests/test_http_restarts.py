@@ -82,7 +82,7 @@ class Loop:
     def __init__(self, tinker: Any, url: str, key: str) -> None:
         self.tinker = tinker
         self.service = tinker.ServiceClient(base_url=url, api_key=key)
-        self.trainer = self.service.create_lora_training_client(base_model=MODEL, rank=4)
+        self.trainer = self.service.create_lora_training_client(base_model=MODEL, rank=4).result()
         self.versions: list[int] = []
         self.answered: list[float] = []  # when each call was answered (monotonic)
         self.errors: list[str] = []
@@ -102,7 +102,7 @@ class Loop:
                 self.trainer.optim_step(self.tinker.types.AdamParams(learning_rate=1e-3)).result(timeout=300)
                 self.answered.append(time.monotonic())
                 self.versions.append(step + 1)
-                sampler = self.trainer.save_weights_and_get_sampling_client()
+                sampler = self.trainer.save_weights_and_get_sampling_client().result()
                 got = sampler.sample(prompt, 2, params).result(timeout=300)
                 assert len(got.sequences) == 2
                 self.answered.append(time.monotonic())
@@ -288,7 +288,7 @@ def test_a_resent_sdk_call_is_applied_once(serve: Serve, tinker: Any) -> None:
     """What the SDK sends again when an answer is lost: the same body and seq_id, answered with the
     first call's request id (one gradient, one step); the same seq_id with another body: a 409."""
     service = tinker.ServiceClient(base_url=serve.url, api_key=KEY)
-    trainer = service.create_lora_training_client(base_model=MODEL, rank=4)
+    trainer = service.create_lora_training_client(base_model=MODEL, rank=4).result()
     model_id = trainer.model_id
     tokens = list(range(10, 43))
     fb = {
