@@ -20,7 +20,10 @@ from polytinker.actors._mailbox import MailboxClient
 from polytinker.actors._process import ChildProcess
 from polytinker.actors._protocol import PING_KIND, STOP_KIND, TELL_KIND
 from polytinker.actors.config import ActorConfig
-from polytinker.errors import ActorDeadError, ProtocolError, RemoteError, RequestTimeout, TransportError
+from polytinker.errors import ActorDeadError, PeerDeadError, ProtocolError, RemoteError, RequestTimeout, TransportError
+
+# A child whose connection closed is exiting: how long its exit status may take to show.
+EXIT_STATUS_WAIT_S = 2.0
 
 
 class ActorRef:
@@ -239,5 +242,16 @@ class ActorRef:
                 outer.set_exception(exc)
             elif child.poll() is not None:
                 outer.set_exception(self._dead(f"exited with code {child.poll()} while handling {kind!r}"))
+            elif isinstance(exc, PeerDeadError):
+                # The connection closed: the process is exiting, and its exit status comes a moment
+                # later. Waited for off the client's I/O thread, which runs this callback.
+                threading.Thread(target=self._settle_exit, args=(outer, exc, child, kind), daemon=True).start()
             else:
                 outer.set_exception(exc)
+
+    def _settle_exit(self, outer: Future[Any], exc: BaseException, child: ChildProcess, kind: str) -> None:
+        code = child.wait(EXIT_STATUS_WAIT_S)
+        with contextlib.suppress(Exception):
+            outer.set_exception(
+                self._dead(f"exited with code {code} while handling {kind!r}") if code is not None else exc
+            )
