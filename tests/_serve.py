@@ -86,6 +86,13 @@ class Serve:
             time.sleep(0.5)
         raise AssertionError("serve did not come up: " + (self.root / "serve.log").read_text()[-3000:])
 
+    def __enter__(self) -> Serve:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

@@ -285,10 +285,8 @@ def test_forward_backward_counts_are_checked_before_anything_is_built() -> None:
 # --- a real serve ------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
-    s = Serve(tmp_path_factory.mktemp("hostile-serve"))
-    s.start()
-    yield s
-    s.stop()
+    with Serve(tmp_path_factory.mktemp("hostile-serve")) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

@@ -39,10 +39,8 @@ RECOVERY_BOUND_S = 60.0
 
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
-    s = Serve(tmp_path_factory.mktemp("restarts"), model=MODEL)
-    s.start()
-    yield s
-    s.stop()
+    with Serve(tmp_path_factory.mktemp("restarts"), model=MODEL) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

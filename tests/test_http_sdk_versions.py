@@ -139,10 +139,8 @@ def test_json_counts_are_checked_before_anything_is_built() -> None:
 # --- a real serve ------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
-    s = Serve(tmp_path_factory.mktemp("sdk-versions-serve"), model=TINY_RANDOM)
-    s.start()
-    yield s
-    s.stop()
+    with Serve(tmp_path_factory.mktemp("sdk-versions-serve"), model=TINY_RANDOM) as s:
+        yield s
 
 
 def _post(serve: Serve, path: str, body: Any) -> httpx.Response:

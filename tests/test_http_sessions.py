@@ -56,10 +56,8 @@ class SmallServe(Serve):
 
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SmallServe]:
-    s = SmallServe(tmp_path_factory.mktemp("sessions-serve"))
-    s.start()
-    yield s
-    s.stop()
+    with SmallServe(tmp_path_factory.mktemp("sessions-serve")) as s:
+        yield s
 
 
 def _datum() -> types.Datum:

@@ -30,10 +30,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
-    s = Serve(tmp_path_factory.mktemp("tinker-serve"))
-    s.start()
-    yield s
-    s.stop()
+    with Serve(tmp_path_factory.mktemp("tinker-serve")) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
