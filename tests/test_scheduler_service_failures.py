@@ -14,6 +14,9 @@ from fixtures.client import KEY_ALICE, KEY_BOB, MODEL, client, data, shared_runt
 from polytinker.actors import ActorRef
 from polytinker.engine.learner.config import AdamParams
 from polytinker.engine.types import SamplingParams
+from polytinker.scheduler.service.worker_auth import launcher_credential
+from polytinker.scheduler.service.worker_messages import WorkersQuery
+from polytinker.transport import RpcClient
 
 ADAM = AdamParams(learning_rate=1e-2)
 LONG = SamplingParams(max_tokens=64, temperature=1.0, ignore_eos=True, seed=1)
@@ -92,6 +95,13 @@ def test_scheduler_killed_and_restarted_recovers_jobs_without_losing_a_step() ->
         assert sampler.sample([7, 8], 1, LONG).result().sequences
 
 
+def _broker_sees_alive(runtime, worker_id: str) -> bool:
+    with RpcClient(runtime.local_address) as rpc:
+        query = WorkersQuery(launcher_credential(runtime.config.worker_token))
+        workers = rpc.call("sched.w.workers", query, timeout_s=30).workers
+    return any(w["worker_id"] == worker_id and w["alive"] for w in workers)
+
+
 def _learner_stats(service) -> dict:
     return service.runtime_status()["stats"]["learner-0"]
 
@@ -119,7 +129,12 @@ def test_a_learner_wrongly_declared_dead_applies_a_resent_gradient_and_step_once
             os.kill(pid, signal.SIGSTOP)
             try:
                 future = call()
-                time.sleep(dead_after_s + 3.0)
+                # Declared dead after worker_silence_s, or longer once it was slow before (the
+                # silence limit adapts): the broker's own view says when.
+                deadline = time.monotonic() + dead_after_s + 120.0
+                while _broker_sees_alive(runtime, "learner-0"):
+                    assert time.monotonic() < deadline, "the broker never declared the frozen learner dead"
+                    time.sleep(0.2)
                 assert not future.done()  # the broker gave up on the frozen learner and waits for it
             finally:
                 os.kill(pid, signal.SIGCONT)
