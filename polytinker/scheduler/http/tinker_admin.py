@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from polytinker.errors import ConfigError
+from polytinker.model_path import SAMPLER_NAME_PREFIX, CheckpointPath
 from polytinker.scheduler.http.tinker_backend import Tenant, TinkerBackend
 from polytinker.scheduler.http.tinker_names import to_tinker_path
 from polytinker.scheduler.http.wire import iso_time
@@ -31,6 +32,14 @@ def _unix(text: str, name: str) -> float:
     except ValueError:
         raise ConfigError(f"{name} must be an RFC 3339 time, e.g. 2026-07-13T00:00:00Z") from None
     return (when if when.tzinfo else when.replace(tzinfo=UTC)).timestamp()
+
+
+def _audited_path(job_id: str, path: str, name: Any) -> str:
+    """The ``tinker://`` path an audit entry names: a named sampler save (the scheduler records
+    the version it saved) by the ``sampler_weights/NAME`` its client was answered."""
+    if isinstance(name, str) and name.startswith(SAMPLER_NAME_PREFIX):
+        return to_tinker_path(str(CheckpointPath(job_id, name)))
+    return to_tinker_path(path)
 
 
 class TinkerAdmin:
@@ -57,7 +66,7 @@ class TinkerAdmin:
         entries = []
         for e in log.entries:
             model_id, _ = run(e.job_id)
-            tinker_path = to_tinker_path(e.path)
+            tinker_path = _audited_path(e.job_id, e.path, e.details.get("name"))
             details = {"tenant": e.tenant, "owner": e.owner, "model_id": model_id, "tinker_path": tinker_path}
             entries.append(
                 {

@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 
 from polytinker.errors import ConfigError
-from polytinker.model_path import MODEL_PREFIX, TINKER_PREFIX, CheckpointPath, ModelPath
+from polytinker.model_path import MODEL_PREFIX, SAMPLER_NAME_PREFIX, TINKER_PREFIX, CheckpointPath, ModelPath
 from polytinker.scheduler.service.layout import check_name
 
 SAMPLER_WEIGHTS = "sampler_weights"  # the middle part of a sampler path
@@ -21,10 +21,17 @@ def owner_of(api_key: str) -> str:
 
 
 def to_tinker_path(path: str) -> str:
-    """The ``tinker://`` path of a polytinker checkpoint or sampler path."""
+    """The ``tinker://`` path of a polytinker checkpoint or sampler path. A job's named sampler save
+    (its checkpoint ``sampler-NAME``) is ``.../sampler_weights/NAME``, and an external one
+    (``sampler-external.NAME``) ``.../external_weights/NAME``, as the SDK was answered when it saved."""
     checkpoint = CheckpointPath.parse(path)
     if checkpoint is not None:
-        return checkpoint.tinker
+        name = checkpoint.name.removeprefix(SAMPLER_NAME_PREFIX)
+        if name == checkpoint.name:
+            return checkpoint.tinker
+        if name.startswith(EXTERNAL_NAME_PREFIX):
+            return external_path(checkpoint.job_id, name.removeprefix(EXTERNAL_NAME_PREFIX))
+        return named_sampler_path(checkpoint.job_id, name)
     if path.startswith(MODEL_PREFIX):
         return ModelPath.parse(path).tinker
     raise ConfigError(f"{path!r} is not a polytinker path")
