@@ -22,7 +22,7 @@ from _common import MODEL, RENDERER, checkpoints, fail, metrics, run_script, sam
 from tinker_cookbook import renderers
 from tinker_cookbook.rl import train
 from tinker_cookbook.rl.problem_env import ProblemEnv, ProblemGroupBuilder
-from tinker_cookbook.rl.types import EnvGroupBuilder, RLDataset, RLDatasetBuilder
+from tinker_cookbook.rl.types import Action, ActionExtra, EnvGroupBuilder, RLDataset, RLDatasetBuilder, StepResult
 from tinker_cookbook.tokenizer_utils import get_tokenizer
 
 WORDS = ["blue", "seven", "apple", "river", "green", "tiger"]
@@ -30,7 +30,11 @@ REWARD_KEY = "env/all/reward/total"
 
 
 class SayTheWord(ProblemEnv):
-    """Reward 1 when the completion contains the word (and the format bonus of ProblemEnv)."""
+    """Reward 1 when the completion contains the word (and the format bonus of ProblemEnv); short
+    of it, a tenth of the share of the word's letters the completion has. That partial credit
+    gives a model that never says the word (tiny-random's random weights, which also never stop
+    before max_tokens and so never earn the format bonus) rewards that differ within a group, so
+    its steps train too."""
 
     def __init__(self, renderer: renderers.Renderer, word: str) -> None:
         super().__init__(renderer, format_coef=0.1, require_stop_sequence_for_format=False)
@@ -47,6 +51,14 @@ class SayTheWord(ProblemEnv):
 
     def get_reference_answer(self) -> str:
         return self.word
+
+    async def step(self, action: Action, *, extra: ActionExtra | None = None) -> StepResult:
+        result = await super().step(action, extra=extra)
+        text = renderers.get_text_content(self.renderer.parse_response(action)[0]).lower()
+        if self.word not in text:
+            letters = set(self.word)
+            result.reward += 0.1 * sum(c in text for c in letters) / len(letters)
+        return result
 
 
 class SayTheWordDataset(RLDataset):
