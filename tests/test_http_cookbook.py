@@ -31,10 +31,8 @@ COOKBOOK_PYTHON = ROOT / ".venv-cookbook" / "bin" / "python"
 
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
-    s = Serve(tmp_path_factory.mktemp("cookbook-serve"))
-    s.start()
-    yield s
-    s.stop()
+    with Serve(tmp_path_factory.mktemp("cookbook-serve")) as s:
+        yield s
 
 
 def cookbook(serve: Serve, args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:

@@ -71,10 +71,8 @@ def sampler_version(serve: Serve, tinker_path: str) -> int:
 
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
-    s = Serve(tmp_path_factory.mktemp("recipes-serve"))
-    s.start()
-    yield s
-    s.stop()
+    with Serve(tmp_path_factory.mktemp("recipes-serve")) as s:
+        yield s
 
 
 # (recipe module, the recipe test's own arguments with ours, steps, episodes a step).
@@ -157,10 +155,8 @@ def test_recipe_trains_against_serve(serve: Serve, tmp_path: Path, name: str) ->
 
 @pytest.fixture
 def tiny_serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
-    s = Serve(tmp_path_factory.mktemp("tiny-serve"), model="tiny-random")
-    s.start()
-    yield s
-    s.stop()
+    with Serve(tmp_path_factory.mktemp("tiny-serve"), model="tiny-random") as s:
+        yield s
 
 
 @pytest.mark.timeout(240)
