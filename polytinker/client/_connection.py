@@ -98,6 +98,13 @@ class Connection:
         start = time.monotonic()
         lost_at: float | None = None  # when the scheduler went away (the reconnect window starts there)
         overloaded = waiting = 0  # refusals of this call so far: the back-off doubles with each
+
+        def may_retry() -> bool:
+            """A lost scheduler or worker: whether the reconnect window, from the first loss, is open."""
+            nonlocal lost_at
+            lost_at = time.monotonic() if lost_at is None else lost_at
+            return idempotent and time.monotonic() - lost_at <= self.reconnect_s
+
         while True:
             if self.check is not None:
                 self.check()
@@ -106,8 +113,7 @@ class Connection:
             except (PeerDeadError, RequestTimeout) as exc:
                 if self.check is not None:
                     self.check()  # the scheduler is gone for good, not restarting: say why
-                lost_at = time.monotonic() if lost_at is None else lost_at
-                if not idempotent or isinstance(exc, RequestTimeout) or time.monotonic() - lost_at > self.reconnect_s:
+                if isinstance(exc, RequestTimeout) or not may_retry():
                     raise
                 time.sleep(0.2)  # the scheduler is restarting: the client reconnects by itself
                 if hasattr(msg, "attempt"):
@@ -115,13 +121,11 @@ class Connection:
                 continue
             except RemoteError as exc:
                 local = _local(exc)
-                if isinstance(local, WorkerUnavailable) and idempotent:
-                    # The scheduler waited for a restarting worker in vain: a slow restart (a
-                    # model loading on a saturated machine) still counts as one.
-                    lost_at = time.monotonic() if lost_at is None else lost_at
-                    if time.monotonic() - lost_at <= self.reconnect_s:
-                        time.sleep(1.0)
-                        continue
+                # The scheduler waited for a restarting worker in vain: a slow restart (a model
+                # loading on a saturated machine) still counts as one.
+                if isinstance(local, WorkerUnavailable) and may_retry():
+                    time.sleep(1.0)
+                    continue
                 if local is exc:
                     raise
                 raise local from exc
