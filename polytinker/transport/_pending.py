@@ -4,7 +4,6 @@ could not take yet, and when the server was last heard from."""
 from __future__ import annotations
 
 import collections
-import contextlib
 import heapq
 import time
 from concurrent.futures import Future, InvalidStateError
@@ -40,6 +39,7 @@ class PendingCalls:
         self.alive = False
         self.awaiting_pong = False
         self.ping_sent = now
+        self.next_due = now  # the earliest a ping, a deadline or the silence limit is due
         self.slowest_pong_s = 0.0  # the longest the server took to answer a ping, for the silence limit
 
     def pinged(self, now: float) -> None:
@@ -78,6 +78,7 @@ class PendingCalls:
         wake_at = min(self.next_ping, self.last_recv + self.silence_limit_s())
         if self.deadlines:
             wake_at = min(wake_at, self.deadlines[0][0])
+        self.next_due = wake_at
         if self.backlog:
             wake_at = min(wake_at, time.monotonic() + 0.01)  # retry the requests that found no peer
         return max(0, int((wake_at - time.monotonic()) * 1000) + 1)
@@ -103,11 +104,13 @@ class PendingCalls:
 
 def settle(fut: Future[Any], value: Any = None, exc: BaseException | None = None) -> None:
     """Resolve a call's future (or waiter) unless its caller cancelled it meanwhile."""
-    with contextlib.suppress(InvalidStateError):
+    try:  # on every answer's path: suppress() costs a context manager
         if exc is not None:
             fut.set_exception(exc)
         else:
             fut.set_result(value)
+    except InvalidStateError:
+        pass
 
 
 __all__ = ["Pending", "PendingCalls", "settle"]

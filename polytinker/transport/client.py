@@ -271,15 +271,22 @@ class RpcClient:
 
     def _receive(self, st: PendingCalls) -> None:
         sock = self._sock
-        for _ in range(_BATCH):
-            # ZMQ_EVENTS says whether a message waits: cheaper than a receive that raises zmq.Again.
-            if not int(sock.getsockopt(_EVENTS)) & _POLLIN:
+        for i in range(_BATCH):
+            # The poll said a message waits; for the next ones ZMQ_EVENTS says whether one does
+            # (cheaper than a receive that raises zmq.Again).
+            if i and not int(sock.getsockopt(_EVENTS)) & _POLLIN:
+                return
+            try:
+                frames = recv_frames(sock, _NOBLOCK)
+            except zmq.Again:
                 return
             st.heard_from()
-            self._on_answer(st, recv_frames(sock))
+            self._on_answer(st, frames)
 
     def _timers(self, st: PendingCalls) -> None:
         now = time.monotonic()
+        if now < st.next_due:  # nothing is due before the time the last poll was sized for
+            return
         if now >= st.next_ping:
             st.next_ping = now + self._cfg.heartbeat_interval_s
             try:

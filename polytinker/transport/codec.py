@@ -124,6 +124,7 @@ def _reused_prefixes(names: tuple[str, ...]) -> tuple[bytes, ...]:
     60 us for 256 KiB, at each level of nesting."""
     return tuple(b"\x92" + msgpack.packb(name, use_bin_type=True) for name in names)
 
+
 _SMALL = 4096  # bytes and str up to this long go through the thread's own Packer (its buffer stays small)
 _local = threading.local()
 
@@ -167,6 +168,10 @@ def decode(frames: Sequence[Frame], *, config: TransportConfig | None = None, ar
         raise ProtocolError("no frames to decode")
     if len(frames) > cfg.max_frames + 1:
         raise ProtocolError(f"{len(frames) - 1} buffer frames, more than max_frames={cfg.max_frames}")
+    if len(frames) == 1:
+        fast = _decode_plain(_as_buffer(frames[0]), cfg)
+        if fast is not _NOT_PLAIN:
+            return fast
     bufs = [_as_buffer(f) for f in frames]
     if len(bufs[0]) > cfg.max_body_bytes:
         raise ProtocolError(f"msgpack body of {len(bufs[0])} bytes exceeds max_body_bytes={cfg.max_body_bytes}")
@@ -184,6 +189,36 @@ def decode(frames: Sequence[Frame], *, config: TransportConfig | None = None, ar
         # it, so the frames go as soon as nothing decoded from them is left, not at the next
         # garbage collection (a 20 MB frame per adapter version piled up until then).
         decoder.close()
+
+
+class _HasExt(Exception):
+    """Raised by the plain decoder's ext hook: the body needs the full decoder."""
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise _HasExt
+
+
+_NOT_PLAIN = object()
+_PLAIN_MAX = 64 * 1024
+
+
+def _decode_plain(body: bytes | bytearray | memoryview, cfg: TransportConfig) -> Any:
+    """A small body without ext values, decoded without building a _Decoder (most requests and
+    answers: a round trip decodes two); ``_NOT_PLAIN`` when it needs the full decoder. msgpack's
+    own limits (no string, array or map longer than the body) are within the config's, since the
+    body is smaller than each of them."""
+    if len(body) > _PLAIN_MAX or len(body) > cfg.max_body_bytes or len(body) > cfg.max_container_len:
+        return _NOT_PLAIN
+    try:
+        obj = msgpack.unpackb(body, raw=False, strict_map_key=False, ext_hook=_refuse_ext)
+    except _HasExt:
+        return _NOT_PLAIN
+    except Exception as exc:  # msgpack raises many types on hostile bytes
+        raise ProtocolError(f"malformed message body: {type(exc).__name__}: {describe(exc)}") from exc
+    if type(obj) in _NESTED:
+        check_depth(obj, cfg.max_depth)
+    return obj
 
 
 # Containers the depth check descends into (typed messages too; tuples are what they turn lists into).

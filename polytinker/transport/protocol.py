@@ -104,10 +104,11 @@ def send_frames(sock: zmq.Socket, frames: list[Any], flags: int = 0) -> None:
         sock.send(frame, more if i < last else flags, copy=type(frame) is bytes and len(frame) < _COPY_BELOW)
 
 
-def recv_frames(sock: zmq.Socket) -> list[zmq.Frame]:
+def recv_frames(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
     """Receive one whole message, zero-copy (``recv_multipart(copy=False)``, without its
-    ZMQ_RCVMORE query per frame: a received Frame says itself whether more follow)."""
-    frame = sock.recv(copy=False)
+    ZMQ_RCVMORE query per frame: a received Frame says itself whether more follow). ``flags``
+    apply to the first frame (the rest of a message arrives with it)."""
+    frame = sock.recv(flags, copy=False)
     frames = [frame]
     while frame.more:
         frame = sock.recv(copy=False)

@@ -221,11 +221,16 @@ class RpcServer:
             sock.close(linger=0)
 
     def _read(self, sock: zmq.Socket) -> None:
-        for _ in range(_BATCH):
-            # ZMQ_EVENTS says whether a message waits: cheaper than a receive that raises zmq.Again.
-            if not int(sock.getsockopt(_EVENTS)) & _POLLIN:
+        for i in range(_BATCH):
+            # The poll said a message waits; for the next ones ZMQ_EVENTS says whether one does
+            # (cheaper than a receive that raises zmq.Again, which the first one risks only if the
+            # poll was wrong).
+            if i and not int(sock.getsockopt(_EVENTS)) & _POLLIN:
                 return
-            frames = recv_frames(sock)
+            try:
+                frames = recv_frames(sock, _NOBLOCK)
+            except zmq.Again:
+                return
             try:
                 self._route(frames)
             except Exception as exc:  # the server must outlive any one message
