@@ -46,9 +46,17 @@ class CallContext:
     __slots__ = ("arrays", "body", "cancelled", "handler", "ident", "kind", "nbytes", "reply", "request_id", "task")
 
     def __init__(
-        self, ident: bytes, rid: int, kind: str, handler: Any, body: list[zmq.Frame], reply: bool, arrays: bool
+        self,
+        ident: bytes,
+        rid: int,
+        kind: str,
+        handler: Any,
+        body: list[zmq.Frame],
+        reply: bool,
+        arrays: bool,
+        nbytes: int | None = None,
     ) -> None:
-        self.nbytes = sum(len(f) for f in body)
+        self.nbytes = sum(map(len, body)) if nbytes is None else nbytes
         self.ident = ident
         self.request_id = rid
         self.kind = kind

@@ -244,7 +244,7 @@ class RpcClient:
                     items.append((self._monitor, _POLLIN))
                 while not self._closed and sock is self._sock:  # a reconnect makes a new socket
                     polled = zmq.zmq_poll(items, st.poll_timeout_ms())  # type: ignore[arg-type]  # fds too
-                    ready = {item for item, _ in polled}
+                    ready = [item for item, _ in polled]  # a list: at most three, no hashing
                     try:
                         self._step(st, ready)
                     except Exception as exc:  # keep serving the other calls
@@ -258,7 +258,7 @@ class RpcClient:
                     settle(fut, exc=closed)
             self._close_socket()
 
-    def _step(self, st: PendingCalls, ready: set[Any]) -> None:
+    def _step(self, st: PendingCalls, ready: list[Any]) -> None:
         if self._waker.fd in ready:
             self._waker.drain()  # before the queue is read: an op queued later wakes us again
         if self._monitor is not None and self._monitor in ready:
@@ -272,9 +272,9 @@ class RpcClient:
     def _receive(self, st: PendingCalls) -> None:
         sock = self._sock
         for i in range(_BATCH):
-            # The poll said a message waits; for the next ones ZMQ_EVENTS says whether one does
-            # (cheaper than a receive that raises zmq.Again).
-            if i and not int(sock.getsockopt(_EVENTS)) & _POLLIN:
+            # The poll said a message waits. Whether another does, ZMQ_EVENTS says (cheaper than a
+            # receive that raises zmq.Again); with no call left to answer, the next poll will tell.
+            if i and (not st.pending or not int(sock.getsockopt(_EVENTS)) & _POLLIN):
                 return
             try:
                 frames = recv_frames(sock, _NOBLOCK)

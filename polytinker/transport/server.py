@@ -50,11 +50,9 @@ from polytinker.transport.protocol import (
 log = logging.getLogger("polytinker.transport.server")
 Handler = Callable[[Any], Any]
 
-_BATCH = 256  # messages read in one go before the I/O thread sends the answers that wait
 # Plain ints: pyzmq's flag enums cost an enum operation each time they are combined or tested.
 _NOBLOCK = int(zmq.NOBLOCK)
 _POLLIN = int(zmq.POLLIN)
-_EVENTS = int(zmq.EVENTS)
 
 _current: contextvars.ContextVar[CallContext | None] = contextvars.ContextVar("polytinker_rpc_call", default=None)
 
@@ -208,10 +206,13 @@ class RpcServer:
         items = [(sock, _POLLIN), (waker, _POLLIN)]
         try:
             while not self._stopping:
-                ready = {item for item, _ in zmq.zmq_poll(items, -1)}  # type: ignore[arg-type]  # fds too
-                if waker in ready:
-                    self._waker.drain()  # before the outbox is read: an answer queued later wakes us again
-                if sock in ready:
+                readable = False
+                for item, _ in zmq.zmq_poll(items, -1):  # type: ignore[arg-type]  # fds too
+                    if item is sock:
+                        readable = True
+                    else:  # the waker: drained before the outbox is read, so an answer queued later wakes us again
+                        self._waker.drain()
+                if readable:
                     self._read(sock)
                 self._flush(sock)
         except zmq.ZMQError as exc:
@@ -221,20 +222,17 @@ class RpcServer:
             sock.close(linger=0)
 
     def _read(self, sock: zmq.Socket) -> None:
-        for i in range(_BATCH):
-            # The poll said a message waits; for the next ones ZMQ_EVENTS says whether one does
-            # (cheaper than a receive that raises zmq.Again, which the first one risks only if the
-            # poll was wrong).
-            if i and not int(sock.getsockopt(_EVENTS)) & _POLLIN:
-                return
-            try:
-                frames = recv_frames(sock, _NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                self._route(frames)
-            except Exception as exc:  # the server must outlive any one message
-                self._bad("unexpected error while routing a message, serving on: %r", exc, key="route", exc_info=exc)
+        """One message per wake-up: the poll is level-triggered, so the next one wakes it again at
+        once, and the answers ready meanwhile go out in between. (Asking ZMQ_EVENTS whether another
+        waits costs about as much as that poll, and the lone request of a quiet client would pay it.)"""
+        try:
+            frames = recv_frames(sock, _NOBLOCK)
+        except zmq.Again:  # the poll was wrong: nothing to read after all
+            return
+        try:
+            self._route(frames)
+        except Exception as exc:  # the server must outlive any one message
+            self._bad("unexpected error while routing a message, serving on: %r", exc, key="route", exc_info=exc)
 
     def _flush(self, sock: zmq.Socket) -> None:
         outbox = self._outbox
@@ -284,7 +282,7 @@ class RpcServer:
             self._reject(ident, rid, kind, HeaderError("a request needs a body frame"), reply)
             return
         cfg = self._cfg
-        total = sum(len(f) for f in body)
+        total = sum(map(len, body))
         if len(body) > cfg.max_frames + 1 or len(body[0]) > cfg.max_body_bytes or total > cfg.max_message_bytes:
             err = HeaderError(
                 f"message of {total} bytes in {len(body)} frames exceeds max_body_bytes={cfg.max_body_bytes} / "
@@ -293,8 +291,9 @@ class RpcServer:
             )
             self._reject(ident, rid, kind, err, reply)
             return
-        call = CallContext(ident, rid, kind, handler, body, reply, self._arrays[kind])
-        if cfg.handler_threads and kind not in self._async_kinds and not self._runner.has_room(call.nbytes):
+        call = CallContext(ident, rid, kind, handler, body, reply, self._arrays[kind], total)
+        threaded = cfg.handler_threads and kind not in self._async_kinds
+        if threaded and not self._runner.has_room(total):
             err = HeaderError(
                 f"the server holds max_queued_bytes={cfg.max_queued_bytes} of requests already; retry later",
                 ErrorCode.BUSY,
@@ -304,13 +303,13 @@ class RpcServer:
         if reply:
             with self._calls_lock:
                 self._calls[(ident, rid)] = call
-        if kind in self._async_kinds:
+        if threaded:
+            self._runner.submit(call)
+        elif kind in self._async_kinds:
             assert self._aloop is not None
             self._aloop.call_soon_threadsafe(self._start_async, call)
-        elif cfg.handler_threads == 0:
-            self._runner.run(call)  # on this thread: handlers that never block, by the config's choice
         else:
-            self._runner.submit(call)
+            self._runner.run(call)  # on this thread: handlers that never block, by the config's choice
 
     def _reject(self, ident: bytes, rid: int, kind: str, exc: HeaderError, reply: bool = True) -> None:
         self._bad("rejected a message (%s): %s", exc.error_code, exc, key=exc.error_code)
