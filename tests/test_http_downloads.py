@@ -10,6 +10,19 @@ import pytest
 from polytinker.errors import ConfigError, OverloadedError
 from polytinker.scheduler.http.downloads import SignedDownloads, age_encrypt, age_recipients
 from polytinker.scheduler.http.errors import HttpError
+from polytinker.scheduler.service.http_config import HttpConfig
+
+
+def _table(ttl_s: float = 3600.0, **bounds: int) -> SignedDownloads:
+    """A table with the gateway's default bounds (HttpConfig) but for ``bounds``."""
+    c = HttpConfig()
+    defaults = {
+        "max_per_tenant": c.max_download_urls_per_tenant,
+        "max_tenant_bytes": c.max_download_bytes_per_tenant,
+        "max_entries": c.max_download_urls,
+        "max_bytes": c.max_download_bytes,
+    }
+    return SignedDownloads(ttl_s=ttl_s, **{**defaults, **bounds})
 
 
 def test_a_token_serves_its_files_until_it_expires(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -17,7 +30,7 @@ def test_a_token_serves_its_files_until_it_expires(monkeypatch: pytest.MonkeyPat
 
     now = [1000.0]
     monkeypatch.setattr(downloads.time, "time", lambda: now[0])
-    table = SignedDownloads(ttl_s=60.0, max_per_tenant=2)
+    table = _table(ttl_s=60.0, max_per_tenant=2)
     token, expires = table.put("alice", {"a.json": b"{}"})
     assert expires == 1060.0 and len(token) >= 40
     assert table.get(token, "a.json") == b"{}"
@@ -31,7 +44,7 @@ def test_a_token_serves_its_files_until_it_expires(monkeypatch: pytest.MonkeyPat
 
 
 def test_a_tenant_signing_many_evicts_only_its_own_oldest() -> None:
-    table = SignedDownloads(max_per_tenant=16)
+    table = _table(max_per_tenant=16)
     bobs, _ = table.put("bob", {"adapter": b"bob's"})
     alices = [table.put("alice", {"adapter": b"alice's %d" % i})[0] for i in range(17)]
     assert table.get(bobs, "adapter") == b"bob's"  # untouched by alice's 17

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import json
 import math
-import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from _http_raw import stalled
 from _serve import KEY, KEY_BOB, MODEL, Serve
 
 from polytinker.errors import ConfigError, NotBuiltError, OverloadedError, RemoteError
@@ -509,25 +509,11 @@ def test_a_relayed_error_names_no_server_path(serve: Serve, tinker: Any, alice: 
 
 
 # --- raw sockets: uploads that hang ------------------------------------------------------------------------
-@contextlib.contextmanager
 def _stalled(
     serve: Serve, path: str, key: str, count: int, *, length: int, kind: str = "application/json"
-) -> Iterator[None]:
+) -> contextlib.AbstractContextManager[None]:
     """``count`` requests that declare ``length`` bytes, send a few and hang until the block ends."""
-    socks = []
-    try:
-        for _ in range(count):
-            s = socket.create_connection(("127.0.0.1", serve.port), timeout=10)
-            head = (
-                f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nX-API-Key: {key}\r\n"
-                f"Content-Type: {kind}\r\nContent-Length: {length}\r\n\r\n"
-            )
-            s.sendall(head.encode() + b"\0" * 16)
-            socks.append(s)
-        yield
-    finally:
-        for s in socks:
-            s.close()
+    return stalled(serve.port, path, key, count, length=length, kind=kind)
 
 
 def _eventually_not_429(serve: Serve, path: str, body: Any) -> None:

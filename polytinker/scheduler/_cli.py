@@ -78,10 +78,17 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gateway_config(args: argparse.Namespace) -> Any:
+    """``--config``'s ``[http]`` table (defaults without one), served at ``--http``; ``--tokenizer-id`` over it."""
+    from polytinker.scheduler.service.http_config import HttpConfig
+
+    config = HttpConfig.from_toml(args.config) if args.config else HttpConfig()
+    return dataclasses.replace(config, address=args.http, tokenizer_id=args.tokenizer_id or config.tokenizer_id)
+
+
 def _gateway(args: argparse.Namespace) -> int:
     """The HTTP front door alone, in front of a scheduler that runs elsewhere."""
     from polytinker.scheduler.http.app import Gateway
-    from polytinker.scheduler.service.config import HttpConfig
 
     curve = None
     if args.curve_secret:
@@ -90,8 +97,8 @@ def _gateway(args: argparse.Namespace) -> int:
         if not args.scheduler_key:
             raise ConfigError("--curve-secret needs --scheduler-key (the scheduler's .key file)")
         curve = ClientCurve.from_files(args.curve_secret, args.scheduler_key)
-    config = HttpConfig(address=args.http, tokenizer_id=args.tokenizer_id or "")
-    tokenizers = {args.model: args.tokenizer_id} if args.tokenizer_id else None
+    config = _gateway_config(args)
+    tokenizers = {args.model: config.tokenizer_id} if config.tokenizer_id else None
     state = Path(args.state_dir).expanduser()
     gateway = Gateway(args.scheduler, state, config, base_models=(args.model,), curve=curve, tokenizer_ids=tokenizers)
     gateway.start()
@@ -383,6 +390,7 @@ def _add_gateway_parser(sub: Any) -> None:
     """``gateway``: the HTTP APIs in front of a scheduler elsewhere."""
     g = sub.add_parser("gateway", help="serve the Tinker API and OpenAI-compatible inference for a scheduler elsewhere")
     g.add_argument("--scheduler", required=True, help="the scheduler's address, tcp://HOST:PORT")
+    g.add_argument("--config", help="a runtime.toml: its [http] table configures the gateway (the rest is not read)")
     g.add_argument("--http", required=True, metavar="HOST:PORT", help="where to serve HTTP")
     g.add_argument("--model", required=True, help="the scheduler's base model, by the name clients use")
     g.add_argument("--state-dir", default="polytinker-gateway", help="where the gateway keeps its names (SQLite)")

@@ -23,30 +23,27 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from polytinker.errors import ConfigError, PolytinkerError
+from polytinker.scheduler.http.downloads import SignedDownloads
 from polytinker.scheduler.http.errors import error_body, error_response
 from polytinker.scheduler.http.futures import FutureTable
 from polytinker.scheduler.http.limits import BodyBudget, InFlight
 from polytinker.scheduler.http.openai_api import openai_router
 from polytinker.scheduler.http.tinker_api import tinker_router
 from polytinker.scheduler.http.tinker_backend import TinkerBackend
-from polytinker.scheduler.service.config import HttpConfig, host_port
+from polytinker.scheduler.service.http_config import HttpConfig, host_port
 from polytinker.transport import ClientCurve
 
 log = logging.getLogger("polytinker.http")
 
 
-# Request bytes in flight, in multiples of the largest body: a key may send two of them at once,
-# all keys together four, so that no tenant's uploads take all the memory bodies may.
-TENANT_BODIES_IN_FLIGHT = 2
-TOTAL_BODIES_IN_FLIGHT = 4
-
-
-def create_app(backend: TinkerBackend, config: HttpConfig, *, body_budget: InFlight | None = None) -> FastAPI:
-    """The gateway's app; ``body_budget``: the request bytes each key and all keys may have in
-    flight (default: ``TENANT_BODIES_IN_FLIGHT`` and ``TOTAL_BODIES_IN_FLIGHT`` largest bodies)."""
+def create_app(backend: TinkerBackend, config: HttpConfig) -> FastAPI:
+    """The gateway's app, with the limits of ``config``."""
     app = FastAPI(title="polytinker", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.body_budget = body_budget or InFlight(
-        TENANT_BODIES_IN_FLIGHT * config.max_body_bytes, TOTAL_BODIES_IN_FLIGHT * config.max_body_bytes
+    # Request bytes in flight, in multiples of the largest body, per key and over all keys, so
+    # that no tenant's uploads take all the memory bodies may.
+    app.state.body_budget = InFlight(
+        config.max_bodies_in_flight_per_tenant * config.max_body_bytes,
+        config.max_bodies_in_flight * config.max_body_bytes,
     )
     app.add_middleware(BodyBudget, budget=app.state.body_budget)
     # Ids older than a result is kept are of no use to anyone: a client would have read them by now.
@@ -55,9 +52,13 @@ def create_app(backend: TinkerBackend, config: HttpConfig, *, body_budget: InFli
         ttl_s=config.future_ttl_s, max_per_tenant=config.max_futures_per_tenant, journal=backend.store
     )
     app.state.futures = futures
-    app.include_router(
-        tinker_router(backend, futures, long_poll_s=config.long_poll_s, max_body_bytes=config.max_body_bytes)
+    app.state.downloads = SignedDownloads(
+        max_per_tenant=config.max_download_urls_per_tenant,
+        max_tenant_bytes=config.max_download_bytes_per_tenant,
+        max_entries=config.max_download_urls,
+        max_bytes=config.max_download_bytes,
     )
+    app.include_router(tinker_router(backend, futures, config, app.state.downloads))
     app.include_router(openai_router(backend, default_max_tokens=config.default_max_tokens))
 
     async def answer(request: Request, exc: Exception) -> JSONResponse:
@@ -113,9 +114,9 @@ class Gateway:
         self._sock.bind((host, port))
         self.address = f"{host}:{self._sock.getsockname()[1]}"
         self.url = f"http://{self.address}"
-        app = create_app(self.backend, config)
-        self._futures: FutureTable = app.state.futures
-        server_config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_keep_alive=30)
+        self.app = create_app(self.backend, config)
+        self._futures: FutureTable = self.app.state.futures
+        server_config = uvicorn.Config(self.app, log_level="warning", lifespan="off", timeout_keep_alive=30)
         self._server = uvicorn.Server(server_config)
         self._thread = threading.Thread(target=self._run, name="polytinker-http", daemon=True)
 

@@ -7,11 +7,11 @@ The token is 256 random bits (the URL is the capability); tokens live in this pr
 restart of the gateway invalidates them (the SDK and the cookbook sign new ones when a download
 fails or nears expiry).
 
-Bounded per tenant and in total, and one tenant never evicts another's URLs: a tenant holds at
-most ``max_per_tenant`` sets of files and ``max_tenant_bytes`` bytes (its own oldest go first when
-it signs more); all tenants together at most ``max_entries`` sets and ``max_bytes`` bytes, and a
-tenant whose new set does not fit even after dropping its own is refused (``OverloadedError``, a
-429) until others' expire.
+Bounded per tenant and in total (``[http] max_download_*``, HttpConfig), and one tenant never
+evicts another's URLs: a tenant holds at most ``max_per_tenant`` sets of files and
+``max_tenant_bytes`` bytes (its own oldest go first when it signs more); all tenants together at
+most ``max_entries`` sets and ``max_bytes`` bytes, and a tenant whose new set does not fit even
+after dropping its own is refused (``OverloadedError``, a 429) until others' expire.
 """
 
 from __future__ import annotations
@@ -39,11 +39,11 @@ class SignedDownloads:
     def __init__(
         self,
         *,
+        max_per_tenant: int,
+        max_tenant_bytes: int,
+        max_entries: int,
+        max_bytes: int,
         ttl_s: float = 3600.0,
-        max_per_tenant: int = 16,
-        max_tenant_bytes: int = 512 << 20,
-        max_entries: int = 1024,
-        max_bytes: int = 2 << 30,
     ) -> None:
         if min(ttl_s, max_per_tenant, max_tenant_bytes, max_entries, max_bytes) <= 0:
             raise ConfigError("SignedDownloads: every bound must be > 0")
@@ -74,7 +74,10 @@ class SignedDownloads:
             other_bytes = sum(e.size for e in others)
             if len(others) + 1 > self.max_entries or other_bytes + size > self.max_bytes:
                 wait_s = min(60.0, min(e.expires for e in others) - now) if others else 1.0
-                raise OverloadedError("the gateway holds as many download URLs as it may: try again later", wait_s)
+                bounds = f"{self.max_entries} sets of files, {self.max_bytes} bytes over all tenants"
+                raise OverloadedError(
+                    f"the gateway holds as many download URLs as it may ({bounds}): try again later", wait_s
+                )
             held = [self._entries[t] for t in own]
             own_bytes = sum(e.size for e in held)
             while own and (

@@ -133,7 +133,8 @@ class BodyBudget:
     def _refusal(self, key: str, n: int) -> str:
         if self.budget.held(key) + n > self.budget.per_key:
             return f"this key has too many request bytes in flight (at most {self.budget.per_key}): try again soon"
-        return "the gateway has too many request bytes in flight: try again soon"
+        total = self.budget.total
+        return f"the gateway has too many request bytes in flight (at most {total} over all keys): try again soon"
 
 
 __all__ = ["BodyBudget", "InFlight", "scope_key", "too_busy"]

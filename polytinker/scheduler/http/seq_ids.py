@@ -4,10 +4,11 @@ answered with its first answer (the same request id: one forward_backward, one s
 twice; a ``seq_id`` the run already used for another body is refused (409), since running it
 would put the run's calls out of the order its client made them in.
 
-What is kept: per run, the last ``PER_RUN`` seq_ids with a digest of their body and their answer;
-at most ``MAX_RUNS`` runs (the least recently used go). A call that failed is forgotten, so the
-SDK's retry of it runs. Kept in memory: a restarted gateway knows none (its predecessor's lost
-calls are answered by the request journal, ``GatewayStore.lost_request``).
+What is kept: per run, the last ``per_run`` seq_ids (``[http] seq_ids_per_run``, HttpConfig) with a
+digest of their body and their answer; at most ``MAX_RUNS`` runs (the least recently used go). A
+call that failed is forgotten, so the SDK's retry of it runs. Kept in memory: a restarted gateway
+knows none (its predecessor's lost calls are answered by the request journal,
+``GatewayStore.lost_request``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from typing import Any
 
 from polytinker.scheduler.http.errors import HttpError
 
-PER_RUN = 1024  # well past the calls an SDK has in flight at once (it sends them in turn)
 MAX_RUNS = 10_000
 
 
@@ -34,7 +34,7 @@ def body_digest(route: str, body: bytes | dict[str, Any]) -> bytes:
 class SeqIds:
     """The calls of each run by seq_id (see the module docstring). Used from the event loop only."""
 
-    def __init__(self, per_run: int = PER_RUN, max_runs: int = MAX_RUNS) -> None:
+    def __init__(self, per_run: int, max_runs: int = MAX_RUNS) -> None:
         self.per_run, self.max_runs = per_run, max_runs
         self._runs: OrderedDict[tuple[str, str], OrderedDict[int, tuple[bytes, asyncio.Future[Any]]]] = OrderedDict()
 
@@ -90,4 +90,4 @@ class SeqIds:
         return calls
 
 
-__all__ = ["MAX_RUNS", "PER_RUN", "SeqIds", "body_digest"]
+__all__ = ["MAX_RUNS", "SeqIds", "body_digest"]

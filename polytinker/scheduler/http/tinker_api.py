@@ -15,7 +15,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse
 from polytinker.errors import ConfigError, NotBuiltError, OverloadedError
 from polytinker.scheduler.http import checks, fb_json
 from polytinker.scheduler.http.checks import Spec, check_body
+from polytinker.scheduler.http.downloads import SignedDownloads
 from polytinker.scheduler.http.errors import HttpError, error_body
 from polytinker.scheduler.http.futures import FutureTable
 from polytinker.scheduler.http.limits import InFlight
@@ -34,6 +35,7 @@ from polytinker.scheduler.http.tinker_names import to_tinker_path
 from polytinker.scheduler.http.tinker_render import failed, fb_render, sample_render, step_metrics
 from polytinker.scheduler.http.tinker_runs import TinkerRuns
 from polytinker.scheduler.http.wire import api_key, read_body, read_json, ttl_of
+from polytinker.scheduler.service.http_config import HttpConfig
 
 PROTO = "application/x-protobuf"
 
@@ -55,11 +57,6 @@ CLIENT_CONFIG = {
     "sample_join_sampling_session": False,
 }
 
-# Telemetry is accepted from any key and dropped: small bodies, few at a time (docs/tinker.md).
-TELEMETRY_MAX_BYTES = 1 << 20
-TELEMETRY_PER_TENANT = 4
-TELEMETRY_TOTAL = 16
-
 log = logging.getLogger("polytinker.http")
 
 
@@ -72,8 +69,10 @@ class _Api:
     runs: TinkerRuns
     long_poll_s: float
     max_body_bytes: int
+    # Telemetry is accepted from any key of the runtime and dropped: small bodies, few at a time.
+    max_telemetry_bytes: int
     uploads: InFlight  # telemetry uploads in progress, per key and in total
-    seq_ids: SeqIds = field(default_factory=SeqIds)  # each run's calls by seq_id: a resend answered once
+    seq_ids: SeqIds  # each run's calls by seq_id: a resend answered once
 
     def tenant(self, request: Request) -> Tenant:
         return self.backend.tenant(api_key(request))
@@ -120,11 +119,20 @@ class _Api:
 
 
 def tinker_router(
-    backend: TinkerBackend, futures: FutureTable, *, long_poll_s: float, max_body_bytes: int
+    backend: TinkerBackend, futures: FutureTable, config: HttpConfig, downloads: SignedDownloads
 ) -> APIRouter:
+    """The Tinker API's routes, with the limits of ``config``; ``downloads`` holds the signed URLs."""
     r = APIRouter(prefix="/api/v1")
-    uploads = InFlight(TELEMETRY_PER_TENANT, TELEMETRY_TOTAL)
-    api = _Api(backend, futures, TinkerRuns(backend), long_poll_s, max_body_bytes, uploads)
+    api = _Api(
+        backend,
+        futures,
+        TinkerRuns(backend, downloads),
+        config.long_poll_s,
+        config.max_body_bytes,
+        config.max_telemetry_bytes,
+        InFlight(config.max_telemetry_uploads_per_tenant, config.max_telemetry_uploads),
+        SeqIds(per_run=config.seq_ids_per_run),
+    )
     _add_service_routes(r, api)
     _add_model_routes(r, api)
     _add_training_routes(r, api)
@@ -188,9 +196,10 @@ def _add_service_routes(r: APIRouter, api: _Api) -> None:
     async def telemetry(request: Request) -> dict[str, Any]:
         t = await api.tenant_of(request)
         if not api.uploads.take(t.owner, 1):
-            raise OverloadedError("too many telemetry uploads at once: try again soon", 1.0)
+            bounds = f"at most {api.uploads.per_key} per key, {api.uploads.total} over all keys"
+            raise OverloadedError(f"too many telemetry uploads at once ({bounds}): try again soon", 1.0)
         try:  # read to its end, bounded, and dropped: nothing leaves this machine
-            await read_body(request, TELEMETRY_MAX_BYTES)
+            await read_body(request, api.max_telemetry_bytes)
         finally:
             api.uploads.give(t.owner, 1)
         return {"status": "accepted"}

@@ -30,9 +30,9 @@ log = logging.getLogger("polytinker.http")
 class TinkerRuns:
     """The read side of the Tinker API over one gateway's backend."""
 
-    def __init__(self, backend: TinkerBackend) -> None:
+    def __init__(self, backend: TinkerBackend, downloads: SignedDownloads) -> None:
         self.backend = backend
-        self.downloads = SignedDownloads()
+        self.downloads = downloads  # the signed download URLs this gateway serves
         self._told: dict[str, str] = {}  # the last queue state logged per waiting run
 
     def _run_row(self, t: Tenant, run_id: str) -> ModelRow:

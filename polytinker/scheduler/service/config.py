@@ -4,6 +4,7 @@
 - ``LearnerWorkerConfig``: one learner group (id, data-parallel size, micro-batch).
 - ``TenantConfig``: a tenant and its API key (or the file holding it).
 - ``JobDefaults``: what the policy is told a job of each kind needs, when the client says nothing.
+- ``HttpConfig`` (``http_config.py``, re-exported here): the HTTP gateway, ``[http]``.
 - ``RuntimeConfig``: the whole runtime: address, state directory, model, workers, tenants, limits.
 
 ``RuntimeConfig.from_toml(path)`` reads a ``runtime.toml`` (see docs/scheduler-service.md);
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +24,7 @@ from polytinker.engine.device import check_device, check_dtype
 from polytinker.engine.learner.config import FULL_SHARDINGS
 from polytinker.engine.types import UNEMBED_MODULE
 from polytinker.errors import ConfigError
+from polytinker.scheduler.service.http_config import HttpConfig, host_port, read_toml
 from polytinker.tables import from_table
 
 BackendName = Literal["hf", "vllm"]
@@ -220,48 +221,6 @@ class JobDefaults:
         values = (self.learner_mem_gb, self.full_learner_mem_gb, self.engine_mem_gb, self.step_s, self.sample_s)
         if min(values) <= 0 or self.steps < 1:
             raise ConfigError("JobDefaults: memory and seconds must be > 0 and steps >= 1")
-
-
-@dataclass(frozen=True)
-class HttpConfig:
-    """``[http]`` of a runtime config: the HTTP front door (Tinker API, OpenAI-compatible; docs/tinker.md)."""
-
-    address: str = ""
-    # ``HOST:PORT`` to serve on; "" serves no HTTP. Off loopback, put TLS in front (a reverse proxy).
-    max_body_bytes: int = 256 << 20
-    # Largest request body accepted (a forward_backward carries its whole batch).
-    long_poll_s: float = 20.0
-    # How long one retrieve_future waits for its call before answering try_again.
-    future_ttl_s: float = 3600.0
-    # How long a finished call's result waits to be retrieved.
-    max_futures_per_tenant: int = 10_000
-    # Unretrieved calls one tenant may have; past it, calls answer 429.
-    default_max_tokens: int = 256
-    # max_tokens of a sample that names none (Tinker's SamplingParams default is None).
-    tokenizer_id: str = ""
-    # What get_info answers as the tokenizer to load (a hub id, or a directory clients can read); "":
-    # the model's hub id, its tokenizer placed in this machine's Hugging Face cache (hub_tokenizer.py),
-    # or for a model without one (tiny-random, a directory) its directory here.
-    session_timeout_s: float = 180.0
-    # A Tinker session whose client sent no heartbeat for this long ends as its close would: its
-    # runs' jobs finish (their adapter slots go to other runs; saved weights stay) and its samplers'
-    # versions may be pruned again. The SDK heartbeats every 10 s and warns after 120 s without one.
-    # A restarted gateway gives every open session this long again.
-
-    def __post_init__(self) -> None:
-        if self.address:
-            host_port(self.address)
-        if self.max_body_bytes <= 0 or self.long_poll_s <= 0 or self.future_ttl_s <= 0:
-            raise ConfigError("[http] max_body_bytes, long_poll_s and future_ttl_s must be > 0")
-        if not self.session_timeout_s > 0:
-            raise ConfigError(f"[http] session_timeout_s must be > 0, got {self.session_timeout_s}")
-
-
-def host_port(address: str) -> tuple[str, int]:
-    host, sep, port = address.removeprefix("http://").rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ConfigError(f"an HTTP address is HOST:PORT (e.g. 127.0.0.1:8000), got {address!r}")
-    return host, int(port)
 
 
 @dataclass(frozen=True)
@@ -465,12 +424,7 @@ class RuntimeConfig:
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str]) -> RuntimeConfig:
-        try:
-            with open(path, "rb") as f:
-                raw = tomllib.load(f)
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ConfigError(f"cannot read runtime config {path}: {exc}") from exc
-        return cls.from_dict(raw)
+        return cls.from_dict(read_toml(path))
 
 
 __all__ = [
@@ -482,4 +436,5 @@ __all__ = [
     "RuntimeConfig",
     "TenantConfig",
     "check_id",
+    "host_port",
 ]
