@@ -15,7 +15,7 @@ from fixtures.client import KEY_ALICE, MODEL, shared_runtime
 
 import polytinker as tinker
 from polytinker import types
-from polytinker.client._convert import forward_metrics, to_datum, to_sampling_params
+from polytinker.client._convert import to_datum, to_sampling_params
 from polytinker.client._future import APIFuture, submit
 from polytinker.client.service_client import lora_modules
 from polytinker.errors import ConfigError
@@ -103,23 +103,6 @@ def test_rl_datums_without_weights_count_the_positions_with_an_advantage() -> No
         loss_fn_inputs={"target_tokens": [2, 3, 4, 5], "logprobs": [0, 0, -1, -2], "advantages": [0, 0, 0.5, 0.5]},
     )
     assert to_datum(theirs) == to_datum(rl)
-
-
-def test_forward_losses_follow_the_learners_formulas() -> None:
-    d = to_datum(
-        types.Datum(
-            model_input=[1, 2, 3],  # type: ignore[arg-type]
-            loss_fn_inputs={"target_tokens": [2, 3, 4], "logprobs": [0.0, -1.0, -1.0], "advantages": [0, 2.0, -1.0]},
-        )
-    )
-    lp = [[-0.5, -0.5, -2.0]]
-    loss, metrics = forward_metrics("importance_sampling", [d], lp, None)
-    expected = -(2.0 * math.exp(-0.5 + 1.0) - 1.0 * math.exp(-2.0 + 1.0))
-    assert math.isclose(loss, expected) and metrics["loss/tokens"] == 2.0
-    ce, _ = forward_metrics("cross_entropy", [d], lp, None)
-    assert math.isclose(ce, 2.5)  # the advantage-derived weights: positions 1 and 2
-    with pytest.raises(ConfigError, match="unknown loss_fn"):
-        forward_metrics("nope", [d], lp, None)
 
 
 def test_api_futures_are_concurrent_futures_that_can_be_awaited() -> None:

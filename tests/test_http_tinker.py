@@ -116,7 +116,9 @@ def test_rl_losses_without_weights_train_only_where_advantages_are(service: tink
         loss_fn_inputs={"target_tokens": tokens[1:], "logprobs": logprobs, "advantages": advantages},
     )
     for loss_fn in ("importance_sampling", "ppo", "cispo", "dro"):
+        scored = tc.forward([datum], loss_fn).result()  # the same loss and metrics, no gradient
         out = tc.forward_backward([datum], loss_fn).result()
+        assert scored.metrics == pytest.approx(out.metrics, rel=1e-4, abs=1e-5)
         lp = out.loss_fn_outputs[0]["logprobs"].tolist()
         assert len(lp) == n
         # On-policy, the ratio is 1: the IS loss is minus the summed advantage (= completion tokens).

@@ -79,6 +79,24 @@ def test_forward_matches_manual_logprobs(learner: MultiAdapterLearner) -> None:
         torch.testing.assert_close(torch.tensor(row), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"])
+def test_forward_loss_is_forward_backwards_loss_without_a_gradient(learner: MultiAdapterLearner, loss_fn: str) -> None:
+    data = [make_datum(5, rl=True), make_datum(6, n=7, rl=True)]
+    config = {"kl_coef": 0.1}  # the KL term against the base counts in both
+    before = snapshot(learner.base_model)
+    scored = learner.forward_loss(data, loss_fn, "alice", config)  # type: ignore[arg-type]
+    assert all(p.grad is None for p in learner.base_model.parameters())
+    assert all(torch.equal(v, before[k]) for k, v in learner.base_model.state_dict().items())
+    trained = learner.forward_backward(data, loss_fn, "alice", config)  # type: ignore[arg-type]
+    assert math.isclose(scored.loss, trained.loss, rel_tol=1e-5, abs_tol=1e-6)
+    assert scored.metrics.keys() == trained.metrics.keys() and scored.metrics["kl/coef"] == 0.1
+    for key, value in scored.metrics.items():
+        assert math.isclose(value, trained.metrics[key], rel_tol=1e-5, abs_tol=1e-6), key
+    torch.testing.assert_close(torch.tensor(scored.logprobs[1]), torch.tensor(trained.logprobs[1]))
+    with pytest.raises(ConfigError, match="advantages"):
+        learner.forward_loss([make_datum(7)], "ppo", "alice")
+
+
 def test_cross_entropy_is_weighted_sum_and_masks_prompt(learner: MultiAdapterLearner) -> None:
     data = [make_datum(0), make_datum(1)]
     result = learner.forward_backward(data, "cross_entropy", "alice")

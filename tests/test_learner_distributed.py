@@ -47,12 +47,15 @@ def run_steps(learner: MultiAdapterLearner | LearnerGroup, data: list[Datum]) ->
     learner.add_adapter("sum", LORA, seed=3)
     learner.add_adapter("mean", LORA, seed=4)
     first = learner.forward_backward(data[:2], "cross_entropy", "sum")
+    scored = learner.forward_loss(data, "importance_sampling", "sum")  # what the next call answers, no gradient
     second = learner.forward_backward(data, "importance_sampling", "sum")
     learner.optim_step(ADAM, "sum")
     learner.forward_backward(data, "ppo", "mean", {"clip_epsilon": 0.2})
     learner.optim_step(ADAM, "mean")
     return {
-        "losses": [first.loss, second.loss],
+        "losses": [first.loss, scored.loss, second.loss],
+        "scored_metrics": scored.metrics,
+        "metrics": second.metrics,
         "logprobs": second.logprobs,
         "after": learner.forward(data, "sum"),
         "sum": learner.export_adapter("sum").tensors,
@@ -82,6 +85,10 @@ def test_two_ranks_match_one_process() -> None:
     finally:
         group.close()
     torch.testing.assert_close(grouped["losses"], single["losses"], rtol=1e-5, atol=1e-5)
+    for run in (single, grouped):
+        losses = run["losses"]
+        assert isinstance(losses, list) and abs(losses[1] - losses[2]) <= 1e-5 * abs(losses[2]) + 1e-6
+        assert run["scored_metrics"] == pytest.approx(run["metrics"], rel=1e-5, abs=1e-6)
     torch.testing.assert_close(flat(grouped["logprobs"]), flat(single["logprobs"]))
     torch.testing.assert_close(flat(grouped["after"]), flat(single["after"]))
     for name in ("sum", "mean"):

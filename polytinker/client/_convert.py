@@ -8,19 +8,16 @@
 - ``to_sampling_params``: the stack's ``polytinker.engine.types.SamplingParams`` from
   ``polytinker.types.SamplingParams`` (Tinker's defaults and meanings; the SDK's own objects too),
   from an engine ``SamplingParams`` or a dict of its fields (polytinker's).
-- ``forward_metrics``: a ``forward`` call's loss and metrics, computed here from the logprobs
-  the learner answered (the learner's formulas; no KL term: ``forward`` runs no reference).
 - ``fb_output``: a ``ForwardBackwardOutput`` from the scheduler's answer.
 """
 
 from __future__ import annotations
 
-import math
 import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from polytinker.engine.types import LOSS_FNS, Datum, SamplingParams
+from polytinker.engine.types import Datum, SamplingParams
 from polytinker.errors import ConfigError
 from polytinker.types import ForwardBackwardOutput, TensorData, check_seed, split_stop, tinker_metrics
 
@@ -156,58 +153,9 @@ def fb_output(loss: float, logprobs: Sequence[Sequence[float]], metrics: Mapping
     return ForwardBackwardOutput(OUTPUT_TYPE, outputs, out)
 
 
-def forward_metrics(
-    loss_fn: str, data: Sequence[Datum], logprobs: Sequence[Sequence[float]], config: Mapping[str, float] | None
-) -> tuple[float, dict[str, float]]:
-    """The summed loss and the learner's metrics (its names) of ``loss_fn`` at ``logprobs``."""
-    from polytinker.engine.learner.config import LossConfig
-
-    if loss_fn not in LOSS_FNS:
-        raise ConfigError(f"unknown loss_fn {loss_fn!r}; choose one of {list(LOSS_FNS)}")
-    cfg = LossConfig.from_mapping(config)
-    sums = {"loss": 0.0, "tokens": 0.0, "ratio": 0.0, "clipped": 0.0}
-    for i, (d, lp_T) in enumerate(zip(data, logprobs, strict=True)):
-        if loss_fn != "cross_entropy" and (d.advantages_T is None or d.sampling_logprobs_T is None):
-            raise ConfigError(f"loss_fn {loss_fn!r} needs advantages and logprobs on every datum; datum {i} lacks them")
-        for t, w in enumerate(d.weights_T):
-            _token_loss(loss_fn, cfg, w, lp_T[t], d, t, sums)
-    tokens = max(sums["tokens"], 1.0)
-    out = {"loss/sum": sums["loss"], "loss/tokens": sums["tokens"], "loss/per_token": sums["loss"] / tokens}
-    if loss_fn != "cross_entropy":
-        out[f"{loss_fn}/ratio_mean"] = sums["ratio"] / tokens
-    if loss_fn in ("ppo", "cispo"):
-        out[f"{loss_fn}/clip_fraction"] = sums["clipped"] / tokens
-    return sums["loss"], out
-
-
-def _token_loss(loss_fn: str, cfg: Any, w: float, lp: float, d: Datum, t: int, sums: dict[str, float]) -> None:
-    counted = 1.0 if w != 0 else 0.0
-    sums["tokens"] += counted
-    if loss_fn == "cross_entropy":
-        sums["loss"] -= w * lp
-        return
-    assert d.advantages_T is not None and d.sampling_logprobs_T is not None
-    adv, sampled = d.advantages_T[t], d.sampling_logprobs_T[t]
-    ratio = math.exp(min(lp - sampled, 700.0))
-    sums["ratio"] += ratio * counted
-    clip = min(max(ratio, cfg.clip_low_threshold), cfg.clip_high_threshold)
-    if loss_fn == "importance_sampling":
-        sums["loss"] -= w * ratio * adv
-    elif loss_fn == "ppo":
-        objective = min(ratio * adv, clip * adv)
-        sums["loss"] -= w * objective
-        sums["clipped"] += counted * (objective != ratio * adv)
-    elif loss_fn == "cispo":
-        sums["loss"] -= w * clip * adv * lp
-        sums["clipped"] += counted * (clip != ratio)
-    else:  # dro
-        sums["loss"] -= w * (lp * adv - 0.5 * cfg.beta * (lp - sampled) ** 2)
-
-
 __all__ = [
     "DEFAULT_MAX_TOKENS",
     "fb_output",
-    "forward_metrics",
     "prompt_tokens",
     "samples_nothing",
     "to_datum",

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar, overload
 
 from polytinker.client._connection import Connection
-from polytinker.client._convert import fb_output, forward_metrics, to_datum
+from polytinker.client._convert import fb_output, to_datum
 from polytinker.client._future import APIFuture, ReadyClient, submit
 from polytinker.client.sampling_client import SamplingClient
 from polytinker.errors import ConfigError, GradientLost, NotBuiltError
@@ -129,19 +129,18 @@ class TrainingClient(ReadyClient):
         self, data: Sequence[Any], loss_fn: str | None = None, loss_fn_config: Mapping[str, float] | None = None
     ) -> APIFuture[Any]:
         """The target tokens' log-probabilities, no gradient. With ``loss_fn`` (Tinker's form):
-        a ``ForwardBackwardOutput`` whose loss and metrics are computed from them here (no KL
-        term); without: the per-datum lists themselves."""
+        a ``ForwardBackwardOutput`` with the loss and metrics ``forward_backward`` would answer
+        (the learner computes them, KL term included); without: the per-datum lists themselves."""
         data_msgs = tuple(to_datum(d) for d in data)
-        msg = m.Forward(self._key(), self.job_id, data_msgs)
         if loss_fn is None:
+            msg = m.Forward(self._key(), self.job_id, data_msgs)
             return self._submit(lambda: self._conn.request("sched.forward", msg, r.ForwardReply).logprobs)
         config = dict(loss_fn_config) if loss_fn_config is not None else None
-        forward_metrics(loss_fn, (), (), config)  # a bad loss_fn or config fails here, at the call
+        msg = m.Forward(self._key(), self.job_id, data_msgs, loss_fn, config)  # a bad loss fails here, at the call
 
         def run() -> ForwardBackwardOutput:
-            logprobs = self._conn.request("sched.forward", msg, r.ForwardReply).logprobs
-            loss, metrics = forward_metrics(loss_fn, data_msgs, logprobs, config)
-            return fb_output(loss, logprobs, metrics)
+            out = self._conn.request("sched.forward", msg, r.ForwardReply)
+            return fb_output(out.loss, out.logprobs, out.metrics)
 
         return self._submit(run)
 

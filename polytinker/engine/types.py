@@ -428,6 +428,20 @@ def check_data(data: Sequence[Datum], loss_fn: str = "cross_entropy", vocab_size
             raise ConfigError(f"data[{i}]: loss_fn {loss_fn!r} needs advantages and logprobs on every datum")
 
 
+MAX_LOSS_CONFIG = 16  # keys of loss_fn_config
+
+
+def check_loss_config(config: dict[str, float] | None) -> None:
+    """ConfigError unless ``config`` is None or at most MAX_LOSS_CONFIG names of finite numbers."""
+    if config is None:
+        return
+    if not isinstance(config, dict) or len(config) > MAX_LOSS_CONFIG:
+        raise ConfigError(f"loss_fn_config: at most {MAX_LOSS_CONFIG} finite numbers")
+    for name, value in config.items():
+        if not (isinstance(name, str) and isinstance(value, int | float) and math.isfinite(value)):
+            raise ConfigError(f"loss_fn_config[{str(name)[:64]!r}] must be a finite number")
+
+
 __all__ = [
     "ATTN_MODULES",
     "DEFAULT_TARGET_MODULES",
@@ -451,5 +465,6 @@ __all__ = [
     "TopTokens",
     "check_data",
     "check_finite",
+    "check_loss_config",
     "check_token_ids",
 ]

@@ -182,11 +182,9 @@ class Learner:
         if data or self._lockstep is None:
             check_data(data, self.vocab_size)
         out: list[list[float] | None] = [None] * len(data)
-        # FSDP's gathers write into parameters: no_grad, not inference_mode, for a sharded learner.
-        no_grad = torch.no_grad if self._scoring_root is not None else torch.inference_mode
         for order, chunk in self._chunks(data):
             batch = collate(chunk, pad_token_id=self.pad_token_id, device=self.dist.device)
-            with no_grad(), self._selected(adapter):
+            with self._no_grad(), self._selected(adapter):
                 logprobs_BT = self._logprobs(batch)
             if order is None:  # a lockstep filler
                 continue
@@ -208,10 +206,7 @@ class Learner:
         with self._all_or_nothing() as guard:
             if data or self._lockstep is None:  # a lockstep rank may run filler passes only
                 check_data(data, self.vocab_size, loss_fn)
-            loss_cfg = LossConfig.from_mapping(loss_fn_config)
-            kl_coef = self.config.kl_coef if loss_cfg.kl_coef is None else loss_cfg.kl_coef
-            if kl_coef > 0 and self.config.mode == "full":
-                raise ConfigError("a KL term against the base model needs mode='lora'; set kl_coef=0 in full mode")
+            loss_cfg, kl_coef = self._loss_setup(loss_fn_config)
             slot = self._slot(adapter)
             guard.hold(slot.name, list(slot.params.values()))
             sums = self._accumulate(data, loss_fn, adapter, loss_cfg, kl_coef)
@@ -219,27 +214,61 @@ class Learner:
         slot.pending_tokens += sums.values["tokens"]
         return ForwardBackwardResult(sums.values["loss"], sums.logprobs, _metrics(loss_fn, kl_coef, sums.values))
 
+    def forward_loss(
+        self,
+        data: list[Datum],
+        loss_fn: LossFnName,
+        adapter: AdapterName | None = None,
+        loss_fn_config: dict[str, float] | None = None,
+    ) -> ForwardBackwardResult:
+        """What ``forward_backward`` would answer (loss, logprobs, metrics), with no gradient and
+        no state change: Tinker's ``forward`` with a loss."""
+        if data or self._lockstep is None:
+            check_data(data, self.vocab_size, loss_fn)
+        loss_cfg, kl_coef = self._loss_setup(loss_fn_config)
+        sums = self._accumulate(data, loss_fn, adapter, loss_cfg, kl_coef, backward=False)
+        return ForwardBackwardResult(sums.values["loss"], sums.logprobs, _metrics(loss_fn, kl_coef, sums.values))
+
+    def _no_grad(self) -> contextlib.AbstractContextManager[Any]:
+        """Scoring without autograd. FSDP's gathers write into parameters: no_grad, not
+        inference_mode, for a sharded learner."""
+        return torch.no_grad() if self._scoring_root is not None else torch.inference_mode()
+
+    def _loss_setup(self, loss_fn_config: dict[str, float] | None) -> tuple[LossConfig, float]:
+        loss_cfg = LossConfig.from_mapping(loss_fn_config)
+        kl_coef = self.config.kl_coef if loss_cfg.kl_coef is None else loss_cfg.kl_coef
+        if kl_coef > 0 and self.config.mode == "full":
+            raise ConfigError("a KL term against the base model needs mode='lora'; set kl_coef=0 in full mode")
+        return loss_cfg, kl_coef
+
     def _accumulate(
-        self, data: list[Datum], loss_fn: LossFnName, adapter: AdapterName | None, loss_cfg: LossConfig, kl_coef: float
+        self,
+        data: list[Datum],
+        loss_fn: LossFnName,
+        adapter: AdapterName | None,
+        loss_cfg: LossConfig,
+        kl_coef: float,
+        backward: bool = True,
     ) -> _Sums:
-        """``forward_backward``'s passes: each micro-batch's gradient goes into the parameters' ``.grad``."""
+        """``forward_backward``'s passes: each micro-batch's gradient goes into the parameters'
+        ``.grad``; without ``backward``, the same loss with no gradient taken (``forward_loss``)."""
         sums = _Sums()
         for order, chunk in self._chunks(data):
             batch = collate(chunk, pad_token_id=self.pad_token_id, device=self.dist.device)
             kl = None
-            with self._selected(adapter):
+            with self._selected(adapter), contextlib.nullcontext() if backward else self._no_grad():
                 # Only weighted positions carry gradients; the others are scored without autograd.
                 grad_BT = batch.weights_BT != 0
                 if self._lockstep is not None and not grad_BT.any():
                     grad_BT = torch.ones_like(grad_BT)  # a zero loss that still runs every layer's backward
-                logprobs_BT = self._logprobs(batch, grad_BT=grad_BT)
+                logprobs_BT = self._logprobs(batch, grad_BT=grad_BT if backward else None)
                 loss, extra = policy_loss(loss_fn, logprobs_BT, batch, loss_cfg)
                 if kl_coef > 0:
                     with torch.inference_mode(), self._reference():
                         ref_BT = self._logprobs(batch)
                     kl = kl_to_reference(logprobs_BT, ref_BT.clone(), batch.weights_BT)
                     loss = loss + kl_coef * kl
-                if loss.requires_grad:  # False when no position of the micro-batch has weight
+                if backward and loss.requires_grad:  # False when no position of the micro-batch has weight
                     loss.backward()
             if order is not None:  # not a lockstep filler
                 sums.add(loss, kl, batch, extra, logprobs_BT, order)

@@ -97,7 +97,12 @@ def _execute(learner: AnyLearner, info: DistInfo, group: Any, op: str, args: dic
             _abstain(learner)
         elif end > start or _sharded(learner):  # a sharded rank without datums still runs its passes
             with _lockstep(learner, info, data):
-                if op == "forward":
+                if op == "forward" and args.get("loss_fn"):  # Tinker's forward with a loss
+                    result = learner.forward_loss(
+                        data[start:end], args["loss_fn"], args["adapter"], args["loss_fn_config"]
+                    )
+                    mine = _part(result) if end > start else mine
+                elif op == "forward":
                     mine["logprobs"] = learner.forward(data[start:end], args["adapter"])
                 else:
                     result = learner.forward_backward(
@@ -281,6 +286,22 @@ class LearnerGroup:
         self._check(adapter, data, trains=False)
         parts = self._call("forward", data=[_datum_to_wire(d) for d in data], adapter=adapter)
         return [row for p in parts for row in p["logprobs"]]
+
+    def forward_loss(
+        self,
+        data: list[Datum],
+        loss_fn: LossFnName,
+        adapter: AdapterName | None = None,
+        loss_fn_config: dict[str, float] | None = None,
+    ) -> ForwardBackwardResult:
+        """``forward`` with the loss ``forward_backward`` would compute, and no gradient."""
+        if self._group is None:
+            return self.learner.forward_loss(data, loss_fn, adapter, loss_fn_config)
+        self._check(adapter, data, loss_fn, trains=False)
+        LossConfig.from_mapping(loss_fn_config)
+        wire = [_datum_to_wire(d) for d in data]
+        parts = self._call("forward", data=wire, loss_fn=loss_fn, adapter=adapter, loss_fn_config=loss_fn_config)
+        return _merge(parts)
 
     def forward_backward(
         self,

@@ -337,7 +337,10 @@ class LearnerWorker:
 
     def forward(self, msg: LearnerForward) -> ForwardReply:
         group, name = self._slot(msg.adapter, msg.full)
-        return ForwardReply(group.forward(list(msg.data), name))
+        if not msg.loss_fn:
+            return ForwardReply(group.forward(list(msg.data), name))
+        out = group.forward_loss(list(msg.data), msg.loss_fn, name, msg.loss_fn_config)
+        return ForwardReply(out.logprobs, out.loss, out.metrics)
 
     def step(self, msg: LearnerStep) -> StepResult:
         with self._keyed:

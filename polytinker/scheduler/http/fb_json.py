@@ -168,7 +168,7 @@ def fb_request(backend: TinkerBackend, t: Tenant, body: bytes | dict[str, Any], 
         req = decode_forward_backward_json(body, forward_only=forward)
     req["loss_fn_config"] = checks.check_loss(req["loss_fn"], req["loss_fn_config"])
     vocab = checks.vocab_size(backend.model(t, req["model_id"]).base_model)
-    rl_loss = None if req["forward_only"] or req["loss_fn"] == "cross_entropy" else req["loss_fn"]
+    rl_loss = None if req["loss_fn"] == "cross_entropy" else req["loss_fn"]  # a forward computes it too
     for i, d in enumerate(req["data"]):
         checks.check_datum(d, i, vocab, rl_loss)
     req["datums"] = [tinker_datum(d) for d in req["data"]]

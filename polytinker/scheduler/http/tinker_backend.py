@@ -231,8 +231,8 @@ class TinkerBackend:
         """``req["datums"]``: the call's data as polytinker datums (``tinker_datum``)."""
         tc = self.training_client(t, req["model_id"])
         data = req["datums"]
-        if req["forward_only"]:
-            return tc.forward(data)
+        if req["forward_only"]:  # the learner scores the loss as forward_backward would, without a gradient
+            return tc.forward(data, req["loss_fn"], req["loss_fn_config"])
         return tc.forward_backward(data, req["loss_fn"], req["loss_fn_config"])
 
     def optim_step(self, t: Tenant, req: dict[str, Any]) -> Future[Any]:

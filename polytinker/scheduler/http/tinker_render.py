@@ -30,19 +30,14 @@ def step_metrics(metrics: dict[str, float]) -> dict[str, float]:
 
 
 def fb_render(datums: list[Datum]) -> Callable[[Any], bytes]:
-    """How to render the result of a forward (per-datum logprobs) or forward_backward of ``datums``."""
+    """How to render the result of a forward or forward_backward of ``datums`` (a
+    ``ForwardBackwardOutput``: the learner's loss and metrics either way)."""
     weights = [np.asarray(d.weights_T, dtype=np.float64) for d in datums]
 
     def render(out: Any) -> bytes:
-        if isinstance(out, list):  # forward: per-datum logprobs; the loss is cross entropy's
-            logprobs = out
-            loss = -sum(float(np.dot(w, lp)) for w, lp in zip(weights, logprobs, strict=True))
-            metrics: dict[str, float] = {}
-        else:
-            logprobs, loss, metrics = out.logprobs, out.loss, out.metrics
         n = float(sum((w != 0).sum() for w in weights))
-        outputs = [{"logprobs": np.asarray(lp, dtype=np.float32)} for lp in logprobs]
-        return _proto.encode_forward_backward_output(outputs, _metrics(loss, metrics, n))
+        outputs = [{"logprobs": np.asarray(lp, dtype=np.float32)} for lp in out.logprobs]
+        return _proto.encode_forward_backward_output(outputs, _metrics(out.loss, out.metrics, n))
 
     return render
 

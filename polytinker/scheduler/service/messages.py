@@ -30,6 +30,7 @@ from polytinker.engine.types import (
     ModelLimits,
     SamplingParams,
     check_data,
+    check_loss_config,
     check_token_ids,
 )
 from polytinker.errors import ConfigError
@@ -46,7 +47,6 @@ MAX_PROMPTS = 4096
 MAX_STEPS = 1_000_000_000  # a job's step budget
 MAX_NAME_CHARS = 256  # a base model's or an adapter's name
 MAX_TARGET_MODULES = 64
-MAX_LOSS_CONFIG = 16  # keys of loss_fn_config
 
 
 def need(cond: bool, msg: str) -> None:
@@ -153,8 +153,7 @@ class ForwardBackward:
     def __post_init__(self) -> None:
         need(0 < len(self.data) <= MAX_DATA, f"forward_backward needs 1..{MAX_DATA} datums")
         need(all(isinstance(d, Datum) for d in self.data), "data must hold datums")
-        need(self.loss_fn in LOSS_FNS, f"loss_fn must be one of {LOSS_FNS}, got {self.loss_fn!r}")
-        check_data(self.data, self.loss_fn)
+        check_data(self.data, self.loss_fn)  # the loss_fn's name too
         check_loss_config(self.loss_fn_config)
         request_id_ok(self.request_id, self.attempt)
 
@@ -168,14 +167,17 @@ class Forward:
     api_key: str
     job_id: str
     data: tuple[Datum, ...]
+    loss_fn: str = ""  # '' for the logprobs alone; else also the loss forward_backward would answer
+    loss_fn_config: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         need(0 < len(self.data) <= MAX_DATA, f"forward needs 1..{MAX_DATA} datums")
         need(all(isinstance(d, Datum) for d in self.data), "data must hold datums")
-        check_data(self.data)
+        check_data(self.data, self.loss_fn or "cross_entropy")
+        check_loss_config(self.loss_fn_config)
 
     def check_model(self, limits: ModelLimits) -> None:
-        check_data(self.data, vocab_size=limits.vocab_size)
+        check_data(self.data, self.loss_fn or "cross_entropy", limits.vocab_size)
 
 
 @message("sched.optim_step")
@@ -280,13 +282,6 @@ class ComputeLogprobs:
         for i, seq in enumerate(self.sequences):
             check_token_ids(seq, f"sequences[{i}]", limits.vocab_size)
             limits.check_context(len(seq), 0)
-
-
-def check_loss_config(config: dict[str, float] | None) -> None:
-    need(
-        config is None or (len(config) <= MAX_LOSS_CONFIG and all(map(math.isfinite, config.values()))),
-        f"loss_fn_config: at most {MAX_LOSS_CONFIG} finite numbers",
-    )
 
 
 MAX_TOP_K = 20  # as vLLM's engines serve at most by default (max_logprobs)

@@ -173,6 +173,8 @@ class AdapterTensors:
 @dataclass(frozen=True)
 class ForwardReply:
     logprobs: list[list[float]]
+    loss: float = 0.0  # with a loss_fn: the summed loss, and the learner's metrics (as forward_backward's)
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @message("sched.r.optim_step")

@@ -313,7 +313,7 @@ class SchedulerService:
 
     def forward(self, msg: m.Forward) -> r.ForwardReply:
         row, a, learner = self._training(msg.api_key, msg.job_id)
-        req = wm.LearnerForward(a.adapter_key, msg.data, row.kind == JobKind.FULL_RL)
+        req = wm.LearnerForward(a.adapter_key, msg.data, row.kind == JobKind.FULL_RL, msg.loss_fn, msg.loss_fn_config)
         with self.admission.admit(row.tenant, "train"), self._turn(learner, row):
             out: r.ForwardReply = self.broker.call(learner, "sched.w.forward", req, prepare=self._prepare(row, a))
         self.meter.tokens(row.tenant, "training", [d.input_tokens for d in msg.data], row.base_model, row.job_id)

@@ -165,9 +165,13 @@ class LearnerForwardBackwardMany:
 @message("sched.w.forward")
 @dataclass(frozen=True)
 class LearnerForward:
+    """Score ``data``; with ``loss_fn``, also the loss and metrics ``forward_backward`` would answer."""
+
     adapter: str
     data: tuple[Datum, ...]
     full: bool = False
+    loss_fn: str = ""  # '' for the logprobs alone
+    loss_fn_config: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         _adapter_ok(self.adapter)
