@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from polytinker import SamplingClient, ServiceClient
-from polytinker.engine.learner.config import AdamParams
-from polytinker.engine.models import load_tokenizer
-from polytinker.engine.types import Datum, SamplingParams
+from polytinker import AdamParams, Datum, ModelInput, SamplingClient, SamplingParams, ServiceClient
 
 
 def make_datum(tokenizer: object, prompt: str, answer: str) -> Datum:
@@ -25,7 +22,10 @@ def make_datum(tokenizer: object, prompt: str, answer: str) -> Datum:
     a = tokenizer.encode(answer)  # type: ignore[attr-defined]
     tokens = p + a
     weights = [0.0] * (len(p) - 1) + [1.0] * len(a)
-    return Datum(input_tokens=tokens[:-1], target_tokens_T=tokens[1:], weights_T=weights)
+    return Datum(
+        model_input=ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights},
+    )
 
 
 def main() -> None:
@@ -34,16 +34,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
 
-    tokenizer = load_tokenizer(args.model)
-    data = [make_datum(tokenizer, "The capital of France is", " Paris.")] * 4
     with ServiceClient() as service:
         trainer = service.create_lora_training_client(args.model, rank=8)
+        tokenizer = trainer.get_tokenizer()
+        data = [make_datum(tokenizer, "The capital of France is", " Paris.")] * 4
         for step in range(args.steps):
             fb = trainer.forward_backward(data, "cross_entropy")  # futures: queued in order
             opt = trainer.optim_step(AdamParams(learning_rate=1e-3))
             print(f"step {step}: loss {fb.result().loss:.3f} -> adapter version {opt.result().version}")
         sampler: SamplingClient = trainer.save_weights_and_get_sampling_client("quickstart")
-        prompt = tokenizer.encode("The capital of France is")
+        prompt = ModelInput.from_ints(tokenizer.encode("The capital of France is"))
         out = sampler.sample(prompt, num_samples=2, sampling_params=SamplingParams(max_tokens=8, temperature=0.0))
         for seq in out.result().sequences:
             print(repr(seq.text))
