@@ -4,7 +4,8 @@ Every error polytinker raises derives from :class:`PolytinkerError`; where a bui
 fits, the subclass also inherits it, so ``except ValueError`` keeps working for callers that
 do not know polytinker.
 
-- ``ConfigError``: a setting or argument is wrong (also ``ValueError``).
+- ``ConfigError``: a setting or argument is wrong (also ``ValueError``); ``RequestKeyReused``: a
+  ``create_job`` request key the tenant already used for a job with other fields.
 - ``AuthError``: not admitted (unknown key, refused Curve key, another tenant's job).
 - ``ProtocolError``: a message on the wire is malformed, oversized or of an unknown kind.
 - ``TransportError``: a socket-level failure; ``PeerDeadError`` when heartbeats stop.
@@ -63,6 +64,13 @@ class ConfigError(PolytinkerError, ValueError):
 class StateDirInUse(ConfigError):
     """Another live runtime holds the state directory a runtime was to start on (the message names
     its process): connect to that one, or give this one another ``state_dir``."""
+
+
+class RequestKeyReused(ConfigError):
+    """A create_job's ``request_key`` that the tenant already used for a job with other fields: a
+    resent call carries its own key with the same fields, a new call a new key (409 over HTTP)."""
+
+    code = "request_key_reused"
 
 
 class ProtocolError(PolytinkerError, ValueError):
@@ -237,6 +245,7 @@ __all__ = [
     "PolytinkerError",
     "ProtocolError",
     "RemoteError",
+    "RequestKeyReused",
     "RequestTimeout",
     "RuntimeDead",
     "SimulationError",

@@ -10,7 +10,8 @@ from pathlib import Path
 from fixtures.client import KEY_ALICE, MODEL, client, data, shared_runtime
 
 from polytinker.engine.learner.config import AdamParams
-from polytinker.scheduler.service.state import StateStore, private_state_dir
+from polytinker.scheduler.service.home import private_state_dir
+from polytinker.scheduler.service.state import StateStore
 
 
 def _loose(paths: list[Path]) -> list[str]:

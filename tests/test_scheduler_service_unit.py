@@ -3,6 +3,7 @@ learner time-slicing, and the RPC surface against malformed and overloaded traff
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sqlite3
 import threading
@@ -583,6 +584,10 @@ def test_a_database_without_the_newer_columns_is_migrated(tmp_path: Path) -> Non
     try:
         row = store.job("j1")
         assert row is not None and row.max_staleness == 0 and row.steps == 5
+        assert row.request_key == "" and store.job_for_request("alice", "") is None  # made with no key
+        store.insert_job(dataclasses.replace(row, job_id="j2", request_key="k1", request_digest="d"))
+        found = store.job_for_request("alice", "k1")
+        assert found is not None and found.job_id == "j2" and store.job_for_request("bob", "k1") is None
         assert [c["expires_s"] for c in store.checkpoints("j1")] == [None]  # an old checkpoint never expires
         assert store.set_checkpoint_expiry("j1", "kept", 5.0) and store.expired_checkpoints(6.0) == [("j1", "kept")]
     finally:

@@ -20,6 +20,7 @@ import dataclasses
 import datetime
 import os
 import threading
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -162,9 +163,12 @@ class ServiceClient:
             rpc=self._runtime.client() if self._inproc else None,
         )
 
-    def _create(self, kind: str, base_model: str, **fields: Any) -> dict[str, Any]:
+    def _create(self, kind: str, base_model: str, request_key: str = "", **fields: Any) -> dict[str, Any]:
+        """A job; its ``request_key`` (one made here if none is given) is the same on each resend
+        of the call, so a scheduler that restarts mid-call answers with one job, not two."""
         conn = self._connection(base_model)
-        job = conn.request("sched.create_job", m.CreateJob(conn.api_key, kind, base_model, **fields), r.JobReply).job
+        msg = m.CreateJob(conn.api_key, kind, base_model, request_key=request_key or uuid.uuid4().hex, **fields)
+        job = conn.request("sched.create_job", msg, r.JobReply).job
         self._created.append(job["job_id"])
         return job
 
@@ -192,6 +196,7 @@ class ServiceClient:
         steps: int = 0,
         kind: str = "lora_rl",
         max_staleness: int = 0,
+        request_key: str = "",
     ) -> TrainingClient:
         """A job training a fresh LoRA adapter (rank ``rank``) for ``agent`` on ``base_model``.
         ``seed``: of the adapter's initialisation (None: 0); ``train_attn`` / ``train_mlp`` /
@@ -199,7 +204,9 @@ class ServiceClient:
         the unembedding (``lm_head``), as Tinker's defaults say all three, unless ``target_modules``
         names the modules (``user_metadata`` is accepted and not kept). ``kind``: ``lora_rl`` (samples too)
         or ``sft`` (no engine); ``steps``: declared length; ``max_staleness``: how many steps the
-        script samples ahead of training (0: sync), which the scheduler's policy plans with."""
+        script samples ahead of training (0: sync), which the scheduler's policy plans with.
+        ``request_key``: this creation's key (one is made if none is given): a creation repeated
+        with the same key and arguments gets the job the first made, not another one."""
         if kind not in _LORA_KINDS:
             raise ConfigError(f"kind must be 'lora_rl' or 'sft' for a LoRA training client, got {kind!r}")
         lora = {
@@ -208,21 +215,27 @@ class ServiceClient:
             "seed": 0 if seed is None else int(seed),
             "target_modules": lora_modules(train_mlp, train_attn, train_unembed, tuple(target_modules)),
         }
-        job = self._create(
-            kind, base_model, agent=agent, priority=priority, steps=steps, max_staleness=max_staleness, **lora
-        )
+        fields = {"agent": agent, "priority": priority, "steps": steps, "max_staleness": max_staleness}
+        job = self._create(kind, base_model, request_key, **fields, **lora)
         return TrainingClient(self._connection(), self._admitted(job), lora)
 
     async def create_lora_training_client_async(self, base_model: str, rank: int = 32, **kw: Any) -> TrainingClient:
         return await asyncio.to_thread(self.create_lora_training_client, base_model, rank, **kw)
 
     def create_training_client(
-        self, base_model: str, *, agent: str = "default", priority: int = 0, steps: int = 0, max_staleness: int = 0
+        self,
+        base_model: str,
+        *,
+        agent: str = "default",
+        priority: int = 0,
+        steps: int = 0,
+        max_staleness: int = 0,
+        request_key: str = "",
     ) -> TrainingClient:
-        """A job training every weight of ``base_model`` (a learner group to itself)."""
-        job = self._create(
-            JobKind.FULL_RL, base_model, agent=agent, priority=priority, steps=steps, max_staleness=max_staleness
-        )
+        """A job training every weight of ``base_model`` (a learner group to itself); ``request_key``
+        as ``create_lora_training_client``'s."""
+        fields = {"agent": agent, "priority": priority, "steps": steps, "max_staleness": max_staleness}
+        job = self._create(JobKind.FULL_RL, base_model, request_key, **fields)
         return TrainingClient(self._connection(), self._admitted(job))
 
     def create_training_client_from_state(

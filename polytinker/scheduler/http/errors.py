@@ -26,6 +26,7 @@ from polytinker.errors import (
     OverloadedError,
     PolytinkerError,
     ProtocolError,
+    RequestKeyReused,
     RequestTimeout,
     RuntimeDead,
     TransportError,
@@ -54,6 +55,8 @@ _STATUS: tuple[tuple[type[BaseException], int, str, str], ...] = (
     (OverloadedError, 429, "rate_limit_error", "overloaded"),
     (JobNotRunning, 409, "invalid_request_error", "job_not_running"),
     (RequestTimeout, 504, "server_error", "timeout"),
+    # A request key reused for other fields: a conflict with the call that used it first, as a reused seq_id is.
+    (RequestKeyReused, 409, "invalid_request_error", "request_key_reused"),
     (ConfigError, 400, "invalid_request_error", "invalid_request"),
     (ProtocolError, 400, "invalid_request_error", "invalid_request"),
     # A worker or the scheduler restarting, or the runtime stopped: the server's state, not the

@@ -45,6 +45,7 @@ from polytinker.scheduler.http.tinker_names import (
     named_sampler,
     named_sampler_path,
     owner_of,
+    run_request_key,
     to_tinker_path,
 )
 from polytinker.scheduler.http.wire import prompt_ints, ttl_of
@@ -181,6 +182,7 @@ class TinkerBackend:
         session_id = req["session_id"]
         self.check_session(t, session_id)
         model_id = f"{session_id}:train:{req.get('model_seq_id') or 0}"
+        key = run_request_key(session_id, req.get("model_seq_id"))  # a resent create_model: the same job
         base_model = self._base_model(req.get("base_model"))
         lora = req.get("lora_config")
         optimizer = (req.get("optimizer_config") or {}).get("type", "adamw")
@@ -192,12 +194,13 @@ class TinkerBackend:
 
         def run() -> dict[str, Any]:
             if lora is None:
-                tc = t.service.create_training_client(base_model)
+                tc = t.service.create_training_client(base_model, request_key=key)
                 rank = 0
             else:
                 rank = lora["rank"]
+                seed = lora.get("seed") or 0
                 tc = t.service.create_lora_training_client(
-                    base_model, rank, lora.get("seed") or 0, train_mlp=mlp, train_attn=attn, train_unembed=unembed
+                    base_model, rank, seed, train_mlp=mlp, train_attn=attn, train_unembed=unembed, request_key=key
                 )
             self.store.add_model(ModelRow(model_id, t.owner, tc.job_id, base_model, rank))
             if req.get("user_metadata"):
@@ -335,10 +338,11 @@ class TinkerBackend:
             session_id = str(req.get("session_id", ""))
             self.check_session(t, session_id)
             model_id = f"{session_id}:train:{int(req.get('model_seq_id', 0))}"
+            key = run_request_key(session_id, req.get("model_seq_id"))  # a resend: the same job
             source = self.source(t, path)
 
             def run() -> None:
-                made = t.service.create_training_client_from_state(path, optimizer=optimizer)
+                made = t.service.create_training_client_from_state(path, optimizer=optimizer, request_key=key)
                 rank = int((source.lora or {}).get("rank", 0))
                 self.store.add_model(ModelRow(model_id, t.owner, made.job_id, source.base_model, rank))
                 if req.get("user_metadata"):

@@ -6,6 +6,7 @@ to its version), and the handle of a tenant in the gateway's tables."""
 from __future__ import annotations
 
 import hashlib
+import uuid
 
 from polytinker.errors import ConfigError
 from polytinker.model_path import MODEL_PREFIX, SAMPLER_NAME_PREFIX, TINKER_PREFIX, CheckpointPath, ModelPath
@@ -18,6 +19,15 @@ EXTERNAL_NAME_PREFIX = "external."  # a save_weights_external(NAME) is the job's
 def owner_of(api_key: str) -> str:
     """The tenant's handle in the gateway's tables: a hash of its key (the key itself is not kept)."""
     return hashlib.sha256(api_key.encode("utf-8")).hexdigest()
+
+
+def run_request_key(session_id: str, model_seq_id: object) -> str:
+    """The scheduler's ``request_key`` of a new run (``create_model``, or ``load_state`` with no
+    model): the SDK numbers a session's runs (``model_seq_id``, from 0), so each resend of one call
+    carries the same key and gets the job its first copy made; with no number, one per request."""
+    if isinstance(model_seq_id, int) and not isinstance(model_seq_id, bool) and model_seq_id >= 0:
+        return hashlib.blake2b(f"{session_id}:train:{model_seq_id}".encode(), digest_size=16).hexdigest()
+    return uuid.uuid4().hex
 
 
 def to_tinker_path(path: str) -> str:
@@ -70,5 +80,6 @@ __all__ = [
     "named_sampler",
     "named_sampler_path",
     "owner_of",
+    "run_request_key",
     "to_tinker_path",
 ]

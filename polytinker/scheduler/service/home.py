@@ -12,19 +12,24 @@ address this machine's processes reach its scheduler at, and the API key of its 
 ``<cache>/runtime/<model>``, the cache being ``$POLYTINKER_CACHE`` or ``~/.cache/polytinker``),
 and attaches to the runtime that holds it when one runs: so the paths one script saved are
 sampled by another while the first runs, and by the next runtime on that directory after it.
+Every state directory is kept 0700 (``private_state_dir``): it holds every tenant's weights.
 """
 
 from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import re
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from polytinker.errors import StateDirInUse
+
+log = logging.getLogger("polytinker.scheduler.state")
 
 STATE_ENV = "POLYTINKER_STATE_DIR"
 _LOCK = "runtime.lock"
@@ -120,4 +125,25 @@ def running_holder(state_dir: Path, wait_s: float = 300.0) -> Holder | None:
         time.sleep(0.2)
 
 
-__all__ = ["STATE_ENV", "Holder", "StateDirInUse", "StateLock", "default_state_dir", "read_holder", "running_holder"]
+def private_state_dir(path: str | Path) -> Path:
+    """Create ``path`` (mode 0700), or make an existing one 0700: any user who could read it
+    would read every tenant's adapters and checkpoints. A looser mode is tightened with a warning."""
+    path = Path(path).expanduser()
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        log.warning("state dir %s had mode %04o (other users could read it): changed to 0700", path, mode)
+        path.chmod(0o700)
+    return path
+
+
+__all__ = [
+    "STATE_ENV",
+    "Holder",
+    "StateDirInUse",
+    "StateLock",
+    "default_state_dir",
+    "private_state_dir",
+    "read_holder",
+    "running_holder",
+]

@@ -46,6 +46,7 @@ from polytinker.scheduler.service.idle import (
     reclaim_pause_reason,
 )
 from polytinker.scheduler.service.messages import CreateJob
+from polytinker.scheduler.service.request_keys import repeated_job, request_digest
 from polytinker.scheduler.service.state import JobRow, StateStore
 from polytinker.scheduler.service.waits import WaitNotes
 from polytinker.scheduler.types import (
@@ -153,6 +154,7 @@ class JobManager:
 
     # --- submission --------------------------------------------------------------------------------
     def create(self, tenant: str, msg: CreateJob) -> JobRow:
+        """A new job of the tenant's, or the one an earlier copy of this call made (``request_keys.py``)."""
         base_model = served_name(self.config.model, msg.base_model)  # by its preset name or its hub id
         if base_model is None:
             names = " or ".join(map(repr, model_names(self.config.model)))
@@ -164,22 +166,12 @@ class JobManager:
         now = time.time()
         job_id = f"{msg.kind.replace('_', '')}-{uuid.uuid4().hex[:10]}"
         lora = {"rank": msg.rank, "alpha": msg.alpha, "target_modules": list(msg.target_modules), "seed": msg.seed}
-        row = JobRow(
-            job_id,
-            tenant,
-            JobKind(msg.kind),
-            base_model,
-            msg.agent,
-            lora,
-            JobState.QUEUED,
-            msg.priority,
-            msg.steps or self.config.jobs.steps,
-            "",
-            now,
-            now,
-            msg.max_staleness,
-        )
-        with self._lock:
+        head = (job_id, tenant, JobKind(msg.kind), base_model, msg.agent, lora, JobState.QUEUED, msg.priority)
+        steps, key = msg.steps or self.config.jobs.steps, msg.request_key
+        row = JobRow(*head, steps, "", now, now, msg.max_staleness, key, request_digest(msg) if key else "")
+        with self._lock:  # the key's lookup and the job's insert under one lock: two copies make one job
+            if (made := repeated_job(self.store, tenant, msg)) is not None:
+                return made  # a resend (the first copy's answer was lost): its job, not a second one
             result = self._submit(row, steps_done=0, new=True)
             if isinstance(result, Overloaded):
                 raise OverloadedError(result.decision.reason, result.retry_after_s)

@@ -57,10 +57,10 @@ def need(cond: bool, msg: str) -> None:
 MAX_REQUEST_ID = 64
 
 
-def request_id_ok(request_id: str, attempt: int) -> None:
+def request_id_ok(request_id: str, attempt: int, field: str = "request_id") -> None:
     need(
         len(request_id) <= MAX_REQUEST_ID and all(c.isascii() and (c.isalnum() or c in "-_") for c in request_id),
-        f"request_id: at most {MAX_REQUEST_ID} ASCII letters, digits, '-' or '_'",
+        f"{field}: at most {MAX_REQUEST_ID} ASCII letters, digits, '-' or '_'",
     )
     need(isinstance(attempt, int) and 0 <= attempt < 1_000_000, "attempt must be an int in [0, 1000000)")
 
@@ -88,8 +88,10 @@ class CreateJob:
     steps: int = 0  # 0: the runtime's default
     adapter: str = ""  # inference jobs: "job_id/agent" of one of the tenant's adapters
     max_staleness: int = 0  # RL jobs: the client samples up to this many steps ahead of training (async)
+    request_key: str = ""  # one per call, the same on its resends: a repeat gets the first one's job (request_keys.py)
 
     def __post_init__(self) -> None:
+        request_id_ok(self.request_key, 0, "request_key")
         need(self.kind in JOB_KINDS, f"job kind must be one of {JOB_KINDS}, got {self.kind!r}")
         object.__setattr__(self, "kind", JobKind(self.kind))
         check_name("agent", self.agent)  # part of the adapter key, and so of its paths on the workers

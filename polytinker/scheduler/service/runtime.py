@@ -43,11 +43,10 @@ from polytinker.actors import ActorConfig, ActorRef, ChildReport, RestartPolicy,
 from polytinker.engine.device import resolve_device
 from polytinker.errors import ConfigError, RequestTimeout, RuntimeDead
 from polytinker.scheduler.service.config import RuntimeConfig, TenantConfig
-from polytinker.scheduler.service.home import Holder, StateLock
+from polytinker.scheduler.service.home import Holder, StateLock, private_state_dir
 from polytinker.scheduler.service.messages import RuntimeStatus
 from polytinker.scheduler.service.replies import RuntimeStatusReply, WorkersReply
 from polytinker.scheduler.service.scheduler import SchedulerActor
-from polytinker.scheduler.service.state import private_state_dir
 from polytinker.scheduler.service.tenants import new_api_key
 from polytinker.scheduler.service.worker_auth import launcher_credential
 from polytinker.scheduler.service.worker_messages import ActorsReport, ActorState, WorkersQuery

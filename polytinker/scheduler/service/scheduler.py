@@ -187,8 +187,8 @@ class SchedulerService:
         row = self.jobs.create(tenant, msg)
         if row.kind != JobKind.INFERENCE:
             key = adapter_key(tenant, row.job_id, row.agent)
-            self.store.ensure_adapter(key, tenant, row.job_id, row.agent)
-            self._fb_ids[key] = set()
+            self.store.ensure_adapter(key, tenant, row.job_id, row.agent)  # a resend's job may lack it (killed)
+            self._fb_ids.setdefault(key, set())  # a resend's job: the ids its calls made stay
         return r.JobReply(row.public())
 
     def job_query(self, msg: m.JobQuery) -> r.JobQueryReply:

@@ -3,7 +3,8 @@
 Tables:
 
 - ``tenants``: name, SHA-256 of the API key, fair-share weight;
-- ``jobs``: one row per job (tenant, kind, base model, agent, LoRA shape, state, priority, reason);
+- ``jobs``: one row per job (tenant, kind, base model, agent, LoRA shape, state, priority, reason,
+  the create call's request key: ``request_keys.py``);
   finished inference jobs are deleted with their events after a while (``JobManager.prune_finished``);
 - ``adapters``: one row per adapter (tenant/job/agent): its latest version, checkpoint and export;
 - ``adapter_versions``: every version's checkpoint and peft export (the ones kept on disk);
@@ -17,7 +18,7 @@ Tables:
   scheduler serves every other job instead of failing to start.
 
 Privacy: the state directory holds every tenant's weights and the job table, so
-``private_state_dir`` keeps it 0700 (tightening a looser one, with a warning) and the database
+``home.private_state_dir`` keeps it 0700 (tightening a looser one, with a warning) and the database
 file is created 0600 (SQLite gives its -wal and -shm files the database file's mode).
 
 Every write is one transaction with ``synchronous=FULL``, so a row the scheduler acknowledged
@@ -31,7 +32,6 @@ import json
 import logging
 import os
 import sqlite3
-import stat
 import threading
 import time
 from collections.abc import Collection, Iterator
@@ -80,6 +80,14 @@ CREATE TABLE IF NOT EXISTS usage (
     tenant TEXT NOT NULL, bucket_s REAL NOT NULL, kind TEXT NOT NULL, base_model TEXT NOT NULL, job_id TEXT NOT NULL,
     count INTEGER NOT NULL, PRIMARY KEY (tenant, bucket_s, kind, base_model, job_id));
 """
+# (table, column, declaration) of the columns added since the first release, in the order added.
+_ADDED_COLUMNS = (
+    ("jobs", "max_staleness", "INTEGER NOT NULL DEFAULT 0"),
+    ("checkpoints", "expires_s", "REAL"),
+    ("checkpoints", "public", "INTEGER NOT NULL DEFAULT 0"),
+    ("jobs", "request_key", "TEXT NOT NULL DEFAULT ''"),
+    ("jobs", "request_digest", "TEXT NOT NULL DEFAULT ''"),
+)
 
 
 @dataclass(frozen=True)
@@ -97,6 +105,8 @@ class JobRow:
     created_s: float
     updated_s: float
     max_staleness: int = 0  # RL jobs: how many steps the client's sampling may run ahead of training
+    request_key: str = ""  # the create_job call's key, with a digest of its fields (request_keys.py)
+    request_digest: str = ""
 
     def lora_shape(self) -> dict[str, Any] | None:
         """A LoRA job's adapter shape (rank, alpha, target_modules, seed): what a new job resuming
@@ -131,18 +141,6 @@ class AdapterRow:
     export_dir: str  # "" until the first export
 
 
-def private_state_dir(path: str | Path) -> Path:
-    """Create ``path`` (mode 0700), or make an existing one 0700: any user who could read it
-    would read every tenant's adapters and checkpoints. A looser mode is tightened with a warning."""
-    path = Path(path).expanduser()
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    mode = stat.S_IMODE(path.stat().st_mode)
-    if mode & 0o077:
-        log.warning("state dir %s had mode %04o (other users could read it): changed to 0700", path, mode)
-        path.chmod(0o700)
-    return path
-
-
 class StateStore:
     """The SQLite database at ``path`` (created if missing, mode 0600)."""
 
@@ -163,14 +161,13 @@ class StateStore:
 
     def _migrate(self) -> None:
         """Bring a database an older version wrote up to this schema (columns added since)."""
-        columns = {r["name"] for r in self._db.execute("PRAGMA table_info(jobs)")}
-        if "max_staleness" not in columns:
-            self._db.execute("ALTER TABLE jobs ADD COLUMN max_staleness INTEGER NOT NULL DEFAULT 0")
-        checkpoint_columns = {r["name"] for r in self._db.execute("PRAGMA table_info(checkpoints)")}
-        if "expires_s" not in checkpoint_columns:
-            self._db.execute("ALTER TABLE checkpoints ADD COLUMN expires_s REAL")
-        if "public" not in checkpoint_columns:
-            self._db.execute("ALTER TABLE checkpoints ADD COLUMN public INTEGER NOT NULL DEFAULT 0")
+        for table, column, declaration in _ADDED_COLUMNS:
+            if column not in {r["name"] for r in self._db.execute(f"PRAGMA table_info({table})")}:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
+        # After the columns (an older database has none to index): one job per tenant and key.
+        self._db.execute(
+            "CREATE UNIQUE INDEX IF NOT EXISTS jobs_by_request ON jobs (tenant, request_key) WHERE request_key != ''"
+        )
 
     def close(self) -> None:
         with self._lock:
@@ -212,10 +209,11 @@ class StateStore:
     def insert_job(self, row: JobRow) -> None:
         with self._tx() as db:
             db.execute(
-                "INSERT INTO jobs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO jobs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     *(row.job_id, row.tenant, row.kind, row.base_model, row.agent, json.dumps(row.lora)),
                     *(row.state, row.priority, row.steps, row.reason, row.created_s, row.updated_s, row.max_staleness),
+                    *(row.request_key, row.request_digest),
                 ),
             )
 
@@ -234,6 +232,11 @@ class StateStore:
         if tenant is None:
             return self._readable(self._query("SELECT * FROM jobs ORDER BY created_s"))
         return self._readable(self._query("SELECT * FROM jobs WHERE tenant = ? ORDER BY created_s", (tenant,)))
+
+    def job_for_request(self, tenant: str, request_key: str) -> JobRow | None:
+        """The tenant's job that a create_job with ``request_key`` made, if any ("" names none)."""
+        rows = self._query("SELECT * FROM jobs WHERE tenant = ? AND request_key = ?", (tenant, request_key or None))
+        return next(iter(self._readable(rows)), None)
 
     def jobs_of(self, kind: JobKind, states: tuple[JobState, ...]) -> list[JobRow]:
         marks = ", ".join("?" * len(states))
@@ -489,7 +492,9 @@ def _job(r: sqlite3.Row) -> JobRow:
         created_s=float(r["created_s"]),
         updated_s=float(r["updated_s"]),
         max_staleness=int(r["max_staleness"]),
+        request_key=str(r["request_key"]),
+        request_digest=str(r["request_digest"]),
     )
 
 
-__all__ = ["HISTORY_RETENTION_S", "AdapterRow", "JobRow", "StateStore", "private_state_dir"]
+__all__ = ["HISTORY_RETENTION_S", "AdapterRow", "JobRow", "StateStore"]
