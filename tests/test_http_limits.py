@@ -18,7 +18,8 @@ import pytest
 from _http_raw import stalled
 
 from polytinker.errors import ConfigError, OverloadedError
-from polytinker.scheduler._cli import _gateway_config, _runtime_config
+from polytinker.scheduler._cli import _runtime_config
+from polytinker.scheduler.http._cli import gateway_config
 from polytinker.scheduler.http.app import Gateway
 from polytinker.scheduler.http.errors import HttpError
 from polytinker.scheduler.service import RuntimeConfig, SchedulerService, TenantConfig
@@ -264,7 +265,26 @@ def test_serve_and_gateway_take_the_table_with_the_flags_over_it(tmp_path: Path)
     served = _runtime_config(parser.parse_args(["serve", "--config", str(toml), "--http", "127.0.0.1:9001"]))
     assert (served.http.address, served.http.max_telemetry_bytes) == ("127.0.0.1:9001", 512)
     args = ["gateway", "--scheduler", "tcp://127.0.0.1:7000", "--model", MODEL, "--config", str(toml)]
-    alone = _gateway_config(parser.parse_args([*args, "--http", "127.0.0.1:9002"]))
+    alone = gateway_config(parser.parse_args([*args, "--http", "127.0.0.1:9002"]))
     assert (alone.address, alone.tokenizer_id, alone.max_telemetry_bytes) == ("127.0.0.1:9002", "", 512)
-    flags = _gateway_config(parser.parse_args([*args, "--http", "127.0.0.1:9002", "--tokenizer-id", "org/tok"]))
+    flags = gateway_config(parser.parse_args([*args, "--http", "127.0.0.1:9002", "--tokenizer-id", "org/tok"]))
     assert (flags.tokenizer_id, flags.max_telemetry_bytes) == ("org/tok", 512)
+
+
+def test_serve_and_gateway_take_a_session_timeout_flag_over_the_table(tmp_path: Path) -> None:
+    from polytinker.cli import build_parser
+
+    toml = tmp_path / "runtime.toml"
+    toml.write_text('model = "tiny-random"\n[http]\naddress = "127.0.0.1:9000"\nsession_timeout_s = 60\n')
+    parser = build_parser()
+    args = ["gateway", "--scheduler", "tcp://127.0.0.1:7000", "--model", MODEL, "--http", "127.0.0.1:9002"]
+    assert gateway_config(parser.parse_args(args)).session_timeout_s == 180.0  # the default
+    assert gateway_config(parser.parse_args([*args, "--config", str(toml)])).session_timeout_s == 60.0
+    flagged = gateway_config(parser.parse_args([*args, "--config", str(toml), "--session-timeout-s", "15"]))
+    assert (flagged.session_timeout_s, flagged.address) == (15.0, "127.0.0.1:9002")
+    for bad in ("0", "-1", "nan"):
+        with pytest.raises(ConfigError, match="session_timeout_s must be > 0"):
+            gateway_config(parser.parse_args([*args, "--session-timeout-s", bad]))
+    served = _runtime_config(parser.parse_args(["serve", "--config", str(toml), "--session-timeout-s", "30"]))
+    assert (served.http.session_timeout_s, served.http.address) == (30.0, "127.0.0.1:9000")
+    assert _runtime_config(parser.parse_args(["serve", "--config", str(toml)])).http.session_timeout_s == 60.0

@@ -1,6 +1,7 @@
-"""`polytinker serve`, `worker`, `jobs`, `checkpoints`, `audit`, `usage` and `status`: the scheduler service from a
-shell. `serve` exits 1, after one line on stderr that names the actor and why, when an actor of
-its runtime stays down (its restart limit hit): the runtime has stopped by then."""
+"""`polytinker serve`, `gateway` (``http/_cli.py``), `worker`, `jobs`, `checkpoints`, `audit`, `usage` and
+`status`: the scheduler service from a shell. `serve` exits 1, after one line on stderr that names
+the actor and why, when an actor of its runtime stays down (its restart limit hit): the runtime
+has stopped by then."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from polytinker.errors import ConfigError
+from polytinker.scheduler.http._cli import add_gateway_parser, add_session_timeout_arg
 from polytinker.scheduler.service.messages import AUDIT_EVENT_TYPES
 
 
@@ -41,8 +43,9 @@ def _runtime_config(args: argparse.Namespace) -> Any:
         changes["address"] = args.address
     if getattr(args, "state_dir", None):
         changes["state_dir"] = args.state_dir
-    if getattr(args, "http", None):
-        changes["http"] = dataclasses.replace(cfg.http, address=args.http)
+    flags = {"address": getattr(args, "http", None), "session_timeout_s": getattr(args, "session_timeout_s", None)}
+    if http := {k: v for k, v in flags.items() if v not in (None, "")}:  # the flags over [http]
+        changes["http"] = dataclasses.replace(cfg.http, **http)
     return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
@@ -75,38 +78,6 @@ def _serve(args: argparse.Namespace) -> int:
     if runtime.failure is not None:
         print(f"polytinker serve: {runtime.failure}", file=sys.stderr, flush=True)
         return 1
-    return 0
-
-
-def _gateway_config(args: argparse.Namespace) -> Any:
-    """``--config``'s ``[http]`` table (defaults without one), served at ``--http``; ``--tokenizer-id`` over it."""
-    from polytinker.scheduler.service.http_config import HttpConfig
-
-    config = HttpConfig.from_toml(args.config) if args.config else HttpConfig()
-    return dataclasses.replace(config, address=args.http, tokenizer_id=args.tokenizer_id or config.tokenizer_id)
-
-
-def _gateway(args: argparse.Namespace) -> int:
-    """The HTTP front door alone, in front of a scheduler that runs elsewhere."""
-    from polytinker.scheduler.http.app import Gateway
-
-    curve = None
-    if args.curve_secret:
-        from polytinker.transport import ClientCurve
-
-        if not args.scheduler_key:
-            raise ConfigError("--curve-secret needs --scheduler-key (the scheduler's .key file)")
-        curve = ClientCurve.from_files(args.curve_secret, args.scheduler_key)
-    config = _gateway_config(args)
-    tokenizers = {args.model: config.tokenizer_id} if config.tokenizer_id else None
-    state = Path(args.state_dir).expanduser()
-    gateway = Gateway(args.scheduler, state, config, base_models=(args.model,), curve=curve, tokenizer_ids=tokenizers)
-    gateway.start()
-    print(f"HTTP at {gateway.url} in front of {args.scheduler}: the Tinker API and OpenAI's at /v1", flush=True)
-    try:
-        _wait_for_signal()
-    finally:
-        gateway.stop()
     return 0
 
 
@@ -367,7 +338,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 def register(sub: Any) -> None:
     """The scheduler's subcommands, in the order ``polytinker --help`` lists them."""
     _add_serve_parser(sub)
-    _add_gateway_parser(sub)
+    add_gateway_parser(sub)  # the HTTP front door alone: scheduler/http/_cli.py
     _add_worker_parser(sub)
     _add_jobs_parser(sub)
     _add_checkpoints_parser(sub)
@@ -383,21 +354,8 @@ def _add_serve_parser(sub: Any) -> None:
     p.add_argument("--address", help="where the scheduler listens, e.g. tcp://127.0.0.1:7000 (overrides the config)")
     p.add_argument("--state-dir", help="SQLite state, checkpoints, adapters (default ./polytinker-runtime)")
     p.add_argument("--http", metavar="HOST:PORT", help="serve the Tinker API and OpenAI-compatible inference here")
+    add_session_timeout_arg(p)
     p.set_defaults(func=_serve)
-
-
-def _add_gateway_parser(sub: Any) -> None:
-    """``gateway``: the HTTP APIs in front of a scheduler elsewhere."""
-    g = sub.add_parser("gateway", help="serve the Tinker API and OpenAI-compatible inference for a scheduler elsewhere")
-    g.add_argument("--scheduler", required=True, help="the scheduler's address, tcp://HOST:PORT")
-    g.add_argument("--config", help="a runtime.toml: its [http] table configures the gateway (the rest is not read)")
-    g.add_argument("--http", required=True, metavar="HOST:PORT", help="where to serve HTTP")
-    g.add_argument("--model", required=True, help="the scheduler's base model, by the name clients use")
-    g.add_argument("--state-dir", default="polytinker-gateway", help="where the gateway keeps its names (SQLite)")
-    g.add_argument("--tokenizer-id", help="what get_info names as the tokenizer (a hub id or a directory)")
-    g.add_argument("--curve-secret", help="your Curve .key_secret, for a scheduler that serves with Curve")
-    g.add_argument("--scheduler-key", help="the scheduler's Curve .key (public) file")
-    g.set_defaults(func=_gateway)
 
 
 def _add_worker_parser(sub: Any) -> None:
