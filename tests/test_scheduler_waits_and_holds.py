@@ -6,7 +6,8 @@ state and weights catalogue on disk, no workers).
   Tinker gateway's ``try_again`` (``paused_capacity``, which the official SDK's own type accepts)
   all carry that reason, and a run that runs answers ``active`` again.
 - Pruning keeps a version's export while a client holds it or used it within ``sampler_keep_s``,
-  drops its learner state, and prunes it once the hold is released.
+  drops its learner state, and prunes it once the hold is released; a holder holds at most
+  ``max_held_versions``, its oldest hold going first.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from polytinker.errors import AuthError, JobNotRunning
+from polytinker.errors import AuthError, ConfigError, JobNotRunning
 from polytinker.scheduler.http.tinker_runs import queue_fields
 from polytinker.scheduler.service import EngineWorkerConfig, RuntimeConfig, TenantConfig
 from polytinker.scheduler.service import messages as m
@@ -160,3 +161,43 @@ def test_a_version_used_within_sampler_keep_s_is_kept(tmp_path: Path) -> None:
     weights.prune(a, 5)
     with pytest.raises(AuthError):
         weights.resolve("alice", f"polytinker://{job}/default@2")
+
+
+def test_a_holder_holds_at_most_max_held_versions_and_its_oldest_hold_goes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Tinker RL loop makes a sampler per step, each holding its version under the session: past
+    max_held_versions the session's oldest hold goes (logged), and that version is pruned as any
+    other; a version held again counts as new, and another holder's holds are its own."""
+    cfg, mgr = setup(tmp_path, keep_checkpoints=1, sampler_keep_s=0.0, max_held_versions=3)
+    job = lora(mgr)
+    weights, key = _versions(cfg, mgr, job, 1)
+    a = mgr.store.adapter(key)
+    assert a is not None
+
+    def step_and_hold(v: int, holder: str = "session-1") -> None:
+        for ref in (WeightsRef(key, v), WeightsRef(key, v, "export")):
+            (cfg.state_path / ref.relative_path).mkdir(parents=True)
+        mgr.store.record_version(key, v, WeightsRef(key, v).relative_path, WeightsRef(key, v, "export").relative_path)
+        weights.hold("alice", holder, f"polytinker://{job}/default@{v}")
+        weights.prune(a, v)
+
+    weights.hold("alice", "session-1", f"polytinker://{job}/default@1")
+    weights.hold("alice", "session-2", f"polytinker://{job}/default@1")  # another holder: its own bound
+    with caplog.at_level("INFO", logger="polytinker.scheduler.weights"):
+        for v in range(2, 7):
+            step_and_hold(v)
+    assert weights.holds.count("alice", "session-1") == 3 and sorted(weights.holds.held(key)) == [1, 4, 5, 6]
+    assert "session-1 of tenant alice holds 3 newer versions (max_held_versions)" in caplog.text
+    for v in (2, 3):  # released and past keep_checkpoints: pruned, files and all
+        with pytest.raises(AuthError):
+            weights.resolve("alice", f"polytinker://{job}/default@{v}")
+        assert not (cfg.state_path / WeightsRef(key, v, "export").relative_path).exists()
+    assert weights.resolve("alice", f"polytinker://{job}/default@1")[1] == 1  # session-2 still holds it
+    weights.hold("alice", "session-1", f"polytinker://{job}/default@4")  # held again: now its newest
+    step_and_hold(7)
+    assert sorted(v for v in weights.holds.held(key) if v != 1) == [4, 6, 7]  # 5 went, not 4
+    with pytest.raises(AuthError):
+        weights.resolve("alice", f"polytinker://{job}/default@5")
+    with pytest.raises(ConfigError, match="max_held_versions must be a whole number >= 1"):
+        RuntimeConfig(model="tiny-random", max_held_versions=0)

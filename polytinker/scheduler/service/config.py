@@ -302,7 +302,11 @@ class RuntimeConfig:
     # An older version's sampler weights (its export) stay sampleable while they were handed out
     # (save_weights_for_sampler) or sampled within this long, past keep_checkpoints: an evaluator
     # or async RL samples a few steps behind. Versions a client holds (the HTTP gateway holds each
-    # live session's samplers) stay however old; 0: only those and the last keep_checkpoints.
+    # live session's samplers) stay however old, up to max_held_versions per holder; 0: only those
+    # and the last keep_checkpoints.
+    max_held_versions: int = 64
+    # Versions one holder (a Tinker session, whose samplers hold theirs) holds at most; past it, its
+    # oldest hold is released (logged) and that version is kept as any other is (above).
     learner_slice_idle_s: float = 2.0
     # A job holding a shared learner group between steps loses its turn after this idle time.
     learner_batch_window_s: float = 0.02
@@ -366,6 +370,10 @@ class RuntimeConfig:
                 f"RuntimeConfig.handler_threads ({self.handler_threads}) must exceed max_inflight_samples + "
                 f"max_inflight_train ({self.max_inflight_samples + self.max_inflight_train}), so refusals and "
                 "registrations are always answered; raise it or lower the bounds"
+            )
+        if not isinstance(self.max_held_versions, int) or self.max_held_versions < 1:
+            raise ConfigError(
+                f"RuntimeConfig.max_held_versions must be a whole number >= 1, got {self.max_held_versions}"
             )
         if not self.sampler_keep_s >= 0:
             raise ConfigError(f"RuntimeConfig.sampler_keep_s must be >= 0, got {self.sampler_keep_s}")

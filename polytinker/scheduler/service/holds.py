@@ -7,6 +7,11 @@ session's samplers sample, under the session's id), and the tenant's ``release``
 all of its holds at once (the gateway's, when the session ends). Holds live in the scheduler's
 database, so they outlive a restart of the scheduler; they are per tenant (one tenant cannot
 release another's), and a hold on a published version of another tenant's keeps it as well.
+
+A holder holds at most ``max_held_versions`` versions (``RuntimeConfig``): a Tinker RL loop makes
+a sampler per step for as long as its session lives, and without a bound each would keep its
+version on disk. Past the bound the holder's oldest hold goes (a version held again counts as new),
+and that version is kept only as any other is (``keep_checkpoints``, ``sampler_keep_s``, a name).
 """
 
 from __future__ import annotations
@@ -34,12 +39,24 @@ class WeightHolds:
                 if statement.strip():
                     db.execute(statement)
 
-    def hold(self, tenant: str, holder: str, adapter_key: str, version: int) -> None:
+    def hold(self, tenant: str, holder: str, adapter_key: str, version: int, limit: int = 0) -> list[tuple[str, int]]:
+        """The holder holds the version (again: as its newest hold). With ``limit``, its holds past
+        the newest ``limit`` go; returns the (adapter key, version) they were on."""
         with self.store._tx() as db:
             db.execute(
-                "INSERT OR IGNORE INTO weight_holds VALUES (?, ?, ?, ?, ?)",
+                "INSERT INTO weight_holds VALUES (?, ?, ?, ?, ?)"
+                " ON CONFLICT DO UPDATE SET created_s = excluded.created_s",
                 (tenant, holder, adapter_key, version, time.time()),
             )
+            if limit <= 0:
+                return []
+            released = db.execute(
+                "DELETE FROM weight_holds WHERE rowid IN (SELECT rowid FROM weight_holds"
+                " WHERE tenant = ? AND holder = ? ORDER BY created_s DESC, rowid DESC LIMIT -1 OFFSET ?)"
+                " RETURNING adapter_key, version",
+                (tenant, holder, limit),
+            )
+            return [(str(r[0]), int(r[1])) for r in released]
 
     def release(self, tenant: str, holder: str) -> list[str]:
         """Drop every hold of the tenant's ``holder``; the adapters they were on (to prune again)."""

@@ -49,6 +49,7 @@ class WeightsCatalog:
     def __init__(self, root: Path, store: StateStore, jobs: JobManager, config: RuntimeConfig, audit: AuditLog) -> None:
         self.root, self.store, self.jobs, self.audit = root, store, jobs, audit
         self.keep_checkpoints, self.sampler_keep_s = config.keep_checkpoints, config.sampler_keep_s
+        self.max_held_versions = config.max_held_versions
         self.holds = WeightHolds(store)
         # When each (adapter, version) was last handed out or sampled (monotonic s), in this
         # process: a restarted scheduler keeps what is held, and counts the window from use again.
@@ -104,11 +105,24 @@ class WeightsCatalog:
 
     def hold(self, tenant: str, holder: str, path: str) -> tuple[str, int]:
         """The tenant's ``holder`` holds the version at model path ``path`` (one it may read):
-        it is not pruned until the holder is released. (adapter key, version)."""
+        it is not pruned until the holder is released, or holds ``max_held_versions`` newer ones
+        (its oldest hold is released then, and pruned as any version). (adapter key, version)."""
         key, version, _, _ = self.resolve(tenant, path)
         if not key:
             raise ConfigError("the base model has no versions to hold: name a saved version's model path")
-        self.holds.hold(tenant, check_name("holder", holder), key, version)
+        released = self.holds.hold(tenant, check_name("holder", holder), key, version, self.max_held_versions)
+        for adapter, old in released:
+            log.info(
+                "%s of tenant %s holds %d newer versions (max_held_versions): its hold on %s version %d is released",
+                holder,
+                tenant,
+                self.max_held_versions,
+                adapter,
+                old,
+            )
+        for adapter in sorted({adapter for adapter, _ in released}):
+            if (a := self.store.adapter(adapter)) is not None:
+                self.prune(a, a.version)
         return key, version
 
     def release(self, tenant: str, holder: str) -> int:
