@@ -201,3 +201,37 @@ def test_a_holder_holds_at_most_max_held_versions_and_its_oldest_hold_goes(
         weights.resolve("alice", f"polytinker://{job}/default@5")
     with pytest.raises(ConfigError, match="max_held_versions must be a whole number >= 1"):
         RuntimeConfig(model="tiny-random", max_held_versions=0)
+
+
+def test_a_hand_outs_window_outlives_a_scheduler_restart(tmp_path: Path) -> None:
+    """A version handed out (save_weights) just before the scheduler restarts stays sampleable for
+    the rest of its sampler_keep_s: the hand-out time is in the state, not in the old process. A
+    version only sampled counts its window in the process, and a restart starts it again."""
+    cfg, mgr = setup(tmp_path, keep_checkpoints=1, sampler_keep_s=600.0)
+    job = lora(mgr)
+    weights, key = _versions(cfg, mgr, job, 2)
+    a = mgr.store.adapter(key)
+    assert a is not None
+
+    def step(catalogue: WeightsCatalog, v: int) -> None:
+        mgr.store.record_version(key, v, WeightsRef(key, v).relative_path, WeightsRef(key, v, "export").relative_path)
+        catalogue.prune(a, v)
+
+    weights.handed_out("alice", key, 2)
+    step(weights, 3)
+    weights.used(key, 3)  # sampled
+    step(weights, 4)
+    assert {v for v in (2, 3) if weights.resolve("alice", f"polytinker://{job}/default@{v}")} == {2, 3}
+    restarted = WeightsCatalog(cfg.state_path, mgr.store, mgr, cfg, AuditLog(mgr.store, lambda key: "alice"))
+    step(restarted, 5)
+    assert restarted.resolve("alice", f"polytinker://{job}/default@2")[1] == 2  # its window counts from the hand-out
+    with pytest.raises(AuthError):
+        restarted.resolve("alice", f"polytinker://{job}/default@3")  # its sampling window went with the process
+    assert restarted.holds.count("alice", "") == 1  # the hand-out row; no client can name that holder
+    restarted.sampler_keep_s = 0.0  # the window has passed: the version goes, and so does its row
+    step(restarted, 6)
+    with pytest.raises(AuthError):
+        restarted.resolve("alice", f"polytinker://{job}/default@2")
+    assert restarted.holds.count("alice", "") == 0
+    with pytest.raises(ConfigError, match="holder"):
+        restarted.release("alice", "")

@@ -301,7 +301,8 @@ class RuntimeConfig:
     sampler_keep_s: float = 600.0
     # An older version's sampler weights (its export) stay sampleable while they were handed out
     # (save_weights_for_sampler) or sampled within this long, past keep_checkpoints: an evaluator
-    # or async RL samples a few steps behind. Versions a client holds (the HTTP gateway holds each
+    # or async RL samples a few steps behind. A hand-out's time is in the state (a restart keeps
+    # its window); a sample's is counted in the scheduler process. Versions a client holds (the HTTP gateway holds each
     # live session's samplers) stay however old, up to max_held_versions per holder; 0: only those
     # and the last keep_checkpoints.
     max_held_versions: int = 64

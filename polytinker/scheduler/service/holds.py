@@ -12,6 +12,11 @@ A holder holds at most ``max_held_versions`` versions (``RuntimeConfig``): a Tin
 a sampler per step for as long as its session lives, and without a bound each would keep its
 version on disk. Past the bound the holder's oldest hold goes (a version held again counts as new),
 and that version is kept only as any other is (``keep_checkpoints``, ``sampler_keep_s``, a name).
+
+A version handed out for sampling (``save_weights``) is kept ``sampler_keep_s`` from then: its
+hand-out is a row of the same table under the holder ``HANDED_OUT`` (a name no client can hold
+under), so a restarted scheduler counts the window from the hand-out, not from its own start, and
+``forget_handouts`` drops the rows whose window has passed.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ CREATE TABLE IF NOT EXISTS weight_holds (
     created_s REAL NOT NULL, PRIMARY KEY (tenant, holder, adapter_key, version));
 CREATE INDEX IF NOT EXISTS weight_holds_by_adapter ON weight_holds (adapter_key, version);
 """
+
+
+HANDED_OUT = ""  # the holder of hand-out rows: check_name refuses "" to every client
 
 
 class WeightHolds:
@@ -68,14 +76,30 @@ class WeightHolds:
             )
         return sorted({str(r[0]) for r in rows})
 
-    def held(self, adapter_key: str) -> set[int]:
-        """The adapter's versions some holder holds."""
-        rows = self.store._query("SELECT DISTINCT version FROM weight_holds WHERE adapter_key = ?", (adapter_key,))
+    def held(self, adapter_key: str, handed_out_since: float = 0.0) -> set[int]:
+        """The adapter's versions some holder holds, or that were handed out since ``handed_out_since``
+        (a Unix time)."""
+        rows = self.store._query(
+            "SELECT DISTINCT version FROM weight_holds WHERE adapter_key = ? AND (holder != ? OR created_s >= ?)",
+            (adapter_key, HANDED_OUT, handed_out_since),
+        )
         return {int(r[0]) for r in rows}
+
+    def handed_out(self, tenant: str, adapter_key: str, version: int) -> None:
+        """The tenant's version was handed out for sampling now (again: its window starts again)."""
+        self.hold(tenant, HANDED_OUT, adapter_key, version)
+
+    def forget_handouts(self, adapter_key: str, before_s: float) -> None:
+        """Drop the adapter's hand-outs older than ``before_s`` (a Unix time): their window has passed."""
+        with self.store._tx() as db:
+            db.execute(
+                "DELETE FROM weight_holds WHERE adapter_key = ? AND holder = ? AND created_s < ?",
+                (adapter_key, HANDED_OUT, before_s),
+            )
 
     def count(self, tenant: str, holder: str) -> int:
         rows = self.store._query("SELECT COUNT(*) FROM weight_holds WHERE tenant = ? AND holder = ?", (tenant, holder))
         return int(rows[0][0])
 
 
-__all__ = ["WeightHolds"]
+__all__ = ["HANDED_OUT", "WeightHolds"]

@@ -418,7 +418,7 @@ class SchedulerService:
         if name:
             self.store.add_checkpoint(row.job_id, name, a.export_dir, a.version, expiry(msg.ttl_s))
             self._named(row, name, a.version)
-        self.weights.used(a.adapter_key, a.version)  # handed out: kept sampler_keep_s past keep_checkpoints
+        self.weights.handed_out(row.tenant, a.adapter_key, a.version)  # kept sampler_keep_s past keep_checkpoints
         return r.SaveWeightsReply(str(ModelPath(row.job_id, row.agent, a.version)), a.version)
 
     def _named(self, row: JobRow, name: str, version: int) -> None:

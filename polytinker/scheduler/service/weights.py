@@ -51,8 +51,8 @@ class WeightsCatalog:
         self.keep_checkpoints, self.sampler_keep_s = config.keep_checkpoints, config.sampler_keep_s
         self.max_held_versions = config.max_held_versions
         self.holds = WeightHolds(store)
-        # When each (adapter, version) was last handed out or sampled (monotonic s), in this
-        # process: a restarted scheduler keeps what is held, and counts the window from use again.
+        # When each (adapter, version) was last sampled (monotonic s), in this process: a restarted
+        # scheduler counts the window from the version's hand-out (kept in the holds table) only.
         self._used: dict[str, dict[int, float]] = {}  # adapter key -> version -> time
         self._used_lock = threading.Lock()  # handler threads sample while another prunes
 
@@ -64,8 +64,13 @@ class WeightsCatalog:
         adapter, kind, stored_version, name = parse_relative(text)
         return WeightsRef(adapter, version if stored_version is None else stored_version, kind, name)
 
+    def handed_out(self, tenant: str, adapter_key: str, version: int) -> None:
+        """A version was handed out for sampling (save_weights): its export stays ``sampler_keep_s``
+        from now, also across a restart of the scheduler (``WeightHolds.handed_out``)."""
+        self.holds.handed_out(tenant, adapter_key, version)
+
     def used(self, adapter_key: str, version: int) -> None:
-        """A version was handed out for sampling or sampled: its export stays ``sampler_keep_s``."""
+        """A version was sampled: its export stays ``sampler_keep_s`` (counted in this process)."""
         with self._used_lock:
             self._used.setdefault(adapter_key, {})[version] = time.monotonic()
 
@@ -94,6 +99,8 @@ class WeightsCatalog:
         """The adapter's versions older than ``below`` that a client holds, or that were handed out
         or sampled within ``sampler_keep_s`` (older uses are forgotten here)."""
         cutoff = time.monotonic() - self.sampler_keep_s
+        handed_since = time.time() - self.sampler_keep_s
+        self.holds.forget_handouts(adapter_key, handed_since)
         with self._used_lock:
             uses = self._used.get(adapter_key, {})
             for v in [v for v, t in uses.items() if t < cutoff]:
@@ -101,7 +108,7 @@ class WeightsCatalog:
             recent = {v for v in uses if v < below}
             if not uses:
                 self._used.pop(adapter_key, None)
-        return recent | {v for v in self.holds.held(adapter_key) if v < below}
+        return recent | {v for v in self.holds.held(adapter_key, handed_since) if v < below}
 
     def hold(self, tenant: str, holder: str, path: str) -> tuple[str, int]:
         """The tenant's ``holder`` holds the version at model path ``path`` (one it may read):
