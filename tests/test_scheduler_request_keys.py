@@ -5,17 +5,21 @@ committing the job and before answering."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from polytinker.client import ServiceClient
 from polytinker.errors import ConfigError, RequestKeyReused
+from polytinker.scheduler.http.app import Gateway
 from polytinker.scheduler.http.errors import classify
 from polytinker.scheduler.http.tinker_names import run_request_key
 from polytinker.scheduler.service import RuntimeConfig, SchedulerService, TenantConfig
 from polytinker.scheduler.service import messages as m
+from polytinker.scheduler.service.http_config import HttpConfig
 from polytinker.transport import RpcServer
 
 KEY_A = "alice-key-0123456789"
@@ -112,3 +116,37 @@ def test_a_create_job_resent_across_a_scheduler_death_makes_one_job(tmp_path: Pa
     finally:
         if second is not None:
             second.stop()
+
+
+def test_a_resent_create_model_gets_its_runs_one_job(tmp_path: Path) -> None:
+    """Through the gateway: the SDK sends create_model again when it got no answer (the same
+    session, model_seq_id and body); the run's job is made once. The next model_seq_id is another
+    run, and the same one with another body is refused, naming request_key."""
+    svc = SchedulerService(_config(tmp_path / "state"), "w" * 24).start("tcp://127.0.0.1:0")
+    assert svc.server is not None
+    http = HttpConfig(address="127.0.0.1:0")
+    try:
+        with Gateway(svc.server.address, tmp_path / "gateway", http, base_models=("tiny-random",)) as gw:
+
+            def call(path: str, body: dict[str, Any]) -> dict[str, Any]:
+                headers = {"X-API-Key": KEY_A}
+                out: dict[str, Any] = httpx.post(gw.url + path, json=body, headers=headers, timeout=30).json()
+                deadline = time.monotonic() + 30
+                while "request_id" in out and out.get("type") != "create_session":
+                    out = httpx.post(gw.url + "/api/v1/retrieve_future", json=out, headers=headers, timeout=60).json()
+                    if out.get("type") != "try_again":
+                        break
+                    assert time.monotonic() < deadline, out
+                return out
+
+            session = call("/api/v1/create_session", {})["session_id"]
+            body = {"session_id": session, "model_seq_id": 0, "base_model": "tiny-random", "lora_config": {"rank": 4}}
+            first, resent = call("/api/v1/create_model", body), call("/api/v1/create_model", body)
+            assert first["model_id"] == resent["model_id"] == f"{session}:train:0"
+            assert call("/api/v1/create_model", {**body, "model_seq_id": 1})["model_id"] == f"{session}:train:1"
+            clash = call("/api/v1/create_model", {**body, "lora_config": {"rank": 8}})
+            assert clash["category"] == "user" and "request_key" in str(clash["error"]), clash
+        with ServiceClient(address=svc.server.address, api_key=KEY_A) as native:
+            assert len(native.list_jobs()) == 2  # one job per run: the resend made none
+    finally:
+        svc.stop()
