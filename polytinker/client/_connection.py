@@ -11,8 +11,10 @@ Every call goes through ``Connection.request``:
   ``reconnect_s`` from that moment, however long the call had run, when the request is safe to
   send twice (``idempotent=True``). ``forward_backward`` and ``optim_step`` are:
   each call carries a ``request_id``, the same on every resend (whose ``attempt`` counts up), and
-  the learner applies one id once; ``load_state`` is not, and raises. A ``WorkerUnavailable``
-  answer (the scheduler waited ``worker_retry_s`` for a restarting worker) is retried alike;
+  the learner applies one id once; so is ``create_job``: its ``request_key``, made once per call,
+  gets the job the first copy made (``scheduler/service/request_keys.py``); ``load_state`` is not,
+  and raises. A ``WorkerUnavailable`` answer (the scheduler waited ``worker_retry_s`` for a
+  restarting worker) is retried alike;
 - with ``check`` (the embedded runtime's ``LocalRuntime.check``), a runtime that stopped for good
   (an actor stayed down) raises its ``RuntimeDead``, which names the actor and why, instead of
   the calls retrying a scheduler that is gone;
