@@ -32,7 +32,7 @@ from polytinker.scheduler.http.seq_ids import SeqIds, body_digest
 from polytinker.scheduler.http.tinker_admin import TinkerAdmin
 from polytinker.scheduler.http.tinker_backend import Tenant, TinkerBackend
 from polytinker.scheduler.http.tinker_names import to_tinker_path
-from polytinker.scheduler.http.tinker_render import failed, fb_render, sample_render, step_metrics
+from polytinker.scheduler.http.tinker_render import failed, fb_render, sample_render
 from polytinker.scheduler.http.tinker_runs import TinkerRuns
 from polytinker.scheduler.http.wire import api_key, read_body, read_json, ttl_of
 from polytinker.scheduler.service.http_config import HttpConfig
@@ -251,7 +251,7 @@ def _add_training_routes(r: APIRouter, api: _Api) -> None:
 
         async def run() -> dict[str, Any]:
             fut = await asyncio.to_thread(api.backend.forward_backward, t, req)
-            return api.submit(t, fut, fb_render(req["datums"]), req["model_id"])
+            return api.submit(t, fut, fb_render, req["model_id"])
 
         digest = body_digest(request.url.path, body)  # a resend is answered once (seq_ids.py)
         return await api.seq_ids.once(t.owner, req["model_id"], req.get("seq_id"), digest, run)
@@ -266,7 +266,7 @@ def _add_training_routes(r: APIRouter, api: _Api) -> None:
 
     @r.post("/optim_step")
     async def optim_step(request: Request) -> dict[str, Any]:
-        render = lambda out: {"metrics": step_metrics(out.metrics)}  # noqa: E731
+        render = lambda out: {"metrics": dict(out.metrics)}  # noqa: E731  (Tinker's names already)
         return await api.call(request, api.backend.optim_step, render, checks.OPTIM_STEP)
 
 

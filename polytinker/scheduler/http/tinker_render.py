@@ -1,45 +1,24 @@
 """The answers of the Tinker API's calls that take time, as the SDK reads them: results rendered
 for the wire (``forward_backward``'s and ``sample``'s as protobuf, metrics under Tinker's names)
-and failures (``failed``: the message, and whose fault it was)."""
+and failures (``failed``: the message, and whose fault it was). Metric names are the client's
+(``polytinker.types.tinker_metrics``): nothing is renamed here."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from polytinker.engine.types import Datum
 from polytinker.scheduler.http import _proto
 from polytinker.scheduler.http.errors import classify
+from polytinker.types import ForwardBackwardOutput
 
 
-def _metrics(loss: float, metrics: dict[str, float], n_tokens: float) -> dict[str, float]:
-    """Tinker's metric names (``loss:sum``; ``name:mean`` style) from polytinker's (``loss/x``)."""
-    out = {"loss:sum": float(loss)}
-    for k, v in metrics.items():
-        if isinstance(v, int | float) and math.isfinite(float(v)):
-            out[k.replace("/", ":") if ":" in k or "/" in k else f"{k}:mean"] = float(v)
-    out.setdefault("tokens:sum", float(n_tokens))
-    return out
-
-
-def step_metrics(metrics: dict[str, float]) -> dict[str, float]:
-    return {k.replace("/", ":"): float(v) for k, v in metrics.items() if isinstance(v, int | float)}
-
-
-def fb_render(datums: list[Datum]) -> Callable[[Any], bytes]:
-    """How to render the result of a forward or forward_backward of ``datums`` (a
-    ``ForwardBackwardOutput``: the learner's loss and metrics either way)."""
-    weights = [np.asarray(d.weights_T, dtype=np.float64) for d in datums]
-
-    def render(out: Any) -> bytes:
-        n = float(sum((w != 0).sum() for w in weights))
-        outputs = [{"logprobs": np.asarray(lp, dtype=np.float32)} for lp in out.logprobs]
-        return _proto.encode_forward_backward_output(outputs, _metrics(out.loss, out.metrics, n))
-
-    return render
+def fb_render(out: ForwardBackwardOutput) -> bytes:
+    """A forward's or forward_backward's result as the SDK reads it: per-datum logprobs and the
+    metrics the client already named as Tinker does (``loss:sum``, ``tokens:sum``, ...)."""
+    outputs = [{"logprobs": np.asarray(lp, dtype=np.float32)} for lp in out.logprobs]
+    return _proto.encode_forward_backward_output(outputs, dict(out.metrics))
 
 
 def sample_render(response: Any) -> bytes:
@@ -58,4 +37,4 @@ def failed(exc: BaseException) -> dict[str, Any]:
     return {"error": message, "category": "user" if status < 500 else "server", "error_id": err["error_id"]}
 
 
-__all__ = ["failed", "fb_render", "sample_render", "step_metrics"]
+__all__ = ["failed", "fb_render", "sample_render"]
