@@ -8,7 +8,7 @@ import pytest
 from fixtures.client import KEY_ALICE, KEY_BOB, MODEL, client, data, shared_runtime
 
 from polytinker.cli import main as cli_main
-from polytinker.errors import AuthError, JobNotRunning
+from polytinker.errors import AuthError, ConfigError, JobNotRunning
 
 SEQUENCE = [5, 17, 230, 1400, 9]
 
@@ -109,3 +109,20 @@ def test_a_copy_outlives_its_source_and_holds_weights_without_training() -> None
         assert again.compute_logprobs(SEQUENCE).result()[1:] == pytest.approx(expected, abs=1e-4)
         with pytest.raises(JobNotRunning):
             bob.attach_training_client(copy_job).forward_backward(data(6), "cross_entropy").result()
+
+
+def test_a_resent_copy_is_the_first_copy_and_a_tenant_copies_its_own_runs() -> None:
+    with client(KEY_ALICE) as alice:
+        trainer = _stepped(alice, "copied", 8)  # its job carries its create call's request key
+        state = trainer.save_state("mine").result().path
+        version = trainer.save_weights_for_sampler().result().path
+        first = alice.copy_weights(state, request_key="copy-call-1").result()
+        assert alice.copy_weights(state, request_key="copy-call-1").result() == first  # a resend: no second copy
+        of_version = alice.copy_weights(version, request_key="copy-call-2").result()
+        assert alice.copy_weights(version, request_key="copy-call-2").result() == of_version
+        jobs = {j["job_id"] for j in alice.list_jobs()}
+        copies = {alice.weights_info(p).job_id for p in (first, of_version)}
+        assert copies <= jobs and len(copies) == 2 and trainer.job_id not in copies
+        assert alice.copy_weights(state).result() != first  # a new call (its own key): a new copy
+        with pytest.raises(ConfigError, match="request_key 'copy-call-1' was already used"):
+            alice.copy_weights(version, request_key="copy-call-1").result()  # the key of another copy

@@ -425,14 +425,16 @@ class ServiceClient:
         conn = self._connection()
         return conn.request("sched.weights_info", m.WeightsInfo(conn.api_key, str(path)), r.WeightsInfoReply)
 
-    def copy_weights(self, path: str, *, ttl_seconds: float | None = None) -> APIFuture[str]:
+    def copy_weights(self, path: str, *, ttl_seconds: float | None = None, request_key: str = "") -> APIFuture[str]:
         """Copy saved weights this tenant may read (its own, or published: a ``polytinker-ckpt://``
         checkpoint or a ``polytinker://`` version) into a new job of its own that holds them and
         does not train; a future for the copy's path, of the same kind. The copy outlives the
         source (its files are hard links where the filesystem allows); ``ttl_seconds`` deletes it
-        then. A copied checkpoint resumes with ``create_training_client_from_state``."""
+        then. A copied checkpoint resumes with ``create_training_client_from_state``.
+        ``request_key``: this copy's key, as ``create_lora_training_client``'s (one is made if none
+        is given): a copy made before a lost answer is not made twice."""
         conn = self._connection()
-        msg = m.CopyCheckpoint(conn.api_key, str(path), float(ttl_seconds or 0))
+        msg = m.CopyCheckpoint(conn.api_key, str(path), float(ttl_seconds or 0), request_key or uuid.uuid4().hex)
         return submit(conn.pool, lambda: conn.request("sched.copy_checkpoint", msg, r.CopyCheckpointReply).path)
 
     def audit_log(self, day: datetime.date | str | None = None, event_type: str = "all") -> r.AuditLogReply:

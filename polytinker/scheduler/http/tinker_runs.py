@@ -21,7 +21,13 @@ from polytinker.scheduler.http.downloads import SignedDownloads, age_encrypt
 from polytinker.scheduler.http.errors import HttpError
 from polytinker.scheduler.http.store import ModelRow, SavedRow
 from polytinker.scheduler.http.tinker_backend import Tenant, TinkerBackend
-from polytinker.scheduler.http.tinker_names import EXTERNAL_NAME_PREFIX, TINKER_PREFIX, external_path, to_tinker_path
+from polytinker.scheduler.http.tinker_names import (
+    EXTERNAL_NAME_PREFIX,
+    TINKER_PREFIX,
+    external_path,
+    run_request_key,
+    to_tinker_path,
+)
 from polytinker.scheduler.http.wire import iso_time, ttl_of
 
 log = logging.getLogger("polytinker.http")
@@ -216,7 +222,8 @@ class TinkerRuns:
         if session_id:
             self.backend.check_session(t, str(session_id))
         info = self.backend.source(t, path)
-        copied = t.service.copy_weights(path, ttl_seconds=ttl_of(req)).result()
+        key = run_request_key(str(session_id), req.get("model_seq_id")) if session_id else ""  # a resend: one copy
+        copied = t.service.copy_weights(path, ttl_seconds=ttl_of(req), request_key=key).result()
         checkpoint = CheckpointPath.parse(copied)
         job_id = checkpoint.job_id if checkpoint is not None else ModelPath.parse(copied).job_id
         model_id = f"{session_id}:train:{int(req.get('model_seq_id') or 0)}" if session_id else job_id

@@ -19,11 +19,13 @@ from dataclasses import replace
 from typing import Any
 
 from polytinker.errors import ConfigError
+from polytinker.model_path import CheckpointPath, ModelPath
 from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service import replies as r
 from polytinker.scheduler.service.audit import AuditLog
 from polytinker.scheduler.service.jobs import JobManager
 from polytinker.scheduler.service.layout import check_name
+from polytinker.scheduler.service.request_keys import repeated_job, request_digest
 from polytinker.scheduler.service.state import JobRow, StateStore
 from polytinker.scheduler.service.weights import WeightsCatalog, expiry
 from polytinker.scheduler.types import JobState
@@ -103,7 +105,10 @@ class CheckpointCalls:
         (finished from the start: it never takes a learner or an engine slot)."""
         tenant = self._tenant(msg.api_key)
         source, _ = self.weights.info(tenant, msg.path)
-        copy = self._copy_job(tenant, source, f"holds a copy of {msg.path}; it does not train")
+        earlier = self._copied_before(tenant, msg)
+        if earlier is not None:  # a resend of a copy that was made: its answer, not a second copy
+            return earlier
+        copy = self._copy_job(tenant, source, f"holds a copy of {msg.path}; it does not train", msg)
         try:
             path = self.weights.copy_into(tenant, msg.path, copy, expiry(msg.ttl_s))
         except BaseException:
@@ -131,9 +136,23 @@ class CheckpointCalls:
         named = [c for job in self.store.jobs(self._tenant(msg.api_key)) for c in self.store.checkpoints(job.job_id)]
         return r.StorageUsageReply(len(named), sum(self.weights.size_of(c["path"], int(c["version"])) for c in named))
 
-    def _copy_job(self, tenant: str, source: JobRow, reason: str) -> JobRow:
+    def _copied_before(self, tenant: str, msg: m.CopyCheckpoint) -> r.CopyCheckpointReply | None:
+        """The answer of the tenant's earlier copy with ``msg``'s request key, if one was made."""
+        row = repeated_job(self.store, tenant, msg)
+        if row is None:
+            return None
+        held = self.store.checkpoints(row.job_id)
+        if not held:  # the first copy ended before its weights were in: make it again
+            self.store.delete_jobs([row.job_id])
+            return None
+        if CheckpointPath.parse(msg.path) is not None:
+            return r.CopyCheckpointReply(row.job_id, str(CheckpointPath(row.job_id, held[0]["name"])))
+        return r.CopyCheckpointReply(row.job_id, str(ModelPath(row.job_id, row.agent, int(held[0]["version"]))))
+
+    def _copy_job(self, tenant: str, source: JobRow, reason: str, msg: m.CopyCheckpoint) -> JobRow:
         """A finished job of ``tenant`` shaped like ``source`` (kind, base model, agent, LoRA
-        shape), made to hold copied weights: it never runs, so nothing schedules it."""
+        shape), made to hold copied weights: it never runs, so nothing schedules it. It carries
+        the copy call's request key (never the source's: a key names the call that made a job)."""
         now = time.time()
         job_id = f"{source.kind.replace('_', '')}-{uuid.uuid4().hex[:10]}"
         row = replace(
@@ -145,6 +164,8 @@ class CheckpointCalls:
             reason=reason,
             created_s=now,
             updated_s=now,
+            request_key=msg.request_key,
+            request_digest=request_digest(msg) if msg.request_key else "",
         )
         self.store.insert_job(row)
         return row

@@ -326,10 +326,12 @@ class CopyCheckpoint:
     api_key: str
     path: str
     ttl_s: float = 0.0
+    request_key: str = ""  # as CreateJob's: a resend gets the first copy (request_keys.py)
 
     def __post_init__(self) -> None:
         need(self.path.startswith((MODEL_PREFIX, CKPT_PREFIX)), f"path must be {MODEL_PREFIX}... or {CKPT_PREFIX}...")
         check_ttl(self.ttl_s)
+        request_id_ok(self.request_key, 0, "request_key")
 
 
 @message("sched.weights_info")

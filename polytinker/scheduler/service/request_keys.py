@@ -1,4 +1,5 @@
-"""A resent ``create_job`` is answered with the job its first copy made, not with a second job.
+"""A resent ``create_job`` (or ``copy_checkpoint``, which makes a job too) is answered with the
+job its first copy made, not with a second job.
 
 The client resends ``create_job`` when the scheduler restarts mid-call (``Connection.request``):
 a scheduler killed after it committed the job and before its answer went out would otherwise
@@ -24,20 +25,20 @@ import hashlib
 import json
 
 from polytinker.errors import RequestKeyReused
-from polytinker.scheduler.service.messages import CreateJob
+from polytinker.scheduler.service.messages import CopyCheckpoint, CreateJob
 from polytinker.scheduler.service.state import JobRow, StateStore
 
 _NOT_FIELDS = ("api_key", "request_key")  # what the digest leaves out: who asks, and the key itself
 
 
-def request_digest(msg: CreateJob) -> str:
+def request_digest(msg: CreateJob | CopyCheckpoint) -> str:
     """A digest of what the call asks for (every field but the key and the API key)."""
     fields = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg) if f.name not in _NOT_FIELDS}
     raw = json.dumps(fields, sort_keys=True, default=str).encode()
     return hashlib.blake2b(raw, digest_size=16).hexdigest()
 
 
-def repeated_job(store: StateStore, tenant: str, msg: CreateJob) -> JobRow | None:
+def repeated_job(store: StateStore, tenant: str, msg: CreateJob | CopyCheckpoint) -> JobRow | None:
     """The job the tenant's earlier call with ``msg.request_key`` made (None: no such call, or no
     key); ``RequestKeyReused`` when that call asked for something else."""
     if not msg.request_key:
@@ -48,7 +49,7 @@ def repeated_job(store: StateStore, tenant: str, msg: CreateJob) -> JobRow | Non
     if row.request_digest != request_digest(msg):
         raise RequestKeyReused(
             f"request_key {msg.request_key!r} was already used for job {row.job_id} with other fields: a resent "
-            "create_job carries its own key with the same fields, a new one a new key"
+            "call carries its own key with the same fields, a new one a new key"
         )
     return row
 
