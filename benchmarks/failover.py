@@ -42,9 +42,9 @@ from datetime import datetime
 from polytinker.actors import read_log
 from polytinker.client import ServiceClient
 from polytinker.engine.types import SamplingParams
+from polytinker.engine.worker.auth import launcher_credential
 from polytinker.scheduler.service import EngineWorkerConfig, LocalRuntime, RuntimeConfig, TenantConfig
 from polytinker.scheduler.service.config import HttpConfig
-from polytinker.scheduler.service.worker_auth import launcher_credential
 from polytinker.scheduler.service.worker_messages import WorkersQuery
 from polytinker.transport import RpcClient
 

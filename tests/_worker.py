@@ -18,9 +18,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from polytinker.actors import Actor, ActorConfig, spawn
+from polytinker.engine.worker.auth import scheduler_client_keypair
 from polytinker.scheduler.service import worker_messages as wm
 from polytinker.scheduler.service.config import EngineWorkerConfig, LearnerWorkerConfig, RuntimeConfig
-from polytinker.scheduler.service.worker_auth import scheduler_client_keypair
 from polytinker.scheduler.service.workers import EngineActor, LearnerActor
 from polytinker.transport import ClientCurve, RpcClient, RpcServer, TransportConfig
 

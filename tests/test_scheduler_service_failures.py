@@ -14,7 +14,7 @@ from fixtures.client import KEY_ALICE, KEY_BOB, MODEL, client, data, shared_runt
 from polytinker.actors import ActorRef
 from polytinker.engine.learner.config import AdamParams
 from polytinker.engine.types import SamplingParams
-from polytinker.scheduler.service.worker_auth import launcher_credential
+from polytinker.engine.worker.auth import launcher_credential
 from polytinker.scheduler.service.worker_messages import WorkersQuery
 from polytinker.transport import RpcClient
 

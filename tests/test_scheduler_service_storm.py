@@ -10,7 +10,7 @@ from fixtures.client import KEY_ALICE, MODEL, client, data, shared_runtime
 from storm import storm
 
 from polytinker.engine.types import SamplingParams
-from polytinker.scheduler.service.worker_auth import launcher_credential, scheduler_client_keypair, worker_keypair
+from polytinker.engine.worker.auth import launcher_credential, scheduler_client_keypair, worker_keypair
 from polytinker.scheduler.service.worker_messages import WorkersQuery
 from polytinker.transport import ClientCurve, RpcClient
 

@@ -30,9 +30,9 @@ from typing import Any
 
 from polytinker.engine.inference.full_weights import FullWeightEngines
 from polytinker.engine.types import MAX_SAMPLES, SamplingParams
+from polytinker.engine.worker.layout import under
 from polytinker.errors import ConfigError, NotResident
 from polytinker.scheduler.service.config import EngineWorkerConfig
-from polytinker.scheduler.service.layout import under
 from polytinker.scheduler.service.replies import LogprobsReply, SampleReply, SequenceReply
 from polytinker.scheduler.service.worker_messages import (
     EngineHasWeights,

@@ -49,9 +49,9 @@ from typing import Any
 
 from polytinker.engine.device import resolve_device, resolve_dtype
 from polytinker.engine.learner.checks import NonFinite
+from polytinker.engine.worker.layout import under
 from polytinker.errors import ConfigError, GradientLost, NotResident
 from polytinker.scheduler.service.config import LearnerWorkerConfig
-from polytinker.scheduler.service.layout import under
 from polytinker.scheduler.service.replies import (
     AdapterTensors,
     ExportedWeights,

@@ -31,6 +31,7 @@ from polytinker.client.sampling_client import SamplingClient
 from polytinker.client.service_client import ServiceClient
 from polytinker.client.training_client import TrainingClient
 from polytinker.engine.types import ATTN_MODULES, DEFAULT_TARGET_MODULES, MLP_MODULES, UNEMBED_MODULE, Datum
+from polytinker.engine.worker.layout import check_name
 from polytinker.errors import AuthError, ConfigError, NotBuiltError
 from polytinker.model_path import TINKER_PREFIX, from_tinker
 from polytinker.scheduler.http.checks import check_tokens, served_base_model, vocab_size
@@ -49,7 +50,6 @@ from polytinker.scheduler.http.tinker_names import (
     to_tinker_path,
 )
 from polytinker.scheduler.http.wire import prompt_ints, ttl_of
-from polytinker.scheduler.service.layout import check_name
 from polytinker.scheduler.service.replies import WeightsInfoReply
 from polytinker.transport import ClientCurve
 from polytinker.types import SamplingParams as TinkerSamplingParams

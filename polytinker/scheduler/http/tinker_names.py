@@ -8,9 +8,9 @@ from __future__ import annotations
 import hashlib
 import uuid
 
+from polytinker.engine.worker.layout import check_name
 from polytinker.errors import ConfigError
 from polytinker.model_path import MODEL_PREFIX, SAMPLER_NAME_PREFIX, TINKER_PREFIX, CheckpointPath, ModelPath
-from polytinker.scheduler.service.layout import check_name
 
 SAMPLER_WEIGHTS = "sampler_weights"  # the middle part of a sampler path
 EXTERNAL_NAME_PREFIX = "external."  # a save_weights_external(NAME) is the job's sampler save external.NAME

@@ -43,6 +43,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from polytinker.engine.types import ModelLimits
+from polytinker.engine.worker.auth import (
+    launcher_credential,
+    register_proof,
+    same,
+    scheduler_client_keypair,
+)
 from polytinker.errors import (
     AuthError,
     ConfigError,
@@ -57,12 +63,6 @@ from polytinker.scheduler.placement import next_learner_job
 from polytinker.scheduler.service.config import RuntimeConfig
 from polytinker.scheduler.service.fb_batcher import FbBatcher, Prepare, Send
 from polytinker.scheduler.service.replies import ActorsNoted, Registered, WorkersReply
-from polytinker.scheduler.service.worker_auth import (
-    launcher_credential,
-    register_proof,
-    same,
-    scheduler_client_keypair,
-)
 from polytinker.scheduler.service.worker_messages import ActorsReport, ActorState, Register, WorkersQuery
 from polytinker.transport import ClientCurve, RpcClient, TransportConfig
 from polytinker.transport.direct import Link

@@ -18,13 +18,13 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from polytinker.engine.worker.layout import check_name
 from polytinker.errors import ConfigError
 from polytinker.model_path import CheckpointPath, ModelPath
 from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service import replies as r
 from polytinker.scheduler.service.audit import AuditLog
 from polytinker.scheduler.service.jobs import JobManager
-from polytinker.scheduler.service.layout import check_name
 from polytinker.scheduler.service.request_keys import repeated_job, request_digest
 from polytinker.scheduler.service.state import JobRow, StateStore
 from polytinker.scheduler.service.weights import WeightsCatalog, expiry

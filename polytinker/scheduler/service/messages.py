@@ -33,9 +33,9 @@ from polytinker.engine.types import (
     check_loss_config,
     check_token_ids,
 )
+from polytinker.engine.worker.layout import check_name
 from polytinker.errors import ConfigError
 from polytinker.model_path import CKPT_PREFIX, MODEL_PREFIX
-from polytinker.scheduler.service.layout import check_name
 from polytinker.scheduler.types import JobKind
 from polytinker.transport.messages import message, register_message
 

@@ -35,6 +35,7 @@ from collections import Counter
 from typing import Any
 
 from polytinker.actors import Actor
+from polytinker.engine.worker.layout import check_name
 from polytinker.errors import (
     ConfigError,
     GradientLost,
@@ -51,7 +52,6 @@ from polytinker.scheduler.service.broker import Broker, WorkerHandle
 from polytinker.scheduler.service.checkpoints import CheckpointCalls
 from polytinker.scheduler.service.config import RuntimeConfig
 from polytinker.scheduler.service.jobs import FINAL_STATES, LIVE_STATES, JobManager, adapter_key
-from polytinker.scheduler.service.layout import check_name
 from polytinker.scheduler.service.load import Admission
 from polytinker.scheduler.service.state import HISTORY_RETENTION_S, AdapterRow, JobRow, StateStore
 from polytinker.scheduler.service.tenants import Tenants

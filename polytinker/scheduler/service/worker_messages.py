@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from polytinker.engine.types import Datum, SamplingParams
-from polytinker.scheduler.service.layout import KINDS, check_adapter_key, check_name, relative_path
+from polytinker.engine.worker.layout import KINDS, check_adapter_key, check_name, relative_path
 from polytinker.scheduler.service.messages import check_top_k, need
 from polytinker.scheduler.service.replies import AdapterTensors
 from polytinker.transport.messages import message

@@ -25,9 +25,9 @@ from typing import Any
 
 from polytinker.actors import Actor
 from polytinker.engine.models import model_limits
+from polytinker.engine.worker.auth import register_proof, worker_server_curve
 from polytinker.errors import ConfigError
 from polytinker.scheduler.service.config import RuntimeConfig
-from polytinker.scheduler.service.worker_auth import register_proof, worker_server_curve
 from polytinker.scheduler.service.worker_messages import Register
 from polytinker.transport import ClientCurve, RpcClient, RpcServer, TransportConfig
 
