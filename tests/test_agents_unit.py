@@ -280,6 +280,26 @@ def test_run_state_round_trips(tmp_path):
         RunState.load(tmp_path / "other")
 
 
+def test_a_fresh_runs_runtime_directory_is_private_from_the_start(tmp_path, caplog):
+    import logging
+    import os
+    import stat
+
+    from polytinker.agents.checkpoint import tenant_key
+    from polytinker.scheduler.service.home import private_state_dir
+
+    old_umask = os.umask(0o022)  # the usual umask, under which a plain mkdir makes 0755
+    try:
+        runtime_dir = tmp_path / "runs" / "fresh" / "runtime"
+        assert tenant_key(runtime_dir) == tenant_key(runtime_dir)  # made once, read back after
+    finally:
+        os.umask(old_umask)
+    assert stat.S_IMODE(runtime_dir.stat().st_mode) == 0o700
+    with caplog.at_level(logging.WARNING):
+        private_state_dir(runtime_dir)  # what the runtime does with it when it starts
+    assert "had mode" not in caplog.text
+
+
 def test_sampled_turns_reach_the_training_samples_typed(tokenizer):
     import asyncio
 

@@ -52,7 +52,9 @@ def tenant_key(runtime_dir: Path) -> str:
     path = runtime_dir / "tenant.key"
     if path.exists():
         return path.read_text().strip()
-    runtime_dir.mkdir(parents=True, exist_ok=True)
+    # 0700 from the start: the runtime keeps its state here and would warn about (and tighten) a
+    # directory that other users can read, which a fresh run must not see about its own directory.
+    runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     key = secrets.token_urlsafe(32)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
