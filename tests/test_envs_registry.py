@@ -116,6 +116,17 @@ def test_adapter_on_a_small_discrete_env_with_the_mask_in_info():
         PettingZooTextEnv(CountdownAEC(), action_names=["one"])
 
 
+def test_adapter_refuses_at_construction_a_game_without_an_action_mask():
+    # rock-paper-scissors: Discrete actions, but no mask in its observation or its info.
+    with pytest.raises(ConfigError) as refused:
+        PettingZooTextEnv("pettingzoo.classic.rps_v2")
+    message = str(refused.value)
+    assert "rps_v2 cannot be adapted" in message and "'action_mask' over its 3 actions" in message
+    assert "TextAECEnv" in message and "legal_moves" in message  # what to do instead
+    # The classic games that have one still adapt, the mask read from the space or from a reset.
+    assert PettingZooTextEnv("pettingzoo.classic.connect_four_v3").num_actions == 7
+
+
 def test_cli_list_and_check(capsys):
     assert cli.main(["env", "list"]) == 0
     out = capsys.readouterr().out

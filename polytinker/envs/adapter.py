@@ -7,7 +7,8 @@ Moves are the action numbers (``"0"``..``"n-1"``), or the names given in ``actio
 Board observations of shape (H, W, 2) (own pieces, opponent's pieces, as in the classic games)
 render as a grid; anything else renders as the array's text. ``describe`` adds game rules to
 the instructions; ``render`` replaces the renderer. An inner truncation ends the episode as a
-termination (text envs end all agents together).
+termination (text envs end all agents together). An env without an action mask is refused when
+the adapter is made (``ConfigError``): its legal moves cannot be read.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
+from gymnasium import spaces
 from pettingzoo import AECEnv
 
 from polytinker.envs.base import TextAECEnv
@@ -102,12 +104,36 @@ class PettingZooTextEnv(TextAECEnv):
         if action_names is not None and len(action_names) != self.num_actions:
             raise ConfigError(f"action_names has {len(action_names)} names for {self.num_actions} actions")
         self.action_names = [str(x) for x in (action_names or range(self.num_actions))]
+        self._require_mask()
         # Per instance: the name follows the wrapped game (metadata is a class attribute elsewhere).
         name = f"text_{self.inner.metadata.get('name', 'pettingzoo')}"
         object.__setattr__(self, "metadata", {**type(self).metadata, "name": name})
         self.describe = describe
         self.renderer = render or render_board
         super().__init__(config, render_mode)
+
+    def _require_mask(self) -> None:
+        """Refuse now an env whose legal moves cannot be read, rather than abort every episode
+        later: a Dict observation space with ``action_mask`` says so without a reset; otherwise one
+        reset shows whether the first mover's observation or info carries one."""
+        space = self.inner.observation_space(self.possible_agents[0])
+        if isinstance(space, spaces.Dict) and "action_mask" in space.spaces:
+            return
+        self.inner.reset(seed=0)  # _new_game resets it again, with a seed drawn from ours
+        first = self.inner.agent_selection
+        observation = self.inner.observe(first)
+        if (isinstance(observation, dict) and "action_mask" in observation) or "action_mask" in (
+            self.inner.infos.get(first) or {}
+        ):
+            return
+        name = self.inner.metadata.get("name", type(self.inner).__name__)
+        raise ConfigError(
+            f"{name} cannot be adapted to text: PettingZooTextEnv reads each turn's legal moves from an action "
+            f"mask, and {name} has none (observe(agent) is not a dict with 'action_mask' and infos[agent] has no "
+            f"'action_mask' after reset). Give the env a 0/1 'action_mask' over its {self.num_actions} actions, in "
+            "the observation dict or the info as pettingzoo.classic's board games do, or write it as a TextAECEnv "
+            "whose legal_moves(agent) lists the moves (docs/envs.md, Writing a game)"
+        )
 
     def instructions(self, agent: AgentID) -> str:
         name = self.inner.metadata.get("name", "a PettingZoo game")
