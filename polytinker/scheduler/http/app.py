@@ -142,6 +142,7 @@ class Gateway:
         self._server.should_exit = True
         self._thread.join(timeout=10)
         self._sock.close()
+        self._futures.close()  # the request journal's last writes, before its store closes
         self.backend.close()
 
     def __enter__(self) -> Gateway:

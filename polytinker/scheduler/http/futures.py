@@ -6,20 +6,29 @@ then polls ``retrieve_future`` with it. ``FutureTable`` keeps, per tenant, the r
 was read, or ``ttl_s`` after it finished; a tenant can hold at most ``max_per_tenant``. A
 ``journal`` (the gateway's store) keeps each id from filing to dropping, so that a gateway started
 again knows the calls its predecessor never answered (``GatewayStore.lost_request``).
+
+The journal is written by a thread of its own (``JournalWriter``), never on the event loop: a
+commit waits for the disk (milliseconds, tens of them while other processes write), and the loop
+that waited would hold up every tenant's requests, a small sample's among them, behind it. What
+queues up during one commit goes into the next, as one transaction. ``put`` still answers an id
+only once it is written, so no client holds an id a restarted gateway would not know.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from polytinker.errors import OverloadedError
+from polytinker.errors import OverloadedError, TransportError
+
+log = logging.getLogger("polytinker.http")
 
 
 @dataclass
@@ -35,15 +44,91 @@ class Pending:
 
 
 class RequestJournal(Protocol):
-    def add_request(self, request_id: str, owner: str, kind: str) -> None: ...
-    def drop_request(self, request_id: str) -> None: ...
+    def journal_requests(self, filed: list[tuple[str, str, str]], read: list[str]) -> None: ...
+
+
+class JournalWriter:
+    """Writes a ``RequestJournal`` on its own thread, in order, each batch in one transaction.
+
+    ``file`` queues an id's row and returns a future that resolves once it is written; ``read``
+    queues its deletion (nobody waits for that: an id left over only reads as lost to a restarted
+    gateway that nobody asks about it). An id read before its row was written is never written.
+    """
+
+    def __init__(self, journal: RequestJournal) -> None:
+        self._journal = journal
+        self._cv = threading.Condition()
+        self._filed: dict[str, tuple[str, str, Future[None]]] = {}  # request id -> (owner, kind, written)
+        self._read: list[str] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="polytinker-http-journal", daemon=True)
+        self._thread.start()
+
+    def file(self, request_id: str, owner: str, kind: str) -> Future[None]:
+        written: Future[None] = Future()
+        with self._cv:
+            if self._closed:  # the gateway stops: its store is about to close
+                written.set_exception(TransportError("the gateway is stopping: send the call again"))
+                return written
+            self._filed[request_id] = (owner, kind, written)
+            self._cv.notify()
+        return written
+
+    def read(self, request_id: str) -> None:
+        with self._cv:
+            if self._closed:
+                return
+            unwritten = self._filed.pop(request_id, None)
+            if unwritten is None:
+                self._read.append(request_id)
+                self._cv.notify()
+        if unwritten is not None:
+            _settle(unwritten[2], None)  # nothing left to remember, nothing to wait for
+
+    def close(self) -> None:
+        """Write what is queued, then stop (before the journal's store closes)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(10.0)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._filed or self._read or self._closed):
+                    self._cv.wait()
+                filed, read, self._filed, self._read = self._filed, self._read, {}, []
+                last = self._closed
+            error: BaseException | None = None
+            try:
+                if filed or read:
+                    self._journal.journal_requests([(r, o, k) for r, (o, k, _) in filed.items()], read)
+            except Exception as exc:  # the callers waiting for it fail instead; the thread writes on
+                log.error("the request journal could not be written: %r", exc)
+                error = exc
+            for _, _, written in filed.values():
+                _settle(written, error)
+            if last:
+                return
+
+
+def _settle(written: Future[None], error: BaseException | None) -> None:
+    """Resolve ``written`` unless its waiter gave up (a cancelled request cancels it)."""
+    try:
+        if error is None:
+            written.set_result(None)
+        else:
+            written.set_exception(error)
+    except InvalidStateError:
+        pass
 
 
 class FutureTable:
     def __init__(
         self, *, ttl_s: float = 3600.0, max_per_tenant: int = 10_000, journal: RequestJournal | None = None
     ) -> None:
-        self.ttl_s, self.max_per_tenant, self.journal = ttl_s, max_per_tenant, journal
+        self.ttl_s, self.max_per_tenant = ttl_s, max_per_tenant
+        self._writer = JournalWriter(journal) if journal is not None else None
         # Set when the gateway stops: no result is answered from then on (a call cut off by the
         # stop would read as failed), so its id stays in the journal as lost.
         self.closing = threading.Event()
@@ -51,7 +136,7 @@ class FutureTable:
         self._per_owner: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def put(
+    async def put(
         self,
         owner: str,
         future: Future[Any],
@@ -59,9 +144,9 @@ class FutureTable:
         kind: str = "train",
         model_id: str | None = None,
     ) -> str:
-        """A new request id for ``future`` of tenant ``owner``; ``kind`` ("sample" or "train") says
-        what a restarted gateway does with it if it is lost (a sample is sent again); ``model_id``:
-        the training run it is a call of, if any."""
+        """A new request id for ``future`` of tenant ``owner``, once the journal holds it; ``kind``
+        ("sample" or "train") says what a restarted gateway does with it if it is lost (a sample
+        is sent again); ``model_id``: the training run it is a call of, if any."""
         self._expire()
         with self._lock:
             if self._per_owner.get(owner, 0) >= self.max_per_tenant:
@@ -70,13 +155,17 @@ class FutureTable:
             entry = Pending(owner, future, render, model_id=model_id)
             self._entries[request_id] = entry
             self._per_owner[owner] = self._per_owner.get(owner, 0) + 1
-        if self.journal is not None:
-            self.journal.add_request(request_id, owner, kind)
 
         def finished(_: Future[Any]) -> None:
             entry.done_s = time.monotonic()
 
         future.add_done_callback(finished)
+        if self._writer is not None:
+            try:
+                await asyncio.wrap_future(self._writer.file(request_id, owner, kind))
+            except BaseException:
+                self.drop(request_id)  # never answered: nobody will read it
+                raise
         return request_id
 
     def get(self, owner: str, request_id: str) -> Pending | None:
@@ -102,8 +191,8 @@ class FutureTable:
             entry = self._entries.pop(request_id, None)
             if entry is not None:
                 self._per_owner[entry.owner] -= 1
-        if entry is not None and self.journal is not None:
-            self.journal.drop_request(request_id)
+        if entry is not None and self._writer is not None:
+            self._writer.read(request_id)
 
     def cancel(self, owner: str, request_id: str) -> bool:
         entry = self.get(owner, request_id)
@@ -120,9 +209,14 @@ class FutureTable:
         for k in stale:
             self.drop(k)
 
+    def close(self) -> None:
+        """Write the journal's queued ids and stop its thread (before its store closes)."""
+        if self._writer is not None:
+            self._writer.close()
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._entries)
 
 
-__all__ = ["FutureTable", "Pending", "RequestJournal"]
+__all__ = ["FutureTable", "JournalWriter", "Pending", "RequestJournal"]

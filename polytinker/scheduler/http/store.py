@@ -93,13 +93,19 @@ class GatewayStore:
     # --- request ids -------------------------------------------------------------------------------
     # A request id is written when a call is filed and deleted when its result is read (or dropped),
     # so the ids left in the table at a gateway's start are the calls an earlier process lost.
-    def add_request(self, request_id: str, owner: str, kind: str) -> None:
+    def journal_requests(self, filed: list[tuple[str, str, str]], read: list[str]) -> None:
+        """One transaction (one wait for the disk, however many ids): the ``filed`` calls'
+        ``(request_id, owner, kind)`` added, the ``read`` ones' ids deleted."""
+        now = time.time()
         with self._lock:
-            self._db.execute("INSERT INTO requests VALUES (?, ?, ?, ?)", (request_id, owner, kind, time.time()))
-
-    def drop_request(self, request_id: str) -> None:
-        with self._lock:
-            self._db.execute("DELETE FROM requests WHERE request_id = ?", (request_id,))
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.executemany("INSERT INTO requests VALUES (?, ?, ?, ?)", [(*f, now) for f in filed])
+                self._db.executemany("DELETE FROM requests WHERE request_id = ?", [(r,) for r in read])
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
 
     def lost_request(self, owner: str, request_id: str) -> str | None:
         """The kind of a call of ``owner``'s that an earlier gateway process filed and never

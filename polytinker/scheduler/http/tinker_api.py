@@ -31,7 +31,7 @@ from polytinker.scheduler.http.limits import InFlight
 from polytinker.scheduler.http.seq_ids import SeqIds, body_digest
 from polytinker.scheduler.http.tinker_admin import TinkerAdmin
 from polytinker.scheduler.http.tinker_backend import Tenant, TinkerBackend
-from polytinker.scheduler.http.tinker_names import to_tinker_path
+from polytinker.scheduler.http.tinker_names import owner_of, to_tinker_path
 from polytinker.scheduler.http.tinker_render import failed, fb_render, sample_render
 from polytinker.scheduler.http.tinker_runs import TinkerRuns
 from polytinker.scheduler.http.wire import api_key, read_body, read_json, ttl_of
@@ -78,8 +78,9 @@ class _Api:
         return self.backend.tenant(api_key(request))
 
     async def tenant_of(self, request: Request) -> Tenant:
-        # The first request of a key asks the scheduler: never on the event loop.
-        return await asyncio.to_thread(self.tenant, request)
+        # A known key from memory (a thread waits behind blocking calls); a new one asks the scheduler, off the loop.
+        known = self.backend.known_tenant(owner_of(api_key(request)))
+        return known if known is not None else await asyncio.to_thread(self.tenant, request)
 
     async def json(self, request: Request, spec: Spec) -> dict[str, Any]:
         """The body as a JSON object whose fields ``spec`` names passed their checks (checks.py)."""
@@ -98,12 +99,12 @@ class _Api:
         body = await self.json(request, spec)
 
         async def run() -> dict[str, Any]:
-            return self.submit(t, await asyncio.to_thread(op, t, body), render, body.get("model_id"))
+            return await self.submit(t, await asyncio.to_thread(op, t, body), render, body.get("model_id"))
 
         digest = body_digest(request.url.path, body)
         return await self.seq_ids.once(t.owner, body.get("model_id"), body.get("seq_id"), digest, run)
 
-    def submit(
+    async def submit(
         self,
         t: Tenant,
         fut: Future[Any],
@@ -112,7 +113,7 @@ class _Api:
         kind: str = "train",
     ) -> dict[str, Any]:
         """Answer a call that takes time: its request id (the SDK polls ``retrieve_future`` with it)."""
-        out: dict[str, Any] = {"request_id": self.futures.put(t.owner, fut, render, kind, model_id)}
+        out: dict[str, Any] = {"request_id": await self.futures.put(t.owner, fut, render, kind, model_id)}
         if model_id is not None:
             out["model_id"] = model_id
         return out
@@ -212,7 +213,7 @@ def _add_model_routes(r: APIRouter, api: _Api) -> None:
     async def create_model(request: Request) -> dict[str, Any]:
         t = await api.tenant_of(request)
         body = await api.json(request, checks.CREATE_MODEL)
-        return api.submit(t, await asyncio.to_thread(api.backend.create_model, t, body), lambda out: out)
+        return await api.submit(t, await asyncio.to_thread(api.backend.create_model, t, body), lambda out: out)
 
     @r.post("/get_info")
     async def get_info(request: Request) -> dict[str, Any]:
@@ -232,7 +233,7 @@ def _add_model_routes(r: APIRouter, api: _Api) -> None:
             fut.set_result({"type": "unload_model", "model_id": model_id})
         except Exception as exc:
             fut.set_exception(exc)
-        return api.submit(t, fut, lambda out: out, model_id)
+        return await api.submit(t, fut, lambda out: out, model_id)
 
 
 def _add_training_routes(r: APIRouter, api: _Api) -> None:
@@ -251,7 +252,7 @@ def _add_training_routes(r: APIRouter, api: _Api) -> None:
 
         async def run() -> dict[str, Any]:
             fut = await asyncio.to_thread(api.backend.forward_backward, t, req)
-            return api.submit(t, fut, fb_render, req["model_id"])
+            return await api.submit(t, fut, fb_render, req["model_id"])
 
         digest = body_digest(request.url.path, body)  # a resend is answered once (seq_ids.py)
         return await api.seq_ids.once(t.owner, req["model_id"], req.get("seq_id"), digest, run)
@@ -417,7 +418,7 @@ def _add_sampling_routes(r: APIRouter, api: _Api) -> None:
     async def asample(request: Request) -> dict[str, Any]:
         t = await api.tenant_of(request)
         body = await api.json(request, checks.ASAMPLE)  # num_samples among the rest: bounded before use
-        out = api.submit(t, await asyncio.to_thread(api.backend.sample, t, body), sample_render, kind="sample")
+        out = await api.submit(t, await asyncio.to_thread(api.backend.sample, t, body), sample_render, kind="sample")
         # Each sequence's id, in the response's order (the SDK names its SampledSequences by them).
         out["sample_sequence_ids"] = [f"{out['request_id']}-{i}" for i in range(body.get("num_samples") or 1)]
         return out

@@ -481,7 +481,9 @@ class TinkerBackend:
         sc = self.sampling_client(t, req, in_vocabulary)
         num, top_k = req.get("num_samples") or 1, req.get("topk_prompt_logprobs") or 0
         want_prompt = bool(req.get("prompt_logprobs"))
-        return self._pool.submit(lambda: sc.sample(tokens, num, params, want_prompt, top_k).result())
+        # One client call, answered by its own future: a pool thread held for the whole of each
+        # sample would let one tenant's samples in flight hold up every other tenant's.
+        return sc.sample(tokens, num, params, want_prompt, top_k)
 
 
 def _str_dict(d: Any) -> dict[str, str]:
