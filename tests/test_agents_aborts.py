@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from typing import Any, ClassVar
 
 import pytest
@@ -17,7 +18,8 @@ from polytinker.agents.loop import Learners, Trainer
 from polytinker.agents.mapping import PolicyMapping
 from polytinker.agents.rollout import Players
 from polytinker.agents.spec import AgentSpec
-from polytinker.envs import EnvConfig, RandomPolicy, TextAECEnv
+from polytinker.envs import EnvConfig, EnvServer, RandomPolicy, TextAECEnv, register
+from polytinker.envs.registry import unregister
 from polytinker.envs.types import AgentID, EpisodeResult
 from polytinker.errors import ConfigError, EnvError
 
@@ -66,6 +68,13 @@ class AlwaysBreaks(OddSeedsBreak):
     always = True
 
 
+class BreaksTheSameWay(OddSeedsBreak):
+    """Every episode raises the same error, whatever its seed."""
+
+    def reset(self, seed: int | None = None, options: dict | None = None) -> None:
+        raise RuntimeError("no board")
+
+
 class Hooks:
     """What the Trainer reports to (the Experiment's part): here it keeps the transcripts."""
 
@@ -85,12 +94,12 @@ class Hooks:
         pass
 
 
-def trainer(env_class: type, max_share: float = 0.5) -> Trainer:
+def trainer(env_class: type, max_share: float = 0.5, env: EnvSetup | None = None, groups: int = 4) -> Trainer:
     config = ExperimentConfig(
         name="aborts",
-        env=EnvSetup(id=f"{__name__}:{env_class.__name__}"),
+        env=env or EnvSetup(id=f"{__name__}:{env_class.__name__}"),
         agents=(AgentSpec("alice"),),
-        train=TrainConfig(steps=1, groups=4, group_size=2, max_aborted_share=max_share),
+        train=TrainConfig(steps=1, groups=groups, group_size=2, max_aborted_share=max_share),
         eval=EvalConfig(episodes=6),
     )
     env = env_class()
@@ -124,9 +133,37 @@ def test_up_to_the_share_they_are_counted_and_shown(caplog):
     assert metrics["eval/aborted"] == 3.0 and metrics["eval/aborted_share"] == 0.5
 
 
+def test_identical_failures_of_a_remote_env_are_one_reason_and_the_fix_names_its_address():
+    # A real env server; every episode raises there, so each reason names its own episode id.
+    register("breaks_the_same_way-v0", entry_point=BreaksTheSameWay)
+    try:
+        with EnvServer("tcp://127.0.0.1:0", env_ids=["breaks_the_same_way-v0"]) as server:
+            remote = EnvSetup("breaks_the_same_way-v0", address=server.address)
+            with pytest.raises(EnvError) as info:
+                asyncio.run(trainer(BreaksTheSameWay, env=remote, groups=16).rollouts(0))
+    finally:
+        unregister("breaks_the_same_way-v0")
+    message = str(info.value)
+    assert message.startswith("step 0: 32 of 32 episodes aborted: EnvError: env.reset of breaks_the_same_way-v0 ")
+    assert "RuntimeError: no board" in message and "other reasons" not in message
+    assert "(32 episodes, each with its own episode id: one shown)" in message
+    assert len(set(re.findall(r"episode ([0-9a-f]{32})", message))) == 1  # the example's id
+    assert f"polytinker env check breaks_the_same_way-v0 --env-address {server.address}" in message
+    # A local env's fix names the check without an address.
+    with pytest.raises(EnvError) as local:
+        asyncio.run(trainer(AlwaysBreaks).rollouts(0))
+    assert f"`polytinker env check {__name__}:AlwaysBreaks` runs it" in str(local.value)
+
+
 def test_reasons_are_counted_and_the_share_is_a_setting():
     results = [EpisodeResult(str(i), "x", i, {}, 0, 0.0, aborted=["boom", "boom", "bang", None][i]) for i in range(4)]
     assert first_reasons(results) == "boom (2 episodes); bang (1 episode)"
+    ids = ["0123456789ab", "ba9876543210", "00000000000a"]
+    named = [EpisodeResult(i, "x", 0, {}, 0, 0.0, aborted=f"step of x episode {i}: boom") for i in ids]
+    named.append(EpisodeResult("1", "x", 0, {}, 0, 0.0, aborted="bang"))
+    assert first_reasons(named, limit=1) == (
+        "step of x episode 0123456789ab: boom (3 episodes, each with its own episode id: one shown); and 1 other reason"
+    )
     check_aborted(results, 0.75, "step 3")  # 3 of 4 is not more than 0.75
     with pytest.raises(EnvError, match="step 3: 3 of 4 episodes aborted: boom"):
         check_aborted(results, 0.5, "step 3")

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from polytinker.agents.aborts import aborted_metrics, check_aborted
-from polytinker.agents.config import EvalConfig
+from polytinker.agents.config import EnvSetup, EvalConfig
 from polytinker.agents.mapping import SCRIPTED_PREFIX, TEAM, PolicyMapping
 from polytinker.agents.metrics import transcript
 from polytinker.agents.rollout import Players, is_win
@@ -40,9 +40,10 @@ async def evaluate(
     step: int,
     *,
     max_aborted_share: float = 1.0,
+    env: EnvSetup | None = None,
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Metrics and one transcript per (agent, role, opponent); ``EnvError`` when more than
-    ``max_aborted_share`` of the episodes aborted."""
+    ``max_aborted_share`` of the episodes aborted (its fix names ``env``, the run's env)."""
     seeds = [config.seed + i for i in range(config.episodes)]
     # Each batch: the slots its episodes are played with, and the (agent, role, opponent) it scores.
     batches: list[tuple[dict[str, Slot], list[tuple[str, str, str]]]] = [
@@ -62,7 +63,7 @@ async def evaluate(
 
     outcomes = await asyncio.gather(*(play(slots) for slots, _ in batches))
     played = [r for results in outcomes for r in results]
-    check_aborted(played, max_aborted_share, f"evaluation at step {step}")
+    check_aborted(played, max_aborted_share, f"evaluation at step {step}", env=env)
     wins: dict[tuple[str, str], list[float]] = {}
     rewards: dict[tuple[str, str], list[float]] = {}
     transcripts = []

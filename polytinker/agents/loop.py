@@ -146,7 +146,7 @@ class Trainer:
         slots = {seed: self.mapping.assign(seed) for seed in groups}
         policy = self.players.policy(slots, sample_seed=self.config.train.seed)
         results = await self.coordinator.run(self.make_env, policy, seeds)
-        check_aborted(results, self.config.train.max_aborted_share, f"step {step}")
+        check_aborted(results, self.config.train.max_aborted_share, f"step {step}", env=self.config.env)
         return results, slots
 
     async def evaluate(self, step: int) -> dict[str, float]:
@@ -160,6 +160,7 @@ class Trainer:
             self.config.eval,
             step,
             max_aborted_share=self.config.train.max_aborted_share,
+            env=self.config.env,
         )
         self.hooks.transcripts(transcripts)
         return {**metrics, "time/eval_s": time.perf_counter() - start}
