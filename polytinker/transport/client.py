@@ -61,19 +61,23 @@ _LOST = int(zmq.EVENT_DISCONNECTED)  # the connection closed: the server's proce
 _NOBLOCK = int(zmq.NOBLOCK)
 _POLLIN = int(zmq.POLLIN)
 _EVENTS = int(zmq.EVENTS)
+# A reply this big (a sample of 1024 sequences: about 1 MB, tens of ms to decode) is decoded by the
+# blocking caller it is for, so that it does not hold up the answers behind it on this connection.
+_CALLER_DECODES_BYTES = 1 << 16
 
 
 class _Waiter:
     """The answer of a blocking ``call()``: a lock its caller waits on and the I/O thread releases.
     The cheapest way for one thread to wake another in CPython (a Future adds a Condition)."""
 
-    __slots__ = ("_exc", "_lock", "_value")
+    __slots__ = ("_cfg", "_exc", "_frames", "_lock", "_value")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._lock.acquire()
         self._value: Any = None
         self._exc: BaseException | None = None
+        self._frames: list[zmq.Frame] | None = None  # a reply the caller decodes (with _cfg)
 
     def cancelled(self) -> bool:
         return False
@@ -88,6 +92,11 @@ class _Waiter:
             self._exc = exc
             self._lock.release()
 
+    def set_undecoded(self, frames: list[zmq.Frame], cfg: TransportConfig) -> None:
+        if self._lock.locked():
+            self._frames, self._cfg = frames, cfg
+            self._lock.release()
+
     def result(self, io_thread: threading.Thread) -> Any:
         # The I/O thread answers, fails or (closing) drains every call; should a close race with
         # this call's queueing, the I/O thread's end is what tells.
@@ -97,6 +106,8 @@ class _Waiter:
         self._lock.release()
         if self._exc is not None:
             raise self._exc
+        if self._frames is not None:
+            return decode(self._frames, config=self._cfg)
         return self._value
 
 
@@ -358,6 +369,10 @@ class RpcClient:
         pending = st.pop(rid)
         if pending is None:  # an answer to a call given up on (cancelled, timed out): nobody waits
             log.debug("%s answered %s for no pending call (request %d)", self._address, MsgType(mtype).name, rid)
+            return
+        waiter = pending.future
+        if mtype == MsgType.REPLY and type(waiter) is _Waiter and sum(map(len, frames)) > _CALLER_DECODES_BYTES:
+            waiter.set_undecoded(frames[1:], self._cfg)
             return
         try:
             body = decode(frames[1:], config=self._cfg)
