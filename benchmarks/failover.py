@@ -43,9 +43,9 @@ from polytinker.actors import read_log
 from polytinker.client import ServiceClient
 from polytinker.engine.types import SamplingParams
 from polytinker.engine.worker.auth import launcher_credential
+from polytinker.engine.worker.messages import WorkersQuery
 from polytinker.scheduler.service import EngineWorkerConfig, LocalRuntime, RuntimeConfig, TenantConfig
 from polytinker.scheduler.service.config import HttpConfig
-from polytinker.scheduler.service.worker_messages import WorkersQuery
 from polytinker.transport import RpcClient
 
 KEY = "failover-benchmark-key-0123"

@@ -5,7 +5,7 @@
 ``LearnerWorker``, serves ``worker.handlers()`` on its Curve ``WorkerServer`` and registers with a
 stand-in scheduler that only records the ``Register``. The test gets an ``RpcClient`` to that
 server holding the scheduler's client keys (derived from the worker token, as the broker's are),
-and sends it the scheduler's typed worker messages (``polytinker.scheduler.service.worker_messages``).
+and sends it the scheduler's typed worker messages (``polytinker.engine.worker.messages``).
 Shared by the tests that check a worker across the process boundary.
 """
 
@@ -18,8 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from polytinker.actors import Actor, ActorConfig, spawn
+from polytinker.engine.worker import messages as wm
 from polytinker.engine.worker.auth import scheduler_client_keypair
-from polytinker.scheduler.service import worker_messages as wm
 from polytinker.scheduler.service.config import EngineWorkerConfig, LearnerWorkerConfig, RuntimeConfig
 from polytinker.scheduler.service.workers import EngineActor, LearnerActor
 from polytinker.transport import ClientCurve, RpcClient, RpcServer, TransportConfig

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from polytinker.engine.types import Datum
+from polytinker.engine.worker import messages as wm
 from polytinker.errors import ConfigError, RemoteError
 from polytinker.scheduler.service import replies as r
-from polytinker.scheduler.service import worker_messages as wm
 from polytinker.scheduler.service.fb_batcher import FbBatcher
 
 ROWS = (Datum([1, 2, 3], [2, 3, 4], [1.0, 1.0, 1.0]),)

@@ -14,8 +14,8 @@ from _worker import worker_process
 from polytinker.engine.learner import AdamParams, DistInfo, LearnerConfig, MultiAdapterLearner
 from polytinker.engine.models import TINY_RANDOM, load_model
 from polytinker.engine.types import Datum, LoraConfig
+from polytinker.engine.worker import messages as wm
 from polytinker.scheduler.service import replies as r
-from polytinker.scheduler.service import worker_messages as wm
 from polytinker.scheduler.service.config import LearnerWorkerConfig
 
 pytestmark = pytest.mark.gpu

@@ -24,8 +24,8 @@ from polytinker.engine.inference.hf import HFBackend
 from polytinker.engine.inference.worker import EngineWorker
 from polytinker.engine.models import TINY_RANDOM
 from polytinker.engine.types import AdapterRef, SampleRequest, SampleResult, SamplingParams
+from polytinker.engine.worker import messages as wm
 from polytinker.errors import ConfigError
-from polytinker.scheduler.service import worker_messages as wm
 from polytinker.scheduler.service.config import EngineWorkerConfig
 from polytinker.scheduler.service.replies import SampleReply
 

@@ -18,9 +18,9 @@ from polytinker.engine.inference.hf import HFBackend
 from polytinker.engine.learner import AdamParams, LearnerConfig, MultiAdapterLearner
 from polytinker.engine.models import TINY_RANDOM, load_model
 from polytinker.engine.types import AdapterRef, Datum, LoraConfig
+from polytinker.engine.worker import messages as wm
 from polytinker.errors import RemoteError
 from polytinker.scheduler.service import replies as r
-from polytinker.scheduler.service import worker_messages as wm
 from polytinker.scheduler.service.config import LearnerWorkerConfig
 from polytinker.scheduler.service.fb_batcher import FbBatcher
 

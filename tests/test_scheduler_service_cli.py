@@ -140,7 +140,7 @@ def test_a_remote_worker_without_keys_of_its_own_serves_with_the_tokens_keys(tmp
     """A scheduler without Curve (loopback) and a `polytinker worker` given only the token: the
     worker still serves with Curve (keys derived from the token), the scheduler reaches it, and a
     process without the token does not."""
-    from polytinker.scheduler.service import worker_messages as wm
+    from polytinker.engine.worker import messages as wm
     from polytinker.transport import RpcClient
 
     address = resolve_address("tcp://127.0.0.1:0")

@@ -15,7 +15,7 @@ from polytinker.actors import ActorRef
 from polytinker.engine.learner.config import AdamParams
 from polytinker.engine.types import SamplingParams
 from polytinker.engine.worker.auth import launcher_credential
-from polytinker.scheduler.service.worker_messages import WorkersQuery
+from polytinker.engine.worker.messages import WorkersQuery
 from polytinker.transport import RpcClient
 
 ADAM = AdamParams(learning_rate=1e-2)

@@ -20,6 +20,7 @@ from test_scheduler_service_cli import read_until
 from polytinker.client import ServiceClient
 from polytinker.engine.types import SamplingParams
 from polytinker.engine.worker.auth import launcher_credential
+from polytinker.engine.worker.messages import WorkersQuery
 from polytinker.scheduler.service import (
     EngineWorkerConfig,
     LocalRuntime,
@@ -28,7 +29,6 @@ from polytinker.scheduler.service import (
     TenantConfig,
 )
 from polytinker.scheduler.service.runtime import resolve_address
-from polytinker.scheduler.service.worker_messages import WorkersQuery
 from polytinker.transport import RpcClient
 
 KEY = "health-tenant-key-0123456789"

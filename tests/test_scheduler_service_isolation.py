@@ -20,6 +20,7 @@ from fixtures.client import KEY_ALICE, KEY_BOB, MODEL, client, data, shared_runt
 from polytinker.engine.learner.config import AdamParams
 from polytinker.engine.types import SamplingParams
 from polytinker.engine.worker import layout
+from polytinker.engine.worker import messages as wm
 from polytinker.engine.worker.auth import (
     register_proof,
     scheduler_client_keypair,
@@ -29,7 +30,6 @@ from polytinker.engine.worker.auth import (
 from polytinker.errors import ConfigError, ProtocolError, RemoteError, RequestTimeout, TransportError
 from polytinker.scheduler.service import AuthError
 from polytinker.scheduler.service import messages as m
-from polytinker.scheduler.service import worker_messages as wm
 from polytinker.transport import ClientCurve, RpcClient
 
 WAIT_S = 2.0  # an unauthenticated peer gets no answer at all: this bounds each wait for one

@@ -11,7 +11,7 @@ from storm import storm
 
 from polytinker.engine.types import SamplingParams
 from polytinker.engine.worker.auth import launcher_credential, scheduler_client_keypair, worker_keypair
-from polytinker.scheduler.service.worker_messages import WorkersQuery
+from polytinker.engine.worker.messages import WorkersQuery
 from polytinker.transport import ClientCurve, RpcClient
 
 SCHEDULER_KINDS = ["sched.create_job", "sched.sample", "sched.forward_backward", "sched.runtime_status"]

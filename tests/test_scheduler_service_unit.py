@@ -15,6 +15,7 @@ import zmq
 
 from polytinker.client._connection import Connection
 from polytinker.engine.types import Datum
+from polytinker.engine.worker import messages as wm
 from polytinker.errors import ConfigError, ProtocolError, RemoteError
 from polytinker.model_path import CheckpointPath, ModelPath, from_tinker
 from polytinker.scheduler.service import (
@@ -32,7 +33,6 @@ from polytinker.scheduler.service import (
 )
 from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service import replies as r
-from polytinker.scheduler.service import worker_messages as wm
 from polytinker.scheduler.service.tenants import Tenants, hash_key
 from polytinker.scheduler.types import JobState
 from polytinker.transport import RpcClient, RpcServer

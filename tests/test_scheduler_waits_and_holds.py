@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from polytinker.engine.worker.messages import WeightsRef
 from polytinker.errors import AuthError, ConfigError, JobNotRunning
 from polytinker.scheduler.http.tinker_runs import queue_fields
 from polytinker.scheduler.service import EngineWorkerConfig, RuntimeConfig, TenantConfig
@@ -26,7 +27,6 @@ from polytinker.scheduler.service.state import StateStore
 from polytinker.scheduler.service.tenants import Tenants
 from polytinker.scheduler.service.waits import MAX_NOTED
 from polytinker.scheduler.service.weights import WeightsCatalog
-from polytinker.scheduler.service.worker_messages import WeightsRef
 
 KEY_A = "alice-key-0123456789"
 KEY_B = "bob-key-0123456789ab"

@@ -15,8 +15,9 @@ from typing import Any, TypeVar, cast
 from polytinker.client._connection import Connection
 from polytinker.client._convert import prompt_tokens, samples_nothing, to_sampling_params
 from polytinker.client._future import APIFuture, ReadyClient, submit
+from polytinker.engine.types import check_top_k
 from polytinker.errors import AuthError, ConfigError
-from polytinker.scheduler.service.messages import ComputeLogprobs, Sample, check_top_k
+from polytinker.scheduler.service.messages import ComputeLogprobs, Sample
 from polytinker.scheduler.service.replies import LogprobsReply, SampleReply
 from polytinker.types import SampledSequence, SampleResponse, StopReason, check_seed
 

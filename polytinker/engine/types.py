@@ -428,6 +428,19 @@ def check_data(data: Sequence[Datum], loss_fn: str = "cross_entropy", vocab_size
             raise ConfigError(f"data[{i}]: loss_fn {loss_fn!r} needs advantages and logprobs on every datum")
 
 
+def need(cond: bool, msg: str) -> None:
+    """ConfigError(msg) unless ``cond``: the one-line checks of messages' ``__post_init__``."""
+    if not cond:
+        raise ConfigError(msg)
+
+
+MAX_TOP_K = 20  # as vLLM's engines serve at most by default (max_logprobs)
+
+
+def check_top_k(k: int) -> None:
+    need(isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MAX_TOP_K, f"top_k must be in 0..{MAX_TOP_K}")
+
+
 MAX_LOSS_CONFIG = 16  # keys of loss_fn_config
 
 
@@ -446,6 +459,7 @@ __all__ = [
     "ATTN_MODULES",
     "DEFAULT_TARGET_MODULES",
     "LOSS_FNS",
+    "MAX_TOP_K",
     "MLP_MODULES",
     "UNEMBED_MODULE",
     "AdapterName",
@@ -467,4 +481,6 @@ __all__ = [
     "check_finite",
     "check_loss_config",
     "check_token_ids",
+    "check_top_k",
+    "need",
 ]

@@ -99,9 +99,7 @@ class FairQueue:
         """Tenants with waiting work, the one served longest ago (or never) first."""
         return sorted(self._lanes, key=lambda t: (self._served.get(t, -1), self._lanes[t][0].arrived_s))
 
-    def take(
-        self, max_rows: int, fits: Callable[[set[AdapterRef]], bool], *, gap: Gap | None = None
-    ) -> list[Pending]:
+    def take(self, max_rows: int, fits: Callable[[set[AdapterRef]], bool], *, gap: Gap | None = None) -> list[Pending]:
         """The next batch: a job alone when the first tenant in line has one at its head, else
         requests in rounds across tenants while they fit (the first always does).
 

@@ -30,11 +30,9 @@ from typing import Any
 
 from polytinker.engine.inference.full_weights import FullWeightEngines
 from polytinker.engine.types import MAX_SAMPLES, SamplingParams
+from polytinker.engine.worker.config import EngineWorkerConfig
 from polytinker.engine.worker.layout import under
-from polytinker.errors import ConfigError, NotResident
-from polytinker.scheduler.service.config import EngineWorkerConfig
-from polytinker.scheduler.service.replies import LogprobsReply, SampleReply, SequenceReply
-from polytinker.scheduler.service.worker_messages import (
+from polytinker.engine.worker.messages import (
     EngineHasWeights,
     EngineLogprobs,
     EnginePutAdapter,
@@ -42,6 +40,8 @@ from polytinker.scheduler.service.worker_messages import (
     WeightsRef,
     WorkerStats,
 )
+from polytinker.engine.worker.replies import LogprobsReply, SampleReply, SequenceReply
+from polytinker.errors import ConfigError, NotResident
 
 log = logging.getLogger("polytinker.engine.inference.worker")
 

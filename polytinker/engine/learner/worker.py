@@ -49,20 +49,9 @@ from typing import Any
 
 from polytinker.engine.device import resolve_device, resolve_dtype
 from polytinker.engine.learner.checks import NonFinite
+from polytinker.engine.worker.config import LearnerWorkerConfig
 from polytinker.engine.worker.layout import under
-from polytinker.errors import ConfigError, GradientLost, NotResident
-from polytinker.scheduler.service.config import LearnerWorkerConfig
-from polytinker.scheduler.service.replies import (
-    AdapterTensors,
-    ExportedWeights,
-    ForwardBackwardManyReply,
-    ForwardBackwardReply,
-    ForwardReply,
-    SavedCheckpoint,
-    StepResult,
-    WorkerVersion,
-)
-from polytinker.scheduler.service.worker_messages import (
+from polytinker.engine.worker.messages import (
     EnsureAdapter,
     LearnerAdapterWeights,
     LearnerExport,
@@ -75,6 +64,17 @@ from polytinker.scheduler.service.worker_messages import (
     WeightsRef,
     WorkerStats,
 )
+from polytinker.engine.worker.replies import (
+    AdapterTensors,
+    ExportedWeights,
+    ForwardBackwardManyReply,
+    ForwardBackwardReply,
+    ForwardReply,
+    SavedCheckpoint,
+    StepResult,
+    WorkerVersion,
+)
+from polytinker.errors import ConfigError, GradientLost, NotResident
 from polytinker.transport.messages import to_fields
 
 log = logging.getLogger("polytinker.engine.learner.worker")

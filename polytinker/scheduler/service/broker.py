@@ -1,6 +1,6 @@
 """The broker: engines and learner groups register here; requests are forwarded to them.
 
-- A ``Register`` proves the worker token without carrying it (``worker_auth.register_proof`` of its
+- A ``Register`` proves the worker token without carrying it (``auth.register_proof`` of its
   fields, the worker's Curve key among them). Every worker serves with Curve and admits only the
   scheduler's client key; the broker connects to the key the worker registered, with the client
   keypair derived from the token, so no other process on the host can send a worker a request.
@@ -49,6 +49,7 @@ from polytinker.engine.worker.auth import (
     same,
     scheduler_client_keypair,
 )
+from polytinker.engine.worker.messages import ActorsReport, ActorState, Register, WorkersQuery
 from polytinker.errors import (
     AuthError,
     ConfigError,
@@ -63,7 +64,6 @@ from polytinker.scheduler.placement import next_learner_job
 from polytinker.scheduler.service.config import RuntimeConfig
 from polytinker.scheduler.service.fb_batcher import FbBatcher, Prepare, Send
 from polytinker.scheduler.service.replies import ActorsNoted, Registered, WorkersReply
-from polytinker.scheduler.service.worker_messages import ActorsReport, ActorState, Register, WorkersQuery
 from polytinker.transport import ClientCurve, RpcClient, TransportConfig
 from polytinker.transport.direct import Link
 

@@ -27,9 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from polytinker.engine.worker.messages import LearnerForwardBackward, LearnerForwardBackwardMany
 from polytinker.errors import RemoteError
 from polytinker.scheduler.service.replies import ForwardBackwardManyReply, ForwardBackwardReply
-from polytinker.scheduler.service.worker_messages import LearnerForwardBackward, LearnerForwardBackwardMany
 
 Prepare = tuple[str, Callable[[Any], None]]
 # (kind, payload, prepares) -> the learner's answer; the broker's keyed call to one learner.

@@ -31,12 +31,12 @@ from typing import Any
 
 from polytinker.engine.models import model_limits
 from polytinker.engine.worker.auth import register_proof, worker_server_curve
+from polytinker.engine.worker.messages import Register
 from polytinker.errors import ConfigError
 from polytinker.scheduler.service.config import RuntimeConfig
 from polytinker.scheduler.service.home import private_state_dir
 from polytinker.scheduler.service.runtime import prepared
 from polytinker.scheduler.service.scheduler import SchedulerService
-from polytinker.scheduler.service.worker_messages import Register
 from polytinker.scheduler.service.workers import build_worker
 from polytinker.transport import TransportConfig
 from polytinker.transport.direct import DirectClient, Link

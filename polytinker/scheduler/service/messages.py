@@ -13,7 +13,7 @@ Client -> scheduler (every one carries ``api_key``): ``CreateJob``, ``JobQuery``
 Nested values: ``polytinker.engine.types.Datum`` (one training example) and ``SamplingParams``
 (sampling parameters), registered here as message values: the learner and the engine get the
 very objects the client built; shared with the messages between the scheduler and its workers
-(``worker_messages``).
+(``polytinker.engine.worker.messages``).
 The replies to the client requests are typed too: ``polytinker.scheduler.service.replies``.
 """
 
@@ -32,9 +32,10 @@ from polytinker.engine.types import (
     check_data,
     check_loss_config,
     check_token_ids,
+    check_top_k,
+    need,
 )
 from polytinker.engine.worker.layout import check_name
-from polytinker.errors import ConfigError
 from polytinker.model_path import CKPT_PREFIX, MODEL_PREFIX
 from polytinker.scheduler.types import JobKind
 from polytinker.transport.messages import message, register_message
@@ -47,11 +48,6 @@ MAX_PROMPTS = 4096
 MAX_STEPS = 1_000_000_000  # a job's step budget
 MAX_NAME_CHARS = 256  # a base model's or an adapter's name
 MAX_TARGET_MODULES = 64
-
-
-def need(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
 
 
 MAX_REQUEST_ID = 64
@@ -286,13 +282,6 @@ class ComputeLogprobs:
             limits.check_context(len(seq), 0)
 
 
-MAX_TOP_K = 20  # as vLLM's engines serve at most by default (max_logprobs)
-
-
-def check_top_k(k: int) -> None:
-    need(isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MAX_TOP_K, f"top_k must be in 0..{MAX_TOP_K}")
-
-
 @message("sched.delete_checkpoint")
 @dataclass(frozen=True)
 class DeleteCheckpoint:
@@ -490,6 +479,5 @@ __all__ = [
     "StorageUsage",
     "Usage",
     "WeightsInfo",
-    "check_top_k",
     "check_ttl",
 ]

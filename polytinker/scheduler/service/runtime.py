@@ -42,6 +42,7 @@ from typing import Any
 from polytinker.actors import ActorConfig, ActorRef, ChildReport, RestartPolicy, Supervisor
 from polytinker.engine.device import resolve_device
 from polytinker.engine.worker.auth import launcher_credential
+from polytinker.engine.worker.messages import ActorsReport, ActorState, WorkersQuery
 from polytinker.errors import ConfigError, RequestTimeout, RuntimeDead
 from polytinker.scheduler.service.config import RuntimeConfig, TenantConfig
 from polytinker.scheduler.service.home import Holder, StateLock, private_state_dir
@@ -49,7 +50,6 @@ from polytinker.scheduler.service.messages import RuntimeStatus
 from polytinker.scheduler.service.replies import RuntimeStatusReply, WorkersReply
 from polytinker.scheduler.service.scheduler import SchedulerActor
 from polytinker.scheduler.service.tenants import new_api_key
-from polytinker.scheduler.service.worker_messages import ActorsReport, ActorState, WorkersQuery
 from polytinker.scheduler.service.workers import EngineActor, LearnerActor
 from polytinker.transport import RpcClient
 

@@ -35,6 +35,7 @@ from collections import Counter
 from typing import Any
 
 from polytinker.actors import Actor
+from polytinker.engine.worker import messages as wm
 from polytinker.engine.worker.layout import check_name
 from polytinker.errors import (
     ConfigError,
@@ -46,7 +47,6 @@ from polytinker.errors import (
 from polytinker.model_path import SAMPLER_NAME_PREFIX, CheckpointPath, ModelPath
 from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service import replies as r
-from polytinker.scheduler.service import worker_messages as wm
 from polytinker.scheduler.service.audit import AuditLog
 from polytinker.scheduler.service.broker import Broker, WorkerHandle
 from polytinker.scheduler.service.checkpoints import CheckpointCalls

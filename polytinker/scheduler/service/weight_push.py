@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from polytinker.scheduler.service import worker_messages as wm
+from polytinker.engine.worker import messages as wm
 from polytinker.scheduler.service.config import RuntimeConfig
 from polytinker.scheduler.service.replies import AdapterTensors
 

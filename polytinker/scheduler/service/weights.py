@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from polytinker.engine.worker.layout import check_name, parse_relative, under
+from polytinker.engine.worker.messages import WeightsRef
 from polytinker.errors import AuthError, ConfigError
 from polytinker.model_path import CKPT_PREFIX, SAMPLER_NAME_PREFIX, CheckpointPath, ModelPath
 from polytinker.scheduler.service.audit import EXPIRY_ACTOR, AuditLog
@@ -32,7 +33,6 @@ from polytinker.scheduler.service.config import RuntimeConfig
 from polytinker.scheduler.service.holds import WeightHolds
 from polytinker.scheduler.service.jobs import JobManager, adapter_key
 from polytinker.scheduler.service.state import AdapterRow, JobRow, StateStore
-from polytinker.scheduler.service.worker_messages import WeightsRef
 from polytinker.scheduler.types import JobKind
 
 log = logging.getLogger("polytinker.scheduler.weights")

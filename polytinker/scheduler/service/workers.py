@@ -5,7 +5,7 @@ scheduler every ``heartbeat_s`` from a background thread, and at once when its c
 scheduler closes: a restarted scheduler learns about it as soon as it is up, and a restarted
 worker (new incarnation) is picked up the same way. It always
 serves with Curve and admits only the scheduler (keys derived from the worker token, see
-``worker_auth``): no other process on the host, tenant or not, gets an answer from it. Its
+``polytinker.engine.worker.auth``): no other process on the host, tenant or not, gets an answer from it. Its
 checkpoints and exports live under the state root it is built with (``build_worker``).
 
 ``EngineActor`` and ``LearnerActor`` are the process actors the runtime supervises: each builds
@@ -26,9 +26,9 @@ from typing import Any
 from polytinker.actors import Actor
 from polytinker.engine.models import model_limits
 from polytinker.engine.worker.auth import register_proof, worker_server_curve
+from polytinker.engine.worker.messages import Register
 from polytinker.errors import ConfigError
 from polytinker.scheduler.service.config import RuntimeConfig
-from polytinker.scheduler.service.worker_messages import Register
 from polytinker.transport import ClientCurve, RpcClient, RpcServer, TransportConfig
 
 log = logging.getLogger("polytinker.scheduler.workers")

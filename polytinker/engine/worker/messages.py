@@ -15,17 +15,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from polytinker.engine.types import Datum, SamplingParams
+from polytinker.engine.types import Datum, SamplingParams, check_top_k, need
 from polytinker.engine.worker.layout import KINDS, check_adapter_key, check_name, relative_path
-from polytinker.scheduler.service.messages import check_top_k, need
-from polytinker.scheduler.service.replies import AdapterTensors
+from polytinker.engine.worker.replies import AdapterTensors
 from polytinker.transport.messages import message
 
 
 @message("sched.w.register")
 @dataclass(frozen=True)
 class Register:
-    proof: str  # worker_auth.register_proof of the fields below: made with the worker token, not the token
+    proof: str  # auth.register_proof of the fields below: made with the worker token, not the token
     worker_id: str
     role: str  # "engine" or "learner"
     address: str  # where the worker serves the scheduler's requests
@@ -45,7 +44,7 @@ class Register:
 @dataclass(frozen=True)
 class WorkersQuery:
     """The registered workers, for the launcher (authenticated by a credential derived from the
-    worker token, ``worker_auth.launcher_credential``: the token itself never goes on the wire)."""
+    worker token, ``auth.launcher_credential``: the token itself never goes on the wire)."""
 
     credential: str
 
@@ -71,7 +70,7 @@ class ActorsReport:
     """The launcher -> scheduler: every supervised actor's state, sent at each exit and restart
     (and every few seconds). A worker's exit fails the calls in flight to it at once."""
 
-    credential: str  # worker_auth.launcher_credential(worker token)
+    credential: str  # auth.launcher_credential(worker token)
     actors: tuple[ActorState, ...]
 
 
