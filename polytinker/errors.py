@@ -18,8 +18,10 @@ do not know polytinker.
 - ``OverloadedError``, ``JobNotRunning``: the scheduler refused a call for now (retry later).
 - ``WorkerUnavailable``, ``NotResident``, ``GradientLost``: between the scheduler and its workers.
 - ``ModelError``: a model could not be found, fetched or loaded.
-- ``EnvError``: an environment broke its contract or raised; ``EnvBusy``: an env source refuses a
-  new episode for now (retry after ``retry_after_s``).
+- ``EnvError``: an environment broke its contract or raised; ``EnvHookError``: a game's hook
+  returned what the contract does not allow (also ``TypeError``; it names the hook and the line
+  of the game's code); ``EnvBusy``: an env source refuses a new episode for now (retry after
+  ``retry_after_s``).
 - ``SimulationError``: the scheduler's simulator reached an impossible state (also ``AssertionError``).
 - ``NotBuiltError``: a documented part that this version does not implement yet.
 
@@ -205,6 +207,19 @@ class EnvError(PolytinkerError, RuntimeError):
     """An environment broke its contract or raised."""
 
     code = "env"
+
+
+class EnvHookError(EnvError, TypeError):
+    """A game's hook returned what the text-env contract does not allow (a dict from ``_render``, a
+    reward for an agent the game does not have, numbers as legal moves). The message names the
+    hook and where the game defines it; ``hook`` (``"Class.name"``), ``where`` (``"FILE:LINE"``)
+    and ``expected`` (what it must return) say the same to a checker. It travels as ``EnvError``."""
+
+    def __init__(self, message: str, hook: str = "", where: str = "", expected: str = "") -> None:
+        super().__init__(message)
+        self.hook = hook
+        self.where = where
+        self.expected = expected
 
 
 class EnvBusy(EnvError):

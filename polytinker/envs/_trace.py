@@ -3,11 +3,15 @@
 An env's failure passes through the coordinator, the text-env bases, PettingZoo's wrappers, the
 env server and asyncio before anyone sees it; the frame an env author needs is the innermost one
 in *their* code. ``env_location(exc)`` gives it as ``"mypkg/games.py:42 in _apply"``;
-``env_traceback(exc)`` the traceback from the first frame of the env's code inwards.
+``env_traceback(exc)`` the traceback from the first frame of the env's code inwards;
+``env_hook(exc)`` the hook polytinker called that led there (the outermost frame of the env's
+code). A hook that *returned* something wrong raised nothing in the env's code:
+``hook_location(env, "_render")`` gives where the game defines it (``"mypkg/games.py:40"``).
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import sysconfig
 import traceback
@@ -70,6 +74,23 @@ def env_location(exc: BaseException) -> str:
     return f"{_shown_path(last.filename)}:{last.lineno} in {last.name}"
 
 
+def env_hook(exc: BaseException) -> str:
+    """The function of the outermost frame of the env's own code (the hook polytinker called, such
+    as ``_apply``), or ``""``."""
+    frames = [] if isinstance(exc, PolytinkerError) else _env_frames(exc)
+    return frames[0].name if frames else ""
+
+
+def hook_location(obj: object, name: str) -> str:
+    """``"FILE:LINE"`` where ``obj``'s method ``name`` is defined (the ``def`` line), or ``""`` for
+    one that has no Python source (a builtin, a C extension)."""
+    function = getattr(getattr(obj, name, None), "__func__", None) or getattr(obj, name, None)
+    code = getattr(inspect.unwrap(function), "__code__", None) if callable(function) else None
+    if code is None:
+        return ""
+    return f"{_shown_path(code.co_filename)}:{code.co_firstlineno}"
+
+
 def describe_failure(exc: BaseException) -> str:
     """``"TYPE: MESSAGE (at FILE:LINE in FUNCTION)"``: how an aborted episode names its cause."""
     where = env_location(exc)
@@ -90,4 +111,4 @@ def env_traceback(exc: BaseException, *, indent: str = "    ") -> str:
     return "\n".join(f"{indent}{line}" for line in body)
 
 
-__all__ = ["describe_failure", "env_location", "env_traceback"]
+__all__ = ["describe_failure", "env_hook", "env_location", "env_traceback", "hook_location"]

@@ -15,6 +15,11 @@ There is deliberately no ``"observation"`` key: PettingZoo's checker compares th
 that key with numpy's, which a ``str`` has not. Actions are plain ``str`` (space ``Text``).
 Each agent's info dict carries ``view`` (the agent-visible state as plain data, what scripted
 opponents read) and, after a refused action, ``invalid_action`` and ``retries_left``.
+
+What a hook returns is checked where the base uses it (``_render`` text, ``legal_moves`` strings,
+``_apply``/``_resolve`` rewards for the game's agents, ``_current_agent``, ``view``): a wrong
+type raises ``EnvHookError`` naming the hook and the file and line of the game's ``def``, since
+the traceback of such an error holds only the base's frames.
 """
 
 from __future__ import annotations
@@ -30,8 +35,10 @@ import numpy as np
 from gymnasium import spaces
 from pettingzoo import AECEnv, ParallelEnv
 
+from polytinker.envs._trace import hook_location
 from polytinker.envs.config import EnvConfig
 from polytinker.envs.types import AgentID, InvalidAction
+from polytinker.errors import EnvHookError
 
 TEXT_CHARSET = frozenset(string.printable)
 _OUTSIDE_CHARSET = re.compile(f"[^{re.escape(string.printable)}]")
@@ -79,6 +86,23 @@ def text_spaces(agents: Sequence[AgentID], config: EnvConfig) -> tuple[dict[Agen
     samples them)."""
     observation, action = _space_prototypes(config.max_observation_chars, config.max_action_chars)
     return dict.fromkeys(agents, observation), {a: copy.copy(action) for a in agents}
+
+
+def _returned_wrong(env: Any, hook: str, value: Any, expected: str, why: str = "") -> EnvHookError:
+    """The error for a hook of ``env`` that returned ``value`` where the contract wants
+    ``expected``. Nothing raised in the game's code, so the traceback shows only polytinker's
+    frames: the message names the hook and the line of the game that defines it."""
+    where = hook_location(env, hook)
+    name = f"{type(env).__name__}.{hook}"
+    shown = repr(value)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    because = f": {why}" if why else ""
+    return EnvHookError(
+        f"{name} ({where or 'no source'}) returned {shown}{because}; it must return {expected}",
+        hook=name,
+        where=where,
+        expected=expected,
+    )
 
 
 def declared_tools(env: Any, agent: AgentID) -> tuple[str, ...]:
@@ -139,14 +163,36 @@ class _TextEnvCore:
 
     def _parse_move(self, agent: AgentID, text: str) -> Any:
         """Text to a move; the default reads one of ``legal_moves``."""
-        return parse_choice(text, self.legal_moves(agent))
+        return parse_choice(text, self._legal(agent))
 
     def fallback_move(self, agent: AgentID) -> Any:
         """The move played for an agent whose retries ran out: a seeded random legal move."""
-        legal = self.legal_moves(agent)
+        legal = self._legal(agent)
         return self._parse_move(agent, legal[int(self._rng.integers(len(legal)))])
 
     # -- shared behaviour
+    def _legal(self, agent: AgentID) -> tuple[str, ...]:
+        """``legal_moves(agent)``, refused with the hook's place when it is not a sequence of str.
+        Only the ends are looked at: this runs at every observation and every parse, and a game that
+        spells moves as numbers spells them all so."""
+        legal = self.legal_moves(agent)
+        if type(legal) is tuple and (not legal or (type(legal[0]) is str and type(legal[-1]) is str)):
+            return legal
+        if isinstance(legal, tuple | list) and all(isinstance(m, str) for m in legal):
+            return tuple(legal)
+        raise _returned_wrong(self, "legal_moves", legal, "a tuple of str: the moves' canonical spellings")
+
+    def _add_rewards(self, hook: str, rewards: Any, into: dict[AgentID, float]) -> None:
+        """Add a hook's ``{agent: reward}`` into ``into`` (one entry per live agent)."""
+        try:
+            for a, r in rewards.items():
+                into[a] += float(r)
+        except (AttributeError, KeyError, TypeError, ValueError):
+            expected = f"a dict {{agent: reward}} of float rewards for agents of {sorted(into)}"
+            unknown = sorted(str(a) for a in rewards if a not in into) if isinstance(rewards, dict) else []
+            why = f"{', '.join(map(repr, unknown))} is not an agent of this game" if unknown else ""
+            raise _returned_wrong(self, hook, rewards, expected, why) from None
+
     def parse_action(self, agent: AgentID, text: Any) -> Any:
         """A legal move for ``text``, or an ``InvalidAction`` saying why there is none."""
         if not isinstance(text, str):
@@ -159,6 +205,8 @@ class _TextEnvCore:
 
     def _observation(self, agent: AgentID, current_player: str, legal: tuple[str, ...]) -> dict[str, Any]:
         text = self._render(agent)
+        if not isinstance(text, str):
+            raise _returned_wrong(self, "_render", text, "str: the game as the agent sees it")
         if agent in self._feedback:
             text = f"{text}\n{self._feedback[agent]}"
         # Actions are echoed back (clues, refused text): keep the text inside the space's charset.
@@ -187,7 +235,10 @@ class _TextEnvCore:
         self._retries_left.pop(agent, None)
 
     def _agent_info(self, agent: AgentID) -> dict[str, Any]:
-        info: dict[str, Any] = {"view": self.view(agent)}
+        view = self.view(agent)
+        if not isinstance(view, dict):
+            raise _returned_wrong(self, "view", view, "a dict of plain data (what scripted opponents read)")
+        info: dict[str, Any] = {"view": view}
         if agent in self._feedback:
             info["invalid_action"] = self._feedback[agent]
             info["retries_left"] = self._retries_left.get(agent, 0)
@@ -239,13 +290,13 @@ class TextAECEnv(_TextEnvCore, AECEnv):
         self._cumulative_rewards = dict.fromkeys(self.agents, 0.0)
         self.terminations = dict.fromkeys(self.agents, False)
         self.truncations = dict.fromkeys(self.agents, False)
-        self.agent_selection = self._current_agent()
+        self.agent_selection = self._next_agent()
         self._refresh_infos()
 
     def observe(self, agent: AgentID) -> dict[str, Any]:
         live = agent in self.terminations and not (self.terminations[agent] or self.truncations[agent])
         mover = agent == self.agent_selection and live
-        return self._observation(agent, self.agent_selection, self.legal_moves(agent) if mover else ())
+        return self._observation(agent, self.agent_selection, self._legal(agent) if mover else ())
 
     def step(self, action: Any) -> None:
         agent = self.agent_selection
@@ -271,14 +322,19 @@ class TextAECEnv(_TextEnvCore, AECEnv):
         self._accumulate_rewards()
 
     def _play(self, agent: AgentID, move: Any) -> None:
-        for a, r in self._apply(agent, move).items():
-            self.rewards[a] += float(r)
+        self._add_rewards("_apply", self._apply(agent, move), self.rewards)
         if self._is_over():
             self.terminations = dict.fromkeys(self.agents, True)
         elif self._is_truncated():
             self.truncations = dict.fromkeys(self.agents, True)
         else:
-            self.agent_selection = self._current_agent()
+            self.agent_selection = self._next_agent()
+
+    def _next_agent(self) -> AgentID:
+        agent = self._current_agent()
+        if agent not in self.terminations:
+            raise _returned_wrong(self, "_current_agent", agent, f"one of the agents {self.agents}")
+        return agent
 
     def _refresh_infos(self) -> None:
         self.infos = {a: self._agent_info(a) for a in self.agents}
@@ -346,8 +402,7 @@ class TextParallelEnv(_TextEnvCore, ParallelEnv):
         if forfeit:
             over = True
         elif len(self._pending) == len(self.agents):
-            for a, r in self._resolve(dict(self._pending)).items():
-                rewards[a] += float(r)
+            self._add_rewards("_resolve", self._resolve(dict(self._pending)), rewards)
             self._pending = {}
             over, truncated = self._is_over(), self._is_truncated()
         terminations = dict.fromkeys(self.agents, over)
@@ -358,7 +413,7 @@ class TextParallelEnv(_TextEnvCore, ParallelEnv):
         return observations, rewards, terminations, truncations, infos
 
     def _observations(self) -> dict[AgentID, dict[str, Any]]:
-        return {a: self._observation(a, "", self.legal_moves(a) if a not in self._pending else ()) for a in self.agents}
+        return {a: self._observation(a, "", self._legal(a) if a not in self._pending else ()) for a in self.agents}
 
     def _infos(self) -> dict[AgentID, dict[str, Any]]:
         infos = {}
@@ -375,4 +430,11 @@ class TextParallelEnv(_TextEnvCore, ParallelEnv):
         pass
 
 
-__all__ = ["TEXT_CHARSET", "TextAECEnv", "TextParallelEnv", "declared_tools", "parse_choice", "text_spaces"]
+__all__ = [
+    "TEXT_CHARSET",
+    "TextAECEnv",
+    "TextParallelEnv",
+    "declared_tools",
+    "parse_choice",
+    "text_spaces",
+]

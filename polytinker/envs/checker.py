@@ -24,12 +24,13 @@ from typing import Any, Literal
 from pettingzoo import AECEnv
 from pettingzoo.test import api_test, parallel_api_test
 
-from polytinker.envs._trace import env_location, env_traceback
+from polytinker.envs._trace import env_hook, env_location, env_traceback
 from polytinker.envs.config import CoordinatorConfig
 from polytinker.envs.coordinator import Coordinator
 from polytinker.envs.opponents import ScriptedPolicy, scripted_policy
 from polytinker.envs.source import EnvSource
 from polytinker.envs.types import AgentID, EpisodeResult, InvalidAction, PolicyInput
+from polytinker.errors import EnvHookError, PolytinkerError, RequestTimeout, TransportError
 
 
 @dataclass(frozen=True)
@@ -84,36 +85,50 @@ def _run(check: str, fn: Callable[[], str], fix: str) -> Finding:
     except _NotRun as why:
         return Finding(check, False, f"not run: {why}", ran=False)
     except Exception as exc:
-        return Finding(check, False, _failure(exc, fix))
+        # A PettingZoo assertion is the check's own finding (its fix says which contract); any
+        # other exception gets the fix of what raised it, never the check's.
+        return Finding(check, False, _failure(exc, fix if isinstance(exc, AssertionError) else _OUTSIDE))
     if not problem:
         return Finding(check, True)
     return Finding(check, False, f"{problem}\n    fix: {fix}")
 
 
-def _failure(exc: BaseException, fix: str) -> str:
-    """The error, the env's traceback and a hint that fits it."""
+def _failure(exc: BaseException, fallback: str) -> str:
+    """The error, the env's traceback and a hint that fits it (``fallback`` when nothing does)."""
     head = f"{exc or 'assertion failed'}" if isinstance(exc, AssertionError) else f"{type(exc).__name__}: {exc}"
     trace = env_traceback(exc, indent="      ")
-    where = env_location(exc)
     lines = [head, f"    traceback (the env's code):\n{trace}" if trace else ""]
-    lines.append(f"    fix: {_hint(exc, where) or fix}")
+    lines.append(f"    fix: {_hint(exc) or fallback}")
     return "\n".join(line for line in lines if line)
 
 
-def _hint(exc: BaseException, where: str) -> str:
-    if isinstance(exc, NotImplementedError):
+# An exception with no frame of the env's code and no word of polytinker's about it.
+_OUTSIDE = (
+    "this was raised outside the env's code (in polytinker or PettingZoo, driving the env): compare what "
+    "the env's hooks return with the contract in docs/envs.md; if they keep it, report this traceback"
+)
+
+
+def _hint(exc: BaseException) -> str:
+    """The fix line for an exception, by what raised it and where ("" when nothing fits)."""
+    if isinstance(exc, EnvHookError):
+        return f"make {exc.hook} ({exc.where or 'the env class'}) return {exc.expected}"
+    if isinstance(exc, NotImplementedError) and not isinstance(exc, PolytinkerError):
         frames = traceback.extract_tb(exc.__traceback__)
         hook = frames[-1].name if frames else "a hook"
         return (
             f"implement {hook}() in the env class: it is a hook of TextAECEnv/TextParallelEnv that the "
             "game must write (docs/envs.md, Writing a game)"
         )
-    if isinstance(exc, TypeError) and ("argument" in str(exc) or "positional" in str(exc)) and not where:
-        return "the entry point must build an env with no arguments: give every parameter a default"
-    if isinstance(exc, AssertionError):
-        return ""  # PettingZoo's own assertion: the check's fix line says which contract it is
+    where = env_location(exc)
     if where:
-        return f"the env raised at {where}: fix it there (the traceback above shows the calls that led to it)"
+        hook, raised = env_hook(exc), type(exc).__name__
+        at = where.removesuffix(f" in {hook}")  # the hook itself raised: its name once is enough
+        return f"{hook}() raised {raised} at {at}: fix it there (the traceback above ends at that line)"
+    if isinstance(exc, TransportError | RequestTimeout):
+        return "the env server did not answer: check that it runs at that address and serves this env id"
+    if isinstance(exc, PolytinkerError):
+        return "fix what the message names (a served env raised on its server: the server's log has the traceback)"
     return ""
 
 
@@ -149,7 +164,7 @@ def _checks(make_env: _Envs, seed: int, max_steps: int) -> list[Finding]:
     try:
         probe = make_env()
     except Exception as exc:
-        fix = "the entry point must build an env with no arguments"
+        fix = "the entry point must build an env with no arguments: give every parameter a default"
         failed = Finding("construct", False, _failure(exc, fix))
         return [failed] + [Finding(name, False, "not run: the env could not be built", ran=False) for name in _FIXES]
     roundtrip: list[str] = []  # filled by the random play, reported by the check after it
