@@ -19,6 +19,7 @@ from polytinker.agents import (
     AdapterSpec,
     AgentSpec,
     AlgorithmConfig,
+    CrossPlay,
     EnvSetup,
     EvalConfig,
     Experiment,
@@ -150,6 +151,39 @@ def test_async_league_self_play(service, tmp_path):
     sampler = experiment._trainer.players.samplers[("me", oldest)]
     reply = asyncio.run(sampler.sample_async([1, 2, 3], 1, SamplingParams(max_tokens=2)))
     assert len(reply.sequences) == 1
+
+
+def test_a_league_with_a_frozen_agent_ends_with_a_repeatable_cross_play(service, tmp_path):
+    """The frozen agent is one of the league's opponents in training; after it, the final agent
+    plays it and the pool's other versions, every pair on the same seeds, both seats."""
+    config = ExperimentConfig(
+        name="cross",
+        env=EnvSetup("kuhn_poker-v0"),
+        agents=(agent("me", "reinforce"), dataclasses.replace(agent("base"), trainable=False)),
+        mapping=MappingConfig(kind="league", pool_every=1),  # type: ignore[arg-type]
+        train=TrainConfig(steps=2, groups=4, group_size=1),
+        eval=EvalConfig(episodes=2, at_start=False, cross_play_episodes=4),
+        output=OutputConfig(root=str(tmp_path), progress=False, tensorboard=False),
+    )
+    experiment = Experiment(config)
+    experiment.train(service=service)
+    run = tmp_path / "cross"
+    table = CrossPlay.load(run)
+    state = RunState.load(run)
+    past = [f"me@v{v}" for v in state.pool["me"] if v != state.versions["me"]]
+    assert past and table is not None and table.rows == ("me",) and table.columns == ("base", *past)
+    assert all(r.games + r.aborted == 4 for r in table.results["me"].values())
+    assert set(table.elo) == {"me", "base", *past}
+    episodes = [json.loads(line) for line in (run / "transcripts.jsonl").read_text().splitlines()]
+    assert any("base" in e["players"].values() for e in episodes if e["kind"] == "train")
+    crossed = [e for e in episodes if e["kind"] == "crossplay"]
+    assert {tuple(sorted(e["players"].values())) for e in crossed} == {tuple(sorted(("me", c))) for c in table.columns}
+    # Played again, the same draws: the evaluation's per-decision seeds.
+    import asyncio
+
+    assert experiment._trainer is not None
+    assert asyncio.run(experiment._trainer.cross_play()).results == table.results
+    assert cli.main(["show", str(run), "-n", "0"]) == 0
 
 
 def test_sft_from_jsonl_lowers_the_loss(service, tmp_path):

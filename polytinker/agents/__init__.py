@@ -8,6 +8,8 @@
 - Algorithms: ``GRPO``, ``PPO``, ``Reinforce``; SFT from JSONL conversations (``train_sft``).
 - ``Experiment`` / ``ExperimentConfig`` (TOML): the training loop, sync or async, with evaluation
   against scripted opponents, metrics, transcripts, curves and checkpoints (``resume``).
+- ``CrossPlay``: after training, the final agents against the frozen ones and each other
+  (wins, draws, losses) and an Elo per player (``elo_ratings``), in the run's ``crossplay.json``.
 - ``ServiceClientLike``, ``TrainingClientLike``, ``SamplingClientLike``: the client calls the loop
   makes (``polytinker.agents.protocols``), which ``polytinker.client``'s clients satisfy.
 
@@ -23,6 +25,7 @@ from polytinker.agents.config import (
     RuntimeSetup,
     TrainConfig,
 )
+from polytinker.agents.crossplay import CrossPlay, Record, elo_ratings
 from polytinker.agents.experiment import Experiment, RunSummary
 from polytinker.agents.mapping import MappingConfig, PolicyMapping
 from polytinker.agents.protocols import SamplingClientLike, ServiceClientLike, TrainingClientLike
@@ -49,6 +52,7 @@ __all__ = [
     "Algorithm",
     "AlgorithmConfig",
     "AlgorithmName",
+    "CrossPlay",
     "EnvSetup",
     "EvalConfig",
     "Experiment",
@@ -58,6 +62,7 @@ __all__ = [
     "MappingKind",
     "OutputConfig",
     "PolicyMapping",
+    "Record",
     "Reinforce",
     "Renderer",
     "RendererConfig",
@@ -72,6 +77,7 @@ __all__ = [
     "TrainConfig",
     "TrainingClientLike",
     "TurnSample",
+    "elo_ratings",
     "make_algorithm",
     "train_sft",
     "turn_datum",

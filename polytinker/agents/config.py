@@ -3,7 +3,8 @@
 - ``EnvSetup``: the env id, where it runs (here, or an env server's address), its keyword
   arguments and how it treats invalid actions.
 - ``TrainConfig``: steps, episodes per step (groups x group size), sync or async, seeds.
-- ``EvalConfig``: evaluation against the env's scripted opponents during training.
+- ``EvalConfig``: evaluation against the env's scripted opponents during training, and the
+  cross-play of the final agents after it.
 - ``OutputConfig``: the run directory and what goes in it (metrics, transcripts, checkpoints).
 - ``RuntimeSetup``: where inference and training run (a local runtime by default).
 - ``ExperimentConfig``: all of them, the agents and the policy mapping; ``from_toml``.
@@ -126,10 +127,16 @@ class EvalConfig:
     # Seeds of evaluation episodes (the same every evaluation, so they compare).
     at_start: bool = True
     # Evaluate before the first step (the baseline the improvement is measured from).
+    cross_play_episodes: int = 0
+    # After training, each trainable agent plays this many episodes against each frozen agent,
+    # each past version in a league's pool and each other trainable agent (seats alternating);
+    # the table and an Elo per player go to crossplay.json (polytinker.agents.crossplay). 0: none.
 
     def __post_init__(self) -> None:
         if self.every < 0 or self.episodes < 1:
             raise ConfigError("eval: every must be >= 0 and episodes >= 1")
+        if self.cross_play_episodes < 0:
+            raise ConfigError(f"eval.cross_play_episodes must be >= 0, got {self.cross_play_episodes}")
         if self.win not in ("beats_others", "positive", "solved"):
             raise ConfigError(f"eval.win must be 'beats_others', 'positive' or 'solved', got {self.win!r}")
         object.__setattr__(self, "opponents", tuple(self.opponents))

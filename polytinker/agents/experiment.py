@@ -7,7 +7,8 @@
 It builds the agents (a LoRA training client each, on one shared base model), the policy
 mapping, the algorithms and the rollout players, runs the ``Trainer``, and writes the run
 directory: ``config.json``, ``metrics.jsonl``, ``transcripts.jsonl``, ``curves.png``,
-``state.json`` (checkpoints) and ``summary.json``.
+``state.json`` (checkpoints), ``summary.json`` and, with ``eval.cross_play_episodes``,
+``crossplay.json``.
 """
 
 from __future__ import annotations
@@ -270,6 +271,8 @@ class Experiment:
             players = self._players(probe)
             self._check_opponents(players)
             mapping = PolicyMapping(config.mapping, probe.possible_agents, config.agents)
+            if config.eval.cross_play_episodes and len(mapping.env_roles) < 2:
+                raise ConfigError(f"eval.cross_play_episodes: env {config.env.id} has one role; cross-play needs two")
         finally:
             # Nothing later uses the probe: its scripted policies hold no env (a remote env's ask
             # the server of the episode being played).
@@ -316,6 +319,8 @@ class Experiment:
 
             self._progress = tqdm(total=config.train.steps, initial=start_step, desc=config.name, unit="step")
         await self._trainer.run(start_step)
+        if config.eval.cross_play_episodes:
+            (await self._trainer.cross_play()).save(self.run_dir)
         plot_curves(self.run_dir, self._trainer.trainable)
         summary = RunSummary(
             str(self.run_dir), config.train.steps, time.perf_counter() - self._start, self._eval_before, self._eval_last

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from polytinker.agents.aborts import aborted_metrics, check_aborted
 from polytinker.agents.algorithms import Algorithm
 from polytinker.agents.config import ExperimentConfig
+from polytinker.agents.crossplay import CrossPlay, cross_play
 from polytinker.agents.evaluate import evaluate
 from polytinker.agents.mapping import PolicyMapping
 from polytinker.agents.metrics import transcript
@@ -164,6 +165,22 @@ class Trainer:
         )
         self.hooks.transcripts(transcripts)
         return {**metrics, "time/eval_s": time.perf_counter() - start}
+
+    async def cross_play(self) -> CrossPlay:
+        """The final agents against the frozen ones and each other (``eval.cross_play_episodes``)."""
+        config = self.config
+        table, transcripts = await cross_play(
+            self.players,
+            self.mapping,
+            self.make_env,
+            self.coordinator,
+            episodes=config.eval.cross_play_episodes,
+            seed=config.eval.seed,
+            step=config.train.steps,
+            max_aborted_share=config.train.max_aborted_share,
+        )
+        self.hooks.transcripts(transcripts)
+        return table
 
     async def train_step(
         self, step: int, results: list[EpisodeResult], slots: SlotsBySeed, rollout_s: float

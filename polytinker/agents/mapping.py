@@ -6,8 +6,9 @@ every episode of a GRPO group (same seed) faces the same opponents:
 - ``independent``: each role has its own agent (its own adapter); ``roles`` may pin a role to a
   frozen agent or to a scripted opponent (``"scripted:random"``, ``"scripted:heuristic"``).
 - ``self_play``: one agent plays every role (its prompt names the role); both sides learn.
-- ``league``: one agent plays one role (alternating with the seed) against past versions of itself
-  drawn from a pool that the loop fills every ``pool_every`` steps (the newest ``pool_size`` kept).
+- ``league``: one agent plays one role (alternating with the seed) against opponents drawn from
+  its past versions, in a pool that the loop fills every ``pool_every`` steps (the newest
+  ``pool_size`` kept), and the frozen agents (``trainable = false``) no role is pinned to.
 """
 
 from __future__ import annotations
@@ -96,13 +97,21 @@ class PolicyMapping:
         elif self.config.kind is MappingKind.LEAGUE and self.open_roles:
             mine = self.open_roles[seed % len(self.open_roles)] if self.config.swap_roles else self.open_roles[0]
             rng = np.random.default_rng(seed)
-            pool = self.pool.get(self.learner, [])
+            opponents = self.league_opponents()
             for role in self.open_roles:
-                if role == mine or not pool:
+                if role == mine or not opponents:
                     slots[role] = Slot(SlotKind.LEARNER, self.learner)
                 else:
-                    slots[role] = Slot(SlotKind.PAST, self.learner, int(rng.choice(pool)))
+                    slots[role] = opponents[int(rng.choice(len(opponents)))]
         return slots
+
+    def league_opponents(self) -> list[Slot]:
+        """A league's opponents: the learner's past versions in the pool, then the frozen agents
+        that no role is pinned to (with neither, the learner plays itself)."""
+        pinned = {s.name for s in self.fixed.values()}
+        frozen = [n for n, spec in self.specs.items() if not spec.trainable and n not in pinned]
+        past = [Slot(SlotKind.PAST, self.learner, v) for v in self.pool.get(self.learner, [])]
+        return past + [Slot(SlotKind.FROZEN, n) for n in frozen]
 
     def add_to_pool(self, agent: str, version: int) -> list[int]:
         """Put a version in the agent's pool; returns the versions dropped (beyond ``pool_size``)."""

@@ -1,4 +1,5 @@
-"""``polytinker show RUN_DIR``: a run's summary, its metrics at a glance, and a few transcripts."""
+"""``polytinker show RUN_DIR``: a run's summary, its cross-play table, its metrics at a glance, and a
+few transcripts."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from polytinker.agents.crossplay import CrossPlay
 from polytinker.agents.metrics import read_metrics
 from polytinker.errors import ConfigError
 
@@ -37,6 +39,9 @@ def show_run(run_dir: Path, *, transcripts: int = 3) -> str:
         out = [RunSummary(**json.loads(summary_path.read_text())).report()]
     else:
         out = [f"run {run_dir} (unfinished: no summary.json)"]
+    table = CrossPlay.load(run_dir)
+    none = "cross-play: none in this run (eval.cross_play_episodes plays the final agents against the frozen ones)"
+    out.append(table.render() if table else none)
     train_rows = [r for r in rows if any(k.startswith("reward/") for k in r)]
     if train_rows:
         agents = sorted({k.split("/", 1)[1] for r in train_rows for k in r if k.startswith("reward/")})

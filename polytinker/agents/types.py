@@ -33,7 +33,7 @@ class AlgorithmName(StrEnum):
 class MappingKind(StrEnum):
     INDEPENDENT = "independent"  # each env role has its own agent (its own adapter)
     SELF_PLAY = "self_play"  # one agent plays every role; the role is named in its prompt
-    LEAGUE = "league"  # one agent against a pool of its own past versions (and its current one)
+    LEAGUE = "league"  # one agent against its past versions and the frozen agents (or itself)
 
 
 class SlotKind(StrEnum):
