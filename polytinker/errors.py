@@ -250,6 +250,7 @@ __all__ = [
     "ConfigError",
     "EnvBusy",
     "EnvError",
+    "EnvHookError",
     "GradientLost",
     "JobNotRunning",
     "ModelError",

@@ -12,6 +12,7 @@
   ``textarena`` extra), registered when first asked for.
 - ``Coordinator``: drives many episodes against ``policy(agent_id, PolicyInput) -> str``.
 - ``EnvServer`` / ``RemoteEnv``: envs in another process or machine over ZeroMQ.
+- ``EnvHookError``: a game's hook returned the wrong type (it names the hook and the line of its def).
 - ``EnvSource``: an env by id, local or at an env server's address (what train, play and check take).
 - ``check_env``: the conformance checks behind ``polytinker env check``.
 
@@ -38,7 +39,7 @@ from polytinker.envs.types import (
     Trajectory,
     Turn,
 )
-from polytinker.errors import EnvBusy
+from polytinker.errors import EnvBusy, EnvHookError
 
 __all__ = [
     "AgentAction",
@@ -47,6 +48,7 @@ __all__ = [
     "CoordinatorConfig",
     "EnvBusy",
     "EnvConfig",
+    "EnvHookError",
     "EnvServer",
     "EnvServerConfig",
     "EnvSource",
