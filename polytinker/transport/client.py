@@ -2,7 +2,8 @@
 
 One I/O thread owns the socket. A caller encodes its payload in its own thread, queues the
 request and wakes the I/O thread through a pipe; the I/O thread sends it, matches answers to
-request ids and resolves the call's future, which the caller waits on. The I/O thread also
+request ids and resolves the call's future, which the caller waits on (a reply over 64 KiB to a
+blocking ``call()`` is decoded by that caller, so that it holds up no other answer). The I/O thread also
 enforces deadlines and pings the server every ``heartbeat_interval_s``. A server is dead when its
 connection is gone, not when it is slow: when the connection drops (the server's process exited
 or restarted; the socket's monitor says so at once) the calls sent over it fail with
