@@ -1,7 +1,7 @@
 """A real engine or learner worker in a child process, called the way the scheduler calls it.
 
 ``worker_process`` spawns the runtime's own ``EngineActor`` or ``LearnerActor``
-(``polytinker.scheduler.service.workers``): the child builds its ``EngineWorker`` or
+(``polytinker.engine.worker.server``): the child builds its ``EngineWorker`` or
 ``LearnerWorker``, serves ``worker.handlers()`` on its Curve ``WorkerServer`` and registers with a
 stand-in scheduler that only records the ``Register``. The test gets an ``RpcClient`` to that
 server holding the scheduler's client keys (derived from the worker token, as the broker's are),
@@ -20,8 +20,8 @@ from pathlib import Path
 from polytinker.actors import Actor, ActorConfig, spawn
 from polytinker.engine.worker import messages as wm
 from polytinker.engine.worker.auth import scheduler_client_keypair
+from polytinker.engine.worker.server import EngineActor, LearnerActor
 from polytinker.scheduler.service.config import EngineWorkerConfig, LearnerWorkerConfig, RuntimeConfig
-from polytinker.scheduler.service.workers import EngineActor, LearnerActor
 from polytinker.transport import ClientCurve, RpcClient, RpcServer, TransportConfig
 
 
@@ -62,8 +62,7 @@ def worker_process(
     with RpcServer("tcp://127.0.0.1:0", {"sched.w.register": register}) as scheduler:
         ref = spawn(
             actor,
-            config.to_dict(),
-            worker_id,
+            config.worker_plan(worker_id).to_dict(),
             scheduler.address,
             token,
             name=worker_id,

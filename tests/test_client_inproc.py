@@ -77,7 +77,7 @@ def test_inproc_gives_the_real_runtimes_results_without_processes_or_sockets(
 
     monkeypatch.setattr(zmq.Context, "socket", counted)
     # Float sums depend on torch's thread count: run with the count a worker process sets
-    # (scheduler/service/workers.py), whatever an earlier test in this process left.
+    # (engine/worker/server.py), whatever an earlier test in this process left.
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     try:

@@ -124,7 +124,7 @@ def test_serve_and_a_remote_worker_with_curve(served: tuple[str, Path], capsys: 
 def test_worker_refuses_bad_addresses_and_missing_keys_before_loading_a_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], args: list[str], says: str
 ) -> None:
-    from polytinker.scheduler.service import workers
+    from polytinker.engine.worker import server as workers
 
     def no_model(*_a: object) -> None:
         raise AssertionError("the worker loaded a model before checking its arguments")

@@ -678,7 +678,7 @@ def test_a_learner_worker_holds_one_full_parameter_model_at_a_time(tmp_path: Pat
 def test_worker_threads_take_omp_num_threads_else_the_cores_shared_by_a_groups_ranks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from polytinker.scheduler.service.workers import worker_threads
+    from polytinker.engine.worker.server import worker_threads
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
@@ -690,7 +690,7 @@ def test_worker_threads_take_omp_num_threads_else_the_cores_shared_by_a_groups_r
 def test_a_worker_process_takes_the_threads_its_role_and_group_size_give_it(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from polytinker.scheduler.service.workers import set_worker_threads
+    from polytinker.engine.worker.server import set_worker_threads
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -700,6 +700,6 @@ def test_a_worker_process_takes_the_threads_its_role_and_group_size_give_it(monk
         engines=(EngineWorkerConfig("engine-0"),),
         learners=(LearnerWorkerConfig("solo"), LearnerWorkerConfig("pair", world_size=2)),
     )
-    for role, worker_id in (("engine", "engine-0"), ("learner", "solo"), ("learner", "pair")):
-        set_worker_threads(role, worker_id, config)
+    for worker_id in ("engine-0", "solo", "pair"):
+        set_worker_threads(config.worker_plan(worker_id))
     assert given == [8, 8, 4]  # a group's ranks share the cores

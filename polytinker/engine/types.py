@@ -31,6 +31,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from polytinker.errors import ConfigError
+from polytinker.transport.messages import register_message
 
 if TYPE_CHECKING:  # only a type here: client processes that import these messages need no torch
     import torch
@@ -454,6 +455,13 @@ def check_loss_config(config: dict[str, float] | None) -> None:
         if not (isinstance(name, str) and isinstance(value, int | float) and math.isfinite(value)):
             raise ConfigError(f"loss_fn_config[{str(name)[:64]!r}] must be a finite number")
 
+
+
+# The one training example and the sampling parameters of the whole stack travel as values in
+# messages (the scheduler's, its clients' and its workers'): registered where they are defined,
+# so every process that has the types can encode and decode them.
+register_message("sched.datum", Datum)
+register_message("sched.sampling_params", SamplingParams)
 
 __all__ = [
     "ATTN_MODULES",

@@ -116,7 +116,7 @@ def _placed(cfg: Any, args: argparse.Namespace, role: str) -> Any:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from polytinker.scheduler.service.workers import WorkerServer, build_worker, set_worker_threads
+    from polytinker.engine.worker.server import WorkerServer, build_worker, set_worker_threads
     from polytinker.transport import ClientCurve, load_keypair
 
     os.umask(0o077)  # the checkpoints and exports it writes hold a tenant's weights
@@ -140,8 +140,9 @@ def _worker(args: argparse.Namespace) -> int:
             raise ConfigError(f"{args.curve_secret} holds no secret key: pass the .key_secret file")
         keypair = (public, secret)
         client_curve = ClientCurve(public, secret, load_keypair(args.scheduler_key)[0])
-    set_worker_threads(roles[args.id], args.id, cfg)
-    worker = build_worker(roles[args.id], args.id, cfg)
+    plan = cfg.worker_plan(args.id)
+    set_worker_threads(plan)
+    worker = build_worker(plan)
     server = WorkerServer(
         worker_id=args.id,
         role=roles[args.id],

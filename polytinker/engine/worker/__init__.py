@@ -1,5 +1,8 @@
-"""The engine's worker processes' contract with the scheduler.
+"""The engine's worker processes and their contract with the scheduler.
 
+- ``server``: a worker process: its ``WorkerPlan`` (what it is built from), ``WorkerServer`` (its
+  Curve RPC server, registered with the scheduler), and the actors a runtime supervises
+  (``EngineActor``, ``LearnerActor``); ``polytinker worker`` runs the same on another machine;
 - ``messages``: what the scheduler asks of workers (``sched.w.*``: sample, forward_backward, step,
   save, load, export, ...), and what a worker sends it (``Register``);
 - ``replies``: what workers answer (the ones a client gets are handed on unchanged);

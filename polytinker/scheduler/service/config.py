@@ -27,6 +27,7 @@ from polytinker.engine.worker.config import (
     LearnerWorkerConfig,
     check_id,
 )
+from polytinker.engine.worker.server import WorkerPlan
 from polytinker.errors import ConfigError
 from polytinker.scheduler.service.http_config import HttpConfig, host_port, read_toml
 from polytinker.tables import from_table
@@ -257,6 +258,13 @@ class RuntimeConfig:
             raise ConfigError(f"RuntimeConfig.max_restarts must be an int >= 0, got {self.max_restarts!r}")
         if self.worker_token and len(self.worker_token) < 16:
             raise ConfigError("RuntimeConfig.worker_token must have at least 16 characters")
+
+    def worker_plan(self, worker_id: str) -> WorkerPlan:
+        """What the engine or learner group ``worker_id`` of this runtime is built from."""
+        workers = {e.engine_id: e for e in self.engines} | {g.learner_id: g for g in self.learners}
+        if worker_id not in workers:
+            raise ConfigError(f"no engine or learner {worker_id!r} in the runtime config; declared: {sorted(workers)}")
+        return WorkerPlan(self.model, self.state_dir, workers[worker_id], self.worker_heartbeat_s)
 
     @property
     def state_path(self) -> Path:

@@ -32,12 +32,12 @@ from typing import Any
 from polytinker.engine.models import model_limits
 from polytinker.engine.worker.auth import register_proof, worker_server_curve
 from polytinker.engine.worker.messages import Register
+from polytinker.engine.worker.server import build_worker
 from polytinker.errors import ConfigError
 from polytinker.scheduler.service.config import RuntimeConfig
 from polytinker.scheduler.service.home import private_state_dir
 from polytinker.scheduler.service.runtime import prepared
 from polytinker.scheduler.service.scheduler import SchedulerService
-from polytinker.scheduler.service.workers import build_worker
 from polytinker.transport import TransportConfig
 from polytinker.transport.direct import DirectClient, Link
 
@@ -102,7 +102,7 @@ class InprocRuntime:
 
     def _add_worker(self, role: str, worker_id: str) -> None:
         """Build the worker, register it once (so it serves when start returns), keep it registered."""
-        worker = build_worker(role, worker_id, self.config)
+        worker = build_worker(self.config.worker_plan(worker_id))
         self.workers[worker_id] = worker
         # Engines take many concurrent sample requests (the batcher joins them); learners one at a time.
         self._links[worker_id] = DirectClient(worker_id, worker.handlers(), concurrency=0 if role == "engine" else 1)

@@ -38,7 +38,7 @@ from polytinker.engine.types import (
 from polytinker.engine.worker.layout import check_name
 from polytinker.model_path import CKPT_PREFIX, MODEL_PREFIX
 from polytinker.scheduler.types import JobKind
-from polytinker.transport.messages import message, register_message
+from polytinker.transport.messages import message
 
 JOB_KINDS = tuple(str(k) for k in JobKind)  # ("lora_rl", "full_rl", "sft", "inference")
 _RL_KINDS = (JobKind.LORA_RL, JobKind.FULL_RL)  # they sample and train
@@ -59,11 +59,6 @@ def request_id_ok(request_id: str, attempt: int, field: str = "request_id") -> N
         f"{field}: at most {MAX_REQUEST_ID} ASCII letters, digits, '-' or '_'",
     )
     need(isinstance(attempt, int) and 0 <= attempt < 1_000_000, "attempt must be an int in [0, 1000000)")
-
-
-# The one training example and the sampling parameters of the whole stack, as values in messages.
-register_message("sched.datum", Datum)
-register_message("sched.sampling_params", SamplingParams)
 
 
 # --- client -> scheduler --------------------------------------------------------------------

@@ -43,6 +43,7 @@ from polytinker.actors import ActorConfig, ActorRef, ChildReport, RestartPolicy,
 from polytinker.engine.device import resolve_device
 from polytinker.engine.worker.auth import launcher_credential
 from polytinker.engine.worker.messages import ActorsReport, ActorState, WorkersQuery
+from polytinker.engine.worker.server import EngineActor, LearnerActor
 from polytinker.errors import ConfigError, RequestTimeout, RuntimeDead
 from polytinker.scheduler.service.config import RuntimeConfig, TenantConfig
 from polytinker.scheduler.service.home import Holder, StateLock, private_state_dir
@@ -50,7 +51,6 @@ from polytinker.scheduler.service.messages import RuntimeStatus
 from polytinker.scheduler.service.replies import RuntimeStatusReply, WorkersReply
 from polytinker.scheduler.service.scheduler import SchedulerActor
 from polytinker.scheduler.service.tenants import new_api_key
-from polytinker.scheduler.service.workers import EngineActor, LearnerActor
 from polytinker.transport import RpcClient
 
 log = logging.getLogger("polytinker.scheduler.runtime")
@@ -189,8 +189,7 @@ class LocalRuntime:
         cfg = self.config
         return self.supervisor.spawn(
             cls,
-            cfg.to_dict(),
-            worker_id,
+            cfg.worker_plan(worker_id).to_dict(),
             self.local_address,
             cfg.worker_token,
             name=worker_id,

@@ -8,30 +8,35 @@ serves with Curve and admits only the scheduler (keys derived from the worker to
 ``polytinker.engine.worker.auth``): no other process on the host, tenant or not, gets an answer from it. Its
 checkpoints and exports live under the state root it is built with (``build_worker``).
 
+A ``WorkerPlan`` is what one worker is built from: its engine or learner config, the base model
+and the state root (the scheduler's runtime config makes one per worker: ``RuntimeConfig.worker_plan``).
 ``EngineActor`` and ``LearnerActor`` are the process actors the runtime supervises: each builds
-its worker in ``on_start`` (so ``spawn`` returns once the model is loaded and it is registered)
-and tears it down in ``on_stop``. ``polytinker worker`` runs the same ``WorkerServer`` in the
-foreground on another machine.
+its worker from its plan in ``on_start`` (so ``spawn`` returns once the model is loaded and it is
+registered) and tears it down in ``on_stop``. ``polytinker worker`` runs the same ``WorkerServer``
+in the foreground on another machine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from polytinker.actors import Actor
 from polytinker.engine.models import model_limits
 from polytinker.engine.worker.auth import register_proof, worker_server_curve
+from polytinker.engine.worker.config import EngineWorkerConfig, LearnerWorkerConfig
 from polytinker.engine.worker.messages import Register
 from polytinker.errors import ConfigError
-from polytinker.scheduler.service.config import RuntimeConfig
 from polytinker.transport import ClientCurve, RpcClient, RpcServer, TransportConfig
 
-log = logging.getLogger("polytinker.scheduler.workers")
+log = logging.getLogger("polytinker.engine.worker")
 
 
 class WorkerServer:
@@ -117,60 +122,87 @@ def worker_threads(ranks: int = 1) -> int:
     return max(1, cores // max(1, ranks))
 
 
-def set_worker_threads(role: str, worker_id: str, config: RuntimeConfig) -> None:
+@dataclass(frozen=True)
+class WorkerPlan:
+    """What one worker is built from: its config (an engine's or a learner group's), the base
+    model it serves, the state root it keeps weights under, and how often it registers."""
+
+    model: str
+    state_dir: str
+    worker: EngineWorkerConfig | LearnerWorkerConfig
+    heartbeat_s: float = 10.0
+
+    @property
+    def role(self) -> str:
+        return "engine" if isinstance(self.worker, EngineWorkerConfig) else "learner"
+
+    @property
+    def worker_id(self) -> str:
+        w = self.worker
+        return w.engine_id if isinstance(w, EngineWorkerConfig) else w.learner_id
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values, for a worker process's start arguments."""
+        return {**dataclasses.asdict(self), "role": self.role}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> WorkerPlan:
+        config = EngineWorkerConfig if d["role"] == "engine" else LearnerWorkerConfig
+        return cls(d["model"], d["state_dir"], config(**d["worker"]), float(d["heartbeat_s"]))
+
+
+def set_worker_threads(plan: WorkerPlan) -> None:
     """Give this worker process ``worker_threads`` torch threads: a runtime's worker actor and
     ``polytinker worker`` call it before they build the worker (an in-process runtime does not:
     its threads are the caller's)."""
     import torch
 
-    ranks = next((g.world_size for g in config.learners if g.learner_id == worker_id), 1) if role == "learner" else 1
-    torch.set_num_threads(worker_threads(ranks))
+    w = plan.worker
+    torch.set_num_threads(worker_threads(w.world_size if isinstance(w, LearnerWorkerConfig) else 1))
 
 
-def build_worker(role: str, worker_id: str, config: RuntimeConfig) -> Any:
-    """The EngineWorker or LearnerWorker that ``worker_id`` names in ``config``, keeping its
-    checkpoints and exports under ``config.state_dir`` (a local runtime's, or ``polytinker worker
-    --state-dir``): no message names a path."""
-    root = config.state_path
-    if role == "engine":
+def build_worker(plan: WorkerPlan) -> Any:
+    """The EngineWorker or LearnerWorker of ``plan``, keeping its checkpoints and exports under
+    ``plan.state_dir`` (a local runtime's, or ``polytinker worker --state-dir``): no message
+    names a path."""
+    if not plan.state_dir:
+        raise ConfigError(f"{plan.role} {plan.worker_id}: no state directory to keep weights in")
+    root = Path(plan.state_dir).expanduser()
+    if isinstance(plan.worker, EngineWorkerConfig):
         from polytinker.engine.inference.worker import EngineWorker
 
-        for e in config.engines:
-            if e.engine_id == worker_id:
-                return EngineWorker(config.model, e, root)
-    elif role == "learner":
-        from polytinker.engine.learner.worker import LearnerWorker
+        return EngineWorker(plan.model, plan.worker, root)
+    from polytinker.engine.learner.worker import LearnerWorker
 
-        for g in config.learners:
-            if g.learner_id == worker_id:
-                return LearnerWorker(config.model, g, root)
-    raise ConfigError(f"no {role} {worker_id!r} in the runtime config")
+    return LearnerWorker(plan.model, plan.worker, root)
 
 
 class _WorkerActor(Actor):
     role = ""
 
-    def __init__(self, config: dict[str, Any], worker_id: str, scheduler: str, token: str) -> None:
-        self._config = RuntimeConfig.from_dict(config)
-        self._worker_id, self._scheduler, self._token = worker_id, scheduler, token
+    def __init__(self, plan: dict[str, Any], scheduler: str, token: str) -> None:
+        self._plan = WorkerPlan.from_dict(plan)
+        if self._plan.role != self.role:
+            raise ConfigError(f"a {self.role} actor was given the plan of a {self._plan.role}")
+        self._scheduler, self._token = scheduler, token
         self._worker: Any = None
         self._server: WorkerServer | None = None
 
     def on_start(self) -> None:
         os.umask(0o077)  # checkpoints and adapter exports hold a tenant's weights: this user's alone
 
-        set_worker_threads(self.role, self._worker_id, self._config)
-        self._worker = build_worker(self.role, self._worker_id, self._config)
+        set_worker_threads(self._plan)
+        self._worker = build_worker(self._plan)
         # Engines take many concurrent sample requests (the batcher joins them); learners one at a time.
         threads = 256 if self.role == "engine" else 1
         self._server = WorkerServer(
-            worker_id=self._worker_id,
+            worker_id=self._plan.worker_id,
             role=self.role,
-            base_model=self._config.model,
+            base_model=self._plan.model,
             handlers=self._worker.handlers(),
             scheduler=self._scheduler,
             token=self._token,
-            heartbeat_s=self._config.worker_heartbeat_s,
+            heartbeat_s=self._plan.heartbeat_s,
             handler_threads=threads,
         )
         self._server.registered.wait(30.0)
@@ -194,4 +226,12 @@ class LearnerActor(_WorkerActor):
     role = "learner"
 
 
-__all__ = ["EngineActor", "LearnerActor", "WorkerServer", "build_worker", "set_worker_threads", "worker_threads"]
+__all__ = [
+    "EngineActor",
+    "LearnerActor",
+    "WorkerPlan",
+    "WorkerServer",
+    "build_worker",
+    "set_worker_threads",
+    "worker_threads",
+]
