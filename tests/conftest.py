@@ -65,6 +65,7 @@ RUNTIME_KEYWORDS = frozenset({"runtime_config"})
 # "module::test". An entry that names no collected test fails the collection.
 RUNTIME_TESTS = frozenset(
     {
+        "test_league_example",  # examples/league.py starts a local runtime in its child interpreter
         "test_scheduler_service_cli",
         "test_scheduler_service_health",
         "test_scheduler_service_unit::test_a_data_parallel_learner_worker_runs_a_full_parameter_job_then_lora_again",
