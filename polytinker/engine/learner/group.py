@@ -297,11 +297,7 @@ class LearnerGroup:
         """``forward`` with the loss ``forward_backward`` would compute, and no gradient."""
         if self._group is None:
             return self.learner.forward_loss(data, loss_fn, adapter, loss_fn_config)
-        self._check(adapter, data, loss_fn, trains=False)
-        LossConfig.from_mapping(loss_fn_config)
-        wire = [_datum_to_wire(d) for d in data]
-        parts = self._call("forward", data=wire, loss_fn=loss_fn, adapter=adapter, loss_fn_config=loss_fn_config)
-        return _merge(parts)
+        return self._scored("forward", data, loss_fn, adapter, loss_fn_config)
 
     def forward_backward(
         self,
@@ -312,13 +308,21 @@ class LearnerGroup:
     ) -> ForwardBackwardResult:
         if self._group is None:
             return self.learner.forward_backward(data, loss_fn, adapter, loss_fn_config)
-        self._check(adapter, data, loss_fn)
+        return self._scored("forward_backward", data, loss_fn, adapter, loss_fn_config)
+
+    def _scored(
+        self,
+        op: str,
+        data: list[Datum],
+        loss_fn: LossFnName,
+        adapter: AdapterName | None,
+        loss_fn_config: dict[str, float] | None,
+    ) -> ForwardBackwardResult:
+        """A loss over ``data`` on every rank (``op``: with its gradient or without), merged."""
+        self._check(adapter, data, loss_fn, trains=op == "forward_backward")
         LossConfig.from_mapping(loss_fn_config)
         wire = [_datum_to_wire(d) for d in data]
-        parts = self._call(
-            "forward_backward", data=wire, loss_fn=loss_fn, adapter=adapter, loss_fn_config=loss_fn_config
-        )
-        return _merge(parts)
+        return _merge(self._call(op, data=wire, loss_fn=loss_fn, adapter=adapter, loss_fn_config=loss_fn_config))
 
     def forward_backward_many(
         self,
