@@ -7,7 +7,9 @@ One ``polytinker serve --http`` (tiny-random model) serves three tenants: ``good
 and ``hostile``. For the measured phases every core runs a busy Python loop in a child process.
 
 - Latency alone: ``good-a`` samples 4 tokens of a 5-token prompt from the base model, one call
-  after another; the median is ``latency_alone_s``.
+  after another; the median is ``latency_alone_s``. This probe runs in a process of its own, as
+  a tenant's client would: sharing an interpreter with the good tenants' SDK loops, a probe
+  waited 61-156 ms for their event loop and the ratio measured this script's own process.
 - Soak: K threads per good tenant, each with its own LoRA run, loop an RL step's calls through
   the tinker SDK, each bounded by a timeout: sample (4 tokens from the run's newest saved
   weights), forward_backward (2 datums of 8 tokens, cross entropy), optim_step, and
@@ -15,15 +17,19 @@ and ``hostile``. For the measured phases every core runs a busy Python loop in a
   keeps two samples of 1024 sequences of 64 tokens in flight (the hog) and loops bad inputs
   through the SDK and raw HTTP (token ids 10**6 and -5 in prompts and datums, NaN advantages,
   infinite learning rate and max_tokens, NaN temperature, wrong JSON types, truncated and deeply
-  nested JSON, a body over the size cap), ignoring every error; and the latency probe runs again
-  once a hog request is in flight (``latency_with_hog_s``: the probes started while one was).
+  nested JSON, a body over the size cap), ignoring every error. The latency probe runs once in
+  that soak (``latency_in_soak_without_hog_s``); then the hostile tenant starts the hog and the
+  probe runs again once a hog request is in flight (``latency_with_hog_s``: the probes started
+  while one was).
 
 Prints ``name: value`` lines: ``failed_calls`` (the good tenants' calls that raised, target 0),
 ``good_tenant_p99_s``, ``fairness_ratio`` (the good tenants' successful calls per second,
 min/max, target >= 0.8), ``hog_delay_ratio`` (``latency_with_hog_s / latency_alone_s``, target
-<= 3), ``hog_samples_per_s`` (the sequences the engine answered during the soak, less the good
-tenants' samples, per second: the hog's throughput), the hostile tenant's outcomes and the raw
-inputs. What failed, and how, goes to stderr.
+<= 3), ``hog_only_delay_ratio`` (``latency_with_hog_s / latency_in_soak_without_hog_s``: the hog's
+own share of that delay, the good tenants' load being the same on both sides),
+``hog_samples_per_s`` (the sequences the engine answered during the soak, less the good tenants'
+samples, per second: the hog's throughput), the hostile tenant's outcomes and the raw inputs.
+What failed, and how, goes to stderr.
 """
 
 from __future__ import annotations
@@ -377,11 +383,14 @@ def sdk_bad_loop(trainer: Any, sampler: Any, hostile: Hostile, stop: threading.E
                 hostile.note(name, "accepted")
 
 
-def hog_loop(sampler: Any, hostile: Hostile, stop: threading.Event, busy: Any) -> None:
-    """Keep HOG_IN_FLIGHT samples of HOG_SAMPLES x HOG_TOKENS in flight until ``stop``; ``busy``
-    (an event shared with the main process) is set while one is."""
+def hog_loop(sampler: Any, hostile: Hostile, stop: threading.Event, busy: Any, hog_go: Any) -> None:
+    """From ``hog_go`` on, keep HOG_IN_FLIGHT samples of HOG_SAMPLES x HOG_TOKENS in flight until
+    ``stop``; ``busy`` (an event shared with the main process) is set while one is."""
     prompt = _types().ModelInput.from_ints(PROMPT)
     pending: list[Any] = []
+    while not hog_go.wait(0.1):
+        if stop.is_set():
+            return
 
     def done(f: Any) -> None:
         if f.cancelled():
@@ -405,7 +414,9 @@ def hog_loop(sampler: Any, hostile: Hostile, stop: threading.Event, busy: Any) -
         f.cancel()  # the SDK cancels the call itself too
 
 
-def hostile_main(url: str, soak_s: float, timeout_s: float, ready: Any, go: Any, busy: Any, conn: Any) -> None:
+def hostile_main(
+    url: str, soak_s: float, timeout_s: float, ready: Any, go: Any, busy: Any, hog_go: Any, conn: Any
+) -> None:
     """The hostile tenant, in a process of its own (as another client would be: its loops do not
     take the good clients' interpreter lock); its counts go back through ``conn``."""
     import logging
@@ -421,7 +432,7 @@ def hostile_main(url: str, soak_s: float, timeout_s: float, ready: Any, go: Any,
     hostile, stop = Hostile(), threading.Event()
     if go.wait(START_TIMEOUT_S):
         loops = [
-            (hog_loop, (sampler, hostile, stop, busy)),
+            (hog_loop, (sampler, hostile, stop, busy, hog_go)),
             (sdk_bad_loop, (trainer, sampler, hostile, stop, timeout_s)),
             (raw_loop, (url, str(trainer.model_id), hostile, stop, timeout_s)),
         ]
@@ -437,8 +448,62 @@ def hostile_main(url: str, soak_s: float, timeout_s: float, ready: Any, go: Any,
     os._exit(0)  # the SDK's threads may still wait on calls that serve will never answer
 
 
-def setup_good(url: str, budget: Budget) -> tuple[list[Client], Any]:
-    """Each good thread's run, made concurrently, and ``good-a``'s base-model sampler for the probe."""
+def _probe_result(tally: Tally, latencies: list[float]) -> dict[str, Any]:
+    return {"latencies": latencies, "ok": [dt for _, dt in tally.latencies], "failures": dict(tally.failures)}
+
+
+def probe_main(url: str, budget: Budget, busy: Any, conn: Any) -> None:
+    """``good-a``'s latency probe in a process of its own. Commands through ``conn``: ``("now",)``
+    probes now; ``("with_hog", seconds)`` probes once the hog is in flight, for at most ``seconds``;
+    each answers ``_probe_result``. ``None`` ends it."""
+    import tinker
+
+    service = tinker.ServiceClient(base_url=url, api_key=KEYS["good-a"])
+    sampler = service.create_sampling_client(base_model=MODEL).result(budget.call_timeout_s)
+    conn.send("ready")
+    while (command := conn.recv()) is not None:
+        tally, latencies = Tally(), []
+        if command[0] == "now":
+            latencies = probe(sampler, tally, budget.probes, budget.call_timeout_s)
+        elif busy.wait(command[1] / 2):
+            deadline = time.monotonic() + command[1]
+            time.sleep(1.0)  # the hog's first batches reach the engine
+            latencies = probe(sampler, tally, budget.probes, budget.call_timeout_s, busy.is_set, deadline)
+        conn.send(_probe_result(tally, latencies))
+    conn.close()
+    os._exit(0)
+
+
+class Prober:
+    """The probe process, from this side."""
+
+    def __init__(self, ctx: Any, url: str, budget: Budget, busy: Any) -> None:
+        self._conn, theirs = ctx.Pipe()
+        self.proc = ctx.Process(target=probe_main, args=(url, budget, busy, theirs), daemon=True)
+        self.proc.start()
+        self._timeout_s = budget.call_timeout_s
+
+    def ready(self) -> bool:
+        return bool(self._conn.poll(START_TIMEOUT_S) and self._conn.recv() == "ready")
+
+    def run(self, *command: Any) -> tuple[list[float], Tally]:
+        """The latencies the probe counts, and a tally of every probe call."""
+        self._conn.send(command)
+        wait_s = (command[1] * 2 if len(command) > 1 else 0) + 20 * self._timeout_s
+        out = self._conn.recv() if self._conn.poll(wait_s) else {"latencies": [], "ok": [], "failures": {}}
+        tally = Tally(latencies=[("probe sample", dt) for dt in out["ok"]], failures=Counter(out["failures"]))
+        return list(out["latencies"]), tally
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError):
+            self._conn.send(None)
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def setup_good(url: str, budget: Budget) -> list[Client]:
+    """Each good thread's run, made concurrently."""
     import tinker
 
     services = {t: tinker.ServiceClient(base_url=url, api_key=KEYS[t]) for t in GOOD}
@@ -446,28 +511,34 @@ def setup_good(url: str, budget: Budget) -> tuple[list[Client], Any]:
         futures = [
             pool.submit(make_client, services[t], t, budget.call_timeout_s) for t in GOOD for _ in range(budget.clients)
         ]
-        clients = [f.result() for f in futures]
-    return clients, services["good-a"].create_sampling_client(base_model=MODEL).result(budget.call_timeout_s)
+        return [f.result() for f in futures]
 
 
 @dataclass
 class Soak:
     tally: Tally
     probes: Tally
+    without_hog: list[float]  # probes in the soak before the hog starts
     with_hog: list[float]
     duration_s: float
 
 
-def soak(clients: list[Client], probe_sampler: Any, busy: Any, budget: Budget) -> Soak:
-    """The good threads for ``budget.soak_s``, and the probe once the hog is in flight."""
+def soak(clients: list[Client], prober: Prober, hog_go: Any, budget: Budget) -> Soak:
+    """The good threads (and the hostile tenant's bad inputs) for ``budget.soak_s``; the probe
+    in that soak, then ``hog_go`` and the probe again once the hog is in flight."""
     start = time.monotonic()
     deadline = start + budget.soak_s
-    tally, probes, with_hog = Tally(), Tally(), []
+    tally, probes, without_hog, with_hog = Tally(), Tally(), [], []
 
     def probe_under_hog() -> None:
-        if busy.wait(budget.soak_s / 2):
-            time.sleep(1.0)  # the hog's first batches reach the engine
-            with_hog.extend(probe(probe_sampler, probes, budget.probes, budget.call_timeout_s, busy.is_set, deadline))
+        time.sleep(1.0)  # the good threads' calls are under way
+        for phase, out in ((("now",), without_hog), (("with_hog", deadline - time.monotonic()), with_hog)):
+            if phase[0] == "with_hog":
+                hog_go.set()
+            latencies, probed = prober.run(*phase)
+            out.extend(latencies)
+            probes.latencies.extend(probed.latencies)
+            probes.failures.update(probed.failures)
 
     threads = [threading.Thread(target=good_loop, args=(c, tally, deadline, budget.call_timeout_s)) for c in clients]
     threads.append(threading.Thread(target=probe_under_hog))
@@ -476,7 +547,7 @@ def soak(clients: list[Client], probe_sampler: Any, busy: Any, budget: Budget) -
         t.start()
     for t in threads:  # a call started before the deadline may take its whole timeout
         t.join(max(0.0, deadline - time.monotonic()) + budget.call_timeout_s + 5)
-    return Soak(tally, probes, with_hog, time.monotonic() - start)
+    return Soak(tally, probes, without_hog, with_hog, time.monotonic() - start)
 
 
 def cores() -> int:
@@ -509,7 +580,11 @@ def report(
     print(f"good_tenant_p99_s: {_p99([dt for _, dt in s.tally.latencies]):.3f}")
     print(f"fairness_ratio: {min(rates.values()) / max(rates.values()) if max(rates.values()) else math.nan:.3f}")
     print(f"hog_delay_ratio: {_median(s.with_hog) / _median(alone):.3f}")
+    # The same soak without the hog over with it: what the hog itself adds (the ratio above adds
+    # the good tenants' own load to it).
+    print(f"hog_only_delay_ratio: {_median(s.with_hog) / _median(s.without_hog):.3f}")
     print(f"latency_alone_s: {_median(alone):.3f}")
+    print(f"latency_in_soak_without_hog_s: {_median(s.without_hog):.3f}")
     print(f"latency_with_hog_s: {_median(s.with_hog):.3f}")
     print(f"hog_samples_per_s: {hog_per_s:.1f}")
     print(f"probes_alone: {len(alone)}")
@@ -561,30 +636,33 @@ def main() -> None:
     # SIGTERM (a timeout's) raises SystemExit, so the cleanup below still runs.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ctx = multiprocessing.get_context("spawn")  # the main process holds the SDK's threads: no fork
-    ready, go, busy = ctx.Event(), ctx.Event(), ctx.Event()
+    ready, go, busy, hog_go = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Event()
     receiver, sender = ctx.Pipe(duplex=False)
     with tempfile.TemporaryDirectory(prefix="polytinker-bench-soak-") as tmp:
         serve, url = start_serve(Path(tmp))
         busy_procs: list[subprocess.Popen[bytes]] = []
         hostile_proc = None
+        prober: Prober | None = None
         try:
-            args = (url, budget.soak_s, budget.call_timeout_s, ready, go, busy, sender)
+            args = (url, budget.soak_s, budget.call_timeout_s, ready, go, busy, hog_go, sender)
             hostile_proc = ctx.Process(target=hostile_main, args=args, daemon=True)
             hostile_proc.start()
-            clients, probe_sampler = setup_good(url, budget)
-            if not ready.wait(START_TIMEOUT_S):
-                raise SystemExit("the hostile client did not start")
+            prober = Prober(ctx, url, budget, busy)
+            clients = setup_good(url, budget)
+            if not ready.wait(START_TIMEOUT_S) or not prober.ready():
+                raise SystemExit("the hostile client or the probe did not start")
             busy_procs = start_busy(cores())
-            alone_tally = Tally()
-            alone = probe(probe_sampler, alone_tally, budget.probes, budget.call_timeout_s)
+            alone, alone_tally = prober.run("now")
             before = engine_sequences(Path(tmp))
             go.set()
-            result = soak(clients, probe_sampler, busy, budget)
+            result = soak(clients, prober, hog_go, budget)
             hog_per_s = hog_rate(before, engine_sequences(Path(tmp)), result)
             hostile = receiver.recv() if receiver.poll(budget.call_timeout_s + 10) else {}
         finally:
             stop_busy(busy_procs)
             _stop_hostile(hostile_proc)
+            if prober is not None:
+                prober.stop()
             stop_serve(serve)
     report(alone, alone_tally, result, hostile, len(busy_procs), hog_per_s)
 
