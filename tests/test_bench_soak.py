@@ -16,7 +16,9 @@ RATIOS = (
     "good_tenant_p99_s",
     "fairness_ratio",
     "hog_delay_ratio",
+    "hog_only_delay_ratio",
     "latency_alone_s",
+    "latency_in_soak_without_hog_s",
     "latency_with_hog_s",
     "hog_samples_per_s",
 )
