@@ -41,6 +41,7 @@ class PendingCalls:
         self.ping_sent = now
         self.next_due = now  # the earliest a ping, a deadline or the silence limit is due
         self.slowest_pong_s = 0.0  # the longest the server took to answer a ping, for the silence limit
+        self._silence_s = cfg.dead_after_s  # silence_limit_s(), kept: the I/O loop asks every turn
 
     def pinged(self, now: float) -> None:
         if not self.awaiting_pong:  # an unanswered ping's wait counts from the first one
@@ -51,6 +52,7 @@ class PendingCalls:
         now = time.monotonic()
         if self.awaiting_pong:
             self.slowest_pong_s = max(self.slowest_pong_s, now - self.ping_sent)
+            self._silence_s = max(self.cfg.dead_after_s, SLOW_PEER_FACTOR * self.slowest_pong_s)
         self.last_recv = now
         self.alive = True
         self.awaiting_pong = False
@@ -58,7 +60,7 @@ class PendingCalls:
     def silence_limit_s(self) -> float:
         """Silence after which the server counts as gone: the configured liveness, or four times
         its slowest answer to a ping so far (a peer that was slow once may be slow again)."""
-        return max(self.cfg.dead_after_s, SLOW_PEER_FACTOR * self.slowest_pong_s)
+        return self._silence_s
 
     def has(self, rid: int) -> bool:
         return rid in self.pending

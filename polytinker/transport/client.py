@@ -256,9 +256,8 @@ class RpcClient:
                     items.append((self._monitor, _POLLIN))
                 while not self._closed and sock is self._sock:  # a reconnect makes a new socket
                     polled = zmq.zmq_poll(items, st.poll_timeout_ms())  # type: ignore[arg-type]  # fds too
-                    ready = [item for item, _ in polled]  # a list: at most three, no hashing
                     try:
-                        self._step(st, ready)
+                        self._step(st, polled)
                     except Exception as exc:  # keep serving the other calls
                         log.exception("client I/O thread of %s: unexpected error: %r", self._address, exc)
         finally:
@@ -270,14 +269,20 @@ class RpcClient:
                     settle(fut, exc=closed)
             self._close_socket()
 
-    def _step(self, st: PendingCalls, ready: list[Any]) -> None:
-        if self._waker.fd in ready:
-            self._waker.drain()  # before the queue is read: an op queued later wakes us again
-        if self._monitor is not None and self._monitor in ready:
+    def _step(self, st: PendingCalls, polled: list[tuple[Any, int]]) -> None:
+        readable = events = False
+        for item, _ in polled:  # by identity: comparing a socket with an fd costs more than this
+            if item is self._sock:
+                readable = True
+            elif item is self._monitor:
+                events = True
+            else:  # the waker's fd
+                self._waker.drain()  # before the queue is read: an op queued later wakes us again
+        if events:
             self._connection_events(st)
         if self._ops or st.backlog:
             self._send_queued(st)
-        if self._sock in ready:
+        if readable:
             self._receive(st)
         self._timers(st)
 
