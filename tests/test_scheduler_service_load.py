@@ -36,7 +36,9 @@ def runtime() -> Iterator[LocalRuntime]:
     cfg = RuntimeConfig(
         model=MODEL,
         tenants=tuple(TenantConfig(name, api_key=key) for name, key in KEYS.items()),
-        engines=(EngineWorkerConfig(memory_gb=ENGINE_SHARE * 0.5, batch_window_s=0.02),),
+        # A batch window long enough that a client's six calls are in flight together, whatever the
+        # transport's speed: the refusals past max_inflight_per_tenant are then certain, not a race.
+        engines=(EngineWorkerConfig(memory_gb=ENGINE_SHARE * 0.5, batch_window_s=0.1),),
         learners=(),
         max_inflight_per_tenant=4,
         inference_idle_s=4.0,
