@@ -12,6 +12,7 @@ copy, export) takes the tenant's own weights or published ones. Each act goes to
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -44,6 +45,11 @@ class CheckpointCalls:
         self.store, self.jobs, self.weights, self.audit = store, jobs, weights, audit
         self._tenant = tenant  # the tenant of an API key (AuthError for none)
         self.base_model = base_model
+        # A tenant's copies one at a time: a resend that reaches this process while the first copy
+        # of its call is still being made waits for it, instead of taking its half-made job for one
+        # a crash abandoned. Per tenant: one tenant's long copy holds up no other tenant's.
+        self._copying: dict[str, threading.Lock] = {}
+        self._copying_guard = threading.Lock()
 
     def handlers(self) -> dict[str, Callable[[Any], Any]]:
         return {
@@ -105,6 +111,12 @@ class CheckpointCalls:
         (finished from the start: it never takes a learner or an engine slot)."""
         tenant = self._tenant(msg.api_key)
         source, _ = self.weights.info(tenant, msg.path)
+        with self._copying_guard:
+            lock = self._copying.setdefault(tenant, threading.Lock())
+        with lock:
+            return self._copy(tenant, source, msg)
+
+    def _copy(self, tenant: str, source: JobRow, msg: m.CopyCheckpoint) -> r.CopyCheckpointReply:
         earlier = self._copied_before(tenant, msg)
         if earlier is not None:  # a resend of a copy that was made: its answer, not a second copy
             return earlier
@@ -142,7 +154,7 @@ class CheckpointCalls:
         if row is None:
             return None
         held = self.store.checkpoints(row.job_id)
-        if not held:  # the first copy ended before its weights were in: make it again
+        if not held:  # the first copy's process ended before its weights were in: make it again
             self.store.delete_jobs([row.job_id])
             return None
         if CheckpointPath.parse(msg.path) is not None:
