@@ -5,6 +5,7 @@ The ``slow`` tests share one runtime (module fixture); the tool-call parser's te
 
 from __future__ import annotations
 
+import itertools
 import json
 import socket
 import threading
@@ -316,3 +317,91 @@ def test_a_bare_json_call_or_list_of_calls_is_a_tool_call() -> None:
 )
 def test_anything_else_stays_content(text: str) -> None:
     assert parse_tool_calls(text, NAMES) is None
+
+
+# --- multi-turn, token for token --------------------------------------------------------------------
+ADD_TOOL: Any = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers.",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+    },
+}
+
+
+def _tool_result(call: Any) -> str:
+    try:
+        args = json.loads(call.function.arguments)
+        return str(int(args.get("a", 0)) + int(args.get("b", 0)))
+    except (ValueError, TypeError, AttributeError):
+        return "error: add takes integers a and b"
+
+
+@pytest.mark.slow
+def test_a_three_turn_tool_agent_merges_into_one_datum_of_what_was_sampled(client: openai.OpenAI) -> None:
+    """A plain openai-client agent: each answer goes back as the message object it was; tool
+    calls get tool results, other answers a user turn. Turns 2 and 3 continue the call before
+    token for token, so ``merge_calls`` makes one datum of the episode."""
+    from polytinker.client import merge_calls
+
+    messages: list[Any] = [
+        {"role": "system", "content": "Use the add tool for arithmetic."},
+        {"role": "user", "content": "What is 2 + 3? Call add."},
+    ]
+    answers: list[Any] = []
+    concat: list[int] = []  # prompt 1 + completion 1 + the new tool or user tokens + completion 2 ...
+    for _ in range(3):
+        out = client.chat.completions.create(messages=messages, tools=[ADD_TOOL], seed=3, **GREEDY)
+        choice = out.choices[0]
+        extra = choice.model_extra or {}
+        answers.append(out)
+        concat += extra["prompt_token_ids"][len(concat) :] + extra["token_ids"]
+        messages.append(choice.message)
+        for call in choice.message.tool_calls or []:
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": _tool_result(call)})
+        if not choice.message.tool_calls:
+            messages.append({"role": "user", "content": "Now add 1 to that."})
+    extras = [a.choices[0].model_extra or {} for a in answers]
+    assert "prompt_continues" not in extras[0]
+    assert [e["prompt_continues"] for e in extras[1:]] == [answers[0].id, answers[1].id]
+    assert [(a.model_extra or {}).get("prompt_continues") for a in answers] == [None, answers[0].id, answers[1].id]
+    (datum,) = merge_calls(answers, [1.0, -1.0, 0.5])
+    tokens = [*datum.model_input.to_ints(), datum.loss_fn_inputs["target_tokens"].data[-1]]
+    assert tokens == concat
+    for before, after in itertools.pairwise(extras):  # each prompt extends the call before
+        n = len(before["prompt_token_ids"]) + len(before["token_ids"])
+        assert after["prompt_token_ids"][:n] == before["prompt_token_ids"] + before["token_ids"]
+    advantages = datum.loss_fn_inputs["advantages"].data
+    assert sum(a == 1.0 for a in advantages) == len(extras[0]["token_ids"])
+    assert sum(a == -1.0 for a in advantages) == len(extras[1]["token_ids"])
+    assert sum(a == 0.5 for a in advantages) == len(extras[2]["token_ids"])
+    # an answer the agent edits is no longer what was sampled: rendered as today, continuing nothing
+    edited = [*messages[:2], {"role": "assistant", "content": "I will add them."}, {"role": "user", "content": "Go."}]
+    out = client.chat.completions.create(messages=edited, tools=[ADD_TOOL], **GREEDY)
+    assert "prompt_continues" not in (out.choices[0].model_extra or {})
+
+
+@pytest.mark.slow
+def test_a_polytinker_version_path_is_read_as_its_tinker_spelling(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="polytinker://nojob/agent@1", messages=HELLO, max_tokens=4)
+    message = info.value.response.json()["error"]["message"]
+    assert "nojob" in message and "base model" not in message, message
+    with pytest.raises(openai.BadRequestError, match="polytinker://JOB/AGENT@VERSION") as bad:
+        client.chat.completions.create(model="polytinker://nojob", messages=HELLO, max_tokens=4)
+    assert "model" in str(bad.value)
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.chat.completions.create(model="no-such-model", messages=HELLO, max_tokens=4)
+    message = unknown.value.response.json()["error"]["message"]
+    assert message.count("not served") == 1 and "polytinker://JOB/AGENT@VERSION" in message, message
+
+
+@pytest.mark.slow
+def test_tool_choice_none_describes_the_tools_and_reads_no_calls(client: openai.OpenAI, tokenizer: Any) -> None:
+    out = client.chat.completions.create(
+        messages=[{"role": "user", "content": "What is 2 + 3?"}], tools=[ADD_TOOL], tool_choice="none", **GREEDY
+    )
+    prompt = tokenizer.decode((out.choices[0].model_extra or {})["prompt_token_ids"])
+    assert "Add two integers." in prompt
+    assert out.choices[0].finish_reason != "tool_calls" and not out.choices[0].message.tool_calls

@@ -6,6 +6,8 @@
   ``save_weights_and_get_sampling_client``, ``get_info``, ``get_tokenizer``.
 - ``SamplingClient``: ``sample``, ``compute_logprobs``, ``get_tokenizer``.
 - ``APIFuture``: what the calls return at once; ``.result()``, or ``await`` it.
+- ``merge_calls``, ``RecordedCall``, ``call_datum``: an agent's recorded ``/v1`` calls as
+  training datums, one per episode where the calls continue each other (docs/openai.md).
 - Results (``polytinker.types``): ``ForwardBackwardOutput``, ``OptimStepResponse`` (also
   ``OptimStepResult``), ``SampleResponse``, ``SampledSequence``.
 
@@ -22,6 +24,7 @@ from polytinker.client._connection import (
     SampleResponse,
 )
 from polytinker.client._future import APIFuture
+from polytinker.client.recorded import RecordedCall, call_datum, merge_calls
 from polytinker.client.sampling_client import SamplingClient
 from polytinker.client.service_client import ServiceClient
 from polytinker.client.training_client import TrainingClient
@@ -31,9 +34,12 @@ __all__ = [
     "ForwardBackwardOutput",
     "OptimStepResponse",
     "OptimStepResult",
+    "RecordedCall",
     "SampleResponse",
     "SampledSequence",
     "SamplingClient",
     "ServiceClient",
     "TrainingClient",
+    "call_datum",
+    "merge_calls",
 ]

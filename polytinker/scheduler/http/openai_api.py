@@ -2,9 +2,11 @@
 
 An agent written with the ``openai`` package talks to the scheduler through these routes
 (docs/openai.md). ``model`` names a base model or an adapter version
-(``tinker://JOB/sampler_weights/AGENT@V``); the client's ``api_key`` is a tenant's key of the
-runtime. Besides OpenAI's fields each choice carries ``prompt_token_ids``, ``token_ids`` and
-``token_logprobs`` (the sampler's), so every call an agent makes is training data as it stands.
+(``tinker://JOB/sampler_weights/AGENT@V`` or ``polytinker://JOB/AGENT@V``); the client's
+``api_key`` is a tenant's key of the runtime. Besides OpenAI's fields each choice carries
+``prompt_token_ids``, ``token_ids`` and ``token_logprobs`` (the sampler's), so every call an agent
+makes is training data as it stands. A chat call that sends back an answer the gateway gave
+continues that answer's tokens (``prompt_continues``; openai_continue.py).
 
 Requests are decoded into pydantic models at the edge; a malformed one is a 400 in OpenAI's
 error shape, never a traceback. Sampling runs on the client's futures (``asyncio.wrap_future``),
@@ -29,8 +31,10 @@ from pydantic import ValidationError
 from polytinker.engine.models import served_name
 from polytinker.engine.types import SamplingParams
 from polytinker.errors import AuthError, ConfigError, NotBuiltError
+from polytinker.model_path import MODEL_PREFIX, TINKER_PREFIX, ModelPath
 from polytinker.scheduler.http.errors import HttpError, error_response
 from polytinker.scheduler.http.openai_chat import Vocab, Vocabs, chat_messages, parse_tool_calls
+from polytinker.scheduler.http.openai_continue import Continuations
 from polytinker.scheduler.http.openai_types import ChatRequest, CompletionRequest, SamplingFields
 from polytinker.scheduler.http.wire import api_key, read_json
 
@@ -61,8 +65,9 @@ def _finish(seq: SampledSequence) -> str:
     return "length" if seq.stop_reason == "length" else "stop"
 
 
-def _extension(s: _Sampled) -> dict[str, Any]:
-    return {"prompt_token_ids": s.prompt_ids, "token_ids": list(s.seq.tokens), "token_logprobs": list(s.seq.logprobs)}
+def _extension(s: _Sampled, continues: str | None = None) -> dict[str, Any]:
+    out = {"prompt_token_ids": s.prompt_ids, "token_ids": list(s.seq.tokens), "token_logprobs": list(s.seq.logprobs)}
+    return {**out, "prompt_continues": continues} if continues else out
 
 
 def _usage(sampled: list[_Sampled], prompts: list[list[int]]) -> dict[str, int]:
@@ -95,7 +100,9 @@ def _completion_logprobs(vocab: Vocab, seq: SampledSequence) -> dict[str, Any]:
     }
 
 
-def _chat_choice(s: _Sampled, vocab: Vocab, want_logprobs: bool, tool_names: frozenset[str]) -> dict[str, Any]:
+def _chat_choice(
+    s: _Sampled, vocab: Vocab, want_logprobs: bool, tool_names: frozenset[str], continues: str | None
+) -> dict[str, Any]:
     parsed = parse_tool_calls(s.seq.text, tool_names) if tool_names else None
     message: dict[str, Any] = {"role": "assistant", "content": s.seq.text, "refusal": None}
     finish = _finish(s.seq)
@@ -103,7 +110,13 @@ def _chat_choice(s: _Sampled, vocab: Vocab, want_logprobs: bool, tool_names: fro
         message["content"], message["tool_calls"] = parsed
         finish = "tool_calls"
     logprobs = _chat_logprobs(vocab, s.seq) if want_logprobs else None
-    return {"index": s.index, "message": message, "logprobs": logprobs, "finish_reason": finish, **_extension(s)}
+    return {
+        "index": s.index,
+        "message": message,
+        "logprobs": logprobs,
+        "finish_reason": finish,
+        **_extension(s, continues),
+    }
 
 
 def _chat_chunks(head: dict[str, Any], choices: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
@@ -193,12 +206,31 @@ def _include_usage(req: SamplingFields) -> bool:
     return req.stream_options is not None and req.stream_options.include_usage
 
 
+_VERSION_SPELLINGS = "tinker://JOB/sampler_weights/AGENT@VERSION or polytinker://JOB/AGENT@VERSION"
+
+
+def _model_spec(model: str) -> dict[str, str]:
+    """What ``model`` names: a ``tinker://`` sampler path, a ``polytinker://JOB/AGENT@V`` version
+    (the spelling polytinker's own clients return: the same version as its Tinker spelling), or a
+    base model."""
+    if model.startswith(TINKER_PREFIX):
+        return {"model_path": model}
+    if model.startswith(MODEL_PREFIX):
+        try:
+            return {"model_path": ModelPath.parse(model).tinker}
+        except ConfigError:
+            raise HttpError(400, f"model {model!r} is not a version: write {_VERSION_SPELLINGS}") from None
+    return {"base_model": model}
+
+
 @dataclass(frozen=True)
 class _Limits:
     default_max_tokens: int
     max_tokens: int
     n: int
     body_bytes: int
+    memory_answers: int
+    memory_tokens: int
 
 
 class _Routes:
@@ -208,6 +240,7 @@ class _Routes:
     def __init__(self, backend: TinkerBackend, limits: _Limits) -> None:
         self.backend, self.limits = backend, limits
         self.vocabs = Vocabs()
+        self.continuations = Continuations(limits.memory_answers, limits.memory_tokens)
         self.created = int(time.time())
 
     # --- the request's parts ------------------------------------------------------------------------
@@ -222,11 +255,18 @@ class _Routes:
             raise HttpError(400, _validation_message(exc)) from None
 
     async def target(self, t: Tenant, model: str) -> tuple[SamplingClient, Vocab]:
-        spec = {"model_path": model} if model.startswith("tinker://") else {"base_model": model}
+        spec = _model_spec(model)
         try:
             sc = await asyncio.to_thread(self.backend.sampling_client, t, spec)
         except (ConfigError, AuthError) as exc:
-            raise HttpError(404, f"model {model!r} is not served here: {exc}", code="model_not_found") from None
+            if "model_path" in spec:
+                raise HttpError(404, f"model {model!r} is not served here: {exc}", code="model_not_found") from None
+            raise HttpError(
+                404,
+                f"model {model!r} is not served here: /v1/models lists the base models "
+                f"{list(self.backend.base_models)}; an adapter version is {_VERSION_SPELLINGS}",
+                code="model_not_found",
+            ) from None
         return sc, await asyncio.to_thread(self.vocabs.get, sc.base_model)
 
     def params(self, req: SamplingFields, max_tokens: int | None, choices: int) -> SamplingParams:
@@ -310,18 +350,22 @@ class _Routes:
         p = self.params(req, req.max_completion_tokens or req.max_tokens, req.n)
         sc, vocab = await self.target(t, req.model)
         messages, tools = chat_messages(req, vocab)
-        prompt = await asyncio.to_thread(vocab.chat_prompt, messages, tools)
-        self.check_prompt(vocab, prompt, p)
-        sampled = await self.sample(sc, [prompt], req.n, p)
-        names = frozenset(x.function.name for x in req.tools or []) if req.tool_choice != "none" else frozenset()
-        choices = await asyncio.to_thread(lambda: [_chat_choice(s, vocab, bool(req.logprobs), names) for s in sampled])
-        usage = _usage(sampled, [prompt])
-        if req.stream:
-            head = _head("chat.completion.chunk", req.model)
-            return _sse(_chat_chunks(head, choices), usage if _include_usage(req) else None, head)
-        return JSONResponse(
-            {**_head("chat.completion", req.model), "choices": choices, "usage": usage, "prompt_token_ids": prompt}
+        prompt = await asyncio.to_thread(
+            self.continuations.prompt, t.owner, sc.base_model, req.messages, messages, tools, vocab
         )
+        self.check_prompt(vocab, prompt.ids, p)
+        sampled = await self.sample(sc, [prompt.ids], req.n, p)
+        names = frozenset(x.function.name for x in req.tools or []) if req.tool_choice != "none" else frozenset()
+        choices = await asyncio.to_thread(
+            lambda: [_chat_choice(s, vocab, bool(req.logprobs), names, prompt.continues) for s in sampled]
+        )
+        head = _head("chat.completion.chunk" if req.stream else "chat.completion", req.model)
+        self.continuations.remember(t.owner, sc.base_model, head["id"], prompt, sampled, choices)
+        usage = _usage(sampled, [prompt.ids])
+        if req.stream:
+            return _sse(_chat_chunks(head, choices), usage if _include_usage(req) else None, head)
+        top = {"prompt_token_ids": prompt.ids, **({"prompt_continues": prompt.continues} if prompt.continues else {})}
+        return JSONResponse({**head, "choices": choices, "usage": usage, **top})
 
     async def _completions(self, request: Request) -> Response:
         t = await self.tenant(request)
@@ -364,13 +408,19 @@ def openai_router(
     max_tokens_limit: int = 4096,
     max_n: int = 16,
     max_body_bytes: int = 8 << 20,
+    memory_answers: int = 4096,
+    memory_tokens: int = 1 << 22,
 ) -> APIRouter:
     """The routes under ``/v1``. ``default_max_tokens``: a request's when it names none;
     ``max_tokens_limit`` and ``max_n``: the most a request may ask for (``n`` counts every
-    choice of a call, over all its prompts); ``max_body_bytes``: the largest request body."""
-    if min(default_max_tokens, max_tokens_limit, max_n, max_body_bytes) < 1 or default_max_tokens > max_tokens_limit:
+    choice of a call, over all its prompts); ``max_body_bytes``: the largest request body;
+    ``memory_answers`` and ``memory_tokens``: the chat answers a tenant's later calls may
+    continue token for token, at most this many and this many prompt + sampled tokens a tenant
+    (least recently used first out; openai_continue.py)."""
+    limits = (default_max_tokens, max_tokens_limit, max_n, max_body_bytes, memory_answers, memory_tokens)
+    if min(limits) < 1 or default_max_tokens > max_tokens_limit:
         raise ConfigError("openai_router: limits must be >= 1 and default_max_tokens <= max_tokens_limit")
-    routes = _Routes(backend, _Limits(default_max_tokens, max_tokens_limit, max_n, max_body_bytes))
+    routes = _Routes(backend, _Limits(*limits))
     r = APIRouter(prefix="/v1")
     r.add_api_route("/models", routes.list_models, methods=["GET"], response_model=None)
     r.add_api_route("/models/{model:path}", routes.get_model, methods=["GET"], response_model=None)

@@ -45,16 +45,30 @@ class Vocab:
         self.context = int(limit) if isinstance(limit, int) and 0 < limit < 10**7 else 0
 
     def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+        return self.text_ids(self.chat_text(messages, tools))
+
+    def chat_text(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+        """The chat template's rendering of ``messages``, with the generation prompt."""
         if not self.has_template:
             raise ConfigError("this model has no chat template: use /v1/completions with a prompt string")
         with self.lock:
             try:
-                text = self.tokenizer.apply_chat_template(
-                    messages, tools=tools, add_generation_prompt=True, tokenize=False
+                return str(
+                    self.tokenizer.apply_chat_template(
+                        messages, tools=tools, add_generation_prompt=True, tokenize=False
+                    )
                 )
             except Exception as exc:  # the template rejects the conversation (roles, order)
                 raise ConfigError(f"the model's chat template refused the messages: {str(exc)[:500]}") from None
+
+    def text_ids(self, text: str) -> list[int]:
+        """The ids of template text (its special tokens written out; none added)."""
+        with self.lock:
             return [int(i) for i in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+    def token_text(self, token_id: int) -> str:
+        with self.lock:
+            return str(self.tokenizer.decode([token_id]))
 
     def encode(self, text: str) -> list[int]:
         with self.lock:
@@ -92,7 +106,7 @@ class Vocabs:
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
-def _text(content: str | list[ContentPart] | None) -> str:
+def message_text(content: str | list[ContentPart] | None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     for part in content:
@@ -128,11 +142,15 @@ def tools_prompt(tools: list[dict[str, Any]]) -> str:
 
 
 def chat_messages(req: ChatRequest, vocab: Vocab) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """The messages and tools to render with the model's chat template."""
-    tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if req.tool_choice != "none" else []
+    """The messages and tools to render with the model's chat template. With ``tool_choice="none"``
+    the tools are described all the same (as OpenAI does); only the answer is not read for calls."""
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     out: list[dict[str, Any]] = []
     for msg in req.messages:
-        d: dict[str, Any] = {"role": "system" if msg.role == "developer" else msg.role, "content": _text(msg.content)}
+        d: dict[str, Any] = {
+            "role": "system" if msg.role == "developer" else msg.role,
+            "content": message_text(msg.content),
+        }
         if msg.name:
             d["name"] = msg.name
         if msg.tool_call_id:
@@ -200,4 +218,4 @@ def parse_tool_calls(text: str, names: frozenset[str]) -> tuple[str | None, list
     return None, [c for c in calls if c is not None]
 
 
-__all__ = ["TOOL_CALL_RE", "Vocab", "Vocabs", "chat_messages", "parse_tool_calls", "tools_prompt"]
+__all__ = ["TOOL_CALL_RE", "Vocab", "Vocabs", "chat_messages", "message_text", "parse_tool_calls", "tools_prompt"]
