@@ -197,6 +197,26 @@ def test_one_handler_thread_serves_in_order_one_at_a_time(rec):
     assert rec.max_concurrent == 1
 
 
+def test_fail_call_answers_a_stuck_handler_now_and_a_new_thread_serves_on(rec):
+    """A watchdog answers a handler that does not return (fail_call): the caller gets the error at
+    once, the handler's late answer is dropped, and with one handler thread the next request is
+    served by the thread that replaced the stuck one. A call answered already is not failed."""
+    cfg = dataclasses.replace(FAST, handler_threads=1)
+    running: list[Any] = []
+    handlers = {**rec.handlers(), "stuck": lambda t: running.append(current_call()) or rec.block(t)}
+    with RpcServer(_inproc(), handlers, config=cfg) as srv, RpcClient(srv.address, config=FAST) as c:
+        fut = c.call_async("stuck", 10.0)
+        assert rec.started.wait(5)
+        assert srv.fail_call(running[0], TimeoutError("the handler ran past its deadline"))
+        with pytest.raises(RemoteError, match="ran past its deadline") as info:
+            fut.result(timeout=5)
+        assert info.value.remote_type == "TimeoutError"
+        assert not srv.fail_call(running[0], TimeoutError("twice"))  # one answer per call
+        assert c.call("echo", "served", timeout_s=5) == "served"  # the stuck thread was replaced
+        rec.release.set()  # the stuck handler returns: its answer goes nowhere
+        assert [c.call("echo", i, timeout_s=5) for i in range(5)] == list(range(5))
+
+
 def test_heartbeats_are_answered_while_a_long_handler_runs(rec):
     """The handler runs on a handler thread; the I/O thread answers the pings of a client that
     counts the server dead after 1 s meanwhile."""

@@ -7,6 +7,11 @@ its payload (the codec bounds size and depth; arrays only where the kind takes t
 is the kind's registered message type, calling the handler and encoding its result. Every failure
 on that path becomes the frames of an ERROR answer; a failure while building those is caught too,
 so a handler thread never dies and never leaves a count held.
+
+``HandlerRunner.fail`` answers a call whose handler still runs (a caller's deadline for it has
+passed): exactly one answer goes out for a call, whichever comes first, and the thread stuck in
+that handler is written off, its place in the pool taken by a new thread (while at most
+``handler_threads`` are written off at once), so a handler that never returns holds no slot.
 """
 
 from __future__ import annotations
@@ -43,7 +48,20 @@ log = logging.getLogger("polytinker.transport.server")
 class CallContext:
     """The request a handler is serving: ``current_call()`` inside a handler returns it."""
 
-    __slots__ = ("arrays", "body", "cancelled", "handler", "ident", "kind", "nbytes", "reply", "request_id", "task")
+    __slots__ = (
+        "answered",
+        "arrays",
+        "body",
+        "cancelled",
+        "handler",
+        "ident",
+        "kind",
+        "nbytes",
+        "reply",
+        "request_id",
+        "task",
+        "worker",
+    )
 
     def __init__(
         self,
@@ -68,6 +86,8 @@ class CallContext:
         """True once the client sent CANCEL for this request: its answer will be dropped, so a long
         handler may stop early (return anything, or raise)."""
         self.task: asyncio.Task[Any] | None = None
+        self.answered = False  # claimed by the answer that goes out (HandlerRunner.claim)
+        self.worker = _OFF_POOL  # where a pool thread is with it (_RUNNING, _FINISHED, _WRITTEN_OFF)
 
     @property
     def peer_user_id(self) -> str:
@@ -76,6 +96,9 @@ class CallContext:
             return str(self.body[0].get("User-Id"))
         except (zmq.ZMQError, AttributeError, IndexError):
             return ""
+
+
+_OFF_POOL, _RUNNING, _FINISHED, _WRITTEN_OFF = range(4)
 
 
 class HandlerRunner:
@@ -103,6 +126,7 @@ class HandlerRunner:
         self._waiting = 0  # threads blocked on the queue (or about to be)
         self._queued = 0  # calls in the queue
         self._stopping = False
+        self._written_off = 0  # threads still stuck in a handler whose call fail() answered
         self.queued_bytes = 0  # of the requests in the queue
 
     def has_room(self, nbytes: int) -> bool:
@@ -130,8 +154,14 @@ class HandlerRunner:
 
     def _work(self) -> None:
         q, lock = self._queue, self._lock
+        call: CallContext | None = None
         while True:
             with lock:
+                if call is not None:  # the last call's handler returned
+                    if call.worker == _WRITTEN_OFF:  # fail() answered it, and a new thread has our place
+                        self._written_off -= 1
+                        return
+                    call.worker = _FINISHED
                 self._waiting += 1
             call = q.get()
             with lock:
@@ -143,6 +173,7 @@ class HandlerRunner:
                     return
                 self._queued -= 1
                 self.queued_bytes -= call.nbytes
+                call.worker = _RUNNING
             if call.cancelled:
                 self._forget(call)
                 continue
@@ -158,8 +189,38 @@ class HandlerRunner:
         # Forgotten before the answer goes: the I/O thread that sends it waits for this thread's
         # GIL, so whatever runs after the hand-off adds to the round trip.
         self._forget(call)
-        if out is not None and not call.cancelled:
+        if out is not None and not call.cancelled and self.claim(call):
             self._send([call.ident, *out])
+
+    def claim(self, call: CallContext) -> bool:
+        """Whether the answer about to go is the call's only one (fail() may have answered it)."""
+        with self._lock:
+            if call.answered:
+                return False
+            call.answered = True
+            return True
+
+    def fail(self, call: CallContext, exc: BaseException) -> bool:
+        """Answer ``call`` with ``exc`` now, from any thread, while its handler may still run: the
+        handler's own answer is then dropped, and the pool thread it holds is replaced. False
+        (nothing sent) when the call was answered already, or is a tell."""
+        if not call.reply or call.cancelled or not self.claim(call):
+            return False
+        out = self.failure(call, exc)
+        if out is not None:
+            self._send([call.ident, *out])
+        with self._lock:
+            if call.worker != _RUNNING or self._written_off >= self._cfg.handler_threads or self._stopping:
+                return True  # not on a pool thread, or too many stuck already: the pool stays as it is
+            call.worker = _WRITTEN_OFF
+            self._written_off += 1
+            self._threads -= 1
+            start = self._queued > self._waiting
+            if start:
+                self._threads += 1
+        if start:
+            threading.Thread(target=self._work, name="polytinker-handler", daemon=True).start()
+        return True
 
     def _call(self, call: CallContext) -> list[Any] | None:
         """Frames of the answer (without the identity), or None for a tell."""

@@ -323,6 +323,17 @@ class RpcServer:
             self._aloop.call_soon_threadsafe(task.cancel)
         log.debug("request %d (%r) cancelled by its client", call.request_id, call.kind)
 
+    def fail_call(self, call: CallContext, exc: BaseException) -> bool:
+        """Answer a request whose handler is still running with the error ``exc``, now, from any
+        thread (a watchdog whose deadline for the handler has passed; the handler gets the call
+        from ``current_call()``). The handler's own answer is dropped when it comes, and the
+        handler thread it holds is replaced in the pool (while at most ``handler_threads`` are
+        stuck so). False when the call was answered already (or is a tell): nothing is sent."""
+        if self._stopping or not self._runner.fail(call, exc):
+            return False
+        self._forget(call)
+        return True
+
     def _forget(self, call: CallContext) -> None:
         key = (call.ident, call.request_id)
         with self._calls_lock:
@@ -344,7 +355,7 @@ class RpcServer:
     async def _run_async(self, call: CallContext) -> None:
         try:
             out = await self._runner.acall(call)
-            if out is not None and not call.cancelled:
+            if out is not None and not call.cancelled and self._runner.claim(call):
                 self._send_answer([call.ident, *out])
         except asyncio.CancelledError:
             if not (call.cancelled or self._stopping):
