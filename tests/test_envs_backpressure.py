@@ -66,3 +66,41 @@ def test_a_refusal_waits_no_longer_than_open_wait_s(flaky_id):
         holder.close()
     assert all("not opened in open_wait_s=0.5" in str(r.aborted) for r in results)
     assert coordinator.stats["open_refused"] >= 2
+
+
+def test_the_gate_admits_waiters_in_order_one_per_free_place_and_a_cancelled_one_passes_it_on():
+    """The coordinator's gate (what bounds the episodes open at once): a release admits the next
+    waiter only, in arrival order; a waiter cancelled after it was admitted hands its place on."""
+    import asyncio
+
+    from polytinker.envs.coordinator import _Gate
+
+    async def main() -> None:
+        gate = _Gate(2)
+        await gate.acquire()
+        await gate.acquire()
+        admitted: list[int] = []
+
+        async def wait(i: int) -> None:
+            await gate.acquire()
+            admitted.append(i)
+
+        tasks = [asyncio.create_task(wait(i)) for i in range(5)]
+        await asyncio.sleep(0)
+        assert admitted == [] and gate.active == 2
+        gate.release()
+        await asyncio.sleep(0)
+        assert admitted == [0] and gate.active == 2  # one place, one waiter: the first
+        tasks[1].cancel()  # a waiter cancelled before its turn leaves the queue
+        gate.release()
+        gate.release()
+        await asyncio.sleep(0)
+        assert admitted == [0, 2, 3] and gate.active == 2
+        gate.release()  # admits 4 ...
+        tasks[4].cancel()  # ... which is cancelled before it runs: its place is free again
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert admitted == [0, 2, 3] and gate.active == 1
+        await gate.acquire()  # no waiter left: taken at once
+        assert gate.active == 2
+
+    asyncio.run(main())

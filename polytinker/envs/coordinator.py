@@ -40,6 +40,7 @@ are awaited, so that many remote episodes overlap on one event loop.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextvars
 import inspect
 import random
@@ -147,22 +148,42 @@ class _PolicyFailed(Exception):
 
 class _Gate:
     """A semaphore whose limit comes down to what the env source admits: the open episodes of
-    this run when a refusal came, or the source's own ``max_episodes`` when it says so."""
+    this run when a refusal came, or the source's own ``max_episodes`` when it says so.
+
+    Waiters queue in order and a release wakes only as many as there is room for. (A Condition
+    with ``notify_all`` woke every waiter on each release, to find one that may go: quadratic in
+    the episodes queued behind the limit, and most of a remote run's time.)"""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.active = 0
-        self._changed = asyncio.Condition()
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
 
     async def acquire(self) -> None:
-        async with self._changed:
-            await self._changed.wait_for(lambda: self.active < self.limit)
+        if self.active < self.limit and not self._waiters:
             self.active += 1
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await waiter  # resolved by _admit, which counts this holder in
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():  # admitted, then cancelled: pass the slot on
+                self.release()
+            elif waiter in self._waiters:  # (a cancelled one that _admit met is gone already)
+                self._waiters.remove(waiter)
+            raise
 
-    async def release(self) -> None:
-        async with self._changed:
-            self.active -= 1
-            self._changed.notify_all()
+    def release(self) -> None:
+        self.active -= 1
+        self._admit()
+
+    def _admit(self) -> None:
+        while self._waiters and self.active < self.limit:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                self.active += 1
+                waiter.set_result(None)
 
     def refused(self, exc: EnvBusy) -> None:
         """Called by a holder whose open was refused: the others hold what the source admits."""
@@ -204,7 +225,7 @@ class Coordinator:
                 try:
                     await _maybe_await(getattr(env, "aclose", None) or env.close)
                 finally:
-                    await gate.release()
+                    gate.release()
 
         return list(await asyncio.gather(*(one(s) for s in seeds)))
 
@@ -223,7 +244,7 @@ class Coordinator:
             except EnvBusy as exc:
                 self.stats["open_refused"] += 1
                 gate.refused(exc)
-                await gate.release()
+                gate.release()
                 if time.monotonic() >= deadline:
                     return None, f"not opened in open_wait_s={self.config.open_wait_s:g}: {exc}"
                 ceiling = min(self.config.open_backoff_cap_s, exc.retry_after_s * 2.0 ** min(tries, 16))
@@ -232,7 +253,7 @@ class Coordinator:
             except Exception as exc:
                 self.stats["open_failed"] += 1
                 self.last_failure = exc
-                await gate.release()
+                gate.release()
                 return None, f"open failed: {describe_failure(exc)}"
 
     def run_sync(

@@ -21,11 +21,14 @@ env's code on this side.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import functools
 import threading
+import weakref
 from collections.abc import Iterator
+from concurrent.futures import Future
 from typing import Any
 
 from pettingzoo import AECEnv, ParallelEnv
@@ -71,6 +74,63 @@ def _release(key: _Key) -> None:
             client.close()
         else:
             _clients[key] = (client, refs - 1)
+
+
+class _Inbox:
+    """Replies for one event loop, handed to it in batches. ``asyncio.wrap_future`` wakes the loop
+    once per reply (a write to its self-pipe from the client's I/O thread, which gives the GIL
+    away each time); the replies the I/O thread reads in one go here wake it once."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._replies: collections.deque[tuple[asyncio.Future[Any], Future[Any]]] = collections.deque()
+        self._due = False  # a _deliver is queued on the loop
+        self._lock = threading.Lock()
+
+    def put(self, waiter: asyncio.Future[Any], reply: Future[Any]) -> None:
+        """On the client's I/O thread (the reply future's done callback)."""
+        self._replies.append((waiter, reply))
+        if self._due:  # a _deliver not yet begun: it will see this one
+            return
+        with self._lock:
+            if self._due:
+                return
+            self._due = True
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody awaits any more
+            self._loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        self._due = False  # before reading: a reply put from now on queues another _deliver
+        replies = self._replies
+        while replies:
+            waiter, reply = replies.popleft()
+            if waiter.done():  # its caller was cancelled
+                continue
+            if reply.cancelled():
+                waiter.cancel()
+            elif (exc := reply.exception()) is not None:
+                waiter.set_exception(exc)
+            else:
+                waiter.set_result(reply.result())
+
+
+_inboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Inbox] = weakref.WeakKeyDictionary()
+
+
+async def _reply(future: Future[Any]) -> Any:
+    """``await asyncio.wrap_future(future)``, woken through the loop's inbox; cancelling the
+    awaiting task cancels the call (and so the request on the server)."""
+    loop = asyncio.get_running_loop()
+    inbox = _inboxes.get(loop)
+    if inbox is None:
+        inbox = _inboxes[loop] = _Inbox(loop)
+    waiter = loop.create_future()
+    future.add_done_callback(functools.partial(inbox.put, waiter))
+    try:
+        return await waiter
+    except asyncio.CancelledError:
+        future.cancel()
+        raise
 
 
 @contextlib.contextmanager
@@ -141,7 +201,7 @@ class RemoteEnv:
         client, payload = _acquire(key), _open_payload(env_id, env_kwargs, env_config)
         with _opening(key, env_id):
             future = client.call_async(m.KIND_OPEN, payload, timeout_s=config.request_timeout_s)
-            hello = await asyncio.wrap_future(future)
+            hello = await _reply(future)
         return _opened(key, env_id, client, hello, config)
 
     def __init__(self, address: str, env_id: str, **kwargs: Any) -> None:
@@ -177,7 +237,7 @@ class RemoteEnv:
     async def _acall(self, kind: str, payload: dict[str, Any]) -> Any:
         future = self._client.call_async(kind, payload, timeout_s=self._cfg.request_timeout_s)
         try:
-            return await asyncio.wrap_future(future)
+            return await _reply(future)
         except Exception as exc:
             raise _translate(exc, f"{kind} of {self.env_id} episode {self.episode} at {self.address}") from exc
 

@@ -2,9 +2,11 @@
 
 Built on the transport's ``RpcServer`` (one I/O thread, handlers in a pool); the env messages
 are kinds on that envelope (docs/remote-envs.md). Every episode has its own env instance and
-lock, so episodes run concurrently and one episode's calls are serialised. Env calls run on a
-separate executor with ``step_timeout_s``: an env that hangs or raises aborts its episode (the
-client gets an error reply naming the reason) while the server keeps serving the others.
+lock, so episodes run concurrently and one episode's calls are serialised. Env calls run on the
+handler thread that serves the request, watched for ``step_timeout_s`` (``_deadlines``): an env
+that hangs or raises aborts its episode (the client gets an error reply naming the reason, a hung
+one's within the timeout and a quarter of it, at most 1 s more) while the server keeps serving
+the others; the transport replaces the handler thread a hung env holds.
 With ``max_episodes`` open, ``env.open`` is answered ``{"busy": true, ...}`` (the client raises
 ``EnvBusy``; the coordinator waits and opens again) rather than an error: a full server is a
 state to wait out, not a failure. ``env.scripted`` plays the env's own scripted policies (the
@@ -19,8 +21,6 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,12 +32,13 @@ from polytinker.envs.config import EnvConfig, EnvServerConfig
 from polytinker.envs.opponents import ScriptedPolicy
 from polytinker.envs.registry import env_specs, make, spec
 from polytinker.envs.remote import messages as m
+from polytinker.envs.remote._deadlines import Deadlines, Watch
 from polytinker.envs.types import InvalidAction, PolicyInput, TextObservation
 from polytinker.errors import ConfigError, EnvError, ProtocolError
 from polytinker.tables import from_table
 from polytinker.transport.config import TransportConfig
 from polytinker.transport.protocol import RateLimitedLog
-from polytinker.transport.rpc import RpcServer, ServerCurve
+from polytinker.transport.rpc import RpcServer, ServerCurve, current_call
 
 log = logging.getLogger(__name__)
 _TOMBSTONES = 4096  # aborted episodes remembered, so late requests learn why
@@ -84,8 +85,8 @@ class EnvServer:
         self._episodes: dict[str, _Episode] = {}
         self._aborted: OrderedDict[str, str] = OrderedDict()
         self._lock = threading.Lock()
-        # Env calls run here so that a hung env cannot hold a transport handler thread for ever.
-        self._runner = ThreadPoolExecutor(32, thread_name_prefix="polytinker-env")
+        # Env calls past step_timeout_s: answered by the watcher, their handler thread replaced.
+        self._deadlines = Deadlines(self.config.step_timeout_s, self._expired)
         handlers: dict[str, Callable[[Any], Any]] = {
             m.KIND_LIST: self._on_list,
             m.KIND_OPEN: self._on_open,
@@ -114,11 +115,12 @@ class EnvServer:
 
     def start(self) -> EnvServer:
         self._rpc.start()
+        self._deadlines.start()
         return self
 
     def stop(self) -> None:
         self._rpc.stop()
-        self._runner.shutdown(wait=False, cancel_futures=True)
+        self._deadlines.stop()
         with self._lock:
             episodes, self._episodes = list(self._episodes.values()), {}
         for ep in episodes:
@@ -170,14 +172,22 @@ class EnvServer:
         return EnvError(f"episode {episode} aborted: {reason}")
 
     def _run(self, episode: str, ep: _Episode, what: str, fn: Callable[[], Any]) -> Any:
-        """Run an env call with the step timeout; a raise or a hang aborts the episode."""
-        future = self._runner.submit(fn)
+        """Run an env call here, watched for the step timeout; a raise or a hang aborts the episode."""
+        watch = self._deadlines.watch(current_call(), episode, what)
         try:
-            return future.result(timeout=self.config.step_timeout_s)
-        except FutureTimeout:
-            raise self._abort(episode, f"{what} took longer than step_timeout_s={self.config.step_timeout_s}") from None
+            return fn()
         except Exception as exc:
+            if watch.expired:  # answered already, with the timeout; this call's answer is dropped
+                raise EnvError(f"episode {episode} aborted: {what} ran past step_timeout_s") from exc
             raise self._abort(episode, f"the env raised in {what}: {describe_failure(exc)}") from exc
+        finally:
+            watch.done = True
+
+    def _expired(self, watch: Watch) -> None:
+        """On the watcher's thread: the env call of ``watch`` runs past step_timeout_s."""
+        error = self._abort(watch.episode, f"{watch.what} took longer than step_timeout_s={self.config.step_timeout_s}")
+        if watch.call is not None:
+            self._rpc.fail_call(watch.call, error)
 
     def _reap_idle(self) -> None:
         cutoff = time.monotonic() - self.config.idle_episode_s
