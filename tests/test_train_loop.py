@@ -186,6 +186,29 @@ def test_a_league_with_a_frozen_agent_ends_with_a_repeatable_cross_play(service,
     assert cli.main(["show", str(run), "-n", "0"]) == 0
 
 
+def test_the_train_command_prints_the_cross_play_table_as_show_does(tmp_path, capsys):
+    """``polytinker train`` of a league with a frozen agent and cross-play ends with the table and
+    the Elo that ``polytinker show`` prints for the run (in-process runtime, one step)."""
+    path = tmp_path / "league.toml"
+    path.write_text(
+        f'name = "cli-cross"\n[env]\nid = "kuhn_poker-v0"\n'
+        f'[[agents]]\nname = "me"\nbase_model = "{TINY}"\n[agents.algorithm]\nname = "reinforce"\n'
+        f"[agents.sampling]\nmax_tokens = 4\n"
+        f'[[agents]]\nname = "base"\nbase_model = "{TINY}"\ntrainable = false\n[agents.sampling]\nmax_tokens = 4\n'
+        f'[mapping]\nkind = "league"\npool_every = 1\n[train]\nsteps = 1\ngroups = 2\ngroup_size = 1\n'
+        f"[eval]\nepisodes = 1\nat_start = false\ncross_play_episodes = 2\n"
+        f'[output]\nroot = "{tmp_path}"\nprogress = false\ntensorboard = false\n[runtime]\nmode = "inproc"\n'
+    )
+    assert cli.main(["train", str(path), "--no-progress"]) == 0
+    trained = capsys.readouterr().out
+    table = CrossPlay.load(tmp_path / "cli-cross")
+    assert table is not None and table.rows == ("me",) and "base" in table.columns
+    rendered = table.render()
+    assert rendered in trained and trained.index("run ") < trained.index("cross-play: 2 episodes a pair")
+    assert cli.main(["show", str(tmp_path / "cli-cross"), "-n", "0"]) == 0
+    assert rendered in capsys.readouterr().out
+
+
 def test_sft_from_jsonl_lowers_the_loss(service, tmp_path):
     data = tmp_path / "chats.jsonl"
     chat = {"messages": [{"role": "user", "content": "Say seven."}, {"role": "assistant", "content": "7"}]}

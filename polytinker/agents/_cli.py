@@ -27,6 +27,7 @@ def _override(text: str) -> tuple[str, Any]:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from polytinker.agents.crossplay import CrossPlay
     from polytinker.agents.experiment import Experiment
 
     overrides = dict(_override(s) for s in args.set or ())
@@ -52,6 +53,10 @@ def _train(args: argparse.Namespace) -> int:
             )
         raise
     print(summary.report())
+    # The cross-play table (eval.cross_play_episodes) as `polytinker show` prints it for the run.
+    table = CrossPlay.load(Path(summary.run_dir))
+    if table is not None:
+        print(table.render())
     return 0
 
 
