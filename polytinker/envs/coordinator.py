@@ -150,9 +150,8 @@ class _Gate:
     """A semaphore whose limit comes down to what the env source admits: the open episodes of
     this run when a refusal came, or the source's own ``max_episodes`` when it says so.
 
-    Waiters queue in order and a release wakes only as many as there is room for. (A Condition
-    with ``notify_all`` woke every waiter on each release, to find one that may go: quadratic in
-    the episodes queued behind the limit, and most of a remote run's time.)"""
+    Waiters queue in order and a release wakes only as many as there is room for (a Condition
+    with ``notify_all`` woke every waiter on each release, to find the one that may go)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
