@@ -82,7 +82,8 @@ class _Inbox:
     away each time); the replies the I/O thread reads in one go here wake it once."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+        # Weak: _inboxes is keyed by the loop, which a strong reference here would keep for ever.
+        self._loop = weakref.ref(loop)
         self._replies: collections.deque[tuple[asyncio.Future[Any], Future[Any]]] = collections.deque()
         self._due = False  # a _deliver is queued on the loop
         self._lock = threading.Lock()
@@ -96,8 +97,10 @@ class _Inbox:
             if self._due:
                 return
             self._due = True
-        with contextlib.suppress(RuntimeError):  # a closed loop: nobody awaits any more
-            self._loop.call_soon_threadsafe(self._deliver)
+        loop = self._loop()
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody awaits any more
+                loop.call_soon_threadsafe(self._deliver)
 
     def _deliver(self) -> None:
         self._due = False  # before reading: a reply put from now on queues another _deliver
