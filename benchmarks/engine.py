@@ -11,10 +11,12 @@ Every figure is measured in this run, on the same model and requests:
 - ``engine_tok_per_s`` / ``engine_batches``: the same requests submitted one by one to an
   InferenceEngine, which merges them by dynamic batching.
 
-Sections from ``_engine_learner.py``, ``_engine_runtime.py`` and ``_engine_vllm.py`` next to this file (each with
-``run(quick: bool) -> dict[str, float]``) are run and printed when present.
+Sections from ``_engine_clients.py`` (``concurrent_clients_sampling_ratio``: four clients
+sampling at once through the runtime, over one), ``_engine_learner.py``, ``_engine_runtime.py`` and
+``_engine_vllm.py`` next to this file (each with ``run(quick: bool) -> dict[str, float]``) are run
+and printed when present.
 
-    python benchmarks/engine.py [--quick] [--only hf|learner|runtime|vllm] [--threads N]
+    python benchmarks/engine.py [--quick] [--only hf|clients|learner|runtime|vllm] [--threads N]
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any
 
 import torch
 
-SECTIONS = ("hf", "learner", "runtime", "vllm")
+SECTIONS = ("hf", "clients", "learner", "runtime", "vllm")
 ADAPTERS = 4
 ROUNDS = 2
 

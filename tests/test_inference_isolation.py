@@ -190,22 +190,21 @@ def test_a_request_the_backend_refuses_fails_alone(backend: HFBackend) -> None:
 
 
 def test_a_huge_request_does_not_delay_another_tenants_small_one(backend: HFBackend) -> None:
-    """B asks for 1024 samples: they run as 32 batches of at most max_batch_size. C's sample runs
-    between the decode steps of B's first batch; A's, arriving meanwhile, runs right after C's in
-    the same gap (B's first batch has 32 tokens left, more than C's 4 and A's 4 together), not
-    after another step of B's, let alone after B's other 31 batches."""
+    """B asks for 1024 samples: they run as chunks of at most max_batch_size. C's sample joins
+    B's first chunk at its next step (the batch is full, but C has nothing in it); A's, submitted
+    when C's is answered, joins the batch in progress the same way, long before B's last chunk."""
     engine = _engine(backend, batch_window_s=0.0, max_batch_size=32)
     hog_params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, n=1024)
     seen: dict[str, Any] = {}
     a_done = threading.Event()
 
     def a_ran(_: Future[SampleResult]) -> None:
-        seen["a_batch"] = len(engine.stats.batch_sizes)  # A's batch has just been counted
+        seen["a_steps"] = engine.stats.steps - seen["arrival_steps"]
         a_done.set()
 
     def a_arrives(_: Future[SampleResult]) -> None:
-        # On the engine thread, inside B's first batch: A arrives after the batches counted so far.
-        seen["arrival"], seen["hog_done"] = len(engine.stats.batch_sizes), hog.done()
+        # On the engine thread, while B's chunks run: A arrives after the steps counted so far.
+        seen["arrival_steps"], seen["hog_done"] = engine.stats.steps, hog.done()
         seen["a"] = engine.submit(_request(PROMPTS[0]), tenant="A")
         seen["a"].add_done_callback(a_ran)
 
@@ -215,13 +214,11 @@ def test_a_huge_request_does_not_delay_another_tenants_small_one(backend: HFBack
         assert a_done.wait(120)
         assert len(hog.result(timeout=300).sequences) == 1024
         assert not seen["hog_done"], "A must arrive while B's chunks are still waiting"
-        # Counted when they end: C's (counted at A's arrival), then A's own, before B's first.
-        assert seen["a_batch"] == seen["arrival"] + 1, (
-            f"A ran {seen['a_batch'] - seen['arrival']} batches after it arrived"
-        )
-        assert engine.stats.batch_sizes[: seen["a_batch"]] == [1, 1], "C and A ran inside B's first batch"
+        # A's 4 tokens: the first from its prefill when it joins, three more steps.
+        assert seen["a_steps"] <= 4, f"A took {seen['a_steps']} steps of the batch in progress"
         assert _tokens(seen["a"].result()) == _alone(backend)[0]
-        assert max(engine.stats.batch_sizes) <= 32 and sum(engine.stats.batch_sizes) == 1024 + 2
+        assert max(engine.stats.batch_sizes) <= 32 and engine.stats.sequences == 1024 + 2
+        assert engine.stats.peak_rows <= 32 + 32 // 4
     finally:
         engine.close(close_backend=False)
 
@@ -237,10 +234,10 @@ def _once_running(future: Future[Any], timeout_s: float = 60.0) -> None:
 LONG = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True, n=32)
 
 
-def test_a_small_request_runs_between_the_steps_of_another_tenants_long_batch(backend: HFBackend) -> None:
-    """B's batch draws 32 x 400 tokens; A's 4-token sample, submitted once it runs, is answered
-    between its decode steps, long before it ends. B's own second request waits its turn, and
-    both answer what they answer alone."""
+def test_a_small_request_joins_another_tenants_long_batch(backend: HFBackend) -> None:
+    """B's batch draws 32 x 400 tokens; A's 4-token sample, submitted once it runs, joins it and
+    is answered long before it ends. B's own second request does not push into its full batch:
+    it waits its turn. Each answers what it answers alone."""
     engine = _engine(backend, batch_window_s=0.0, max_batch_size=32)
     finished: list[str] = []
     try:
@@ -252,45 +249,28 @@ def test_a_small_request_runs_between_the_steps_of_another_tenants_long_batch(ba
             future.add_done_callback(lambda _, name=name: finished.append(name))
         results = [f.result(timeout=300) for f in (hog, mine, a)]
         assert finished == ["A", "hog", "B's second"]
-        assert engine.stats.batch_sizes == [1, 32, 1], "A's batch ran (and was counted) inside B's"
+        assert engine.stats.batch_sizes == [32, 1, 1], "A joined B's batch; B's second started the next"
         alone = [backend.sample([_request(PROMPTS[i], p)])[0] for i, p in ((1, LONG), (2, GREEDY), (0, GREEDY))]
         assert [_tokens(r) for r in results] == [_tokens(r) for r in alone]
     finally:
         engine.close(close_backend=False)
 
 
-def test_a_gap_runs_batch_after_batch_within_one_batchs_rows(
-    backend: HFBackend, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_requests_arriving_one_after_another_each_join_at_the_next_step(backend: HFBackend) -> None:
     """Ten tenants' 1-row samples, each submitted when the one before it is answered, while B's
-    4-row batch of 400 tokens runs: one arriving while another runs between two of B's steps runs
-    there too, batch after batch, up to max_batch_size rows in all; then B takes its next step.
-    B answers what it answers alone."""
+    full 4-row batch of 400 tokens runs: each joins at the next step and takes its 4 tokens' steps,
+    not B's 400. B answers what it answers alone."""
     engine = _engine(backend, batch_window_s=0.0, max_batch_size=4)
-    gaps: list[list[int]] = []  # the batches (their sizes) run in each gap of B's batch that ran any
-    between_steps = engine._between_steps
-
-    def counted(paused: Any) -> Any:  # the engine's own hook, its batches counted
-        run = between_steps(paused)
-        if run is None or len(paused) != 1:
-            return run
-
-        def run_counted(tokens_left: int) -> None:
-            before = len(engine.stats.batch_sizes)
-            run(tokens_left)
-            if len(engine.stats.batch_sizes) > before:
-                gaps.append(engine.stats.batch_sizes[before:])
-
-        return run_counted
-
-    monkeypatch.setattr(engine, "_between_steps", counted)
     long4 = dataclasses.replace(LONG, n=4)
     answered: list[Future[SampleResult]] = []
+    steps: list[int] = []
 
     def submit(k: int) -> None:
         future = engine.submit(_request(PROMPTS[k % len(PROMPTS)]), tenant=f"T{k}")
         answered.append(future)
-        if k < 9:  # on the engine's thread, inside the gap the previous one ran in
+        start = engine.stats.steps
+        future.add_done_callback(lambda _: steps.append(engine.stats.steps - start))
+        if k < 9:  # on the engine's thread, as the previous one is answered
             future.add_done_callback(lambda _: submit(k + 1))
 
     try:
@@ -299,15 +279,17 @@ def test_a_gap_runs_batch_after_batch_within_one_batchs_rows(
         submit(0)
         assert _tokens(hog.result(timeout=300)) == _tokens(backend.sample([_request(PROMPTS[1], long4)])[0])
         assert len(answered) == 10 and all(f.done() for f in answered)
-        assert gaps == [[1, 1, 1, 1], [1, 1, 1, 1], [1, 1]], f"batches per gap: {gaps}"
+        assert max(steps) <= 5 and sum(steps) <= 50, f"steps each waited: {steps}"
+        assert engine.stats.peak_rows == 5, "a full batch takes one newcomer's row (max_batch_size // 4)"
+        assert [_tokens(f.result()) for f in answered[:2]] == _alone(backend)[:2]
     finally:
         engine.close(close_backend=False)
 
 
-def test_a_batch_run_between_steps_keeps_the_paused_batchs_adapter_resident(backend: HFBackend) -> None:
+def test_requests_that_join_keep_the_batchs_adapter_resident(backend: HFBackend) -> None:
     """Two adapter slots; B's long batch uses x. A (adapter y) and C (adapter z) arrive while it
-    runs: y and z cannot both sit beside x, so they run one after the other between B's steps,
-    and the slots make room by evicting each other, never x: B answers what it answers alone."""
+    runs: y and z cannot both sit beside x, so they join one after the other, and the slots make
+    room by evicting each other, never x: B answers what it answers alone."""
     engine = _engine(backend, batch_window_s=0.0, max_batch_size=32, max_resident_adapters=2)
     x, y, z = AdapterRef("x", 1), AdapterRef("y", 1), AdapterRef("z", 1)
     for seed, ref in enumerate((x, y, z)):
@@ -319,10 +301,33 @@ def test_a_batch_run_between_steps_keeps_the_paused_batchs_adapter_resident(back
         small = [engine.submit(_request(PROMPTS[i], ref=ref), tenant=t) for i, ref, t in ((0, y, "A"), (2, z, "C"))]
         for f in small:
             f.result(timeout=300)
-            assert not hog.done(), "A and C run between the steps of B's batch"
+            assert not hog.done(), "A and C join B's batch"
         assert _tokens(hog.result(timeout=300)) == _tokens(alone)
-        assert engine.stats.batch_sizes == [32, 1, 1, 32] and engine.stats.failed_batches == 0
+        assert engine.stats.batch_sizes == [32, 32, 1, 1] and engine.stats.failed_batches == 0
         assert engine.slots.evictions >= 1 and x in engine.slots.resident()
+    finally:
+        engine.close(close_backend=False)
+
+
+def test_a_failed_step_runs_each_request_again_alone(backend: HFBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step that raises (injected once, in this unit test) costs no request: each of the
+    batch's requests runs again alone from its start and answers what it answers alone."""
+    from polytinker.engine.inference._decode import DecodeBatch
+
+    engine = _engine(backend, batch_window_s=0.5, max_batch_size=8)
+    real_step, calls = DecodeBatch.step, {"n": 0}
+
+    def step_failing_once(self: DecodeBatch) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected step failure")
+        return real_step(self)
+
+    monkeypatch.setattr(DecodeBatch, "step", step_failing_once)
+    try:
+        futures = [engine.submit(_request(PROMPTS[i]), tenant=f"T{i}") for i in range(3)]
+        assert [_tokens(f.result(timeout=120)) for f in futures] == _alone(backend)[:3]
+        assert engine.stats.failed_batches == 1 and calls["n"] > 2
     finally:
         engine.close(close_backend=False)
 
@@ -340,7 +345,7 @@ def test_a_split_request_is_assembled_in_order_with_per_chunk_seeds(backend: HFB
         unsplit = _tokens(backend.sample([_request(PROMPTS[0], dataclasses.replace(params, n=32))])[0])
         assert first[:32] == unsplit
         assert first[32:64] != first[:32] and len({tuple(t) for t in first}) > 35
-        assert engine.stats.batch_sizes == [32, 32, 6] * 2
+        assert engine.stats.batch_sizes == [32, 32, 6] * 2 and engine.stats.peak_rows == 32
     finally:
         engine.close(close_backend=False)
 
@@ -358,7 +363,7 @@ def test_cancelling_a_split_request_drops_its_chunks_and_releases_its_version(ba
         assert len(engine.submit(_request(PROMPTS[0]), tenant="A").result(timeout=120).sequences) == 1
         engine.sample([_request(PROMPTS[0], ref=new)], timeout_s=120)  # the queue has drained past B's chunks
         assert hog.cancelled()
-        assert sum(engine.stats.batch_sizes) < 1024, "the cancelled chunks must not run"
+        assert engine.stats.sequences < 1024, "the cancelled chunks must not run"
         assert engine.slots.known() == [new], "every chunk released hog@1, so it retired"
     finally:
         engine.close(close_backend=False)

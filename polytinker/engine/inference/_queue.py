@@ -6,10 +6,11 @@ adapter slots), the tenant served longest ago first. So a tenant with one small 
 for at most the batch in progress, however many chunks another tenant has queued, and a tenant
 with many requests gets one more turn per round, not the whole batch.
 
-A job (``compute_logprobs``, ``pin``) runs alone, between batches, when its tenant's turn comes
-with the job at the head of its lane; a tenant's requests queued after its job wait for it, so
-each tenant's work keeps its order. Callers that name no tenant share the lane ``""``, which
-keeps the plain arrival order with a job as a barrier.
+A job (``compute_logprobs``, ``pin``) runs alone, between batches or between two decode steps of
+a batch in progress, when its tenant's turn comes with the job at the head of its lane; a
+tenant's requests queued after its job wait for it, so each tenant's work keeps its order.
+Callers that name no tenant share the lane ``""``, which keeps the plain arrival order with a job
+as a barrier.
 
 Not thread-safe: the engine holds its condition's lock around every call.
 """
@@ -45,26 +46,19 @@ class Pending:
     def rows(self) -> int:
         return self.request.params.n if self.request is not None else 0
 
-    @property
-    def tokens(self) -> int:
-        """The most tokens it draws: its work in a decode loop."""
-        return self.rows * self.request.params.max_tokens if self.request is not None else 0
 
+@dataclass(frozen=True)
+class Joining:
+    """Requests are to join a batch in progress, so each must fit beside it (rows and slots).
 
-@dataclass
-class Gap:
-    """The room between two decode steps of the batches in progress (each paused inside the
-    next): other tenants' work smaller than what the innermost one has left may run there, so a
-    long batch lets short requests by while a short one is not held up by a long one."""
+    ``strict``: the first tenant in line comes first. If its oldest request does not fit yet,
+    nothing else is taken: the batch drains until it does, so a big request is never passed over
+    for good by a stream of small ones. ``exclude``: tenants not to take from (those that already
+    have work in the batch, when only newcomers may join a full one); then a request that does not
+    fit is passed over."""
 
-    tenants: frozenset[str]  # the tenants of every paused batch: their work waits its turn
-    tokens_left: int  # the most tokens (sequences x max_tokens) the innermost has left to draw
-
-    def admits(self, pending: Pending) -> bool:
-        return pending.tenant not in self.tenants and pending.tokens < self.tokens_left
-
-    def spend(self, pending: Pending) -> None:
-        self.tokens_left -= pending.tokens
+    strict: bool = True
+    exclude: frozenset[str] = frozenset()
 
 
 class FairQueue:
@@ -99,18 +93,19 @@ class FairQueue:
         """Tenants with waiting work, the one served longest ago (or never) first."""
         return sorted(self._lanes, key=lambda t: (self._served.get(t, -1), self._lanes[t][0].arrived_s))
 
-    def take(self, max_rows: int, fits: Callable[[set[AdapterRef]], bool], *, gap: Gap | None = None) -> list[Pending]:
+    def take(
+        self, max_rows: int, fits: Callable[[set[AdapterRef]], bool], *, joining: Joining | None = None
+    ) -> list[Pending]:
         """The next batch: a job alone when the first tenant in line has one at its head, else
-        requests in rounds across tenants while they fit (the first always does).
-
-        ``gap``: the batch is to run between the decode steps of batches in progress. Then it
-        holds only the requests the gap admits, every one of which must fit (no job: a job runs
-        between batches), and may be empty."""
+        requests in rounds across tenants while they fit (the first always does, unless
+        ``joining``: then every one must, and the batch may be empty)."""
         order = self._order()
-        if gap is not None:
-            order = [t for t in order if t not in gap.tenants]
-        elif self._lanes[order[0]][0].job is not None:
-            head = self._lanes[order[0]][0]
+        if joining is not None:
+            order = [t for t in order if t not in joining.exclude]
+        if not order:
+            return []
+        head = self._lanes[order[0]][0]
+        if head.job is not None:
             self._remove({id(head)})
             self._mark([order[0]])
             return [head]
@@ -120,13 +115,13 @@ class FairQueue:
         served: list[str] = []
         while candidates and rows < max_rows:
             for tenant in list(candidates):
-                item = self._fitting(candidates[tenant], batch, rows, refs, max_rows, fits, gap)
+                item = self._fitting(candidates[tenant], batch, rows, refs, max_rows, fits, joining)
                 if item is None:
+                    if joining is not None and joining.strict and not batch and tenant == order[0]:
+                        return []  # the first in line waits for room, and the others behind it
                     del candidates[tenant]  # nothing later in its lane fits either
                     continue
                 batch.append(item)
-                if gap is not None:
-                    gap.spend(item)
                 ref = item.request.adapter if item.request is not None else None
                 if not item.future.cancelled():  # dropped by the engine: it takes no room
                     rows += item.rows
@@ -146,21 +141,22 @@ class FairQueue:
         refs: set[AdapterRef],
         max_rows: int,
         fits: Callable[[set[AdapterRef]], bool],
-        gap: Gap | None,
+        joining: Joining | None,
     ) -> Pending | None:
         """The next request of a lane that fits beside ``batch`` (the first of a batch is taken as
-        it is, except in a gap). One that does not fit now never will (rows and adapters only
-        grow), so the lane's iterator moves past it for good."""
+        it is, unless joining). One that does not fit now never will (rows and adapters only
+        grow), so the lane's iterator moves past it for good; a strict join looks no further than
+        the head of a lane, so that a tenant's requests keep their order."""
         for item in lane:
             assert item.request is not None
             ref = item.request.adapter
             new_refs = refs | ({ref} if ref is not None else set())
-            if gap is not None and not gap.admits(item):
-                continue
-            if (gap is None and not batch) or item.future.cancelled():
+            if (joining is None and not batch) or item.future.cancelled():
                 return item
             if rows + item.rows <= max_rows and fits(new_refs):
                 return item
+            if joining is not None and joining.strict:
+                return None
         return None
 
     def _remove(self, ids: set[int]) -> None:
@@ -181,4 +177,4 @@ class FairQueue:
             del self._served[next(iter(self._served))]
 
 
-__all__ = ["MAX_REMEMBERED_TENANTS", "FairQueue", "Gap", "Pending"]
+__all__ = ["MAX_REMEMBERED_TENANTS", "FairQueue", "Joining", "Pending"]

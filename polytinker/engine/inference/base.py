@@ -11,7 +11,8 @@ Conventions every backend keeps (the tests check them for each one):
   outside them before it shares a batch (``_requests.check_request``).
 - ``sample`` serves one mixed batch: each request names its own adapter version (``None`` is the
   base model) and its own sampling parameters; results come back in request order, each with
-  ``params.n`` sequences.
+  ``params.n`` sequences. A backend that decodes in steps also offers ``open_batch``
+  (:class:`SteppingBackend`): the engine then lets requests join a batch in progress.
 - A sequence's ``token_ids`` are the generated tokens only. A stop token (EOS or one of
   ``stop_token_ids``) that ended it is included, so a learner sees the model emit it; a stop
   string is included in ``token_ids`` (the tokens that completed it) but cut from ``text``.
@@ -30,7 +31,7 @@ Conventions every backend keeps (the tests check them for each one):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -48,15 +49,8 @@ class InferenceBackend(Protocol):
     vocab_size: int  # token ids the model reads are in [0, vocab_size)
     max_model_len: int  # positions in one sequence: prompt and generated tokens together
 
-    def sample(
-        self, requests: Sequence[SampleRequest], between_steps: Callable[[int], None] | None = None
-    ) -> list[SampleResult]:
-        """Serve one mixed batch (adapters and sampling parameters may differ per request).
-
-        ``between_steps``, where given, is called on the calling thread between two decode steps
-        of the batch, with the most tokens the batch has left to draw (over all its sequences):
-        the engine runs smaller work of other tenants there, so a long batch does not hold them up
-        to its end. A backend that runs a batch as one call never calls it."""
+    def sample(self, requests: Sequence[SampleRequest]) -> list[SampleResult]:
+        """Serve one mixed batch (adapters and sampling parameters may differ per request)."""
         ...
 
     def compute_logprobs(
@@ -95,6 +89,32 @@ class InferenceBackend(Protocol):
         ...
 
 
+class StepBatch(Protocol):
+    """A batch decoded step by step (``SteppingBackend.open_batch``): requests join it between
+    two steps and leave it when they end. Each method returns the requests that have ended, as
+    ``(key, result)``; a request's key is the caller's."""
+
+    rows: int  # sequences still being generated
+
+    def add(self, requests: Sequence[tuple[Hashable, SampleRequest]]) -> list[tuple[Hashable, SampleResult]]:
+        """Prefill ``requests`` and join them; all or none (if it raises, the batch is as it was)."""
+        ...
+
+    def step(self) -> list[tuple[Hashable, SampleResult]]:
+        """One decode step for every live sequence."""
+        ...
+
+
+@runtime_checkable
+class SteppingBackend(InferenceBackend, Protocol):
+    """A backend whose batches the engine drives one decode step at a time (``hf``): requests that
+    arrive while a batch runs join it at its next step (continuous batching)."""
+
+    joins: bool  # False where the model's cache cannot take rows mid-batch: a batch runs to its end
+
+    def open_batch(self) -> StepBatch: ...
+
+
 def render_prompt(tokenizer: PreTrainedTokenizerBase, request: SampleRequest) -> list[int]:
     """The prompt's token ids: given ids as they are, or chat messages rendered with the model's
     chat template and a generation prompt (the assistant turn's header)."""
@@ -115,4 +135,4 @@ def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
     return (text[:cut], True) if cut >= 0 else (text, False)
 
 
-__all__ = ["InferenceBackend", "cut_at_stop", "render_prompt"]
+__all__ = ["InferenceBackend", "StepBatch", "SteppingBackend", "cut_at_stop", "render_prompt"]

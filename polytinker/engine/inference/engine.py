@@ -1,29 +1,33 @@
-"""The inference engine: a thread-safe front over one backend, with dynamic batching.
+"""The inference engine: a thread-safe front over one backend, with continuous batching.
 
 ``submit`` may be called from any thread and returns a ``Future``. One worker thread owns the
-backend: it takes the oldest waiting work, waits ``batch_window_s`` for others to arrive, and
-serves what fits (``max_batch_size`` sequences, adapters within the resident slots) as one mixed
-batch. Adapter loads and ``compute_logprobs`` calls also run on that thread, between batches, so
-a batch never sees its weights change under it.
+backend. With nothing running it takes the oldest waiting work, waits ``batch_window_s`` for
+others to arrive, and starts what fits (``max_batch_size`` sequences, adapters within the resident
+slots) as one mixed batch. A backend that decodes in steps (``hf``: ``SteppingBackend``) is then
+driven one step at a time, and between two steps the requests waiting that fit beside the batch
+join it (prefilled, then decoded with the others), while requests that end leave it and are
+answered at once: requests that arrive a moment apart share the model's matmuls, and a short one
+is not held up by a long one. vLLM runs a batch as one call, so there a batch runs to its end.
+Adapter loads and jobs (``compute_logprobs``, ``pin``) run on the same thread, between batches or
+between steps, so no step sees its weights change under it.
 
 Tenants share the engine without hurting each other:
 
 - A request is checked against the model before it is queued (``_requests.check_request``): a
   token id outside the vocabulary or a prompt too long for the model is refused for it alone.
 - A request of more samples than ``max_batch_size`` is split into chunks of at most that many
-  (``_requests.split_request``, which says what a split request's seed means), and batches take
-  turns across the tenants named at ``submit`` (``_queue.FairQueue``): another tenant's small
-  request runs in the next batch, not after every chunk.
-- A long batch does not hold other tenants up to its end: between two of its decode steps, the
-  engine runs batches of other tenants' waiting requests, of fewer tokens in all than it has left
-  to draw and at most ``max_batch_size`` sequences in all (``_between_steps``), each to its end,
-  inside it; one that arrives while another runs there runs next, not after another step. Each
-  may in turn let a third set of tenants in, up to ``MAX_NESTED_BATCHES`` batches at once (each
-  keeps its own KV cache meanwhile). The paused batch goes on one step per such gap, so a tenant's
-  64-token chunk delays another's 4-token sample by at most about one step, not 64. The ``hf``
-  backend decodes in steps; vLLM runs a batch as one call, so there a batch runs to its end.
+  (``_requests.split_request``, which says what a split request's seed means), and work is taken
+  in turns across the tenants named at ``submit`` (``_queue.FairQueue``): another tenant's small
+  request joins at the next step, not after every chunk.
+- A full batch still takes, at its next step, the small requests (at most ``max_batch_size // 4``
+  sequences in all) of tenants that have nothing in it, up to twice ``max_batch_size`` sequences:
+  one tenant's big chunks do not lock the others out for their length. The request first in line
+  that does not fit yet is not passed over for good: others wait behind it while the batch drains.
 - When a batch fails, it is run again in halves down to the request that fails it: the others
-  are answered, and only that request gets the error.
+  are answered, and only that request gets the error. A request that joins a batch in progress
+  is prefilled with the others that join at the same step; if that fails, they join one by one.
+  If a step fails, each request of the batch runs again alone from its start (a seeded request
+  draws the same tokens wherever it runs).
 """
 
 from __future__ import annotations
@@ -31,13 +35,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from polytinker.engine.inference._queue import FairQueue, Gap, Pending
+from polytinker.engine.inference._queue import FairQueue, Joining, Pending
 from polytinker.engine.inference._requests import (
     check_answer,
     check_request,
@@ -45,7 +49,7 @@ from polytinker.engine.inference._requests import (
     join_chunks,
     split_request,
 )
-from polytinker.engine.inference.base import InferenceBackend
+from polytinker.engine.inference.base import InferenceBackend, StepBatch, SteppingBackend
 from polytinker.engine.inference.config import EngineConfig
 from polytinker.engine.inference.slots import AdapterSlots
 from polytinker.engine.types import AdapterName, AdapterRef, AdapterWeights, SampleRequest, SampleResult, ScoredTopK
@@ -53,27 +57,24 @@ from polytinker.errors import ModelError
 
 log = logging.getLogger(__name__)
 
-# Batches in progress at once, each paused between its steps while the next runs inside it: the
-# memory of this many batches' KV caches is what an engine may hold.
-MAX_NESTED_BATCHES = 3
-
-
-@dataclass(frozen=True)
-class _Paused:
-    """A batch waiting between its decode steps while another runs: its tenants and versions."""
-
-    tenants: frozenset[str]
-    refs: frozenset[AdapterRef | None]
+# A full batch in progress still takes, at its next step, up to max_batch_size // this many
+# sequences of tenants that have nothing in it (and twice max_batch_size in all).
+NEWCOMER_SHARE = 4
 
 
 @dataclass
 class EngineStats:
-    """What the engine did so far: batch sizes in sequences (tests check merging with these)."""
+    """What the engine did so far (tests check merging with these)."""
 
+    # Sequences and distinct adapters (the base counts) of each batch started, and of each group of
+    # requests that joined a batch in progress at one step.
     batch_sizes: list[int] = field(default_factory=list)
-    batch_adapters: list[int] = field(default_factory=list)  # distinct adapters (base counts) per batch
+    batch_adapters: list[int] = field(default_factory=list)
     requests: int = 0
-    failed_batches: int = 0  # backend calls that raised (a failed batch is retried in halves)
+    sequences: int = 0  # sequences answered, every tenant's (each chunk as it ends)
+    steps: int = 0  # decode steps of batches driven step by step
+    peak_rows: int = 0  # most sequences decoded together
+    failed_batches: int = 0  # backend calls that raised (the work is retried in smaller parts)
 
 
 class InferenceEngine:
@@ -86,6 +87,9 @@ class InferenceEngine:
         self.stats = EngineStats()
         self._queue = FairQueue()
         self._cv = threading.Condition()
+        # The batch in progress on a stepping backend and its requests by key (worker thread only).
+        self._batch: StepBatch | None = None
+        self._in_batch: dict[Hashable, Pending] = {}
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="polytinker-engine", daemon=True)
         self._thread.start()
@@ -139,7 +143,7 @@ class InferenceEngine:
         self.slots.acquire(adapter)
 
         def job() -> ScoredTopK:
-            self.slots.prepare([adapter])
+            self._prepare([adapter])
             return self.backend.compute_logprobs_topk(seqs, k, adapter)
 
         pending = Pending(Future(), time.monotonic(), job=job, refs=(adapter,), tenant=tenant)
@@ -167,7 +171,7 @@ class InferenceEngine:
     def pin(self, ref: AdapterRef) -> None:
         """Keep ``ref`` resident from now on (it is loaded before the next batch)."""
         self.slots.pin(ref)
-        self._run_job(lambda: self.slots.prepare([ref]))
+        self._run_job(lambda: self._prepare([ref]))
 
     def unpin(self, ref: AdapterRef) -> None:
         self.slots.unpin(ref)
@@ -224,10 +228,21 @@ class InferenceEngine:
 
     def _loop(self) -> None:
         while True:
+            if self._in_batch:  # a batch in progress: let waiting work in, then one step
+                self._admit()
+                self._step()
+                continue
             batch = self._next_batch()
             if batch is None:
                 return
             self._run(batch)
+
+    def _held(self) -> set[AdapterRef | None]:
+        """The versions of the batch in progress: they stay resident until it ends."""
+        return {p.request.adapter for p in self._in_batch.values() if p.request is not None}
+
+    def _prepare(self, refs: Iterable[AdapterRef | None]) -> None:
+        self.slots.prepare(refs, keep=self._held())
 
     def _next_batch(self) -> list[Pending] | None:
         """Block for work; then, after the window, a job alone or the requests of one batch."""
@@ -244,7 +259,7 @@ class InferenceEngine:
                 self._cv.wait(left)
             return self._queue.take(self.config.max_batch_size, self.slots.fits)
 
-    def _run(self, batch: list[Pending], paused: tuple[_Paused, ...] = ()) -> None:
+    def _run(self, batch: list[Pending]) -> None:
         live = [p for p in batch if p.future.set_running_or_notify_cancel()]
         running = {id(p) for p in live}
         self._release_all([p for p in batch if id(p) not in running])  # cancelled while queued
@@ -261,47 +276,109 @@ class InferenceEngine:
             else:
                 self._resolve(live[0], outcome)
             return
-        self._serve(live, paused)
+        if isinstance(self.backend, SteppingBackend):
+            self._join(live)
+        else:
+            self._serve(live)
 
-    def _between_steps(self, paused: tuple[_Paused, ...]) -> Callable[[int], None] | None:
-        """What a batch runs between its decode steps (``paused`` ends with itself), told the
-        tokens it has left to draw: batches of the waiting requests of tenants none of ``paused``
-        serves, of fewer tokens in all and at most one batch's sequences in all, whose versions
-        fit in the slots beside theirs, each to its end. Only smaller work: a small request in
-        progress is not held up by a big one."""
-        if len(paused) >= MAX_NESTED_BATCHES:
-            return None
-        tenants = frozenset().union(*(p.tenants for p in paused))
-        refs = {r for p in paused for r in p.refs if r is not None}
+    def _admit(self) -> None:
+        """Between two steps: a job, or the waiting requests that fit beside the batch in progress."""
+        if not len(self._queue):  # a racy read: a request that arrives just then joins a step later
+            return
+        assert isinstance(self.backend, SteppingBackend) and self._batch is not None
+        size, rows = self.config.max_batch_size, self._batch.rows
+        held = {r for r in self._held() if r is not None}
 
         def fits(new: set[AdapterRef]) -> bool:
-            return self.slots.fits(new | refs)
+            return self.slots.fits(new | held)
 
-        def run_other_tenants(tokens_left: int) -> None:
-            # Batch after batch while work is admitted, so a request that arrived while one of them
-            # ran does not wait for another step of the paused batch. The bounds (one batch's
-            # sequences, fewer tokens than the paused batch has left) keep it going step by step.
-            gap, rows_left = Gap(tenants, tokens_left), self.config.max_batch_size
-            # len() is a racy read: a request that arrives just then waits one step.
-            while rows_left > 0 and len(self._queue):
-                with self._cv:
-                    batch = self._queue.take(rows_left, fits, gap=gap)
-                if not batch:
-                    return
-                rows_left -= sum(p.rows for p in batch)
-                self._run(batch, paused)
+        room = size - rows if self.backend.joins else 0  # 0: jobs only
+        with self._cv:
+            work = self._queue.take(room, fits, joining=Joining())
+            if not work and self.backend.joins:  # full: small requests of newcomers still join
+                newcomers = Joining(strict=False, exclude=frozenset(p.tenant for p in self._in_batch.values()))
+                work = self._queue.take(min(max(1, size // NEWCOMER_SHARE), 2 * size - rows), fits, joining=newcomers)
+        if work:
+            self._run(work)
 
-        return run_other_tenants
-
-    def _serve(self, live: list[Pending], paused: tuple[_Paused, ...] = ()) -> None:
-        """Run ``live`` as one batch (inside the ``paused`` ones, whose versions stay resident).
-        If it fails, run each half again, down to the request that fails it: every other request
-        is answered, and only that one gets the error."""
+    def _join(self, live: list[Pending]) -> None:
+        """Prefill ``live`` into the batch in progress (a new one when there is none). If that
+        fails, they join one by one: only the request that fails gets the error."""
+        assert isinstance(self.backend, SteppingBackend)
         requests = [p.request for p in live if p.request is not None]
-        me = _Paused(frozenset(p.tenant for p in live), frozenset(r.adapter for r in requests))
+        if self._batch is None:
+            self._batch = self.backend.open_batch()
         try:
-            self.slots.prepare((r.adapter for r in requests), keep=(r for p in paused for r in p.refs))
-            outcomes = list(self.backend.sample(requests, self._between_steps((*paused, me))))
+            self._prepare(r.adapter for r in requests)
+            ended = self._batch.add([(id(p), p.request) for p in live if p.request is not None])
+        except Exception as exc:
+            self.stats.failed_batches += 1
+            if len(live) == 1:
+                self._resolve(live[0], error=exc)
+            else:
+                log.warning("%d requests failed to join a batch (%s); joining them one by one", len(live), exc)
+                for p in live:
+                    self._join([p])
+            return
+        except BaseException as exc:  # an interrupt: nothing is retried
+            self._fail_all([*live, *self._in_batch.values()], exc)
+            raise
+        self._in_batch.update((id(p), p) for p in live)
+        self._count(requests, self._batch.rows)
+        self._answer(ended)
+
+    def _step(self) -> None:
+        """One decode step of the batch in progress. If it fails, each of its requests runs again
+        alone from its start (``_serve``): only the one that fails gets the error."""
+        assert self._batch is not None
+        try:
+            ended = self._batch.step()
+        except Exception as exc:
+            self.stats.failed_batches += 1
+            stranded = list(self._in_batch.values())
+            self._batch, self._in_batch = None, {}
+            log.warning("a decode step of %d requests failed (%s); running each again alone", len(stranded), exc)
+            for p in stranded:
+                self._serve([p])
+            return
+        except BaseException as exc:
+            self._fail_all(list(self._in_batch.values()), exc)
+            raise
+        self.stats.steps += 1
+        self._answer(ended)
+
+    def _answer(self, ended: list[tuple[Hashable, SampleResult]]) -> None:
+        for key, outcome in ended:
+            p = self._in_batch.pop(key)
+            assert p.request is not None
+            try:
+                check_answer(p.request, outcome)
+            except Exception as exc:
+                self._resolve(p, error=exc)
+                continue
+            self.stats.sequences += len(outcome.sequences)
+            self._resolve(p, outcome)
+        if not self._in_batch:
+            self._batch = None
+
+    def _fail_all(self, pending: list[Pending], exc: BaseException) -> None:
+        for p in pending:
+            if not p.future.done():
+                self._resolve(p, error=exc)
+        self._batch, self._in_batch = None, {}
+
+    def _count(self, requests: list[SampleRequest], rows: int) -> None:
+        self.stats.batch_sizes.append(sum(r.params.n for r in requests))
+        self.stats.batch_adapters.append(len({r.adapter for r in requests}))
+        self.stats.peak_rows = max(self.stats.peak_rows, rows)
+
+    def _serve(self, live: list[Pending]) -> None:
+        """Run ``live`` as one batch to its end. If it fails, run each half again, down to the
+        request that fails it: every other request is answered, and only that one gets the error."""
+        requests = [p.request for p in live if p.request is not None]
+        try:
+            self._prepare(r.adapter for r in requests)
+            outcomes = list(self.backend.sample(requests))
             if len(outcomes) != len(requests):
                 raise ModelError(f"the backend answered {len(outcomes)} results for {len(requests)} requests")
             for request, outcome in zip(requests, outcomes, strict=True):
@@ -313,16 +390,15 @@ class InferenceEngine:
                 return
             log.warning("engine batch of %d requests failed (%s); running it again in halves", len(live), exc)
             half = len(live) // 2
-            self._serve(live[:half], paused)
-            self._serve(live[half:], paused)
+            self._serve(live[:half])
+            self._serve(live[half:])
             return
         except BaseException as exc:  # an interrupt: nothing is retried
-            for p in live:
-                self._resolve(p, error=exc)
+            self._fail_all(live, exc)
             raise
-        self.stats.batch_sizes.append(sum(r.params.n for r in requests))
-        self.stats.batch_adapters.append(len({r.adapter for r in requests}))
+        self._count(requests, sum(r.params.n for r in requests))
         for p, outcome in zip(live, outcomes, strict=True):
+            self.stats.sequences += len(outcome.sequences)
             self._resolve(p, outcome)
 
     def _resolve(self, pending: Pending, outcome: Any = None, error: BaseException | None = None) -> None:

@@ -6,32 +6,28 @@ layout and with peft's scaling); a batch's rows are sorted by adapter, so rows f
 adapters share every base-model matmul and differ only in their low-rank updates
 (``_multilora.py`` says why this replaces peft's ``adapter_names`` path).
 
-Decoding is a hand-written loop over a KV cache rather than ``generate``: each row keeps its own
-sampling parameters, generator, stop conditions and the log-probabilities of the tokens it drew,
-and finished rows leave the batch (and the cache) at once, so they cost nothing afterwards.
+Decoding is a hand-written loop over a KV cache rather than ``generate`` (``_decode.DecodeBatch``):
+each row keeps its own sampling parameters, generator, stop conditions and the log-probabilities
+of the tokens it drew; finished rows leave the batch (and the cache) at once, so they cost nothing
+afterwards, and new requests join it between two steps (``open_batch``: the engine's continuous
+batching).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from polytinker.engine.device import resolve_device
+from polytinker.engine.inference._decode import DecodeBatch, Row
 from polytinker.engine.inference._multilora import MultiLora
-from polytinker.engine.inference._sampling import (
-    RowSampler,
-    choice_slices,
-    make_row_sampler,
-    pick_choice,
-    sample_tokens,
-)
+from polytinker.engine.inference._sampling import choice_slices, make_row_sampler, pick_choice
 from polytinker.engine.inference.adapter_io import read_adapter_dir
-from polytinker.engine.inference.base import cut_at_stop, render_prompt
+from polytinker.engine.inference.base import cut_at_stop
 from polytinker.engine.inference.config import HFBackendConfig
 from polytinker.engine.models import load_model
 from polytinker.engine.types import (
@@ -49,29 +45,14 @@ from polytinker.errors import ConfigError, ModelError
 BASE = "__base__"  # the rows of a batch that use no adapter
 
 
-@dataclass
-class _Row:
-    """One sequence being generated (a request with n > 1 has n rows)."""
-
-    request_index: int
-    prompt: list[int]
-    adapter: str  # the adapter's slot name, or BASE
-    sampler: RowSampler
-    stop_ids: frozenset[int]
-    max_tokens: int
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish: FinishReason | None = None
-
-
 # KV positions (prompt and choice, over all choices) one pass of choice scoring may cache at once.
 _CHOICE_POSITIONS = 8192
 
 
-def _chunked(jobs: list[tuple[_Row, range]], logits: int) -> list[list[tuple[_Row, range]]]:
+def _chunked(jobs: list[tuple[Row, range]], logits: int) -> list[list[tuple[Row, range]]]:
     """Consecutive (row, slice of its choices) jobs grouped under ``_CHOICE_POSITIONS`` cached
     positions and ``logits`` choice tokens a pass."""
-    chunks: list[list[tuple[_Row, range]]] = [[]]
+    chunks: list[list[tuple[Row, range]]] = [[]]
     positions = tokens = 0
     for row, part in jobs:
         longest = max(len(row.sampler.params.choices[k]) for k in part)
@@ -113,6 +94,10 @@ class HFBackend:
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         # Callers are expected to use one thread; the lock makes a stray concurrent call safe.
         self._lock = threading.RLock()
+        from transformers import DynamicCache
+
+        # Rows join a batch in progress by padding caches to one length: not for sliding windows.
+        self.joins = not any(DynamicCache(config=model.config).is_sliding)
         self._closed = False
 
     def _find_eos_ids(self) -> frozenset[int]:
@@ -182,24 +167,18 @@ class HFBackend:
 
     # ----- sampling -----
 
-    def sample(
-        self, requests: Sequence[SampleRequest], between_steps: Callable[[int], None] | None = None
-    ) -> list[SampleResult]:
-        with self._lock, torch.inference_mode():
-            self._check_open()
-            prompts = [render_prompt(self.tokenizer, r) for r in requests]
-            rows = [row for i, r in enumerate(requests) for row in self._rows_for(i, r, prompts[i])]
-            free = [row for row in rows if not row.sampler.params.choices]
-            if free:
-                self._decode(free, between_steps)
-            if len(free) < len(rows):
-                self._choose([row for row in rows if row.sampler.params.choices])
-            by_request: list[list[_Row]] = [[] for _ in requests]
-            for row in rows:
-                by_request[row.request_index].append(row)
-            return [self._result(r, prompts[i], by_request[i]) for i, r in enumerate(requests)]
+    def sample(self, requests: Sequence[SampleRequest]) -> list[SampleResult]:
+        batch = self.open_batch()
+        done = dict(batch.add(list(enumerate(requests))))
+        while batch.rows:
+            done.update(batch.step())
+        return [done[i] for i in range(len(requests))]
 
-    def _rows_for(self, index: int, request: SampleRequest, prompt: list[int]) -> list[_Row]:
+    def open_batch(self) -> DecodeBatch:
+        """A batch to decode step by step, which requests may join between steps (if ``joins``)."""
+        return DecodeBatch(self)
+
+    def _rows_for(self, key: Hashable, request: SampleRequest, prompt: list[int]) -> list[Row]:
         if not prompt:
             raise ConfigError("SampleRequest: the prompt is empty; give at least one token")
         params = request.params
@@ -209,18 +188,18 @@ class HFBackend:
             raise ConfigError(f"prompt of {len(prompt)} tokens leaves no room in the model's {self._max_positions}")
         adapter = self._adapter_name(request.adapter)
         return [
-            _Row(index, prompt, adapter, make_row_sampler(params, k), stop_ids, min(params.max_tokens, room))
+            Row(key, prompt, adapter, make_row_sampler(params, k), stop_ids, min(params.max_tokens, room))
             for k in range(params.n)
         ]
 
-    def _prefill(self, rows: list[_Row], cache: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _prefill(self, rows: list[Row], cache: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Left-padded prompts through the model; returns last logits, the mask and next positions.
 
         Rows with the same prompt and adapter (a request's ``n`` samples) are prefilled once; the
         cache, logits and mask are then indexed out to every row, so ``n`` samples cost one prompt.
         """
         index_of: dict[tuple[str, tuple[int, ...]], int] = {}  # (adapter, prompt) -> its row in unique
-        unique: list[_Row] = []
+        unique: list[Row] = []
         owner_B: list[int] = []
         for r in rows:
             u = index_of.setdefault((r.adapter, tuple(r.prompt)), len(unique))
@@ -243,39 +222,7 @@ class HFBackend:
         cache.reorder_cache(index.to(self.device))
         return logits_UV[index], mask_UL[index], next_pos_U[index]
 
-    def _decode(self, rows: list[_Row], between_steps: Callable[[int], None] | None = None) -> None:
-        """Draw tokens for ``rows`` until each stops. ``between_steps`` runs before every step
-        after the first, told the most tokens left to draw; this batch's cache and rows wait
-        meanwhile (another batch it runs has its own), and ``_forward`` sets the adapter rows
-        afresh on each call."""
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=self.model.config)
-        # Rows sorted by adapter: each adapter then owns one contiguous run of rows (see _multilora).
-        rows = sorted(rows, key=lambda r: r.adapter)
-        logits_BV, mask_BL, next_pos_B = self._prefill(rows, cache)
-        live = list(range(len(rows)))
-        while True:
-            tokens_B, logprobs_B = sample_tokens(logits_BV, [rows[i].sampler for i in live])
-            tokens, logprobs = tokens_B.tolist(), logprobs_B.tolist()  # one conversion, not one a row
-            keep = [j for j, i in enumerate(live) if not self._append(rows[i], tokens[j], logprobs[j])]
-            if not keep:
-                return
-            if len(keep) < len(live):
-                # Finished rows leave the batch and the KV cache: later steps do not pay for them.
-                index = torch.tensor(keep)
-                cache.batch_select_indices(index.to(self.device))
-                mask_BL, next_pos_B, tokens_B = mask_BL[index], next_pos_B[index], tokens_B[index]
-                live = [live[j] for j in keep]
-            if between_steps is not None:
-                between_steps(sum(rows[i].max_tokens - len(rows[i].tokens) for i in live))
-            mask_BL = torch.cat([mask_BL, mask_BL.new_ones((len(live), 1))], dim=1)
-            adapters = [rows[i].adapter for i in live]
-            logits = self._forward(tokens_B[:, None], mask_BL, next_pos_B[:, None], adapters, cache, logits_to_keep=1)
-            logits_BV = logits[:, -1].float().cpu()
-            next_pos_B = next_pos_B + 1
-
-    def _choose(self, rows: list[_Row]) -> None:
+    def _choose(self, rows: list[Row]) -> None:
         """Rows with ``choices``: every choice is scored after its row's prompt (the prompt
         prefilled once, its cache repeated for each choice), and the row takes one whole
         (``pick_choice``) with the model's own logprob of each of its tokens."""
@@ -300,7 +247,7 @@ class HFBackend:
             k = pick_choice([sum(v) for v in per_token], row.sampler)
             row.tokens, row.logprobs, row.finish = list(choices[k]), per_token[k], FinishReason.STOP
 
-    def _score_choices(self, jobs: list[tuple[_Row, range]]) -> list[list[list[float]]]:
+    def _score_choices(self, jobs: list[tuple[Row, range]]) -> list[list[list[float]]]:
         """Per job, per choice of its slice: the logprob of each of the choice's tokens."""
         from transformers import DynamicCache
 
@@ -328,7 +275,7 @@ class HFBackend:
             out[j].append(values)
         return out
 
-    def _append(self, row: _Row, token: int, logprob: float) -> bool:
+    def _append(self, row: Row, token: int, logprob: float) -> bool:
         """Record a drawn token; True when the row is finished."""
         row.tokens.append(token)
         row.logprobs.append(logprob)
@@ -342,7 +289,7 @@ class HFBackend:
     def _text(self, tokens: list[int]) -> str:
         return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
 
-    def _result(self, request: SampleRequest, prompt: list[int], rows: list[_Row]) -> SampleResult:
+    def _result(self, request: SampleRequest, prompt: list[int], rows: list[Row]) -> SampleResult:
         sequences = tuple(
             SampledSequence(
                 token_ids=tuple(row.tokens),

@@ -24,7 +24,7 @@ import shutil
 import tempfile
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -279,11 +279,9 @@ class VllmBackend:
             skip_special_tokens=True,
         )
 
-    def sample(
-        self, requests: Sequence[SampleRequest], between_steps: Callable[[int], None] | None = None
-    ) -> list[SampleResult]:
-        # vLLM schedules a batch's steps itself, in one generate call: ``between_steps`` is never
-        # called, so a batch runs to its end before the engine takes other work.
+    def sample(self, requests: Sequence[SampleRequest]) -> list[SampleResult]:
+        # vLLM schedules a batch's steps itself, in one generate call: there is no ``open_batch``,
+        # so a batch runs to its end before the engine takes other work.
         with self._lock:
             self._check_open()
             prompts = [render_prompt(self.tokenizer, r) for r in requests]

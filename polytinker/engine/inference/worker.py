@@ -198,12 +198,13 @@ class EngineWorker:
     def get_stats(self, _msg: WorkerStats) -> dict[str, Any]:
         st = self.engine.stats
         return {
-            "batches": len(st.batch_sizes),
+            "batches": len(st.batch_sizes),  # batches started and groups that joined one in progress
             "adapters_received": self._pushed,
             "requests": st.requests,
-            "sequences": sum(st.batch_sizes),  # sequences answered, every tenant's (each chunk as it ends)
+            "sequences": st.sequences,  # sequences answered, every tenant's (each chunk as it ends)
+            "decode_steps": st.steps,
             "failed_batches": st.failed_batches,
-            "max_batch_sequences": max(st.batch_sizes, default=0),
+            "max_batch_sequences": st.peak_rows,
             "mixed_adapter_batches": sum(1 for n in st.batch_adapters if n > 1),
             "adapter_loads": self.engine.slots.loads,
             "resident": [str(r) for r in self.engine.slots.resident()],
