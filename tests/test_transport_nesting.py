@@ -73,7 +73,8 @@ def test_depth_is_counted_across_messages_and_containers_and_is_configurable():
 
 
 def test_plain_bodies_are_held_to_the_same_depth_as_any_other():
-    """Bodies of maps, lists and scalars alone decode on a faster path with its own depth check:
+    """Bodies of maps, lists and scalars alone decode on a faster path with its own depth check
+    (none at all when the body has no more bytes that could open a map or array than max_depth):
     it refuses exactly what check_depth refuses, for shapes from flat to just past the limit."""
     rng = random.Random(0)
 
@@ -98,6 +99,13 @@ def test_plain_bodies_are_held_to_the_same_depth_as_any_other():
                 decode([body], config=cfg)
         else:
             assert decode([body], config=cfg) == value
+    # Containers of 16 or more have other first bytes (array 16, map 16): deep ones are refused too.
+    for wide in (lambda v: [v, *range(20)], lambda v: {"v": v, **{f"k{i}": i for i in range(20)}}):
+        value = 0
+        for _ in range(limit + 1):
+            value = wide(value)
+        with pytest.raises(ProtocolError, match="max_depth"):
+            decode([msgpack.packb(value)], config=cfg)
 
 
 def test_arrays_are_refused_where_a_kind_takes_none():

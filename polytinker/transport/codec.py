@@ -217,11 +217,18 @@ def _decode_plain(body: bytes | bytearray | memoryview, cfg: TransportConfig) ->
     except Exception as exc:  # msgpack raises many types on hostile bytes
         raise ProtocolError(f"malformed message body: {type(exc).__name__}: {describe(exc)}") from exc
     if type(obj) in _PLAIN_NESTED:
-        _check_plain_depth(obj, cfg.max_depth)
+        # Nesting n deep takes n map or array headers, so a body with at most max_depth bytes that
+        # could be one (counted at C speed, strings and numbers included) needs no walk.
+        raw = body if type(body) is bytes else bytes(body)
+        if len(raw.translate(None, _NOT_OPENERS)) > cfg.max_depth:
+            _check_plain_depth(obj, cfg.max_depth)
     return obj
 
 
 _PLAIN_NESTED = frozenset({list, dict})
+# The first bytes of msgpack maps and arrays: fixmap, fixarray, array 16/32, map 16/32.
+_OPENERS = frozenset([*range(0x80, 0xA0), 0xDC, 0xDD, 0xDE, 0xDF])
+_NOT_OPENERS = bytes(b for b in range(256) if b not in _OPENERS)
 _LISTS = frozenset({list})
 
 
