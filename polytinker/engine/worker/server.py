@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,18 +108,43 @@ class WorkerServer:
         self.server.stop()
 
 
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity, which a container's cpuset or
+    ``taskset`` narrows), not the machine's count."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def worker_threads(ranks: int = 1) -> int:
-    """torch's threads in a worker process: ``$OMP_NUM_THREADS`` when set, else this machine's
-    cores shared by the ranks of the worker's learner group (an engine or a one-rank learner
-    takes them all). In a synchronous training loop the engine samples while the learner waits,
-    and the learner trains while the engine waits, so whichever runs gets every core: the main
-    job (`make train`) took 1 min 41 s with one thread a worker, 1 min 13 s with every core, with
-    the same results. Where workers do run at once (several experiments on one runtime,
-    asynchronous loops), set ``$OMP_NUM_THREADS`` to share the cores out instead."""
+    """torch's threads in a worker process: ``$OMP_NUM_THREADS`` when set (a local runtime sets
+    it for each worker it starts: ``worker_env``), else the cores this process may run on shared
+    by the ranks of the worker's learner group (an engine or a one-rank learner takes them all).
+    In a training loop the engine samples while the learner waits, and the learner trains while
+    the engine waits, so whichever runs gets every core: the main job (`make train`) took
+    1 min 41 s with one thread a worker, 1 min 13 s with every core, with the same results; and
+    with other processes holding the cores, one thread a worker was slower than every core with
+    OpenMP's passive wait policy (docs/benchmarks.md, "contention.py")."""
     if os.environ.get("OMP_NUM_THREADS"):
         return max(1, int(os.environ["OMP_NUM_THREADS"]))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, ranks))
+    return max(1, available_cores() // max(1, ranks))
+
+
+def worker_env(threads: int, ranks: int = 1, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What a local runtime adds to the environment of a worker process it starts (OpenMP reads
+    it when torch loads, so only at spawn): ``OMP_NUM_THREADS`` = ``threads`` when > 0; with 0,
+    ``$OMP_NUM_THREADS`` when set, else the cores this runtime may run on (its CPU affinity)
+    shared by the worker's ``ranks`` (``worker_threads``). And ``OMP_WAIT_POLICY=PASSIVE`` unless
+    the environment sets it or ``GOMP_SPINCOUNT``: a torch thread that waits at a barrier for one
+    that another process pre-empted sleeps instead of spinning on a core that process needs (on
+    a loaded machine the spinning took a step's CPU 2.3x and its time 7x: docs/benchmarks.md)."""
+    environ = os.environ if environ is None else environ
+    env: dict[str, str] = {}
+    if threads > 0:
+        env["OMP_NUM_THREADS"] = str(threads)
+    elif not environ.get("OMP_NUM_THREADS"):
+        env["OMP_NUM_THREADS"] = str(max(1, available_cores() // max(1, ranks)))
+    if not environ.get("OMP_WAIT_POLICY") and not environ.get("GOMP_SPINCOUNT"):
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    return env
 
 
 @dataclass(frozen=True)
@@ -135,6 +160,11 @@ class WorkerPlan:
     @property
     def role(self) -> str:
         return "engine" if isinstance(self.worker, EngineWorkerConfig) else "learner"
+
+    @property
+    def ranks(self) -> int:
+        """Processes of this worker that compute at once: a learner group's ranks, or 1."""
+        return self.worker.world_size if isinstance(self.worker, LearnerWorkerConfig) else 1
 
     @property
     def worker_id(self) -> str:
@@ -157,8 +187,7 @@ def set_worker_threads(plan: WorkerPlan) -> None:
     its threads are the caller's)."""
     import torch
 
-    w = plan.worker
-    torch.set_num_threads(worker_threads(w.world_size if isinstance(w, LearnerWorkerConfig) else 1))
+    torch.set_num_threads(worker_threads(plan.ranks))
 
 
 def build_worker(plan: WorkerPlan) -> Any:
@@ -231,7 +260,9 @@ __all__ = [
     "LearnerActor",
     "WorkerPlan",
     "WorkerServer",
+    "available_cores",
     "build_worker",
     "set_worker_threads",
+    "worker_env",
     "worker_threads",
 ]

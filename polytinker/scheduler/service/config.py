@@ -189,6 +189,13 @@ class RuntimeConfig:
     # goes; those that meet run in one pass over their adapters (0: only calls already waiting).
     learner_batch_max: int = 8
     # At most this many calls per batched pass (1: every call alone).
+    worker_threads: int = 0
+    # torch threads of each engine and learner rank this runtime starts as a local process. 0:
+    # $OMP_NUM_THREADS when set, else the cores this runtime may run on (its CPU affinity), shared
+    # by a learner group's ranks (engine and learner take turns in a training loop: each gets them
+    # all); N: N each. Each also starts with OMP_WAIT_POLICY=PASSIVE unless the environment sets it
+    # or GOMP_SPINCOUNT: threads that wait for work sleep instead of spinning on cores that other
+    # processes need (measured: docs/benchmarks.md, "contention.py").
     start_timeout_s: float = 180.0
     # How long a local runtime waits for its workers to load their models and register.
     max_restarts: int = 5
@@ -254,6 +261,10 @@ class RuntimeConfig:
             raise ConfigError(f"RuntimeConfig.sampler_keep_s must be >= 0, got {self.sampler_keep_s}")
         if not self.learner_batch_window_s >= 0:
             raise ConfigError(f"RuntimeConfig.learner_batch_window_s must be >= 0, got {self.learner_batch_window_s}")
+        if isinstance(self.worker_threads, bool) or not isinstance(self.worker_threads, int) or self.worker_threads < 0:
+            raise ConfigError(
+                f"RuntimeConfig.worker_threads must be an int >= 0 (0: fit to the cores), got {self.worker_threads!r}"
+            )
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ConfigError(f"RuntimeConfig.max_restarts must be an int >= 0, got {self.max_restarts!r}")
         if self.worker_token and len(self.worker_token) < 16:

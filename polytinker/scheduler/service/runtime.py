@@ -43,7 +43,7 @@ from polytinker.actors import ActorConfig, ActorRef, ChildReport, RestartPolicy,
 from polytinker.engine.device import resolve_device
 from polytinker.engine.worker.auth import launcher_credential
 from polytinker.engine.worker.messages import ActorsReport, ActorState, WorkersQuery
-from polytinker.engine.worker.server import EngineActor, LearnerActor
+from polytinker.engine.worker.server import EngineActor, LearnerActor, worker_env
 from polytinker.errors import ConfigError, RequestTimeout, RuntimeDead
 from polytinker.scheduler.service.config import RuntimeConfig, TenantConfig
 from polytinker.scheduler.service.home import Holder, StateLock, private_state_dir
@@ -187,13 +187,16 @@ class LocalRuntime:
     def _spawn_worker(self, cls: type, worker_id: str) -> ActorRef:
         assert self.supervisor is not None
         cfg = self.config
+        plan = cfg.worker_plan(worker_id)
+        # Threads and OpenMP's wait policy are read when torch loads: set at spawn (worker_env).
+        env = worker_env(cfg.worker_threads, plan.ranks)
         return self.supervisor.spawn(
             cls,
-            cfg.worker_plan(worker_id).to_dict(),
+            plan.to_dict(),
             self.local_address,
             cfg.worker_token,
             name=worker_id,
-            config=self._actor_config(),
+            config=dataclasses.replace(self._actor_config(), env=tuple(sorted(env.items()))),
         )
 
     # --- supervision -----------------------------------------------------------------------------
