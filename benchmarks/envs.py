@@ -10,6 +10,10 @@ Prints one ``name value`` line per figure:
   ``--concurrency`` episodes in flight and an async policy;
 - ``remote_episodes_per_s`` and ``remote_vs_local_ratio`` (remote / local coordinator): the same
   through ``polytinker env serve`` in another process, over tcp on loopback;
+- ``coordinator_cpu_ms_per_episode``, ``remote_client_cpu_ms_per_episode`` and
+  ``remote_server_cpu_ms_per_episode``: CPU time (user + system, every thread) of an episode in this
+  process, locally and against the server, and in the server's process: what a machine shared
+  with other jobs changes least;
 - ``remote_step_latency_ms``: one remote step, request to reply, one episode at a time;
 - ``parallel_*``: the same for prisoners_dilemma-v0 (a ParallelEnv);
 - ``plain_server_episodes_per_s``: nim-v0 from examples/remote_env_plain.py (pyzmq + msgpack only).
@@ -25,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from polytinker.envs import Coordinator, CoordinatorConfig, RemoteEnv, make
 
@@ -60,11 +66,19 @@ def direct_parallel(env_id: str, episodes: int) -> float:
     return episodes / (time.perf_counter() - start)
 
 
-def coordinated(make_env: Any, episodes: int, concurrency: int) -> float:
+def coordinated(make_env: Any, episodes: int, concurrency: int, cpu: dict[str, float] | None = None) -> float:
+    """Episodes per second; ``cpu`` gets the CPU ms per episode of this process (``client``) and of
+    the server's (``server``, when ``cpu["server_pid"]`` names it)."""
     coordinator = Coordinator(CoordinatorConfig(max_concurrent_episodes=concurrency))
+    procs = {"client": psutil.Process()}
+    if cpu is not None and "server_pid" in cpu:
+        procs["server"] = psutil.Process(int(cpu["server_pid"]))
+    before = {k: sum(p.cpu_times()[:2]) for k, p in procs.items()}
     start = time.perf_counter()
     results = coordinator.run_sync(make_env, afirst_legal, range(episodes))
     elapsed = time.perf_counter() - start
+    if cpu is not None:
+        cpu.update({k: 1000 * (sum(p.cpu_times()[:2]) - before[k]) / episodes for k, p in procs.items()})
     aborted = [r.aborted for r in results if r.aborted]
     if aborted:
         raise SystemExit(f"{len(aborted)} episodes aborted, e.g. {aborted[0]}")
@@ -108,7 +122,8 @@ def main() -> None:
 
     figures: dict[str, float] = {}
     figures["direct_episodes_per_s"] = direct_aec("tictactoe-v0", n)
-    figures["coordinator_episodes_per_s"] = coordinated(lambda: make("tictactoe-v0"), n, args.concurrency)
+    local_cpu: dict[str, float] = {}
+    figures["coordinator_episodes_per_s"] = coordinated(lambda: make("tictactoe-v0"), n, args.concurrency, local_cpu)
     figures["coordinator_overhead_ratio"] = figures["coordinator_episodes_per_s"] / figures["direct_episodes_per_s"]
 
     server, address = spawn(
@@ -117,10 +132,14 @@ def main() -> None:
         "serving",
     )  # fmt: skip
     try:
+        remote_cpu: dict[str, float] = {"server_pid": server.pid}
         figures["remote_episodes_per_s"] = coordinated(
-            lambda: RemoteEnv.aopen(address, "tictactoe-v0"), n_remote, args.concurrency
+            lambda: RemoteEnv.aopen(address, "tictactoe-v0"), n_remote, args.concurrency, remote_cpu
         )
         figures["remote_vs_local_ratio"] = figures["remote_episodes_per_s"] / figures["coordinator_episodes_per_s"]
+        figures["coordinator_cpu_ms_per_episode"] = local_cpu["client"]
+        figures["remote_client_cpu_ms_per_episode"] = remote_cpu["client"]
+        figures["remote_server_cpu_ms_per_episode"] = remote_cpu["server"]
         figures["remote_step_latency_ms"] = step_latency_ms(address, 200 if args.quick else 2000)
         figures["parallel_direct_episodes_per_s"] = direct_parallel("prisoners_dilemma-v0", n)
         figures["parallel_coordinator_episodes_per_s"] = coordinated(
@@ -142,7 +161,7 @@ def main() -> None:
 
     print(f"# env: tictactoe-v0 (AEC), prisoners_dilemma-v0 (parallel); concurrency {args.concurrency}")
     for name, value in figures.items():
-        print(f"{name} {value:.3f}" if "ratio" in name else f"{name} {value:.1f}")
+        print(f"{name} {value:.3f}" if "ratio" in name or "cpu_ms" in name else f"{name} {value:.1f}")
 
 
 if __name__ == "__main__":
