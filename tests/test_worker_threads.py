@@ -46,7 +46,7 @@ def test_a_wait_policy_or_spin_count_in_the_environment_is_kept(eight_cores: Non
 
 @pytest.mark.parametrize("bad", [-1, 1.5, "2", None, True])
 def test_worker_threads_is_a_whole_number_of_at_least_zero(bad: object) -> None:
-    with pytest.raises(ConfigError, match=r"RuntimeConfig\.worker_threads must be an int >= 0"):
+    with pytest.raises(ConfigError, match=r"RuntimeConfig\.worker_threads must be a whole number >= 0"):
         RuntimeConfig(worker_threads=bad)  # type: ignore[arg-type]
 
 

@@ -253,20 +253,13 @@ class RuntimeConfig:
                 f"max_inflight_train ({self.max_inflight_samples + self.max_inflight_train}), so refusals and "
                 "registrations are always answered; raise it or lower the bounds"
             )
-        if not isinstance(self.max_held_versions, int) or self.max_held_versions < 1:
-            raise ConfigError(
-                f"RuntimeConfig.max_held_versions must be a whole number >= 1, got {self.max_held_versions}"
-            )
-        if not self.sampler_keep_s >= 0:
-            raise ConfigError(f"RuntimeConfig.sampler_keep_s must be >= 0, got {self.sampler_keep_s}")
-        if not self.learner_batch_window_s >= 0:
-            raise ConfigError(f"RuntimeConfig.learner_batch_window_s must be >= 0, got {self.learner_batch_window_s}")
-        if isinstance(self.worker_threads, bool) or not isinstance(self.worker_threads, int) or self.worker_threads < 0:
-            raise ConfigError(
-                f"RuntimeConfig.worker_threads must be an int >= 0 (0: fit to the cores), got {self.worker_threads!r}"
-            )
-        if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
-            raise ConfigError(f"RuntimeConfig.max_restarts must be an int >= 0, got {self.max_restarts!r}")
+        for name in ("sampler_keep_s", "learner_batch_window_s"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"RuntimeConfig.{name} must be >= 0, got {getattr(self, name)}")
+        for name, least in (("max_held_versions", 1), ("worker_threads", 0), ("max_restarts", 0)):
+            value = getattr(self, name)  # worker_threads 0: fit to the cores
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ConfigError(f"RuntimeConfig.{name} must be a whole number >= {least}, got {value!r}")
         if self.worker_token and len(self.worker_token) < 16:
             raise ConfigError("RuntimeConfig.worker_token must have at least 16 characters")
 
