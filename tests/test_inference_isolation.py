@@ -190,9 +190,9 @@ def test_a_request_the_backend_refuses_fails_alone(backend: HFBackend) -> None:
 
 
 def test_a_huge_request_does_not_delay_another_tenants_small_one(backend: HFBackend) -> None:
-    """B asks for 1024 samples: they run as chunks of at most max_batch_size. C's sample joins
-    B's first chunk at its next step (the batch is full, but C has nothing in it); A's, submitted
-    when C's is answered, joins the batch in progress the same way, long before B's last chunk."""
+    """B asks for 1024 samples: they run as chunks of at most max_batch_size. C's sample runs at
+    the next step of B's first chunk, beside it (the batch is full, and C has nothing in it); A's,
+    submitted when C's is answered, runs the same way, long before B's last chunk."""
     engine = _engine(backend, batch_window_s=0.0, max_batch_size=32)
     hog_params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, n=1024)
     seen: dict[str, Any] = {}
@@ -218,7 +218,7 @@ def test_a_huge_request_does_not_delay_another_tenants_small_one(backend: HFBack
         assert seen["a_steps"] <= 4, f"A took {seen['a_steps']} steps of the batch in progress"
         assert _tokens(seen["a"].result()) == _alone(backend)[0]
         assert max(engine.stats.batch_sizes) <= 32 and engine.stats.sequences == 1024 + 2
-        assert engine.stats.peak_rows <= 32 + 32 // 4
+        assert engine.stats.peak_rows == 32
     finally:
         engine.close(close_backend=False)
 
@@ -234,10 +234,10 @@ def _once_running(future: Future[Any], timeout_s: float = 60.0) -> None:
 LONG = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True, n=32)
 
 
-def test_a_small_request_joins_another_tenants_long_batch(backend: HFBackend) -> None:
-    """B's batch draws 32 x 400 tokens; A's 4-token sample, submitted once it runs, joins it and
-    is answered long before it ends. B's own second request does not push into its full batch:
-    it waits its turn. Each answers what it answers alone."""
+def test_a_small_request_runs_beside_another_tenants_full_batch(backend: HFBackend) -> None:
+    """B's full batch draws 32 x 400 tokens; A's 4-token sample, submitted once it runs, runs
+    beside it and is answered long before it ends. B's own second request does not push into its
+    full batch: it waits its turn. Each answers what it answers alone."""
     engine = _engine(backend, batch_window_s=0.0, max_batch_size=32)
     finished: list[str] = []
     try:
@@ -249,17 +249,39 @@ def test_a_small_request_joins_another_tenants_long_batch(backend: HFBackend) ->
             future.add_done_callback(lambda _, name=name: finished.append(name))
         results = [f.result(timeout=300) for f in (hog, mine, a)]
         assert finished == ["A", "hog", "B's second"]
-        assert engine.stats.batch_sizes == [32, 1, 1], "A joined B's batch; B's second started the next"
+        assert engine.stats.batch_sizes == [32, 1, 1], "A ran beside B's batch; B's second started the next"
         alone = [backend.sample([_request(PROMPTS[i], p)])[0] for i, p in ((1, LONG), (2, GREEDY), (0, GREEDY))]
         assert [_tokens(r) for r in results] == [_tokens(r) for r in alone]
     finally:
         engine.close(close_backend=False)
 
 
-def test_requests_arriving_one_after_another_each_join_at_the_next_step(backend: HFBackend) -> None:
+def test_requests_that_arrive_while_a_batch_runs_join_it(backend: HFBackend) -> None:
+    """B's 8 rows of 400 tokens run with room to spare; A's and C's 8-row requests, submitted a
+    moment later, join B's batch at its next steps (one batch of 24 rows decodes their tokens
+    together) and are answered long before it ends; B's own next request joins too. Each answers
+    what it answers alone."""
+    engine = _engine(backend, batch_window_s=0.0, max_batch_size=32)
+    long8, eight = dataclasses.replace(LONG, n=8), dataclasses.replace(GREEDY, n=8, max_tokens=6)
+    try:
+        hog = engine.submit(_request(PROMPTS[1], long8), tenant="B")
+        _once_running(hog)
+        others = [engine.submit(_request(PROMPTS[i], eight), tenant=t) for i, t in ((0, "A"), (2, "C"), (3, "B"))]
+        results = [f.result(timeout=300) for f in others]
+        assert not hog.done(), "they joined B's batch, and did not wait for its end"
+        assert engine.stats.peak_rows >= 16 and engine.stats.batch_sizes[0] == 8
+        assert [_tokens(r) for r in results] == [
+            _tokens(backend.sample([_request(PROMPTS[i], eight)])[0]) for i in (0, 2, 3)
+        ]
+        assert _tokens(hog.result(timeout=300)) == _tokens(backend.sample([_request(PROMPTS[1], long8)])[0])
+    finally:
+        engine.close(close_backend=False)
+
+
+def test_requests_arriving_one_after_another_each_run_at_the_next_step(backend: HFBackend) -> None:
     """Ten tenants' 1-row samples, each submitted when the one before it is answered, while B's
-    full 4-row batch of 400 tokens runs: each joins at the next step and takes its 4 tokens' steps,
-    not B's 400. B answers what it answers alone."""
+    full 4-row batch of 400 tokens runs: each runs at its next step, beside it, and takes its 4
+    tokens' steps, not B's 400. B answers what it answers alone."""
     engine = _engine(backend, batch_window_s=0.0, max_batch_size=4)
     long4 = dataclasses.replace(LONG, n=4)
     answered: list[Future[SampleResult]] = []
@@ -280,16 +302,16 @@ def test_requests_arriving_one_after_another_each_join_at_the_next_step(backend:
         assert _tokens(hog.result(timeout=300)) == _tokens(backend.sample([_request(PROMPTS[1], long4)])[0])
         assert len(answered) == 10 and all(f.done() for f in answered)
         assert max(steps) <= 5 and sum(steps) <= 50, f"steps each waited: {steps}"
-        assert engine.stats.peak_rows == 5, "a full batch takes one newcomer's row (max_batch_size // 4)"
+        assert engine.stats.peak_rows == 4, "the small ones ran beside B's batch, not in it"
         assert [_tokens(f.result()) for f in answered[:2]] == _alone(backend)[:2]
     finally:
         engine.close(close_backend=False)
 
 
-def test_requests_that_join_keep_the_batchs_adapter_resident(backend: HFBackend) -> None:
+def test_requests_beside_a_batch_keep_its_adapter_resident(backend: HFBackend) -> None:
     """Two adapter slots; B's long batch uses x. A (adapter y) and C (adapter z) arrive while it
-    runs: y and z cannot both sit beside x, so they join one after the other, and the slots make
-    room by evicting each other, never x: B answers what it answers alone."""
+    runs: y and z cannot both sit beside x, so they run one after the other beside B's full batch,
+    and the slots make room by evicting each other, never x: B answers what it answers alone."""
     engine = _engine(backend, batch_window_s=0.0, max_batch_size=32, max_resident_adapters=2)
     x, y, z = AdapterRef("x", 1), AdapterRef("y", 1), AdapterRef("z", 1)
     for seed, ref in enumerate((x, y, z)):
@@ -301,7 +323,7 @@ def test_requests_that_join_keep_the_batchs_adapter_resident(backend: HFBackend)
         small = [engine.submit(_request(PROMPTS[i], ref=ref), tenant=t) for i, ref, t in ((0, y, "A"), (2, z, "C"))]
         for f in small:
             f.result(timeout=300)
-            assert not hog.done(), "A and C join B's batch"
+            assert not hog.done(), "A and C run beside B's batch"
         assert _tokens(hog.result(timeout=300)) == _tokens(alone)
         assert engine.stats.batch_sizes == [32, 32, 1, 1] and engine.stats.failed_batches == 0
         assert engine.slots.evictions >= 1 and x in engine.slots.resident()

@@ -93,6 +93,11 @@ class DecodeBatch:
         """Sequences still being generated."""
         return 0 if self._state is None else len(self._state.rows)
 
+    @property
+    def tokens_left(self) -> int:
+        """The most tokens its live rows may still draw."""
+        return 0 if self._state is None else sum(row.max_tokens - len(row.tokens) for row in self._state.rows)
+
     def __len__(self) -> int:
         """Requests in the batch, ended ones not yet returned included."""
         return len(self._entries)

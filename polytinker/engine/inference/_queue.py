@@ -46,6 +46,11 @@ class Pending:
     def rows(self) -> int:
         return self.request.params.n if self.request is not None else 0
 
+    @property
+    def tokens(self) -> int:
+        """The most tokens it draws: its work in a decode loop."""
+        return self.rows * self.request.params.max_tokens if self.request is not None else 0
+
 
 @dataclass(frozen=True)
 class Joining:
@@ -54,11 +59,12 @@ class Joining:
     ``strict``: the first tenant in line comes first. If its oldest request does not fit yet,
     nothing else is taken: the batch drains until it does, so a big request is never passed over
     for good by a stream of small ones. ``exclude``: tenants not to take from (those that already
-    have work in the batch, when only newcomers may join a full one); then a request that does not
-    fit is passed over."""
+    have work in the batch, when only newcomers may run beside a full one); then a request that
+    does not fit is passed over."""
 
     strict: bool = True
     exclude: frozenset[str] = frozenset()
+    tokens_below: int | None = None  # the requests taken draw fewer tokens than this in all
 
 
 class FairQueue:
@@ -111,11 +117,12 @@ class FairQueue:
             return [head]
         batch: list[Pending] = []
         rows, refs = 0, set[AdapterRef]()
+        tokens_left = joining.tokens_below if joining is not None else None
         candidates = {t: self._requests(t) for t in order}
         served: list[str] = []
         while candidates and rows < max_rows:
             for tenant in list(candidates):
-                item = self._fitting(candidates[tenant], batch, rows, refs, max_rows, fits, joining)
+                item = self._fitting(candidates[tenant], batch, rows, refs, max_rows, fits, joining, tokens_left)
                 if item is None:
                     if joining is not None and joining.strict and not batch and tenant == order[0]:
                         return []  # the first in line waits for room, and the others behind it
@@ -125,6 +132,7 @@ class FairQueue:
                 ref = item.request.adapter if item.request is not None else None
                 if not item.future.cancelled():  # dropped by the engine: it takes no room
                     rows += item.rows
+                    tokens_left = None if tokens_left is None else tokens_left - item.tokens
                     refs |= {ref} if ref is not None else set()
                 if tenant not in served:
                     served.append(tenant)
@@ -142,6 +150,7 @@ class FairQueue:
         max_rows: int,
         fits: Callable[[set[AdapterRef]], bool],
         joining: Joining | None,
+        tokens_left: int | None,
     ) -> Pending | None:
         """The next request of a lane that fits beside ``batch`` (the first of a batch is taken as
         it is, unless joining). One that does not fit now never will (rows and adapters only
@@ -153,7 +162,8 @@ class FairQueue:
             new_refs = refs | ({ref} if ref is not None else set())
             if (joining is None and not batch) or item.future.cancelled():
                 return item
-            if rows + item.rows <= max_rows and fits(new_refs):
+            small = tokens_left is None or item.tokens < tokens_left
+            if rows + item.rows <= max_rows and small and fits(new_refs):
                 return item
             if joining is not None and joining.strict:
                 return None

@@ -95,6 +95,7 @@ class StepBatch(Protocol):
     ``(key, result)``; a request's key is the caller's."""
 
     rows: int  # sequences still being generated
+    tokens_left: int  # the most tokens they may still draw
 
     def add(self, requests: Sequence[tuple[Hashable, SampleRequest]]) -> list[tuple[Hashable, SampleResult]]:
         """Prefill ``requests`` and join them; all or none (if it raises, the batch is as it was)."""

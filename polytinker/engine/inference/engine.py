@@ -19,10 +19,12 @@ Tenants share the engine without hurting each other:
   (``_requests.split_request``, which says what a split request's seed means), and work is taken
   in turns across the tenants named at ``submit`` (``_queue.FairQueue``): another tenant's small
   request joins at the next step, not after every chunk.
-- A full batch still takes, at its next step, the small requests (at most ``max_batch_size // 4``
-  sequences in all) of tenants that have nothing in it, up to twice ``max_batch_size`` sequences:
-  one tenant's big chunks do not lock the others out for their length. The request first in line
-  that does not fit yet is not passed over for good: others wait behind it while the batch drains.
+- When the batch is full, the small requests (at most ``max_batch_size // 4`` sequences in all, of
+  fewer tokens than it has left to draw) of tenants that have nothing in it run at its next step
+  as a batch of their own, to their end, while it waits (``_beside``): one tenant's big chunks
+  neither lock the others out for their length nor slow each of their steps. The request first in
+  line that does not fit yet is not passed over for good: others wait behind it while the batch
+  drains.
 - When a batch fails, it is run again in halves down to the request that fails it: the others
   are answered, and only that request gets the error. A request that joins a batch in progress
   is prefilled with the others that join at the same step; if that fails, they join one by one.
@@ -57,8 +59,8 @@ from polytinker.errors import ModelError
 
 log = logging.getLogger(__name__)
 
-# A full batch in progress still takes, at its next step, up to max_batch_size // this many
-# sequences of tenants that have nothing in it (and twice max_batch_size in all).
+# When the batch in progress is full, the small requests of tenants that have nothing in it (up to
+# max_batch_size // this many sequences) run beside it, between two of its steps.
 NEWCOMER_SHARE = 4
 
 
@@ -90,6 +92,7 @@ class InferenceEngine:
         # The batch in progress on a stepping backend and its requests by key (worker thread only).
         self._batch: StepBatch | None = None
         self._in_batch: dict[Hashable, Pending] = {}
+        self._paused: list[dict[Hashable, Pending]] = []  # a batch waiting while one runs beside it
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="polytinker-engine", daemon=True)
         self._thread.start()
@@ -238,8 +241,9 @@ class InferenceEngine:
             self._run(batch)
 
     def _held(self) -> set[AdapterRef | None]:
-        """The versions of the batch in progress: they stay resident until it ends."""
-        return {p.request.adapter for p in self._in_batch.values() if p.request is not None}
+        """The versions of the batches in progress: they stay resident until they end."""
+        batches = [self._in_batch, *self._paused]
+        return {p.request.adapter for b in batches for p in b.values() if p.request is not None}
 
     def _prepare(self, refs: Iterable[AdapterRef | None]) -> None:
         self.slots.prepare(refs, keep=self._held())
@@ -282,24 +286,48 @@ class InferenceEngine:
             self._serve(live)
 
     def _admit(self) -> None:
-        """Between two steps: a job, or the waiting requests that fit beside the batch in progress."""
+        """Between two steps: a job, the waiting requests that fit beside the batch in progress,
+        or, when it is full, other tenants' small requests in a batch of their own (``_beside``)."""
         if not len(self._queue):  # a racy read: a request that arrives just then joins a step later
             return
         assert isinstance(self.backend, SteppingBackend) and self._batch is not None
-        size, rows = self.config.max_batch_size, self._batch.rows
+        size = self.config.max_batch_size
         held = {r for r in self._held() if r is not None}
 
         def fits(new: set[AdapterRef]) -> bool:
             return self.slots.fits(new | held)
 
-        room = size - rows if self.backend.joins else 0  # 0: jobs only
+        room = size - self._batch.rows if self.backend.joins else 0  # 0: jobs only
         with self._cv:
             work = self._queue.take(room, fits, joining=Joining())
-            if not work and self.backend.joins:  # full: small requests of newcomers still join
-                newcomers = Joining(strict=False, exclude=frozenset(p.tenant for p in self._in_batch.values()))
-                work = self._queue.take(min(max(1, size // NEWCOMER_SHARE), 2 * size - rows), fits, joining=newcomers)
-        if work:
+            beside = not work
+            if beside:
+                newcomers = Joining(
+                    strict=False,
+                    exclude=frozenset(p.tenant for p in self._in_batch.values()),
+                    tokens_below=self._batch.tokens_left,
+                )
+                work = self._queue.take(max(1, size // NEWCOMER_SHARE), fits, joining=newcomers)
+        if work and beside and work[0].job is None:
+            self._beside(work)
+        elif work:
             self._run(work)
+
+    def _beside(self, work: list[Pending]) -> None:
+        """Run ``work`` as a batch of its own to its end while the batch in progress waits (its
+        versions stay resident): a small request of another tenant is not held up by a full
+        batch's long rows, nor slowed by them step after step. It has fewer tokens to draw than the
+        waiting batch has left, so that batch is delayed by at most that much again."""
+        paused = (self._batch, self._in_batch)
+        self._paused.append(self._in_batch)
+        self._batch, self._in_batch = None, {}
+        try:
+            self._run(work)
+            while self._in_batch:
+                self._step()
+        finally:
+            self._paused.pop()
+            self._batch, self._in_batch = paused
 
     def _join(self, live: list[Pending]) -> None:
         """Prefill ``live`` into the batch in progress (a new one when there is none). If that
