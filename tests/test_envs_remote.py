@@ -26,7 +26,7 @@ from polytinker.envs import (
 )
 from polytinker.envs.opponents import scripted_policy
 from polytinker.errors import EnvError, PeerDeadError, ProtocolError, RemoteError, RequestTimeout
-from polytinker.transport.rpc import RpcClient
+from polytinker.transport.rpc import RpcClient, TransportConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 LOOPBACK = "tcp://127.0.0.1:0"
@@ -122,6 +122,29 @@ def test_step_timeout_and_observation_size_limit_abort_the_episode(server, flaky
     fine.step("ok")
     for env in (slow, big, fine):
         env.close()
+
+
+def test_a_hung_env_holds_no_handler_thread_of_the_server(flaky_id):
+    """Env calls run on the transport's handler threads: with one, a step that hangs (3 s) is
+    answered with the timeout's error at 0.5 s (the watcher looks every quarter of it), and a new
+    thread serves the other episodes meanwhile."""
+    config = EnvServerConfig(step_timeout_s=0.5)
+    one_thread = TransportConfig(handler_threads=1)
+    with EnvServer(LOOPBACK, env_ids=[flaky_id], config=config, transport=one_thread) as srv:
+        slow, fine = RemoteEnv(srv.address, flaky_id), RemoteEnv(srv.address, flaky_id)
+        slow.reset(seed=0)
+        fine.reset(seed=0)
+        start = time.monotonic()
+        with pytest.raises(EnvError, match=r"step took longer than step_timeout_s=0\.5"):
+            slow.step("sleep")
+        assert time.monotonic() - start < 2.0
+        for _ in range(3):
+            fine.step("ok")  # served while the hung step still sleeps
+        assert time.monotonic() - start < 2.5
+        assert fine.terminations == {"player_0": True}
+        with pytest.raises(EnvError, match="was aborted: step took longer"):
+            slow.step("ok")
+        fine.close()
 
 
 def test_malformed_requests_get_error_replies(server):

@@ -63,7 +63,7 @@ class Deadlines:
                 w = watches.popleft()
                 if w.done:
                     continue
-                w.done = w.expired = True
+                w.done = w.expired = True  # (a call that returned just now answers itself: fail_call says no)
                 try:
                     self._on_expired(w)
                 except Exception:  # the watcher must outlive any one call

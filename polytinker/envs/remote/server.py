@@ -181,13 +181,16 @@ class EnvServer:
                 raise EnvError(f"episode {episode} aborted: {what} ran past step_timeout_s") from exc
             raise self._abort(episode, f"the env raised in {what}: {describe_failure(exc)}") from exc
         finally:
-            watch.done = True
+            # Done: the watch may wait in the queue behind a slower call; the request it held
+            # (frames and all) need not wait with it.
+            watch.done, watch.call = True, None
 
     def _expired(self, watch: Watch) -> None:
         """On the watcher's thread: the env call of ``watch`` runs past step_timeout_s."""
+        call = watch.call  # None once the call returned (its own answer goes out)
         error = self._abort(watch.episode, f"{watch.what} took longer than step_timeout_s={self.config.step_timeout_s}")
-        if watch.call is not None:
-            self._rpc.fail_call(watch.call, error)
+        if call is not None:
+            self._rpc.fail_call(call, error)
 
     def _reap_idle(self) -> None:
         cutoff = time.monotonic() - self.config.idle_episode_s
