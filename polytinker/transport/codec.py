@@ -33,6 +33,7 @@ import zmq
 
 from polytinker.errors import ProtocolError
 from polytinker.transport import messages
+from polytinker.transport._plain_depth import check_plain_depth
 from polytinker.transport.config import DEFAULT_CONFIG, TransportConfig
 from polytinker.transport.protocol import describe
 
@@ -216,47 +217,9 @@ def _decode_plain(body: bytes | bytearray | memoryview, cfg: TransportConfig) ->
         return _NOT_PLAIN
     except Exception as exc:  # msgpack raises many types on hostile bytes
         raise ProtocolError(f"malformed message body: {type(exc).__name__}: {describe(exc)}") from exc
-    if type(obj) in _PLAIN_NESTED:
-        # Nesting n deep takes n map or array headers, so a body with at most max_depth bytes that
-        # could be one (counted at C speed, strings and numbers included) needs no walk.
-        raw = body if type(body) is bytes else bytes(body)
-        if len(raw.translate(None, _NOT_OPENERS)) > cfg.max_depth:
-            _check_plain_depth(obj, cfg.max_depth)
+    if type(obj) is dict or type(obj) is list:
+        check_plain_depth(obj, body, cfg.max_depth)
     return obj
-
-
-_PLAIN_NESTED = frozenset({list, dict})
-# The first bytes of msgpack maps and arrays: fixmap, fixarray, array 16/32, map 16/32.
-_OPENERS = frozenset([*range(0x80, 0xA0), 0xDC, 0xDD, 0xDE, 0xDF])
-_NOT_OPENERS = bytes(b for b in range(256) if b not in _OPENERS)
-_LISTS = frozenset({list})
-
-
-def _check_plain_depth(obj: list[Any] | dict[Any, Any], limit: int) -> None:
-    """``check_depth`` for what msgpack alone decodes: maps, lists and scalars, never a typed
-    message (an ext value, which sends a body to the full decoder), so no type is looked up.
-    Level by level, each container's element types tested at C speed and only its containers
-    carried down (a level made of lists only, token ids, in one go): the state of a remote env,
-    maps of maps, is checked in a fifth of check_depth's time."""
-    level: list[Any] = [obj]
-    depth = 1
-    while level:
-        if depth > limit:
-            raise ProtocolError(f"values nest deeper than max_depth={limit}")
-        lists_only = _LISTS.issuperset(map(type, level))
-        if lists_only and _PLAIN_NESTED.isdisjoint(map(type, itertools.chain.from_iterable(level))):
-            return
-        below: list[Any] = []
-        for node in level:
-            children = node.values() if type(node) is dict else node
-            if _PLAIN_NESTED.isdisjoint(map(type, children)):
-                continue
-            if _LISTS.issuperset(map(type, children)):
-                below += children
-            else:
-                below += [c for c in children if type(c) is dict or type(c) is list]
-        level = below
-        depth += 1
 
 
 # Containers the depth check descends into (typed messages too; tuples are what they turn lists into).
