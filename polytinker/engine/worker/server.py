@@ -135,7 +135,7 @@ def worker_env(threads: int, ranks: int = 1, environ: Mapping[str, str] | None =
     shared by the worker's ``ranks`` (``worker_threads``). And ``OMP_WAIT_POLICY=PASSIVE`` unless
     the environment sets it or ``GOMP_SPINCOUNT``: a torch thread that waits at a barrier for one
     that another process pre-empted sleeps instead of spinning on a core that process needs (on
-    a loaded machine the spinning took a step's CPU 2.3x and its time 7x: docs/benchmarks.md)."""
+    2 loaded cores spinning threads took a training step 10x the CPU: docs/benchmarks.md)."""
     environ = os.environ if environ is None else environ
     env: dict[str, str] = {}
     if threads > 0:
