@@ -7,6 +7,11 @@ Every figure is measured in this run, on the same model and requests:
 - ``mixed_vs_sequential_ratio``: the mixed batch over the same requests served adapter by
   adapter, one batch each (target >= 2: why an engine serves adapters together);
 - ``hf_tok_per_s``: the mixed batch's generated tokens per second;
+- ``hf_share_of_roofline``: that rate over this machine's limit for the batch
+  (``roofline_tok_per_s``: each decode step reads every weight, at the memory bandwidth measured
+  here, and does two FLOPs per weight and row, at the matmul speed measured here; the slower
+  bound counts), with ``memory_bandwidth_gb_per_s``, ``matmul_gflop_per_s`` and
+  ``decode_step_floor_ms``;
 - each of the three is the best of ``ROUNDS`` interleaved rounds;
 - ``engine_tok_per_s`` / ``engine_batches``: the same requests submitted one by one to an
   InferenceEngine, which merges them by dynamic batching.
@@ -58,6 +63,39 @@ def _timed(backend: Any, batches: list[list[Any]]) -> float:
     return tokens / (time.perf_counter() - start)
 
 
+def _machine_limits() -> tuple[float, float]:
+    """This machine's memory bandwidth (bytes/s: a 256 MB copy, read and written) and matmul
+    speed (FLOP/s: float32, at torch's thread count), each the best of three."""
+    src, dst = torch.ones(1 << 26), torch.empty(1 << 26)
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    copy_s = matmul_s = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        dst.copy_(src)
+        copy_s = min(copy_s, time.perf_counter() - start)
+        start = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        matmul_s = min(matmul_s, (time.perf_counter() - start) / 4)
+    return 2 * src.numel() * 4 / copy_s, 2 * 1024**3 / matmul_s
+
+
+def roofline(model: Any, rows: int) -> dict[str, float]:
+    """How fast a decode step of ``rows`` sequences could be here: it reads every weight once
+    (bytes over the memory bandwidth) and does two FLOPs per weight and row (over the matmul
+    speed); the slower of the two bounds the tokens per second."""
+    bandwidth, flops = _machine_limits()
+    params = sum(p.numel() for p in model.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    step_s = max(weight_bytes / bandwidth, 2 * params * rows / flops)
+    return {
+        "memory_bandwidth_gb_per_s": bandwidth / 1e9,
+        "matmul_gflop_per_s": flops / 1e9,
+        "decode_step_floor_ms": step_s * 1000,
+        "roofline_tok_per_s": rows / step_s,
+    }
+
+
 def run_hf(quick: bool) -> dict[str, float]:
     from dataclasses import replace
 
@@ -84,6 +122,8 @@ def run_hf(quick: bool) -> dict[str, float]:
     figures.update(best)
     figures["mixed_vs_single_ratio"] = figures["hf_tok_per_s"] / figures["single_adapter_tok_per_s"]
     figures["mixed_vs_sequential_ratio"] = figures["hf_tok_per_s"] / figures["sequential_tok_per_s"]
+    figures.update(roofline(backend.model, count))
+    figures["hf_share_of_roofline"] = figures["hf_tok_per_s"] / figures["roofline_tok_per_s"]
     engine = InferenceEngine(backend, EngineConfig(batch_window_s=0.05, max_batch_size=count))
     for weights in adapters:
         engine.load_adapter(weights)
