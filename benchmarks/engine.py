@@ -17,11 +17,13 @@ Every figure is measured in this run, on the same model and requests:
   InferenceEngine, which merges them by dynamic batching.
 
 Sections from ``_engine_clients.py`` (``concurrent_clients_sampling_ratio``: four clients
-sampling at once through the runtime, over one), ``_engine_learner.py``, ``_engine_runtime.py`` and
+sampling at once through the runtime, over one), ``contention.py`` (``contended_cpu_s_per_step_ratio``
+and ``contended_sampling_slowdown``: a runtime's training step and warm sample with busy processes on
+every core, over quiet), ``_engine_learner.py``, ``_engine_runtime.py`` and
 ``_engine_vllm.py`` next to this file (each with ``run(quick: bool) -> dict[str, float]``) are run
 and printed when present.
 
-    python benchmarks/engine.py [--quick] [--only hf|clients|learner|runtime|vllm] [--threads N]
+    python benchmarks/engine.py [--quick] [--only hf|clients|contention|learner|runtime|vllm] [--threads N]
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ from typing import Any
 
 import torch
 
-SECTIONS = ("hf", "clients", "learner", "runtime", "vllm")
+SECTIONS = ("hf", "clients", "contention", "learner", "runtime", "vllm")
+# Sections whose module is not ``_engine_<name>.py`` with ``run``: (file, function).
+OTHER_SECTIONS = {"contention": ("contention.py", "measure_contention")}
 ADAPTERS = 4
 ROUNDS = 2
 
@@ -137,14 +141,17 @@ def run_hf(quick: bool) -> dict[str, float]:
 
 
 def _load_section(name: str) -> Any:
-    path = Path(__file__).with_name(f"_engine_{name}.py")
+    """The section's ``run(quick) -> figures``, or None when its module is not present."""
+    filename, function = OTHER_SECTIONS.get(name, (f"_engine_{name}.py", "run"))
+    path = Path(__file__).with_name(filename)
     if not path.is_file():
         return None
-    spec = importlib.util.spec_from_file_location(f"_engine_{name}", path)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module  # dataclasses in the module look themselves up there
     spec.loader.exec_module(module)
-    return module
+    return getattr(module, function)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,12 +169,12 @@ def main(argv: list[str] | None = None) -> int:
         if section == "hf":
             figures = run_hf(args.quick)
         else:
-            module = _load_section(section)
-            if module is None:
-                print(f"# {section}: skipped (benchmarks/_engine_{section}.py is not present)")
+            run = _load_section(section)
+            if run is None:
+                print(f"# {section}: skipped (its module is not present in benchmarks/)")
                 continue
             try:
-                figures = module.run(args.quick)
+                figures = run(args.quick)
             except Exception as exc:  # one section failing must not hide the others' figures
                 print(f"# {section}: skipped ({type(exc).__name__}: {exc})")
                 continue
