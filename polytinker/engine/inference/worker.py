@@ -42,6 +42,7 @@ from polytinker.engine.worker.messages import (
 )
 from polytinker.engine.worker.replies import LogprobsReply, SampleReply, SequenceReply
 from polytinker.errors import ConfigError, NotResident
+from polytinker.transport.requests import handler_table
 
 log = logging.getLogger("polytinker.engine.inference.worker")
 
@@ -103,13 +104,15 @@ class EngineWorker:
         self._pushed = 0  # versions received as tensors (put_adapter)
 
     def handlers(self) -> dict[str, Callable[[Any], Any]]:
-        return {
-            "sched.w.sample": self.sample,
-            "sched.w.logprobs": self.logprobs,
-            "sched.w.has_weights": self.has_weights,
-            "sched.w.put_adapter": self.put_adapter,
-            "sched.w.stats": self.get_stats,
-        }
+        return handler_table(
+            {
+                EngineSample: self.sample,
+                EngineLogprobs: self.logprobs,
+                EngineHasWeights: self.has_weights,
+                EnginePutAdapter: self.put_adapter,
+                WorkerStats: self.get_stats,
+            }
+        )
 
     def close(self) -> None:
         self.full.close()

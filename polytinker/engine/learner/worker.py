@@ -76,6 +76,7 @@ from polytinker.engine.worker.replies import (
 )
 from polytinker.errors import ConfigError, GradientLost, NotResident
 from polytinker.transport.messages import to_fields
+from polytinker.transport.requests import handler_table
 
 log = logging.getLogger("polytinker.engine.learner.worker")
 
@@ -107,18 +108,20 @@ class LearnerWorker:
         self._keyed = threading.Lock()  # one keyed call at a time: a duplicate waits for the first
 
     def handlers(self) -> dict[str, Callable[[Any], Any]]:
-        return {
-            "sched.w.ensure": self.ensure,
-            "sched.w.fb": self.forward_backward,
-            "sched.w.fb_many": self.forward_backward_many,
-            "sched.w.forward": self.forward,
-            "sched.w.step": self.step,
-            "sched.w.save": self.save,
-            "sched.w.load": self.load,
-            "sched.w.export": self.export,
-            "sched.w.adapter_weights": self.adapter_weights,
-            "sched.w.stats": self.get_stats,
-        }
+        return handler_table(
+            {
+                EnsureAdapter: self.ensure,
+                LearnerForwardBackward: self.forward_backward,
+                LearnerForwardBackwardMany: self.forward_backward_many,
+                LearnerForward: self.forward,
+                LearnerStep: self.step,
+                LearnerSave: self.save,
+                LearnerLoad: self.load,
+                LearnerExport: self.export,
+                LearnerAdapterWeights: self.adapter_weights,
+                WorkerStats: self.get_stats,
+            }
+        )
 
     def close(self) -> None:
         self._close_full()

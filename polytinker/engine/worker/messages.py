@@ -4,6 +4,9 @@ Worker -> scheduler: ``Register``; the launcher's ``WorkersQuery``; ``ActorsRepo
 ``ActorState`` (the local runtime's supervisor -> scheduler). Scheduler -> workers:
 ``EnsureAdapter``, ``LearnerForwardBackward``, ``LearnerForward``, ``LearnerStep``, ``LearnerSave``,
 ``LearnerLoad``, ``LearnerExport``, ``EngineSample``, ``EngineLogprobs``, ``WorkerStats``.
+Each request derives from ``Request[Reply]``, naming what its handler answers (``replies``), so
+a caller sends it with ``ask`` and a worker files its handler by class (``handler_table``): the
+kind is written once, in ``@message``.
 
 ``WeightsRef`` names a stored version's weights by ids: no message to a worker names a filesystem
 path; each worker makes the path under its own state root (see ``layout``). The nested training
@@ -14,16 +17,19 @@ and the checks are shared with the client requests in ``messages``. This module 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from polytinker.engine.types import Datum, SamplingParams, check_top_k, need
+from polytinker.engine.worker import replies as r
 from polytinker.engine.worker.layout import KINDS, check_adapter_key, check_name, relative_path
 from polytinker.engine.worker.replies import AdapterTensors
 from polytinker.transport.messages import message
+from polytinker.transport.requests import Request
 
 
 @message("sched.w.register")
 @dataclass(frozen=True)
-class Register:
+class Register(Request[r.Registered]):
     proof: str  # auth.register_proof of the fields below: made with the worker token, not the token
     worker_id: str
     role: str  # "engine" or "learner"
@@ -42,7 +48,7 @@ class Register:
 
 @message("sched.w.workers")
 @dataclass(frozen=True)
-class WorkersQuery:
+class WorkersQuery(Request[r.WorkersReply]):
     """The registered workers, for the launcher (authenticated by a credential derived from the
     worker token, ``auth.launcher_credential``: the token itself never goes on the wire)."""
 
@@ -66,7 +72,7 @@ class ActorState:
 
 @message("sched.w.actors")
 @dataclass(frozen=True)
-class ActorsReport:
+class ActorsReport(Request[r.ActorsNoted]):
     """The launcher -> scheduler: every supervised actor's state, sent at each exit and restart
     (and every few seconds). A worker's exit fails the calls in flight to it at once."""
 
@@ -106,7 +112,7 @@ def _adapter_ok(adapter: str, base_allowed: bool = False) -> None:
 
 @message("sched.w.ensure")
 @dataclass(frozen=True)
-class EnsureAdapter:
+class EnsureAdapter(Request[r.WorkerVersion]):
     """Have ``adapter`` resident on the learner at ``version``: from ``checkpoint`` when given,
     else freshly initialised (version 0). ``full``: a full-parameter slot instead of LoRA."""
 
@@ -126,7 +132,7 @@ class EnsureAdapter:
 
 @message("sched.w.fb")
 @dataclass(frozen=True)
-class LearnerForwardBackward:
+class LearnerForwardBackward(Request[r.ForwardBackwardReply]):
     adapter: str
     data: tuple[Datum, ...]
     loss_fn: str
@@ -142,7 +148,7 @@ class LearnerForwardBackward:
 
 @message("sched.w.fb_many")
 @dataclass(frozen=True)
-class LearnerForwardBackwardMany:
+class LearnerForwardBackwardMany(Request[r.ForwardBackwardManyReply]):
     """Several LoRA adapters' ``forward_backward`` calls in one pass over their adapters (they met
     at the learner: ``FbBatcher``). One loss function and config; each adapter once; each item
     keeps its own idempotency key. The answer is one ``ForwardBackwardReply`` per item, in order."""
@@ -163,7 +169,7 @@ class LearnerForwardBackwardMany:
 
 @message("sched.w.forward")
 @dataclass(frozen=True)
-class LearnerForward:
+class LearnerForward(Request[r.ForwardReply]):
     """Score ``data``; with ``loss_fn``, also the loss and metrics ``forward_backward`` would answer."""
 
     adapter: str
@@ -178,7 +184,7 @@ class LearnerForward:
 
 @message("sched.w.step")
 @dataclass(frozen=True)
-class LearnerStep:
+class LearnerStep(Request[r.StepResult]):
     """Step, then write the new version's checkpoint (and, with ``export``, what engines load: for
     LoRA its peft export, for full parameters the checkpoint itself) before answering; the paths
     are the learner's own (``WeightsRef`` of ``adapter`` and the new version)."""
@@ -203,7 +209,7 @@ class LearnerStep:
 
 @message("sched.w.save")
 @dataclass(frozen=True)
-class LearnerSave:
+class LearnerSave(Request[r.SavedCheckpoint]):
     """Checkpoint the adapter as ``name`` (``WeightsRef(adapter, version, "checkpoint", name)``)."""
 
     adapter: str
@@ -217,7 +223,7 @@ class LearnerSave:
 
 @message("sched.w.load")
 @dataclass(frozen=True)
-class LearnerLoad:
+class LearnerLoad(Request[r.WorkerVersion]):
     """Load ``checkpoint`` (one of the same tenant's, the scheduler checked) into the adapter."""
 
     adapter: str
@@ -232,7 +238,7 @@ class LearnerLoad:
 
 @message("sched.w.export")
 @dataclass(frozen=True)
-class LearnerExport:
+class LearnerExport(Request[r.ExportedWeights]):
     """Write what engines load of the adapter at its resident ``version`` (LoRA: the peft export,
     ``WeightsRef(adapter, version, "export", loaded_from)``; ``full``: the weights as the checkpoint
     ``WeightsRef(adapter, version)``). A version other than the resident one is refused."""
@@ -250,7 +256,7 @@ class LearnerExport:
 
 @message("sched.w.adapter_weights")
 @dataclass(frozen=True)
-class LearnerAdapterWeights:
+class LearnerAdapterWeights(Request[r.AdapterTensors]):
     """The LoRA tensors of the export ``weights`` names, for an engine that cannot read them (no
     shared filesystem): from memory when it is the resident version, else from the learner's own
     copy. Answered with an ``AdapterTensors``."""
@@ -263,7 +269,7 @@ class LearnerAdapterWeights:
 
 @message("sched.w.has_weights")
 @dataclass(frozen=True)
-class EngineHasWeights:
+class EngineHasWeights(Request[bool]):
     """Whether the engine holds the export ``weights`` names or can read it itself (a bool)."""
 
     weights: WeightsRef
@@ -271,7 +277,7 @@ class EngineHasWeights:
 
 @message("sched.w.put_adapter", arrays=True)
 @dataclass(frozen=True)
-class EnginePutAdapter:
+class EnginePutAdapter(Request[bool]):
     """A LoRA version's tensors for the engine's host cache (as the learner sent them), over the
     transport; registered as the export ``weights`` names, so requests naming it use them."""
 
@@ -285,7 +291,7 @@ class EnginePutAdapter:
 
 @message("sched.w.sample")
 @dataclass(frozen=True)
-class EngineSample:
+class EngineSample(Request[r.SampleReply]):
     adapter: str  # "" for the base model
     version: int
     weights: WeightsRef | None  # what the engine loads the version from if it is not resident
@@ -301,7 +307,7 @@ class EngineSample:
 
 @message("sched.w.logprobs")
 @dataclass(frozen=True)
-class EngineLogprobs:
+class EngineLogprobs(Request[r.LogprobsReply]):
     adapter: str
     version: int
     weights: WeightsRef | None
@@ -317,7 +323,7 @@ class EngineLogprobs:
 
 @message("sched.w.stats")
 @dataclass(frozen=True)
-class WorkerStats:
+class WorkerStats(Request[dict[str, Any]]):
     pass
 
 

@@ -34,7 +34,7 @@ from polytinker.engine.worker.auth import register_proof, worker_server_curve
 from polytinker.engine.worker.config import EngineWorkerConfig, LearnerWorkerConfig
 from polytinker.engine.worker.messages import Register
 from polytinker.errors import ConfigError
-from polytinker.transport import ClientCurve, RpcClient, RpcServer, TransportConfig
+from polytinker.transport import ClientCurve, RpcClient, RpcServer, TransportConfig, ask
 
 log = logging.getLogger("polytinker.engine.worker")
 
@@ -88,7 +88,7 @@ class WorkerServer:
         failing = False
         while not self._stop.is_set():
             try:
-                self._client.call("sched.w.register", self._message(), timeout_s=max(2.0, 4 * self._heartbeat_s))
+                ask(self._client, self._message(), timeout_s=max(2.0, 4 * self._heartbeat_s))
                 if failing or not self.registered.is_set():
                     log.info("%s registered with the scheduler at %s", self.worker_id, self._client.address)
                 failing = False
