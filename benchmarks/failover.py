@@ -46,7 +46,7 @@ from polytinker.engine.worker.auth import launcher_credential
 from polytinker.engine.worker.messages import WorkersQuery
 from polytinker.scheduler.service import EngineWorkerConfig, LocalRuntime, RuntimeConfig, TenantConfig
 from polytinker.scheduler.service.config import HttpConfig
-from polytinker.transport import RpcClient
+from polytinker.transport import RpcClient, ask
 
 KEY = "failover-benchmark-key-0123"
 
@@ -55,9 +55,7 @@ def _registered_after(runtime: LocalRuntime, old: str, killed: float, out: dict[
     """Poll the broker until a new incarnation of the engine is alive; note when."""
     with RpcClient(runtime.local_address) as rpc:
         while True:
-            workers = rpc.call(
-                "sched.w.workers", WorkersQuery(launcher_credential(runtime.config.worker_token)), timeout_s=5
-            ).workers
+            workers = ask(rpc, WorkersQuery(launcher_credential(runtime.config.worker_token)), timeout_s=5).workers
             if any(w["incarnation"] != old and w["alive"] for w in workers):
                 out["restart_registered_s"] = time.monotonic() - killed
                 return
@@ -263,9 +261,8 @@ def main() -> None:
         sampler.sample([3, 4, 5], 1, params).result()
         figures = {"sample_alone_s": time.monotonic() - started}
         with RpcClient(runtime.local_address) as rpc:
-            old = rpc.call(
-                "sched.w.workers", WorkersQuery(launcher_credential(runtime.config.worker_token)), timeout_s=5
-            ).workers[0]["incarnation"]
+            query = WorkersQuery(launcher_credential(runtime.config.worker_token))
+            old = ask(rpc, query, timeout_s=5).workers[0]["incarnation"]
         future = sampler.sample([3, 4, 5], 1, params)
         time.sleep(0.3)
         assert not future.done(), "the sample finished before the kill: raise --tokens"

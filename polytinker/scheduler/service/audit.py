@@ -72,8 +72,8 @@ class AuditLog:
         if job is not None:
             self.record("checkpoint_read", actor, job, path, version=parsed.version, purpose="sample")
 
-    def handlers(self) -> dict[str, Callable[[Any], Any]]:
-        return {"audit_log": self.audit_log}
+    def handlers(self) -> dict[type, Callable[[Any], Any]]:
+        return {m.AuditLog: self.audit_log}
 
     def audit_log(self, msg: m.AuditLog) -> r.AuditLogReply:
         tenant = self._tenant(msg.api_key)

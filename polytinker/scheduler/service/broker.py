@@ -8,7 +8,8 @@
   ``incarnation``: when it changes, the broker forgets what the old process held in memory (the
   adapters a learner had loaded), so the next request reloads them from their checkpoints.
   A scheduler that restarts knows no worker until each re-registers, a heartbeat later.
-- ``call(worker_id, kind, payload)`` forwards one request. If the worker dies (its connection
+- ``call(worker_id, msg)`` forwards one request (its kind and reply type are its class's:
+  ``Request[R]``, and the answer is checked to be an ``R``). If the worker dies (its connection
   goes silent, or it is gone from the registry), the call waits for the worker to come back (a
   supervisor restarts it) and sends the request again, up to ``worker_retry_s``; ``prepare``
   runs first on every new incarnation (to reload the adapter the request needs). A request the
@@ -40,7 +41,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from polytinker.engine.types import ModelLimits
 from polytinker.engine.worker.auth import (
@@ -49,7 +50,17 @@ from polytinker.engine.worker.auth import (
     same,
     scheduler_client_keypair,
 )
-from polytinker.engine.worker.messages import ActorsReport, ActorState, Register, WorkersQuery
+from polytinker.engine.worker.messages import (
+    ActorsReport,
+    ActorState,
+    EngineLogprobs,
+    EngineSample,
+    LearnerAdapterWeights,
+    LearnerForward,
+    Register,
+    WorkersQuery,
+    WorkerStats,
+)
 from polytinker.errors import (
     AuthError,
     ConfigError,
@@ -64,16 +75,17 @@ from polytinker.scheduler.placement import next_learner_job
 from polytinker.scheduler.service.config import RuntimeConfig
 from polytinker.scheduler.service.fb_batcher import FbBatcher, Prepare, Send
 from polytinker.scheduler.service.replies import ActorsNoted, Registered, WorkersReply
-from polytinker.transport import ClientCurve, RpcClient, TransportConfig
+from polytinker.transport import ClientCurve, Request, RpcClient, TransportConfig, ask, kind_of
 from polytinker.transport.direct import Link
 
 # Worker requests that only read (the weights, the model's answers): a resend to the process that
 # may have run them already costs time, never a wrong state.
-REPEATABLE = frozenset(
-    {"sched.w.sample", "sched.w.logprobs", "sched.w.forward", "sched.w.stats", "sched.w.adapter_weights"}
+REPEATABLE: frozenset[type] = frozenset(
+    {EngineSample, EngineLogprobs, LearnerForward, WorkerStats, LearnerAdapterWeights}
 )
 
 log = logging.getLogger("polytinker.scheduler.broker")
+R = TypeVar("R")
 
 
 @dataclass
@@ -123,8 +135,8 @@ class Broker:
         }
 
     def _keyed_sender(self, learner_id: str) -> Send:
-        def send(kind: str, payload: Any, prepares: list[Prepare]) -> Any:
-            return self.call(learner_id, kind, payload, prepare=prepares, keyed=True)
+        def send(_kind: str, payload: Any, prepares: list[Prepare]) -> Any:
+            return self.call(learner_id, payload, prepare=prepares, keyed=True)
 
         return send
 
@@ -261,8 +273,7 @@ class Broker:
     def call(
         self,
         worker_id: str,
-        kind: str,
-        payload: Any,
+        payload: Request[R],
         *,
         prepare: tuple[str, Callable[[WorkerHandle], None]]
         | list[tuple[str, Callable[[WorkerHandle], None]]]
@@ -270,13 +281,15 @@ class Broker:
         timeout_s: float | None = None,
         retry: bool = True,
         keyed: bool = False,
-    ) -> Any:
-        """Forward one request, riding out a restart of the worker (see the module docstring).
+    ) -> R:
+        """Forward one request, riding out a restart of the worker (see the module docstring); its
+        answer, checked to be the reply its class declares.
         ``prepare=(key, fn)`` (or a list of them): run ``fn(handle)`` once per incarnation before the request.
         ``retry=False``: a request that must not run twice fails when its worker dies.
         ``keyed``: the worker answers a resend of ``payload`` (a dataclass with ``attempt``) with its
         first result, so it may go to the same incarnation again."""
         prepares = [prepare] if isinstance(prepare, tuple) else list(prepare or [])
+        kind = kind_of(type(payload))
         deadline = time.monotonic() + self.config.worker_retry_s
         avoid = ""
         reprepared = False
@@ -287,7 +300,7 @@ class Broker:
                     if key not in h.prepared:
                         fn(h)
                         h.prepared.add(key)
-                return h.client.call(kind, payload, timeout_s=timeout_s or self.config.request_timeout_s)
+                return ask(h.client, payload, timeout_s=timeout_s or self.config.request_timeout_s)
             except RemoteError as exc:
                 if exc.code != NotResident.code or not prepares or reprepared:
                     raise
@@ -300,9 +313,10 @@ class Broker:
                 log.warning("%s to %s failed (%s); waiting for it to come back", kind, worker_id, exc)
                 with self._cv:
                     h.dead = True
-                if keyed:
-                    payload = dataclasses.replace(payload, attempt=payload.attempt + 1)
-                elif kind not in REPEATABLE:
+                if keyed:  # a keyed message is a dataclass with an attempt count (the docstring's)
+                    sent: Any = payload
+                    payload = dataclasses.replace(sent, attempt=sent.attempt + 1)
+                elif type(payload) not in REPEATABLE:
                     avoid = h.incarnation
                 if not retry or time.monotonic() >= deadline:
                     raise WorkerUnavailable(f"worker {worker_id} died and did not come back: {exc}") from exc

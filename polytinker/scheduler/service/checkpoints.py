@@ -51,16 +51,16 @@ class CheckpointCalls:
         self._copying: dict[str, threading.Lock] = {}
         self._copying_guard = threading.Lock()
 
-    def handlers(self) -> dict[str, Callable[[Any], Any]]:
+    def handlers(self) -> dict[type, Callable[[Any], Any]]:
         return {
-            "delete_checkpoint": self.delete_checkpoint,
-            "set_checkpoint_ttl": self.set_checkpoint_ttl,
-            "publish_checkpoint": self.publish_checkpoint,
-            "weights_info": self.weights_info,
-            "copy_checkpoint": self.copy_checkpoint,
-            "export_weights": self.export_weights,
-            "storage_usage": self.storage_usage,
-            "hold_weights": self.hold_weights,
+            m.DeleteCheckpoint: self.delete_checkpoint,
+            m.SetCheckpointTtl: self.set_checkpoint_ttl,
+            m.PublishCheckpoint: self.publish_checkpoint,
+            m.WeightsInfo: self.weights_info,
+            m.CopyCheckpoint: self.copy_checkpoint,
+            m.ExportWeights: self.export_weights,
+            m.StorageUsage: self.storage_usage,
+            m.HoldWeights: self.hold_weights,
         }
 
     def hold_weights(self, msg: m.HoldWeights) -> r.HoldWeightsReply:

@@ -30,9 +30,11 @@ from typing import Any
 from polytinker.engine.worker.messages import LearnerForwardBackward, LearnerForwardBackwardMany
 from polytinker.errors import RemoteError
 from polytinker.scheduler.service.replies import ForwardBackwardManyReply, ForwardBackwardReply
+from polytinker.transport import kind_of
 
 Prepare = tuple[str, Callable[[Any], None]]
-# (kind, payload, prepares) -> the learner's answer; the broker's keyed call to one learner.
+# (kind, payload, prepares) -> the learner's answer; the broker's keyed call to one learner (the
+# kind is the payload's, kind_of(type(payload)): for a sender that records what it was sent).
 Send = Callable[[str, Any, list[Prepare]], Any]
 
 
@@ -114,7 +116,7 @@ class FbBatcher:
                 return
             msg = LearnerForwardBackwardMany(tuple(c.req for c in batch))
             try:
-                out: ForwardBackwardManyReply = self._send("sched.w.fb_many", msg, [c.prepare for c in batch])
+                out: ForwardBackwardManyReply = self._send(kind_of(type(msg)), msg, [c.prepare for c in batch])
             except RemoteError:
                 for c in batch:  # the learner kept none of the batch: each call alone, for its own answer
                     self._one(c)
@@ -135,7 +137,7 @@ class FbBatcher:
 
     def _one(self, c: _Call) -> None:
         try:
-            c.reply = self._send("sched.w.fb", c.req, [c.prepare])
+            c.reply = self._send(kind_of(type(c.req)), c.req, [c.prepare])
         except Exception as exc:
             c.error = exc
 

@@ -38,7 +38,7 @@ from polytinker.scheduler.service.config import RuntimeConfig
 from polytinker.scheduler.service.home import private_state_dir
 from polytinker.scheduler.service.runtime import prepared
 from polytinker.scheduler.service.scheduler import SchedulerService
-from polytinker.transport import TransportConfig
+from polytinker.transport import TransportConfig, ask
 from polytinker.transport.direct import DirectClient, Link
 
 log = logging.getLogger("polytinker.scheduler.inproc")
@@ -107,7 +107,7 @@ class InprocRuntime:
         # Engines take many concurrent sample requests (the batcher joins them); learners one at a time.
         self._links[worker_id] = DirectClient(worker_id, worker.handlers(), concurrency=0 if role == "engine" else 1)
         register = self._register_message(role, worker_id)
-        self.client().call("sched.w.register", register)
+        ask(self.client(), register)
         beat = threading.Thread(target=self._heartbeat, args=(register,), name=f"register-{worker_id}", daemon=True)
         beat.start()
         self._heartbeats.append(beat)
@@ -125,7 +125,7 @@ class InprocRuntime:
     def _heartbeat(self, register: Register) -> None:
         while not self._stop.wait(self.config.worker_heartbeat_s):
             try:
-                self.client().call("sched.w.register", register)
+                ask(self.client(), register)
             except Exception as exc:  # the runtime is stopping
                 log.debug("%s not re-registered: %s", register.worker_id, exc)
 

@@ -14,7 +14,11 @@ Nested values: ``polytinker.engine.types.Datum`` (one training example) and ``Sa
 (sampling parameters), registered here as message values: the learner and the engine get the
 very objects the client built; shared with the messages between the scheduler and its workers
 (``polytinker.engine.worker.messages``).
-The replies to the client requests are typed too: ``polytinker.scheduler.service.replies``.
+The replies to the client requests are typed too: ``polytinker.scheduler.service.replies``. Each
+request derives from ``Request[Reply]``, naming its result there, so the client sends it with
+``Connection.ask`` (the kind and the reply type come from the class) and the service files its
+handler by class. A guarded call may also be answered with a retry answer (``OverloadedReply``,
+``WaitingReply``), which the client's connection handles.
 """
 
 from __future__ import annotations
@@ -37,8 +41,10 @@ from polytinker.engine.types import (
 )
 from polytinker.engine.worker.layout import check_name
 from polytinker.model_path import CKPT_PREFIX, MODEL_PREFIX
+from polytinker.scheduler.service import replies as r
 from polytinker.scheduler.types import JobKind
 from polytinker.transport.messages import message
+from polytinker.transport.requests import Request
 
 JOB_KINDS = tuple(str(k) for k in JobKind)  # ("lora_rl", "full_rl", "sft", "inference")
 _RL_KINDS = (JobKind.LORA_RL, JobKind.FULL_RL)  # they sample and train
@@ -66,7 +72,7 @@ def request_id_ok(request_id: str, attempt: int, field: str = "request_id") -> N
 
 @message("sched.create_job")
 @dataclass(frozen=True)
-class CreateJob:
+class CreateJob(Request[r.JobReply]):
     api_key: str
     kind: str  # a JobKind value; __post_init__ checks it and makes it the JobKind
     base_model: str
@@ -109,14 +115,14 @@ class CreateJob:
 
 @message("sched.job_query")
 @dataclass(frozen=True)
-class JobQuery:
+class JobQuery(Request[r.JobQueryReply]):
     api_key: str
     job_id: str
 
 
 @message("sched.job_action")
 @dataclass(frozen=True)
-class JobAction:
+class JobAction(Request[r.JobReply]):
     api_key: str
     job_id: str
     action: str
@@ -127,14 +133,14 @@ class JobAction:
 
 @message("sched.list_jobs")
 @dataclass(frozen=True)
-class ListJobs:
+class ListJobs(Request[r.JobListReply]):
     api_key: str
     include_finished: bool = True
 
 
 @message("sched.forward_backward")
 @dataclass(frozen=True)
-class ForwardBackward:
+class ForwardBackward(Request[r.ForwardBackwardReply]):
     api_key: str
     job_id: str
     data: tuple[Datum, ...]
@@ -156,7 +162,7 @@ class ForwardBackward:
 
 @message("sched.forward")
 @dataclass(frozen=True)
-class Forward:
+class Forward(Request[r.ForwardReply]):
     api_key: str
     job_id: str
     data: tuple[Datum, ...]
@@ -175,7 +181,7 @@ class Forward:
 
 @message("sched.optim_step")
 @dataclass(frozen=True)
-class OptimStep:
+class OptimStep(Request[r.OptimStepReply]):
     api_key: str
     job_id: str
     learning_rate: float = 1e-4
@@ -199,7 +205,7 @@ class OptimStep:
 
 @message("sched.save_state")
 @dataclass(frozen=True)
-class SaveState:
+class SaveState(Request[r.SaveStateReply]):
     api_key: str
     job_id: str
     name: str
@@ -211,7 +217,7 @@ class SaveState:
 
 @message("sched.load_state")
 @dataclass(frozen=True)
-class LoadState:
+class LoadState(Request[r.LoadStateReply]):
     api_key: str
     job_id: str
     path: str  # a name given to save_state, or the polytinker-ckpt://JOB/NAME it returned; never a filesystem path
@@ -220,7 +226,7 @@ class LoadState:
 
 @message("sched.save_weights")
 @dataclass(frozen=True)
-class SaveWeights:
+class SaveWeights(Request[r.SaveWeightsReply]):
     api_key: str
     job_id: str
     name: str = ""
@@ -232,7 +238,7 @@ class SaveWeights:
 
 @message("sched.sample")
 @dataclass(frozen=True)
-class Sample:
+class Sample(Request[r.SampleReply]):
     api_key: str
     model_path: str  # "polytinker://JOB/AGENT@VERSION", or "" for the base model
     base_model: str
@@ -257,7 +263,7 @@ class Sample:
 
 @message("sched.compute_logprobs")
 @dataclass(frozen=True)
-class ComputeLogprobs:
+class ComputeLogprobs(Request[r.LogprobsReply]):
     api_key: str
     model_path: str
     base_model: str
@@ -279,7 +285,7 @@ class ComputeLogprobs:
 
 @message("sched.delete_checkpoint")
 @dataclass(frozen=True)
-class DeleteCheckpoint:
+class DeleteCheckpoint(Request[r.DeleteCheckpointReply]):
     """Forget a named checkpoint of one of the tenant's jobs and delete its files."""
 
     api_key: str
@@ -289,7 +295,7 @@ class DeleteCheckpoint:
 
 @message("sched.publish_checkpoint")
 @dataclass(frozen=True)
-class PublishCheckpoint:
+class PublishCheckpoint(Request[r.PublishCheckpointReply]):
     """Let every tenant of the runtime read a named checkpoint of one of the tenant's jobs
     (``public``), or only the tenant again: sample a published sampler save, load or start a
     new job from a published ``save_state`` checkpoint. Deleting it stays its owner's."""
@@ -302,7 +308,7 @@ class PublishCheckpoint:
 
 @message("sched.copy_checkpoint")
 @dataclass(frozen=True)
-class CopyCheckpoint:
+class CopyCheckpoint(Request[r.CopyCheckpointReply]):
     """Copy saved weights the tenant may read (its own, or published: a ``polytinker-ckpt://``
     checkpoint or a ``polytinker://`` version) into a new job of the tenant's that holds them and
     does not train; ``ttl_s`` deletes the copy then (0: kept)."""
@@ -320,7 +326,7 @@ class CopyCheckpoint:
 
 @message("sched.weights_info")
 @dataclass(frozen=True)
-class WeightsInfo:
+class WeightsInfo(Request[r.WeightsInfoReply]):
     """What saved weights are: the job that saved them and its shape (base model, kind, agent,
     LoRA rank and modules). ``path``: a ``polytinker-ckpt://`` checkpoint or a ``polytinker://``
     version, the tenant's own or a published one."""
@@ -331,7 +337,7 @@ class WeightsInfo:
 
 @message("sched.set_checkpoint_ttl")
 @dataclass(frozen=True)
-class SetCheckpointTtl:
+class SetCheckpointTtl(Request[r.CheckpointTtlReply]):
     """Delete a named checkpoint ``ttl_s`` from now (0: never)."""
 
     api_key: str
@@ -355,7 +361,7 @@ def check_ttl(ttl_s: float) -> None:
 
 @message("sched.export_weights")
 @dataclass(frozen=True)
-class ExportWeights:
+class ExportWeights(Request[r.ExportWeightsReply]):
     """The files of saved weights the tenant may read: a version (``polytinker://JOB/AGENT@VERSION``)
     or a ``save_state`` checkpoint (``polytinker-ckpt://JOB/NAME``)."""
 
@@ -377,7 +383,7 @@ AUDIT_EVENT_TYPES = ("all", "checkpoints", "projects", "teams", "organizations")
 
 @message("sched.audit_log")
 @dataclass(frozen=True)
-class AuditLog:
+class AuditLog(Request[r.AuditLogReply]):
     """The tenant's audit log of one UTC day (``day`` as ``YYYY-MM-DD``; "": today): what it did
     to saved weights, and what any tenant did to the weights it owns."""
 
@@ -402,7 +408,7 @@ MAX_USAGE_WINDOW_S = 14 * 86400.0  # one answer's window, as Tinker bounds it
 
 @message("sched.usage")
 @dataclass(frozen=True)
-class Usage:
+class Usage(Request[r.UsageReply]):
     """The tenant's usage counts of the UTC hours starting in [start_s, end_s) (Unix times; at most
     14 days apart)."""
 
@@ -420,7 +426,7 @@ class Usage:
 
 @message("sched.storage_usage")
 @dataclass(frozen=True)
-class StorageUsage:
+class StorageUsage(Request[r.StorageUsageReply]):
     """How many named checkpoints the tenant keeps now, and their bytes on the scheduler's disk."""
 
     api_key: str
@@ -428,7 +434,7 @@ class StorageUsage:
 
 @message("sched.hold_weights")
 @dataclass(frozen=True)
-class HoldWeights:
+class HoldWeights(Request[r.HoldWeightsReply]):
     """The tenant's ``holder`` holds the version at ``model_path`` (never pruned while held), or,
     with ``model_path`` "", releases every version it holds (``WeightHolds``)."""
 
@@ -442,7 +448,7 @@ class HoldWeights:
 
 @message("sched.runtime_status")
 @dataclass(frozen=True)
-class RuntimeStatus:
+class RuntimeStatus(Request[r.RuntimeStatusReply]):
     api_key: str
 
 

@@ -48,10 +48,9 @@ from polytinker.errors import ConfigError, RequestTimeout, RuntimeDead
 from polytinker.scheduler.service.config import RuntimeConfig, TenantConfig
 from polytinker.scheduler.service.home import Holder, StateLock, private_state_dir
 from polytinker.scheduler.service.messages import RuntimeStatus
-from polytinker.scheduler.service.replies import RuntimeStatusReply, WorkersReply
 from polytinker.scheduler.service.scheduler import SchedulerActor
 from polytinker.scheduler.service.tenants import new_api_key
-from polytinker.transport import RpcClient
+from polytinker.transport import RpcClient, ask
 
 log = logging.getLogger("polytinker.scheduler.runtime")
 REPORT_EVERY_S = 5.0  # the actors' states are sent this often too, so a lost report heals itself
@@ -246,7 +245,7 @@ class LocalRuntime:
                 self._report_now.clear()
                 try:
                     report = ActorsReport(launcher_credential(self.config.worker_token), self.actors())
-                    client.call("sched.w.actors", report, timeout_s=2.0)
+                    ask(client, report, timeout_s=2.0)
                     wait_s = REPORT_EVERY_S
                 except Exception as exc:  # the scheduler may be restarting: soon again
                     log.debug("actor report not delivered: %s", exc)
@@ -256,10 +255,7 @@ class LocalRuntime:
     def status(self, timeout_s: float = 10.0) -> dict[str, Any]:
         """The scheduler's ``runtime_status`` (workers, supervised actors, their stats, learner switches)."""
         with RpcClient(self.local_address) as client:
-            reply: RuntimeStatusReply = client.call(
-                "sched.runtime_status", RuntimeStatus(self.api_key), timeout_s=timeout_s
-            )
-            return reply.as_dict()
+            return ask(client, RuntimeStatus(self.api_key), timeout_s=timeout_s).as_dict()
 
     def wait_ready(self, worker_ids: list[str], timeout_s: float | None = None) -> None:
         """Wait until the scheduler answers and every worker in ``worker_ids`` is registered and alive."""
@@ -268,9 +264,8 @@ class LocalRuntime:
             while True:
                 self.check()
                 try:
-                    reply: WorkersReply = client.call(
-                        "sched.w.workers", WorkersQuery(launcher_credential(self.config.worker_token)), timeout_s=5.0
-                    )
+                    query = WorkersQuery(launcher_credential(self.config.worker_token))
+                    reply = ask(client, query, timeout_s=5.0)
                     alive = {w["worker_id"] for w in reply.workers if w["alive"]}
                     if set(worker_ids) <= alive:
                         return

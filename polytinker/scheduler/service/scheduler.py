@@ -26,6 +26,7 @@ only its own jobs' resolve (``WeightsCatalog``, in ``weights.py``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -59,7 +60,7 @@ from polytinker.scheduler.service.usage import UsageMeter
 from polytinker.scheduler.service.weight_push import WeightPush
 from polytinker.scheduler.service.weights import WeightsCatalog, expiry
 from polytinker.scheduler.types import JobKind, JobState
-from polytinker.transport import RpcServer, ServerCurve, TransportConfig
+from polytinker.transport import RpcServer, ServerCurve, TransportConfig, ask, handler_table
 from polytinker.transport.server import peer_user_id
 
 log = logging.getLogger("polytinker.scheduler.service")
@@ -139,29 +140,30 @@ class SchedulerService:
 
     def handlers(self) -> dict[str, Any]:
         h = {
-            "create_job": self.create_job,
-            "job_query": self.job_query,
-            "job_action": self.job_action,
-            "list_jobs": self.list_jobs,
-            "forward_backward": self.forward_backward,
-            "forward": self.forward,
-            "optim_step": self.optim_step,
-            "save_state": self.save_state,
-            "load_state": self.load_state,
-            "save_weights": self.save_weights,
-            "sample": self.sample,
-            "compute_logprobs": self.compute_logprobs,
-            "runtime_status": self.runtime_status,
+            m.CreateJob: self.create_job,
+            m.JobQuery: self.job_query,
+            m.JobAction: self.job_action,
+            m.ListJobs: self.list_jobs,
+            m.ForwardBackward: self.forward_backward,
+            m.Forward: self.forward,
+            m.OptimStep: self.optim_step,
+            m.SaveState: self.save_state,
+            m.LoadState: self.load_state,
+            m.SaveWeights: self.save_weights,
+            m.Sample: self.sample,
+            m.ComputeLogprobs: self.compute_logprobs,
+            m.RuntimeStatus: self.runtime_status,
         }
         h |= self.checkpoints.handlers() | self.audit.handlers() | self.meter.handlers()
-        workers = {"register": self.broker.register, "workers": self.broker.workers_query}
-        workers["actors"] = self.broker.supervised
-        return {f"sched.{k}": self._guard(v) for k, v in h.items()} | {f"sched.w.{k}": v for k, v in workers.items()}
+        workers = {wm.Register: self.broker.register, wm.WorkersQuery: self.broker.workers_query}
+        workers[wm.ActorsReport] = self.broker.supervised
+        return handler_table({cls: self._guard(fn) for cls, fn in h.items()} | workers)
 
     def _guard(self, fn: Any) -> Any:
         """Check the tokens a request carries against the base model (its ``check_model``) before
         anything is queued, and answer the expected refusals as typed retry answers instead of errors."""
 
+        @functools.wraps(fn)  # the handler's annotations stay readable (tests/test_handler_tables.py)
         def run(msg: Any) -> Any:
             if (check_model := getattr(msg, "check_model", None)) is not None:
                 check_model(self.broker.model_limits)
@@ -241,7 +243,7 @@ class SchedulerService:
             if w["alive"]:
                 with contextlib.suppress(Exception):
                     stats[w["worker_id"]] = self.broker.call(
-                        w["worker_id"], "sched.w.stats", wm.WorkerStats(), timeout_s=10.0, retry=False
+                        w["worker_id"], wm.WorkerStats(), timeout_s=10.0, retry=False
                     )
         switches = {k: s.switches for k, s in self.broker.slicers.items()}
         return r.RuntimeStatusReply(
@@ -281,7 +283,7 @@ class SchedulerService:
                 lora["seed"],
                 full,
             )
-            h.client.call("sched.w.ensure", msg, timeout_s=self.config.request_timeout_s)
+            ask(h.client, msg, timeout_s=self.config.request_timeout_s)
 
         return f"ensure:{a.adapter_key}", ensure
 
@@ -315,7 +317,7 @@ class SchedulerService:
         row, a, learner = self._training(msg.api_key, msg.job_id)
         req = wm.LearnerForward(a.adapter_key, msg.data, row.kind == JobKind.FULL_RL, msg.loss_fn, msg.loss_fn_config)
         with self.admission.admit(row.tenant, "train"), self._turn(learner, row):
-            out: r.ForwardReply = self.broker.call(learner, "sched.w.forward", req, prepare=self._prepare(row, a))
+            out: r.ForwardReply = self.broker.call(learner, req, prepare=self._prepare(row, a))
         self.meter.tokens(row.tenant, "training", [d.input_tokens for d in msg.data], row.base_model, row.job_id)
         return out
 
@@ -343,9 +345,7 @@ class SchedulerService:
             # replacement answers it from the key written next to its checkpoint, or refuses
             # (GradientLost) when the step's gradient died with the old process.
             try:
-                out: r.StepResult = self.broker.call(
-                    learner, "sched.w.step", req, prepare=self._prepare(row, a), keyed=True
-                )
+                out: r.StepResult = self.broker.call(learner, req, prepare=self._prepare(row, a), keyed=True)
             except BaseException as exc:
                 # GradientLost: the learner dropped what it held and the client redoes the step's
                 # calls from nothing. Any other failure leaves the count unknown.
@@ -367,7 +367,7 @@ class SchedulerService:
         check_name("checkpoint name", msg.name)
         req = wm.LearnerSave(a.adapter_key, msg.name, row.kind == JobKind.FULL_RL)
         with self.admission.admit(row.tenant, "train"), self._turn(learner, row):
-            out: r.SavedCheckpoint = self.broker.call(learner, "sched.w.save", req, prepare=self._prepare(row, a))
+            out: r.SavedCheckpoint = self.broker.call(learner, req, prepare=self._prepare(row, a))
         saved = wm.WeightsRef(a.adapter_key, out.version, "checkpoint", msg.name)
         self.store.add_checkpoint(row.job_id, msg.name, saved.relative_path, out.version, expiry(msg.ttl_s))
         self._named(row, msg.name, out.version)
@@ -384,16 +384,14 @@ class SchedulerService:
             a.adapter_key, self.weights.stored(path, version), row.kind == JobKind.FULL_RL, msg.optimizer
         )
         with self.admission.admit(row.tenant, "train"), self._turn(learner, row):
-            out: r.WorkerVersion = self.broker.call(
-                learner, "sched.w.load", req, prepare=self._prepare(row, a), retry=False
-            )
+            out: r.WorkerVersion = self.broker.call(learner, req, prepare=self._prepare(row, a), retry=False)
             assert out.version is not None  # a load leaves the checkpoint's version resident
             export = path  # full parameters: engines load the version from its checkpoint
             if row.kind != JobKind.FULL_RL:
                 # Its own export path: the loaded weights are not the ones this version had before.
                 loaded = name if src_job == row.job_id else f"{src_job}.{name}"[:128]
                 req_export = wm.LearnerExport(a.adapter_key, out.version, loaded_from=loaded)
-                export = self.broker.call(learner, "sched.w.export", req_export, retry=False).weights
+                export = self.broker.call(learner, req_export, retry=False).weights
             self.store.record_version(a.adapter_key, out.version, path, export)
         source = row if src_job == row.job_id else self.store.job(src_job)
         if source is not None:
@@ -410,7 +408,7 @@ class SchedulerService:
             full = row.kind == JobKind.FULL_RL  # full: the export is a checkpoint, kept with them
             req = wm.LearnerExport(a.adapter_key, a.version, full)
             with self._turn(learner, row):
-                out: r.ExportedWeights = self.broker.call(learner, "sched.w.export", req, prepare=self._prepare(row, a))
+                out: r.ExportedWeights = self.broker.call(learner, req, prepare=self._prepare(row, a))
             self.store.set_export(a.adapter_key, a.version, out.weights)
             if self.store.version_row(a.adapter_key, a.version) is None:
                 self.store.record_version(a.adapter_key, a.version, a.checkpoint, out.weights)
@@ -435,9 +433,7 @@ class SchedulerService:
             req = wm.EngineSample(
                 key, version, export, msg.prompt_token_ids, msg.num_samples, msg.params, tenant, full=full
             )
-            out: r.SampleReply = self.broker.call(
-                engine, "sched.w.sample", req, prepare=self.push.prepare(key, export, full)
-            )
+            out: r.SampleReply = self.broker.call(engine, req, prepare=self.push.prepare(key, export, full))
         self._sampled(tenant, msg, [msg.prompt_token_ids], [q.tokens for q in out.sequences])
         return out  # the engine's answer goes on to the client as it is
 
@@ -449,7 +445,7 @@ class SchedulerService:
             engine = self.jobs.route(key or None, msg.base_model)
             req = wm.EngineLogprobs(key, version, export, msg.sequences, full=full, top_k=msg.top_k, tag=tenant)
             prepare = self.push.prepare(key, export, full)
-            out: r.LogprobsReply = self.broker.call(engine, "sched.w.logprobs", req, prepare=prepare)
+            out: r.LogprobsReply = self.broker.call(engine, req, prepare=prepare)
         self._sampled(tenant, msg, msg.sequences, ())
         return out
 

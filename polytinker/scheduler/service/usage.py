@@ -61,8 +61,8 @@ class UsageMeter:
                 self._pending.update(pending)  # counted again at the next flush
             raise
 
-    def handlers(self) -> dict[str, Callable[[Any], Any]]:
-        return {"usage": self.usage}
+    def handlers(self) -> dict[type, Callable[[Any], Any]]:
+        return {m.Usage: self.usage}
 
     def usage(self, msg: m.Usage) -> r.UsageReply:
         tenant = self._tenant(msg.api_key)

@@ -20,6 +20,7 @@ from typing import Any
 from polytinker.engine.worker import messages as wm
 from polytinker.scheduler.service.config import RuntimeConfig
 from polytinker.scheduler.service.replies import AdapterTensors
+from polytinker.transport import ask
 
 
 class WeightPush:
@@ -37,11 +38,11 @@ class WeightPush:
         timeout = self._config.request_timeout_s
 
         def send(engine: Any) -> None:
-            if engine.client.call("sched.w.has_weights", wm.EngineHasWeights(weights), timeout_s=timeout):
+            if ask(engine.client, wm.EngineHasWeights(weights), timeout_s=timeout):
                 return
             learner = self._learner_of(adapter)
-            t: AdapterTensors = self._broker.call(learner, "sched.w.adapter_weights", wm.LearnerAdapterWeights(weights))
-            engine.client.call("sched.w.put_adapter", wm.EnginePutAdapter(weights, t), timeout_s=timeout)
+            t: AdapterTensors = self._broker.call(learner, wm.LearnerAdapterWeights(weights))
+            ask(engine.client, wm.EnginePutAdapter(weights, t), timeout_s=timeout)
 
         return f"weights:{weights.relative_path}", send
 
