@@ -1,6 +1,8 @@
 """The client's connection to a scheduler: typed requests, retries, and errors mapped to types.
 
-Every call goes through ``Connection.request``:
+Every call goes through ``Connection.ask`` (``ask(msg)``: the kind and the reply type come from
+the message's class, ``Request[R]``, and the result is typed ``R``; ``request(kind, msg, reply)``
+underneath spells them out):
 
 - an "overloaded" answer is retried for up to ``overload_wait_s``, then ``OverloadedError`` is
   raised; a "waiting" answer (the job is queued, preempted or paused) until ``job_wait_s``, then
@@ -21,8 +23,8 @@ Every call goes through ``Connection.request``:
 - errors the scheduler raised come back as their own types (``AuthError``, ``ConfigError``,
   ``NotBuiltError``, ``JobNotRunning``), with the ``RemoteError`` as ``__cause__``.
 
-The scheduler answers typed replies (``polytinker.scheduler.service.replies``): ``request``
-returns the one it was told to expect, and the clients turn it into ``polytinker.types``'s
+The scheduler answers typed replies (``polytinker.scheduler.service.replies``): ``ask`` returns
+the one the message declares, and the clients turn it into ``polytinker.types``'s
 results (``ForwardBackwardOutput``, ``OptimStepResponse``, also known
 here as ``OptimStepResult``, ``SampleResponse``, ...).
 """
@@ -47,7 +49,7 @@ from polytinker.errors import (
     error_class,
 )
 from polytinker.scheduler.service.replies import OverloadedReply, WaitingReply
-from polytinker.transport import ClientCurve, RpcClient, TransportConfig
+from polytinker.transport import ClientCurve, Request, RpcClient, TransportConfig, kind_of, reply_of
 from polytinker.transport.direct import Link
 from polytinker.types import ForwardBackwardOutput, OptimStepResponse, SampledSequence, SampleResponse
 
@@ -93,6 +95,11 @@ class Connection:
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.rpc.close()
+
+    def ask(self, msg: Request[R], *, idempotent: bool = True) -> R:
+        """The scheduler's answer to ``msg``: the reply its class declares, after the retries the
+        module docstring lists; any other answer is a ``TransportError``."""
+        return self.request(kind_of(type(msg)), msg, reply_of(type(msg)), idempotent=idempotent)
 
     def request(self, kind: str, msg: Any, reply: type[R], *, idempotent: bool = True) -> R:
         """The scheduler's answer to ``msg``, of type ``reply`` (a class of ``replies``), after the

@@ -66,7 +66,7 @@ def _write_dir(out: Path, write: Any, overwrite: bool) -> Path:
 
 
 def _fetch(conn: Connection, path: str) -> ExportWeightsReply:
-    return conn.request("sched.export_weights", m.ExportWeights(conn.api_key, path), ExportWeightsReply)
+    return conn.ask(m.ExportWeights(conn.api_key, path))
 
 
 def adapter_files(conn: Connection, model_path: str, *, merged: bool = False) -> tuple[dict[str, bytes], str]:

@@ -18,10 +18,10 @@ from polytinker.client._future import APIFuture, ReadyClient, submit
 from polytinker.engine.types import check_top_k
 from polytinker.errors import AuthError, ConfigError
 from polytinker.scheduler.service.messages import ComputeLogprobs, Sample
-from polytinker.scheduler.service.replies import LogprobsReply, SampleReply
+from polytinker.transport import Request
 from polytinker.types import SampledSequence, SampleResponse, StopReason, check_seed
 
-R = TypeVar("R", SampleReply, LogprobsReply)
+R = TypeVar("R")
 
 
 class SamplingClient(ReadyClient):
@@ -75,18 +75,20 @@ class SamplingClient(ReadyClient):
         scored = self._logprobs_msg(tokens, topk_prompt_logprobs) if any(want) else None
         return submit(self._conn.pool, lambda: self._sample(None if nothing else msg, scored, want))
 
-    def _request(self, kind: str, msg: Sample | ComputeLogprobs, reply: type[R]) -> R:
-        """The call; once more on a new inference job when this one is gone from the job table
-        (finished while its client was quiet for hours, then pruned: docs/scheduler-service.md)."""
+    def _request(self, msg: Request[R]) -> R:
+        """The call (a ``Sample`` or a ``ComputeLogprobs``); once more on a new inference job when
+        this one is gone from the job table (finished while its client was quiet for hours, then
+        pruned: docs/scheduler-service.md)."""
         try:
-            return self._conn.request(kind, msg, reply)
+            return self._conn.ask(msg)
         except AuthError as exc:
-            if self._reopen is None or not msg.job_id or repr(msg.job_id) not in str(exc):
+            job_id = cast(Sample | ComputeLogprobs, msg).job_id
+            if self._reopen is None or not job_id or repr(job_id) not in str(exc):
                 raise
             with self._reopen_lock:
-                if self.job_id == msg.job_id:  # not yet replaced by a concurrent call
+                if self.job_id == job_id:  # not yet replaced by a concurrent call
                     self.job_id = self._reopen()
-            return self._conn.request(kind, dataclasses.replace(msg, job_id=self.job_id), reply)
+            return self._conn.ask(cast(Request[R], dataclasses.replace(cast(Any, msg), job_id=self.job_id)))
 
     def _sample(
         self, msg: Sample | None, scored: ComputeLogprobs | None, want: tuple[bool, bool] = (False, False)
@@ -95,7 +97,7 @@ class SamplingClient(ReadyClient):
         prompt_logprobs, topk = (prompt_logprobs if want[0] else None), (topk if want[1] else None)
         if msg is None:
             return SampleResponse([], prompt_logprobs, topk)
-        reply = self._request("sched.sample", msg, SampleReply)
+        reply = self._request(msg)
         # An engine that failed mid-batch answers "abort": passed on as it is (Tinker names two reasons).
         sequences = [
             SampledSequence(cast(StopReason, s.stop_reason), list(s.tokens), list(s.logprobs), s.text)
@@ -127,7 +129,7 @@ class SamplingClient(ReadyClient):
 
     def _scores(self, msg: ComputeLogprobs) -> tuple[list[float | None], list[list[tuple[int, float]] | None] | None]:
         """The prompt's logprobs and (with ``top_k``) its top-k rows, each with None first."""
-        reply = self._request("sched.compute_logprobs", msg, LogprobsReply)
+        reply = self._request(msg)
         topk = None
         if reply.topk is not None:
             topk = [None, *([(int(t), float(lp)) for t, lp in row] for row in reply.topk[0])]

@@ -168,7 +168,7 @@ class ServiceClient:
         of the call, so a scheduler that restarts mid-call answers with one job, not two."""
         conn = self._connection(base_model)
         msg = m.CreateJob(conn.api_key, kind, base_model, request_key=request_key or uuid.uuid4().hex, **fields)
-        job = conn.request("sched.create_job", msg, r.JobReply).job
+        job = conn.ask(msg).job
         self._created.append(job["job_id"])
         return job
 
@@ -315,30 +315,30 @@ class ServiceClient:
         return await asyncio.to_thread(self.get_server_capabilities)
 
     def _model_of(self, conn: Connection) -> str:
-        return conn.request("sched.runtime_status", m.RuntimeStatus(conn.api_key), r.RuntimeStatusReply).base_model
+        return conn.ask(m.RuntimeStatus(conn.api_key)).base_model
 
     # --- jobs ----------------------------------------------------------------------------------------
     def list_jobs(self, include_finished: bool = True) -> list[dict[str, Any]]:
         conn = self._connection()
-        return conn.request("sched.list_jobs", m.ListJobs(conn.api_key, include_finished), r.JobListReply).jobs
+        return conn.ask(m.ListJobs(conn.api_key, include_finished)).jobs
 
     def jobs_report(self, include_finished: bool = True) -> dict[str, Any]:
         """``{"jobs": [...], "load": {...}}``: the jobs with what this scheduler process saw of
         them (``calls``, ``in_flight``, ``idle_s``, for jobs it knows), and the tenant's load
         (calls ``in_flight``, ``completed``, ``failed``, ``refused``, ``waiting``; live ``jobs`` by state)."""
         conn = self._connection()
-        reply = conn.request("sched.list_jobs", m.ListJobs(conn.api_key, include_finished), r.JobListReply)
+        reply = conn.ask(m.ListJobs(conn.api_key, include_finished))
         return {"jobs": reply.jobs, "load": reply.load}
 
     def get_job(self, job_id: str) -> dict[str, Any]:
         """The job (``job``), its ``adapter`` (agent, version, model_path), ``lora`` shape,
         ``checkpoints`` and last ``events``: ``JobQueryReply.as_dict()``."""
         conn = self._connection()
-        return conn.request("sched.job_query", m.JobQuery(conn.api_key, job_id), r.JobQueryReply).as_dict()
+        return conn.ask(m.JobQuery(conn.api_key, job_id)).as_dict()
 
     def _action(self, job_id: str, action: str) -> dict[str, Any]:
         conn = self._connection()
-        return conn.request("sched.job_action", m.JobAction(conn.api_key, job_id, action), r.JobReply).job
+        return conn.ask(m.JobAction(conn.api_key, job_id, action)).job
 
     def cancel_job(self, job_id: str) -> dict[str, Any]:
         return self._action(job_id, "cancel")
@@ -378,14 +378,14 @@ class ServiceClient:
         job's last ``keep_checkpoints``, which go when training moves past them."""
         conn = self._connection()
         msg = m.DeleteCheckpoint(conn.api_key, job_id, name)
-        return conn.request("sched.delete_checkpoint", msg, r.DeleteCheckpointReply).files_deleted
+        return conn.ask(msg).files_deleted
 
     def set_checkpoint_ttl(self, job_id: str, name: str, ttl_seconds: float | None) -> float | None:
         """Delete a job's named checkpoint (named as for ``delete_checkpoint``) ``ttl_seconds`` from
         now, or never (None); when it will be (a Unix time), or None."""
         conn = self._connection()
         msg = m.SetCheckpointTtl(conn.api_key, job_id, name, float(ttl_seconds or 0))
-        return conn.request("sched.set_checkpoint_ttl", msg, r.CheckpointTtlReply).expires_s
+        return conn.ask(msg).expires_s
 
     def publish_checkpoint(self, job_id: str, name: str) -> bool:
         """Let every tenant of the runtime read one of a job's named checkpoints (named as for
@@ -402,7 +402,7 @@ class ServiceClient:
     def _publish(self, job_id: str, name: str, public: bool) -> bool:
         conn = self._connection()
         msg = m.PublishCheckpoint(conn.api_key, job_id, name, public)
-        return conn.request("sched.publish_checkpoint", msg, r.PublishCheckpointReply).was_public
+        return conn.ask(msg).was_public
 
     def hold_weights(self, holder: str, model_path: str) -> int:
         """Keep the version at ``model_path`` (a ``polytinker://`` path the tenant may sample) from
@@ -410,20 +410,20 @@ class ServiceClient:
         training moves on; how many versions the holder holds now. ``release_weights`` ends it."""
         conn = self._connection()
         msg = m.HoldWeights(conn.api_key, holder, str(model_path))
-        return conn.request("sched.hold_weights", msg, r.HoldWeightsReply).held
+        return conn.ask(msg).held
 
     def release_weights(self, holder: str) -> int:
         """Drop every hold of ``holder``: versions past the job's last ``keep_checkpoints`` that
         nothing else keeps are pruned now. How many adapters it held versions of."""
         conn = self._connection()
-        return conn.request("sched.hold_weights", m.HoldWeights(conn.api_key, holder), r.HoldWeightsReply).held
+        return conn.ask(m.HoldWeights(conn.api_key, holder)).held
 
     def weights_info(self, path: str) -> r.WeightsInfoReply:
         """What saved weights are (a ``polytinker-ckpt://`` checkpoint or a ``polytinker://``
         version, the tenant's own or a published one): the job that saved them, its kind, base
         model, agent and LoRA shape, and whether they are published."""
         conn = self._connection()
-        return conn.request("sched.weights_info", m.WeightsInfo(conn.api_key, str(path)), r.WeightsInfoReply)
+        return conn.ask(m.WeightsInfo(conn.api_key, str(path)))
 
     def copy_weights(self, path: str, *, ttl_seconds: float | None = None, request_key: str = "") -> APIFuture[str]:
         """Copy saved weights this tenant may read (its own, or published: a ``polytinker-ckpt://``
@@ -435,7 +435,7 @@ class ServiceClient:
         is given): a copy made before a lost answer is not made twice."""
         conn = self._connection()
         msg = m.CopyCheckpoint(conn.api_key, str(path), float(ttl_seconds or 0), request_key or uuid.uuid4().hex)
-        return submit(conn.pool, lambda: conn.request("sched.copy_checkpoint", msg, r.CopyCheckpointReply).path)
+        return submit(conn.pool, lambda: conn.ask(msg).path)
 
     def audit_log(self, day: datetime.date | str | None = None, event_type: str = "all") -> r.AuditLogReply:
         """This tenant's audit log of one UTC day (default today), oldest first: what it did to
@@ -444,24 +444,24 @@ class ServiceClient:
         ``"checkpoints"`` (Tinker's other resources have no events here)."""
         conn = self._connection()
         msg = m.AuditLog(conn.api_key, "" if day is None else str(day), event_type)
-        return conn.request("sched.audit_log", msg, r.AuditLogReply)
+        return conn.ask(msg)
 
     def usage(self, start_s: float, end_s: float) -> r.UsageReply:
         """This tenant's usage counts of the UTC hours starting in [start_s, end_s) (Unix times, at
         most 14 days apart): per hour, kind (``training``, ``sampling_prefill``, ``sampling_sample``
         tokens; ``checkpoint`` saves), base model and job."""
         conn = self._connection()
-        return conn.request("sched.usage", m.Usage(conn.api_key, float(start_s), float(end_s)), r.UsageReply)
+        return conn.ask(m.Usage(conn.api_key, float(start_s), float(end_s)))
 
     def storage_usage(self) -> r.StorageUsageReply:
         """How many named checkpoints this tenant keeps now, and their bytes on the scheduler's disk."""
         conn = self._connection()
-        return conn.request("sched.storage_usage", m.StorageUsage(conn.api_key), r.StorageUsageReply)
+        return conn.ask(m.StorageUsage(conn.api_key))
 
     def runtime_status(self) -> dict[str, Any]:
         """Workers, their statistics (batches, mixed batches, adapter loads) and learner switches."""
         conn = self._connection()
-        return conn.request("sched.runtime_status", m.RuntimeStatus(conn.api_key), r.RuntimeStatusReply).as_dict()
+        return conn.ask(m.RuntimeStatus(conn.api_key)).as_dict()
 
     # --- lifecycle -----------------------------------------------------------------------------------
     def close(self, *, keep_jobs: bool = False) -> None:
@@ -471,9 +471,7 @@ class ServiceClient:
         if not keep_jobs and self._conn is not None:
             for job_id in self._created:
                 with contextlib.suppress(PolytinkerError):
-                    self._conn.request(
-                        "sched.job_action", m.JobAction(self._conn.api_key, job_id, "finish"), r.JobReply
-                    )
+                    self._conn.ask(m.JobAction(self._conn.api_key, job_id, "finish"))
         with self._lock:
             self._closed = True
             conn, self._conn = self._conn, None

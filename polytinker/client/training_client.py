@@ -109,7 +109,7 @@ class TrainingClient(ReadyClient):
         msg = m.ForwardBackward(self._key(), self.job_id, data_msgs, loss_fn, config, uuid.uuid4().hex)
 
         def run() -> ForwardBackwardOutput:
-            out = self._conn.request("sched.forward_backward", msg, r.ForwardBackwardReply)
+            out = self._conn.ask(msg)
             self._step_calls.append(msg)
             return fb_output(out.loss, out.logprobs, out.metrics)
 
@@ -134,12 +134,12 @@ class TrainingClient(ReadyClient):
         data_msgs = tuple(to_datum(d) for d in data)
         if loss_fn is None:
             msg = m.Forward(self._key(), self.job_id, data_msgs)
-            return self._submit(lambda: self._conn.request("sched.forward", msg, r.ForwardReply).logprobs)
+            return self._submit(lambda: self._conn.ask(msg).logprobs)
         config = dict(loss_fn_config) if loss_fn_config is not None else None
         msg = m.Forward(self._key(), self.job_id, data_msgs, loss_fn, config)  # a bad loss fails here, at the call
 
         def run() -> ForwardBackwardOutput:
-            out = self._conn.request("sched.forward", msg, r.ForwardReply)
+            out = self._conn.ask(msg)
             return fb_output(out.loss, out.logprobs, out.metrics)
 
         return self._submit(run)
@@ -173,7 +173,7 @@ class TrainingClient(ReadyClient):
         """``msg`` answered; after a ``GradientLost``, the step's calls and the step sent again."""
         for replay in range(STEP_REPLAYS + 1):
             try:
-                out = self._conn.request("sched.optim_step", msg, r.OptimStepReply)
+                out = self._conn.ask(msg)
                 break
             except GradientLost as exc:
                 if replay == STEP_REPLAYS:
@@ -183,7 +183,7 @@ class TrainingClient(ReadyClient):
                 self._step_calls = []
                 for fb in calls:  # new ids: the learner process that answered the old ones is gone
                     again = dataclasses.replace(fb, request_id=uuid.uuid4().hex)
-                    self._conn.request("sched.forward_backward", again, r.ForwardBackwardReply)
+                    self._conn.ask(again)
                     self._step_calls.append(again)
                 msg = dataclasses.replace(msg, request_id=uuid.uuid4().hex)
         self._step_calls = []
@@ -195,9 +195,7 @@ class TrainingClient(ReadyClient):
         ``ttl_seconds``: the runtime deletes the checkpoint that long after (None: it is kept until
         ``ServiceClient.delete_checkpoint``)."""
         msg = m.SaveState(self._key(), self.job_id, name, ttl_s=float(ttl_seconds or 0))
-        return self._submit(
-            lambda: SaveWeightsResponse(self._conn.request("sched.save_state", msg, r.SaveStateReply).path)
-        )
+        return self._submit(lambda: SaveWeightsResponse(self._conn.ask(msg).path))
 
     def load_state(self, path: str, weights_access_token: str | None = None) -> APIFuture[LoadWeightsResponse]:
         """Restore a checkpoint's weights (a name, or a path ``save_state`` gave, of this tenant);
@@ -215,7 +213,7 @@ class TrainingClient(ReadyClient):
         msg = m.LoadState(self._key(), self.job_id, str(path), optimizer=optimizer)
 
         def run() -> LoadWeightsResponse:
-            version = int(self._conn.request("sched.load_state", msg, r.LoadStateReply, idempotent=False).version)
+            version = int(self._conn.ask(msg, idempotent=False).version)
             self._step_calls = []  # loading replaced the adapter's state, its gradient included
             return LoadWeightsResponse(path=str(path), model_id=self.job_id, version=version)
 
@@ -226,11 +224,7 @@ class TrainingClient(ReadyClient):
         (``polytinker://JOB/AGENT@VERSION``, a ``str`` with ``.path``). A ``name`` keeps the version
         (listed as ``sampler-NAME``), for ``ttl_seconds`` if given."""
         msg = m.SaveWeights(self._key(), self.job_id, name or "", ttl_s=float(ttl_seconds or 0) if name else 0.0)
-        return self._submit(
-            lambda: SaveWeightsForSamplerResponse(
-                self._conn.request("sched.save_weights", msg, r.SaveWeightsReply).model_path
-            )
-        )
+        return self._submit(lambda: SaveWeightsForSamplerResponse(self._conn.ask(msg).model_path))
 
     def save_weights_and_get_sampling_client(self, name: str | None = None) -> SamplingClient:
         """A SamplingClient on the current version (after every call made before this one).
@@ -306,12 +300,12 @@ class TrainingClient(ReadyClient):
     # --- the job -------------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         """The job as the scheduler sees it (state, reason, adapter version, checkpoints, decisions)."""
-        return self._conn.request("sched.job_query", m.JobQuery(self._key(), self.job_id), r.JobQueryReply).as_dict()
+        return self._conn.ask(m.JobQuery(self._key(), self.job_id)).as_dict()
 
     def finish(self) -> None:
         """Mark the job done and free its resources (after the calls already made)."""
         action = m.JobAction(self._key(), self.job_id, "finish")
-        self._submit(lambda: self._conn.request("sched.job_action", action, r.JobReply)).result()
+        self._submit(lambda: self._conn.ask(action)).result()
         self._lane.shutdown(wait=True)
 
 
