@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -46,6 +45,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling _engine_runtime, however it is loaded
+
+from _engine_runtime import _data  # random datums of the runtime section's shape
 
 MODEL = "smollm2-135m-instruct"
 KEY = "contention-benchmark-key-0123"
@@ -55,17 +57,6 @@ VERBOSE = False  # --verbose: every round on stderr
 
 def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def _data(seed: int, rows: int, length: int) -> list[Any]:
-    from polytinker.engine.types import Datum
-
-    rng = random.Random(seed)
-    out = []
-    for _ in range(rows):
-        tokens = [rng.randrange(10, 40000) for _ in range(length + 1)]
-        out.append(Datum(tokens[:-1], tokens[1:], [0.0] * 8 + [1.0] * (length - 8)))
-    return out
 
 
 def _runtime_cpu_s(runtime: Any) -> float:
