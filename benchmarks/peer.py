@@ -1,8 +1,8 @@
 """polytinker against SkyRL-tx: one Tinker SDK script, the same weights, one server at a time.
 
     make peer-venv                        # once: SkyRL-tx's Tinker API server in .venv-peer
-    python benchmarks/peer.py --quick     # 2 measured rounds per phase (under ~10 minutes)
-    python benchmarks/peer.py             # 5 measured rounds per phase
+    python benchmarks/peer.py --quick     # 1 measured round per phase
+    python benchmarks/peer.py             # 3 measured rounds per phase
 
 Each server in turn, alone on the machine, both with SmolLM2-135M-Instruct: (a) ``polytinker
 serve --http`` with its default model ``smollm2-135m-instruct``, (b) SkyRL-tx's Tinker API server
@@ -12,16 +12,19 @@ client is the official ``tinker`` SDK with a LoRA run of its own (rank ``LORA_RA
 round: ``forward_backward`` of 8 datums of 128 tokens (``cross_entropy``) with ``optim_step``,
 ``save_weights_and_get_sampling_client``, then one ``sample`` of 8 sequences of 32 tokens from
 those weights (``stop=[]``: nothing ends a sequence early, on either server). Two phases: 1 client,
-then 4 concurrent clients (threads of this process, each its own ``ServiceClient``; a barrier
+then 4 concurrent clients (threads of one process, each its own ``ServiceClient``; a barrier
 starts each half of a round together, the clients 5 ms apart). The first round of each phase warms
-up (JAX compiles each new shape; polytinker loads its adapters) and is not counted.
+up (JAX compiles each new shape; polytinker loads its adapters) and is not counted. The clients of
+both servers run in ``.venv-peer`` with its SDK (0.24.1: later releases post ``forward_backward``
+as protobuf, which skyrl 0.3.0 cannot read), so both get the same client.
 
 Figures: s per training step (``forward_backward`` + ``optim_step``, median over clients and
-rounds) and sampling tok/s (a round's tokens over the time from its first sample call to its last
-answer, median over rounds). Prints ``name: value`` lines: ``peer_step_time_ratio`` (polytinker's
-s per step over SkyRL-tx's, 1 client; target <= 0.8), ``peer_sampling_ratio_1`` and
-``peer_sampling_ratio_4`` (polytinker's tok/s over SkyRL-tx's; targets >= 1.2 and >= 1.5),
-``peer_step_time_ratio_4``, and each server's raw figures (``polytinker_*``, ``skyrl_*``).
+rounds), sampling tok/s (a round's tokens over the time from its first sample call to its last
+answer, median over rounds) and the server's CPU-seconds per round (its whole process tree).
+Prints ``name: value`` lines: ``peer_step_time_ratio`` (polytinker's s per step over SkyRL-tx's,
+1 client; target <= 0.8), ``peer_sampling_ratio_1`` and ``peer_sampling_ratio_4`` (polytinker's
+tok/s over SkyRL-tx's; targets >= 1.2 and >= 1.5), ``peer_step_time_ratio_4``, and each server's
+raw figures (``polytinker_*``, ``skyrl_*``).
 
 SkyRL-tx's API server starts its engine with ``uv run <its own uv flags> -m skyrl.tinker.engine``
 and reads those flags from its parent's command line, so it runs under a stand-in ``uv`` (written
@@ -60,8 +63,11 @@ STAGGER_S = 0.005
 START_TIMEOUT_S = 600.0
 CALL_TIMEOUT_S = 900.0
 # SkyRL-tx's JAX backend holds every adapter slot's LoRA weights at the largest rank: slot 0 is
-# the base model's, then the 1 + 4 runs of the two phases.
-SKYRL_BACKEND = {"max_lora_adapters": 8, "max_lora_rank": LORA_RANK}
+# the base model's, then the 1 + 4 runs of the two phases. Its forward_backward runs in
+# micro-batches of one client's datums, so that one compiled shape serves every mix of clients
+# (by default each new batch size compiles anew, 100 s here, and a measured round can meet one).
+# Sampling keeps its default: one batch of what is waiting.
+SKYRL_BACKEND = {"max_lora_adapters": 8, "max_lora_rank": LORA_RANK, "train_micro_batch_size": N_DATUMS}
 
 # Starts a server in a temporary directory: the process, its URL and the base model name to ask for.
 Starter = Callable[[Path], tuple[subprocess.Popen[bytes], str, str]]
@@ -299,8 +305,8 @@ def report(ours: dict[str, float], peer: dict[str, float]) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2 measured rounds per phase (under ~10 minutes)")
-    parser.add_argument("--rounds", type=int, default=5, help="measured rounds per phase (after one warm-up)")
+    parser.add_argument("--quick", action="store_true", help="1 measured round per phase")
+    parser.add_argument("--rounds", type=int, default=3, help="measured rounds per phase (after one warm-up)")
     parser.add_argument(
         "--first", choices=("polytinker", "skyrl"), default="polytinker", help="which server runs first"
     )
@@ -312,7 +318,7 @@ def main() -> None:
         return
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
-    rounds = 2 if args.quick else args.rounds
+    rounds = 1 if args.quick else args.rounds
     if not (PEER_VENV / ".installed").is_file():
         print(f"SkyRL-tx's environment {PEER_VENV} is missing: build it with `make peer-venv`", file=sys.stderr)
         raise SystemExit(2)
