@@ -13,8 +13,10 @@ each counts.
 - ``concurrent_clients_sampling_ratio``: total generated tokens/s of four concurrent clients over
   one client's (target >= 2.0: requests that arrive while a batch runs join it).
 - ``one_client_tok_per_s`` / ``four_clients_tok_per_s``: the two rates.
+- with ``--backend vllm`` (the engine on vLLM's CPU build), the same figures prefixed ``vllm_``;
+  ``benchmarks/engine.py`` runs the ``hf`` engine only (vLLM's start takes minutes here).
 
-Run alone: ``python benchmarks/_engine_clients.py --quick``.
+Run alone: ``python benchmarks/_engine_clients.py --quick [--backend hf|vllm]``.
 """
 
 from __future__ import annotations
@@ -65,19 +67,28 @@ def _round(samplers: list[Any], prompts: list[list[int]], calls: int, tokens: in
     return sum(counts) / (time.perf_counter() - start)
 
 
-def run(quick: bool = False) -> dict[str, float]:
+def run(quick: bool = False, backend: str = "hf") -> dict[str, float]:
     from polytinker.client import ServiceClient
+    from polytinker.engine.worker.config import EngineWorkerConfig
     from polytinker.scheduler.service import LocalRuntime, RuntimeConfig, TenantConfig
 
     calls, tokens, rounds = (2, 32, 2) if quick else (4, 64, 3)
     with tempfile.TemporaryDirectory(prefix="polytinker-bench-") as tmp:
         config = RuntimeConfig(
-            model=MODEL, state_dir=tmp, tenants=(TenantConfig("bench", api_key=KEY),), start_timeout_s=300.0
+            model=MODEL,
+            state_dir=tmp,
+            tenants=(TenantConfig("bench", api_key=KEY),),
+            engines=(EngineWorkerConfig(backend=backend),),  # type: ignore[arg-type]
+            start_timeout_s=600.0,
         )
         runtime = LocalRuntime(config).start()
         try:
             with ServiceClient(runtime.address, api_key=KEY) as service:
-                trainers = [service.create_lora_training_client(MODEL, rank=16, agent=f"a{i}") for i in range(CLIENTS)]
+                # vLLM serves no LoRA on lm_head (Tinker's train_unembed): its adapters leave it out.
+                lora: dict[str, Any] = {"train_unembed": False} if backend == "vllm" else {}
+                trainers = [
+                    service.create_lora_training_client(MODEL, rank=16, agent=f"a{i}", **lora) for i in range(CLIENTS)
+                ]
                 samplers = [t.save_weights_and_get_sampling_client() for t in trainers]
                 tokenizer = trainers[0].get_tokenizer()
                 prompts = [tokenizer.encode(f"Agent {i} begins the story: once upon a time") for i in range(CLIENTS)]
@@ -88,18 +99,20 @@ def run(quick: bool = False) -> dict[str, float]:
                     best["four"] = max(best["four"], _round(samplers, prompts, calls, tokens, seed=100 * r + 50))
         finally:
             runtime.stop()
+    prefix = "" if backend == "hf" else f"{backend}_"
     return {
-        "concurrent_clients_sampling_ratio": best["four"] / best["one"],
-        "one_client_tok_per_s": best["one"],
-        "four_clients_tok_per_s": best["four"],
+        f"{prefix}concurrent_clients_sampling_ratio": best["four"] / best["one"],
+        f"{prefix}one_client_tok_per_s": best["one"],
+        f"{prefix}four_clients_tok_per_s": best["four"],
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes: about 2 minutes on 2 cores")
+    parser.add_argument("--backend", choices=("hf", "vllm"), default="hf", help="the engine's backend")
     args = parser.parse_args()
-    for name, value in run(quick=args.quick).items():
+    for name, value in run(quick=args.quick, backend=args.backend).items():
         print(f"{name}: {value:.4g}")
 
 
