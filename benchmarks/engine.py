@@ -149,7 +149,6 @@ def _load_section(name: str) -> Any:
     spec = importlib.util.spec_from_file_location(path.stem, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module  # dataclasses in the module look themselves up there
     spec.loader.exec_module(module)
     return getattr(module, function)
 

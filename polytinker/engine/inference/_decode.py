@@ -145,9 +145,7 @@ class DecodeBatch:
     def _prefilled(self, rows: list[Row]) -> _State | None:
         """``rows`` prefilled in a cache of their own and their first tokens drawn; None when
         every one ended at once."""
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=self._backend.model.config)
+        cache = _dynamic_cache(config=self._backend.model.config)
         logits_BV, mask_BL, next_pos_B = self._backend._prefill(rows, cache)
         state = _State(rows, cache, self._backend.device, mask_BL, next_pos_B, torch.zeros(len(rows), dtype=torch.long))
         self._draw(state, logits_BV)
@@ -177,12 +175,10 @@ class DecodeBatch:
             tuple(torch.cat([_pad_left(x1, width), _pad_left(x2, width)]) for x1, x2 in ((k1, k2), (v1, v2)))
             for (k1, v1, *_), (k2, v2, *_) in zip(old.cache, new.cache, strict=True)
         ]
-        from transformers import DynamicCache
-
         masks = [torch.cat([m.new_zeros((len(m), width - m.shape[1])), m], dim=1) for m in (old.mask_BL, new.mask_BL)]
         joined = _State(
             old.rows + new.rows,
-            DynamicCache(ddp_cache_data=layers),
+            _dynamic_cache(ddp_cache_data=layers),
             old.device,
             torch.cat(masks),
             torch.cat([old.next_pos_B, new.next_pos_B]),
@@ -204,6 +200,13 @@ class DecodeBatch:
         return out
 
 
+def _dynamic_cache(**kwargs: Any) -> Any:
+    """transformers' ``DynamicCache`` (imported here: transformers loads only where a model runs)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(**kwargs)
+
+
 def _pad_left(x_BHLD: torch.Tensor, width: int) -> torch.Tensor:
     """Cached keys or values padded on the left (the positions' axis) to ``width`` positions."""
     short = width - x_BHLD.shape[-2]
@@ -219,9 +222,7 @@ def _trim_left(state: _State) -> None:
     first = int(used_L.to(torch.uint8).argmax())
     if first == 0:
         return
-    from transformers import DynamicCache
-
-    state.cache = DynamicCache(ddp_cache_data=[(k[..., first:, :], v[..., first:, :]) for k, v, *_ in state.cache])
+    state.cache = _dynamic_cache(ddp_cache_data=[(k[..., first:, :], v[..., first:, :]) for k, v, *_ in state.cache])
     state.mask_BL = state.mask_BL[:, first:]
 
 
