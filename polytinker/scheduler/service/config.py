@@ -5,6 +5,7 @@
 - ``TenantConfig``: a tenant and its API key (or the file holding it).
 - ``JobDefaults``: what the policy is told a job of each kind needs, when the client says nothing.
 - ``HttpConfig`` (``http_config.py``, re-exported here): the HTTP gateway, ``[http]``.
+- ``ClusterConfig`` (``cluster.py``, re-exported here): what places the workers, ``[cluster]``.
 - ``RuntimeConfig``: the whole runtime: address, state directory, model, workers, tenants, limits.
 
 ``RuntimeConfig.from_toml(path)`` reads a ``runtime.toml`` (see docs/scheduler-service.md);
@@ -29,6 +30,7 @@ from polytinker.engine.worker.config import (
 )
 from polytinker.engine.worker.server import WorkerPlan
 from polytinker.errors import ConfigError
+from polytinker.scheduler.service.cluster import ClusterConfig
 from polytinker.scheduler.service.http_config import HttpConfig, host_port, read_toml
 from polytinker.tables import from_table
 
@@ -117,6 +119,8 @@ class RuntimeConfig:
     # What jobs declare to the policy by default.
     http: HttpConfig = field(default_factory=HttpConfig)
     # The HTTP front door ([http] address = "127.0.0.1:8000"); off by default.
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    # What places the engines and learners the runtime starts ([cluster] backend = "ray"): docs/cluster.md.
     worker_token: str = ""
     # Shared secret workers present when they register; empty: generated at start (local workers get it).
     curve_secret_file: str = ""
@@ -213,6 +217,7 @@ class RuntimeConfig:
         ids = [e.engine_id for e in self.engines] + [g.learner_id for g in self.learners]
         if len(set(ids)) != len(ids):
             raise ConfigError(f"RuntimeConfig: engine and learner ids must be unique, got {ids}")
+        self.cluster.check_workers(set(ids), bool(self.curve_secret_file))
         names = [t.name for t in self.tenants]
         if len(set(names)) != len(names):
             raise ConfigError(f"RuntimeConfig: tenant names must be unique, got {names}")
@@ -323,6 +328,7 @@ class RuntimeConfig:
 
 __all__ = [
     "BackendName",
+    "ClusterConfig",
     "EngineWorkerConfig",
     "HttpConfig",
     "JobDefaults",

@@ -23,6 +23,10 @@ refused). With no tenants configured, one tenant ``local`` is created with a fre
 ``ServiceClient()`` without an address starts one of these for the script, on a persistent
 directory it shares with the other scripts of this user (``home.default_state_dir``);
 ``polytinker serve`` runs one in the foreground.
+
+With ``[cluster] backend = "ray"`` the engines and learner groups are Ray actors instead
+(``ray_placement.RayPlacement``): only the scheduler is a child process here, Ray restarts a
+worker that dies, and ``actors()`` lists the workers with the node each runs on.
 """
 
 from __future__ import annotations
@@ -99,6 +103,7 @@ class LocalRuntime:
         self._reporting = threading.Event()  # cleared to end the reporter thread
         self._reporter: threading.Thread | None = None
         self.gateway: Any = None  # the HTTP front door, when config.http.address is set
+        self.placement: Any = None  # the RayPlacement of the workers, with [cluster] backend = "ray"
 
     @property
     def address(self) -> str:
@@ -123,12 +128,19 @@ class LocalRuntime:
 
     def start(self) -> LocalRuntime:
         cfg = self.config
-        # A GPU asked for where there is none fails here, not in a worker's log.
+        on_ray = cfg.cluster.backend == "ray"
+        if on_ray:  # no ray installed, or a worker Ray cannot place: fails here, before anything starts
+            from polytinker.scheduler.service.ray_placement import RayPlacement
+
+            for wid in [e.engine_id for e in cfg.engines if e.local] + [g.learner_id for g in cfg.learners if g.local]:
+                cfg.cluster.bundles_of(cfg.worker_plan(wid))
+            self.placement = RayPlacement(cfg, lambda: self._report_now.set(), self._ray_gave_up)
+        # A GPU asked for where there is none fails here, not in a worker's log (on Ray: on its node).
         for g in cfg.learners:
-            if g.local:
+            if g.local and not on_ray:
                 resolve_device(g.device, g.world_size)
         for e in cfg.engines:
-            if e.local:
+            if e.local and not on_ray:
                 resolve_device(e.device)
         run_dir = private_state_dir(cfg.state_path) / "run"
         lock = StateLock(cfg.state_path)
@@ -151,11 +163,16 @@ class LocalRuntime:
             self._reporter.start()
             todo: list[tuple[Any, str]] = [(EngineActor, e.engine_id) for e in cfg.engines if e.local]
             todo += [(LearnerActor, g.learner_id) for g in cfg.learners if g.local]
-            with ThreadPoolExecutor(max(1, len(todo))) as pool:  # each loads the model: start them side by side
-                futures = {wid: pool.submit(self._spawn_worker, cls, wid) for cls, wid in todo}
-                for wid, fut in futures.items():
-                    self.workers[wid] = fut.result()
+            if self.placement is not None:
+                self.placement.start([wid for _, wid in todo])  # Ray actors: they load and register there
+            else:
+                with ThreadPoolExecutor(max(1, len(todo))) as pool:  # each loads the model: side by side
+                    futures = {wid: pool.submit(self._spawn_worker, cls, wid) for cls, wid in todo}
+                    for wid, fut in futures.items():
+                        self.workers[wid] = fut.result()
             self.wait_ready([wid for _, wid in todo])
+            if self.placement is not None:
+                self.placement.wait_alive(cfg.start_timeout_s)
             self._report_now.set()  # every actor is up: the scheduler's view should say so now
             if cfg.http.address:
                 self.gateway = self._start_gateway()
@@ -201,7 +218,19 @@ class LocalRuntime:
     # --- supervision -----------------------------------------------------------------------------
     def _gave_up(self, report: ChildReport) -> None:
         """The supervisor gave up on an actor (on its thread): fail, and stop the rest."""
-        failure = RuntimeDead(f"the runtime stopped: {report.describe()}")
+        self._fail(RuntimeDead(f"the runtime stopped: {report.describe()}"))
+
+    def _ray_gave_up(self, actor: ActorState) -> None:
+        """Ray gave up on a worker's actor (its restarts spent): fail, and stop the rest."""
+        where = f" (last on node {actor.node})" if actor.node else ""
+        self._fail(
+            RuntimeDead(
+                f"the runtime stopped: worker {actor.name!r}'s Ray actor is dead, and not restarted again "
+                f"({actor.restarts} restarts){where}"
+            )
+        )
+
+    def _fail(self, failure: RuntimeDead) -> None:
         with self._lock:
             if self.failure is not None:
                 return
@@ -224,7 +253,8 @@ class LocalRuntime:
         sup = self.supervisor
         if sup is None:
             return ()
-        return tuple(
+        placed = self.placement.actors() if self.placement is not None else ()
+        return placed + tuple(
             ActorState(
                 r.name,
                 r.alive,
@@ -286,6 +316,9 @@ class LocalRuntime:
                 gateway, self.gateway = self.gateway, None
             if gateway is not None:
                 gateway.stop()
+            placement, self.placement = self.placement, None
+            if placement is not None:
+                placement.stop()
             if sup is not None:
                 sup.stop()
             lock, self._state_lock = self._state_lock, None

@@ -1,0 +1,292 @@
+"""Placing a runtime's engines and learner groups through Ray (``[cluster] backend = "ray"``).
+
+Ray only places processes and keeps them alive; ZeroMQ stays the data plane and the scheduler
+the one authority. ``RayPlacement.start`` asks Ray for one placement group per worker the config
+marks ``local`` (``ClusterConfig.bundles_of``: one bundle, or K for a learner group of world size K,
+``STRICT_PACK``: a group's followers are child processes of its rank 0, so its K bundles must be
+on one node), waits until every group is reserved, then starts each worker as a Ray actor
+(``RayWorker``) in bundle 0 of its group. The actor runs the same code as a local worker process
+(``build_worker`` and ``WorkerServer``): it binds on its node's IP, dials the scheduler and
+registers over ZeroMQ with the worker token, Curve keys derived from it.
+
+Ray restarts an actor that dies, its node's loss included, up to ``RuntimeConfig.max_restarts``
+times (over the actor's life, not within a window as the local supervisor counts), in its
+placement group, which Ray moves to a node that has the resources. The restarted worker is a new
+incarnation and registers as a restarted local worker does: the scheduler reloads what it held
+from the checkpoints. A monitor thread reads each actor's record from Ray's control store (state,
+restarts, node, pid) every ``POLL_S`` and reports a change at once (``on_change``): the runtime
+sends it to the scheduler (``ActorsReport``), so the calls in flight to a lost worker fail over
+without waiting for its connection to go silent. An actor Ray gives up on (``DEAD``) is handed
+to ``on_give_up``: the runtime stops, as when its supervisor gives up on a local worker.
+
+``ray`` is an optional dependency (the ``ray`` extra); this module imports it only when placing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from polytinker.engine.worker.messages import ActorState
+from polytinker.engine.worker.server import WorkerPlan, WorkerServer, build_worker, set_worker_threads
+from polytinker.errors import ConfigError, RequestTimeout
+from polytinker.scheduler.service.cluster import RAY_EXTRA_HINT
+from polytinker.scheduler.service.config import RuntimeConfig
+
+log = logging.getLogger("polytinker.scheduler.ray")
+POLL_S = 0.5  # how often the monitor reads the actors' records from Ray's control store
+NAMESPACE = "polytinker"
+
+
+def import_ray() -> Any:
+    """The ``ray`` module, or a ConfigError naming the extra that installs it."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise ConfigError(f"[cluster] backend = 'ray' needs the ray package: {RAY_EXTRA_HINT}") from exc
+    return ray
+
+
+class RayWorker:
+    """The body of a worker's Ray actor: what a local worker process runs (``EngineActor``,
+    ``LearnerActor``), built in ``__init__`` so Ray counts the actor alive once it is registered."""
+
+    def __init__(self, plan: dict[str, Any], scheduler: str, token: str, env: dict[str, str], curve: Any) -> None:
+        import ray
+
+        from polytinker.transport import ClientCurve
+
+        os.umask(0o077)  # checkpoints and adapter exports hold a tenant's weights
+        os.environ.update(env)  # before torch loads in this process: its threads, OpenMP's wait policy
+        self._plan = WorkerPlan.from_dict(plan)
+        set_worker_threads(self._plan)
+        self._worker = build_worker(self._plan)
+        ip = ray.util.get_node_ip_address()
+        self._server = WorkerServer(
+            worker_id=self._plan.worker_id,
+            role=self._plan.role,
+            base_model=self._plan.model,
+            handlers=self._worker.handlers(),
+            scheduler=scheduler,
+            token=token,
+            bind=f"tcp://{ip}:0",  # the scheduler may be on another node
+            heartbeat_s=self._plan.heartbeat_s,
+            handler_threads=256 if self._plan.role == "engine" else 1,
+            client_curve=ClientCurve(*curve) if curve else None,
+        )
+        self._server.registered.wait(30.0)
+
+    def where(self) -> dict[str, Any]:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {"node_id": ctx.get_node_id(), "pid": os.getpid(), "incarnation": self._server.incarnation}
+
+
+@dataclass
+class _Placed:
+    """One worker's placement group and actor, and what the monitor last read of it."""
+
+    worker_id: str
+    group: Any
+    actor: Any
+    state: str = "PENDING_CREATION"
+    node: str = ""  # "IP/NODE_ID" of the node it last ran on
+    pid: int = 0
+    restarts: int = 0
+    last_exit_time: float = 0.0
+
+
+class RayPlacement:
+    """The Ray placement of a runtime's workers (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: RuntimeConfig,
+        on_change: Callable[[], None] = lambda: None,
+        on_give_up: Callable[[ActorState], None] = lambda _: None,
+    ) -> None:
+        self.config = config
+        self._on_change, self._on_give_up = on_change, on_give_up
+        self._ray = import_ray()
+        self._started_ray = False
+        self._placed: dict[str, _Placed] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._monitor: threading.Thread | None = None
+        self.placement_s = 0.0  # placement groups asked for to all reserved
+
+    def start(self, worker_ids: list[str]) -> RayPlacement:
+        ray, cluster = self._ray, self.config.cluster
+        if not ray.is_initialized():
+            if cluster.address == "local":
+                ray.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=True)
+            else:
+                ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=True)
+            self._started_ray = True
+        from ray.util.placement_group import placement_group
+
+        plans = [self.config.worker_plan(w) for w in worker_ids]
+        t0 = time.monotonic()
+        groups = {p.worker_id: placement_group(cluster.bundles_of(p), strategy="STRICT_PACK") for p in plans}
+        for wid, group in groups.items():
+            left = cluster.placement_timeout_s - (time.monotonic() - t0)
+            if not group.wait(max(1.0, left)):
+                raise RequestTimeout(
+                    f"Ray reserved no node for {wid} ({group.bundle_specs}) within "
+                    f"{cluster.placement_timeout_s:.0f} s: no node of the cluster has those resources free"
+                )
+        self.placement_s = time.monotonic() - t0
+        scheduler, curve = self._scheduler_address(), self._worker_curve()
+        for plan in plans:
+            actor = self._actor(plan, groups[plan.worker_id], scheduler, curve)
+            self._placed[plan.worker_id] = _Placed(plan.worker_id, groups[plan.worker_id], actor)
+        self._monitor = threading.Thread(target=self._watch, name="ray-placement", daemon=True)
+        self._monitor.start()
+        return self
+
+    def _actor(self, plan: WorkerPlan, group: Any, scheduler: str, curve: Any) -> Any:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle = dict(group.bundle_specs[0])
+        cpus, gpus = bundle.pop("CPU", 0.0), bundle.pop("GPU", 0.0)
+        cfg = self.config
+        threads = cfg.worker_threads or max(1, int(cpus))  # the CPUs its bundle reserved for each rank
+        env = {"OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+        options = {
+            "name": f"{plan.worker_id}-{os.getpid()}",
+            "num_cpus": cpus,
+            "num_gpus": gpus,
+            "resources": {k: v for k, v in bundle.items() if k != "memory"},
+            "memory": bundle.get("memory"),
+            "max_restarts": cfg.max_restarts,
+            "max_concurrency": 2,  # where() answers while nothing else runs on the actor's thread
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
+        }
+        remote = self._ray.remote(RayWorker).options(**{k: v for k, v in options.items() if v is not None})
+        return remote.remote(plan.to_dict(), scheduler, cfg.worker_token, env, curve)
+
+    def _scheduler_address(self) -> str:
+        """The scheduler's address as another node dials it (a wildcard host is this node's IP)."""
+        address = self.config.address
+        host, _, port = address.removeprefix("tcp://").rpartition(":")
+        if address.startswith("tcp://") and host in ("0.0.0.0", "*", ""):
+            return f"tcp://{self._ray.util.get_node_ip_address()}:{port}"
+        return address
+
+    def _worker_curve(self) -> tuple[bytes, bytes, bytes] | None:
+        """(public, secret, scheduler's public) for Ray workers that dial a Curve scheduler."""
+        cfg = self.config
+        if not cfg.curve_secret_file:
+            return None
+        from polytinker.transport import load_keypair
+
+        public, secret = load_keypair(cfg.cluster.worker_curve_secret_file)
+        if secret is None:
+            raise ConfigError(
+                f"[cluster] worker_curve_secret_file {cfg.cluster.worker_curve_secret_file}: no secret key"
+            )
+        return public, secret, load_keypair(cfg.curve_secret_file)[0]
+
+    # --- monitoring ---------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        while not self._stop.wait(POLL_S):
+            gave_up = self._poll()
+            for placed in gave_up:
+                self._on_give_up(self._actor_state(placed))
+                return
+
+    def _poll(self) -> list[_Placed]:
+        """Read every actor's record once; report a change; the actors Ray gave up on."""
+        from ray._private import state  # the actor table of Ray's control store; no dashboard needed
+
+        changed, gave_up = False, []
+        for placed in list(self._placed.values()):
+            try:
+                record = state.actors(actor_id=placed.actor._actor_id.hex())
+            except Exception as exc:  # the head may be gone for a moment
+                log.debug("reading %s's actor record: %s", placed.worker_id, exc)
+                continue
+            changed |= self._note(placed, record)
+            if placed.state == "DEAD":
+                gave_up.append(placed)
+        if changed:
+            self._on_change()
+        return gave_up
+
+    def wait_alive(self, timeout_s: float) -> None:
+        """Until Ray counts every actor alive (a worker registers from its actor's constructor,
+        a moment before): ``placements()`` then names every node."""
+        deadline = time.monotonic() + timeout_s
+        while not all(p.state == "ALIVE" for p in self._placed.values()):
+            if self._poll() or time.monotonic() > deadline:
+                raise RequestTimeout(f"Ray did not count the workers' actors alive: {self.placements()}")
+            time.sleep(0.1)
+
+    def _note(self, placed: _Placed, record: dict[str, Any]) -> bool:
+        """Take in an actor's record; True when something ``polytinker status`` shows changed."""
+        address = record.get("Address") or {}
+        state, restarts = str(record.get("State", "")), int(record.get("NumRestarts", 0))
+        with self._lock:
+            before = (placed.state, placed.restarts, placed.node, placed.pid)
+            if placed.state == "ALIVE" and state != "ALIVE":  # it left its process (or its node)
+                placed.last_exit_time = time.time()
+                log.warning("%s's Ray actor is %s (restarts %d)", placed.worker_id, state, restarts)
+            placed.state, placed.restarts = state, restarts
+            if state == "ALIVE":
+                placed.node = f"{address.get('IPAddress', '')}/{address.get('NodeID', '')}"
+                placed.pid = int(record.get("Pid") or 0)
+                if before[2] and before[2] != placed.node:
+                    log.warning("%s re-placed on node %s", placed.worker_id, placed.node)
+            return before != (placed.state, placed.restarts, placed.node, placed.pid)
+
+    def _actor_state(self, placed: _Placed) -> ActorState:
+        alive = placed.state == "ALIVE"
+        return ActorState(
+            placed.worker_id,
+            alive,
+            placed.pid if alive else 0,
+            placed.restarts,
+            placed.state == "DEAD",
+            None,  # Ray does not say how a process ended
+            placed.last_exit_time,
+            "",
+            placed.node,
+        )
+
+    def actors(self) -> tuple[ActorState, ...]:
+        """Each placed worker as ``polytinker status`` shows it (its node: ``IP/NODE_ID``)."""
+        with self._lock:
+            return tuple(self._actor_state(p) for p in self._placed.values())
+
+    def placements(self) -> dict[str, str]:
+        """worker id -> the Ray node id it runs on ("" while it is not running)."""
+        with self._lock:
+            return {w: p.node.rpartition("/")[2] if p.state == "ALIVE" else "" for w, p in self._placed.items()}
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._monitor is not None and self._monitor is not threading.current_thread():
+            self._monitor.join(5.0)
+        ray = self._ray
+        if not ray.is_initialized():
+            return
+        from ray.util.placement_group import remove_placement_group
+
+        for placed in self._placed.values():
+            try:
+                ray.kill(placed.actor, no_restart=True)
+                remove_placement_group(placed.group)
+            except Exception as exc:  # the cluster may already be gone
+                log.debug("releasing %s: %s", placed.worker_id, exc)
+        self._placed.clear()
+        if self._started_ray:
+            ray.shutdown()
+
+
+__all__ = ["RayPlacement", "RayWorker", "import_ray"]

@@ -1,0 +1,145 @@
+"""``[cluster] backend = "ray"``: a runtime's engine and learner group placed on the nodes of a Ray
+cluster that declare the resources their bundles ask for (custom resources stand in for GPUs),
+a short training run through the client, and a lost node whose worker Ray places again.
+
+The cluster is ``ray.cluster_utils.Cluster``: three Ray nodes (raylets) on this machine, each
+with its own resources; ``remove_node`` kills one with its processes, as a lost machine."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from polytinker.client import ServiceClient
+from polytinker.engine.learner.config import AdamParams
+from polytinker.engine.types import Datum, SamplingParams
+from polytinker.errors import ConfigError
+from polytinker.scheduler.service import EngineWorkerConfig, LearnerWorkerConfig, LocalRuntime, RuntimeConfig
+from polytinker.scheduler.service.cluster import ClusterConfig
+
+MODEL = "tiny-random"
+NODE = {"num_cpus": 1, "object_store_memory": 80 << 20, "include_dashboard": False}
+BUNDLES = {"engine-0": {"CPU": 1, "accel_a": 1}, "learner-0": {"CPU": 0.5, "accel_b": 1}}
+SHORT = SamplingParams(max_tokens=8, temperature=1.0, seed=1)
+DATA = [Datum([5, 17, 230, 1400, 9, 33], [17, 230, 1400, 9, 33, 8], [0.0, 1.0, 1.0, 1.0, 1.0, 1.0])]
+
+
+def _config(state: Path, address: str) -> RuntimeConfig:
+    return RuntimeConfig(
+        model=MODEL,
+        state_dir=str(state),
+        engines=(EngineWorkerConfig(adapter_slots=2, batch_window_s=0.0),),
+        # Two ranks: two bundles, which STRICT_PACK keeps on one node (rank 0 starts the other).
+        learners=(LearnerWorkerConfig(world_size=2, micro_batch_size=4),),
+        cluster=ClusterConfig(backend="ray", address=address, bundles=BUNDLES, placement_timeout_s=60.0),
+        worker_heartbeat_s=0.5,
+        worker_retry_s=120.0,
+        start_timeout_s=150.0,
+        max_restarts=2,
+    )
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    cluster_utils = pytest.importorskip("ray.cluster_utils")
+    c = cluster_utils.Cluster(initialize_head=True, connect=False, head_node_args=dict(NODE))
+    try:
+        c.nodes_by_resource = {
+            "accel_a": c.add_node(**NODE, resources={"accel_a": 1}),
+            "accel_b": c.add_node(**{**NODE, "num_cpus": 1}, resources={"accel_b": 2}),
+        }
+        yield c
+    finally:
+        c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def runtime(cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRuntime]:
+    rt = LocalRuntime(_config(tmp_path_factory.mktemp("ray-runtime"), cluster.address))
+    t0 = time.monotonic()
+    rt.start()
+    print(f"placed and registered in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+    try:
+        yield rt
+    finally:
+        rt.stop()
+
+
+def _train_and_sample(service: ServiceClient, agent: str) -> Any:
+    trainer = service.create_lora_training_client(MODEL, rank=4, agent=agent, seed=3)
+    first = trainer.forward_backward(DATA, "cross_entropy").result()
+    assert first.loss_fn_outputs, first
+    assert trainer.optim_step(AdamParams(learning_rate=1e-2)).result().version == 1
+    sampler = trainer.save_weights_and_get_sampling_client()
+    assert sampler.sample([3, 4, 5], 1, SHORT).result().sequences[0].tokens
+    return trainer, sampler
+
+
+@pytest.mark.timeout(240)
+def test_serve_places_the_engine_and_learner_on_the_nodes_with_their_resources(
+    cluster: Any, runtime: LocalRuntime
+) -> None:
+    placed = runtime.placement.placements()
+    assert placed == {
+        "engine-0": cluster.nodes_by_resource["accel_a"].node_id,
+        "learner-0": cluster.nodes_by_resource["accel_b"].node_id,
+    }
+    status = runtime.status()
+    rows = {a["name"]: a for a in status["actors"]}
+    assert rows["engine-0"]["alive"] and rows["engine-0"]["node"].endswith(placed["engine-0"])
+    assert rows["learner-0"]["node"].endswith(placed["learner-0"])
+    assert rows["scheduler"]["node"] == ""  # a child process of serve, on this machine
+    workers = {w["worker_id"]: w for w in status["workers"]}
+    assert workers.keys() == {"engine-0", "learner-0"} and all(w["alive"] for w in workers.values())
+    with ServiceClient(runtime.address, api_key=runtime.api_key) as service:
+        _train_and_sample(service, "placed")
+
+
+@pytest.mark.timeout(240)
+def test_a_lost_node_s_engine_is_placed_again_and_serves_the_adapter(cluster: Any, runtime: LocalRuntime) -> None:
+    with ServiceClient(runtime.address, api_key=runtime.api_key) as service:
+        trainer, sampler = _train_and_sample(service, "survivor")
+        lost = cluster.nodes_by_resource["accel_a"]
+        cluster.remove_node(lost)
+        replacement = cluster.add_node(**NODE, resources={"accel_a": 1})
+        # The next sample waits for the engine's new incarnation, which loads the adapter again.
+        assert sampler.sample([3, 4, 5], 1, SHORT).result(timeout=180).sequences[0].tokens
+        # The worker registers from its actor's constructor, before Ray counts the actor alive.
+        deadline = time.monotonic() + 30
+        while runtime.placement.placements()["engine-0"] != replacement.node_id:
+            assert time.monotonic() < deadline, runtime.placement.placements()
+            time.sleep(0.2)
+        rows = {a["name"]: a for a in runtime.status()["actors"]}
+        assert rows["engine-0"]["restarts"] == 1 and rows["engine-0"]["last_exit_time"] > 0
+        stats = service.runtime_status()["stats"]["engine-0"]
+        assert stats["adapter_loads"] >= 1
+        # The job goes on: another step on the learner, sampled on the re-placed engine.
+        trainer.forward_backward(DATA, "cross_entropy").result()
+        assert trainer.optim_step(AdamParams(learning_rate=1e-2)).result().version == 2
+        assert trainer.save_weights_and_get_sampling_client().sample([3], 1, SHORT).result().sequences
+
+
+def test_backend_ray_without_ray_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed: `import ray` raises ImportError
+    with pytest.raises(ConfigError, match=r"polytinker\[ray\]"):
+        LocalRuntime(_config(tmp_path, "local")).start()
+
+
+def test_cluster_table_is_checked_when_read() -> None:
+    with pytest.raises(ConfigError, match="not engines or learners"):
+        RuntimeConfig(cluster=ClusterConfig(backend="ray", bundles={"gpu-box": {"GPU": 1}}))
+    with pytest.raises(ConfigError, match="expected one of 'local', 'ray'"):
+        RuntimeConfig.from_dict({"cluster": {"backend": "slurm"}})
+    cfg = RuntimeConfig.from_dict({"cluster": {"backend": "ray", "bundles": {"engine-0": {"GPU": 1, "CPU": 2}}}})
+    assert cfg.cluster.bundles_of(cfg.worker_plan("engine-0")) == [{"GPU": 1.0, "CPU": 2.0}]
+    learners = (LearnerWorkerConfig(world_size=3, device="cuda"),)
+    gpu = RuntimeConfig(learners=learners, cluster=ClusterConfig(backend="ray"))
+    with pytest.raises(ConfigError, match="world size 3 on GPUs"):
+        gpu.cluster.bundles_of(gpu.worker_plan("learner-0"))
+    cpu = RuntimeConfig(learners=(LearnerWorkerConfig(world_size=3),), cluster=ClusterConfig(backend="ray"))
+    assert cpu.cluster.bundles_of(cpu.worker_plan("learner-0")) == [{"CPU": 1.0}] * 3
