@@ -116,11 +116,20 @@ def utilization_ceiling(trace: list[Job], cluster: ClusterSpec) -> float:
 def decision_us(policy_cls: type[SchedulingPolicy], cluster: ClusterSpec, queued: int, reps: int) -> float:
     """Median time of one scheduling pass with ``queued`` jobs waiting: fill the cluster, queue the
     rest, then repeatedly finish one running job and time the pass that refills its room."""
-    trace = generate_trace(TraceConfig(n_jobs=queued + 1000, seed=12345, oversized_fraction=0.0))
+    # A larger cluster runs more of the jobs at once: more of them, so that ``queued`` still wait
+    # (default_cluster, 12 resources, keeps the 1,000 extra and the one fill it always had).
+    extra = 1000 * -(-(len(cluster.engines) + len(cluster.learners)) // 12)
+    trace = generate_trace(TraceConfig(n_jobs=queued + extra, seed=12345, oversized_fraction=0.0))
     policy = policy_cls(cluster, None)
-    for job in trace[: queued + 200]:
+    submitted = queued + 200
+    for job in trace[:submitted]:
         policy.submit(job, 0.0)
     policy.schedule(0.0)
+    while policy.queued_count < queued and submitted < len(trace):
+        for job in trace[submitted : submitted + 200]:
+            policy.submit(job, 0.0)
+        submitted += 200
+        policy.schedule(0.0)
     times = []
     for rep in range(reps):
         running = [j for j in policy.running() if policy.state(j) is JobState.RUNNING]
