@@ -3,6 +3,14 @@
 ``ClusterState`` answers the questions the policy asks: can this job ever run here (and if not,
 why), where does it fit now, which running jobs would have to stop for it to fit. It never
 over-commits: ``allocate`` raises if a placement does not fit.
+
+A hybrid worker (``HybridSpec``) is kept as a learner side and an engine side under its one id (in
+``learners`` and ``engines``, with the memory of each phase), so memory, host memory, adapter slots
+and preemption are counted as for separate machines; a job placed there holds both sides of the
+same worker (``Placement(learner=h, engine=h)``; one side for SFT or inference). A full-parameter
+job takes the whole worker (nothing else joins either side), since its weights are no longer the
+base the others sample and train on. Separate engines and groups are tried first; hybrid workers
+take a job that does not fit there.
 """
 
 from __future__ import annotations
@@ -12,7 +20,16 @@ from dataclasses import dataclass, field
 
 from polytinker.errors import ConfigError
 from polytinker.scheduler.placement import AdapterLoad, AdapterPlacement
-from polytinker.scheduler.types import ClusterSpec, EngineSpec, Job, JobID, LearnerSpec, Placement, ResourceID
+from polytinker.scheduler.types import (
+    ClusterSpec,
+    EngineSpec,
+    HybridSpec,
+    Job,
+    JobID,
+    LearnerSpec,
+    Placement,
+    ResourceID,
+)
 
 _EPS = 1e-9  # memory sums in floats: tolerate rounding, never real over-commit
 
@@ -39,24 +56,68 @@ def _all(_: ResourceID) -> bool:
 class ClusterState:
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
-        self.learners = {g.group_id: _Learner(g, g.host_memory_gb) for g in spec.learners}
-        self.engines = {e.engine_id: _Engine(e, e.memory_gb) for e in spec.engines}
-        self.adapters = AdapterPlacement(spec.engines)
+        self.hybrids: dict[ResourceID, HybridSpec] = {h.worker_id: h for h in spec.hybrids}
+        learner_specs = [*spec.learners, *(h.learner_spec() for h in spec.hybrids)]
+        engine_specs = [*spec.engines, *(h.engine_spec() for h in spec.hybrids)]
+        self.learners = {g.group_id: _Learner(g, g.host_memory_gb) for g in learner_specs}
+        self.engines = {e.engine_id: _Engine(e, e.memory_gb) for e in engine_specs}
+        self.adapters = AdapterPlacement(engine_specs)
         self.placed: dict[JobID, tuple[Job, Placement]] = {}
-        self.total_learner_gb = sum(g.memory_gb for g in spec.learners)
-        self.total_engine_gb = sum(e.memory_gb for e in spec.engines)
+        self.total_learner_gb = sum(g.memory_gb for g in learner_specs)
+        self.total_engine_gb = sum(e.memory_gb for e in engine_specs)
 
     def impossible(self, job: Job) -> str | None:
         """Why ``job`` can never run on this cluster even when it is empty; ``None`` if it can."""
+        why = self._impossible_separate(job)
+        if why is None or not self.hybrids:
+            return why
+        on_hybrids = self._impossible_hybrid(job)
+        if on_hybrids is None:
+            return None
+        if not any(h.base_model == job.base_model for h in self.hybrids.values()):
+            return why
+        if not self._separate_of(job.base_model):
+            return on_hybrids  # only hybrid workers serve this base model
+        return f"{why}; on its hybrid workers: {on_hybrids}"
+
+    def _separate_of(self, base_model: str) -> list[ResourceID]:
+        """Engines and learner groups (not hybrid workers) of ``base_model``."""
+        rids = [gid for gid, g in self.learners.items() if g.spec.base_model == base_model]
+        rids += [eid for eid, e in self.engines.items() if e.spec.base_model == base_model]
+        return [r for r in rids if r not in self.hybrids]
+
+    def _impossible_hybrid(self, job: Job) -> str | None:
+        hybrids = [h for h in self.hybrids.values() if h.base_model == job.base_model]
+        if not hybrids:
+            return f"no hybrid worker serves base model {job.base_model}"
+        if any(_could_host(h, job) for h in hybrids):
+            return None
+        biggest = max(h.memory_gb for h in hybrids)
+        if job.kind.needs_learner and job.learner_mem_gb > biggest + _EPS:
+            return f"needs {job.learner_mem_gb:g} GB of learner memory; the largest hybrid worker has {biggest:g} GB"
+        biggest = max(h.kv_memory_gb for h in hybrids)
+        if job.kind.needs_engine and job.engine_mem_gb > biggest + _EPS:
+            return f"needs {job.engine_mem_gb:g} GB of engine memory; the largest hybrid worker has {biggest:g} GB"
+        return f"no hybrid worker of {job.base_model} has the memory and the adapter slot it needs"
+
+    def _impossible_separate(self, job: Job) -> str | None:
         if job.kind.needs_learner:
-            groups = [g.spec for g in self.learners.values() if g.spec.base_model == job.base_model]
+            groups = [
+                g.spec
+                for gid, g in self.learners.items()
+                if g.spec.base_model == job.base_model and gid not in self.hybrids
+            ]
             if not groups:
                 return f"no learner group serves base model {job.base_model}"
             biggest = max(g.memory_gb for g in groups)
             if job.learner_mem_gb > biggest + _EPS:
                 return f"needs {job.learner_mem_gb:g} GB of learner memory; the largest group has {biggest:g} GB"
         if job.kind.needs_engine:
-            engines = [e.spec for e in self.engines.values() if e.spec.base_model == job.base_model]
+            engines = [
+                e.spec
+                for eid, e in self.engines.items()
+                if e.spec.base_model == job.base_model and eid not in self.hybrids
+            ]
             if not engines:
                 return f"no engine serves base model {job.base_model}"
             fits = [e for e in engines if e.memory_gb + _EPS >= job.engine_mem_gb]
@@ -69,7 +130,17 @@ class ClusterState:
 
     # --- fitting ---------------------------------------------------------------------------------
     def fit(self, job: Job, now_s: float, allowed: Callable[[ResourceID], bool] = _all) -> Placement | None:
-        """Where ``job`` fits now, on resources ``allowed`` says it may use; ``None`` if nowhere."""
+        """Where ``job`` fits now, on resources ``allowed`` says it may use; ``None`` if nowhere.
+        Separate engines and learner groups first, then hybrid workers."""
+        placement = self._fit_separate(job, now_s, allowed)
+        if placement is not None or not self.hybrids:
+            return placement
+        hid = self._fit_hybrid(job, now_s, allowed)
+        if hid is None:
+            return None
+        return Placement(learner=hid if job.kind.needs_learner else None, engine=hid if job.kind.needs_engine else None)
+
+    def _fit_separate(self, job: Job, now_s: float, allowed: Callable[[ResourceID], bool]) -> Placement | None:
         learner = engine = None
         if job.kind.needs_learner:
             learner = self._fit_learner(job, allowed)
@@ -85,6 +156,8 @@ class ClusterState:
         best: tuple[int, float, str] | None = None
         for gid, g in self.learners.items():
             if g.spec.base_model != job.base_model or not allowed(gid) or g.exclusive is not None:
+                continue
+            if gid in self.hybrids:
                 continue
             ok = g.spec.memory_gb + _EPS >= job.learner_mem_gb
             if job.kind.exclusive_learner:
@@ -102,22 +175,64 @@ class ClusterState:
             eid
             for eid, e in self.engines.items()
             if e.spec.base_model == job.base_model and allowed(eid) and e.free_gb + _EPS >= job.engine_mem_gb
+            if eid not in self.hybrids
         ]
         adapter = job.adapter if job.needs_slot else None
         return self.adapters.choose_engine(
             adapter, job.base_model, candidates, now_s, lambda c: len(self.engines[c].jobs)
         )
 
+    def _fit_hybrid(self, job: Job, now_s: float, allowed: Callable[[ResourceID], bool]) -> ResourceID | None:
+        """The hybrid worker where both sides ``job`` needs have room now: the one holding its adapter,
+        else one with a free slot, else the fewest jobs (``choose_engine``'s order)."""
+        candidates = []
+        for hid, h in self.hybrids.items():
+            g, e = self.learners[hid], self.engines[hid]
+            if h.base_model != job.base_model or not allowed(hid) or g.exclusive is not None:
+                continue
+            if not _could_host(h, job):
+                continue
+            if job.kind.exclusive_learner:
+                ok = not g.jobs and not e.jobs
+            else:
+                ok = not job.kind.needs_learner or (
+                    len(g.jobs) < h.max_jobs and g.host_free_gb + _EPS >= job.learner_mem_gb
+                )
+                ok = ok and (not job.kind.needs_engine or e.free_gb + _EPS >= job.engine_mem_gb)
+            if ok:
+                candidates.append(hid)
+        adapter = job.adapter if job.needs_slot else None
+        return self.adapters.choose_engine(adapter, job.base_model, candidates, now_s, lambda c: len(self.jobs_on(c)))
+
+    def jobs_on(self, rid: ResourceID) -> dict[JobID, Job]:
+        """The jobs placed on an engine, a learner group or a hybrid worker (both of its sides)."""
+        if rid in self.hybrids:
+            return {**self.learners[rid].jobs, **self.engines[rid].jobs}
+        return self.learners[rid].jobs if rid in self.learners else self.engines[rid].jobs
+
+    def step_time_on(self, rid: ResourceID, job: Job) -> float:
+        """Seconds of one declared step of ``job`` that take resource ``rid``'s time: training on a
+        learner group, sampling on an engine, both on a hybrid worker (its phases do not overlap)."""
+        if rid in self.hybrids:
+            return job.step_work_s
+        return job.step_s if rid in self.learners else job.sample_s
+
     def wants(self, job: Job, now_s: float) -> str:
         """What ``job`` waits for, in words, while ``fit`` finds no place for it now (what is free
         may be reserved for another job: then it says so)."""
         base = job.base_model
+        hybrids = [hid for hid, h in self.hybrids.items() if h.base_model == base]
+        if hybrids and not self._separate_of(base):
+            if self._fit_hybrid(job, now_s, _all) is not None:
+                return "resources reserved for a job ahead of it"
+            held = len({j for hid in hybrids for j in self.jobs_on(hid)})
+            return f"a hybrid worker of {base}: none of its {len(hybrids)} has room ({held} job(s) on them)"
         if job.kind.needs_learner and self._fit_learner(job, _all) is None:
-            groups = [g for g in self.learners.values() if g.spec.base_model == base]
+            groups = [g for gid, g in self.learners.items() if g.spec.base_model == base and gid not in self.hybrids]
             held = sum(len(g.jobs) for g in groups)
             return f"a learner of {base}: its {len(groups)} learner group(s) are full ({held} job(s) on them)"
         if job.kind.needs_engine and self._fit_engine(job, now_s, _all) is None:
-            engines = [e for e in self.engines.values() if e.spec.base_model == base]
+            engines = [e for eid, e in self.engines.items() if e.spec.base_model == base and eid not in self.hybrids]
             adapter = job.adapter if job.needs_slot else None
             if adapter is not None and not any(self.adapters.can_host(e.spec.engine_id, adapter) for e in engines):
                 slots = sum(e.spec.adapter_slots for e in engines)
@@ -173,7 +288,27 @@ class ClusterState:
         order: Callable[[Job], tuple[float, ...]],
     ) -> tuple[Placement, list[JobID]] | None:
         """The cheapest set of running jobs whose removal lets ``job`` fit, taking victims in ``order``
-        (lowest priority first) and only those ``preemptible`` allows; ``None`` if no such set exists."""
+        (lowest priority first) and only those ``preemptible`` allows; ``None`` if no such set exists.
+        On separate machines or on one hybrid worker, whichever costs least (separate on a tie)."""
+        options = []
+        separate = self._separate_victims(job, preemptible, order)
+        if separate is not None:
+            options.append(separate)
+        for hid in self.hybrids:
+            found = self._hybrid_victims(job, hid, preemptible, order)
+            if found is not None:
+                options.append(found)
+        if not options:
+            return None
+        placement, taken = min(options, key=lambda o: _cost(o[1], order))
+        return placement, [j.job_id for j in sorted(taken, key=order)]
+
+    def _separate_victims(
+        self,
+        job: Job,
+        preemptible: Callable[[JobID], bool],
+        order: Callable[[Job], tuple[float, ...]],
+    ) -> tuple[Placement, list[Job]] | None:
         learner: tuple[ResourceID | None, list[Job]] = (None, [])
         engine: tuple[ResourceID | None, list[Job]] = (None, [])
         if job.kind.needs_learner:
@@ -189,14 +324,47 @@ class ClusterState:
                 return None
             engine = min(efound, key=lambda o: (_cost(o[1], order), o[0] or ""))
         chosen = {j.job_id: j for j in learner[1] + engine[1]}
-        ranked = sorted(chosen.values(), key=order)
-        return Placement(learner=learner[0], engine=engine[0]), [j.job_id for j in ranked]
+        return Placement(learner=learner[0], engine=engine[0]), list(chosen.values())
+
+    def _hybrid_victims(
+        self, job: Job, hid: ResourceID, preemptible: Callable[[JobID], bool], order: Callable[[Job], tuple[float, ...]]
+    ) -> tuple[Placement, list[Job]] | None:
+        h, g, e = self.hybrids[hid], self.learners[hid], self.engines[hid]
+        if h.base_model != job.base_model or not _could_host(h, job):
+            return None
+        placement = Placement(hid if job.kind.needs_learner else None, hid if job.kind.needs_engine else None)
+        running = sorted(self.jobs_on(hid).values(), key=order)
+        if job.kind.exclusive_learner or g.exclusive is not None:
+            return (placement, running) if all(preemptible(j.job_id) for j in running) else None
+
+        def enough(taken: list[Job]) -> bool:
+            ids = {j.job_id for j in taken}
+            if job.kind.needs_learner:
+                host_gb = g.host_free_gb + sum(j.learner_mem_gb for j in taken if j.job_id in g.jobs)
+                if len(g.jobs.keys() - ids) >= h.max_jobs or host_gb + _EPS < job.learner_mem_gb:
+                    return False
+            kv_gb = e.free_gb + sum(j.engine_mem_gb for j in taken if j.job_id in e.jobs)
+            if job.kind.needs_engine and kv_gb + _EPS < job.engine_mem_gb:
+                return False
+            if not job.needs_slot or self.adapters.can_host(hid, job.adapter or ""):
+                return True
+            # A slot frees when every job pinning some adapter here stops (and no person pinned it).
+            pinned_by = {k.adapter for k in e.jobs.values() if k.needs_slot and k.job_id not in ids}
+            return any(
+                j.needs_slot and j.adapter not in pinned_by and not self.adapters.is_user_pinned(j.adapter)
+                for j in taken
+            )
+
+        found = _take_until(hid, running, preemptible, enough)
+        return None if found is None else (placement, found[1])
 
     def _learner_victims(
         self, job: Job, g: _Learner, preemptible: Callable[[JobID], bool], order: Callable[[Job], tuple[float, ...]]
     ) -> tuple[ResourceID, list[Job]] | None:
         if g.spec.base_model != job.base_model or g.spec.memory_gb + _EPS < job.learner_mem_gb:
             return None
+        if g.spec.group_id in self.hybrids:
+            return None  # both sides of a hybrid worker go together: _hybrid_victims
         running = sorted(g.jobs.values(), key=order)
         if job.kind.exclusive_learner or g.exclusive is not None:
             return (g.spec.group_id, running) if all(preemptible(j.job_id) for j in running) else None
@@ -211,6 +379,8 @@ class ClusterState:
         self, job: Job, e: _Engine, preemptible: Callable[[JobID], bool], order: Callable[[Job], tuple[float, ...]]
     ) -> tuple[ResourceID, list[Job]] | None:
         if e.spec.base_model != job.base_model or e.spec.memory_gb + _EPS < job.engine_mem_gb:
+            return None
+        if e.spec.engine_id in self.hybrids:
             return None
         if job.needs_slot and e.spec.adapter_slots == 0:
             return None
@@ -233,6 +403,15 @@ class ClusterState:
             if sum(1 for k in e.jobs.values() if k.adapter == j.adapter and k not in taken) == 1:
                 return eid, [*taken, j]
         return None
+
+
+def _could_host(h: HybridSpec, job: Job) -> bool:
+    """Whether the empty worker ``h`` has the memory (each phase) and the adapter slot ``job`` needs."""
+    if job.kind.needs_learner and job.learner_mem_gb > h.memory_gb + _EPS:
+        return False
+    if job.kind.needs_engine and job.engine_mem_gb > h.kv_memory_gb + _EPS:
+        return False
+    return not job.needs_slot or h.adapter_slots > 0
 
 
 def _take_until(

@@ -97,13 +97,29 @@ class SimulatorConfig:
     adapter_load_s: float = 0.5
     """Engine time to load an adapter that is not resident on the engine chosen."""
 
+    phase_switch_s: float = 1.0
+    """Time a hybrid worker takes to change phase, each way, while it holds only LoRA (shared) jobs:
+    sampling to training releases the KV cache for the step's activations and hands the sampler's
+    view of the adapters to the learner in place; training back to sampling allocates the KV cache
+    again. With vLLM's public API that is sleep (level 1) and wake_up, which also move the base
+    weights out to host memory and back: 16 GB of an 8B model in bf16 at about 25 GB/s over PCIe is
+    0.65 s each way; 1 s covers that and the synchronisation. No work is done meanwhile."""
+
+    full_phase_switch_s: float = 3.0
+    """The same for a hybrid worker holding a full-parameter job: its Adam moments (fp32, 2 x 32 GB
+    for 8B parameters) leave for host memory before sampling and come back before training,
+    about 2.6 s each way at 25 GB/s."""
+
     max_time_s: float = math.inf
     """Stop the simulation at this simulated time (jobs not finished then have no JCT)."""
 
     def __post_init__(self) -> None:
         costs = (self.optimizer_swap_s, self.checkpoint_save_s, self.checkpoint_load_s, self.adapter_load_s)
-        if any(c < 0 or not math.isfinite(c) for c in costs):
-            raise ConfigError("simulator costs (swap, checkpoint save/load, adapter load) must be finite and >= 0")
+        costs_s = (*costs, self.phase_switch_s, self.full_phase_switch_s)
+        if any(c < 0 or not math.isfinite(c) for c in costs_s):
+            raise ConfigError(
+                "simulator costs (swap, checkpoint save/load, adapter load, phase switches) must be finite and >= 0"
+            )
         if self.engine_full_speed_jobs < 1:
             raise ConfigError(f"engine_full_speed_jobs must be >= 1, got {self.engine_full_speed_jobs}")
         if not self.max_time_s > 0:

@@ -384,12 +384,8 @@ class FairSharePolicy(SchedulingPolicy):
         window = self._reserved_until.get(rid, now_s) - now_s
         if e.remaining_span_s > window:
             return False
-        learner = rid in self.cluster.learners
-        jobs = self.cluster.learners[rid].jobs if learner else self.cluster.engines[rid].jobs
-
-        def on_resource(job: Job) -> float:
-            return job.step_s if learner else job.sample_s
-
+        jobs = self.cluster.jobs_on(rid)  # a hybrid worker's time goes to both phases of its jobs
+        on_resource = lambda job: self.cluster.step_time_on(rid, job)  # noqa: E731
         load = (e.job.steps - e.steps_done) * on_resource(e.job)
         for jid, job in jobs.items():
             other = self._entries[jid]

@@ -2,7 +2,8 @@
 
 ``SimResult`` holds the outcomes, the policy's full decision log, utilization (busy resource-time
 over available resource-time, counting for each engine or learner group only the time when some
-queued job needed that kind of resource of that base model) and where learner and engine time went;
+queued job needed that kind of resource of that base model, and for a hybrid worker when some queued
+job of its base model waited) and where learner and engine time went;
 its methods give JCT statistics (JCT = finish - arrival). ``polytinker.scheduler.simulator``
 produces it.
 """
@@ -52,6 +53,12 @@ class SimResult:
     # it was preempted: not busy), "idle_with_jobs", "idle_empty".
     learner_time: dict[str, float] = field(default_factory=dict)
     engine_time: dict[str, float] = field(default_factory=dict)
+    # Hybrid workers (nan, empty and 0 on a cluster without them): their utilization, where their
+    # time went ("train", "sampling", "discarded_sampling", "switch", "swap", "idle_with_jobs",
+    # "empty") and how many times they changed phase.
+    hybrid_utilization: float = math.nan
+    hybrid_time: dict[str, float] = field(default_factory=dict)
+    phase_switches: int = 0
 
     def jcts_s(self) -> list[float]:
         return sorted(o.jct_s for o in self.outcomes if o.jct_s is not None)

@@ -11,6 +11,10 @@ scheduler service is to run) and acts out its decisions:
   (requests from different jobs meet in mixed batches). A learner group trains one job's step at
   a time: co-located LoRA jobs take turns at step boundaries (``next_learner_job``), and a switch
   to another job first costs ``optimizer_swap_s`` (its optimizer state moved in, the last one out).
+- A hybrid worker (``HybridSpec``) samples and trains the jobs placed on it, one phase at a time:
+  a training step waits for the batches in flight, sampling runs between training rounds, and each
+  switch costs ``phase_switch_s`` (``full_phase_switch_s`` with a full-parameter job); the rules
+  are in ``polytinker.scheduler._sim_hybrid``.
 - A START costs ``adapter_load_s`` when the engine must load the adapter, and ``checkpoint_load_s``
   when the job resumes from saved state. A PREEMPT is obeyed at the job's next step boundary (the
   end of a step's training; inference: of a batch's sampling); the job then holds its resources
@@ -35,11 +39,12 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import defaultdict, deque
+from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 from polytinker.errors import SimulationError
+from polytinker.scheduler._sim_hybrid import HybridWorkers, _check_engine, _check_group
+from polytinker.scheduler._sim_state import GroupState, JobRun
 from polytinker.scheduler.config import SchedulerPolicyConfig, SimulatorConfig
 from polytinker.scheduler.placement import next_learner_job
 from polytinker.scheduler.policy import SchedulingPolicy
@@ -51,47 +56,12 @@ from polytinker.scheduler.types import (
     Job,
     JobID,
     Overloaded,
-    Placement,
     Rejected,
     ResourceID,
 )
 
 
-@dataclass
-class _Run:
-    """A job's life in the simulation."""
-
-    job: Job
-    placement: Placement | None = None
-    steps_done: int = 0
-    gen: int = 0  # bumped on each start, so events of an earlier run are ignored
-    stop: bool = False  # PREEMPT received: stop at the next step boundary
-    sample_token: int = -1  # matches the one pending end-of-sampling event that is still valid
-    sampled: int = 0  # steps whose rollouts are sampled (steps_done of them trained, the rest waiting)
-    sampling: bool = False  # the rollouts of step ``sampled`` are being sampled now
-    # Async jobs: engine busy time counted for the sample in flight, and for each sampled step not yet
-    # trained (what a preemption would throw away).
-    inflight_busy_s: float = 0.0
-    untrained_busy_s: deque[float] = field(default_factory=deque)
-    discarded: int = 0
-    staleness: int = 0
-    first_start_s: float | None = None
-    finish_s: float | None = None
-    preemptions: int = 0
-    retries: int = 0
-    rejected: str | None = None
-
-
-@dataclass
-class _Learner:
-    busy: JobID | None = None  # training (or swapping in) this job's step
-    training: bool = False  # False while swapping: not counted as busy
-    last: JobID | None = None  # whose optimizer state is loaded
-    ready: dict[JobID, None] = field(default_factory=dict)  # sampled, waiting to train (insertion order)
-    last_run_s: dict[JobID, float] = field(default_factory=dict)
-
-
-class Simulator:
+class Simulator(HybridWorkers):
     def __init__(
         self,
         cluster: ClusterSpec,
@@ -106,8 +76,8 @@ class Simulator:
         self.now_s = 0.0
         self._events: list[tuple[float, int, str, JobID, int]] = []
         self._seq = itertools.count()
-        self._runs: dict[JobID, _Run] = {}
-        self._learners = {g.group_id: _Learner() for g in cluster.learners}
+        self._runs: dict[JobID, JobRun] = {}
+        self._learners = {g.group_id: GroupState() for g in cluster.learners}
         # Per engine: remaining sampling work (seconds at full speed) of each job sampling there, and
         # when it was last brought up to date.
         self._sampling: dict[ResourceID, dict[JobID, float]] = {e.engine_id: {} for e in cluster.engines}
@@ -120,13 +90,14 @@ class Simulator:
         self._needs = {g.group_id: (g.base_model, "learner") for g in cluster.learners}
         self._needs.update({e.engine_id: (e.base_model, "engine") for e in cluster.engines})
         self._log: list[Decision] = []
+        self._init_hybrids()  # a hybrid worker joins _learners and _sampling; not in _needs
 
     # --- driver ----------------------------------------------------------------------------------
     def run(self, trace: Sequence[Job]) -> SimResult:
         for job in trace:
             if job.job_id in self._runs:
                 raise SimulationError(f"trace has job id {job.job_id} twice")
-            self._runs[job.job_id] = _Run(job)
+            self._runs[job.job_id] = JobRun(job)
             self._at(job.arrival_s, "arrive", job.job_id, 0)
         while self._events and self._events[0][0] <= self.config.max_time_s:
             t = self._events[0][0]
@@ -157,16 +128,23 @@ class Simulator:
                     self._busy_s[rid] += dt if self._learners[rid].training else 0.0
                     self._learner_time[self._learner_state(rid)] += dt
                 else:
-                    active = self._sampling[rid]
-                    busy = dt * min(1.0, len(active) / self.config.engine_full_speed_jobs)
+                    busy = self._sampling_busy(rid, dt)
                     self._busy_s[rid] += busy
-                    for job_id in active:  # what each async job's sample in flight has used so far
-                        r = self._runs[job_id]
-                        if r.job.is_async:
-                            r.inflight_busy_s += busy / len(active)
                     self._engine_time["sampling"] += busy
                     self._engine_time["idle_with_jobs" if self._holders[rid] else "idle_empty"] += dt - busy
+            self._advance_hybrids(dt)
         self.now_s = max(self.now_s, t)
+
+    def _sampling_busy(self, rid: ResourceID, dt: float) -> float:
+        """Busy seconds of engine (or hybrid worker) ``rid`` over ``dt`` from the jobs sampling there,
+        shared out to each async job's sample in flight (what a preemption would throw away)."""
+        active = self._sampling[rid]
+        busy = dt * min(1.0, len(active) / self.config.engine_full_speed_jobs)
+        for job_id in active:
+            r = self._runs[job_id]
+            if r.job.is_async:
+                r.inflight_busy_s += busy / len(active)
+        return busy
 
     def _learner_state(self, gid: ResourceID) -> str:
         g = self._learners[gid]
@@ -181,12 +159,14 @@ class Simulator:
             return "full_rl_sampling"
         return "shared_sampling"
 
-    def _vacate(self, r: _Run) -> None:
+    def _vacate(self, r: JobRun) -> None:
         for rid in r.placement.resources() if r.placement else ():
             self._holders[rid].discard(r.job.job_id)
 
     def _handle(self, what: str, job_id: JobID, gen: int) -> bool:
         """Act out one event; True if it may let the policy start something."""
+        if what == "phase_done":
+            return self._phase_done(job_id, gen)  # job_id names a hybrid worker here
         r = self._runs[job_id]
         if what == "arrive":
             return self._submit(r)
@@ -209,7 +189,7 @@ class Simulator:
             return True
         return r.finish_s is not None
 
-    def _submit(self, r: _Run) -> bool:
+    def _submit(self, r: JobRun) -> bool:
         answer = self.policy.submit(r.job, self.now_s)
         self._log.append(answer.decision)
         if isinstance(answer, Rejected):
@@ -241,13 +221,13 @@ class Simulator:
                 r.stop = True
 
     # --- a job's step ----------------------------------------------------------------------------
-    def _begin_step(self, r: _Run) -> None:
+    def _begin_step(self, r: JobRun) -> None:
         if r.job.kind.needs_engine:
             self._sample_more(r)
         else:
             self._to_learner(r)
 
-    def _may_sample(self, r: _Run) -> bool:
+    def _may_sample(self, r: JobRun) -> bool:
         """Whether the job may start sampling its next step now. Sync: only the step after the ones
         trained. Async: also while at most ``max_staleness`` sampled steps wait untrained, unless it
         was told to stop (then nothing beyond the step it needs to reach its boundary)."""
@@ -256,7 +236,7 @@ class Simulator:
         ahead = r.sampled - r.steps_done
         return ahead == 0 or (not r.stop and ahead <= r.job.max_staleness)
 
-    def _sample_more(self, r: _Run, leave: bool = False) -> None:
+    def _sample_more(self, r: JobRun, leave: bool = False) -> None:
         """Start the job's next sample if it may (and take its finished one off the engine if ``leave``)."""
         assert r.placement is not None and r.placement.engine is not None
         start = self._may_sample(r)
@@ -267,7 +247,7 @@ class Simulator:
             join = (r.job.job_id, r.job.sample_s) if start else None
             self._resample(r.placement.engine, join=join, leave=r.job.job_id if leave else None)
 
-    def _sample_done(self, r: _Run) -> None:
+    def _sample_done(self, r: JobRun) -> None:
         assert r.placement is not None and r.placement.engine is not None
         r.sampling = False
         r.sampled += 1
@@ -282,8 +262,20 @@ class Simulator:
             self._step_done(r)
 
     def _resample(self, eid: ResourceID, join: tuple[JobID, float] | None = None, leave: JobID | None = None) -> None:
-        """A job starts or ends sampling on engine ``eid``: bring the others' remaining work up to date
-        and move their end times, since the engine's throughput is shared among the jobs sampling."""
+        """A job starts or ends sampling on engine ``eid`` (on a hybrid worker, a start may be held
+        until its sampling phase)."""
+        joins = dict([join]) if join is not None else {}
+        h = self._hybrid.get(eid)
+        if h is not None:
+            joins, leave = self._gate(h, joins, leave)
+        if joins or leave is not None:
+            self._rebalance(eid, joins, leave)
+        if h is not None:
+            self._poke(eid)
+
+    def _rebalance(self, eid: ResourceID, joins: dict[JobID, float], leave: JobID | None) -> None:
+        """Jobs start (``joins``: seconds of work each) or end sampling on ``eid``: bring the others'
+        remaining work up to date and move their end times, since its throughput is shared."""
         active = self._sampling[eid]
         rate = min(1.0, self.config.engine_full_speed_jobs / len(active)) if active else 1.0
         elapsed = self.now_s - self._sampled_at[eid]
@@ -292,15 +284,14 @@ class Simulator:
         self._sampled_at[eid] = self.now_s
         if leave is not None:
             del active[leave]
-        if join is not None:
-            active[join[0]] = join[1]
+        active.update(joins)
         rate = min(1.0, self.config.engine_full_speed_jobs / len(active)) if active else 1.0
         for job_id, remaining in active.items():
             r = self._runs[job_id]
             r.sample_token = next(self._seq)
             self._at(self.now_s + remaining / rate, "sample_done", job_id, r.sample_token)
 
-    def _to_learner(self, r: _Run) -> None:
+    def _to_learner(self, r: JobRun) -> None:
         """The job has a step ready to train: queue it on its group (unless it is on the group now;
         it comes back for its next sampled step when this one is trained)."""
         assert r.placement is not None and r.placement.learner is not None
@@ -311,8 +302,13 @@ class Simulator:
         self._next_on_learner(r.placement.learner)
 
     def _next_on_learner(self, gid: ResourceID) -> None:
+        hybrid = gid in self._hybrid
+        if hybrid and not self._hybrid_trains(gid):
+            return
         g = self._learners[gid]
         if g.busy is not None or not g.ready:
+            if hybrid:
+                self._poke(gid)  # nothing to train: a held sampling batch may switch it back
             return
         prio = {j: self._runs[j].job.priority for j in g.ready}
         job_id = next_learner_job((j, prio[j], g.last_run_s.get(j, -math.inf)) for j in g.ready)
@@ -327,13 +323,13 @@ class Simulator:
         else:
             self._swap_done(r)
 
-    def _swap_done(self, r: _Run) -> None:
+    def _swap_done(self, r: JobRun) -> None:
         assert r.placement is not None and r.placement.learner is not None
         g = self._learners[r.placement.learner]
         g.training, g.last = True, r.job.job_id
         self._at(self.now_s + r.job.step_s, "train_done", r.job.job_id, r.gen)
 
-    def _train_done(self, r: _Run) -> None:
+    def _train_done(self, r: JobRun) -> None:
         assert r.placement is not None and r.placement.learner is not None
         gid = r.placement.learner
         g = self._learners[gid]
@@ -344,7 +340,7 @@ class Simulator:
         self._step_done(r)
         self._next_on_learner(gid)
 
-    def _step_done(self, r: _Run) -> None:
+    def _step_done(self, r: JobRun) -> None:
         r.steps_done += 1
         r.sampled = r.steps_done if not r.job.kind.needs_engine else r.sampled
         if r.steps_done == r.job.steps:
@@ -359,7 +355,7 @@ class Simulator:
             if r.job.kind.needs_learner and r.sampled > r.steps_done:
                 self._to_learner(r)  # async: its next step was sampled while this one trained
 
-    def _discard_ahead(self, r: _Run) -> None:
+    def _discard_ahead(self, r: JobRun) -> None:
         """A preempted async job at its step boundary: the rollouts it sampled for later steps (done,
         or in flight: that sampling stops now) are thrown away; their engine time is moved out of the
         busy time into ``discarded_sampling``."""
@@ -373,14 +369,15 @@ class Simulator:
             self._resample(eid, leave=r.job.job_id)
         wasted = r.inflight_busy_s + sum(r.untrained_busy_s)
         self._busy_s[eid] -= wasted
-        self._engine_time["sampling"] -= wasted
-        self._engine_time["discarded_sampling"] += wasted
+        times = self._hybrid_time if eid in self._hybrid else self._engine_time
+        times["sampling"] -= wasted
+        times["discarded_sampling"] += wasted
         r.inflight_busy_s = 0.0
         r.untrained_busy_s.clear()
         r.sampled = r.steps_done
         r.discarded += ahead
 
-    def _finish(self, r: _Run) -> None:
+    def _finish(self, r: JobRun) -> None:
         assert not r.sampling and r.sampled == r.job.steps, "a job never samples past its last step"
         r.finish_s = self.now_s
         self._leave_learner(r)
@@ -388,7 +385,7 @@ class Simulator:
         r.placement = None
         self._log.append(self.policy.job_finished(r.job.job_id, self.now_s))
 
-    def _leave_learner(self, r: _Run) -> None:
+    def _leave_learner(self, r: JobRun) -> None:
         if r.placement is not None and r.placement.learner is not None:
             g = self._learners[r.placement.learner]
             g.last_run_s.pop(r.job.job_id, None)
@@ -399,34 +396,32 @@ class Simulator:
     # --- checks and results ----------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Recount every resource from the simulator's own view of what runs where, and check that
-        no job samples further ahead of its training than its ``max_staleness`` allows."""
+        no job samples further ahead of its training than its ``max_staleness`` allows (and that no
+        hybrid worker trains and samples at once, or works while it switches phase)."""
         on_group: dict[ResourceID, list[Job]] = {g: [] for g in self._learners}
-        on_engine: dict[ResourceID, list[Job]] = {e.engine_id: [] for e in self.cluster.engines}
+        on_engine: dict[ResourceID, list[Job]] = {e: [] for e in self._sampling}
+        on_worker: dict[ResourceID, list[Job]] = {h: [] for h in self._hybrid}
         for r in self._runs.values():
             if r.placement is not None and r.placement.learner is not None:
                 on_group[r.placement.learner].append(r.job)
             if r.placement is not None and r.placement.engine is not None:
                 on_engine[r.placement.engine].append(r.job)
+            for rid in r.placement.resources() if r.placement is not None else ():
+                if rid in on_worker:
+                    on_worker[rid].append(r.job)
         for g in self.cluster.learners:
-            jobs = on_group[g.group_id]
-            if any(j.kind.exclusive_learner for j in jobs) and len(jobs) > 1:
-                raise SimulationError(f"learner group {g.group_id}: a full-parameter job shares it")
-            shared = [j for j in jobs if not j.kind.exclusive_learner]
-            if len(shared) > g.max_jobs or sum(j.learner_mem_gb for j in shared) > g.host_memory_gb + 1e-6:
-                raise SimulationError(f"learner group {g.group_id} over-committed: {len(shared)} jobs")
-            if any(j.learner_mem_gb > g.memory_gb + 1e-6 for j in jobs):
-                raise SimulationError(f"learner group {g.group_id}: a job's working set exceeds its memory")
+            _check_group(g, on_group[g.group_id])
+        for e in self.cluster.engines:
+            _check_engine(e, on_engine[e.engine_id])
+        self._check_hybrids(on_worker)
+        held = {j for h in self._hybrid.values() for j in h.waiting}
         for r in self._runs.values():
             ahead = r.sampled + r.sampling - r.steps_done  # sampled or sampling, not trained
             if ahead < 0 or ahead > r.job.max_staleness + 1 or r.staleness > r.job.max_staleness:
                 raise SimulationError(f"job {r.job.job_id} sampled {ahead} steps ahead of its training")
-            if r.sampling != any(r.job.job_id in active for active in self._sampling.values()):
+            asked = r.job.job_id in held or any(r.job.job_id in active for active in self._sampling.values())
+            if r.sampling != asked:
                 raise SimulationError(f"job {r.job.job_id}: its sampling state and its engine's disagree")
-        for e in self.cluster.engines:
-            jobs = on_engine[e.engine_id]
-            adapters = {j.adapter for j in jobs if j.adapter is not None}
-            if sum(j.engine_mem_gb for j in jobs) > e.memory_gb + 1e-6 or len(adapters) > e.adapter_slots:
-                raise SimulationError(f"engine {e.engine_id} over-committed (memory or adapter slots)")
 
     def _result(self) -> SimResult:
         outcomes = tuple(
@@ -451,17 +446,22 @@ class Simulator:
             avail = sum(self._pending_s[i] for i in ids)
             return sum(self._busy_s[i] for i in ids) / avail if avail else math.nan
 
-        learners, engines = list(self._learners), list(self._sampling)
+        learners = [g for g in self._learners if g not in self._hybrid]
+        engines = [e for e in self._sampling if e not in self._hybrid]
+        hybrids = list(self._hybrid)
         return SimResult(
             policy=self.policy.name,
             outcomes=outcomes,
             decisions=tuple(self._log),
-            utilization=util(learners + engines),
+            utilization=util(learners + engines + hybrids),
             learner_utilization=util(learners),
             engine_utilization=util(engines),
             end_s=self.now_s,
             learner_time=time_shares(self._learner_time),
             engine_time=time_shares(self._engine_time),
+            hybrid_utilization=util(hybrids),
+            hybrid_time=time_shares(self._hybrid_time),
+            phase_switches=sum(h.switches for h in self._hybrid.values()),
         )
 
 

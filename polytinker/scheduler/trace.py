@@ -19,7 +19,8 @@ turns more of the same jobs async: ``async_rl_share=0`` gives the trace of earli
 
 ``default_cluster`` is the fixed cluster the benchmark's figures are quoted on; ``sized_cluster``
 splits the same number of machines per base model between engines and learner groups in proportion
-to what a trace asks of each (an option of the benchmark, never used silently).
+to what a trace asks of each (an option of the benchmark, never used silently); ``hybrid_cluster``
+makes the same machines hybrid workers, each sampling and training the jobs placed on it.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from polytinker.errors import ConfigError
-from polytinker.scheduler.types import ClusterSpec, EngineSpec, Job, JobKind, LearnerSpec
+from polytinker.scheduler.types import ClusterSpec, EngineSpec, HybridSpec, Job, JobKind, LearnerSpec
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,20 @@ def default_cluster(
         LearnerSpec(f"{m}/learner{i}", m, memory_gb=80.0) for m in base_models for i in range(learners_per_model)
     )
     return ClusterSpec(engines, learners)
+
+
+def hybrid_cluster(base_models: Sequence[str] = ("llama-8b", "qwen-7b"), machines_per_model: int = 6) -> ClusterSpec:
+    """``default_cluster``'s machines (6 per base model: its 4 engines and 2 learner groups) as hybrid
+    workers: each holds its base model once, samples with an engine's memory and slots (60 GB, 8
+    adapter slots) and trains with a learner group's (80 GB, 16 time-sliced jobs), one phase at a time."""
+    if machines_per_model < 1:
+        raise ConfigError(f"hybrid_cluster needs at least 1 machine per base model, got {machines_per_model}")
+    hybrids = tuple(
+        HybridSpec(f"{m}/hybrid{i}", m, memory_gb=80.0, kv_memory_gb=60.0, adapter_slots=8)
+        for m in base_models
+        for i in range(machines_per_model)
+    )
+    return ClusterSpec((), (), hybrids)
 
 
 def _pick(rng: np.random.Generator, table: Sequence[tuple[object, float]]) -> object:
@@ -271,6 +286,7 @@ __all__ = [
     "TraceConfig",
     "default_cluster",
     "generate_trace",
+    "hybrid_cluster",
     "learner_demand_s",
     "load_trace",
     "save_trace",

@@ -5,8 +5,9 @@
 - ``JobState``: where a job is in its life (queued, running, preempting, paused, done, ...).
 - ``Job``: one submitted job: tenant, kind, base model, priority, size (steps, seconds per step), memory,
   and for RL jobs how far its sampling may run ahead of its training (``max_staleness``: 0 sync, >= 1 async).
-- ``EngineSpec`` / ``LearnerSpec`` / ``ClusterSpec``: the machines a policy places jobs on.
-- ``Placement``: the learner group and engine a running job holds.
+- ``EngineSpec`` / ``LearnerSpec`` / ``HybridSpec`` / ``ClusterSpec``: the machines a policy places jobs on
+  (a hybrid worker holds one copy of the base model and both samples and trains the jobs placed on it).
+- ``Placement``: the learner group and engine a running job holds (the same id twice on a hybrid worker).
 - ``DecisionKind`` / ``Decision``: one logged decision and its reason; the policy returns them, the caller logs.
 - ``Accepted`` / ``Overloaded`` / ``Rejected``: what a submission answers (``SubmitResult``).
 
@@ -168,25 +169,60 @@ class LearnerSpec:
 
 
 @dataclass(frozen=True)
+class HybridSpec:
+    """A hybrid (colocated) worker: one copy of the base model that serves both the sampling and the
+    training of the jobs placed on it, switching between the two phases (its time goes to whichever
+    has work). In the sampling phase it is an engine (``kv_memory_gb``, ``adapter_slots``); in the
+    training phase a learner group (``memory_gb``, ``max_jobs``, ``host_memory_gb``). The KV cache is
+    released for training and allocated again for sampling, so each phase has the memory to itself.
+    A full-parameter job takes the whole worker: its one copy of the weights serves both phases."""
+
+    worker_id: ResourceID
+    base_model: BaseModelID
+    memory_gb: float  # training phase: the working set of the job training (as LearnerSpec.memory_gb)
+    kv_memory_gb: float  # sampling phase: KV caches of the jobs placed here (as EngineSpec.memory_gb)
+    adapter_slots: int = 8
+    max_jobs: int = 16  # learner jobs time-sliced on it at once
+    host_memory_gb: float = 512.0  # optimizer states of the shared jobs not training now
+
+    def __post_init__(self) -> None:
+        if min(self.memory_gb, self.kv_memory_gb, self.host_memory_gb) <= 0:
+            raise ConfigError(f"Hybrid worker {self.worker_id}: memory_gb, kv_memory_gb, host_memory_gb must be > 0")
+        if self.adapter_slots < 0 or self.max_jobs < 1:
+            raise ConfigError(f"Hybrid worker {self.worker_id}: adapter_slots >= 0 and max_jobs >= 1")
+
+    def engine_spec(self) -> EngineSpec:
+        """Its sampling side, as an engine of the same id."""
+        return EngineSpec(self.worker_id, self.base_model, self.kv_memory_gb, self.adapter_slots)
+
+    def learner_spec(self) -> LearnerSpec:
+        """Its training side, as a learner group of the same id."""
+        return LearnerSpec(self.worker_id, self.base_model, self.memory_gb, self.max_jobs, self.host_memory_gb)
+
+
+@dataclass(frozen=True)
 class ClusterSpec:
     engines: tuple[EngineSpec, ...]
     learners: tuple[LearnerSpec, ...]
+    hybrids: tuple[HybridSpec, ...] = ()
 
     def __post_init__(self) -> None:
         ids = [e.engine_id for e in self.engines] + [g.group_id for g in self.learners]
+        ids += [h.worker_id for h in self.hybrids]
         if len(set(ids)) != len(ids):
-            raise ConfigError("ClusterSpec: engine and learner group ids must be unique across the cluster")
+            raise ConfigError("ClusterSpec: engine, learner group and hybrid worker ids must be unique")
 
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a running job sits: a learner group, an engine, or both (by its kind)."""
+    """Where a running job sits: a learner group, an engine, or both (by its kind). On a hybrid worker
+    both name the worker (one of them for SFT or inference)."""
 
     learner: ResourceID | None = None
     engine: ResourceID | None = None
 
     def resources(self) -> tuple[ResourceID, ...]:
-        return tuple(r for r in (self.learner, self.engine) if r is not None)
+        return tuple(dict.fromkeys(r for r in (self.learner, self.engine) if r is not None))
 
 
 class DecisionKind(StrEnum):
@@ -253,6 +289,7 @@ __all__ = [
     "Decision",
     "DecisionKind",
     "EngineSpec",
+    "HybridSpec",
     "Job",
     "JobID",
     "JobKind",
