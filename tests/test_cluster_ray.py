@@ -7,6 +7,8 @@ with its own resources; ``remove_node`` kills one with its processes, as a lost 
 
 from __future__ import annotations
 
+import dataclasses
+import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -21,12 +23,19 @@ from polytinker.engine.types import Datum, SamplingParams
 from polytinker.errors import ConfigError
 from polytinker.scheduler.service import EngineWorkerConfig, LearnerWorkerConfig, LocalRuntime, RuntimeConfig
 from polytinker.scheduler.service.cluster import ClusterConfig
+from polytinker.transport.auth import generate_keypair
 
 MODEL = "tiny-random"
 NODE = {"num_cpus": 1, "object_store_memory": 80 << 20, "include_dashboard": False}
 BUNDLES = {"engine-0": {"CPU": 1, "accel_a": 1}, "learner-0": {"CPU": 0.5, "accel_b": 1}}
 SHORT = SamplingParams(max_tokens=8, temperature=1.0, seed=1)
 DATA = [Datum([5, 17, 230, 1400, 9, 33], [17, 230, 1400, 9, 33, 8], [0.0, 1.0, 1.0, 1.0, 1.0, 1.0])]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _config(state: Path, address: str) -> RuntimeConfig:
@@ -122,6 +131,39 @@ def test_a_lost_node_s_engine_is_placed_again_and_serves_the_adapter(cluster: An
         trainer.forward_backward(DATA, "cross_entropy").result()
         assert trainer.optim_step(AdamParams(learning_rate=1e-2)).result().version == 2
         assert trainer.save_weights_and_get_sampling_client().sample([3], 1, SHORT).result().sequences
+
+
+@pytest.mark.timeout(180)
+def test_ray_workers_dial_a_scheduler_that_serves_with_curve(
+    cluster: Any, runtime: LocalRuntime, tmp_path: Path
+) -> None:
+    """What a scheduler other machines reach needs: Ray workers admitted by the key
+    worker_curve_secret_file names (its .key in curve_clients_dir)."""
+    _, scheduler_secret = generate_keypair(tmp_path / "keys", "scheduler")
+    worker_public, worker_secret = generate_keypair(tmp_path / "keys", "workers")
+    clients = tmp_path / "keys" / "clients"
+    clients.mkdir()
+    (clients / "workers.key").write_bytes(worker_public.read_bytes())
+    cfg = dataclasses.replace(
+        _config(tmp_path / "state", cluster.address),
+        address=f"tcp://127.0.0.1:{_free_port()}",
+        curve_secret_file=str(scheduler_secret),
+        curve_clients_dir=str(clients),
+        # The first runtime's workers hold the custom resources: this engine takes the head's CPU.
+        engines=(EngineWorkerConfig(adapter_slots=1, batch_window_s=0.0),),
+        learners=(),
+        cluster=ClusterConfig(
+            backend="ray",
+            address=cluster.address,
+            bundles={"engine-0": {"CPU": 1}},
+            worker_curve_secret_file=str(worker_secret),
+        ),
+    )
+    with LocalRuntime(cfg) as curved:  # start() returns once the engine registered through Curve
+        with ServiceClient(curved.local_address, api_key=curved.api_key) as service:
+            sampler = service.create_sampling_client(base_model=MODEL)
+            assert sampler.sample([3, 4, 5], 1, SHORT).result().sequences[0].tokens
+        assert curved.placement.placements()["engine-0"] == cluster.head_node.node_id
 
 
 def test_backend_ray_without_ray_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -120,6 +121,7 @@ class RayPlacement:
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
         self.placement_s = 0.0  # placement groups asked for to all reserved
+        self._run = secrets.token_hex(4)
 
     def start(self, worker_ids: list[str]) -> RayPlacement:
         ray, cluster = self._ray, self.config.cluster
@@ -159,7 +161,7 @@ class RayPlacement:
         threads = cfg.worker_threads or max(1, int(cpus))  # the CPUs its bundle reserved for each rank
         env = {"OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
         options = {
-            "name": f"{plan.worker_id}-{os.getpid()}",
+            "name": f"polytinker-{plan.worker_id}-{self._run}",  # unique per runtime: two may share a cluster
             "num_cpus": cpus,
             "num_gpus": gpus,
             "resources": {k: v for k, v in bundle.items() if k != "memory"},
