@@ -38,6 +38,21 @@ sample, and per step any excess of sampling over training: ``Job.span_s`` minus 
 is the utilization of a cluster saturated with this trace's mix of work, with every sample at an
 engine's full speed; a queue that only fills in bursts can land above or below it, but raising the
 load does not raise it (see docs/scheduler.md).
+
+Hybrid workers (``hybrid_*`` lines): the same machines per base model as hybrid workers
+(``hybrid_cluster``: each holds the base once, samples and trains the jobs placed on it, one phase at
+a time, paying ``phase_switch_s`` per switch), the same trace. ``hybrid_utilization`` is ours there;
+``hybrid_mean_jct_ratio`` is ours there against FIFO on the separate cluster (the baseline of the
+lines above); ``hybrid_vs_separate_mean_jct_ratio`` is ours there against ours on the separate
+cluster, and the ``hybrid_fifo_*`` figures FIFO there, which separate the cluster's part from the
+policy's. ``hybrid_utilization_ceiling``: a worker wastes no time on role imbalance, so what bounds
+it is switching: per base model, busy time over busy time plus the least switching a saturated
+worker pays, two switches per round in which each of its jobs takes one step (a full-parameter RL
+job holds a worker alone: two switches per step at ``full_phase_switch_s``; LoRA RL jobs share a
+round's two switches among as many as a worker holds, the smaller of its ``max_jobs`` and its
+adapter slots). ``hybrid_switch_x4`` repeats ours with four times the switch costs.
+``hybrid_counted_share`` and ``separate_counted_share`` say how much of each run (all resource-time
+up to its end) the utilization figures speak for: the time work was queued.
 """
 
 from __future__ import annotations
@@ -54,17 +69,19 @@ from polytinker.scheduler import (
     ClusterSpec,
     FairSharePolicy,
     FifoPolicy,
+    HybridSpec,
     Job,
     JobState,
     SchedulingPolicy,
     SimResult,
+    SimulatorConfig,
     TraceConfig,
     default_cluster,
     generate_trace,
     load_trace,
     simulate,
 )
-from polytinker.scheduler.trace import learner_demand_s, sized_cluster
+from polytinker.scheduler.trace import hybrid_cluster, learner_demand_s, sized_cluster
 
 
 def offered_load(trace: list[Job], cluster: ClusterSpec) -> float:
@@ -111,6 +128,73 @@ def utilization_ceiling(trace: list[Job], cluster: ClusterSpec) -> float:
         busy += train + sample
         capacity += (len(groups) + len(engines)) * span
     return busy / capacity if capacity else float("nan")
+
+
+def hybrid_utilization_ceiling(trace: list[Job], cluster: ClusterSpec, config: SimulatorConfig) -> float:
+    """The utilization a saturated hybrid cluster could reach on this trace: busy time over busy time
+    plus the least switching (see the module docstring). Jobs no worker can hold are left out."""
+    busy = switching = 0.0
+    for base in {h.base_model for h in cluster.hybrids}:
+        workers = [h for h in cluster.hybrids if h.base_model == base]
+        memory_gb, kv_gb = max(h.memory_gb for h in workers), max(h.kv_memory_gb for h in workers)
+        per_round = max(min(h.max_jobs, h.adapter_slots) for h in workers)
+        for j in trace:
+            if j.base_model != base or j.learner_mem_gb > memory_gb or j.engine_mem_gb > kv_gb:
+                continue
+            busy += j.steps * j.step_work_s
+            if j.kind.exclusive_learner:
+                switching += 2 * j.steps * config.full_phase_switch_s
+            elif j.kind.needs_engine and j.kind.needs_learner:
+                switching += 2 * j.steps * config.phase_switch_s / max(1, per_round)
+    return busy / (busy + switching) if busy else float("nan")
+
+
+def same_machines_hybrid(cluster: ClusterSpec) -> ClusterSpec:
+    """``cluster``'s engines and learner groups, per base model, as as many hybrid workers."""
+    models = sorted({e.base_model for e in cluster.engines} | {g.base_model for g in cluster.learners})
+    hybrids: list[HybridSpec] = []
+    for m in models:
+        n = sum(e.base_model == m for e in cluster.engines) + sum(g.base_model == m for g in cluster.learners)
+        hybrids += hybrid_cluster((m,), machines_per_model=n).hybrids
+    return ClusterSpec((), (), tuple(hybrids))
+
+
+def compare_hybrid(
+    trace: list[Job], cluster: ClusterSpec, separate: dict[str, tuple[SimResult, float]]
+) -> tuple[dict[str, float | int], dict[str, tuple[SimResult, float]], str]:
+    """Ours and FIFO on the same machines as hybrid workers, against the separate cluster's results;
+    then ours with four times the switch costs (the returned line)."""
+    hybrid = same_machines_hybrid(cluster)
+    results = {}
+    for policy_cls in (FairSharePolicy, FifoPolicy):
+        t0 = time.perf_counter()
+        results[policy_cls.name] = (simulate(trace, hybrid, policy_cls), time.perf_counter() - t0)
+    ours, fifo = results["fair_share"][0], results["fifo"][0]
+    sep_ours, sep_fifo = separate["fair_share"][0], separate["fifo"][0]
+    config = SimulatorConfig()
+    figures: dict[str, float | int] = {
+        "hybrid_utilization": round(ours.hybrid_utilization, 3),
+        "hybrid_mean_jct_ratio": round(ours.mean_jct_s() / sep_fifo.mean_jct_s(), 3),
+        "hybrid_p99_jct_ratio": round(ours.percentile_jct_s(99) / sep_fifo.percentile_jct_s(99), 3),
+        "hybrid_utilization_ceiling": round(hybrid_utilization_ceiling(trace, hybrid, config), 3),
+        "hybrid_vs_separate_mean_jct_ratio": round(ours.mean_jct_s() / sep_ours.mean_jct_s(), 3),
+        "hybrid_fifo_utilization": round(fifo.hybrid_utilization, 3),
+        "hybrid_fifo_mean_jct_ratio": round(fifo.mean_jct_s() / sep_fifo.mean_jct_s(), 3),
+        "hybrid_switch_share": round(ours.hybrid_time.get("switch", 0.0), 3),
+        # How much of each run the utilization figures speak for (time work was queued).
+        "hybrid_counted_share": round(ours.counted_share, 3),
+        "separate_counted_share": round(sep_ours.counted_share, 3),
+        "hybrid_phase_switches": ours.phase_switches,
+    }
+    x4 = SimulatorConfig(phase_switch_s=4 * config.phase_switch_s, full_phase_switch_s=4 * config.full_phase_switch_s)
+    slow = simulate(trace, hybrid, FairSharePolicy, config=x4)
+    line = (
+        f"hybrid_switch_x4 (phase_switch_s={x4.phase_switch_s:g}, full_phase_switch_s={x4.full_phase_switch_s:g}) "
+        f"utilization={slow.hybrid_utilization:.3f} mean_jct_ratio={slow.mean_jct_s() / sep_fifo.mean_jct_s():.3f} "
+        f"ceiling={hybrid_utilization_ceiling(trace, hybrid, x4):.3f} "
+        f"switch_share={slow.hybrid_time.get('switch', 0.0):.3f}"
+    )
+    return figures, {f"hybrid_{k}": v for k, v in results.items()}, line
 
 
 def decision_us(policy_cls: type[SchedulingPolicy], cluster: ClusterSpec, queued: int, reps: int) -> float:
@@ -162,6 +246,16 @@ def describe(r: SimResult, wall_s: float) -> dict[str, float | int | str]:
         "learner_time": " ".join(f"{k}:{v:.3f}" for k, v in r.learner_time.items()),
         "engine_time": " ".join(f"{k}:{v:.3f}" for k, v in r.engine_time.items()),
     }
+
+
+def describe_hybrid(r: SimResult, wall_s: float) -> dict[str, float | int | str]:
+    row = describe(r, wall_s)
+    for key in ("utilization", "learner_utilization", "engine_utilization", "learner_time", "engine_time"):
+        del row[key]  # no separate machines: the hybrid workers' figures below
+    row["hybrid_utilization"] = round(r.hybrid_utilization, 3)
+    row["phase_switches"] = r.phase_switches
+    row["hybrid_time"] = " ".join(f"{k}:{v:.3f}" for k, v in r.hybrid_time.items())
+    return row
 
 
 def compare(
@@ -268,7 +362,9 @@ def main(argv: list[str] | None = None) -> int:
         sync_trace = [replace(j, max_staleness=0) for j in trace]
         sync_figures, _ = compare(sync_trace, cluster)
         sync_figures["offered_learner_load"] = round(offered_load(sync_trace, cluster), 3)
+    hybrid_figures, hybrid_results, switch_x4 = compare_hybrid(trace, cluster, results)
     absolute = {name: describe(r, wall) for name, (r, wall) in results.items()}
+    hybrid_absolute = {name: describe_hybrid(r, wall) for name, (r, wall) in hybrid_results.items()}
     if args.save_log:
         with args.save_log.open("w") as f:
             for d in ours.decisions:
@@ -281,7 +377,9 @@ def main(argv: list[str] | None = None) -> int:
                     "cluster": cluster_desc,
                     **figures,
                     "all_sync": sync_figures,
-                    "policies": absolute,
+                    **hybrid_figures,
+                    "hybrid_switch_x4": switch_x4,
+                    "policies": absolute | hybrid_absolute,
                 }
             )
         )
@@ -295,18 +393,31 @@ def main(argv: list[str] | None = None) -> int:
             "all_sync (same jobs and cluster, every RL loop sync) "
             + " ".join(f"{k}={v}" for k, v in sync_figures.items())
         )
+    for key, value in hybrid_figures.items():
+        print(f"{key} {value}")
+    print(switch_x4)
     for name, row in absolute.items():
         print(
             f"[{name}] "
             + " ".join(f"{k}={v}" for k, v in row.items() if k not in ("policy", "learner_time", "engine_time"))
         )
+    for name, row in hybrid_absolute.items():
+        print(f"[{name}] " + " ".join(f"{k}={v}" for k, v in row.items() if k not in ("policy", "hybrid_time")))
     for name, row in absolute.items():
         print(f"[{name}] learner time while learner work was queued: {row['learner_time']}")
         print(f"[{name}] engine time while engine work was queued: {row['engine_time']}")
+    for name, row in hybrid_absolute.items():
+        print(f"[{name}] hybrid worker time while work was queued: {row['hybrid_time']}")
     print(
         "targets: mean_jct_ratio <= 0.6: " + ("met" if figures["mean_jct_ratio"] <= 0.6 else "MISSED"),
         "| utilization >= 0.9: " + ("met" if figures["utilization"] >= 0.9 else "MISSED"),
         f"(saturated ceiling of this trace on this cluster: {figures['utilization_ceiling']})",
+    )
+    print(
+        "targets (hybrid workers): hybrid_mean_jct_ratio <= 0.5: "
+        + ("met" if hybrid_figures["hybrid_mean_jct_ratio"] <= 0.5 else "MISSED"),
+        "| hybrid_utilization >= 0.9: " + ("met" if hybrid_figures["hybrid_utilization"] >= 0.9 else "MISSED"),
+        f"(ceiling of this trace on these machines as hybrid workers: {hybrid_figures['hybrid_utilization_ceiling']})",
     )
     return 0
 

@@ -185,6 +185,7 @@ def test_random_traces_never_over_commit_and_every_job_finishes(policy, shape):
     busy = result.hybrid_time["train"] + result.hybrid_time.get("sampling", 0.0)
     assert busy == pytest.approx(result.hybrid_utilization)
     assert result.hybrid_time["switch"] > 0
+    assert 0 < result.counted_share <= 1
 
 
 def test_a_cluster_without_hybrid_workers_reports_none():

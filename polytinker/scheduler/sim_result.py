@@ -59,6 +59,9 @@ class SimResult:
     hybrid_utilization: float = math.nan
     hybrid_time: dict[str, float] = field(default_factory=dict)
     phase_switches: int = 0
+    # Share of all resource-time (every engine, group and worker, from 0 to ``end_s``) that the
+    # utilization figures count as available: how much of the run they speak for.
+    counted_share: float = math.nan
 
     def jcts_s(self) -> list[float]:
         return sorted(o.jct_s for o in self.outcomes if o.jct_s is not None)

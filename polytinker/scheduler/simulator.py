@@ -449,6 +449,7 @@ class Simulator(HybridWorkers):
         learners = [g for g in self._learners if g not in self._hybrid]
         engines = [e for e in self._sampling if e not in self._hybrid]
         hybrids = list(self._hybrid)
+        counted = sum(self._pending_s.values())
         return SimResult(
             policy=self.policy.name,
             outcomes=outcomes,
@@ -462,6 +463,7 @@ class Simulator(HybridWorkers):
             hybrid_utilization=util(hybrids),
             hybrid_time=time_shares(self._hybrid_time),
             phase_switches=sum(h.switches for h in self._hybrid.values()),
+            counted_share=counted / (len(self._pending_s) * self.now_s) if self.now_s else math.nan,
         )
 
 
