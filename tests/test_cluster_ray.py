@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from polytinker.cli import main as cli_main
 from polytinker.client import ServiceClient
 from polytinker.engine.learner.config import AdamParams
 from polytinker.engine.types import Datum, SamplingParams
@@ -91,7 +92,7 @@ def _train_and_sample(service: ServiceClient, agent: str) -> Any:
 
 @pytest.mark.timeout(240)
 def test_serve_places_the_engine_and_learner_on_the_nodes_with_their_resources(
-    cluster: Any, runtime: LocalRuntime
+    cluster: Any, runtime: LocalRuntime, capsys: pytest.CaptureFixture[str]
 ) -> None:
     placed = runtime.placement.placements()
     assert placed == {
@@ -107,6 +108,10 @@ def test_serve_places_the_engine_and_learner_on_the_nodes_with_their_resources(
     assert workers.keys() == {"engine-0", "learner-0"} and all(w["alive"] for w in workers.values())
     with ServiceClient(runtime.address, api_key=runtime.api_key) as service:
         _train_and_sample(service, "placed")
+    assert cli_main(["status", "--scheduler", runtime.address, "--api-key", runtime.api_key]) == 0
+    actors_table = capsys.readouterr().out.split("\nWORKER")[0]  # the actors' rows, before the workers'
+    table = {line.split()[0]: line for line in actors_table.splitlines()}
+    assert table["engine-0"].endswith(rows["engine-0"]["node"]) and table["scheduler"].endswith("this machine")
 
 
 @pytest.mark.timeout(240)
