@@ -230,7 +230,20 @@ class ExperimentConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ExperimentConfig:
         """Build from the TOML's tables; an unknown key or a value of the wrong type is a
-        ConfigError that names it (``train.steps: expected int, got str 'ten'``)."""
+        ConfigError that names it (``train.steps: expected int, got str 'ten'``).
+
+        An ``agent_defaults`` table holds the settings every agent shares (adapter, algorithm,
+        sampling, renderer, ...); each ``[[agents]]`` entry overrides them key by key, so sixteen
+        agents of one kind are sixteen names, not sixteen copies of the prompt."""
+        raw = dict(raw)
+        defaults = raw.pop("agent_defaults", None)
+        if defaults is not None:
+            if not isinstance(defaults, dict):
+                raise ConfigError(f"agent_defaults: expected a table, got {type(defaults).__name__}")
+            agents = raw.get("agents", [])
+            if not isinstance(agents, list) or not all(isinstance(a, dict) for a in agents):
+                raise ConfigError("agents: expected an array of tables ([[agents]] in TOML)")
+            raw["agents"] = [_merged(defaults, agent) for agent in agents]
         return from_table(cls, raw, "")
 
     @classmethod
@@ -248,6 +261,15 @@ class ExperimentConfig:
                 table = table.setdefault(part, {})
             table[leaf] = value
         return cls.from_dict(raw)
+
+
+def _merged(defaults: dict[str, Any], table: dict[str, Any]) -> dict[str, Any]:
+    """``defaults`` with ``table``'s keys on top, nested tables merged the same way."""
+    out = dict(defaults)
+    for key, value in table.items():
+        base = out.get(key)
+        out[key] = _merged(base, value) if isinstance(base, dict) and isinstance(value, dict) else value
+    return out
 
 
 __all__ = ["EnvSetup", "EvalConfig", "ExperimentConfig", "OutputConfig", "RuntimeSetup", "TrainConfig"]

@@ -127,11 +127,31 @@ class Experiment:
             state_dir=str(runtime_dir),
             # Each full-parameter agent's current version and the one before it (async sampling,
             # evaluation) stay resident.
-            engines=(EngineWorkerConfig(backend=rt.backend, full_weight_slots=max(1, 2 * self._full_agents())),),
+            engines=(
+                EngineWorkerConfig(
+                    backend=rt.backend,
+                    full_weight_slots=max(1, 2 * self._full_agents()),
+                    adapter_slots=self._adapter_slots(),
+                ),
+            ),
             learners=learners,
+            # Every LoRA agent's forward_backward of a step may meet the others' in one pass.
+            learner_batch_max=max(8, self._lora_agents()),
             tenants=(TenantConfig("local", api_key=tenant_key(runtime_dir)),),
         )
         return ServiceClient(runtime_config=runtime, inproc=rt.mode == "inproc")
+
+    def _lora_agents(self) -> int:
+        return sum(1 for a in self.config.agents if not a.adapter.full)
+
+    def _adapter_slots(self) -> int:
+        """Engine slots for every LoRA agent's adapter at once: the scheduler pins one per running
+        job, so fewer slots than agents refuse the rest (OverloadedError, retried until the
+        request times out). Twice the agents (a new version arrives while the last one's batches
+        finish) and a league's pool; at least the engine's default 8. On the hf engine a slot
+        costs the adapter's own tensors only (served from the learner's export without a copy)."""
+        pool = self.config.mapping.pool_size if self.config.mapping.kind is MappingKind.LEAGUE else 0
+        return max(8, 2 * self._lora_agents() + pool)
 
     def _full_agents(self) -> int:
         return sum(1 for a in self.config.agents if a.trainable and a.adapter.full)

@@ -144,7 +144,7 @@ class Trainer:
 
     async def rollouts(self, step: int) -> tuple[list[EpisodeResult], SlotsBySeed]:
         groups, seeds = step_seeds(self.config, step)
-        slots = {seed: self.mapping.assign(seed) for seed in groups}
+        slots = {seed: self.mapping.assign(seed, step=step, group=g) for g, seed in enumerate(groups)}
         policy = self.players.policy(slots, sample_seed=self.config.train.seed)
         results = await self.coordinator.run(self.make_env, policy, seeds)
         check_aborted(results, self.config.train.max_aborted_share, f"step {step}", env=self.config.env)

@@ -9,6 +9,11 @@ every episode of a GRPO group (same seed) faces the same opponents:
 - ``league``: one agent plays one role (alternating with the seed) against opponents drawn from
   its past versions, in a pool that the loop fills every ``pool_every`` steps (the newest
   ``pool_size`` kept), and the frozen agents (``trainable = false``) no role is pinned to.
+- ``round_robin``: many agents of a two-player game in pairs. Step ``k`` plays round ``k`` of the
+  circle method (every agent meets every other once in ``n - 1`` steps; with an odd number one
+  sits out each round), group ``g`` of the step plays the round's pair ``g`` (modulo the pairs):
+  ``train.groups`` = agents / 2 trains every agent every step. Seats alternate with the seed.
+  ``assign`` takes the step and the group index here; the other kinds read the seed alone.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ TEAM = "team"  # the evaluation "opponent" that is the experiment's own agents (
 @dataclass(frozen=True)
 class MappingConfig:
     kind: MappingKind = MappingKind.INDEPENDENT
-    # "independent", "self_play" or "league".
+    # "independent", "self_play", "league" or "round_robin".
     roles: dict[str, str] = field(default_factory=dict)
     # Env role -> agent name or "scripted:random" / "scripted:heuristic". Independent mapping
     # fills the roles not named here with the agents in order.
@@ -38,7 +43,7 @@ class MappingConfig:
     pool_every: int = 2
     # league: the learner's version joins the pool every this many steps.
     swap_roles: bool = True
-    # self_play and league: the learner's role alternates with the seed (both seats get practice).
+    # self_play, league and round_robin: the role alternates with the seed (both seats get practice).
 
     def __post_init__(self) -> None:
         try:
@@ -82,17 +87,34 @@ class PolicyMapping:
                         )
                     self.fixed[role] = _fixed_slot(free.pop(0), self.specs, role)
             self.learner = ""
+        elif config.kind is MappingKind.ROUND_ROBIN:
+            self.learner = ""
         else:
             trainable = [a.name for a in agents if a.trainable]
             if len(trainable) != 1:
                 raise ConfigError(f"{config.kind} mapping trains exactly one agent; trainable agents: {trainable}")
             self.learner = trainable[0]
         self.open_roles = [r for r in self.env_roles if r not in self.fixed]
+        pinned = set(config.roles.values())
+        # round_robin: the agents no role is pinned to, paired anew each step.
+        self.rotation = [a.name for a in agents if a.name not in pinned]
+        if config.kind is MappingKind.ROUND_ROBIN and (len(self.open_roles) != 2 or len(self.rotation) < 2):
+            raise ConfigError(
+                f"round_robin mapping pairs agents in two roles: the env leaves {self.open_roles} open and "
+                f"{self.rotation} are free to play; pin the other roles with mapping.roles, or add agents"
+            )
 
-    def assign(self, seed: int) -> dict[str, Slot]:
-        """The slots of one episode (the same for every episode with this seed)."""
+    def assign(self, seed: int, *, step: int = 0, group: int = 0) -> dict[str, Slot]:
+        """The slots of one episode (the same for every episode with this seed); ``step`` and
+        ``group`` (the seed's index among the step's groups) pick a round robin's pair."""
         slots = dict(self.fixed)
-        if self.config.kind is MappingKind.SELF_PLAY:
+        if self.config.kind is MappingKind.ROUND_ROBIN:
+            pairs = round_robin_pairs(self.rotation, step)
+            pair = pairs[group % len(pairs)]
+            first, second = reversed(pair) if self.config.swap_roles and seed % 2 else pair
+            for role, name in zip(self.open_roles, (first, second), strict=True):
+                slots[role] = Slot(SlotKind.LEARNER if self.specs[name].trainable else SlotKind.FROZEN, name)
+        elif self.config.kind is MappingKind.SELF_PLAY:
             slots.update({r: Slot(SlotKind.LEARNER, self.learner) for r in self.open_roles})
         elif self.config.kind is MappingKind.LEAGUE and self.open_roles:
             mine = self.open_roles[seed % len(self.open_roles)] if self.config.swap_roles else self.open_roles[0]
@@ -126,11 +148,16 @@ class PolicyMapping:
         """The roles an agent plays while it trains (it is evaluated in each)."""
         if self.config.kind is not MappingKind.INDEPENDENT and agent == self.learner:
             return list(self.open_roles)
+        if self.config.kind is MappingKind.ROUND_ROBIN and agent in self.rotation and self.specs[agent].trainable:
+            return list(self.open_roles)
         return [r for r, s in self.fixed.items() if s.kind is SlotKind.LEARNER and s.name == agent]
 
     def team(self) -> dict[str, Slot]:
         """Every role as training fills it, with the current version in each learner role (a
-        league's past versions left out): the evaluation of the agents together."""
+        league's past versions left out): the evaluation of the agents together. A round robin's
+        team is its first pairing's first pair (one episode holds two of its agents)."""
+        if self.config.kind is MappingKind.ROUND_ROBIN:
+            return self.assign(0)
         slots = dict(self.fixed)
         slots.update({r: Slot(SlotKind.LEARNER, self.learner) for r in self.open_roles})
         return slots
@@ -141,4 +168,18 @@ class PolicyMapping:
         return {r: Slot(SlotKind.LEARNER, agent) if r == role else scripted for r in self.env_roles}
 
 
-__all__ = ["SCRIPTED_PREFIX", "TEAM", "MappingConfig", "PolicyMapping"]
+def round_robin_pairs(names: Sequence[str], round_index: int) -> list[tuple[str, str]]:
+    """Round ``round_index`` (modulo ``n - 1``) of the circle method over ``names``: the first
+    stays, the others turn one place a round, position ``i`` meets position ``n - 1 - i``; every
+    pair meets once in ``n - 1`` rounds. With an odd number, the one drawn against the empty
+    seat sits the round out."""
+    seats = [*names, ""] if len(names) % 2 else list(names)
+    n = len(seats)
+    turn = round_index % (n - 1)
+    rest = seats[1:]
+    circle = [seats[0], *rest[len(rest) - turn :], *rest[: len(rest) - turn]]
+    pairs = [(circle[i], circle[n - 1 - i]) for i in range(n // 2)]
+    return [(a, b) for a, b in pairs if a and b]
+
+
+__all__ = ["SCRIPTED_PREFIX", "TEAM", "MappingConfig", "PolicyMapping", "round_robin_pairs"]

@@ -2,7 +2,8 @@
 
 - ``AgentName``: the name of a learning (or frozen) agent; one LoRA adapter per trainable agent.
 - ``AlgorithmName``: ``grpo``, ``ppo``, ``reinforce`` (RL) and ``sft`` (supervised).
-- ``MappingKind``: how env agent ids map to agents: ``independent``, ``self_play``, ``league``.
+- ``MappingKind``: how env agent ids map to agents: ``independent``, ``self_play``, ``league``,
+  ``round_robin``.
 - ``SlotKind``: what plays one env role in one episode: a ``learner`` (the agent's current
   adapter), a ``past`` version of it (league play), a ``frozen`` agent, or a ``scripted`` opponent.
 - ``LoopMode``: ``sync`` (sample, then train) or ``async`` (sample step k+1 while step k trains).
@@ -34,6 +35,7 @@ class MappingKind(StrEnum):
     INDEPENDENT = "independent"  # each env role has its own agent (its own adapter)
     SELF_PLAY = "self_play"  # one agent plays every role; the role is named in its prompt
     LEAGUE = "league"  # one agent against its past versions and the frozen agents (or itself)
+    ROUND_ROBIN = "round_robin"  # many agents in pairs, each step a new pairing (the circle method)
 
 
 class SlotKind(StrEnum):
