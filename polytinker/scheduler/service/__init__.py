@@ -1,10 +1,11 @@
 """The scheduler service: the process every client talks to and every worker registers with.
 
 - ``RuntimeConfig`` (and ``EngineWorkerConfig``, ``LearnerWorkerConfig``, ``TenantConfig``,
-  ``JobDefaults``): what a runtime runs; ``RuntimeConfig.from_toml``.
+  ``JobDefaults``, ``ClusterConfig``): what a runtime runs; ``RuntimeConfig.from_toml``.
 - ``LocalRuntime``: scheduler + engines + learner groups as supervised processes on this machine;
   ``RuntimeDead`` when one of them stayed down and it stopped. ``InprocRuntime``: the same as
-  objects in this process, no sockets (``ServiceClient(inproc=True)``).
+  objects in this process, no sockets (``ServiceClient(inproc=True)``). With ``[cluster]
+  backend = "ray"`` its engines and learner groups are Ray actors instead (``ray_placement``).
 - ``SchedulerService``: the request handlers; ``StateStore``: the SQLite (WAL) state;
   ``JobManager``: job lifecycle over the policy; ``Broker``: worker registry and forwarding.
 - ``messages`` and ``replies`` (modules): the typed requests and the typed replies on the wire,
@@ -20,6 +21,7 @@ from __future__ import annotations
 from polytinker.errors import AuthError, JobNotRunning, OverloadedError, RuntimeDead, WorkerUnavailable
 from polytinker.scheduler.service.broker import Broker, LearnerSlicer
 from polytinker.scheduler.service.config import (
+    ClusterConfig,
     EngineWorkerConfig,
     JobDefaults,
     LearnerWorkerConfig,
@@ -36,6 +38,7 @@ from polytinker.scheduler.service.tenants import new_api_key
 __all__ = [
     "AuthError",
     "Broker",
+    "ClusterConfig",
     "EngineWorkerConfig",
     "InprocRuntime",
     "JobDefaults",
