@@ -192,3 +192,15 @@ def test_a_cluster_without_hybrid_workers_reports_none():
     result = simulate(generate_trace(TraceConfig(n_jobs=40, seed=1)), default_cluster(), FairSharePolicy)
     assert math.isnan(result.hybrid_utilization)
     assert result.hybrid_time == {} and result.phase_switches == 0
+
+
+def test_an_idle_job_on_a_hybrid_worker_is_reclaimed_for_a_waiting_one():
+    cluster = ClusterSpec((), (), (HybridSpec("h0", "m", 80.0, 60.0, adapter_slots=1),))
+    policy = FairSharePolicy(cluster)
+    policy.submit(rl("quiet"), 0.0)
+    policy.schedule(0.0)
+    policy.submit(rl("waiting"), 1.0)
+    assert policy.schedule(1.0) == []  # the worker's one adapter slot is held
+    assert "none of its 1 has room" in policy.cluster.wants(rl("waiting"), 1.0)
+    [reclaim] = policy.reclaim_idle(2.0, {"quiet": 120.0}, lambda job_id: job_id == "waiting")
+    assert reclaim.for_job == "waiting" and reclaim.victims == ("quiet",)

@@ -53,7 +53,7 @@ def dominant_share(cluster: ClusterState, job: Job, placement: Placement) -> flo
     learner_gb = job.learner_mem_gb
     if placement.learner is not None and job.kind.exclusive_learner:
         learner_gb = cluster.learners[placement.learner].spec.memory_gb
-    slots = sum(e.adapter_slots for e in cluster.spec.engines)
+    slots = sum(e.spec.adapter_slots for e in cluster.engines.values())  # hybrid workers' slots too
     parts = (
         learner_gb / cluster.total_learner_gb if cluster.total_learner_gb else 0.0,
         job.engine_mem_gb / cluster.total_engine_gb if cluster.total_engine_gb else 0.0,
