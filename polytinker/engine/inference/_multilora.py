@@ -7,6 +7,16 @@ adapter, so each adapter owns one contiguous slice of rows, and sets those segme
 forward call; each wrapped linear layer then adds ``scale * B(A(x[rows]))`` on a view of its
 output. A batch with one adapter costs what a single-adapter peft model costs.
 
+A batch of several adapters is computed as one batched product instead of a loop over them
+(``_Grouped``): each adapter's rows, padded to the longest run, gathered into an
+``[adapters, rows, in]`` block and multiplied by the stacked A and B of those adapters with two
+``bmm``s, then added back to their rows. Five ops per layer whatever the number of adapters,
+where the loop issued five per adapter: on a GPU each op is a kernel launch (8 adapters decoded
+at 0.7x one adapter's speed with the loop), on a CPU each is dispatch overhead. A forward of 16
+rows of the default model on 2 shared cores: over 16 adapters 270 ms batched, 343 ms with the
+loop, 256 ms on one adapter; over 4 adapters 236, 234 and 231 ms (the same). The stacks are
+built once per set of adapters and layer, and kept while that set keeps decoding.
+
 Tensors arrive in peft's layout (``base_model.model.<module>.lora_A.weight``) and use peft's
 scaling (``alpha / rank``), so an adapter trained with peft behaves the same here; a test checks
 the two against each other.
@@ -14,6 +24,7 @@ the two against each other.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,10 +38,15 @@ from polytinker.errors import ModelError
 _PREFIX = "base_model.model."
 _MAX_PLANS = 64  # layouts remembered as checked: one per adapter shape in use
 _MAX_SPARES = 4  # unloaded adapters' buffers kept for reuse: new versions copy into warm memory
+_MAX_STACKS = 8  # sets of adapters whose stacked weights are kept (a decode batch keeps its set for many steps)
+# Padding one adapter's rows to the longest run costs LoRA flops on rows that are thrown away;
+# past this many padded places per real row the loop over adapters is cheaper.
+_MAX_PADDING = 2.0
 
 
+_Pair = tuple[torch.Tensor, torch.Tensor]
 # One slot's adapter as the wrapped layers read it: (A, B) views per layer index, and its scale.
-_Table = tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], float]
+_Table = tuple[dict[int, _Pair], float]
 
 
 @dataclass
@@ -44,6 +60,20 @@ class _Held:
     owned: bool
 
 
+@dataclass(frozen=True)
+class _Grouped:
+    """The adapter runs of one forward call laid out for batched products: run ``i``'s rows sit at
+    padded places ``i * width ..``; ``gather`` names the row at each place (padding repeats the
+    run's first row, whose products are dropped), ``places`` the places that hold real rows and
+    ``rows`` the row each of those is."""
+
+    slots: tuple[str, ...]
+    width: int
+    gather: torch.Tensor
+    places: torch.Tensor
+    rows: torch.Tensor
+
+
 @dataclass
 class Router:
     """Which adapter serves which rows in the current forward call: (slot, start, stop) runs, and
@@ -52,8 +82,11 @@ class Router:
 
     segments: list[tuple[str, int, int]] = field(default_factory=list)
     tables: dict[str, _Table] = field(default_factory=dict)
+    grouped: _Grouped | None = None
+    # Stacked (A^T, scale * B^T) per layer index, per set of slots; None where none has the layer.
+    _stacks: dict[tuple[str, ...], dict[int, _Pair | None]] = field(default_factory=dict)
 
-    def set_rows(self, slots: list[str]) -> None:
+    def set_rows(self, slots: list[str], device: torch.device | None = None) -> None:
         """Run-length encode one slot name per row (rows sorted by slot give one run each)."""
         runs: list[tuple[str, int, int]] = []
         for i, slot in enumerate(slots):
@@ -62,6 +95,63 @@ class Router:
             else:
                 runs.append((slot, i, i + 1))
         self.segments = runs
+        self.grouped = _group([r for r in runs if r[0] in self.tables], device)
+
+    def forget(self) -> None:
+        """Drop the stacked weights: a slot's tables changed."""
+        self._stacks.clear()
+
+    def stacked(self, index: int) -> _Pair | None:
+        """Layer ``index``'s weights of the grouped slots, stacked for ``bmm`` (built on first use)."""
+        assert self.grouped is not None
+        slots = self.grouped.slots
+        layers = self._stacks.get(slots)
+        if layers is None:
+            if len(self._stacks) >= _MAX_STACKS:
+                self._stacks.pop(next(iter(self._stacks)))
+            layers = self._stacks[slots] = {}
+        if index not in layers:
+            layers[index] = _stack([(self.tables[s][0].get(index), self.tables[s][1]) for s in slots])
+        return layers[index]
+
+
+def _group(runs: list[tuple[str, int, int]], device: torch.device | None) -> _Grouped | None:
+    """The batched layout of two or more adapter runs, or None where the loop is the better way
+    (one run, or runs so uneven that padding would cost more than it saves)."""
+    if len(runs) < 2:
+        return None
+    width = max(stop - start for _, start, stop in runs)
+    real = sum(stop - start for _, start, stop in runs)
+    if len(runs) * width > _MAX_PADDING * real:
+        return None
+    gather: list[int] = []
+    places: list[int] = []
+    for i, (_, start, stop) in enumerate(runs):
+        gather += list(range(start, stop)) + [start] * (width - (stop - start))
+        places += range(i * width, i * width + stop - start)
+    rows = [gather[p] for p in places]
+    index = functools.partial(torch.tensor, dtype=torch.long, device=device)
+    return _Grouped(tuple(r[0] for r in runs), width, index(gather), index(places), index(rows))
+
+
+def _stack(
+    loras: list[tuple[tuple[torch.Tensor, torch.Tensor] | None, float]],
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(A^T stacked: [n, in, r], scale * B^T stacked: [n, r, out]), ranks padded with zeros to the
+    largest (a zero row of A and column of B add nothing); an adapter without the layer adds zeros."""
+    present = [pair for pair, _ in loras if pair is not None]
+    if not present:
+        return None
+    a0, b0 = present[0]
+    rank = max(a.shape[0] for a, _ in present)
+    a_t = a0.new_zeros(len(loras), a0.shape[1], rank)
+    b_t = b0.new_zeros(len(loras), rank, b0.shape[0])
+    for i, (pair, scale) in enumerate(loras):
+        if pair is not None:
+            a, b = pair
+            a_t[i, :, : a.shape[0]] = a.t()
+            b_t[i, : b.shape[1]] = b.t() * scale
+    return a_t, b_t
 
 
 class MultiLoraLinear(nn.Module):
@@ -76,6 +166,8 @@ class MultiLoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
+        if self.router.grouped is not None:
+            return self._grouped(x, y, self.router.grouped)
         rows = x.shape[0]
         for slot, start, stop in self.router.segments:
             table = self.router.tables.get(slot)
@@ -90,6 +182,18 @@ class MultiLoraLinear(nn.Module):
             else:
                 y[start:stop] += F.linear(F.linear(x[start:stop], a), b) * scale
         return y
+
+    def _grouped(self, x: torch.Tensor, y: torch.Tensor, grouped: _Grouped) -> torch.Tensor:
+        """Every adapter run's update in two ``bmm``s over its padded rows (see _Grouped)."""
+        stacks = self.router.stacked(self.index)
+        if stacks is None:  # no adapter of this batch touches the layer
+            return y
+        a_t, b_t = stacks
+        n, features = len(grouped.slots), x.shape[-1]
+        blocks = x.index_select(0, grouped.gather).reshape(n, -1, features)
+        update = torch.bmm(torch.bmm(blocks, a_t), b_t)
+        update = update.reshape(n * grouped.width, *y.shape[1:]).index_select(0, grouped.places)
+        return y.index_add_(0, grouped.rows, update)
 
 
 class MultiLora:
@@ -146,6 +250,7 @@ class MultiLora:
         self.unload(slot)
         self._held[slot] = (key, held)
         self.router.tables[slot] = held.table
+        self.router.forget()
 
     def _plan(self, weights: AdapterWeights) -> list[tuple[int, int, int]]:
         """(layer index, index of A, index of B) per layer, checked against the model; one check
@@ -186,6 +291,7 @@ class MultiLora:
             return
         key, held = entry
         self.router.tables.pop(slot, None)
+        self.router.forget()
         if held.owned:
             self._spares.append((key, held))
             del self._spares[:-_MAX_SPARES]

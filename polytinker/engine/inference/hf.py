@@ -162,7 +162,7 @@ class HFBackend:
             "use_cache": cache is not None,
             "logits_to_keep": logits_to_keep,
         }
-        self._lora.router.set_rows(adapters)
+        self._lora.router.set_rows(adapters, on)
         return self.model(**kwargs).logits
 
     # ----- sampling -----
