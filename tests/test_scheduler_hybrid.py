@@ -8,6 +8,8 @@ import math
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from polytinker.errors import ConfigError
 from polytinker.scheduler import (
@@ -22,6 +24,7 @@ from polytinker.scheduler import (
     JobState,
     LearnerSpec,
     Placement,
+    SchedulerPolicyConfig,
     SimulatorConfig,
     TraceConfig,
     default_cluster,
@@ -204,3 +207,47 @@ def test_an_idle_job_on_a_hybrid_worker_is_reclaimed_for_a_waiting_one():
     assert "none of its 1 has room" in policy.cluster.wants(rl("waiting"), 1.0)
     [reclaim] = policy.reclaim_idle(2.0, {"quiet": 120.0}, lambda job_id: job_id == "waiting")
     assert reclaim.for_job == "waiting" and reclaim.victims == ("quiet",)
+
+
+MIXED = ClusterSpec(
+    (EngineSpec("e1", "m1", 60.0, 2),),
+    (LearnerSpec("g1", "m1", 80.0, max_jobs=2),),
+    (HybridSpec("h1", "m1", 80.0, 60.0, adapter_slots=2, max_jobs=3), HybridSpec("h2", "m2", 80.0, 40.0, 1)),
+)
+
+
+@st.composite
+def small_traces(draw):
+    out, t = [], 0.0
+    for i in range(draw(st.integers(1, 12))):
+        kind = draw(st.sampled_from(list(JobKind)))
+        t += draw(st.floats(0, 15))
+        fields: dict = {"steps": draw(st.integers(1, 5)), "arrival_s": t, "priority": draw(st.integers(0, 2))}
+        if kind.needs_learner:
+            fields.update(step_s=draw(st.floats(0.5, 5)), learner_mem_gb=draw(st.floats(1, 90)))
+        if kind.needs_engine:
+            fields.update(sample_s=draw(st.floats(0.5, 5)), engine_mem_gb=draw(st.floats(1, 50)))
+        if kind is JobKind.LORA_RL or (kind is JobKind.INFERENCE and draw(st.booleans())):
+            fields["adapter"] = f"ad{draw(st.integers(0, 4))}"
+        if kind in (JobKind.LORA_RL, JobKind.FULL_RL):
+            fields["max_staleness"] = draw(st.integers(0, 2))
+        out.append(Job(f"j{i}", draw(st.sampled_from("ab")), kind, draw(st.sampled_from(["m1", "m2"])), **fields))
+    return out
+
+
+EAGER = SchedulerPolicyConfig(starvation_s=5.0, backfill_depth=1, preempt_checks_per_pass=2)
+
+
+@settings(max_examples=40, deadline=None)
+@given(small_traces(), st.sampled_from([FairSharePolicy, FifoPolicy]), st.sampled_from([None, EAGER]))
+def test_hybrid_and_separate_machines_together_never_over_commit(trace, policy, config):
+    # audit=True also checks that no hybrid worker trains while it samples or works while it switches.
+    result = simulate(trace, MIXED, policy, config, audit=True)
+    for o, job in zip(result.outcomes, trace, strict=True):
+        if o.rejected is None:
+            assert o.finish_s is not None, f"{o.job_id} never finished"
+            assert o.jct_s >= job.span_s() - 1e-9
+            assert o.staleness <= job.max_staleness
+        else:
+            too_big = job.learner_mem_gb > 80 or job.engine_mem_gb > (60 if job.base_model == "m1" else 40)
+            assert too_big
