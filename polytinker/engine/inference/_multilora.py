@@ -142,6 +142,10 @@ def _stack(
     present = [pair for pair, _ in loras if pair is not None]
     if not present:
         return None
+    # The usual case, every adapter of one shape: three ops, not two per adapter.
+    if len(present) == len(loras) and len({a.shape for a, _ in present}) == 1:
+        scales = present[0][1].new_tensor([scale for _, scale in loras])[:, None, None]
+        return torch.stack([a.t() for a, _ in present]), torch.stack([b.t() for _, b in present]) * scales
     a0, b0 = present[0]
     rank = max(a.shape[0] for a, _ in present)
     a_t = a0.new_zeros(len(loras), a0.shape[1], rank)
