@@ -54,13 +54,19 @@ def test_full_parameter_guess_number_reward_rises(tmp_path):
 
 
 def test_two_agents_prisoners_dilemma_reward_against_random_rises(tmp_path):
-    """The main job, shortened to 6 steps: each agent's evaluation reward against the random
+    """The main job, shortened to 8 steps: each agent's evaluation reward against the random
     opponent (32 episodes) rises by at least 0.3 (legal answers, then defection, the dominant
     move: 3.0 on average). Their reward against each other may fall: both learn to defect.
 
-    Measured: alice 2.14 -> 3.00 and bob 2.14 -> 2.62 (after 2, 4 and 6 steps: 2.31/2.20,
-    2.17/2.39, 2.92/2.59). With learning rate 1e-12 both evaluate to 2.14 before and after."""
-    overrides = {"output.root": str(tmp_path), "output.progress": False, "train.steps": 6}
+    Which requests share a decode batch depends on when they arrive, and a batch's shape moves
+    the last bits of the logits, so a run on a busy machine does not draw exactly what a run on a
+    quiet one draws, and the way to defection is not the same from run to run: after 6 steps one
+    run on a loaded machine had alice at 1.56 (from 2.38). Measured, alice / bob every 2 steps
+    (10-step runs, eval.every 2, a loaded machine): train.seed 0: 2.38/2.06, 1.86/2.56, 2.66/2.59,
+    2.81/2.62, 3.00/2.62, 3.00/2.62; seed 1: 2.44/2.22, 2.56/2.41, 3.12/2.69, 3.12/2.69,
+    3.12/2.75, 3.12/2.75; seed 2: 2.03/3.19, 2.28/2.67, 2.62/2.39, 2.62/3.86, 2.62/3.88, 2.62/3.88;
+    seed 3: 2.50/2.59, 2.89/3.03, 3.06/3.25, 3.12/3.25, 3.12/3.25, 3.12/3.25."""
+    overrides = {"output.root": str(tmp_path), "output.progress": False, "train.steps": 8}
     summary = Experiment(ExperimentConfig.from_toml(CONFIGS / "prisoners_dilemma.toml", overrides)).train()
     for agent in ("alice", "bob"):
         key = f"eval/{agent}/random/reward"
