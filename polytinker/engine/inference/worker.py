@@ -171,15 +171,20 @@ class EngineWorker:
         from polytinker.engine.types import AdapterRef
 
         w = msg.weights
-        ref = AdapterRef(w.adapter, w.version)
         # Kept as received (the message's frame, one flat buffer) in the host cache: nothing
         # writes it, the frame lives as long as the tensor does, and a slot copies it.
-        weights = msg.adapter.weights(ref)
+        self.register_weights(w, msg.adapter.weights(AdapterRef(w.adapter, w.version)))
         with self._lock:
-            self.engine.load_adapter(weights)
-            self._dirs[ref] = w
             self._pushed += 1
         return True
+
+    def register_weights(self, w: WeightsRef, weights: Any) -> None:
+        """Register a version's tensors (``AdapterWeights`` of ``w``'s version) as the weights
+        ``w`` names: a request naming ``w`` is served from them, with nothing read or sent. A
+        colocated learner hands each new version over this way."""
+        with self._lock:
+            self.engine.load_adapter(weights)
+            self._dirs[weights.ref] = w
 
     def sample(self, msg: EngineSample) -> SampleReply:
         from polytinker.engine.types import SampleRequest
