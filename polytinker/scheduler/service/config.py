@@ -208,6 +208,12 @@ class RuntimeConfig:
     # non-zero): it cannot serve its jobs without any of them. 0: the first crash stops it.
     restart_window_s: float = 120.0
     # The window max_restarts counts restarts in.
+    colocate: bool = False
+    # One process per pair of a local engine and a local learner group (in the order declared),
+    # holding one copy of the base model for both: the engine samples and the learner trains LoRA
+    # adapters on the same tensors, taking turns, and a new version reaches the engine in memory
+    # (polytinker.engine.worker.colocated). hf engines and one-rank learner groups only; a
+    # full-parameter job is refused. Off by default (docs/benchmarks.md, "colocate.py").
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -267,6 +273,36 @@ class RuntimeConfig:
                 raise ConfigError(f"RuntimeConfig.{name} must be a whole number >= {least}, got {value!r}")
         if self.worker_token and len(self.worker_token) < 16:
             raise ConfigError("RuntimeConfig.worker_token must have at least 16 characters")
+        if self.colocate:
+            self.colocated_pairs()  # refuses what cannot be colocated, when the config is read
+
+    def colocated_pairs(self) -> list[tuple[EngineWorkerConfig, LearnerWorkerConfig]]:
+        """With ``colocate``, the local engines and learner groups paired in the order declared
+        (each pair one process); refuses a config whose workers cannot pair."""
+        engines, learners = [e for e in self.engines if e.local], [g for g in self.learners if g.local]
+        where = "RuntimeConfig.colocate = true"
+        if self.cluster.backend != "local" or len(engines) != len(learners) or not engines:
+            raise ConfigError(
+                f"{where} pairs each local engine with a local learner group in one process of this machine:"
+                f" declare as many of each (got {len(engines)} and {len(learners)}), with [cluster] backend"
+                f" 'local' (got {self.cluster.backend!r})"
+            )
+        for e, g in zip(engines, learners, strict=True):
+            if e.backend != "hf" or g.world_size != 1:
+                raise ConfigError(
+                    f"{where}: engine {e.engine_id} must use the hf backend (vLLM's model cannot share its"
+                    f" tensors) and learner {g.learner_id} one rank (got {e.backend!r}, world_size {g.world_size})"
+                )
+        return list(zip(engines, learners, strict=True))
+
+    def check_servable_full(self) -> None:
+        """Refuse a full-parameter job now where every learner group is colocated."""
+        if self.colocate:
+            raise ConfigError(
+                "this runtime colocates its engines and learners (colocate = true in the runtime config), which"
+                " train LoRA adapters only: a full-parameter job needs its own copy of the model; run it on a"
+                " runtime with colocate = false"
+            )
 
     def worker_plan(self, worker_id: str) -> WorkerPlan:
         """What the engine or learner group ``worker_id`` of this runtime is built from."""

@@ -16,9 +16,10 @@ The workers register as they do over the wire (a ``Register`` with its proof, ag
 servers do); the scheduler serves at most ``handler_threads`` client calls at once.
 
 Not here: supervision (a handler that raises answers an error; nothing restarts), the HTTP front
-door, workers that join from elsewhere (``local = false`` ones are never built: jobs placed on
-them wait), Curve, timeouts of forwarded calls, and the processes' umask and torch thread count
-(this process keeps its own; the state directory is still 0700).
+door, colocated workers (``colocate = true``), workers that join from elsewhere (``local = false``
+ones are never built: jobs placed on them wait), Curve, timeouts of forwarded calls, and the
+processes' umask and torch thread count (this process keeps its own; the state directory is
+still 0700).
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ class InprocRuntime:
         config = config or RuntimeConfig()
         if config.http.address:  # before prepared(), which may make a temporary directory
             raise ConfigError("the HTTP front door needs the process runtime: unset [http] address for inproc")
+        if config.colocate:
+            raise ConfigError("colocate = true is built for the process runtime: unset it for inproc")
         self.config, self._fresh = prepared(config)
         self.service: SchedulerService | None = None
         self.workers: dict[str, Any] = {}  # worker id -> its EngineWorker or LearnerWorker

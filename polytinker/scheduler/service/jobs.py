@@ -163,6 +163,8 @@ class JobManager:
             raise ConfigError("inference jobs sample the base model here; sample adapters with their model_path")
         if msg.kind == JobKind.LORA_RL:  # the one kind whose adapter the engines sample from
             self.config.check_servable_lora(msg.rank, msg.target_modules)
+        if msg.kind == JobKind.FULL_RL:
+            self.config.check_servable_full()
         now = time.time()
         job_id = f"{msg.kind.replace('_', '')}-{uuid.uuid4().hex[:10]}"
         lora = {"rank": msg.rank, "alpha": msg.alpha, "target_modules": list(msg.target_modules), "seed": msg.seed}

@@ -104,6 +104,7 @@ class LocalRuntime:
         self._reporter: threading.Thread | None = None
         self.gateway: Any = None  # the HTTP front door, when config.http.address is set
         self.placement: Any = None  # the RayPlacement of the workers, with [cluster] backend = "ray"
+        self._colocated: dict[str, tuple[str, ...]] = {}  # a colocated actor's name -> the worker ids it serves
 
     @property
     def address(self) -> str:
@@ -165,6 +166,8 @@ class LocalRuntime:
             todo += [(LearnerActor, g.learner_id) for g in cfg.learners if g.local]
             if self.placement is not None:
                 self.placement.start([wid for _, wid in todo])  # Ray actors: they load and register there
+            elif cfg.colocate:
+                self._spawn_colocated()
             else:
                 with ThreadPoolExecutor(max(1, len(todo))) as pool:  # each loads the model: side by side
                     futures = {wid: pool.submit(self._spawn_worker, cls, wid) for cls, wid in todo}
@@ -215,6 +218,29 @@ class LocalRuntime:
             config=dataclasses.replace(self._actor_config(), env=tuple(sorted(env.items()))),
         )
 
+    def _spawn_colocated(self) -> None:
+        """One ``ColocatedActor`` per engine and learner pair (``RuntimeConfig.colocated_pairs``):
+        it registers as both, so each worker id names the one process."""
+        from polytinker.engine.worker.colocated import ColocatedActor
+
+        assert self.supervisor is not None
+        cfg = self.config
+        for engine, learner in cfg.colocated_pairs():
+            plans = cfg.worker_plan(engine.engine_id), cfg.worker_plan(learner.learner_id)
+            name = f"colocated-{engine.engine_id}-{learner.learner_id}"[:100]
+            env = worker_env(cfg.worker_threads)
+            ref = self.supervisor.spawn(
+                ColocatedActor,
+                plans[0].to_dict(),
+                plans[1].to_dict(),
+                self.local_address,
+                cfg.worker_token,
+                name=name,
+                config=dataclasses.replace(self._actor_config(), env=tuple(sorted(env.items()))),
+            )
+            self.workers[engine.engine_id] = self.workers[learner.learner_id] = ref
+            self._colocated[name] = (engine.engine_id, learner.learner_id)
+
     # --- supervision -----------------------------------------------------------------------------
     def _gave_up(self, report: ChildReport) -> None:
         """The supervisor gave up on an actor (on its thread): fail, and stop the rest."""
@@ -254,9 +280,11 @@ class LocalRuntime:
         if sup is None:
             return ()
         placed = self.placement.actors() if self.placement is not None else ()
+        # A colocated actor is reported under each worker id it serves: its exit fails both
+        # workers' calls in flight at once, as a separate worker's does.
         return placed + tuple(
             ActorState(
-                r.name,
+                name,
                 r.alive,
                 r.pid or 0,
                 r.restarts,
@@ -266,6 +294,7 @@ class LocalRuntime:
                 r.last_error,
             )
             for r in sup.report().values()
+            for name in self._colocated.get(r.name, (r.name,))
         )
 
     def _report_loop(self) -> None:
