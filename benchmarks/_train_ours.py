@@ -146,6 +146,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--agents", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--adapter-slots", type=int, default=8, help="the engine's adapter slots (>= agents)")
+    parser.add_argument("--learner-batch-max", type=int, default=8, help="forward_backward calls per learner pass")
     args = parser.parse_args()
 
     # The runtime's workers read it at start. This client process only renders the prompt and sends
@@ -153,11 +155,17 @@ def main() -> None:
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     from polytinker import ServiceClient
     from polytinker.engine.models import load_tokenizer
-    from polytinker.scheduler.service.config import RuntimeConfig
+    from polytinker.scheduler.service.config import EngineWorkerConfig, RuntimeConfig
 
     prompt = prompt_ids(load_tokenizer(args.model))
     t0 = time.perf_counter()
-    with ServiceClient(runtime_config=RuntimeConfig(model=args.model)) as service:
+    runtime = RuntimeConfig(
+        model=args.model,
+        # The scheduler pins one engine slot per running job: fewer slots than agents refuse the rest.
+        engines=(EngineWorkerConfig(adapter_slots=args.adapter_slots),),
+        learner_batch_max=args.learner_batch_max,
+    )
+    with ServiceClient(runtime_config=runtime) as service:
         service.runtime_status()  # starts the local runtime before the agents race to it
         emit({"event": "runtime_up", "startup_s": time.perf_counter() - t0})
         names = [f"agent{i}" for i in range(args.agents)]
