@@ -177,6 +177,43 @@ def test_prompt_too_long_is_a_config_error(backend: Any) -> None:
 
 
 @pytest.mark.vllm
+def test_requests_join_a_batch_in_progress_and_scores_run_beside_it(backend: Any) -> None:
+    """vLLM's engine is stepped by the caller: a request added between two steps of a batch is
+    answered with what it draws alone (greedy), the long one is not held up by it, and a blocking
+    score taken between steps leaves the batch's answers to the batch."""
+    from polytinker.engine.inference.base import SteppingBackend
+
+    assert isinstance(backend, SteppingBackend) and backend.joins
+    long_prompt, short_prompt = tuple(range(20, 30)), tuple(range(40, 44))
+    long = SampleRequest(
+        prompt_token_ids=long_prompt, params=SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    )
+    short = SampleRequest(
+        prompt_token_ids=short_prompt, params=SamplingParams(max_tokens=3, temperature=0, n=2, ignore_eos=True)
+    )
+    batch = backend.open_batch()
+    assert batch.add([("long", long)]) == []
+    ended: dict[Any, Any] = {}
+    for _ in range(3):
+        ended.update(batch.step())
+    assert batch.rows == 1 and not ended
+    ended.update(batch.add([("short", short)]))
+    assert batch.rows == 3
+    scores = backend.compute_logprobs([long_prompt])  # steps the engine: the batch's rows go on
+    while batch.rows:
+        ended.update(batch.step())
+        if "short" in ended and "long" not in ended:
+            ended["short_first"] = True
+    assert ended.get("short_first"), "the short request ended first, not after the long one"
+    assert [s.token_ids for s in ended["short"].sequences] == [
+        s.token_ids for s in backend.sample([short])[0].sequences
+    ]
+    assert ended["long"].sequences[0].token_ids == backend.sample([long])[0].sequences[0].token_ids
+    assert len(ended["short"].sequences) == 2 and len(ended["long"].sequences[0].token_ids) == 40
+    assert len(scores[0]) == len(long_prompt) - 1
+
+
+@pytest.mark.vllm
 @pytest.mark.slow
 def test_real_model_answers_and_closes() -> None:
     from polytinker.engine.inference.vllm_backend import VllmBackend

@@ -108,8 +108,8 @@ class StepBatch(Protocol):
 
 @runtime_checkable
 class SteppingBackend(InferenceBackend, Protocol):
-    """A backend whose batches the engine drives one decode step at a time (``hf``): requests that
-    arrive while a batch runs join it at its next step (continuous batching)."""
+    """A backend whose batches the engine drives one decode step at a time (``hf``, ``vllm``):
+    requests that arrive while a batch runs join it at its next step (continuous batching)."""
 
     joins: bool  # False where the model's cache cannot take rows mid-batch: a batch runs to its end
 

@@ -3,11 +3,11 @@
 ``submit`` may be called from any thread and returns a ``Future``. One worker thread owns the
 backend. With nothing running it takes the oldest waiting work, waits ``batch_window_s`` for
 others to arrive, and starts what fits (``max_batch_size`` sequences, adapters within the resident
-slots) as one mixed batch. A backend that decodes in steps (``hf``: ``SteppingBackend``) is then
-driven one step at a time, and between two steps the requests waiting that fit beside the batch
-join it (prefilled, then decoded with the others), while requests that end leave it and are
-answered at once: requests that arrive a moment apart share the model's matmuls, and a short one
-is not held up by a long one. vLLM runs a batch as one call, so there a batch runs to its end.
+slots) as one mixed batch. A backend that decodes in steps (``hf`` and ``vllm``:
+``SteppingBackend``) is then driven one step at a time, and between two steps the requests waiting
+that fit beside the batch join it (prefilled, then decoded with the others), while requests that
+end leave it and are answered at once: requests that arrive a moment apart share the model's
+matmuls, and a short one is not held up by a long one.
 Adapter loads and jobs (``compute_logprobs``, ``pin``) run on the same thread, between batches or
 between steps, so no step sees its weights change under it.
 

@@ -1,6 +1,8 @@
 """The ``vllm`` backend: vLLM with LoRA, many adapter versions mixed in one batch.
 
-One ``vllm.LLM`` holds the base model with ``enable_lora``. Each resident adapter version has
+One ``vllm.LLM`` holds the base model with ``enable_lora``; its engine is stepped by the inference
+engine's loop (``open_batch``, ``_vllm_steps``), so requests that arrive while others decode join
+vLLM's running batch. Each resident adapter version has
 one stable integer id (never reused for another version) and a peft directory that vLLM reads;
 a batch passes one ``LoRARequest`` per prompt (``None`` for the base model), so requests for
 different adapters share every base-model matmul. Reloading a version that is already resident
@@ -30,6 +32,7 @@ from typing import Any
 
 from polytinker.engine.inference._vllm_adapters import BASE_ADAPTER_NAME, check_adapter, linear_shapes, zero_adapter
 from polytinker.engine.inference._vllm_config import INSTALL_HINT, VllmBackendConfig
+from polytinker.engine.inference._vllm_steps import VllmBatch, _Entry, _Stepper
 from polytinker.engine.inference.adapter_io import CONFIG_FILE, WEIGHTS_FILE, write_adapter_dir
 from polytinker.engine.inference.base import cut_at_stop, render_prompt
 from polytinker.engine.models import load_tokenizer, resolve_model
@@ -97,6 +100,7 @@ class VllmBackend:
     """vLLM with LoRA; implements :class:`~polytinker.engine.inference.base.InferenceBackend`."""
 
     name = "vllm"
+    joins = True  # vLLM's scheduler takes requests into its running batch at any step
 
     def __init__(self, config: VllmBackendConfig | None = None) -> None:
         require_vllm()
@@ -125,6 +129,7 @@ class VllmBackend:
         except BaseException:
             self._cleanup()
             raise
+        self._stepper = _Stepper(self._llm.llm_engine)
 
     def _start(self) -> tuple[Any, str]:
         from vllm import LLM
@@ -280,40 +285,41 @@ class VllmBackend:
         )
 
     def sample(self, requests: Sequence[SampleRequest]) -> list[SampleResult]:
-        # vLLM schedules a batch's steps itself, in one generate call: there is no ``open_batch``,
-        # so a batch runs to its end before the engine takes other work.
-        with self._lock:
-            self._check_open()
-            prompts = [render_prompt(self.tokenizer, r) for r in requests]
-            if any(not p for p in prompts):
-                raise ConfigError("SampleRequest: the prompt is empty; give at least one token")
-            # vLLM refuses n > 1 with greedy decoding; such a request goes in as n copies of n = 1
-            # (their results are equal, as in every backend).
-            copies = [r.params.n if r.params.temperature == 0 else 1 for r in requests]
-            owners = [i for i, c in enumerate(copies) for _ in range(c)]
-            params = [
-                self._vllm_params(requests[i].params, len(prompts[i]), requests[i].params.n // copies[i])
-                for i in owners
-            ]
-            loras = [self._lora_request(requests[i].adapter) for i in owners]
-            outputs = self._generate([prompts[i] for i in owners], params, loras)
-            completions: list[list[Any]] = [[] for _ in requests]
-            for i, output in zip(owners, outputs, strict=True):
-                completions[i].extend(sorted(output.outputs, key=lambda c: c.index))
-            return [self._result(r, p, c) for r, p, c in zip(requests, prompts, completions, strict=True)]
+        batch = self.open_batch()
+        done = dict(batch.add(list(enumerate(requests))))
+        while batch.rows:
+            done.update(batch.step())
+        return [done[i] for i in range(len(requests))]
+
+    def open_batch(self) -> VllmBatch:
+        """A batch whose requests decode in vLLM's engine, stepped by the caller; requests join it
+        between steps (see ``_vllm_steps``)."""
+        return VllmBatch(self, self._stepper)
+
+    def _entry(self, request: SampleRequest) -> _Entry:
+        prompt = render_prompt(self.tokenizer, request)
+        if not prompt:
+            raise ConfigError("SampleRequest: the prompt is empty; give at least one token")
+        # vLLM refuses n > 1 with greedy decoding; such a request goes in as n copies of n = 1
+        # (their results are equal, as in every backend).
+        return _Entry(request, prompt, request.params.n if request.params.temperature == 0 else 1)
+
+    def _vllm_requests(self, entry: _Entry) -> list[tuple[Any, Any]]:
+        """(vLLM's SamplingParams, LoRARequest) of each vLLM request ``entry`` goes in as."""
+        params, n = entry.request.params, entry.request.params.n // entry.copies
+        return [
+            (self._vllm_params(params, len(entry.prompt), n), self._lora_request(entry.request.adapter))
+            for _ in range(entry.copies)
+        ]
 
     def _generate(self, prompts: list[list[int]], params: list[Any], loras: list[Any]) -> list[Any]:
+        """Blocking: each prompt to its end through the same stepped engine as the batches."""
         if not prompts:
             return []
         try:
-            return list(
-                self._llm.generate(
-                    [{"prompt_token_ids": p} for p in prompts],
-                    params,
-                    lora_request=loras,
-                    use_tqdm=False,
-                )
-            )
+            return self._stepper.run(list(zip(prompts, params, loras, strict=True)))
+        except ModelError:
+            raise
         except Exception as exc:
             raise ModelError(f"vLLM failed on a batch of {len(prompts)} requests: {exc}") from exc
 
