@@ -1,7 +1,7 @@
 """The cost curve of many agents on one base model: 1, 4 and 16 agents on SmolLM2-135M-Instruct,
 1 and 64 on the tiny-random model.
 
-    python benchmarks/agents_scale.py --quick      # 2 steps per agent (about 10 minutes on 2 cores)
+    python benchmarks/agents_scale.py --quick      # 2 steps per agent (449 s on 2 shared cores)
     python benchmarks/agents_scale.py              # 4 steps per agent
 
 Two sections, each against its own one-agent baseline measured in the same run:
