@@ -49,6 +49,9 @@ from polytinker.scheduler.service import EngineWorkerConfig, LocalRuntime, Runti
 from polytinker.scheduler.service.state import StateStore
 from polytinker.transport import RpcClient, TransportConfig
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling transport.py, however it is loaded
+from transport import spawn_server
+
 MODEL = "tiny-random"
 KEY = "bench-rate-key-0123456789abcdef"
 PARAMS = {"max_tokens": 1, "temperature": 1.0}
@@ -121,14 +124,7 @@ def hop_mb_per_s(address: str, reps: int) -> float:
 
 
 def spawn_echo() -> tuple[subprocess.Popen[str], str]:
-    args = [sys.executable, "-m", "polytinker.transport._echo", "tcp://127.0.0.1:0"]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line.startswith("READY "):
-        proc.kill()
-        raise RuntimeError(f"echo server did not start: {line!r}")
-    return proc, line.split()[1]
+    return spawn_server([sys.executable, "-m", "polytinker.transport._echo", "tcp://127.0.0.1:0"])
 
 
 def runtime_config(clients: int) -> RuntimeConfig:

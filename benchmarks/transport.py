@@ -123,7 +123,8 @@ class _FloorClient:
                 self._waiting.pop(sock.recv_multipart()[0]).release()
 
 
-def _spawn(args: list[str]) -> tuple[subprocess.Popen[str], str]:
+def spawn_server(args: list[str]) -> tuple[subprocess.Popen[str], str]:
+    """Start a server that prints ``READY <address>`` (also benchmarks/scheduler_rate.py's echo)."""
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -205,12 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     rounds, per_round, tensor_reps, codec_reps = (40, 50, 5, 2000) if args.quick else (200, 100, 15, 20000)
 
     cfg = TransportConfig(request_timeout_s=60.0)
-    raw_proc, raw_addr = _spawn([sys.executable, "-c", _RAW_SERVER])
-    our_proc, our_addr = _spawn([sys.executable, "-m", "polytinker.transport._echo", "tcp://127.0.0.1:0"])
-    inline_proc, inline_addr = _spawn(
+    raw_proc, raw_addr = spawn_server([sys.executable, "-c", _RAW_SERVER])
+    our_proc, our_addr = spawn_server([sys.executable, "-m", "polytinker.transport._echo", "tcp://127.0.0.1:0"])
+    inline_proc, inline_addr = spawn_server(
         [sys.executable, "-m", "polytinker.transport._echo", "tcp://127.0.0.1:0", "--handler-threads", "0"]
     )
-    floor_proc, floor_addr = _spawn([sys.executable, "-c", _FLOOR_SERVER])
+    floor_proc, floor_addr = spawn_server([sys.executable, "-c", _FLOOR_SERVER])
     raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.linger = 0
     raw.connect(raw_addr)
