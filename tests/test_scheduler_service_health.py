@@ -110,9 +110,10 @@ def test_status_shows_each_actor_and_serve_stops_when_an_engine_stays_down(tmp_p
     table = subprocess.run(
         [*CMD, "status", "--scheduler", address, "--api-key", KEY], capture_output=True, text=True, env=ENV, timeout=60
     ).stdout
-    assert table.splitlines()[1].split() == ["ACTOR", "STATE", "PID", "RESTARTS", "LAST", "EXIT"]
+    assert table.splitlines()[1].split() == ["ACTOR", "STATE", "PID", "RESTARTS", "LAST", "EXIT", "NODE"]
     rows = {ln.split()[0]: ln.split() for ln in table.splitlines()[2:4]}
     assert rows["scheduler"][1:2] == ["alive"] and rows["engine-0"][1:2] == ["alive"]
+    assert rows["scheduler"][-2:] == rows["engine-0"][-2:] == ["this", "machine"]  # not placed by Ray
     engine = _actor(address, "engine-0")
     assert engine["restarts"] == 0 and engine["last_exit_code"] is None and not engine["gave_up"]
     os.kill(engine["pid"], signal.SIGKILL)
