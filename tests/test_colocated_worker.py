@@ -53,7 +53,9 @@ def _rl_step(h: dict[str, Any]) -> dict[str, Any]:
             n = len(tokens) - 1
             weights_T = [0.0] * (len(PROMPT) - 1) + [1.0] * len(s.tokens)
             sampled_T = [0.0] * (len(PROMPT) - 1) + list(s.logprobs)
-            data.append(Datum(tokens[:-1], tokens[1:], weights_T, [float(k) - 1.5] * n, sampled_T))
+            # Advantages that do not sum to zero: at v0 every ratio is 1 (or within float noise),
+            # so advantages summing to zero would make the loss 0.0 or not by chance.
+            data.append(Datum(tokens[:-1], tokens[1:], weights_T, [float(k) - 1.0] * n, sampled_T))
         fb = _call(h, wm.LearnerForwardBackward(adapter, tuple(data), "importance_sampling"))
         step = _call(h, wm.LearnerStep(adapter, 5e-2, 0.9, 0.999, 1e-8, 0.0))
         after = _sample(h, adapter, step.version, seed=21 + i).sequences
