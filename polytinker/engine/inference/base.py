@@ -94,8 +94,15 @@ class StepBatch(Protocol):
     two steps and leave it when they end. Each method returns the requests that have ended, as
     ``(key, result)``; a request's key is the caller's."""
 
-    rows: int  # sequences still being generated
-    tokens_left: int  # the most tokens they may still draw
+    @property
+    def rows(self) -> int:
+        """Sequences still being generated."""
+        ...
+
+    @property
+    def tokens_left(self) -> int:
+        """The most tokens they may still draw."""
+        ...
 
     def add(self, requests: Sequence[tuple[Hashable, SampleRequest]]) -> list[tuple[Hashable, SampleResult]]:
         """Prefill ``requests`` and join them; all or none (if it raises, the batch is as it was)."""
@@ -114,6 +121,14 @@ class SteppingBackend(InferenceBackend, Protocol):
     joins: bool  # False where the model's cache cannot take rows mid-batch: a batch runs to its end
 
     def open_batch(self) -> StepBatch: ...
+
+
+def sample_to_end(batch: StepBatch, requests: Sequence[SampleRequest]) -> list[SampleResult]:
+    """``requests`` as one batch stepped to its end: a stepping backend's ``sample``."""
+    done = dict(batch.add(list(enumerate(requests))))
+    while batch.rows:
+        done.update(batch.step())
+    return [done[i] for i in range(len(requests))]
 
 
 def render_prompt(tokenizer: PreTrainedTokenizerBase, request: SampleRequest) -> list[int]:
@@ -136,4 +151,4 @@ def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
     return (text[:cut], True) if cut >= 0 else (text, False)
 
 
-__all__ = ["InferenceBackend", "StepBatch", "SteppingBackend", "cut_at_stop", "render_prompt"]
+__all__ = ["InferenceBackend", "StepBatch", "SteppingBackend", "cut_at_stop", "render_prompt", "sample_to_end"]

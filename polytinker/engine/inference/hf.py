@@ -27,7 +27,7 @@ from polytinker.engine.inference._decode import DecodeBatch, Row
 from polytinker.engine.inference._multilora import MultiLora
 from polytinker.engine.inference._sampling import choice_slices, make_row_sampler, pick_choice
 from polytinker.engine.inference.adapter_io import read_adapter_dir
-from polytinker.engine.inference.base import cut_at_stop
+from polytinker.engine.inference.base import cut_at_stop, sample_to_end
 from polytinker.engine.inference.config import HFBackendConfig
 from polytinker.engine.models import load_model
 from polytinker.engine.types import (
@@ -168,11 +168,7 @@ class HFBackend:
     # ----- sampling -----
 
     def sample(self, requests: Sequence[SampleRequest]) -> list[SampleResult]:
-        batch = self.open_batch()
-        done = dict(batch.add(list(enumerate(requests))))
-        while batch.rows:
-            done.update(batch.step())
-        return [done[i] for i in range(len(requests))]
+        return sample_to_end(self.open_batch(), requests)
 
     def open_batch(self) -> DecodeBatch:
         """A batch to decode step by step, which requests may join between steps (if ``joins``)."""

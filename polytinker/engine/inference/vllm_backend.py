@@ -34,7 +34,7 @@ from polytinker.engine.inference._vllm_adapters import BASE_ADAPTER_NAME, check_
 from polytinker.engine.inference._vllm_config import INSTALL_HINT, VllmBackendConfig
 from polytinker.engine.inference._vllm_steps import VllmBatch, _Entry, _Stepper
 from polytinker.engine.inference.adapter_io import CONFIG_FILE, WEIGHTS_FILE, write_adapter_dir
-from polytinker.engine.inference.base import cut_at_stop, render_prompt
+from polytinker.engine.inference.base import cut_at_stop, render_prompt, sample_to_end
 from polytinker.engine.models import load_tokenizer, resolve_model
 from polytinker.engine.types import (
     AdapterRef,
@@ -285,11 +285,7 @@ class VllmBackend:
         )
 
     def sample(self, requests: Sequence[SampleRequest]) -> list[SampleResult]:
-        batch = self.open_batch()
-        done = dict(batch.add(list(enumerate(requests))))
-        while batch.rows:
-            done.update(batch.step())
-        return [done[i] for i in range(len(requests))]
+        return sample_to_end(self.open_batch(), requests)
 
     def open_batch(self) -> VllmBatch:
         """A batch whose requests decode in vLLM's engine, stepped by the caller; requests join it
