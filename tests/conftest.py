@@ -66,6 +66,8 @@ RUNTIME_KEYWORDS = frozenset({"runtime_config"})
 RUNTIME_TESTS = frozenset(
     {
         "test_league_example",  # examples/league.py starts a local runtime in its child interpreter
+        "test_bench_contention",  # benchmarks/contention.py's runtimes, through the benchmark's functions
+        "test_train_loop::test_the_train_command_prints_the_cross_play_table_as_show_does",  # `train` in-process
         "test_scheduler_service_cli",
         "test_scheduler_service_health",
         "test_scheduler_service_unit::test_a_data_parallel_learner_worker_runs_a_full_parameter_job_then_lora_again",
