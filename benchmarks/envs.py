@@ -3,13 +3,17 @@
     python benchmarks/envs.py --quick     # under a minute
     python benchmarks/envs.py
 
-Prints one ``name value`` line per figure:
+Prints one ``name: value`` line per figure:
 
 - ``direct_episodes_per_s``: tictactoe-v0 stepped in a plain loop with a trivial policy (the floor);
 - ``coordinator_episodes_per_s`` and ``coordinator_overhead_ratio`` (coordinator / direct), with
   ``--concurrency`` episodes in flight and an async policy;
 - ``remote_episodes_per_s`` and ``remote_vs_local_ratio`` (remote / local coordinator): the same
-  through ``polytinker env serve`` in another process, over tcp on loopback;
+  through ``polytinker env serve`` in another process, over tcp on loopback. The two take turns
+  in ``--rounds`` rounds (after a warm-up of each), and the ratio is the median of the rounds'
+  ratios (``remote_vs_local_ratio_min`` and ``_max`` beside it): a round of each is about a
+  second, so a burst of other work on the machine falls on one round of one side, not on the
+  whole figure; the episodes-per-second figures are the medians of the rounds;
 - ``coordinator_cpu_ms_per_episode``, ``remote_client_cpu_ms_per_episode`` and
   ``remote_server_cpu_ms_per_episode``: CPU time (user + system, every thread) of an episode in this
   process, locally and against the server, and in the server's process: what a machine shared
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -85,6 +90,36 @@ def coordinated(make_env: Any, episodes: int, concurrency: int, cpu: dict[str, f
     return episodes / elapsed
 
 
+def interleaved(
+    address: str, server_pid: int, local_n: int, remote_n: int, concurrency: int, rounds: int
+) -> dict[str, float]:
+    """The local coordinator and the remote env server taking turns: medians over ``rounds``
+    rounds of each (one warm-up of each first), CPU ms per episode of the last round of each."""
+    local_cpu: dict[str, float] = {}
+    remote_cpu: dict[str, float] = {"server_pid": server_pid}
+
+    def local(episodes: int) -> float:
+        return coordinated(lambda: make("tictactoe-v0"), episodes, concurrency, local_cpu)
+
+    def remote(episodes: int) -> float:
+        return coordinated(lambda: RemoteEnv.aopen(address, "tictactoe-v0"), episodes, concurrency, remote_cpu)
+
+    local(min(local_n, 256))
+    remote(min(remote_n, 128))
+    pairs = [(local(local_n), remote(remote_n)) for _ in range(rounds)]
+    ratios = sorted(r / c for c, r in pairs)
+    return {
+        "coordinator_episodes_per_s": statistics.median(c for c, _ in pairs),
+        "remote_episodes_per_s": statistics.median(r for _, r in pairs),
+        "remote_vs_local_ratio": statistics.median(ratios),
+        "remote_vs_local_ratio_min": ratios[0],
+        "remote_vs_local_ratio_max": ratios[-1],
+        "coordinator_cpu_ms_per_episode": local_cpu["client"],
+        "remote_client_cpu_ms_per_episode": remote_cpu["client"],
+        "remote_server_cpu_ms_per_episode": remote_cpu["server"],
+    }
+
+
 def step_latency_ms(address: str, steps: int) -> float:
     env = RemoteEnv(address, "guess_number-v0", env_kwargs={"max_guesses": 10**6})
     env.reset(seed=0)
@@ -116,15 +151,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer episodes (under a minute)")
     parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=None, help="local/remote rounds (default 7, --quick 5)")
     args = parser.parse_args()
     n = 1000 if args.quick else 5000
-    n_remote = 512 if args.quick else 2048
+    # A round of each side is about a second on two cores (local ~2000 episodes/s, remote ~700).
+    n_round, n_remote = (2000, 640) if args.quick else (4000, 1280)
+    rounds = args.rounds or (5 if args.quick else 7)
 
     figures: dict[str, float] = {}
     figures["direct_episodes_per_s"] = direct_aec("tictactoe-v0", n)
-    local_cpu: dict[str, float] = {}
-    figures["coordinator_episodes_per_s"] = coordinated(lambda: make("tictactoe-v0"), n, args.concurrency, local_cpu)
-    figures["coordinator_overhead_ratio"] = figures["coordinator_episodes_per_s"] / figures["direct_episodes_per_s"]
 
     server, address = spawn(
         ["-m", "polytinker.cli", "env", "serve", "tictactoe-v0", "prisoners_dilemma-v0", "guess_number-v0",
@@ -132,14 +167,8 @@ def main() -> None:
         "serving",
     )  # fmt: skip
     try:
-        remote_cpu: dict[str, float] = {"server_pid": server.pid}
-        figures["remote_episodes_per_s"] = coordinated(
-            lambda: RemoteEnv.aopen(address, "tictactoe-v0"), n_remote, args.concurrency, remote_cpu
-        )
-        figures["remote_vs_local_ratio"] = figures["remote_episodes_per_s"] / figures["coordinator_episodes_per_s"]
-        figures["coordinator_cpu_ms_per_episode"] = local_cpu["client"]
-        figures["remote_client_cpu_ms_per_episode"] = remote_cpu["client"]
-        figures["remote_server_cpu_ms_per_episode"] = remote_cpu["server"]
+        figures.update(interleaved(address, server.pid, n_round, n_remote, args.concurrency, rounds))
+        figures["coordinator_overhead_ratio"] = figures["coordinator_episodes_per_s"] / figures["direct_episodes_per_s"]
         figures["remote_step_latency_ms"] = step_latency_ms(address, 200 if args.quick else 2000)
         figures["parallel_direct_episodes_per_s"] = direct_parallel("prisoners_dilemma-v0", n)
         figures["parallel_coordinator_episodes_per_s"] = coordinated(
@@ -161,7 +190,7 @@ def main() -> None:
 
     print(f"# env: tictactoe-v0 (AEC), prisoners_dilemma-v0 (parallel); concurrency {args.concurrency}")
     for name, value in figures.items():
-        print(f"{name} {value:.3f}" if "ratio" in name or "cpu_ms" in name else f"{name} {value:.1f}")
+        print(f"{name}: {value:.3f}" if "ratio" in name or "cpu_ms" in name else f"{name}: {value:.1f}")
 
 
 if __name__ == "__main__":
