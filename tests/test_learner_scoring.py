@@ -133,7 +133,7 @@ def test_mixed_adapters_with_a_shared_prefix_equal_one_call_per_adapter() -> Non
         torch.testing.assert_close(grads(mixed, name), grads(separate, name), rtol=1e-4, atol=1e-6)
 
 
-def test_micro_batches_keep_each_prompt_whole_and_mix_adapters_only_where_it_costs_nothing() -> None:
+def test_micro_batches_keep_each_adapters_prompt_whole_and_mix_adapters_only_where_rows_share_nothing() -> None:
     def tokens(seed: int, n: int) -> list[int]:
         return torch.randint(1, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -152,9 +152,13 @@ def test_micro_batches_keep_each_prompt_whole_and_mix_adapters_only_where_it_cos
     plan = scoring.plan_micro_batches(unrelated, size=4, max_tokens=1 << 20)
     assert [len(b) for b in plan] == [4, 4, 2]
     assert any(len({unrelated[i][0] for i in b}) == 2 for b in plan)
-    # one prompt answered by two adapters: one micro-batch, its prefix run once per adapter
+    # one prompt answered by two adapters, two rows each: each adapter's rows together and alone
+    # (its prefix once, its suffixes packed), not one micro-batch padding every suffix
     both = [(name, short + tokens(50 + k, 4)) for k, name in enumerate(("alice", "bob", "alice", "bob"))]
-    assert scoring.plan_micro_batches(both, size=8, max_tokens=1 << 20) == [sorted(range(4), key=lambda i: both[i][1])]
+    assert sorted(sorted(b) for b in scoring.plan_micro_batches(both, size=8, max_tokens=1 << 20)) == [[0, 2], [1, 3]]
+    # a lone row of each adapter shares no prefix with its own adapter's rows: the two mix
+    lone = [("alice", short + tokens(60, 4)), ("bob", short + tokens(61, 4))]
+    assert scoring.plan_micro_batches(lone, size=8, max_tokens=1 << 20) == [sorted(range(2), key=lambda i: lone[i][1])]
 
 
 def test_a_pass_holds_at_most_max_tokens_positions_whatever_the_datum_count() -> None:
@@ -237,7 +241,7 @@ def test_one_adapter_runs_the_prefix_once_and_the_suffixes_packed(monkeypatch: p
         lambda _m, _args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
     )
     lrn.forward_backward(data, "importance_sampling", "alice")
-    # four completions of 4 tokens each (no padding to lose): worth one mixed micro-batch
+    # four completions of 4 tokens each, two per adapter
     last = data[3]
     same_length = []
     for j in range(4):
@@ -247,7 +251,8 @@ def test_one_adapter_runs_the_prefix_once_and_the_suffixes_packed(monkeypatch: p
     lrn.forward_backward_many({"alice": same_length[:2], "bob": same_length[2:]}, "importance_sampling")
     handle.remove()
     own = sum(len(d.input_tokens) - 12 for d in data)
-    # One adapter: prefix once, then every row's own tokens unpadded in one row. Two adapters: a
-    # prefix row each, then the suffixes padded, one row per datum.
-    # (The four mixed rows differ only in their last token: all the rest is their shared prefix.)
-    assert shapes == [(1, 12), (1, own), (2, len(last.input_tokens) - 1), (4, 1)]
+    # One adapter: prefix once, then every row's own tokens unpadded in one row. Two adapters in
+    # one call: the same for each adapter's rows on their own (MultiAdapterLearner._mixed_chunks).
+    # (The four rows differ only in their last token: all the rest is their shared prefix.)
+    prefix = len(last.input_tokens) - 1
+    assert shapes == [(1, 12), (1, own), (1, prefix), (1, 2), (1, prefix), (1, 2)]
