@@ -26,7 +26,8 @@ Printed (``name: value``):
 - ``sampling_tok_s_N_vs_1``: generated tokens per second, N agents' groups in mixed batches
   against one agent's group (target >= 2.0 at 16); ``evictions_N`` and, with 8 slots,
   ``evictions_16_at_8_slots`` and ``sampling_tok_s_16_at_8_slots_vs_1``;
-- the absolute figures behind each ratio.
+- the absolute figures behind each ratio, and each process's peak (``peak_rss_mib_<actor>_N``: the
+  benchmark's client is ``main``, the runtime's actors by name).
 """
 
 from __future__ import annotations
@@ -173,6 +174,9 @@ def measure(model: str, counts: tuple[int, ...], steps: int, args: argparse.Name
             (f"s_per_agent_step_{n}{tag}", fmt(s_per_agent_step(runs[n], n, steps), 2)),
             (f"peak_rss_mib_{n}{tag}", fmt(runs[n].peak_mib, 0)),
         ]
+        # Where the peaks are: the client ("main"), the scheduler, the engine, the learner.
+        by_label = sorted(runs[n].peak_mib_by_label().items())
+        out += [(f"peak_rss_mib_{label}_{n}{tag}", fmt(mib, 0)) for label, mib in by_label]
     out += [(f"{k}{tag}", fmt(v, 1)) for k, v in sampling.items()]
     return out
 

@@ -79,6 +79,8 @@ class Run:
 
     records: list[dict[str, Any]] = field(default_factory=list)
     peak_rss_by_pid: dict[int, int] = field(default_factory=dict)
+    # An actor process's name (the stem of its ``actors/<name>.log``), "main" for a started command.
+    label_by_pid: dict[int, str] = field(default_factory=dict)
     wall_s: float = 0.0
 
     @property
@@ -86,11 +88,34 @@ class Run:
         """Sum of per-process RSS peaks, MiB."""
         return sum(self.peak_rss_by_pid.values()) / 2**20
 
+    def peak_mib_by_label(self) -> dict[str, float]:
+        """Per-process RSS peaks summed by label (a process not yet labelled counts as "other")."""
+        out: dict[str, float] = {}
+        for pid, rss in self.peak_rss_by_pid.items():
+            label = self.label_by_pid.get(pid, "other")
+            out[label] = out.get(label, 0.0) + rss / 2**20
+        return out
+
     def steps(self) -> list[dict[str, Any]]:
         return [r for r in self.records if "step" in r]
 
 
-def _watch(roots: list[Any], peaks: dict[int, int], stop: threading.Event, period_s: float = 0.1) -> None:
+def _label(proc: Any, roots: list[Any]) -> str | None:
+    """The label of a process: "main" for a started command, an actor's name once its log is open."""
+    import psutil
+
+    if proc in roots:
+        return "main"
+    try:
+        logs = [Path(f.path).name for f in proc.open_files() if "/actors/" in f.path and f.path.endswith(".log")]
+    except psutil.Error:
+        return None
+    return logs[0].split(".")[0] if logs else None
+
+
+def _watch(
+    roots: list[Any], peaks: dict[int, int], stop: threading.Event, labels: dict[int, str], period_s: float = 0.1
+) -> None:
     import psutil
 
     while not stop.is_set():
@@ -106,6 +131,8 @@ def _watch(roots: list[Any], peaks: dict[int, int], stop: threading.Event, perio
                     continue
                 if rss > peaks.get(p.pid, 0):
                     peaks[p.pid] = rss
+                if p.pid not in labels and (label := _label(p, roots)) is not None:
+                    labels[p.pid] = label
         stop.wait(period_s)
 
 
@@ -121,7 +148,7 @@ def run_processes(commands: list[list[str]], env: dict[str, str], timeout_s: flo
     ]
     roots = [psutil.Process(p.pid) for p in popens]
     stop = threading.Event()
-    watcher = threading.Thread(target=_watch, args=(roots, run.peak_rss_by_pid, stop), daemon=True)
+    watcher = threading.Thread(target=_watch, args=(roots, run.peak_rss_by_pid, stop, run.label_by_pid), daemon=True)
     watcher.start()
     stderr: list[str] = ["" for _ in popens]
 
