@@ -456,7 +456,6 @@ def check_loss_config(config: dict[str, float] | None) -> None:
             raise ConfigError(f"loss_fn_config[{str(name)[:64]!r}] must be a finite number")
 
 
-
 # The one training example and the sampling parameters of the whole stack travel as values in
 # messages (the scheduler's, its clients' and its workers'): registered where they are defined,
 # so every process that has the types can encode and decode them.
