@@ -192,7 +192,8 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     # Threads that wait for work sleep instead of spinning, as the runtime's workers do: on cores
     # other processes share, a spinning thread holds a core a busy peer needs.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if not (os.environ.get("OMP_WAIT_POLICY") or os.environ.get("GOMP_SPINCOUNT")):
+        os.environ.update(OMP_WAIT_POLICY="PASSIVE", GOMP_SPINCOUNT="1000")  # worker_env's rule
     import torch
 
     torch.set_num_threads(args.threads)

@@ -28,7 +28,7 @@ def eight_cores(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_worker_takes_the_cores_shared_by_its_ranks_and_its_waiting_threads_sleep(eight_cores: None) -> None:
-    assert worker_env(0, 1, {}) == {"OMP_NUM_THREADS": "8", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert worker_env(0, 1, {}) == {"OMP_NUM_THREADS": "8", "OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "1000"}
     assert worker_env(0, 3, {})["OMP_NUM_THREADS"] == "2"  # 8 // 3: a group's ranks never exceed the cores
     assert worker_env(0, 16, {})["OMP_NUM_THREADS"] == "1"  # at least one each
 
@@ -41,6 +41,7 @@ def test_a_set_thread_count_wins_then_the_environment_then_the_cores(eight_cores
 
 def test_a_wait_policy_or_spin_count_in_the_environment_is_kept(eight_cores: None) -> None:
     assert "OMP_WAIT_POLICY" not in worker_env(0, 1, {"OMP_WAIT_POLICY": "ACTIVE"})
+    assert "GOMP_SPINCOUNT" not in worker_env(0, 1, {"OMP_WAIT_POLICY": "ACTIVE"})
     assert "OMP_WAIT_POLICY" not in worker_env(0, 1, {"GOMP_SPINCOUNT": "10000"})
 
 
@@ -77,4 +78,4 @@ def test_a_local_runtime_starts_its_workers_with_the_threads_and_wait_policy(
             assert pid is not None
             env = psutil.Process(pid).environ()
             assert env["OMP_NUM_THREADS"] == str(threads), worker_id
-            assert env["OMP_WAIT_POLICY"] == "PASSIVE", worker_id
+            assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["GOMP_SPINCOUNT"] == "1000", worker_id

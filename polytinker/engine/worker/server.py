@@ -128,23 +128,39 @@ def worker_threads(ranks: int = 1) -> int:
     return max(1, available_cores() // max(1, ranks))
 
 
+# How long libgomp's threads spin after their work before they sleep: long enough that the next
+# of a decode step's back-to-back small ops finds them awake, short enough that a waiting thread
+# gives its core back at once to a busy peer (about 1,000 pause loops).
+SPIN_COUNT = 1000
+
+
 def worker_env(threads: int, ranks: int = 1, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """What a local runtime adds to the environment of a worker process it starts (OpenMP reads
     it when torch loads, so only at spawn): ``OMP_NUM_THREADS`` = ``threads`` when > 0; with 0,
     ``$OMP_NUM_THREADS`` when set, else the cores this runtime may run on (its CPU affinity)
-    shared by the worker's ``ranks`` (``worker_threads``). And ``OMP_WAIT_POLICY=PASSIVE`` unless
-    the environment sets it or ``GOMP_SPINCOUNT``: a torch thread that waits at a barrier for one
-    that another process pre-empted sleeps instead of spinning on a core that process needs (on
-    2 loaded cores spinning threads took a training step 10x the CPU: docs/benchmarks.md)."""
+    shared by the worker's ``ranks`` (``worker_threads``). And the wait of OpenMP's threads
+    (``omp_wait_env``)."""
     environ = os.environ if environ is None else environ
     env: dict[str, str] = {}
     if threads > 0:
         env["OMP_NUM_THREADS"] = str(threads)
     elif not environ.get("OMP_NUM_THREADS"):
         env["OMP_NUM_THREADS"] = str(max(1, available_cores() // max(1, ranks)))
-    if not environ.get("OMP_WAIT_POLICY") and not environ.get("GOMP_SPINCOUNT"):
-        env["OMP_WAIT_POLICY"] = "PASSIVE"
-    return env
+    return env | omp_wait_env(environ)
+
+
+def omp_wait_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """``OMP_WAIT_POLICY=PASSIVE`` and ``GOMP_SPINCOUNT=SPIN_COUNT``, unless the environment sets
+    either. A thread that waits at a barrier for one that another process pre-empted must not spin
+    on a core that process needs (on 2 loaded cores, threads spinning libgomp's default 300,000
+    loops took a training step 10x the CPU); but with no spin at all (PASSIVE alone), each of a
+    decode step's small ops (a mixed batch's LoRA products, index_select, index_add: about 1,000 a
+    step) woke the sleeping threads again: 60-360 us an op instead of 5-15, and four clients'
+    sampling 1.6x one client's instead of 2.2x (docs/benchmarks.md, "engine.py"). libgomp takes
+    GOMP_SPINCOUNT over the policy; another OpenMP runtime reads the policy."""
+    if environ.get("OMP_WAIT_POLICY") or environ.get("GOMP_SPINCOUNT"):
+        return {}
+    return {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": str(SPIN_COUNT)}
 
 
 @dataclass(frozen=True)

@@ -197,9 +197,10 @@ class RuntimeConfig:
     # torch threads of each engine and learner rank this runtime starts as a local process. 0:
     # $OMP_NUM_THREADS when set, else the cores this runtime may run on (its CPU affinity), shared
     # by a learner group's ranks (engine and learner take turns in a training loop: each gets them
-    # all); N: N each. Each also starts with OMP_WAIT_POLICY=PASSIVE unless the environment sets it
-    # or GOMP_SPINCOUNT: threads that wait for work sleep instead of spinning on cores that other
-    # processes need (measured: docs/benchmarks.md, "contention.py").
+    # all); N: N each. Each also starts with OMP_WAIT_POLICY=PASSIVE and GOMP_SPINCOUNT=1000 unless
+    # the environment sets either: threads that wait for work spin briefly, then sleep instead of
+    # holding cores that other processes need (engine.worker.server.omp_wait_env; measured:
+    # docs/benchmarks.md, "contention.py" and "engine.py").
     start_timeout_s: float = 180.0
     # How long a local runtime waits for its workers to load their models and register.
     max_restarts: int = 5

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from polytinker.engine.worker.messages import ActorState
-from polytinker.engine.worker.server import WorkerPlan, WorkerServer, build_worker, set_worker_threads
+from polytinker.engine.worker.server import WorkerPlan, WorkerServer, build_worker, omp_wait_env, set_worker_threads
 from polytinker.errors import ConfigError, RequestTimeout
 from polytinker.scheduler.service.cluster import RAY_EXTRA_HINT
 from polytinker.scheduler.service.config import RuntimeConfig
@@ -159,7 +159,8 @@ class RayPlacement:
         cpus, gpus = bundle.pop("CPU", 0.0), bundle.pop("GPU", 0.0)
         cfg = self.config
         threads = cfg.worker_threads or max(1, int(cpus))  # the CPUs its bundle reserved for each rank
-        env = {"OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+        env = {"OMP_NUM_THREADS": str(threads), **omp_wait_env(os.environ)}
+        env |= {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if os.environ.get(k)}
         options = {
             "name": f"polytinker-{plan.worker_id}-{self._run}",  # unique per runtime: two may share a cluster
             "num_cpus": cpus,
