@@ -190,10 +190,12 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="per runtime run")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    # Threads that wait for work sleep instead of spinning, as the runtime's workers do: on cores
-    # other processes share, a spinning thread holds a core a busy peer needs.
-    if not (os.environ.get("OMP_WAIT_POLICY") or os.environ.get("GOMP_SPINCOUNT")):
-        os.environ.update(OMP_WAIT_POLICY="PASSIVE", GOMP_SPINCOUNT="1000")  # worker_env's rule
+    # Threads that wait for work spin briefly, then sleep, as the runtime's workers do: on cores
+    # other processes share, a spinning thread holds a core a busy peer needs. (This import loads no
+    # torch: OpenMP reads these when torch loads.)
+    from polytinker.engine.worker.server import omp_wait_env
+
+    os.environ.update(omp_wait_env(os.environ))
     import torch
 
     torch.set_num_threads(args.threads)

@@ -207,10 +207,9 @@ def plan_micro_batches(rows: Sequence[tuple[str, Sequence[int]]], size: int, max
         order = sorted(index, key=lambda i: list(rows[i][1]))
         for cut in token_micro_batches([rows[i][1] for i in order], size, max_tokens):
             batch = [order[j] for j in cut]
-            tokens = [rows[i][1] for i in batch]
-            shared = min(len(t) for t in tokens) - 1
-            for t in tokens[1:]:
-                shared = min(shared, _common_prefix_len(tokens[0], t))
+            # In token order the prefix every row shares is the first and last rows' common one.
+            first, last = rows[batch[0]][1], rows[batch[-1]][1]
+            shared = min(_common_prefix_len(first, last), min(len(rows[i][1]) for i in batch) - 1)
             if len(batch) > 1 and shared >= MIN_SHARED_PREFIX:
                 groups.append(batch)
             else:
