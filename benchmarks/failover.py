@@ -44,6 +44,7 @@ from polytinker.client import ServiceClient
 from polytinker.engine.types import SamplingParams
 from polytinker.engine.worker.auth import launcher_credential
 from polytinker.engine.worker.messages import WorkersQuery
+from polytinker.gateway import HttpRuntime
 from polytinker.scheduler.service import EngineWorkerConfig, LocalRuntime, RuntimeConfig, TenantConfig
 from polytinker.scheduler.service.config import HttpConfig
 from polytinker.transport import RpcClient, ask
@@ -99,7 +100,7 @@ def slots_recovered(session_timeout_s: float) -> dict[str, float]:
         http=HttpConfig(address="127.0.0.1:0", session_timeout_s=session_timeout_s),
     )
     datum = types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]), loss_fn_inputs={"target_tokens": [6, 7, 8]})
-    with LocalRuntime(cfg) as runtime:
+    with HttpRuntime(cfg) as runtime:
         child = subprocess.Popen(
             [sys.executable, "-c", _CLIENT, runtime.http_url, keys[0]], stdout=subprocess.PIPE, text=True
         )
@@ -143,7 +144,7 @@ def scheduler_restart(tokens: int) -> dict[str, float]:
     from tinker import types
 
     key = "tml-failover-restart-0123456789"
-    with LocalRuntime(_tinker_runtime((key,))) as runtime:
+    with HttpRuntime(_tinker_runtime((key,))) as runtime:
         sampler = (
             tinker.ServiceClient(base_url=runtime.http_url, api_key=key)
             .create_sampling_client(base_model="tiny-random")
@@ -208,7 +209,7 @@ def saturated(seconds: float) -> dict[str, float]:
                 with lock:
                     failures.append(f"{type(exc).__name__}: {exc}"[:300])
 
-    with LocalRuntime(_tinker_runtime(keys)) as runtime:
+    with HttpRuntime(_tinker_runtime(keys)) as runtime:
         busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * _cores())]
         try:
             deadline = time.monotonic() + seconds

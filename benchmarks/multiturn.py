@@ -149,11 +149,12 @@ def play_openai(episodes: int, turns: int) -> list[list[Any]]:
 
     import openai
 
-    from polytinker.scheduler.service import LocalRuntime, RuntimeConfig
+    from polytinker.gateway import HttpRuntime
+    from polytinker.scheduler.service import RuntimeConfig
     from polytinker.scheduler.service.config import HttpConfig
 
     config = RuntimeConfig(model=MODEL, http=HttpConfig(address="127.0.0.1:0"), learners=(), start_timeout_s=300.0)
-    with LocalRuntime(config) as runtime:
+    with HttpRuntime(config) as runtime:
         client = openai.OpenAI(base_url=runtime.http_url + "/v1", api_key=runtime.api_key, timeout=600)
         with ThreadPoolExecutor(episodes) as pool:
             return list(pool.map(lambda seed: openai_episode(client, seed, turns), range(episodes)))

@@ -8,8 +8,9 @@ vocabulary: ``ModelInput``, ``Datum``, ``SamplingParams``, ... also importable f
 - ``polytinker.transport``: ZeroMQ sockets, msgpack codec with out-of-band tensors, RPC, auth.
 - ``polytinker.actors``: process actors and their supervision.
 - ``polytinker.engine``: models, inference engines and learners, and the worker processes of each.
-- ``polytinker.scheduler``: the central scheduler service, its policy, and its HTTP gateway.
+- ``polytinker.scheduler``: the central scheduler service and its policy.
 - ``polytinker.client``: the clients (``ServiceClient``, ``TrainingClient``, ``SamplingClient``).
+- ``polytinker.gateway``: the HTTP front door (the Tinker API, OpenAI's at /v1), a client of the scheduler.
 - ``polytinker.agents``: agents, algorithms, the training loop (``Experiment``).
 - ``polytinker.envs``: text multi-agent environments on PettingZoo, registry, coordinator.
 """

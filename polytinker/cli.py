@@ -23,7 +23,9 @@ _COMMAND_MODULES = (
     "polytinker.transport._cli",  # keys
     "polytinker.engine._cli",  # models
     "polytinker.envs._cli",  # env
-    "polytinker.scheduler._cli",  # serve, worker, jobs, checkpoints, audit, usage, status
+    "polytinker.gateway._cli",  # serve, gateway
+    "polytinker.scheduler._cli",  # worker
+    "polytinker.client._cli",  # jobs, checkpoints, audit, usage, status
     "polytinker.agents._cli",  # train, show
 )
 

@@ -8,8 +8,8 @@ import pyrage
 import pytest
 
 from polytinker.errors import ConfigError, OverloadedError
-from polytinker.scheduler.http.downloads import SignedDownloads, age_encrypt, age_recipients
-from polytinker.scheduler.http.errors import HttpError
+from polytinker.gateway.downloads import SignedDownloads, age_encrypt, age_recipients
+from polytinker.gateway.errors import HttpError
 from polytinker.scheduler.service.http_config import HttpConfig
 
 
@@ -26,7 +26,7 @@ def _table(ttl_s: float = 3600.0, **bounds: int) -> SignedDownloads:
 
 
 def test_a_token_serves_its_files_until_it_expires(monkeypatch: pytest.MonkeyPatch) -> None:
-    import polytinker.scheduler.http.downloads as downloads
+    import polytinker.gateway.downloads as downloads
 
     now = [1000.0]
     monkeypatch.setattr(downloads.time, "time", lambda: now[0])

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from polytinker.errors import TransportError
-from polytinker.scheduler.http.futures import FutureTable
-from polytinker.scheduler.http.store import GatewayStore
+from polytinker.gateway.futures import FutureTable
+from polytinker.gateway.store import GatewayStore
 
 
 class StallingJournal:

@@ -24,11 +24,11 @@ from _http_raw import stalled
 from _serve import KEY, KEY_BOB, MODEL, Serve
 
 from polytinker.errors import ConfigError, NotBuiltError, OverloadedError, RemoteError
-from polytinker.scheduler.http import _proto, checks
-from polytinker.scheduler.http.errors import classify
-from polytinker.scheduler.http.limits import BodyBudget, InFlight
-from polytinker.scheduler.http.tinker_render import failed
-from polytinker.scheduler.http.wire import prompt_ints
+from polytinker.gateway import _proto, checks
+from polytinker.gateway.errors import classify
+from polytinker.gateway.limits import BodyBudget, InFlight
+from polytinker.gateway.tinker_render import failed
+from polytinker.gateway.wire import prompt_ints
 from polytinker.transport.protocol import PATH_WORD, scrub_paths
 
 
@@ -53,7 +53,7 @@ def test_error_messages_carry_no_server_paths_but_keep_the_tenants_names() -> No
 
 def test_a_restarting_runtime_is_a_503_the_sdk_retries_not_an_internal_error() -> None:
     from polytinker.errors import PeerDeadError, RuntimeDead, WorkerUnavailable
-    from polytinker.scheduler.http.errors import error_response
+    from polytinker.gateway.errors import error_response
 
     for exc in (WorkerUnavailable("worker learner-0 is not available (waited 60 s)"), PeerDeadError("gone")):
         status, body = classify(exc)

@@ -18,10 +18,10 @@ import pytest
 from _http_raw import stalled
 
 from polytinker.errors import ConfigError, OverloadedError
-from polytinker.scheduler._cli import _runtime_config
-from polytinker.scheduler.http._cli import gateway_config
-from polytinker.scheduler.http.app import Gateway
-from polytinker.scheduler.http.errors import HttpError
+from polytinker.gateway._cli import gateway_config
+from polytinker.gateway.app import Gateway
+from polytinker.gateway.errors import HttpError
+from polytinker.scheduler._cli import runtime_config
 from polytinker.scheduler.service import RuntimeConfig, SchedulerService, TenantConfig
 from polytinker.scheduler.service.http_config import HttpConfig
 
@@ -262,7 +262,7 @@ def test_serve_and_gateway_take_the_table_with_the_flags_over_it(tmp_path: Path)
     toml = tmp_path / "runtime.toml"
     toml.write_text('model = "tiny-random"\n[http]\naddress = "127.0.0.1:9000"\nmax_telemetry_bytes = 512\n')
     parser = build_parser()
-    served = _runtime_config(parser.parse_args(["serve", "--config", str(toml), "--http", "127.0.0.1:9001"]))
+    served = runtime_config(parser.parse_args(["serve", "--config", str(toml), "--http", "127.0.0.1:9001"]))
     assert (served.http.address, served.http.max_telemetry_bytes) == ("127.0.0.1:9001", 512)
     args = ["gateway", "--scheduler", "tcp://127.0.0.1:7000", "--model", MODEL, "--config", str(toml)]
     alone = gateway_config(parser.parse_args([*args, "--http", "127.0.0.1:9002"]))
@@ -285,6 +285,6 @@ def test_serve_and_gateway_take_a_session_timeout_flag_over_the_table(tmp_path: 
     for bad in ("0", "-1", "nan"):
         with pytest.raises(ConfigError, match="session_timeout_s must be > 0"):
             gateway_config(parser.parse_args([*args, "--session-timeout-s", bad]))
-    served = _runtime_config(parser.parse_args(["serve", "--config", str(toml), "--session-timeout-s", "30"]))
+    served = runtime_config(parser.parse_args(["serve", "--config", str(toml), "--session-timeout-s", "30"]))
     assert (served.http.session_timeout_s, served.http.address) == (30.0, "127.0.0.1:9000")
-    assert _runtime_config(parser.parse_args(["serve", "--config", str(toml)])).http.session_timeout_s == 60.0
+    assert runtime_config(parser.parse_args(["serve", "--config", str(toml)])).http.session_timeout_s == 60.0

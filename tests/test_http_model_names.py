@@ -14,8 +14,8 @@ import pytest
 
 from polytinker.engine.models import DEFAULT_MODEL, TINY_RANDOM, hub_id, model_names, resolve_model, served_name
 from polytinker.errors import ConfigError
-from polytinker.scheduler.http.checks import served_base_model
-from polytinker.scheduler.http.hub_tokenizer import place_tokenizer, tokenizer_id
+from polytinker.gateway.checks import served_base_model
+from polytinker.gateway.hub_tokenizer import place_tokenizer, tokenizer_id
 
 HUB = "HuggingFaceTB/SmolLM2-135M-Instruct"
 ROOT = Path(__file__).resolve().parent.parent

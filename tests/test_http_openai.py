@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from polytinker.scheduler.http.openai_api import parse_tool_calls
+from polytinker.gateway.openai_api import parse_tool_calls
 
 MODEL = "smollm2-135m-instruct"
 KEY = "openai-test-key-0123456789"
@@ -32,8 +32,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     import uvicorn
     from fastapi import FastAPI
 
-    from polytinker.scheduler.http.openai_api import openai_router
-    from polytinker.scheduler.http.tinker_backend import TinkerBackend
+    from polytinker.gateway.openai_api import openai_router
+    from polytinker.gateway.tinker_backend import TinkerBackend
     from polytinker.scheduler.service.config import EngineWorkerConfig, RuntimeConfig, TenantConfig
     from polytinker.scheduler.service.runtime import LocalRuntime
 
@@ -269,7 +269,7 @@ def test_a_call_in_flight_does_not_hold_up_the_others(client: openai.OpenAI) -> 
 
 
 def test_an_internal_error_answers_only_an_error_id() -> None:
-    from polytinker.scheduler.http.openai_api import error_response
+    from polytinker.gateway.openai_api import error_response
 
     response = error_response(RuntimeError("secret detail of /home/x"))
     assert response.status_code == 500

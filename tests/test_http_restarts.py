@@ -248,8 +248,8 @@ def _steps(metrics: Path) -> int:
 def test_seq_ids_answer_a_resend_once_and_refuse_a_reused_id() -> None:
     import asyncio
 
-    from polytinker.scheduler.http.errors import HttpError
-    from polytinker.scheduler.http.seq_ids import SeqIds, body_digest
+    from polytinker.gateway.errors import HttpError
+    from polytinker.gateway.seq_ids import SeqIds, body_digest
 
     runs: list[int] = []
 

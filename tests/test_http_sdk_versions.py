@@ -24,9 +24,9 @@ from _serve import KEY, Serve
 
 from polytinker.engine.models import TINY_RANDOM
 from polytinker.errors import ConfigError, NotBuiltError
-from polytinker.scheduler.http import _proto
-from polytinker.scheduler.http.fb_json import decode_forward_backward_json
-from polytinker.scheduler.http.tinker_api import CLIENT_CONFIG, PROTO
+from polytinker.gateway import _proto
+from polytinker.gateway.fb_json import decode_forward_backward_json
+from polytinker.gateway.tinker_api import CLIENT_CONFIG, PROTO
 
 ROOT = Path(__file__).resolve().parent.parent
 OLDEST_SDK_PYTHON = ROOT / ".venv-tinker-0.22" / "bin" / "python"

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from polytinker.errors import ConfigError
-from polytinker.scheduler.http.sessions import Sessions
-from polytinker.scheduler.http.store import GatewayStore
-from polytinker.scheduler.http.tinker_names import named_sampler, named_sampler_path
+from polytinker.gateway.sessions import Sessions
+from polytinker.gateway.store import GatewayStore
+from polytinker.gateway.tinker_names import named_sampler, named_sampler_path
 
 
 def test_a_silent_session_ends_and_a_restart_gives_open_ones_a_fresh_timeout(tmp_path: Path) -> None:

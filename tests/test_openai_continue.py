@@ -12,9 +12,9 @@ import pytest
 
 from polytinker.client import RecordedCall, call_datum, merge_calls
 from polytinker.errors import ConfigError
-from polytinker.scheduler.http.openai_chat import Vocab, chat_messages
-from polytinker.scheduler.http.openai_continue import AnswerMemory, Continuations, Remembered, answer_key, reply_key
-from polytinker.scheduler.http.openai_types import ChatRequest
+from polytinker.gateway.openai_chat import Vocab, chat_messages
+from polytinker.gateway.openai_continue import AnswerMemory, Continuations, Remembered, answer_key, reply_key
+from polytinker.gateway.openai_types import ChatRequest
 
 TOOL: Any = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
 

@@ -14,9 +14,9 @@ import pytest
 
 from polytinker.client import ServiceClient
 from polytinker.errors import ConfigError, RequestKeyReused
-from polytinker.scheduler.http.app import Gateway
-from polytinker.scheduler.http.errors import classify
-from polytinker.scheduler.http.tinker_names import run_request_key
+from polytinker.gateway.app import Gateway
+from polytinker.gateway.errors import classify
+from polytinker.gateway.tinker_names import run_request_key
 from polytinker.scheduler.service import RuntimeConfig, SchedulerService, TenantConfig
 from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service.http_config import HttpConfig

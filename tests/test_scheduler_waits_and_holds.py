@@ -18,7 +18,7 @@ import pytest
 
 from polytinker.engine.worker.messages import WeightsRef
 from polytinker.errors import AuthError, ConfigError, JobNotRunning
-from polytinker.scheduler.http.tinker_runs import queue_fields
+from polytinker.gateway.tinker_runs import queue_fields
 from polytinker.scheduler.service import EngineWorkerConfig, RuntimeConfig, TenantConfig
 from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service.audit import AuditLog

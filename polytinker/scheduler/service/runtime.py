@@ -87,8 +87,15 @@ def prepared(config: RuntimeConfig) -> tuple[RuntimeConfig, bool]:
 class LocalRuntime:
     """A scheduler, engines and learner groups as supervised child processes (see the module docstring)."""
 
+    serves_http = False  # the gateway's HttpRuntime starts the HTTP front door beside it
+
     def __init__(self, config: RuntimeConfig | None = None) -> None:
         given = config or RuntimeConfig()
+        if given.http.address and not self.serves_http:  # before prepared(), which may make a directory
+            raise ConfigError(
+                "[http] address is set: the HTTP front door is the gateway's; start the runtime with "
+                "polytinker.gateway.HttpRuntime (or `polytinker serve --http`), or unset the address"
+            )
         self.config, self._fresh = prepared(given)
         self._generated_tenant = not given.tenants  # prepared() made the "local" tenant
         self._state_lock: StateLock | None = None
@@ -102,7 +109,6 @@ class LocalRuntime:
         self._report_now = threading.Event()
         self._reporting = threading.Event()  # cleared to end the reporter thread
         self._reporter: threading.Thread | None = None
-        self.gateway: Any = None  # the HTTP front door, when config.http.address is set
         self.placement: Any = None  # the RayPlacement of the workers, with [cluster] backend = "ray"
         self._colocated: dict[str, tuple[str, ...]] = {}  # a colocated actor's name -> the worker ids it serves
 
@@ -177,31 +183,12 @@ class LocalRuntime:
             if self.placement is not None:
                 self.placement.wait_alive(cfg.start_timeout_s)
             self._report_now.set()  # every actor is up: the scheduler's view should say so now
-            if cfg.http.address:
-                self.gateway = self._start_gateway()
             lock.publish(Holder(os.getpid(), self.local_address, self.api_key if self._generated_tenant else ""))
         except BaseException:
             self.stop()
             raise
         log.info("runtime up at %s (state in %s)", cfg.address, cfg.state_dir)
         return self
-
-    def _start_gateway(self) -> Any:
-        """The HTTP front door on a thread of this process, a client of the scheduler like any other."""
-        from polytinker.scheduler.http.app import Gateway
-        from polytinker.scheduler.http.hub_tokenizer import tokenizer_id
-
-        cfg = self.config
-        tokenizer = cfg.http.tokenizer_id or tokenizer_id(cfg.model)  # the hub id, its tokenizer in the hub cache
-        gateway = Gateway(
-            self.local_address, cfg.state_path, cfg.http, base_models=(cfg.model,), tokenizer_ids={cfg.model: tokenizer}
-        )
-        return gateway.start()
-
-    @property
-    def http_url(self) -> str:
-        """``http://HOST:PORT`` of the HTTP front door ("" when it is off)."""
-        return self.gateway.url if self.gateway is not None else ""
 
     def _spawn_worker(self, cls: type, worker_id: str) -> ActorRef:
         assert self.supervisor is not None
@@ -342,9 +329,6 @@ class LocalRuntime:
                 self._reporter.join(5.0)
             with self._lock:
                 sup, self.supervisor = self.supervisor, None
-                gateway, self.gateway = self.gateway, None
-            if gateway is not None:
-                gateway.stop()
             placement, self.placement = self.placement, None
             if placement is not None:
                 placement.stop()

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from polytinker.errors import ConfigError, OverloadedError
-from polytinker.scheduler.http.errors import HttpError
+from polytinker.gateway.errors import HttpError
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from fastapi import Request
 from starlette.requests import ClientDisconnect
 
 from polytinker.errors import ConfigError, NotBuiltError
-from polytinker.scheduler.http.errors import HttpError
+from polytinker.gateway.errors import HttpError
 from polytinker.scheduler.service.messages import MAX_TTL_S
 
 MAX_INT32 = (1 << 31) - 1

@@ -22,19 +22,19 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from polytinker.errors import ConfigError, NotBuiltError, OverloadedError
-from polytinker.scheduler.http import checks, fb_json
-from polytinker.scheduler.http.checks import Spec, check_body
-from polytinker.scheduler.http.downloads import SignedDownloads
-from polytinker.scheduler.http.errors import HttpError, error_body
-from polytinker.scheduler.http.futures import FutureTable
-from polytinker.scheduler.http.limits import InFlight
-from polytinker.scheduler.http.seq_ids import SeqIds, body_digest
-from polytinker.scheduler.http.tinker_admin import TinkerAdmin
-from polytinker.scheduler.http.tinker_backend import Tenant, TinkerBackend
-from polytinker.scheduler.http.tinker_names import owner_of, to_tinker_path
-from polytinker.scheduler.http.tinker_render import failed, fb_render, sample_render
-from polytinker.scheduler.http.tinker_runs import TinkerRuns
-from polytinker.scheduler.http.wire import api_key, read_body, read_json, ttl_of
+from polytinker.gateway import checks, fb_json
+from polytinker.gateway.checks import Spec, check_body
+from polytinker.gateway.downloads import SignedDownloads
+from polytinker.gateway.errors import HttpError, error_body
+from polytinker.gateway.futures import FutureTable
+from polytinker.gateway.limits import InFlight
+from polytinker.gateway.seq_ids import SeqIds, body_digest
+from polytinker.gateway.tinker_admin import TinkerAdmin
+from polytinker.gateway.tinker_backend import Tenant, TinkerBackend
+from polytinker.gateway.tinker_names import owner_of, to_tinker_path
+from polytinker.gateway.tinker_render import failed, fb_render, sample_render
+from polytinker.gateway.tinker_runs import TinkerRuns
+from polytinker.gateway.wire import api_key, read_body, read_json, ttl_of
 from polytinker.scheduler.service.http_config import HttpConfig
 
 PROTO = "application/x-protobuf"

@@ -16,19 +16,19 @@ import time
 from typing import Any
 
 from polytinker.errors import NotBuiltError
-from polytinker.model_path import SAMPLER_NAME_PREFIX, CheckpointPath, ModelPath
-from polytinker.scheduler.http.downloads import SignedDownloads, age_encrypt
-from polytinker.scheduler.http.errors import HttpError
-from polytinker.scheduler.http.store import ModelRow, SavedRow
-from polytinker.scheduler.http.tinker_backend import Tenant, TinkerBackend
-from polytinker.scheduler.http.tinker_names import (
+from polytinker.gateway.downloads import SignedDownloads, age_encrypt
+from polytinker.gateway.errors import HttpError
+from polytinker.gateway.store import ModelRow, SavedRow
+from polytinker.gateway.tinker_backend import Tenant, TinkerBackend
+from polytinker.gateway.tinker_names import (
     EXTERNAL_NAME_PREFIX,
     TINKER_PREFIX,
     external_path,
     run_request_key,
     to_tinker_path,
 )
-from polytinker.scheduler.http.wire import iso_time, ttl_of
+from polytinker.gateway.wire import iso_time, ttl_of
+from polytinker.model_path import SAMPLER_NAME_PREFIX, CheckpointPath, ModelPath
 
 log = logging.getLogger("polytinker.http")
 

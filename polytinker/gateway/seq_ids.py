@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from polytinker.scheduler.http.errors import HttpError
+from polytinker.gateway.errors import HttpError
 
 MAX_RUNS = 10_000
 

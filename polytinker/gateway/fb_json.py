@@ -25,10 +25,10 @@ from typing import Any, NoReturn
 import numpy as np
 
 from polytinker.errors import ConfigError, NotBuiltError
-from polytinker.scheduler.http import _proto, checks
-from polytinker.scheduler.http._proto import MAX_DATUM_TOKENS, MAX_DIMS
-from polytinker.scheduler.http.checks import Spec, check_body, fields, text
-from polytinker.scheduler.http.tinker_backend import Tenant, TinkerBackend, tinker_datum
+from polytinker.gateway import _proto, checks
+from polytinker.gateway._proto import MAX_DATUM_TOKENS, MAX_DIMS
+from polytinker.gateway.checks import Spec, check_body, fields, text
+from polytinker.gateway.tinker_backend import Tenant, TinkerBackend, tinker_datum
 from polytinker.scheduler.service.messages import MAX_DATA
 
 _INT32 = (-(1 << 31), (1 << 31) - 1)

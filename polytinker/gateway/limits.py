@@ -19,7 +19,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from polytinker.errors import ConfigError, OverloadedError
-from polytinker.scheduler.http.errors import error_body
+from polytinker.gateway.errors import error_body
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

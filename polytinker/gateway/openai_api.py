@@ -31,17 +31,17 @@ from pydantic import ValidationError
 from polytinker.engine.models import served_name
 from polytinker.engine.types import SamplingParams
 from polytinker.errors import AuthError, ConfigError, NotBuiltError
+from polytinker.gateway.errors import HttpError, error_response
+from polytinker.gateway.openai_chat import Vocab, Vocabs, chat_messages, parse_tool_calls
+from polytinker.gateway.openai_continue import Continuations
+from polytinker.gateway.openai_types import ChatRequest, CompletionRequest, SamplingFields
+from polytinker.gateway.wire import api_key, read_json
 from polytinker.model_path import MODEL_PREFIX, TINKER_PREFIX, ModelPath
-from polytinker.scheduler.http.errors import HttpError, error_response
-from polytinker.scheduler.http.openai_chat import Vocab, Vocabs, chat_messages, parse_tool_calls
-from polytinker.scheduler.http.openai_continue import Continuations
-from polytinker.scheduler.http.openai_types import ChatRequest, CompletionRequest, SamplingFields
-from polytinker.scheduler.http.wire import api_key, read_json
 
 if TYPE_CHECKING:
     from polytinker.client._connection import SampledSequence
     from polytinker.client.sampling_client import SamplingClient
-    from polytinker.scheduler.http.tinker_backend import Tenant, TinkerBackend
+    from polytinker.gateway.tinker_backend import Tenant, TinkerBackend
 
 log = logging.getLogger("polytinker.http")
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from polytinker.engine.types import LOSS_FNS, MAX_SAMPLES, MAX_TOP_K
 from polytinker.errors import ConfigError, NotBuiltError
-from polytinker.scheduler.http.wire import MAX_INT32
+from polytinker.gateway.wire import MAX_INT32
 from polytinker.scheduler.service.messages import MAX_TTL_S
 
 Check = Callable[[Any, str], None]

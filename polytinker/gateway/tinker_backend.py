@@ -33,13 +33,12 @@ from polytinker.client.training_client import TrainingClient
 from polytinker.engine.types import ATTN_MODULES, DEFAULT_TARGET_MODULES, MLP_MODULES, UNEMBED_MODULE, Datum
 from polytinker.engine.worker.layout import check_name
 from polytinker.errors import AuthError, ConfigError, NotBuiltError
-from polytinker.model_path import TINKER_PREFIX, from_tinker
-from polytinker.scheduler.http.checks import check_tokens, served_base_model, vocab_size
-from polytinker.scheduler.http.downloads import age_recipients
-from polytinker.scheduler.http.errors import HttpError
-from polytinker.scheduler.http.sessions import Sessions
-from polytinker.scheduler.http.store import GatewayStore, ModelRow, SamplerRow, SavedRow
-from polytinker.scheduler.http.tinker_names import (
+from polytinker.gateway.checks import check_tokens, served_base_model, vocab_size
+from polytinker.gateway.downloads import age_recipients
+from polytinker.gateway.errors import HttpError
+from polytinker.gateway.sessions import Sessions
+from polytinker.gateway.store import GatewayStore, ModelRow, SamplerRow, SavedRow
+from polytinker.gateway.tinker_names import (
     EXTERNAL_NAME_PREFIX,
     external_path,
     from_tinker_path,
@@ -49,7 +48,8 @@ from polytinker.scheduler.http.tinker_names import (
     run_request_key,
     to_tinker_path,
 )
-from polytinker.scheduler.http.wire import prompt_ints, ttl_of
+from polytinker.gateway.wire import prompt_ints, ttl_of
+from polytinker.model_path import TINKER_PREFIX, from_tinker
 from polytinker.scheduler.service.replies import WeightsInfoReply
 from polytinker.transport import ClientCurve
 from polytinker.types import SamplingParams as TinkerSamplingParams

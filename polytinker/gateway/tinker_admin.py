@@ -17,10 +17,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 from polytinker.errors import ConfigError
+from polytinker.gateway.tinker_backend import Tenant, TinkerBackend
+from polytinker.gateway.tinker_names import to_tinker_path
+from polytinker.gateway.wire import iso_time
 from polytinker.model_path import SAMPLER_NAME_PREFIX, CheckpointPath
-from polytinker.scheduler.http.tinker_backend import Tenant, TinkerBackend
-from polytinker.scheduler.http.tinker_names import to_tinker_path
-from polytinker.scheduler.http.wire import iso_time
 from polytinker.scheduler.service.usage import BUCKET_S
 
 _GIGABYTE = 1e9

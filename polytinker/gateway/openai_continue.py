@@ -32,8 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from polytinker.scheduler.http.openai_chat import Vocab, message_text
-from polytinker.scheduler.http.openai_types import Message
+from polytinker.gateway.openai_chat import Vocab, message_text
+from polytinker.gateway.openai_types import Message
 
 
 @dataclass(frozen=True)

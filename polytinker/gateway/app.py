@@ -23,13 +23,13 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from polytinker.errors import ConfigError, PolytinkerError
-from polytinker.scheduler.http.downloads import SignedDownloads
-from polytinker.scheduler.http.errors import error_body, error_response
-from polytinker.scheduler.http.futures import FutureTable
-from polytinker.scheduler.http.limits import BodyBudget, InFlight
-from polytinker.scheduler.http.openai_api import openai_router
-from polytinker.scheduler.http.tinker_api import tinker_router
-from polytinker.scheduler.http.tinker_backend import TinkerBackend
+from polytinker.gateway.downloads import SignedDownloads
+from polytinker.gateway.errors import error_body, error_response
+from polytinker.gateway.futures import FutureTable
+from polytinker.gateway.limits import BodyBudget, InFlight
+from polytinker.gateway.openai_api import openai_router
+from polytinker.gateway.tinker_api import tinker_router
+from polytinker.gateway.tinker_backend import TinkerBackend
 from polytinker.scheduler.service.http_config import HttpConfig, host_port
 from polytinker.transport import ClientCurve
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from polytinker.scheduler.http import _proto
-from polytinker.scheduler.http.errors import classify
+from polytinker.gateway import _proto
+from polytinker.gateway.errors import classify
 from polytinker.types import ForwardBackwardOutput
 
 

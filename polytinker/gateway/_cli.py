@@ -1,15 +1,20 @@
-"""`polytinker gateway`: the HTTP front door alone (the Tinker API, OpenAI's at /v1), in front of a
-scheduler that runs elsewhere. ``polytinker.scheduler._cli`` registers it after ``serve``; its
-``[http]`` settings come from ``--config``'s table, with the flags over it."""
+"""`polytinker serve` (a runtime on this machine, with its HTTP front door at ``--http``) and
+`polytinker gateway` (the HTTP front door alone, in front of a scheduler that runs elsewhere).
+The gateway's ``[http]`` settings come from ``--config``'s table, with the flags over it.
+``serve`` exits 1, after one line on stderr that names the actor and why, when an actor of its
+runtime stays down (its restart limit hit): the runtime has stopped by then."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
 from polytinker.errors import ConfigError
+from polytinker.scheduler._cli import add_config_args, runtime_config, wait_for_signal
 
 
 def gateway_config(args: argparse.Namespace) -> Any:
@@ -22,10 +27,42 @@ def gateway_config(args: argparse.Namespace) -> Any:
     return dataclasses.replace(config, address=args.http, **{k: v for k, v in flags.items() if v is not None})
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from polytinker.gateway.runtime import HttpRuntime  # the runtime and FastAPI load when it runs, not for --help
+    from polytinker.scheduler.service.runtime import check_servable
+
+    cfg = runtime_config(args)
+    if not cfg.state_dir:
+        cfg = dataclasses.replace(cfg, state_dir=str(Path("polytinker-runtime").resolve()))
+    check_servable(cfg)
+    runtime = HttpRuntime(cfg)
+    generated = not cfg.tenants
+    runtime.start()
+    try:
+        state = runtime.config.state_path
+        if generated:
+            key_file = state / "local.api_key"
+            key_file.write_text(runtime.api_key + "\n")
+            os.chmod(key_file, 0o600)
+            print(f"tenant 'local': API key in {key_file}")
+        token_file = state / "worker.token"
+        token_file.write_text(runtime.config.worker_token + "\n")
+        os.chmod(token_file, 0o600)
+        print(f"scheduler at {runtime.address}  (state in {state}; worker token in {token_file})", flush=True)
+        if runtime.http_url:
+            print(f"HTTP at {runtime.http_url}: the Tinker API (TINKER_BASE_URL) and OpenAI's at /v1", flush=True)
+        wait_for_signal(runtime.dead)
+    finally:
+        runtime.stop()
+    if runtime.failure is not None:
+        print(f"polytinker serve: {runtime.failure}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
 def _gateway(args: argparse.Namespace) -> int:
     """The HTTP front door alone, in front of a scheduler that runs elsewhere."""
-    from polytinker.scheduler._cli import _wait_for_signal
-    from polytinker.scheduler.http.app import Gateway
+    from polytinker.gateway.app import Gateway  # FastAPI and the gateway load when it runs, not for --help
 
     curve = None
     if args.curve_secret:
@@ -41,7 +78,7 @@ def _gateway(args: argparse.Namespace) -> int:
     gateway.start()
     print(f"HTTP at {gateway.url} in front of {args.scheduler}: the Tinker API and OpenAI's at /v1", flush=True)
     try:
-        _wait_for_signal()
+        wait_for_signal()
     finally:
         gateway.stop()
     return 0
@@ -57,7 +94,24 @@ def add_session_timeout_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_gateway_parser(sub: Any) -> None:
+def register(sub: Any) -> None:
+    """``serve``, then ``gateway``, in ``polytinker --help``."""
+    _add_serve_parser(sub)
+    _add_gateway_parser(sub)
+
+
+def _add_serve_parser(sub: Any) -> None:
+    """``serve``: the scheduler service, with its local engines and learners."""
+    p = sub.add_parser("serve", help="run the scheduler service (and its local engines and learners)")
+    add_config_args(p)
+    p.add_argument("--address", help="where the scheduler listens, e.g. tcp://127.0.0.1:7000 (overrides the config)")
+    p.add_argument("--state-dir", help="SQLite state, checkpoints, adapters (default ./polytinker-runtime)")
+    p.add_argument("--http", metavar="HOST:PORT", help="serve the Tinker API and OpenAI-compatible inference here")
+    add_session_timeout_arg(p)
+    p.set_defaults(func=_serve)
+
+
+def _add_gateway_parser(sub: Any) -> None:
     g = sub.add_parser("gateway", help="serve the Tinker API and OpenAI-compatible inference for a scheduler elsewhere")
     g.add_argument("--scheduler", required=True, help="the scheduler's address, tcp://HOST:PORT")
     g.add_argument("--config", help="a runtime.toml: its [http] table configures the gateway (the rest is not read)")
@@ -71,4 +125,4 @@ def add_gateway_parser(sub: Any) -> None:
     g.set_defaults(func=_gateway)
 
 
-__all__ = ["add_gateway_parser", "add_session_timeout_arg", "gateway_config"]
+__all__ = ["add_session_timeout_arg", "gateway_config", "register"]

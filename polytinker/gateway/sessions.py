@@ -31,10 +31,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from polytinker.errors import ConfigError
-from polytinker.scheduler.http.store import GatewayStore
+from polytinker.gateway.store import GatewayStore
 
 if TYPE_CHECKING:
-    from polytinker.scheduler.http.tinker_backend import Tenant
+    from polytinker.gateway.tinker_backend import Tenant
 
 log = logging.getLogger("polytinker.http")
 

@@ -12,8 +12,8 @@ from typing import Any
 
 from polytinker.engine.models import load_tokenizer
 from polytinker.errors import ConfigError, NotBuiltError
-from polytinker.scheduler.http.openai_types import ChatRequest, ContentPart, ToolCall
-from polytinker.scheduler.http.wire import MAX_JSON_DEPTH, depth_ok
+from polytinker.gateway.openai_types import ChatRequest, ContentPart, ToolCall
+from polytinker.gateway.wire import MAX_JSON_DEPTH, depth_ok
 
 
 def _byte_decoder() -> dict[str, int]:
