@@ -7,6 +7,7 @@ one must start no process and create no ZeroMQ socket."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -113,3 +114,17 @@ def test_inproc_refuses_an_address_and_the_http_front_door() -> None:
         ServiceClient("tcp://127.0.0.1:7000", api_key="k" * 20, inproc=True)
     with pytest.raises(ConfigError, match="HTTP front door"):
         InprocRuntime(RuntimeConfig(model=MODEL, http=HttpConfig(address="127.0.0.1:8000")))
+
+
+def test_a_local_runtime_refuses_an_http_address_and_names_the_gateway_s_runtime(tmp_path: Path) -> None:
+    """The HTTP front door is the gateway's (a client of the scheduler): the scheduler's own
+    runtime refuses an ``[http] address`` before it makes anything, naming what serves one."""
+    from polytinker.scheduler.service.runtime import LocalRuntime
+
+    state = tmp_path / "state"
+    with pytest.raises(ConfigError, match=r"polytinker\.gateway\.HttpRuntime.*serve --http"):
+        LocalRuntime(RuntimeConfig(model=MODEL, state_dir=str(state), http=HttpConfig(address="127.0.0.1:0")))
+    assert not state.exists()
+    from polytinker.gateway import HttpRuntime
+
+    assert issubclass(HttpRuntime, LocalRuntime) and HttpRuntime.serves_http
