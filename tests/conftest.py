@@ -70,7 +70,7 @@ RUNTIME_TESTS = frozenset(
         "test_train_loop::test_the_train_command_prints_the_cross_play_table_as_show_does",  # `train` in-process
         "test_scheduler_service_cli",
         "test_scheduler_service_health",
-        "test_scheduler_service_unit::test_a_data_parallel_learner_worker_runs_a_full_parameter_job_then_lora_again",
+        "test_learner_worker_jobs::test_a_data_parallel_learner_worker_runs_a_full_parameter_job_then_lora_again",
         "test_http_sdk_versions::test_json_bodies_score_as_the_sdks_protobuf_and_bad_ones_are_400s",
         "test_http_sdk_versions::test_the_oldest_sdk_trains_and_samples",
     }

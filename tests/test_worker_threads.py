@@ -79,3 +79,33 @@ def test_a_local_runtime_starts_its_workers_with_the_threads_and_wait_policy(
             env = psutil.Process(pid).environ()
             assert env["OMP_NUM_THREADS"] == str(threads), worker_id
             assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["GOMP_SPINCOUNT"] == "1000", worker_id
+
+
+def test_worker_threads_take_omp_num_threads_else_the_cores_shared_by_a_groups_ranks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from polytinker.engine.worker.server import worker_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert worker_threads() == worker_threads(4) == 3
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert (worker_threads(), worker_threads(1), worker_threads(2), worker_threads(16)) == (8, 8, 4, 1)
+
+
+def test_a_worker_process_takes_the_threads_its_role_and_group_size_give_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from polytinker.engine.worker.server import set_worker_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    given: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", given.append)
+    config = RuntimeConfig(
+        engines=(EngineWorkerConfig("engine-0"),),
+        learners=(LearnerWorkerConfig("solo"), LearnerWorkerConfig("pair", world_size=2)),
+    )
+    for worker_id in ("engine-0", "solo", "pair"):
+        set_worker_threads(config.worker_plan(worker_id))
+    assert given == [8, 8, 4]  # a group's ranks share the cores
