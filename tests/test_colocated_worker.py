@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from polytinker.engine.inference.worker import EngineWorker
+from polytinker.engine.learner.config import AdamParams
 from polytinker.engine.learner.worker import LearnerWorker
 from polytinker.engine.models import TINY_RANDOM
 from polytinker.engine.types import Datum, SamplingParams
@@ -57,7 +58,7 @@ def _rl_step(h: dict[str, Any]) -> dict[str, Any]:
             # so advantages summing to zero would make the loss 0.0 or not by chance.
             data.append(Datum(tokens[:-1], tokens[1:], weights_T, [float(k) - 1.0] * n, sampled_T))
         fb = _call(h, wm.LearnerForwardBackward(adapter, tuple(data), "importance_sampling"))
-        step = _call(h, wm.LearnerStep(adapter, 5e-2, 0.9, 0.999, 1e-8, 0.0))
+        step = _call(h, wm.LearnerStep(adapter, AdamParams(5e-2, 0.9, 0.999, 1e-8, 0.0)))
         after = _sample(h, adapter, step.version, seed=21 + i).sequences
         weights = wm.WeightsRef(adapter, step.version, "export")
         scored = _call(h, wm.EngineLogprobs(adapter, step.version, weights, ((*PROMPT, 5, 6, 7),)))
@@ -126,7 +127,7 @@ def test_a_handed_over_version_is_served_with_its_export_gone(colocated: Any, tm
     _call(h, wm.EnsureAdapter(adapter, 0, rank=4, alpha=8, seed=3))
     data = (Datum(list(PROMPT[:-1]), list(PROMPT[1:]), [1.0] * (len(PROMPT) - 1)),)
     _call(h, wm.LearnerForwardBackward(adapter, data, "cross_entropy"))
-    step = _call(h, wm.LearnerStep(adapter, 1e-2, 0.9, 0.999, 1e-8, 0.0))
+    step = _call(h, wm.LearnerStep(adapter, AdamParams(1e-2, 0.9, 0.999, 1e-8, 0.0)))
     export = colocated.learner.root / wm.WeightsRef(adapter, step.version, "export").relative_path
     export.rename(tmp_path / "moved")  # nothing on disk to read: only the version handed over remains
     assert _call(h, wm.EngineHasWeights(wm.WeightsRef(adapter, step.version, "export")))

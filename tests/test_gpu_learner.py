@@ -4,7 +4,6 @@ Run by scripts/gpu_check.sh; skipped (and so failed by that script) where CUDA i
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -71,7 +70,7 @@ def test_the_learner_worker_trains_on_its_device(tmp_path: Path, dtype: str) -> 
         )
         out: r.ForwardBackwardManyReply = worker.call("sched.w.fb_many", wm.LearnerForwardBackwardMany(items))
         for name in AGENTS:
-            step = wm.LearnerStep(name, expected_fb=1, **dataclasses.asdict(ADAM))
+            step = wm.LearnerStep(name, ADAM, expected_fb=1)
             assert worker.call("sched.w.step", step).version == 1
     reference = learner("cpu").forward_backward_many({n: rows(i) for i, n in enumerate(AGENTS)}, "cross_entropy")
     # float32 on the GPU is the CPU's result; bfloat16 (auto on CUDA) keeps about 3 digits.

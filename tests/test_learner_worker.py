@@ -51,7 +51,7 @@ def fb(adapter: str = ALICE) -> wm.LearnerForwardBackward:
 
 
 def step(adapter: str = ALICE) -> wm.LearnerStep:
-    return wm.LearnerStep(adapter, **dataclasses.asdict(ADAM))
+    return wm.LearnerStep(adapter, ADAM)
 
 
 def forward(adapter: str, rows: list[Datum]) -> wm.LearnerForward:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from polytinker.engine.learner.config import AdamParams
 from polytinker.engine.types import Datum
 from polytinker.engine.worker import messages as wm
 from polytinker.scheduler.service import LearnerWorkerConfig
@@ -28,7 +29,7 @@ def test_a_replacement_learner_answers_a_resent_step_its_predecessor_took(tmp_pa
     adapter = "alice/job/agent"
     batch = tuple(Datum((5, 6, 7, 8), (6, 7, 8, 9), (0.0, 1.0, 1.0, 1.0)) for _ in range(2))
     fb = wm.LearnerForwardBackward(adapter, batch, "cross_entropy", request_id="fb-1", from_version=0)
-    step = wm.LearnerStep(adapter, 1e-2, 0.9, 0.95, 1e-12, 0.0, request_id="st-1", from_version=0)
+    step = wm.LearnerStep(adapter, AdamParams(1e-2, 0.9, 0.95, 1e-12, 0.0), request_id="st-1", from_version=0)
     first = LearnerWorker("tiny-random", cfg, tmp_path)
     try:
         first.ensure(wm.EnsureAdapter(adapter, 0, rank=4))
@@ -70,7 +71,9 @@ def test_a_step_whose_forward_backward_calls_a_restarted_learner_lost_is_refused
         return wm.LearnerForwardBackward(adapter, batch, "cross_entropy", request_id=request_id, from_version=0)
 
     def step(request_id: str, expected_fb: int) -> wm.LearnerStep:
-        return wm.LearnerStep(adapter, 1e-2, 0.9, 0.95, 1e-12, 0.0, request_id=request_id, expected_fb=expected_fb)
+        return wm.LearnerStep(
+            adapter, AdamParams(1e-2, 0.9, 0.95, 1e-12, 0.0), request_id=request_id, expected_fb=expected_fb
+        )
 
     worker = LearnerWorker("tiny-random", cfg, tmp_path / "first")
     try:
@@ -120,7 +123,7 @@ def test_a_data_parallel_learner_worker_runs_a_full_parameter_job_then_lora_agai
     def step(adapter: str, is_full: bool) -> wm.LearnerStep:
         # Adam's eps at 1e-3: a weight whose gradient is float noise (summed in another order
         # across replicas) then moves by noise, not by a whole learning rate of either sign.
-        return wm.LearnerStep(adapter, 1e-2, 0.9, 0.95, 1e-3, 0.0, full=is_full)
+        return wm.LearnerStep(adapter, AdamParams(1e-2, 0.9, 0.95, 1e-3, 0.0), full=is_full)
 
     def run(worker: LearnerWorker) -> dict[str, object]:
         worker.ensure(wm.EnsureAdapter(lora, 0, rank=4))
@@ -174,7 +177,7 @@ def test_a_learner_worker_holds_one_full_parameter_model_at_a_time(tmp_path: Pat
     try:
         worker.ensure(wm.EnsureAdapter("a/1/x", 0, full=True))
         worker.forward_backward(wm.LearnerForwardBackward("a/1/x", batch, "cross_entropy", full=True))
-        stepped = worker.step(wm.LearnerStep("a/1/x", 1e-3, 0.9, 0.95, 1e-8, 0.0, full=True))
+        stepped = worker.step(wm.LearnerStep("a/1/x", AdamParams(1e-3, 0.9, 0.95, 1e-8, 0.0), full=True))
         trained = worker.forward(wm.LearnerForward("a/1/x", batch, full=True))
         worker.ensure(wm.EnsureAdapter("a/2/y", 0, full=True))  # the next job's model replaces it
         assert worker.get_stats(wm.WorkerStats())["full_slots"] == 1

@@ -49,7 +49,7 @@ def _worker_requests(adapter: str, version: int) -> list[tuple[str, Any]]:
         ("sched.w.ensure", wm.EnsureAdapter(adapter, 0, rank=4)),
         ("sched.w.fb", wm.LearnerForwardBackward(adapter, datums, "cross_entropy")),
         ("sched.w.forward", wm.LearnerForward(adapter, datums)),
-        ("sched.w.step", wm.LearnerStep(adapter, 1.0, 0.9, 0.95, 1e-8, 0.0)),
+        ("sched.w.step", wm.LearnerStep(adapter, AdamParams(1.0, 0.9, 0.95, 1e-8, 0.0))),
         ("sched.w.stats", wm.WorkerStats()),
     ]
 

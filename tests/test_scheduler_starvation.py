@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from polytinker.engine.learner.config import AdamParams
 from polytinker.engine.types import Datum
 from polytinker.errors import JobNotRunning, OverloadedError
 from polytinker.scheduler.service import EngineWorkerConfig, RuntimeConfig, TenantConfig
@@ -304,7 +305,7 @@ def test_end_to_end_the_waiting_tenant_trains_and_the_evicted_job_trains_on_from
         def step(t: str, job_id: str) -> int:
             fb = m.ForwardBackward(KEYS[t], job_id, data)
             conns[t].request("sched.forward_backward", fb, r.ForwardBackwardReply)
-            opt = m.OptimStep(KEYS[t], job_id, learning_rate=1e-2)
+            opt = m.OptimStep(KEYS[t], job_id, AdamParams(learning_rate=1e-2))
             return conns[t].request("sched.optim_step", opt, r.OptimStepReply).version
 
         bob = [create("bob") for _ in range(2)]

@@ -33,6 +33,7 @@ from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service import replies as r
 from polytinker.scheduler.types import JobKind
 from polytinker.types import (
+    AdamParams,
     ForwardBackwardOutput,
     GetInfoResponse,
     LoadWeightsResponse,
@@ -52,14 +53,15 @@ STEP_REPLAYS = 3  # a step's calls sent again after GradientLost, at most this m
 _Path = Any
 
 
-def _adam(params: Any) -> dict[str, float]:
-    from polytinker.engine.learner.config import AdamParams
-
-    p = params if params is not None else AdamParams()
-    if isinstance(p, dict):
-        p = AdamParams(**p)
-    keys = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
-    return {k: float(getattr(p, k)) for k in keys}
+def _adam(params: Any) -> AdamParams:
+    """``AdamParams`` from what a caller passes: one (Tinker's is the same class), a dict of its
+    fields, an object with them, or None (the defaults)."""
+    if params is None or isinstance(params, AdamParams):
+        return params or AdamParams()
+    if isinstance(params, Mapping):
+        return AdamParams(**params)
+    names = [f.name for f in dataclasses.fields(AdamParams) if hasattr(params, f.name)]
+    return AdamParams(**{name: float(getattr(params, name)) for name in names})
 
 
 def _no_token(token: str | None) -> None:
@@ -150,18 +152,8 @@ class TrainingClient(ReadyClient):
         carries the same request id: one step."""
         if adam_params is not None and optim_params is not None:
             raise ConfigError("pass adam_params or optim_params, not both")
-        a = _adam(adam_params if adam_params is not None else optim_params)
-        msg = m.OptimStep(
-            self._key(),
-            self.job_id,
-            a["learning_rate"],
-            a["beta1"],
-            a["beta2"],
-            a["eps"],
-            a["weight_decay"],
-            request_id=uuid.uuid4().hex,
-            grad_clip_norm=a["grad_clip_norm"],
-        )
+        adam = _adam(adam_params if adam_params is not None else optim_params)
+        msg = m.OptimStep(self._key(), self.job_id, adam, request_id=uuid.uuid4().hex)
 
         def run() -> OptimStepResponse:
             out = self._step(msg)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Literal, get_args
 
 from polytinker.errors import ConfigError
+from polytinker.transport.messages import register_message
 
 LearnerMode = Literal["lora", "full"]
 GradNormalization = Literal["sum", "per_token"]
@@ -79,7 +80,9 @@ class LearnerConfig:
 
 @dataclass(frozen=True)
 class AdamParams:
-    """AdamW hyperparameters of one optimizer step (Tinker passes them with every step)."""
+    """AdamW hyperparameters of one optimizer step (Tinker passes them with every step). The
+    scheduler's ``sched.optim_step`` and the learner's ``sched.w.step`` carry one as it is
+    (registered as ``sched.adam_params``), so its checks are the wire's too."""
 
     learning_rate: float = 1e-4
     # Step size.
@@ -97,18 +100,21 @@ class AdamParams:
     def __post_init__(self) -> None:
         # A NaN or an infinity here would step every weight to NaN: each bound is written so that
         # NaN fails it too.
-        if not 0 <= self.learning_rate < math.inf:
-            raise ConfigError(f"AdamParams.learning_rate must be finite and >= 0, got {self.learning_rate}")
+        if not 0 <= self.learning_rate <= 10:
+            raise ConfigError(f"AdamParams.learning_rate must be in [0, 10], got {self.learning_rate}")
         for name in ("beta1", "beta2"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 raise ConfigError(f"AdamParams.{name} must be in [0, 1), got {value}")
-        if not 0 < self.eps < math.inf:
-            raise ConfigError(f"AdamParams.eps must be finite and positive, got {self.eps}")
-        if not self.grad_clip_norm >= 0:
-            raise ConfigError(f"AdamParams.grad_clip_norm must be >= 0 (0: no clip), got {self.grad_clip_norm}")
-        if not 0 <= self.weight_decay < math.inf:
-            raise ConfigError(f"AdamParams.weight_decay must be finite and >= 0, got {self.weight_decay}")
+        if not 0 < self.eps <= 1:
+            raise ConfigError(f"AdamParams.eps must be in (0, 1], got {self.eps}")
+        if not 0 <= self.grad_clip_norm < math.inf:
+            raise ConfigError(f"AdamParams.grad_clip_norm must be finite and >= 0 (0: none), got {self.grad_clip_norm}")
+        if not 0 <= self.weight_decay <= 10:
+            raise ConfigError(f"AdamParams.weight_decay must be in [0, 10], got {self.weight_decay}")
+
+
+register_message("sched.adam_params", AdamParams)
 
 
 @dataclass(frozen=True)

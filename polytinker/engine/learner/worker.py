@@ -385,18 +385,8 @@ class LearnerWorker:
             return result
 
     def _step(self, msg: LearnerStep) -> StepResult:
-        from polytinker.engine.learner import AdamParams
-
-        adam = AdamParams(
-            learning_rate=msg.learning_rate,
-            beta1=msg.beta1,
-            beta2=msg.beta2,
-            eps=msg.eps,
-            weight_decay=msg.weight_decay,
-            grad_clip_norm=msg.grad_clip_norm,
-        )
         group, name = self._slot(msg.adapter, msg.full)
-        ref = group.optim_step(adam, name)
+        ref = group.optim_step(msg.adam, name)
         ckpt = WeightsRef(msg.adapter, ref.version)
         group.save_state(self._path(ckpt), name)
         export = ""

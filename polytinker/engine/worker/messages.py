@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from polytinker.engine.learner.config import AdamParams
 from polytinker.engine.types import Datum, SamplingParams, check_top_k, need
 from polytinker.engine.worker import replies as r
 from polytinker.engine.worker.layout import KINDS, check_adapter_key, check_name, relative_path
@@ -191,18 +192,13 @@ class LearnerStep(Request[r.StepResult]):
     are the learner's own (``WeightsRef`` of ``adapter`` and the new version)."""
 
     adapter: str
-    learning_rate: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
+    adam: AdamParams
     export: bool = True
     full: bool = False
     request_id: str = ""  # with ``adapter``, the idempotency key: a duplicate answers the first result
     from_version: int = -1  # the version this step starts from: it makes from_version + 1
     attempt: int = 0  # resends so far, by the client and the scheduler together
     expected_fb: int = -1  # forward_backward calls the scheduler saw answered for this step (-1: unknown)
-    grad_clip_norm: float = 0.0  # 0: no clip
 
     def __post_init__(self) -> None:
         _adapter_ok(self.adapter)

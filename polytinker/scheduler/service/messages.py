@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass, field
 from datetime import date
 
+from polytinker.engine.learner.config import AdamParams
 from polytinker.engine.types import (
     LOSS_FNS,
     MAX_SAMPLES,
@@ -184,23 +185,12 @@ class Forward(Request[r.ForwardReply]):
 class OptimStep(Request[r.OptimStepReply]):
     api_key: str
     job_id: str
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
+    adam: AdamParams = field(default_factory=AdamParams)  # as the learner steps with it (it checks itself)
     request_id: str = ""  # the same on every resend of one call: the learner steps once
     attempt: int = 0  # 0 the first time, then 1, 2, ... on resends
-    grad_clip_norm: float = 0.0  # clip the gradient's norm to this before the step; 0: no clip
 
     def __post_init__(self) -> None:
         request_id_ok(self.request_id, self.attempt)
-        need(math.isfinite(self.grad_clip_norm) and self.grad_clip_norm >= 0, "grad_clip_norm must be >= 0")
-        need(0 <= self.learning_rate <= 10, f"learning_rate must be in [0, 10], got {self.learning_rate}")
-        need(0 <= self.beta1 < 1, f"beta1 must be in [0, 1), got {self.beta1}")
-        need(0 <= self.beta2 < 1, f"beta2 must be in [0, 1), got {self.beta2}")
-        need(0 < self.eps <= 1, f"eps must be in (0, 1], got {self.eps}")
-        need(0 <= self.weight_decay <= 10, f"weight_decay must be in [0, 10], got {self.weight_decay}")
 
 
 @message("sched.save_state")

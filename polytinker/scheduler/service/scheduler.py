@@ -327,18 +327,13 @@ class SchedulerService:
         fb_ids = self._fb_ids.get(a.adapter_key)
         req = wm.LearnerStep(
             a.adapter_key,
-            msg.learning_rate,
-            msg.beta1,
-            msg.beta2,
-            msg.eps,
-            msg.weight_decay,
+            msg.adam,
             True,
             full,
             request_id=msg.request_id or uuid.uuid4().hex,
             from_version=a.version,
             attempt=msg.attempt,
             expected_fb=-1 if fb_ids is None else len(fb_ids),
-            grad_clip_norm=msg.grad_clip_norm,
         )
         with self.admission.admit(row.tenant, "train"), self._turn(learner, row, ends_step=True):
             # Resent when the learner goes silent: the same process answers a step it took once; a
