@@ -8,8 +8,8 @@ from polytinker.agents.protocols import ServiceClientLike, TrainingClientLike
 from polytinker.agents.render import Renderer
 from polytinker.agents.spec import AgentSpec
 from polytinker.agents.types import AlgorithmName
-from polytinker.engine.learner.config import AdamParams
 from polytinker.errors import ConfigError
+from polytinker.types import AdamParams
 
 
 def train_sft(
