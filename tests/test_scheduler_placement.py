@@ -178,3 +178,30 @@ def test_a_free_slot_elsewhere_beats_an_eviction():
         placement.acquire("a1", "z", 0.0)
     load = some(placement.route("new", "model-a", 1.0))
     assert load.engine == "a1" and load.evicted is None
+
+
+def test_jobs_and_adapters_go_to_the_workers_there_now_and_to_the_others_only_when_none_will_do():
+    """A scheduler tells its cluster which declared workers are registered and alive: new jobs and
+    adapters go to those, and a declared worker that is not there gets work only when nothing that
+    is there fits (its calls then wait for it, as before)."""
+    learners = (LearnerSpec("g0", "model-a", 40.0, max_jobs=4), LearnerSpec("g1", "model-a", 40.0, max_jobs=4))
+    state = ClusterState(ClusterSpec(ENGINES, learners))
+    assert fitted(state, lora("j0", 1.0)) == Placement("g0", "a0")  # every one there: the first in order
+    there = {"g1", "a1"}
+    state.set_presence(lambda rid: rid in there)
+    assert fitted(state, lora("j1", 1.0)) == Placement("g1", "a1")
+    assert some(state.adapters.route("new", "model-a", 0.0)).engine == "a1"
+    there.clear()  # nothing there: placed as if every declared worker were, to wait for them
+    assert fitted(state, lora("j2", 1.0)) == Placement("g0", "a0")
+    assert some(state.adapters.route("new2", "model-a", 0.0)).engine in ("a0", "a1")
+
+
+def test_an_adapter_whose_engines_are_gone_is_loaded_on_one_that_is_there():
+    placement = AdapterPlacement(ENGINES)
+    assert some(placement.route("ad", "model-a", 0.0)).engine == "a0"
+    placement.present = lambda rid: rid != "a0"  # a0 left (its process died, its node is gone)
+    moved = some(placement.route("ad", "model-a", 1.0))
+    assert (moved.engine, moved.load) == ("a1", True)
+    assert some(placement.route("ad", "model-a", 2.0)).engine == "a1"  # a present holder now
+    placement.present = lambda rid: rid == "b0"  # no engine of model-a there: a holder, to wait for
+    assert some(placement.route("ad", "model-a", 3.0)).engine in ("a0", "a1")

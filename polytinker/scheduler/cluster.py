@@ -65,6 +65,7 @@ class ClusterState:
         self.placed: dict[JobID, tuple[Job, Placement]] = {}
         self.total_learner_gb = sum(g.memory_gb for g in learner_specs)
         self.total_engine_gb = sum(e.memory_gb for e in engine_specs)
+        self.present: Callable[[ResourceID], bool] = _all  # every resource is there (the simulator's)
 
     def impossible(self, job: Job) -> str | None:
         """Why ``job`` can never run on this cluster even when it is empty; ``None`` if it can."""
@@ -129,9 +130,24 @@ class ClusterState:
         return None
 
     # --- fitting ---------------------------------------------------------------------------------
+    def set_presence(self, present: Callable[[ResourceID], bool]) -> None:
+        """Which workers are there now (a scheduler's: registered and alive). Jobs and adapters
+        go to those first; a declared worker that is not there (not started yet, or gone) gets
+        work only when nothing that is there will do, and its calls then wait for it."""
+        self.present = present
+        self.adapters.present = present
+
     def fit(self, job: Job, now_s: float, allowed: Callable[[ResourceID], bool] = _all) -> Placement | None:
         """Where ``job`` fits now, on resources ``allowed`` says it may use; ``None`` if nowhere.
-        Separate engines and learner groups first, then hybrid workers."""
+        Separate engines and learner groups first, then hybrid workers; those there now first
+        (``set_presence``), then any."""
+        if self.present is not _all:
+            placement = self._fit(job, now_s, lambda r: allowed(r) and self.present(r))
+            if placement is not None:
+                return placement
+        return self._fit(job, now_s, allowed)
+
+    def _fit(self, job: Job, now_s: float, allowed: Callable[[ResourceID], bool]) -> Placement | None:
         placement = self._fit_separate(job, now_s, allowed)
         if placement is not None or not self.hybrids:
             return placement

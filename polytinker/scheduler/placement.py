@@ -63,6 +63,9 @@ class AdapterPlacement:
         self._hot = hot_requests_per_s
         self._max_replicas = max_replicas
         self._decay_per_s = math.log(2) / half_life_s
+        # Which engines are there now (registered and alive; ClusterState.present): routing
+        # prefers them, and uses the others only when none of them will do.
+        self.present: Callable[[ResourceID], bool] = lambda _: True
 
     # --- queries ---------------------------------------------------------------------------------
     def engines_of(self, base_model: BaseModelID) -> list[ResourceID]:
@@ -157,13 +160,30 @@ class AdapterPlacement:
             self._count(self._engine_rate, placed.engine, now_s)
         return placed
 
+    def present_first(self, engine_ids: list[ResourceID]) -> list[ResourceID]:
+        """The engines of ``engine_ids`` that are there now, or all of them when none is."""
+        there = [e for e in engine_ids if self.present(e)]
+        return there or engine_ids
+
     def _route(self, adapter: AdapterID, base_model: BaseModelID, now_s: float) -> AdapterLoad | None:
-        holders = sorted(self._where.get(adapter, ()))
+        held = sorted(self._where.get(adapter, ()))
+        holders = [h for h in held if self.present(h)]
+        if held and not holders:  # every holder is gone for now: load it where an engine is there
+            there = [c for c in self.engines_of(base_model) if self.present(c)]
+            target = self.choose_engine(adapter, base_model, there, now_s)
+            if target is not None:
+                placed = self._load(self._engines[target], adapter, now_s)
+                return AdapterLoad(target, adapter, True, placed.evicted, "its holders are gone: loaded on one there")
+            holders = held  # nowhere else: wait for a holder to come back
         if holders:
             best = min(holders, key=lambda c: (self.engine_load(c, now_s), c))
             per_replica = self.rate(adapter, now_s) / len(holders)
             if per_replica > self._hot and len(holders) < self._max_replicas:
-                others = [c for c in self.engines_of(base_model) if c not in holders and self.can_host(c, adapter)]
+                others = [
+                    c
+                    for c in self.engines_of(base_model)
+                    if c not in holders and self.present(c) and self.can_host(c, adapter)
+                ]
                 target = self.choose_engine(adapter, base_model, others, now_s)
                 if target is not None:
                     placed = self._load(self._engines[target], adapter, now_s)
@@ -172,7 +192,9 @@ class AdapterPlacement:
             e.resident[adapter] = now_s
             e.resident.move_to_end(adapter)
             return AdapterLoad(best, adapter, False, None, "resident: least loaded holder")
-        target = self.choose_engine(adapter, base_model, self.engines_of(base_model), now_s)
+        target = self.choose_engine(adapter, base_model, self.present_first(self.engines_of(base_model)), now_s)
+        if target is None and any(self.present(c) for c in self.engines_of(base_model)):
+            target = self.choose_engine(adapter, base_model, self.engines_of(base_model), now_s)
         if target is None:
             return None
         return self._load(self._engines[target], adapter, now_s)

@@ -247,6 +247,13 @@ class Broker:
                 for h in self._workers.values()
             ]
 
+    def alive(self, worker_id: str) -> bool:
+        """Whether ``worker_id`` is registered and alive now: the policy places new work on such
+        workers first (``ClusterState.set_presence``)."""
+        with self._cv:
+            h = self._workers.get(worker_id)
+            return h is not None and self._alive(h, time.monotonic())
+
     def _alive(self, h: WorkerHandle, now: float) -> bool:
         return not h.dead and now - h.last_seen < max(4 * self.config.worker_heartbeat_s, self.config.worker_silence_s)
 

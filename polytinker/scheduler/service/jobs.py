@@ -472,7 +472,7 @@ class JobManager:
         with self._lock:
             cluster = self.policy.cluster
             if adapter is None:
-                engines = cluster.adapters.engines_of(base_model)
+                engines = cluster.adapters.present_first(cluster.adapters.engines_of(base_model))
                 if not engines:
                     raise ConfigError(f"no engine serves base model {base_model!r}")
                 return engines[next(self._rr) % len(engines)]
