@@ -53,10 +53,13 @@ TESTS_DIR = Path(__file__).parent
 HEAVY_MARKS = ("slow", "learning", "vllm", "gpu", "runtime", "subprocess")
 # A test whose code, fixtures or helpers (functions defined under tests/, followed by name) use
 # one of these names starts a runtime or model-loading processes: LocalRuntime (fixtures.client's
-# shared runtime too), InprocRuntime, an Experiment (it trains on one), the workers' process
-# actors (_worker.worker_process), a learner group's ranks.
+# shared runtime too) and the gateway's HttpRuntime, InprocRuntime, an Experiment (it trains on
+# one), the workers' process actors (_worker.worker_process), a learner group's ranks.
 RUNTIME_NAMES = frozenset(
-    {"LocalRuntime", "InprocRuntime", "Experiment", "EngineActor", "LearnerActor", "SchedulerActor", "LearnerGroup"}
+    {
+        *("LocalRuntime", "HttpRuntime", "InprocRuntime", "Experiment"),
+        *("EngineActor", "LearnerActor", "SchedulerActor", "LearnerGroup"),
+    }
 )
 # ... and so does a call with this keyword: ServiceClient(runtime_config=...) starts a runtime.
 RUNTIME_KEYWORDS = frozenset({"runtime_config"})
