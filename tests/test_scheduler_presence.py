@@ -5,7 +5,6 @@ that registered, where they used to wait for the absent one until ``worker_retry
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from fixtures.client import MODEL
@@ -31,18 +30,16 @@ def test_jobs_and_samples_go_to_the_engine_that_is_there_not_to_a_declared_absen
         # "a-absent" sorts first: without presence, the policy places the first job on it.
         engines=(EngineWorkerConfig(engine_id="a-absent", local=False), EngineWorkerConfig(engine_id="b-here")),
         learners=(LearnerWorkerConfig(),),
-        worker_retry_s=20.0,  # a call sent to the absent engine fails after this long
+        worker_retry_s=20.0,  # a call sent to the absent engine fails after this long: the test with it
         start_timeout_s=240.0,
     )
     prompt, params = ModelInput.from_ints([1, 2, 3]), SamplingParams(max_tokens=2, temperature=0.0)
     with LocalRuntime(config) as runtime, ServiceClient(runtime.address, api_key=KEY) as service:
-        start = time.monotonic()
         trainer = service.create_lora_training_client(base_model=MODEL, rank=4)
         sampler = trainer.save_weights_and_get_sampling_client()
         assert len(sampler.sample(prompt, 1, params).result(timeout=60).sequences[0].tokens) == 2
         base = service.create_sampling_client(base_model=MODEL)
         for _ in range(2):  # round-robin over the base model's engines: only the one there
             assert len(base.sample(prompt, 1, params).result(timeout=60).sequences) == 1
-        assert time.monotonic() - start < 20.0  # nothing waited for the absent engine
         engines = {w["worker_id"]: w["alive"] for w in service.runtime_status()["workers"] if w["role"] == "engine"}
         assert engines == {"b-here": True}  # "a-absent" never registered

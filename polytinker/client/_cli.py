@@ -12,25 +12,18 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
+from polytinker.client.service_client import ServiceClient
 from polytinker.errors import ConfigError
+from polytinker.scheduler._cli import client_curve
 from polytinker.scheduler.service.messages import AUDIT_EVENT_TYPES
 
 
-def _client(args: argparse.Namespace) -> Any:
-    from polytinker.client import ServiceClient  # the client's surface loads when a command runs, not for --help
-
+def _client(args: argparse.Namespace) -> ServiceClient:
     address = args.scheduler or os.environ.get("POLYTINKER_SCHEDULER")
     if not address:
         raise ConfigError("pass --scheduler tcp://HOST:PORT or set POLYTINKER_SCHEDULER")
-    curve = None
-    if args.curve_secret:
-        from polytinker.transport import ClientCurve
-
-        if not args.scheduler_key:
-            raise ConfigError("--curve-secret needs --scheduler-key (the scheduler's .key file)")
-        curve = ClientCurve.from_files(args.curve_secret, args.scheduler_key)
     key = args.api_key or os.environ.get("POLYTINKER_API_KEY")
-    return ServiceClient(address, api_key=key, curve=curve, timeout_s=30.0)
+    return ServiceClient(address, api_key=key, curve=client_curve(args), timeout_s=30.0)
 
 
 def _print_jobs(jobs: list[dict[str, Any]], load: dict[str, Any]) -> None:

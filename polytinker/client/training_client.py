@@ -56,8 +56,10 @@ _Path = Any
 def _adam(params: Any) -> AdamParams:
     """``AdamParams`` from what a caller passes: one (Tinker's is the same class), a dict of its
     fields, an object with them, or None (the defaults)."""
-    if params is None or isinstance(params, AdamParams):
-        return params or AdamParams()
+    if params is None:
+        return AdamParams()
+    if isinstance(params, AdamParams):
+        return params
     if isinstance(params, Mapping):
         return AdamParams(**params)
     names = [f.name for f in dataclasses.fields(AdamParams) if hasattr(params, f.name)]

@@ -13,8 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from polytinker.errors import ConfigError
-from polytinker.scheduler._cli import add_config_args, runtime_config, wait_for_signal
+from polytinker.scheduler._cli import add_config_args, client_curve, runtime_config, wait_for_signal
 
 
 def gateway_config(args: argparse.Namespace) -> Any:
@@ -64,13 +63,7 @@ def _gateway(args: argparse.Namespace) -> int:
     """The HTTP front door alone, in front of a scheduler that runs elsewhere."""
     from polytinker.gateway.app import Gateway  # FastAPI and the gateway load when it runs, not for --help
 
-    curve = None
-    if args.curve_secret:
-        from polytinker.transport import ClientCurve
-
-        if not args.scheduler_key:
-            raise ConfigError("--curve-secret needs --scheduler-key (the scheduler's .key file)")
-        curve = ClientCurve.from_files(args.curve_secret, args.scheduler_key)
+    curve = client_curve(args)
     config = gateway_config(args)
     tokenizers = {args.model: config.tokenizer_id} if config.tokenizer_id else None
     state = Path(args.state_dir).expanduser()

@@ -27,6 +27,18 @@ def wait_for_signal(dead: threading.Event | None = None) -> None:
             return
 
 
+def client_curve(args: argparse.Namespace) -> Any:
+    """The ``ClientCurve`` of ``--curve-secret`` and ``--scheduler-key`` (None without them), for a
+    command that dials a scheduler serving with Curve as a client (``jobs``, ``gateway``, ...)."""
+    if not args.curve_secret:
+        return None
+    from polytinker.transport import ClientCurve
+
+    if not args.scheduler_key:
+        raise ConfigError("--curve-secret needs --scheduler-key (the scheduler's .key file)")
+    return ClientCurve.from_files(args.curve_secret, args.scheduler_key)
+
+
 def runtime_config(args: argparse.Namespace) -> Any:
     from polytinker.scheduler.service.config import RuntimeConfig
 
@@ -161,4 +173,4 @@ def _add_worker_parser(sub: Any) -> None:
     w.set_defaults(func=_worker)
 
 
-__all__ = ["add_config_args", "register", "runtime_config", "wait_for_signal"]
+__all__ = ["add_config_args", "client_curve", "register", "runtime_config", "wait_for_signal"]

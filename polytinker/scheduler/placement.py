@@ -162,15 +162,16 @@ class AdapterPlacement:
 
     def present_first(self, engine_ids: list[ResourceID]) -> list[ResourceID]:
         """The engines of ``engine_ids`` that are there now, or all of them when none is."""
-        there = [e for e in engine_ids if self.present(e)]
-        return there or engine_ids
+        return self._there(engine_ids) or engine_ids
+
+    def _there(self, engine_ids: list[ResourceID]) -> list[ResourceID]:
+        return [e for e in engine_ids if self.present(e)]
 
     def _route(self, adapter: AdapterID, base_model: BaseModelID, now_s: float) -> AdapterLoad | None:
         held = sorted(self._where.get(adapter, ()))
-        holders = [h for h in held if self.present(h)]
+        holders = self._there(held)
         if held and not holders:  # every holder is gone for now: load it where an engine is there
-            there = [c for c in self.engines_of(base_model) if self.present(c)]
-            target = self.choose_engine(adapter, base_model, there, now_s)
+            target = self.choose_engine(adapter, base_model, self._there(self.engines_of(base_model)), now_s)
             if target is not None:
                 placed = self._load(self._engines[target], adapter, now_s)
                 return AdapterLoad(target, adapter, True, placed.evicted, "its holders are gone: loaded on one there")
@@ -192,9 +193,11 @@ class AdapterPlacement:
             e.resident[adapter] = now_s
             e.resident.move_to_end(adapter)
             return AdapterLoad(best, adapter, False, None, "resident: least loaded holder")
-        target = self.choose_engine(adapter, base_model, self.present_first(self.engines_of(base_model)), now_s)
-        if target is None and any(self.present(c) for c in self.engines_of(base_model)):
-            target = self.choose_engine(adapter, base_model, self.engines_of(base_model), now_s)
+        # An engine that is there, else (none there, or none of those can host it) any of the model's.
+        engines = self.engines_of(base_model)
+        target = self.choose_engine(adapter, base_model, self._there(engines), now_s) or self.choose_engine(
+            adapter, base_model, engines, now_s
+        )
         if target is None:
             return None
         return self._load(self._engines[target], adapter, now_s)
