@@ -13,13 +13,18 @@ Both servers run in their own subprocess on tcp loopback (ROUTER), the clients h
 
 Also printed: the round trip against a server that runs every handler on the thread that reads
 its socket (``handler_threads=0``), and the floor of the design itself: a client and a server
-with the same threads and hand-offs as polytinker's (the caller queues to the client's I/O thread
-through a pipe and waits on a lock; the server's I/O thread queues to a handler thread, which
-queues the answer back through a pipe) and nothing else: no header, codec, deadline, heartbeat
-or cancellation. ``rpc_design_floor_ratio`` is what those thread hops cost on this machine;
-the gap between it and ``rpc_roundtrip_ratio`` is what the protocol costs:
-``rpc_protocol_overhead_ratio`` (target <= 0.5, that is ``rpc_roundtrip_ratio <=
-rpc_design_floor_ratio + 0.5`` in the same run).
+with the same threads and hand-offs as polytinker's (the caller takes a socket from a pool under
+a lock, sends, receives (blocking, with a receive timeout) and gives the socket back; the
+server's I/O thread queues to a handler thread, which queues the answer back through a pipe)
+and nothing else: no header, codec, deadline, heartbeat or cancellation.
+``rpc_design_floor_ratio`` is what those thread hops cost on this machine; the gap between it
+and ``rpc_roundtrip_ratio`` is what the protocol costs: ``rpc_protocol_overhead_ratio`` (target
+<= 0.5, that is ``rpc_roundtrip_ratio <= rpc_design_floor_ratio + 0.5`` in the same run).
+
+A blocking call has run on its caller's thread since the caller sockets
+(transport/_caller_sockets.py); before them it went through the client's I/O thread, and so did
+the floor (the caller queued to an I/O thread through a pipe and waited on a lock):
+docs/benchmarks.md has the figures of both.
 
 ``--quick`` finishes in well under a minute on 2 cores.
 """
@@ -27,8 +32,6 @@ rpc_design_floor_ratio + 0.5`` in the same run).
 from __future__ import annotations
 
 import argparse
-import collections
-import os
 import pickle
 import statistics
 import subprocess
@@ -85,42 +88,27 @@ while True:
 
 
 class _FloorClient:
-    """The design's floor, client side: the caller queues its request and wakes the I/O thread
-    (which owns the socket) through a pipe, then waits on a lock that the I/O thread releases."""
+    """The design's floor, client side: the caller takes a socket from a pool under a lock, sends,
+    receives (a blocking receive with a timeout, after which a caller socket looks whether it was failed)
+    and gives the socket back: a blocking call on its caller's thread (transport/_caller_sockets.py)."""
 
     def __init__(self, address: str) -> None:
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        self._queue: collections.deque[list[bytes]] = collections.deque()
-        self._waiting: dict[bytes, threading.Lock] = {}
         self._ids = iter(range(1, 1 << 62))
-        self._sock = zmq.Context.instance().socket(zmq.DEALER)
-        self._sock.linger = 0
-        self._sock.connect(address)
-        threading.Thread(target=self._loop, daemon=True).start()
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.linger = 0
+        sock.rcvtimeo = 100
+        sock.connect(address)
+        self._idle = [sock]
+        self._lock = threading.Lock()
 
     def call(self, payload: bytes) -> None:
         rid = next(self._ids).to_bytes(8, "little")
-        answered = threading.Lock()
-        answered.acquire()
-        self._waiting[rid] = answered
-        self._queue.append([rid, payload])
-        os.write(self._wake_w, b"\0")
-        answered.acquire()
-
-    def _loop(self) -> None:
-        sock = self._sock
-        items = [(sock, zmq.POLLIN), (self._wake_r, zmq.POLLIN)]
-        while True:
-            zmq.zmq_poll(items, 1000)
-            try:  # noqa: SIM105 (as the transport's own wake pipe does it)
-                os.read(self._wake_r, 65536)
-            except BlockingIOError:
-                pass
-            while self._queue:
-                sock.send_multipart(self._queue.popleft())
-            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                self._waiting.pop(sock.recv_multipart()[0]).release()
+        with self._lock:
+            sock = self._idle.pop()
+        sock.send_multipart([rid, payload])
+        sock.recv_multipart()
+        with self._lock:
+            self._idle.append(sock)
 
 
 def spawn_server(args: list[str]) -> tuple[subprocess.Popen[str], str]:

@@ -1,6 +1,6 @@
-"""Where an RPC answer is decoded: a big reply to a blocking ``call()`` (a sample of a thousand
-sequences) by the caller that waits for it, so that the client's I/O thread, which reads every
-answer of the connection, is not held up by it; a small one on arrival, by the I/O thread."""
+"""Where an RPC answer is decoded: the answer to a blocking ``call()``, big (a sample of a thousand
+sequences) or small, by the caller that waits for it, on its own socket (no other caller's answer
+waits behind it); the answer to ``call_async()`` on arrival, by the client's I/O thread."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _rows(n: int) -> Rows:
     return Rows(list(range(n)))
 
 
-def test_a_big_reply_is_decoded_by_its_caller_and_a_small_one_by_the_io_thread() -> None:
+def test_a_blocking_call_is_decoded_by_its_caller_and_an_async_one_by_the_io_thread() -> None:
     caller = threading.current_thread().name
     with RpcServer("tcp://127.0.0.1:0", {"rows": _rows}) as server, RpcClient(server.address) as client:
         DECODED_ON.clear()
@@ -34,6 +34,10 @@ def test_a_big_reply_is_decoded_by_its_caller_and_a_small_one_by_the_io_thread()
 
         DECODED_ON.clear()
         assert client.call("rows", 3).ints == [0, 1, 2]
+        assert DECODED_ON[-1] == caller, DECODED_ON
+
+        DECODED_ON.clear()
+        assert client.call_async("rows", 3).result(30.0).ints == [0, 1, 2]
         assert DECODED_ON[-1].startswith("polytinker-client"), DECODED_ON
 
         # Many callers at once, big and small: each gets its own answer.

@@ -43,6 +43,7 @@ from polytinker.transport.protocol import (
 )
 
 log = logging.getLogger("polytinker.transport.server")
+_REPLY = int(MsgType.REPLY)  # a plain int: an IntEnum member costs a class attribute lookup per use
 
 
 class CallContext:
@@ -154,15 +155,9 @@ class HandlerRunner:
 
     def _work(self) -> None:
         q, lock = self._queue, self._lock
-        call: CallContext | None = None
+        with lock:
+            self._waiting += 1
         while True:
-            with lock:
-                if call is not None:  # the last call's handler returned
-                    if call.worker == _WRITTEN_OFF:  # fail() answered it, and a new thread has our place
-                        self._written_off -= 1
-                        return
-                    call.worker = _FINISHED
-                self._waiting += 1
             call = q.get()
             with lock:
                 self._waiting -= 1
@@ -174,23 +169,36 @@ class HandlerRunner:
                 self._queued -= 1
                 self.queued_bytes -= call.nbytes
                 call.worker = _RUNNING
-            if call.cancelled:
-                self._forget(call)
-                continue
-            self.run(call)
+            out = None if call.cancelled else self._serve(call)
+            self._forget(call)
+            # The pool's bookkeeping and the claim of the answer in one turn of the lock, before the
+            # hand-off: the I/O thread that sends the answer waits for this thread's GIL, so whatever
+            # ran after the hand-off would add to the round trip.
+            with lock:
+                if call.worker == _WRITTEN_OFF:  # fail() answered it, and a new thread has our place
+                    self._written_off -= 1
+                    return
+                call.worker = _FINISHED
+                self._waiting += 1
+                send = out is not None and not call.cancelled and not call.answered
+                call.answered = True
+            if send and out is not None:
+                self._send([call.ident, *out])
 
     def run(self, call: CallContext) -> None:
         """Serve ``call`` on this thread and queue its answer; never raises."""
-        try:
-            out = self._call(call)
-        except BaseException as exc:
-            self._failures("serving %r failed outside its handler: %s", call.kind, describe(exc), key="run")
-            out = None
-        # Forgotten before the answer goes: the I/O thread that sends it waits for this thread's
-        # GIL, so whatever runs after the hand-off adds to the round trip.
+        out = self._serve(call)
         self._forget(call)
         if out is not None and not call.cancelled and self.claim(call):
             self._send([call.ident, *out])
+
+    def _serve(self, call: CallContext) -> list[Any] | None:
+        """The frames of ``call``'s answer (None for a tell, or when serving failed); never raises."""
+        try:
+            return self._call(call)
+        except BaseException as exc:
+            self._failures("serving %r failed outside its handler: %s", call.kind, describe(exc), key="run")
+            return None
 
     def claim(self, call: CallContext) -> bool:
         """Whether the answer about to go is the call's only one (fail() may have answered it)."""
@@ -293,7 +301,7 @@ class HandlerRunner:
         if not call.reply:
             return None
         try:
-            return [pack_header(MsgType.REPLY, call.request_id, call.kind), *encode(result, config=self._cfg)]
+            return [pack_header(_REPLY, call.request_id, call.kind), *encode(result, config=self._cfg)]
         except ProtocolError as exc:
             log.error("handler %r returned a value that cannot be sent: %s", call.kind, describe(exc))
             return self._error(call, ErrorCode.UNENCODABLE, exc)

@@ -1,18 +1,22 @@
-"""``RpcClient`` (thread-safe, futures) over one DEALER socket.
+"""``RpcClient`` (thread-safe, futures) over DEALER sockets.
 
-One I/O thread owns the socket. A caller encodes its payload in its own thread, queues the
-request and wakes the I/O thread through a pipe; the I/O thread sends it, matches answers to
-request ids and resolves the call's future, which the caller waits on (a reply over 64 KiB to a
-blocking ``call()`` is decoded by that caller, so that it holds up no other answer). The I/O thread also
-enforces deadlines and pings the server every ``heartbeat_interval_s``. A server is dead when its
-connection is gone, not when it is slow: when the connection drops (the server's process exited
-or restarted; the socket's monitor says so at once) the calls sent over it fail with
-PeerDeadError, since no server will answer them, and the socket reconnects by itself. Silence
-alone counts as death only past ``silence_limit_s`` (a machine that vanished without closing its
-connections): ``heartbeat_liveness`` intervals, or four times the longest the server has taken to
-answer a ping, whichever is longer, so a peer on a saturated machine is waited for. Then the
-pending calls fail with PeerDeadError and the socket is replaced (a restarted server on the same
-address is then reached again, inproc too).
+A blocking ``call()`` runs on its caller's thread, on a caller socket: a DEALER of its own, taken
+from a pool and given back (``_caller_sockets.py``): the caller sends, waits in a blocking receive
+and decodes the answer itself, with no hand-off to another thread. ``call_async()`` and tells go
+through the main socket, which one I/O thread owns: a caller encodes its payload in its own
+thread, queues the request and wakes the I/O thread through a pipe; the I/O thread sends it,
+matches answers to request ids and resolves the call's future. The I/O thread also enforces those
+calls' deadlines, pings the server every ``heartbeat_interval_s`` and tells the caller sockets
+when the server is gone.
+
+A server is dead when its connection is gone, not when it is slow: when the connection drops
+(the server's process exited or restarted; the main socket's monitor says so at once) the calls
+sent over it fail with PeerDeadError, since no server will answer them, and the socket
+reconnects by itself. Silence alone counts as death only past ``silence_limit_s`` (a machine that
+vanished without closing its connections): ``heartbeat_liveness`` intervals, or four times the
+longest the server has taken to answer a ping, whichever is longer, so a peer on a saturated
+machine is waited for. Then the pending calls fail with PeerDeadError and the socket is replaced
+(a restarted server on the same address is then reached again, inproc too).
 A call cancelled by its caller or by its timeout is cancelled on the server too (CANCEL,
 docs/wire-protocol.md). A Curve client watches its handshakes: a server that refuses its key
 fails the calls with AuthError at once, instead of leaving them to time out.
@@ -34,6 +38,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from polytinker.errors import AuthError, PeerDeadError, ProtocolError, TransportError
 from polytinker.transport import auth
+from polytinker.transport._caller_sockets import CallerSockets
 from polytinker.transport._pending import Pending, PendingCalls, settle
 from polytinker.transport._wakeup import WakePipe
 from polytinker.transport.codec import decode, encode
@@ -62,54 +67,6 @@ _LOST = int(zmq.EVENT_DISCONNECTED)  # the connection closed: the server's proce
 _NOBLOCK = int(zmq.NOBLOCK)
 _POLLIN = int(zmq.POLLIN)
 _EVENTS = int(zmq.EVENTS)
-# A reply this big (a sample of 1024 sequences: about 1 MB, tens of ms to decode) is decoded by the
-# blocking caller it is for, so that it does not hold up the answers behind it on this connection.
-_CALLER_DECODES_BYTES = 1 << 16
-
-
-class _Waiter:
-    """The answer of a blocking ``call()``: a lock its caller waits on and the I/O thread releases.
-    The cheapest way for one thread to wake another in CPython (a Future adds a Condition)."""
-
-    __slots__ = ("_cfg", "_exc", "_frames", "_lock", "_value")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._lock.acquire()
-        self._value: Any = None
-        self._exc: BaseException | None = None
-        self._frames: list[zmq.Frame] | None = None  # a reply the caller decodes (with _cfg)
-
-    def cancelled(self) -> bool:
-        return False
-
-    def set_result(self, value: Any) -> None:
-        if self._lock.locked():
-            self._value = value
-            self._lock.release()
-
-    def set_exception(self, exc: BaseException) -> None:
-        if self._lock.locked():
-            self._exc = exc
-            self._lock.release()
-
-    def set_undecoded(self, frames: list[zmq.Frame], cfg: TransportConfig) -> None:
-        if self._lock.locked():
-            self._frames, self._cfg = frames, cfg
-            self._lock.release()
-
-    def result(self, io_thread: threading.Thread) -> Any:
-        # The I/O thread answers, fails or (closing) drains every call; should a close race with
-        # this call's queueing, the I/O thread's end is what tells.
-        while not self._lock.acquire(timeout=1.0):
-            if not io_thread.is_alive() and self._lock.locked():
-                raise TransportError("the client was closed during the call")
-        self._lock.release()
-        if self._exc is not None:
-            raise self._exc
-        if self._frames is not None:
-            return decode(self._frames, config=self._cfg)
-        return self._value
 
 
 class RpcClient:
@@ -139,6 +96,7 @@ class RpcClient:
         self._silence = RateLimitedLog(log, period_s=60.0)
         self._refused: str = ""  # why the server refused our Curve key, until a handshake succeeds
         self._sock, self._monitor = self._connect()  # here, so a bad address fails in the caller's thread
+        self._caller_sockets = CallerSockets(self._caller_socket, self._cfg.idle_caller_sockets)
         self._thread = threading.Thread(target=self._loop, name=f"polytinker-client {address}", daemon=True)
         self._thread.start()
 
@@ -168,16 +126,19 @@ class RpcClient:
         return fut
 
     def call(self, kind: str, payload: Any = None, *, timeout_s: float | None = None) -> Any:
-        """Send a request and wait for its reply (see :meth:`call_async` for the errors)."""
+        """Send a request and wait for its reply, on this thread (see :meth:`call_async` for the
+        errors; a timeout cancels the call on the server too)."""
         if threading.get_ident() == self._thread.ident:
             raise TransportError(
-                "a blocking call() from a callback of this client's futures would wait for itself; "
-                "use call_async() there"
+                "a blocking call() from a callback of this client's futures would hold up the thread "
+                "that serves them and tells when the server is gone; use call_async() there"
             )
         frames, timeout = self._request(payload, timeout_s)
-        waiter = _Waiter()
-        self._queue((MsgType.REQUEST, next(self._ids), kind, frames, waiter, timeout))
-        return waiter.result(self._thread)
+        sock = self._caller_sockets.take()
+        try:
+            return sock.call(kind, next(self._ids), frames, timeout, self._cfg)
+        finally:
+            self._caller_sockets.give(sock)
 
     def _request(self, payload: Any, timeout_s: float | None) -> tuple[list[Any], float | None]:
         """A request's frames (encoded in the caller's thread) and its timeout; raises at once on a
@@ -218,16 +179,23 @@ class RpcClient:
         self._waker.wake()
 
     def _connect(self) -> tuple[zmq.Socket, zmq.Socket | None]:
+        """The main socket and the monitor that says when its connection closes or is refused."""
+        return self._socket(_LOST if self._curve is None else _LOST | _HANDSHAKE_EVENTS)
+
+    def _caller_socket(self) -> zmq.Socket:
+        return self._socket()[0]
+
+    def _socket(self, events: int = 0) -> tuple[zmq.Socket, zmq.Socket | None]:
+        """A DEALER with the config's limits and the Curve keys, connected to the server, and a
+        monitor of ``events`` (none for a caller socket; inproc has no connections to lose, so its monitor
+        would never speak: silence tells there)."""
         sock = self._ctx.socket(zmq.DEALER)
         apply_limits(sock, self._cfg)
-        events = _LOST
         if self._curve is not None:
             sock.curve_secretkey = self._curve.secret_key
             sock.curve_publickey = self._curve.public_key
             sock.curve_serverkey = self._curve.server_public_key
-            events |= _HANDSHAKE_EVENTS
-        # inproc has no connections to lose: its monitor would never speak (silence tells there).
-        monitor = None if self._address.startswith("inproc://") else sock.get_monitor_socket(events)
+        monitor = sock.get_monitor_socket(events) if events and not self._address.startswith("inproc://") else None
         try:
             sock.connect(self._address)
         except zmq.ZMQError as exc:
@@ -263,6 +231,7 @@ class RpcClient:
         finally:
             closed = TransportError(f"the client of {self._address} is closed")
             st.fail_all(closed)
+            self._caller_sockets.fail(closed, final=True)
             while self._ops:  # queued by a caller just before the close: its waiter must not wait for ever
                 fut = self._ops.popleft()[4]
                 if fut is not None:
@@ -376,10 +345,6 @@ class RpcClient:
         if pending is None:  # an answer to a call given up on (cancelled, timed out): nobody waits
             log.debug("%s answered %s for no pending call (request %d)", self._address, MsgType(mtype).name, rid)
             return
-        waiter = pending.future
-        if mtype == MsgType.REPLY and type(waiter) is _Waiter and sum(map(len, frames)) > _CALLER_DECODES_BYTES:
-            waiter.set_undecoded(frames[1:], self._cfg)
-            return
         try:
             body = decode(frames[1:], config=self._cfg)
         except ProtocolError as exc:
@@ -411,15 +376,18 @@ class RpcClient:
                 )
                 log.warning("%s: %s", self._address, self._refused)
                 st.fail_all(self._refusal())
+                self._caller_sockets.fail(self._refusal())
 
     def _connection_lost(self, st: PendingCalls) -> None:
         """The calls sent over a connection that closed get no answer (a restarted server does not
         know them): they fail now, as PeerDeadError, for their callers to send again. The socket
         reconnects by itself; what is sent meanwhile waits for the server to be back."""
         st.alive = st.awaiting_pong = False
+        lost = PeerDeadError(f"{self._address} closed the connection (the server exited or restarted)")
+        self._caller_sockets.fail(lost)
         if st.pending:
             self._silence("%s closed the connection: failing %d pending calls", self._address, len(st.pending))
-            st.fail_all(PeerDeadError(f"{self._address} closed the connection (the server exited or restarted)"))
+            st.fail_all(lost)
         if self._on_lost is not None:
             try:
                 self._on_lost()
@@ -431,6 +399,7 @@ class RpcClient:
         if st.pending:
             self._silence("%s %s: failing %d pending calls, reconnecting", self._address, why, len(st.pending))
         st.fail_all(PeerDeadError(f"{self._address} {why}"))
+        self._caller_sockets.fail(PeerDeadError(f"{self._address} {why}"))
         st.alive = st.awaiting_pong = False
         self._close_socket()
         self._sock, self._monitor = self._connect()

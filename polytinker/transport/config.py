@@ -55,6 +55,10 @@ class TransportConfig:
     # Coroutine handlers run on the server's asyncio loop and are not counted. 0 runs every handler on the
     # socket's thread, for handlers that never block (a slow one then delays every other request and the
     # heartbeat answers).
+    idle_caller_sockets: int = 8
+    # A client's blocking call() runs on its caller's thread over a socket of its own (one per call
+    # running at once): this many idle ones stay open for the next calls, more are closed after
+    # their call. 0 connects a socket per call.
     expose_tracebacks: bool = False
     # Put the server's traceback into the ERROR body of a failed handler. Off by default: a caller gets
     # the error's type, message and id, the server logs the traceback under that id. Only for servers
@@ -92,6 +96,8 @@ class TransportConfig:
             raise ConfigError(f"TransportConfig.inline_max_bytes must be >= 0, got {self.inline_max_bytes}")
         if not 2 <= self.max_depth <= 256:
             raise ConfigError(f"TransportConfig.max_depth must be in 2..256, got {self.max_depth}")
+        if self.idle_caller_sockets < 0:
+            raise ConfigError(f"TransportConfig.idle_caller_sockets must be >= 0, got {self.idle_caller_sockets}")
         if self.handler_threads < 0:
             raise ConfigError(
                 "TransportConfig.handler_threads must be >= 0 (0 runs handlers on the I/O thread), "

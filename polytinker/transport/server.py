@@ -53,6 +53,8 @@ Handler = Callable[[Any], Any]
 # Plain ints: pyzmq's flag enums cost an enum operation each time they are combined or tested.
 _NOBLOCK = int(zmq.NOBLOCK)
 _POLLIN = int(zmq.POLLIN)
+# Message types as plain ints too: an IntEnum member costs a class attribute lookup per use.
+_PING, _CANCEL, _REQUEST, _TELL = (int(t) for t in (MsgType.PING, MsgType.CANCEL, MsgType.REQUEST, MsgType.TELL))
 
 _current: contextvars.ContextVar[CallContext | None] = contextvars.ContextVar("polytinker_rpc_call", default=None)
 
@@ -113,6 +115,9 @@ class RpcServer:
         self._handlers = dict(handlers)
         self._async_kinds = frozenset(k for k, h in self._handlers.items() if _is_async(h))
         self._cfg = config or DEFAULT_CONFIG
+        # Kinds served by the handler-thread pool (the rest: coroutines on the loop, or all on the
+        # I/O thread with handler_threads=0).
+        self._pooled = frozenset(self._handlers) - self._async_kinds if self._cfg.handler_threads else frozenset()
         self._arrays = {k: _kind_takes_arrays(k, arrays) for k in self._handlers}
         self._curve = curve
         self._ctx = context or zmq.Context.instance()
@@ -125,8 +130,8 @@ class RpcServer:
         self._outbox: collections.deque[list[Any]] = collections.deque()  # answers for the I/O thread
         self._bad = RateLimitedLog(log)
         # Requests that may still be cancelled (queued or running), by (peer identity, request id).
+        # No lock: each use is one dict operation (atomic under the GIL); see _forget.
         self._calls: dict[tuple[bytes, int], CallContext] = {}
-        self._calls_lock = threading.Lock()
         self._runner = HandlerRunner(self._cfg, _current, self._send_answer, self._forget, self._bad)
         self._io_thread: threading.Thread | None = None
         self._aloop: asyncio.AbstractEventLoop | None = None
@@ -260,20 +265,19 @@ class RpcServer:
         except HeaderError as exc:
             self._reject(ident, 0, "", exc)
             return
-        if mtype == MsgType.PING:
+        if mtype in (_REQUEST, _TELL):
+            self._dispatch(ident, mtype, rid, kind, frames[2:])
+        elif mtype == _PING:
             self._outbox.append([ident, PONG_HEADER])
-        elif mtype == MsgType.CANCEL:
-            with self._calls_lock:
-                call = self._calls.get((ident, rid))
+        elif mtype == _CANCEL:
+            call = self._calls.get((ident, rid))
             if call is not None:
                 self._cancel(call)
-        elif mtype in (MsgType.REQUEST, MsgType.TELL):
-            self._dispatch(ident, mtype, rid, kind, frames[2:])
         else:
             self._reject(ident, rid, kind, HeaderError(f"a server does not accept {MsgType(mtype).name} messages"))
 
     def _dispatch(self, ident: bytes, mtype: int, rid: int, kind: str, body: list[zmq.Frame]) -> None:
-        reply = mtype == MsgType.REQUEST
+        reply = mtype == _REQUEST
         handler = self._handlers.get(kind)
         if handler is None:
             self._reject(ident, rid, kind, HeaderError(f"no handler for kind {kind!r}", ErrorCode.UNKNOWN_KIND), reply)
@@ -282,7 +286,7 @@ class RpcServer:
             self._reject(ident, rid, kind, HeaderError("a request needs a body frame"), reply)
             return
         cfg = self._cfg
-        total = sum(map(len, body))
+        total = len(body[0]) if len(body) == 1 else sum(map(len, body))
         if len(body) > cfg.max_frames + 1 or len(body[0]) > cfg.max_body_bytes or total > cfg.max_message_bytes:
             err = HeaderError(
                 f"message of {total} bytes in {len(body)} frames exceeds max_body_bytes={cfg.max_body_bytes} / "
@@ -292,7 +296,7 @@ class RpcServer:
             self._reject(ident, rid, kind, err, reply)
             return
         call = CallContext(ident, rid, kind, handler, body, reply, self._arrays[kind], total)
-        threaded = cfg.handler_threads and kind not in self._async_kinds
+        threaded = kind in self._pooled
         if threaded and not self._runner.has_room(total):
             err = HeaderError(
                 f"the server holds max_queued_bytes={cfg.max_queued_bytes} of requests already; retry later",
@@ -301,8 +305,7 @@ class RpcServer:
             self._reject(ident, rid, kind, err, reply)
             return
         if reply:
-            with self._calls_lock:
-                self._calls[(ident, rid)] = call
+            self._calls[(ident, rid)] = call
         if threaded:
             self._runner.submit(call)
         elif kind in self._async_kinds:
@@ -336,9 +339,9 @@ class RpcServer:
 
     def _forget(self, call: CallContext) -> None:
         key = (call.ident, call.request_id)
-        with self._calls_lock:
-            if self._calls.get(key) is call:  # a client that reused an id may have replaced it
-                del self._calls[key]
+        other = self._calls.pop(key, None)
+        if other is not None and other is not call:  # a client that reused an id replaced it: keep that
+            self._calls.setdefault(key, other)
 
     # --- coroutine handlers: the server's asyncio loop ---------------------------------------
 
