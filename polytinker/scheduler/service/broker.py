@@ -16,7 +16,10 @@
   worker deduplicates (``keyed``: it carries an idempotency key) is also sent again to the same
   incarnation once it re-registers (it was wrongly declared dead: alive, but silent for a while),
   with its ``attempt`` counted up; so is a read (``REPEATABLE``: running it twice changes
-  nothing); any other request waits for a new incarnation. A worker counts as dead when its
+  nothing); any other request waits for a new incarnation. A read given ``elsewhere`` (a sample
+  or a logprobs call: any engine that holds or loads the adapter answers it alike) goes at once to
+  the worker the policy picks after the death, when that is another one that is there: it does not
+  wait for the dead engine's restart. A worker counts as dead when its
   connection closes or, still open, stays silent for ``worker_silence_s``: slow is not dead. A worker that
   answers ``NotResident`` dropped what ``prepare`` loaded (a learner group whose replicas switched
   between LoRA adapters and a full-parameter model): ``prepare`` runs again, then the request.
@@ -66,6 +69,7 @@ from polytinker.errors import (
     ConfigError,
     NotResident,
     PeerDeadError,
+    PolytinkerError,
     ProtocolError,
     RemoteError,
     TransportError,
@@ -288,13 +292,17 @@ class Broker:
         timeout_s: float | None = None,
         retry: bool = True,
         keyed: bool = False,
+        elsewhere: Callable[[], str] | None = None,
     ) -> R:
         """Forward one request, riding out a restart of the worker (see the module docstring); its
         answer, checked to be the reply its class declares.
         ``prepare=(key, fn)`` (or a list of them): run ``fn(handle)`` once per incarnation before the request.
         ``retry=False``: a request that must not run twice fails when its worker dies.
         ``keyed``: the worker answers a resend of ``payload`` (a dataclass with ``attempt``) with its
-        first result, so it may go to the same incarnation again."""
+        first result, so it may go to the same incarnation again.
+        ``elsewhere``: for a read (``REPEATABLE``), the worker the policy would send it to now; when
+        its worker dies and that is another one, there, the read goes there at once (its
+        ``prepare`` runs there first) instead of waiting for the dead one to come back."""
         prepares = [prepare] if isinstance(prepare, tuple) else list(prepare or [])
         kind = kind_of(type(payload))
         deadline = time.monotonic() + self.config.worker_retry_s
@@ -317,9 +325,14 @@ class Broker:
             except (PeerDeadError, TransportError) as exc:
                 if isinstance(exc, ProtocolError):
                     raise
-                log.warning("%s to %s failed (%s); waiting for it to come back", kind, worker_id, exc)
                 with self._cv:
                     h.dead = True
+                other = self._elsewhere(elsewhere, worker_id) if type(payload) in REPEATABLE else None
+                if other is not None and time.monotonic() < deadline:
+                    log.warning("%s to %s failed (%s); sending it to %s", kind, worker_id, exc, other)
+                    worker_id, avoid = other, ""
+                    continue
+                log.warning("%s to %s failed (%s); waiting for it to come back", kind, worker_id, exc)
                 if keyed:  # a keyed message is a dataclass with an attempt count (the docstring's)
                     sent: Any = payload
                     payload = dataclasses.replace(sent, attempt=sent.attempt + 1)
@@ -327,6 +340,18 @@ class Broker:
                     avoid = h.incarnation
                 if not retry or time.monotonic() >= deadline:
                     raise WorkerUnavailable(f"worker {worker_id} died and did not come back: {exc}") from exc
+
+
+    def _elsewhere(self, choose: Callable[[], str] | None, dead: str) -> str | None:
+        """The worker ``choose`` names now, when it is another one and alive; else None."""
+        if choose is None:
+            return None
+        try:
+            other = choose()
+        except PolytinkerError as exc:  # no other worker can take it now (every slot pinned, ...)
+            log.info("no other worker for a call to %s: %s", dead, exc)
+            return None
+        return other if other != dead and self.alive(other) else None
 
 
 class LearnerSlicer:

@@ -33,7 +33,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from typing import Any
+from typing import Any, TypeVar
 
 from polytinker.actors import Actor
 from polytinker.engine.worker import messages as wm
@@ -52,6 +52,7 @@ from polytinker.scheduler.service.audit import AuditLog
 from polytinker.scheduler.service.broker import Broker, WorkerHandle
 from polytinker.scheduler.service.checkpoints import CheckpointCalls
 from polytinker.scheduler.service.config import RuntimeConfig
+from polytinker.scheduler.service.fb_batcher import Prepare
 from polytinker.scheduler.service.jobs import FINAL_STATES, LIVE_STATES, JobManager, adapter_key
 from polytinker.scheduler.service.load import Admission
 from polytinker.scheduler.service.state import HISTORY_RETENTION_S, AdapterRow, JobRow, StateStore
@@ -60,10 +61,11 @@ from polytinker.scheduler.service.usage import UsageMeter
 from polytinker.scheduler.service.weight_push import WeightPush
 from polytinker.scheduler.service.weights import WeightsCatalog, expiry
 from polytinker.scheduler.types import JobKind, JobState
-from polytinker.transport import RpcServer, ServerCurve, TransportConfig, ask, handler_table
+from polytinker.transport import Request, RpcServer, ServerCurve, TransportConfig, ask, handler_table
 from polytinker.transport.server import peer_user_id
 
 log = logging.getLogger("polytinker.scheduler.service")
+R = TypeVar("R")
 
 
 class SchedulerService:
@@ -427,11 +429,10 @@ class SchedulerService:
         key, version, export, full = self.weights.resolve(tenant, msg.model_path)
         self._sampling_job(tenant, msg)
         with self.admission.admit(tenant, "sample"):
-            engine = self.jobs.route(key or None, msg.base_model)
             req = wm.EngineSample(
                 key, version, export, msg.prompt_token_ids, msg.num_samples, msg.params, tenant, full=full
             )
-            out: r.SampleReply = self.broker.call(engine, req, prepare=self.push.prepare(key, export, full))
+            out: r.SampleReply = self._read_on_an_engine(key, msg.base_model, req, self.push.prepare(key, export, full))
         self._sampled(tenant, msg, [msg.prompt_token_ids], [q.tokens for q in out.sequences])
         return out  # the engine's answer goes on to the client as it is
 
@@ -440,12 +441,17 @@ class SchedulerService:
         key, version, export, full = self.weights.resolve(tenant, msg.model_path)
         self._sampling_job(tenant, msg)
         with self.admission.admit(tenant, "sample"):
-            engine = self.jobs.route(key or None, msg.base_model)
             req = wm.EngineLogprobs(key, version, export, msg.sequences, full=full, top_k=msg.top_k, tag=tenant)
             prepare = self.push.prepare(key, export, full)
-            out: r.LogprobsReply = self.broker.call(engine, req, prepare=prepare)
+            out: r.LogprobsReply = self._read_on_an_engine(key, msg.base_model, req, prepare)
         self._sampled(tenant, msg, msg.sequences, ())
         return out
+
+    def _read_on_an_engine(self, key: str, base_model: str, req: Request[R], prepare: Prepare | None) -> R:
+        """Send a sampling read to the engine routing picks; if that engine dies under it, at once to
+        the one routing picks then (one that is there, which loads the adapter first)."""
+        route = functools.partial(self.jobs.route, key or None, base_model)
+        return self.broker.call(route(), req, prepare=prepare, elsewhere=route)
 
     def _sampled(self, tenant: str, msg: m.Sample | m.ComputeLogprobs, read: Any, sampled: Any) -> None:
         """A sampling call answered: the tokens it read and sampled counted against its job, and a
