@@ -341,7 +341,6 @@ class Broker:
                 if not retry or time.monotonic() >= deadline:
                     raise WorkerUnavailable(f"worker {worker_id} died and did not come back: {exc}") from exc
 
-
     def _elsewhere(self, choose: Callable[[], str] | None, dead: str) -> str | None:
         """The worker ``choose`` names now, when it is another one and alive; else None."""
         if choose is None:
