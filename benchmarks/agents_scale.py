@@ -102,7 +102,8 @@ def sampling_tok_s(engine: Any, refs: list[Any], prompt: list[int], rounds: int)
             SampleRequest(
                 prompt_token_ids=tuple(prompt),
                 adapter=ref,
-                params=SamplingParams(max_tokens=MAX_NEW_TOKENS, seed=k * 1000 + i, n=GROUP_SIZE, ignore_eos=True),
+                params=SamplingParams(max_tokens=MAX_NEW_TOKENS, seed=k * 1000 + i, ignore_eos=True),
+                num_samples=GROUP_SIZE,
             )
             for i, ref in enumerate(refs)
         ]

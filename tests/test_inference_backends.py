@@ -217,15 +217,17 @@ def test_n_samples(backend: Any, tiny_model: Any) -> None:
     weights = adapter(tiny_model, "many", 41)
     backend.load_adapter(weights)
     ids = prompt(backend)
-    params = SamplingParams(max_tokens=6, temperature=1.0, n=3, seed=5)
-    batch = [SampleRequest(prompt_token_ids=ids, adapter=ref, params=params) for ref in (None, weights.ref)]
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=5)
+    batch = [
+        SampleRequest(prompt_token_ids=ids, adapter=ref, params=params, num_samples=3) for ref in (None, weights.ref)
+    ]
     first, again = backend.sample(batch), backend.sample(batch)
     for result, repeat in zip(first, again, strict=True):
         assert len(result.sequences) == 3
         assert [s.token_ids for s in result.sequences] == [s.token_ids for s in repeat.sequences]  # seeded
-        assert len({s.token_ids for s in result.sequences}) == 3  # each of n draws its own tokens
-    greedy = SamplingParams(max_tokens=6, temperature=0.0, n=2)
-    [result] = backend.sample([SampleRequest(prompt_token_ids=ids, params=greedy)])
+        assert len({s.token_ids for s in result.sequences}) == 3  # each sample draws its own tokens
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    [result] = backend.sample([SampleRequest(prompt_token_ids=ids, params=greedy, num_samples=2)])
     assert len(result.sequences) == 2
     assert result.sequences[0].token_ids == result.sequences[1].token_ids
 

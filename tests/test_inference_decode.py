@@ -19,7 +19,7 @@ from polytinker.engine.types import AdapterRef, SampleRequest, SampleResult, Sam
 from polytinker.errors import ModelError
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-SEEDED = SamplingParams(max_tokens=9, temperature=1.0, seed=5, n=3, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=9, temperature=1.0, seed=5, ignore_eos=True)
 SHORT = (1, 9690, 198)
 LONG_PROMPT = tuple(range(300, 340))
 
@@ -34,8 +34,11 @@ def backend() -> Iterator[HFBackend]:
     b.close()
 
 
-def _request(prompt: tuple[int, ...], params: SamplingParams = GREEDY, adapter: str | None = None) -> SampleRequest:
-    return SampleRequest(prompt_token_ids=prompt, adapter=AdapterRef(adapter, 1) if adapter else None, params=params)
+def _request(
+    prompt: tuple[int, ...], params: SamplingParams = GREEDY, adapter: str | None = None, num_samples: int = 1
+) -> SampleRequest:
+    ref = AdapterRef(adapter, 1) if adapter else None
+    return SampleRequest(prompt_token_ids=prompt, adapter=ref, params=params, num_samples=num_samples)
 
 
 def _tokens(result: SampleResult) -> list[tuple[int, ...]]:
@@ -48,11 +51,12 @@ def _alone(backend: HFBackend, request: SampleRequest) -> SampleResult:
 
 def test_requests_that_join_between_steps_draw_what_they_draw_alone(backend: HFBackend) -> None:
     """A long-prompt request joins a batch whose cache is shorter, a short one joins a longer
-    cache, on other adapters, seeded with n > 1 and greedy: every answer is its answer alone, and
-    each is returned at the step it ends."""
+    cache, on other adapters, seeded with several samples and greedy: every answer is its answer
+    alone, and each is returned at the step it ends."""
     first = _request(SHORT, dataclasses.replace(GREEDY, max_tokens=20), "x")
+    seeded = _request(LONG_PROMPT, SEEDED, "y", num_samples=3)
     joiners: list[tuple[Hashable, SampleRequest]] = [
-        ("long prompt", _request(LONG_PROMPT, SEEDED, "y")),
+        ("long prompt", seeded),
         ("base", _request((*SHORT, 5, 6), GREEDY)),
         ("same adapter", _request(LONG_PROMPT[:7], GREEDY, "x")),
     ]
@@ -68,7 +72,7 @@ def test_requests_that_join_between_steps_draw_what_they_draw_alone(backend: HFB
         ended_at.update((key, step) for key, _ in done)
         ended.update(done)
     assert set(ended) == {"first", "long prompt", "base", "same adapter"}
-    for key, request in [("first", first), ("long prompt", _request(LONG_PROMPT, SEEDED, "y"))]:
+    for key, request in [("first", first), ("long prompt", seeded)]:
         alone = _alone(backend, request)
         assert _tokens(ended[key]) == _tokens(alone), key
         for got, want in zip(ended[key].sequences, alone.sequences, strict=True):

@@ -40,8 +40,8 @@ def _adapter(backend: HFBackend, name: str, version: int = 0, seed: int = 0) -> 
     return random_adapter(backend.model, AdapterRef(name, version), seed=seed, scale=0.1)
 
 
-def _request(ref: AdapterRef | None, params: SamplingParams = GREEDY) -> SampleRequest:
-    return SampleRequest(prompt_token_ids=PROMPT, adapter=ref, params=params)
+def _request(ref: AdapterRef | None, params: SamplingParams = GREEDY, num_samples: int = 1) -> SampleRequest:
+    return SampleRequest(prompt_token_ids=PROMPT, adapter=ref, params=params, num_samples=num_samples)
 
 
 def _same(a: SampleResult, b: SampleResult) -> bool:
@@ -83,7 +83,8 @@ def test_concurrent_requests_share_one_mixed_batch(backend: HFBackend) -> None:
 
 def test_max_batch_size_splits_batches(backend: HFBackend) -> None:
     engine = _make_engine(backend, batch_window_s=0.5, max_batch_size=3)
-    futures = [engine.submit(_request(None, SamplingParams(max_tokens=2, temperature=0, n=2))) for _ in range(4)]
+    params = SamplingParams(max_tokens=2, temperature=0)
+    futures = [engine.submit(_request(None, params, num_samples=2)) for _ in range(4)]
     assert all(len(f.result(timeout=120).sequences) == 2 for f in futures)
     assert max(engine.stats.batch_sizes) <= 3 and sum(engine.stats.batch_sizes) == 8
     engine.close(close_backend=False)

@@ -31,8 +31,8 @@ def backend() -> Iterator[HFBackend]:
     b.close()
 
 
-def _greedy(adapter: AdapterRef | None, params: SamplingParams = GREEDY) -> SampleRequest:
-    return SampleRequest(messages=CHAT, adapter=adapter, params=params)
+def _greedy(adapter: AdapterRef | None, params: SamplingParams = GREEDY, num_samples: int = 1) -> SampleRequest:
+    return SampleRequest(messages=CHAT, adapter=adapter, params=params, num_samples=num_samples)
 
 
 def test_mixed_batch_equals_one_adapter_at_a_time(backend: HFBackend) -> None:
@@ -58,8 +58,8 @@ def test_sampled_logprobs_match_compute_logprobs(backend: HFBackend) -> None:
 def test_n_samples_share_one_prefill_and_keep_their_logprobs(
     backend: HFBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    params = SamplingParams(max_tokens=5, temperature=1.0, seed=5, n=3, ignore_eos=True)
-    requests = [_greedy(REFS[0], params), _greedy(None, params), _greedy(REFS[0], params)]
+    params = SamplingParams(max_tokens=5, temperature=1.0, seed=5, ignore_eos=True)
+    requests = [_greedy(ref, params, num_samples=3) for ref in (REFS[0], None, REFS[0])]
     widths: list[int] = []
     forward = backend._forward
 
@@ -89,9 +89,9 @@ def test_compute_logprobs_batches_like_single(backend: HFBackend) -> None:
 
 
 def test_seeded_sampling_ignores_batch_mates(backend: HFBackend) -> None:
-    params = SamplingParams(max_tokens=6, temperature=1.0, top_k=50, seed=11, n=3, ignore_eos=True)
-    alone = backend.sample([_greedy(None, params)])[0]
-    crowded = backend.sample([_greedy(REFS[0]), _greedy(None, params), _greedy(REFS[1])])[1]
+    params = SamplingParams(max_tokens=6, temperature=1.0, top_k=50, seed=11, ignore_eos=True)
+    alone = backend.sample([_greedy(None, params, num_samples=3)])[0]
+    crowded = backend.sample([_greedy(REFS[0]), _greedy(None, params, num_samples=3), _greedy(REFS[1])])[1]
     assert [s.token_ids for s in alone.sequences] == [s.token_ids for s in crowded.sequences]
     assert len(alone.sequences) == 3 and len({s.token_ids for s in alone.sequences}) > 1
 
@@ -216,8 +216,8 @@ def test_a_greedy_choice_is_the_likeliest_whole_answer(backend: HFBackend) -> No
     choices = ((30, 5, 7), (31, 6), (32,))
     totals = [sum(backend.compute_logprobs([(*prompt, *c)])[0][-len(c) :]) for c in choices]
     for n in (1, 3):  # n rows of one request score their choices apart and agree
-        params = SamplingParams(max_tokens=3, temperature=0, choices=choices, n=n)
-        result = backend.sample([SampleRequest(prompt_token_ids=prompt, params=params)])[0]
+        params = SamplingParams(max_tokens=3, temperature=0, choices=choices)
+        result = backend.sample([SampleRequest(prompt_token_ids=prompt, params=params, num_samples=n)])[0]
         assert {s.token_ids for s in result.sequences} == {choices[totals.index(max(totals))]}
 
 

@@ -48,8 +48,10 @@ def _engine(backend: HFBackend, **config: Any) -> InferenceEngine:
     return InferenceEngine(backend, EngineConfig(**config))
 
 
-def _request(prompt: tuple[int, ...], params: SamplingParams = GREEDY, ref: AdapterRef | None = None) -> SampleRequest:
-    return SampleRequest(prompt_token_ids=prompt, adapter=ref, params=params)
+def _request(
+    prompt: tuple[int, ...], params: SamplingParams = GREEDY, ref: AdapterRef | None = None, num_samples: int = 1
+) -> SampleRequest:
+    return SampleRequest(prompt_token_ids=prompt, adapter=ref, params=params, num_samples=num_samples)
 
 
 def _tokens(result: SampleResult | SampleReply) -> list[list[int]]:
@@ -194,7 +196,7 @@ def test_a_huge_request_does_not_delay_another_tenants_small_one(backend: HFBack
     the next step of B's first chunk, beside it (the batch is full, and C has nothing in it); A's,
     submitted when C's is answered, runs the same way, long before B's last chunk."""
     engine = _engine(backend, batch_window_s=0.0, max_batch_size=32)
-    hog_params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, n=1024)
+    hog_params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     seen: dict[str, Any] = {}
     a_done = threading.Event()
 
@@ -209,7 +211,7 @@ def test_a_huge_request_does_not_delay_another_tenants_small_one(backend: HFBack
         seen["a"].add_done_callback(a_ran)
 
     try:
-        hog = engine.submit(_request(PROMPTS[1], hog_params), tenant="B")
+        hog = engine.submit(_request(PROMPTS[1], hog_params, num_samples=1024), tenant="B")
         engine.submit(_request(PROMPTS[2]), tenant="C").add_done_callback(a_arrives)
         assert a_done.wait(120)
         assert len(hog.result(timeout=300).sequences) == 1024
@@ -231,7 +233,8 @@ def _once_running(future: Future[Any], timeout_s: float = 60.0) -> None:
         time.sleep(0.001)
 
 
-LONG = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True, n=32)
+LONG = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+LONG_ROWS = 32  # a full batch of max_batch_size 32
 
 
 def test_a_small_request_runs_beside_another_tenants_full_batch(backend: HFBackend) -> None:
@@ -241,7 +244,7 @@ def test_a_small_request_runs_beside_another_tenants_full_batch(backend: HFBacke
     engine = _engine(backend, batch_window_s=0.0, max_batch_size=32)
     finished: list[str] = []
     try:
-        hog = engine.submit(_request(PROMPTS[1], LONG), tenant="B")
+        hog = engine.submit(_request(PROMPTS[1], LONG, num_samples=LONG_ROWS), tenant="B")
         _once_running(hog)
         mine = engine.submit(_request(PROMPTS[2]), tenant="B")
         a = engine.submit(_request(PROMPTS[0]), tenant="A")
@@ -250,7 +253,8 @@ def test_a_small_request_runs_beside_another_tenants_full_batch(backend: HFBacke
         results = [f.result(timeout=300) for f in (hog, mine, a)]
         assert finished == ["A", "hog", "B's second"]
         assert engine.stats.batch_sizes == [32, 1, 1], "A ran beside B's batch; B's second started the next"
-        alone = [backend.sample([_request(PROMPTS[i], p)])[0] for i, p in ((1, LONG), (2, GREEDY), (0, GREEDY))]
+        runs = ((1, LONG, LONG_ROWS), (2, GREEDY, 1), (0, GREEDY, 1))
+        alone = [backend.sample([_request(PROMPTS[i], p, num_samples=k)])[0] for i, p, k in runs]
         assert [_tokens(r) for r in results] == [_tokens(r) for r in alone]
     finally:
         engine.close(close_backend=False)
@@ -262,18 +266,20 @@ def test_requests_that_arrive_while_a_batch_runs_join_it(backend: HFBackend) -> 
     together) and are answered long before it ends; B's own next request joins too. Each answers
     what it answers alone."""
     engine = _engine(backend, batch_window_s=0.0, max_batch_size=32)
-    long8, eight = dataclasses.replace(LONG, n=8), dataclasses.replace(GREEDY, n=8, max_tokens=6)
+    six = dataclasses.replace(GREEDY, max_tokens=6)
     try:
-        hog = engine.submit(_request(PROMPTS[1], long8), tenant="B")
+        hog = engine.submit(_request(PROMPTS[1], LONG, num_samples=8), tenant="B")
         _once_running(hog)
-        others = [engine.submit(_request(PROMPTS[i], eight), tenant=t) for i, t in ((0, "A"), (2, "C"), (3, "B"))]
+        tenants = ((0, "A"), (2, "C"), (3, "B"))
+        others = [engine.submit(_request(PROMPTS[i], six, num_samples=8), tenant=t) for i, t in tenants]
         results = [f.result(timeout=300) for f in others]
         assert not hog.done(), "they joined B's batch, and did not wait for its end"
         assert engine.stats.peak_rows >= 16 and engine.stats.batch_sizes[0] == 8
         assert [_tokens(r) for r in results] == [
-            _tokens(backend.sample([_request(PROMPTS[i], eight)])[0]) for i in (0, 2, 3)
+            _tokens(backend.sample([_request(PROMPTS[i], six, num_samples=8)])[0]) for i in (0, 2, 3)
         ]
-        assert _tokens(hog.result(timeout=300)) == _tokens(backend.sample([_request(PROMPTS[1], long8)])[0])
+        long8 = _request(PROMPTS[1], LONG, num_samples=8)
+        assert _tokens(hog.result(timeout=300)) == _tokens(backend.sample([long8])[0])
     finally:
         engine.close(close_backend=False)
 
@@ -283,7 +289,7 @@ def test_requests_arriving_one_after_another_each_run_at_the_next_step(backend: 
     full 4-row batch of 400 tokens runs: each runs at its next step, beside it, and takes its 4
     tokens' steps, not B's 400. B answers what it answers alone."""
     engine = _engine(backend, batch_window_s=0.0, max_batch_size=4)
-    long4 = dataclasses.replace(LONG, n=4)
+    long4 = _request(PROMPTS[1], LONG, num_samples=4)
     answered: list[Future[SampleResult]] = []
     steps: list[int] = []
 
@@ -296,10 +302,10 @@ def test_requests_arriving_one_after_another_each_run_at_the_next_step(backend: 
             future.add_done_callback(lambda _: submit(k + 1))
 
     try:
-        hog = engine.submit(_request(PROMPTS[1], long4), tenant="B")
+        hog = engine.submit(long4, tenant="B")
         _once_running(hog)
         submit(0)
-        assert _tokens(hog.result(timeout=300)) == _tokens(backend.sample([_request(PROMPTS[1], long4)])[0])
+        assert _tokens(hog.result(timeout=300)) == _tokens(backend.sample([long4])[0])
         assert len(answered) == 10 and all(f.done() for f in answered)
         assert max(steps) <= 5 and sum(steps) <= 50, f"steps each waited: {steps}"
         assert engine.stats.peak_rows == 4, "the small ones ran beside B's batch, not in it"
@@ -317,8 +323,8 @@ def test_requests_beside_a_batch_keep_its_adapter_resident(backend: HFBackend) -
     for seed, ref in enumerate((x, y, z)):
         engine.load_adapter(random_adapter(backend.model, ref, seed=seed, scale=0.1))
     try:
-        alone = engine.submit(_request(PROMPTS[1], LONG, x), tenant="B").result(timeout=300)
-        hog = engine.submit(_request(PROMPTS[1], LONG, x), tenant="B")
+        alone = engine.submit(_request(PROMPTS[1], LONG, x, num_samples=LONG_ROWS), tenant="B").result(timeout=300)
+        hog = engine.submit(_request(PROMPTS[1], LONG, x, num_samples=LONG_ROWS), tenant="B")
         _once_running(hog)
         small = [engine.submit(_request(PROMPTS[i], ref=ref), tenant=t) for i, ref, t in ((0, y, "A"), (2, z, "C"))]
         for f in small:
@@ -359,12 +365,12 @@ def test_a_split_request_is_assembled_in_order_with_per_chunk_seeds(backend: HFB
     sequences, the first 32 are what the same seed draws unsplit, the chunks do not repeat each
     other, and the same request answers the same again."""
     engine = _engine(backend, batch_window_s=0.0, max_batch_size=32)
-    params = SamplingParams(max_tokens=6, temperature=1.0, seed=11, n=70, ignore_eos=True)
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=11, ignore_eos=True)
     try:
-        first = _tokens(engine.submit(_request(PROMPTS[0], params)).result(timeout=120))
-        again = _tokens(engine.submit(_request(PROMPTS[0], params)).result(timeout=120))
+        first = _tokens(engine.submit(_request(PROMPTS[0], params, num_samples=70)).result(timeout=120))
+        again = _tokens(engine.submit(_request(PROMPTS[0], params, num_samples=70)).result(timeout=120))
         assert len(first) == 70 and first == again
-        unsplit = _tokens(backend.sample([_request(PROMPTS[0], dataclasses.replace(params, n=32))])[0])
+        unsplit = _tokens(backend.sample([_request(PROMPTS[0], params, num_samples=32)])[0])
         assert first[:32] == unsplit
         assert first[32:64] != first[:32] and len({tuple(t) for t in first}) > 35
         assert engine.stats.batch_sizes == [32, 32, 6] * 2 and engine.stats.peak_rows == 32
@@ -376,9 +382,9 @@ def test_cancelling_a_split_request_drops_its_chunks_and_releases_its_version(ba
     engine = _engine(backend, batch_window_s=0.0, max_batch_size=32)
     old, new = AdapterRef("hog", 1), AdapterRef("hog", 2)
     engine.load_adapter(random_adapter(backend.model, old, seed=1, scale=0.1))
-    hog_params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, n=1024)
+    hog_params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     try:
-        hog = engine.submit(_request(PROMPTS[1], hog_params, old), tenant="B")
+        hog = engine.submit(_request(PROMPTS[1], hog_params, old, num_samples=1024), tenant="B")
         # C's request runs right after B's first chunk; cancelling then drops the other 31.
         engine.submit(_request(PROMPTS[2]), tenant="C").add_done_callback(lambda _: hog.cancel())
         engine.load_adapter(random_adapter(backend.model, new, seed=2, scale=0.1))
@@ -415,6 +421,13 @@ def test_the_engine_worker_bounds_sizes_and_answers_every_sample(backend: HFBack
         worker.engine.close(close_backend=False)
 
 
+def test_a_sample_request_bounds_its_count() -> None:
+    assert _request(PROMPTS[0], num_samples=1024).num_samples == 1024
+    for bad in (0, -1, 1025, True, 2.0):
+        with pytest.raises(ConfigError, match=re.escape("SampleRequest.num_samples must be in 1..1024")):
+            _request(PROMPTS[0], num_samples=bad)  # type: ignore[arg-type]
+
+
 @pytest.mark.vllm
 def test_vllm_goes_through_the_same_checks_chunks_and_retries(vllm_tiny: Any) -> None:
     engine = InferenceEngine(vllm_tiny, EngineConfig(batch_window_s=0.0, max_batch_size=16))
@@ -423,8 +436,8 @@ def test_vllm_goes_through_the_same_checks_chunks_and_retries(vllm_tiny: Any) ->
             engine.submit(_request((1, 9690, 10**6)), tenant="B")
         with pytest.raises(ConfigError, match="no room"):
             engine.submit(_request(tuple([1] * vllm_tiny.max_model_len)), tenant="B")
-        params = SamplingParams(max_tokens=2, temperature=1.0, seed=3, n=40)
-        result = engine.submit(_request(PROMPTS[0], params), tenant="A").result(timeout=300)
+        params = SamplingParams(max_tokens=2, temperature=1.0, seed=3)
+        result = engine.submit(_request(PROMPTS[0], params, num_samples=40), tenant="A").result(timeout=300)
         assert len(result.sequences) == 40 and engine.stats.batch_sizes == [16, 16, 8]
     finally:
         engine.close(close_backend=False)

@@ -165,7 +165,7 @@ def test_seeded_rows_repeat_and_ignore_their_batch_mates() -> None:
     its samples (one stream each) differ from each other."""
     g = torch.Generator().manual_seed(9)
     steps = [torch.randn(8, 4 * _BLOCK + 5, generator=g) * 2 for _ in range(12)]
-    params = SamplingParams(temperature=0.9, seed=42, n=3)
+    params = SamplingParams(temperature=0.9, seed=42)
     others = [SamplingParams(temperature=0), SamplingParams(top_k=5), SamplingParams(temperature=1.0)]
 
     def run(mates: bool) -> list[list[int]]:

@@ -189,7 +189,9 @@ def test_requests_join_a_batch_in_progress_and_scores_run_beside_it(backend: Any
         prompt_token_ids=long_prompt, params=SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     )
     short = SampleRequest(
-        prompt_token_ids=short_prompt, params=SamplingParams(max_tokens=3, temperature=0, n=2, ignore_eos=True)
+        prompt_token_ids=short_prompt,
+        params=SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+        num_samples=2,
     )
     batch = backend.open_batch()
     assert batch.add([("long", long)]) == []

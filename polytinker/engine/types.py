@@ -5,8 +5,9 @@
 - ``LoraConfig``: rank, alpha, target modules of an adapter.
 - ``AdapterWeights``: one version of an adapter's tensors, keyed as in peft's ``adapter_model.safetensors``,
   packed back to back in one flat buffer whose ``TensorLayout`` names and shapes them.
-- ``SamplingParams``: how to sample (max_tokens, temperature, top_p, top_k, stop, seed, n, choices).
-- ``SampleRequest`` / ``SampleResult`` / ``SampledSequence``: one request to an engine and its answer.
+- ``SamplingParams``: how to sample each sequence (max_tokens, temperature, top_p, top_k, stop, seed, choices).
+- ``SampleRequest`` / ``SampleResult`` / ``SampledSequence``: one request to an engine (a prompt and how
+  many sequences to draw from it) and its answer.
 - ``FinishReason``: why a sequence stopped.
 - ``Datum``: one training example in Tinker's shape (model input tokens and per-token loss inputs).
 
@@ -261,7 +262,6 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
-    n: int = 1
     ignore_eos: bool = False  # keep sampling past EOS (stop_token_ids still stop): fixed-length benchmarks
     # Constrained sampling: the completion is exactly one of these token sequences (none may be a
     # prefix of another, each at most max_tokens long), drawn with probability proportional to the
@@ -281,8 +281,6 @@ class SamplingParams:
             raise ConfigError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ConfigError(f"SamplingParams.top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not 0 < self.n <= MAX_SAMPLES:
-            raise ConfigError(f"SamplingParams.n must be in 1..{MAX_SAMPLES}, got {self.n}")
         if self.seed is not None and not 0 <= self.seed < 1 << 63:
             raise ConfigError(f"SamplingParams.seed must be in 0..2**63-1, got {self.seed}")
         if len(self.stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in self.stop):
@@ -315,16 +313,20 @@ def check_choices(choices: tuple[tuple[int, ...], ...], max_tokens: int) -> None
 @dataclass(frozen=True)
 class SampleRequest:
     """Exactly one of ``prompt_token_ids`` and ``messages`` (chat messages, rendered with the
-    model's chat template and a generation prompt). ``adapter=None`` samples the base model."""
+    model's chat template and a generation prompt). ``adapter=None`` samples the base model.
+    ``num_samples`` sequences are drawn from the prompt, each as ``params`` say."""
 
     prompt_token_ids: tuple[int, ...] | None = None
     messages: tuple[dict[str, str], ...] | None = None
     adapter: AdapterRef | None = None
     params: SamplingParams = field(default_factory=SamplingParams)
+    num_samples: int = 1
 
     def __post_init__(self) -> None:
         if (self.prompt_token_ids is None) == (self.messages is None):
             raise ConfigError("SampleRequest needs exactly one of prompt_token_ids and messages")
+        if type(self.num_samples) is not int or not 0 < self.num_samples <= MAX_SAMPLES:
+            raise ConfigError(f"SampleRequest.num_samples must be in 1..{MAX_SAMPLES}, got {self.num_samples!r}")
 
 
 @dataclass(frozen=True)
@@ -338,7 +340,7 @@ class SampledSequence:
 @dataclass(frozen=True)
 class SampleResult:
     prompt_token_ids: tuple[int, ...]
-    sequences: tuple[SampledSequence, ...]  # n of them
+    sequences: tuple[SampledSequence, ...]  # num_samples of them
     adapter: AdapterRef | None = None
 
 

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class Row:
-    """One sequence being generated (a request with n > 1 has n rows)."""
+    """One sequence being generated (a request of several samples has one row each)."""
 
     key: Hashable  # the request it belongs to
     prompt: list[int]

@@ -44,7 +44,7 @@ class Pending:
 
     @property
     def rows(self) -> int:
-        return self.request.params.n if self.request is not None else 0
+        return self.request.num_samples if self.request is not None else 0
 
     @property
     def tokens(self) -> int:

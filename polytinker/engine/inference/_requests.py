@@ -74,21 +74,21 @@ def chunk_seed(seed: int, chunk: int) -> int:
 
 def split_request(request: SampleRequest, max_rows: int) -> list[SampleRequest]:
     """``request`` as chunks of at most ``max_rows`` samples, in order (itself if it fits)."""
-    n = request.params.n
+    n = request.num_samples
     if n <= max_rows:
         return [request]
     chunks = []
     for c, start in enumerate(range(0, n, max_rows)):
         seed = None if request.params.seed is None else chunk_seed(request.params.seed, c)
-        params = dataclasses.replace(request.params, n=min(max_rows, n - start), seed=seed)
-        chunks.append(dataclasses.replace(request, params=params))
+        params = dataclasses.replace(request.params, seed=seed)
+        chunks.append(dataclasses.replace(request, params=params, num_samples=min(max_rows, n - start)))
     return chunks
 
 
 def check_answer(request: SampleRequest, result: SampleResult) -> None:
     """A backend must answer one sequence per sample: a caller that asks for n gets n."""
-    if len(result.sequences) != request.params.n:
-        raise ModelError(f"the backend answered {len(result.sequences)} sequences for {request.params.n} samples")
+    if len(result.sequences) != request.num_samples:
+        raise ModelError(f"the backend answered {len(result.sequences)} sequences for {request.num_samples} samples")
 
 
 def join_chunks(chunks: Sequence[Future[SampleResult]], adapter: AdapterRef | None) -> Future[SampleResult]:

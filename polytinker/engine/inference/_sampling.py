@@ -38,7 +38,7 @@ class RowSampler:
 
 
 def make_row_sampler(params: SamplingParams, index: int) -> RowSampler:
-    """Sampler for sequence ``index`` (of ``params.n``) of a request. A seeded request's
+    """Sampler for sequence ``index`` (of the request's ``num_samples``). A seeded request's
     sequences get distinct, reproducible streams derived from (seed, index)."""
     if params.temperature == 0:
         return RowSampler(params, None)

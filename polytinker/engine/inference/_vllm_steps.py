@@ -100,7 +100,7 @@ class VllmBatch:
 
     @property
     def rows(self) -> int:
-        return sum(e.request.params.n for e in self._entries.values() if len(e.outputs) < e.copies)
+        return sum(e.request.num_samples for e in self._entries.values() if len(e.outputs) < e.copies)
 
     @property
     def tokens_left(self) -> int:

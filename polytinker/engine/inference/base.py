@@ -11,7 +11,7 @@ Conventions every backend keeps (the tests check them for each one):
   outside them before it shares a batch (``_requests.check_request``).
 - ``sample`` serves one mixed batch: each request names its own adapter version (``None`` is the
   base model) and its own sampling parameters; results come back in request order, each with
-  ``params.n`` sequences. A backend that decodes in steps also offers ``open_batch``
+  the request's ``num_samples`` sequences. A backend that decodes in steps also offers ``open_batch``
   (:class:`SteppingBackend`): the engine then lets requests join a batch in progress.
 - A sequence's ``token_ids`` are the generated tokens only. A stop token (EOS or one of
   ``stop_token_ids``) that ended it is included, so a learner sees the model emit it; a stop

@@ -396,7 +396,7 @@ class InferenceEngine:
         self._batch, self._in_batch = None, {}
 
     def _count(self, requests: list[SampleRequest], rows: int) -> None:
-        self.stats.batch_sizes.append(sum(r.params.n for r in requests))
+        self.stats.batch_sizes.append(sum(r.num_samples for r in requests))
         self.stats.batch_adapters.append(len({r.adapter for r in requests}))
         self.stats.peak_rows = max(self.stats.peak_rows, rows)
 
@@ -424,7 +424,7 @@ class InferenceEngine:
         except BaseException as exc:  # an interrupt: nothing is retried
             self._fail_all(live, exc)
             raise
-        self._count(requests, sum(r.params.n for r in requests))
+        self._count(requests, sum(r.num_samples for r in requests))
         for p, outcome in zip(live, outcomes, strict=True):
             self.stats.sequences += len(outcome.sequences)
             self._resolve(p, outcome)

@@ -185,14 +185,14 @@ class HFBackend:
         adapter = self._adapter_name(request.adapter)
         return [
             Row(key, prompt, adapter, make_row_sampler(params, k), stop_ids, min(params.max_tokens, room))
-            for k in range(params.n)
+            for k in range(request.num_samples)
         ]
 
     def _prefill(self, rows: list[Row], cache: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Left-padded prompts through the model; returns last logits, the mask and next positions.
 
-        Rows with the same prompt and adapter (a request's ``n`` samples) are prefilled once; the
-        cache, logits and mask are then indexed out to every row, so ``n`` samples cost one prompt.
+        Rows with the same prompt and adapter (a request's samples) are prefilled once; the cache,
+        logits and mask are then indexed out to every row, so ``num_samples`` samples cost one prompt.
         """
         index_of: dict[tuple[str, tuple[int, ...]], int] = {}  # (adapter, prompt) -> its row in unique
         unique: list[Row] = []

@@ -298,11 +298,11 @@ class VllmBackend:
             raise ConfigError("SampleRequest: the prompt is empty; give at least one token")
         # vLLM refuses n > 1 with greedy decoding; such a request goes in as n copies of n = 1
         # (their results are equal, as in every backend).
-        return _Entry(request, prompt, request.params.n if request.params.temperature == 0 else 1)
+        return _Entry(request, prompt, request.num_samples if request.params.temperature == 0 else 1)
 
     def _vllm_requests(self, entry: _Entry) -> list[tuple[Any, Any]]:
         """(vLLM's SamplingParams, LoRARequest) of each vLLM request ``entry`` goes in as."""
-        params, n = entry.request.params, entry.request.params.n // entry.copies
+        params, n = entry.request.params, entry.request.num_samples // entry.copies
         return [
             (self._vllm_params(params, len(entry.prompt), n), self._lora_request(entry.request.adapter))
             for _ in range(entry.copies)

@@ -20,7 +20,6 @@ engine of its own, built from the version's checkpoint (``FullWeightEngines``, a
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import threading
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from polytinker.engine.inference.full_weights import FullWeightEngines
-from polytinker.engine.types import MAX_SAMPLES, SamplingParams
+from polytinker.engine.types import MAX_SAMPLES, SampleRequest, SamplingParams
 from polytinker.engine.worker.config import EngineWorkerConfig
 from polytinker.engine.worker.layout import under
 from polytinker.engine.worker.messages import (
@@ -62,23 +61,21 @@ def make_backend(model: str, cfg: EngineWorkerConfig) -> Any:
     return HFBackend(HFBackendConfig(model=model, model_config=ModelConfig(dtype=dtype), device=str(device)))
 
 
-# The most samples one message may ask for, as many as the scheduler's Sample allows. The engine
-# splits them into batches of its max_batch_size, so the bound caps one request's queue entries.
-
-
 def _params(msg: EngineSample) -> SamplingParams:
-    """The request's parameters with its number of samples (the message says it, not ``params.n``),
-    its sizes bounded: nothing in a message is trusted. ``replace`` runs ``SamplingParams``' own
-    checks again (``max_tokens`` among them), and the backend clips ``max_tokens`` to the room the
-    prompt leaves; the engine refuses a prompt the model cannot read."""
+    """The request's sampling parameters, once the message's sizes are checked: nothing in a
+    message is trusted, and a bad one is refused before its adapter is loaded. ``SamplingParams``
+    checked its own fields when it was built (``max_tokens`` among them), and the backend clips
+    ``max_tokens`` to the room the prompt leaves; the engine refuses a prompt the model cannot read."""
     n = msg.num_samples
+    # As many as the scheduler's Sample allows. The engine splits them into batches of its
+    # max_batch_size, so the bound caps one request's queue entries.
     if type(n) is not int or not 0 < n <= MAX_SAMPLES:
         raise ConfigError(f"EngineSample.num_samples must be in 1..{MAX_SAMPLES}, got {n!r}")
     if not msg.prompt_token_ids:
         raise ConfigError("EngineSample.prompt_token_ids: the prompt is empty; give at least one token")
     if not isinstance(msg.params, SamplingParams):
         raise ConfigError("EngineSample.params must be sampling parameters")
-    return dataclasses.replace(msg.params, n=n)
+    return msg.params
 
 
 class EngineWorker:
@@ -187,11 +184,11 @@ class EngineWorker:
             self._dirs[weights.ref] = w
 
     def sample(self, msg: EngineSample) -> SampleReply:
-        from polytinker.engine.types import SampleRequest
-
         params = _params(msg)
         with self._target(msg.adapter, msg.version, msg.weights, msg.full) as (engine, ref):
-            request = SampleRequest(prompt_token_ids=tuple(msg.prompt_token_ids), adapter=ref, params=params)
+            request = SampleRequest(
+                prompt_token_ids=tuple(msg.prompt_token_ids), adapter=ref, params=params, num_samples=msg.num_samples
+            )
             # The tenant (the message's tag) takes turns with the others in the engine's batches.
             result = engine.submit(request, tenant=msg.tag).result()
         return SampleReply(
