@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
@@ -70,7 +71,11 @@ class SamplingClient(ReadyClient):
         if nothing:
             check_seed(getattr(sampling_params, "seed", None))
         params = to_sampling_params(None if nothing else sampling_params)  # checks the seed here, at the call
-        msg = Sample(self._conn.api_key, self.model_path, self.base_model, tokens, num_samples, params, self.job_id)
+        # A key of its own, kept on resends: an engine still running the call answers a resend with it.
+        key = uuid.uuid4().hex
+        msg = Sample(
+            self._conn.api_key, self.model_path, self.base_model, tokens, num_samples, params, self.job_id, key
+        )
         want = (include_prompt_logprobs, bool(topk_prompt_logprobs))
         scored = self._logprobs_msg(tokens, topk_prompt_logprobs) if any(want) else None
         return submit(self._conn.pool, lambda: self._sample(None if nothing else msg, scored, want))

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from polytinker.engine.inference._resends import Resends
 from polytinker.engine.inference.full_weights import FullWeightEngines
 from polytinker.engine.types import MAX_SAMPLES, SampleRequest, SamplingParams
 from polytinker.engine.worker.config import EngineWorkerConfig
@@ -99,6 +100,7 @@ class EngineWorker:
         self._dirs: dict[Any, WeightsRef] = {}
         self._lock = threading.Lock()
         self._pushed = 0  # versions received as tensors (put_adapter)
+        self.resends = Resends()  # sample calls by request key, for their resends
 
     def handlers(self) -> dict[str, Callable[[Any], Any]]:
         return handler_table(
@@ -189,8 +191,10 @@ class EngineWorker:
             request = SampleRequest(
                 prompt_token_ids=tuple(msg.prompt_token_ids), adapter=ref, params=params, num_samples=msg.num_samples
             )
-            # The tenant (the message's tag) takes turns with the others in the engine's batches.
-            result = engine.submit(request, tenant=msg.tag).result()
+            # The tenant (the message's tag) takes turns with the others in the engine's batches; a
+            # resend of a call this engine still runs (its scheduler restarted) joins that run.
+            key = (msg.tag, msg.request_key) if msg.request_key else None
+            result = self.resends.run(key, request, lambda: engine.submit(request, tenant=msg.tag)).result()
         return SampleReply(
             [SequenceReply(list(s.token_ids), list(s.logprobs), str(s.finish_reason), s.text) for s in result.sequences]
         )
@@ -212,6 +216,7 @@ class EngineWorker:
             "max_batch_sequences": st.peak_rows,
             "mixed_adapter_batches": sum(1 for n in st.batch_adapters if n > 1),
             "adapter_loads": self.engine.slots.loads,
+            "resends_joined": self.resends.joined,  # resent samples answered by the first send's run
             "resident": [str(r) for r in self.engine.slots.resident()],
             "full_weight_loads": self.full.loads,
             "full_weight_resident": self.full.resident(),

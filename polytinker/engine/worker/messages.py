@@ -27,6 +27,8 @@ from polytinker.engine.worker.replies import AdapterTensors
 from polytinker.transport.messages import message
 from polytinker.transport.requests import Request
 
+MAX_REQUEST_KEY = 64  # characters of a call's request key (the scheduler checks the client's at its door)
+
 
 @message("sched.w.register")
 @dataclass(frozen=True)
@@ -297,9 +299,16 @@ class EngineSample(Request[r.SampleReply]):
     params: SamplingParams
     tag: str = ""  # the tenant: the engine takes turns between tenants, and counts its mixed batches
     full: bool = False  # a full-parameter job's version: weights is its checkpoint
+    # The client's key for the call, the same on its resends: a resend the engine still runs (or
+    # just ran) joins that run (engine/inference/_resends.py); "" runs every send.
+    request_key: str = ""
 
     def __post_init__(self) -> None:
         _adapter_ok(self.adapter, base_allowed=True)
+        need(
+            isinstance(self.request_key, str) and len(self.request_key) <= MAX_REQUEST_KEY,
+            f"request_key must be a string of at most {MAX_REQUEST_KEY} characters",
+        )
 
 
 @message("sched.w.logprobs")

@@ -236,8 +236,12 @@ class Sample(Request[r.SampleReply]):
     num_samples: int = 1
     params: SamplingParams = field(default_factory=SamplingParams)
     job_id: str = ""  # the base model: the caller's inference job, which gates and accounts the call
+    # One per call, the same on its resends: an engine still running the call when the scheduler
+    # restarted answers the resend from that run (engine/inference/_resends.py).
+    request_key: str = ""
 
     def __post_init__(self) -> None:
+        request_id_ok(self.request_key, 0, "request_key")
         need(len(self.prompt_token_ids) > 0, "prompt_token_ids: the prompt needs at least one token")
         need(0 < self.num_samples <= MAX_SAMPLES, f"num_samples must be in 1..{MAX_SAMPLES}, got {self.num_samples}")
         need(isinstance(self.params, SamplingParams), "params must be sampling parameters")

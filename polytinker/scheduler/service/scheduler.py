@@ -430,7 +430,7 @@ class SchedulerService:
         self._sampling_job(tenant, msg)
         with self.admission.admit(tenant, "sample"):
             req = wm.EngineSample(
-                key, version, export, msg.prompt_token_ids, msg.num_samples, msg.params, tenant, full=full
+                key, version, export, msg.prompt_token_ids, msg.num_samples, msg.params, tenant, full, msg.request_key
             )
             out: r.SampleReply = self._read_on_an_engine(key, msg.base_model, req, self.push.prepare(key, export, full))
         self._sampled(tenant, msg, [msg.prompt_token_ids], [q.tokens for q in out.sequences])
