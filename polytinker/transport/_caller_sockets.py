@@ -33,22 +33,22 @@ from typing import Any
 
 import zmq
 
-from polytinker.errors import ProtocolError, RequestTimeout
+from polytinker.errors import RequestTimeout
 from polytinker.transport.codec import decode
 from polytinker.transport.config import TransportConfig
 from polytinker.transport.protocol import (
     HeaderError,
     MsgType,
-    error_from_body,
     pack_header,
     parse_header,
     recv_frames,
+    reply_value,
     send_frames,
 )
 
 _NOBLOCK = int(zmq.NOBLOCK)
 # Message types as plain ints: an IntEnum member costs a class attribute lookup per use.
-_REQUEST, _REPLY, _ERROR, _CANCEL = (int(t) for t in (MsgType.REQUEST, MsgType.REPLY, MsgType.ERROR, MsgType.CANCEL))
+_REQUEST, _CANCEL = int(MsgType.REQUEST), int(MsgType.CANCEL)
 CHECK_S = 0.1  # longest a waiting caller goes without looking whether its socket was failed
 _CHECK_MS = int(CHECK_S * 1000)
 
@@ -93,12 +93,7 @@ class CallerSocket:
                 continue  # not an answer: the main connection's I/O thread would drop it too
             if answered != rid:  # the late answer of a call given up on earlier
                 continue
-            body = decode(answer[1:], config=cfg)
-            if mtype == _REPLY:
-                return body
-            if mtype == _ERROR:
-                raise error_from_body(body, kind)
-            raise ProtocolError(f"unexpected {MsgType(mtype).name} in reply to {kind!r}")
+            return reply_value(mtype, decode(answer[1:], config=cfg), kind)
 
     def _bound(self, kind: str, rid: int, deadline: float | None, timeout_s: float | None) -> None:
         """Bound the next send or receive by CHECK_S and what is left of the deadline; past the

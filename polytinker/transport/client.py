@@ -36,7 +36,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from polytinker.errors import AuthError, PeerDeadError, ProtocolError, TransportError
+from polytinker.errors import AuthError, PeerDeadError, ProtocolError, RemoteError, TransportError
 from polytinker.transport import auth
 from polytinker.transport._caller_sockets import CallerSockets
 from polytinker.transport._pending import Pending, PendingCalls, settle
@@ -48,10 +48,10 @@ from polytinker.transport.protocol import (
     HeaderError,
     MsgType,
     RateLimitedLog,
-    error_from_body,
     pack_header,
     parse_header,
     recv_frames,
+    reply_value,
     send_frames,
 )
 from polytinker.transport.server import apply_limits
@@ -232,7 +232,7 @@ class RpcClient:
             closed = TransportError(f"the client of {self._address} is closed")
             st.fail_all(closed)
             self._caller_sockets.fail(closed, final=True)
-            while self._ops:  # queued by a caller just before the close: its waiter must not wait for ever
+            while self._ops:  # queued by a caller just before the close: its future must not wait for ever
                 fut = self._ops.popleft()[4]
                 if fut is not None:
                     settle(fut, exc=closed)
@@ -335,7 +335,7 @@ class RpcClient:
 
     def _on_answer(self, st: PendingCalls, frames: list[zmq.Frame]) -> None:
         try:
-            mtype, rid, kind = parse_header(frames[0].bytes)
+            mtype, rid, _ = parse_header(frames[0].bytes)
         except HeaderError as exc:
             log.warning("dropped a malformed message from %s: %s", self._address, exc)
             return
@@ -346,16 +346,11 @@ class RpcClient:
             log.debug("%s answered %s for no pending call (request %d)", self._address, MsgType(mtype).name, rid)
             return
         try:
-            body = decode(frames[1:], config=self._cfg)
-        except ProtocolError as exc:
+            value = reply_value(mtype, decode(frames[1:], config=self._cfg), pending.kind)
+        except (ProtocolError, RemoteError) as exc:  # a malformed body, the server's error, a wrong type
             settle(pending.future, exc=exc)
             return
-        if mtype == MsgType.REPLY:
-            settle(pending.future, body)
-        elif mtype == MsgType.ERROR:
-            settle(pending.future, exc=error_from_body(body, pending.kind))
-        else:
-            settle(pending.future, exc=ProtocolError(f"unexpected {MsgType(mtype).name} in reply to {kind!r}"))
+        settle(pending.future, value)
 
     def _connection_events(self, st: PendingCalls) -> None:
         assert self._monitor is not None

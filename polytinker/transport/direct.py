@@ -34,11 +34,11 @@ from polytinker.transport.messages import message_type, takes_arrays
 from polytinker.transport.protocol import (
     ErrorCode,
     HeaderError,
-    MsgType,
     RateLimitedLog,
     error_body,
     error_from_body,
     parse_header,
+    reply_value,
 )
 from polytinker.transport.server import Handler, _current, _is_async
 
@@ -107,10 +107,7 @@ class DirectClient:
         if answer is None:  # HandlerRunner answers every request; this is a bug, not a peer's doing
             raise ProtocolError(f"{kind!r}: no answer from the handler")
         mtype, _, _ = parse_header(answer[0])
-        body = decode(answer[1:], config=self._cfg)
-        if mtype == MsgType.REPLY:
-            return body
-        raise error_from_body(body, kind)
+        return reply_value(mtype, decode(answer[1:], config=self._cfg), kind)
 
     def _answered(self, frames: list[Any]) -> None:
         """The runner's outbox: ``[identity, header, *body]`` of one answer."""

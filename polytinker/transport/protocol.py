@@ -227,6 +227,20 @@ def error_from_body(body: Any, kind: str) -> Exception:
     )
 
 
+_REPLY, _ERROR = int(MsgType.REPLY), int(MsgType.ERROR)  # plain ints: an enum member is a lookup per use
+
+
+def reply_value(mtype: int, body: Any, kind: str) -> Any:
+    """What an answer to ``kind`` means, its body decoded: a REPLY's body; an ERROR raises its
+    error (``error_from_body``); any other message type raises ProtocolError. Every client reads
+    answers through this (the I/O thread, a caller socket, the in-process DirectClient)."""
+    if mtype == _REPLY:
+        return body
+    if mtype == _ERROR:
+        raise error_from_body(body, kind)
+    raise ProtocolError(f"unexpected {MsgType(mtype).name} in reply to {kind!r}")
+
+
 class RateLimitedLog:
     """Logs the first line of each ``key`` at ``level``, then at most one per ``period_s`` with a
     count of those suppressed meanwhile; every one at DEBUG. A flood of garbage, or a handler that
@@ -278,6 +292,7 @@ __all__ = [
     "pack_header",
     "parse_header",
     "recv_frames",
+    "reply_value",
     "scrub_paths",
     "send_frames",
 ]

@@ -10,8 +10,10 @@ work once.
 A resend is the same call only when its tenant, request key and everything it asks for (the
 adapter's version, the prompt, the count and the sampling parameters) match: a key reused for
 another request runs as a new one. The tenant is the scheduler's tag, never the client's word, so
-one tenant's keys cannot reach another's runs. Runs are kept until ``keep_s`` after they end, at
-most ``max_runs`` of them (the oldest go first); a run that failed is not reused.
+one tenant's keys cannot reach another's runs. Runs are kept until ``keep_s`` after they end (a
+resend comes within a scheduler restart, seconds), at most ``max_runs`` of them (the oldest go
+first): what is kept is bounded by what the engine answers in ``keep_s``, whatever the callers
+send. A run that failed is not reused.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class _Run:
 
 
 class Resends:
-    def __init__(self, keep_s: float = 60.0, max_runs: int = 4096) -> None:
+    def __init__(self, keep_s: float = 10.0, max_runs: int = 4096) -> None:
         self._keep_s = keep_s
         self._max_runs = max_runs
         self._lock = threading.Lock()
