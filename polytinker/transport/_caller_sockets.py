@@ -56,11 +56,12 @@ _CHECK_MS = int(CHECK_S * 1000)
 class CallerSocket:
     """One socket to the server, and the I/O thread's verdict on the call it carries."""
 
-    __slots__ = ("failure", "sock", "wait_ms")
+    __slots__ = ("failure", "heard_at", "sock", "wait_ms")
 
     def __init__(self, sock: zmq.Socket) -> None:
         self.sock = sock
         self.failure: BaseException | None = None  # set by the I/O thread; the socket is then dropped
+        self.heard_at = 0.0  # monotonic time of the last message from the server
         # A send or a receive blocks at most this long (ZMQ_SNDTIMEO, ZMQ_RCVTIMEO) before the caller
         # looks at the verdict and the deadline again: one blocking receive, not a poll and a receive.
         self.wait_ms = sock.sndtimeo = sock.rcvtimeo = _CHECK_MS
@@ -87,6 +88,7 @@ class CallerSocket:
             except zmq.Again:
                 self._check()
                 continue
+            self.heard_at = time.monotonic()
             try:
                 mtype, answered, _ = parse_header(answer[0].bytes)
             except HeaderError:
@@ -124,6 +126,9 @@ class CallerSockets:
         self._idle: list[CallerSocket] = []
         self._busy: set[CallerSocket] = set()
         self._closed: BaseException | None = None
+        # When a caller socket last heard from the server: a sign of life for the I/O thread's
+        # silence limit, as an answer on the main socket is (a float's assignment is atomic).
+        self.heard_at = 0.0
 
     def take(self) -> CallerSocket:
         with self._lock:
@@ -145,6 +150,7 @@ class CallerSockets:
         """Back to the pool after a call; closed instead when it was failed or the pool is full."""
         with self._lock:
             self._busy.discard(cs)
+            self.heard_at = max(self.heard_at, cs.heard_at)
             keep = cs.failure is None and self._closed is None and len(self._idle) < self._idle_max
             if keep:
                 self._idle.append(cs)

@@ -282,7 +282,7 @@ class RpcClient:
                 pass  # queue full towards a silent peer: liveness will tell
         for rid, kind in st.expire(now):
             self._send_cancel(rid, kind)
-        if now - st.last_recv > st.silence_limit_s():
+        if now - max(st.last_recv, self._caller_sockets.heard_at) > st.silence_limit_s():
             self._peer_died(st, now)
 
     def _send_queued(self, st: PendingCalls) -> None:
