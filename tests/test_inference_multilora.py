@@ -89,3 +89,31 @@ def test_a_new_version_replaces_the_stacked_weights(backend: HFBackend) -> None:
     torch.testing.assert_close(before[1], after[1], rtol=0, atol=0)
     torch.testing.assert_close(after[0], _logits(backend, slots[:1], 1, _ids(2, 1)[:1])[0], rtol=1e-4, atol=1e-4)
     backend.unload_adapter(ref)
+
+
+def test_the_stacks_of_many_sets_hold_no_more_than_the_adapters(backend: HFBackend) -> None:
+    """Batches over ever new sets of adapters (as many agents' groups join and leave): the stacked
+    copies kept for earlier sets are dropped, oldest first, while all of them would hold more than
+    the loaded adapters do; the set in use keeps its stack, and every batch is still right."""
+    extra = [AdapterRef(f"agent{i}") for i in range(6)]
+    for i, ref in enumerate(extra):
+        backend.load_adapter(random_adapter(backend.model, ref, seed=20 + i, scale=0.2))
+    try:
+        router = backend._lora.router
+        names = [backend._adapter_name(ref) for ref in extra]
+        loaded = sum(_multilora._nbytes(p) for layers, _ in router.tables.values() for p in layers.values())
+        sets = [names[i : i + 3] for i in range(4)] + [names[:2], names[4:], names[::2]]
+        for chosen in sets:
+            slots = [name for name in chosen for _ in range(2)]
+            batched = _logits(backend, slots, 1)
+            assert router.grouped is not None and router.grouped.slots == tuple(chosen)
+            assert tuple(chosen) in router._stacks, "the set in use keeps its stack"
+            held = sum(_multilora._nbytes(p) for layers in router._stacks.values() for p in layers.values())
+            assert held == router._stacked_bytes <= loaded
+            for row, slot in enumerate(slots):
+                alone = _logits(backend, [slot], 1, _ids(len(slots), 1)[row : row + 1])[0]
+                torch.testing.assert_close(batched[row], alone, rtol=1e-4, atol=1e-4)
+        assert len(router._stacks) < len(sets), "earlier sets' stacks were dropped"
+    finally:
+        for ref in extra:
+            backend.unload_adapter(ref)

@@ -15,7 +15,11 @@ where the loop issued five per adapter: on a GPU each op is a kernel launch (8 a
 at 0.7x one adapter's speed with the loop), on a CPU each is dispatch overhead. A forward of 16
 rows of the default model on 2 shared cores: over 16 adapters 270 ms batched, 343 ms with the
 loop, 256 ms on one adapter; over 4 adapters 236, 234 and 231 ms (the same). The stacks are
-built once per set of adapters and layer, and kept while that set keeps decoding.
+built once per set of adapters and layer, and kept while that set keeps decoding. Stacks of
+earlier sets are kept too (a batch's set and that of the requests joining it alternate), the
+oldest dropped first, so that all of them together hold no more than the loaded adapters do: a
+stack is a copy, and with many agents the sets change at every join, so kept by count (8) they
+held three copies of every adapter (894 MB over 16 agents of the default model at rank 16).
 
 Each update is accumulated into the base layer's output in place (``addmm_``/``baddbmm_``, the
 scale folded into the product): two ops per layer on one adapter, where ``y + B(A(x)) * scale``
@@ -45,7 +49,6 @@ from polytinker.errors import ModelError
 _PREFIX = "base_model.model."
 _MAX_PLANS = 64  # layouts remembered as checked: one per adapter shape in use
 _MAX_SPARES = 4  # unloaded adapters' buffers kept for reuse: new versions copy into warm memory
-_MAX_STACKS = 8  # sets of adapters whose stacked weights are kept (a decode batch keeps its set for many steps)
 # Padding one adapter's rows to the longest run costs LoRA flops on rows that are thrown away;
 # past this many padded places per real row the loop over adapters is cheaper.
 _MAX_PADDING = 2.0
@@ -92,8 +95,12 @@ class Router:
     segments: list[tuple[str, int, int]] = field(default_factory=list)
     tables: dict[str, _Table] = field(default_factory=dict)
     grouped: _Grouped | None = None
-    # Stacked (A^T, scale * B^T) per layer index, per set of slots; None where none has the layer.
+    # Stacked (A^T, scale * B^T) per layer index, per set of slots, oldest set first; None where
+    # none has the layer. Their bytes in all, and the most they may hold (the loaded adapters'
+    # bytes; None: to be summed again, the tables changed).
     _stacks: dict[tuple[str, ...], dict[int, _Pair | None]] = field(default_factory=dict)
+    _stacked_bytes: int = 0
+    _budget: int | None = None
 
     def set_rows(self, slots: list[str], device: torch.device | None = None) -> None:
         """Run-length encode one slot name per row (rows sorted by slot give one run each)."""
@@ -109,19 +116,33 @@ class Router:
     def forget(self) -> None:
         """Drop the stacked weights: a slot's tables changed."""
         self._stacks.clear()
+        self._stacked_bytes, self._budget = 0, None
 
     def stacked(self, index: int) -> _Pair | None:
-        """Layer ``index``'s weights of the grouped slots, stacked for ``bmm`` (built on first use)."""
+        """Layer ``index``'s weights of the grouped slots, stacked for ``bmm`` (built on first use;
+        older sets' stacks are dropped, oldest first, while all of them hold more than the loaded
+        adapters do; the grouped set's own never are)."""
         assert self.grouped is not None
         slots = self.grouped.slots
         layers = self._stacks.get(slots)
-        if layers is None:
-            if len(self._stacks) >= _MAX_STACKS:
-                self._stacks.pop(next(iter(self._stacks)))
-            layers = self._stacks[slots] = {}
+        if layers is None or next(reversed(self._stacks)) != slots:  # (re-)inserted last: oldest first
+            layers = self._stacks[slots] = self._stacks.pop(slots, {})
         if index not in layers:
-            layers[index] = _stack([(self.tables[s][0].get(index), self.tables[s][1]) for s in slots])
+            pair = layers[index] = _stack([(self.tables[s][0].get(index), self.tables[s][1]) for s in slots])
+            self._stacked_bytes += _nbytes(pair)
+            self._drop_stacks_over_budget()
         return layers[index]
+
+    def _drop_stacks_over_budget(self) -> None:
+        if self._budget is None:
+            self._budget = sum(_nbytes(pair) for layers, _ in self.tables.values() for pair in layers.values())
+        while self._stacked_bytes > self._budget and len(self._stacks) > 1:
+            dropped = self._stacks.pop(next(iter(self._stacks)))
+            self._stacked_bytes -= sum(_nbytes(pair) for pair in dropped.values())
+
+
+def _nbytes(pair: _Pair | None) -> int:
+    return 0 if pair is None else pair[0].nbytes + pair[1].nbytes
 
 
 def _group(runs: list[tuple[str, int, int]], device: torch.device | None) -> _Grouped | None:
