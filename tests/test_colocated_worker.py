@@ -5,6 +5,7 @@ full-parameter jobs refused, training and sampling never at once."""
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ from polytinker.engine.learner.worker import LearnerWorker
 from polytinker.engine.models import TINY_RANDOM
 from polytinker.engine.types import Datum, SamplingParams
 from polytinker.engine.worker import messages as wm
-from polytinker.engine.worker.colocated import ColocatedWorker, PhaseLock, shares_base
+from polytinker.engine.worker.colocated import ColocatedWorker, PhaseRunner, shares_base
 from polytinker.engine.worker.config import EngineWorkerConfig, LearnerWorkerConfig
 from polytinker.errors import ConfigError, NotResident
 from polytinker.transport.requests import kind_of
@@ -174,34 +175,54 @@ def test_a_training_call_waits_for_the_decode_step_in_flight_not_the_batch(coloc
     while colocated.engine.engine.stats.steps == steps_before:  # the batch is decoding
         time.sleep(0.001)
     data = (Datum(list(PROMPT[:-1]), list(PROMPT[1:]), [1.0] * (len(PROMPT) - 1)),)
-    switches = colocated.lock.switches
+    switches = colocated.runner.switches
     _call(h, wm.LearnerForwardBackward(adapter, data, "cross_entropy"))
     done["train"] = time.perf_counter()
     thread.join(30)
     assert done["train"] < done["sample"]  # it ran between two decode steps of the batch
-    assert colocated.lock.switches >= switches + 2  # sample -> train -> sample
+    assert colocated.runner.switches >= switches + 2  # sample -> train -> sample
 
 
 @pytest.mark.timeout(10)
-def test_the_phase_lock_serves_holders_in_the_order_they_asked() -> None:
-    lock = PhaseLock()
+def test_the_phase_runner_runs_every_pass_on_one_thread_in_the_order_asked() -> None:
     order: list[str] = []
-    started = threading.Event()
+    threads_seen: set[int] = set()
+    runner = PhaseRunner(on_switch=lambda: order.append("switch"))
+    gate = threading.Event()
 
-    def hold(phase: str, name: str) -> None:
-        with lock.hold(phase):
-            order.append(name)
+    def work(name: str) -> str:
+        threads_seen.add(threading.get_ident())
+        order.append(name)
+        return name
 
-    with lock.hold("sample"):
-        threads = []
-        for phase, name in (("train", "train-1"), ("sample", "step-2"), ("train", "train-3")):
-            t = threading.Thread(target=hold, args=(phase, name))
-            t.start()
-            threads.append(t)
-            while lock._next != len(threads) + 1:  # its ticket is taken before the next one asks
+    def first() -> None:
+        threads_seen.add(threading.get_ident())
+        gate.wait(5)  # the others ask while this one runs
+        order.append("step-0")
+
+    try:
+        callers = [threading.Thread(target=runner.run, args=("sample", first))]
+        callers[0].start()
+        while runner.phase != "sample":
+            time.sleep(0.001)
+        for k, (phase, name) in enumerate((("train", "train-1"), ("sample", "step-2"), ("train", "train-3"))):
+            callers.append(threading.Thread(target=runner.run, args=(phase, functools.partial(work, name))))
+            callers[-1].start()
+            while runner._work.qsize() != k + 1:  # asked before the next one asks
                 time.sleep(0.001)
-        started.set()
-    for t in threads:
-        t.join(5)
-    assert order == ["train-1", "step-2", "train-3"]
-    assert lock.switches == 3 and lock.phase == "train"
+        gate.set()
+        for t in callers:
+            t.join(5)
+        assert order == ["step-0", "switch", "train-1", "switch", "step-2", "switch", "train-3"]
+        assert runner.switches == 3 and runner.phase == "train"
+        assert len(threads_seen) == 1 and threading.get_ident() not in threads_seen
+        assert runner.run("train", lambda: "again") == "again" and runner.switches == 3  # same phase: no switch
+        # A pass that asks for another runs it at once; an error reaches its caller.
+        assert runner.run("train", lambda: runner.run("sample", lambda: 7)) == 7
+        with pytest.raises(ZeroDivisionError):
+            runner.run("sample", lambda: 1 / 0)
+        assert runner.run("", lambda: "after") == "after"
+    finally:
+        runner.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        runner.run("sample", lambda: None)
