@@ -58,3 +58,48 @@ def test_the_check_sees_a_wrong_way_import(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text("def f():\n    from polytinker.scheduler.service import config\n")
     assert list(_imports(bad)) == [("scheduler", 2)]
+
+
+def _unexplained_lazy_imports(path: Path) -> Iterator[int]:
+    """Lines of ``path`` with an import of a polytinker module inside a function and no comment
+    saying why: on the statement, or on the line above the run of imports it belongs to."""
+    lines = path.read_text().splitlines()
+    for fn in ast.walk(ast.parse("\n".join(lines), str(path))):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        imports = [n for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom))]
+        import_lines = {i for n in imports for i in range(n.lineno, (n.end_lineno or n.lineno) + 1)}
+        for node in imports:
+            if not (
+                isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("polytinker")
+            ):
+                continue
+            if any("#" in line for line in lines[node.lineno - 1 : node.end_lineno]):
+                continue
+            first = node.lineno  # 1-based: walk up the run of import statements
+            while first - 1 in import_lines:
+                first -= 1
+            if not lines[first - 2].strip().startswith("#"):
+                yield node.lineno
+
+
+def test_an_import_inside_a_function_says_why() -> None:
+    """A polytinker module imported in a function, not at the top, buys start-up time (torch,
+    transformers or FastAPI load only where they are used) or breaks a cycle: the comment says
+    which. Anything else belongs at the top of the module."""
+    bad = [
+        f"{path.relative_to(PACKAGE).as_posix()}:{line}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for line in _unexplained_lazy_imports(path)
+    ]
+    assert bad == []
+
+
+def test_the_lazy_import_check_sees_one_without_a_reason(tmp_path: Path) -> None:
+    path = tmp_path / "m.py"
+    path.write_text(
+        "def f():\n    from polytinker.engine import models\n\n\n"
+        "def g():\n    # torch loads only here\n"
+        "    from polytinker.engine import models\n    from polytinker import types\n"
+    )
+    assert list(_unexplained_lazy_imports(path)) == [2]

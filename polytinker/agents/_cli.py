@@ -10,6 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from polytinker.agents.checkpoint import STATE_FILE
+from polytinker.agents.crossplay import CrossPlay
+from polytinker.agents.experiment import Experiment
+from polytinker.agents.show import show_run
 from polytinker.errors import ConfigError, PolytinkerError
 
 DEFAULT_CONFIG = "examples/configs/prisoners_dilemma.toml"
@@ -27,9 +30,6 @@ def _override(text: str) -> tuple[str, Any]:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from polytinker.agents.crossplay import CrossPlay
-    from polytinker.agents.experiment import Experiment
-
     overrides = dict(_override(s) for s in args.set or ())
     if args.steps is not None:
         overrides["train.steps"] = args.steps
@@ -61,8 +61,6 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from polytinker.agents.show import show_run
-
     print(show_run(Path(args.run_dir), transcripts=args.transcripts))
     return 0
 

@@ -8,6 +8,7 @@ from polytinker.agents.protocols import ServiceClientLike, TrainingClientLike
 from polytinker.agents.render import Renderer
 from polytinker.agents.spec import AgentSpec
 from polytinker.agents.types import AlgorithmName
+from polytinker.engine.models import load_tokenizer
 from polytinker.errors import ConfigError
 from polytinker.types import AdamParams
 
@@ -19,7 +20,6 @@ def train_sft(
     training client (to sample from or keep training with RL) and the loss of each step."""
     if spec.algorithm.name is not AlgorithmName.SFT:
         raise ConfigError(f"agent {spec.name}: train_sft needs algorithm.name = 'sft'")
-    from polytinker.engine.models import load_tokenizer
 
     renderer = Renderer(load_tokenizer(spec.base_model), spec.renderer)
     batches = sft_batches(renderer, read_conversations(spec.algorithm.sft_data), batch_size)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from polytinker.agents.crossplay import CrossPlay
+from polytinker.agents.experiment import RunSummary
 from polytinker.agents.metrics import read_metrics
 from polytinker.errors import ConfigError
 
@@ -34,8 +35,6 @@ def show_run(run_dir: Path, *, transcripts: int = 3) -> str:
         raise ConfigError(f"{run_dir} has no metrics.jsonl yet")
     summary_path = run_dir / "summary.json"
     if summary_path.exists():
-        from polytinker.agents.experiment import RunSummary
-
         out = [RunSummary(**json.loads(summary_path.read_text())).report()]
     else:
         out = [f"run {run_dir} (unfinished: no summary.json)"]

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from polytinker.client._connection import Connection
-from polytinker.engine.types import UNEMBED_MODULE
+from polytinker.engine.models import PRESET_HUB_IDS, _looks_like_hub_id, load_model
+from polytinker.engine.types import UNEMBED_MODULE, LoraConfig
 from polytinker.errors import ConfigError, NotBuiltError
 from polytinker.model_path import TINKER_PREFIX, from_tinker
 from polytinker.scheduler.service import messages as m
@@ -44,8 +45,6 @@ def _model_path(path: str) -> str:
 
 def base_identity(base_model: str) -> dict[str, str]:
     """``{"base_model", "hub_id", "note"}``: the runtime's model and the hub id it stands for."""
-    from polytinker.engine.models import PRESET_HUB_IDS, _looks_like_hub_id
-
     if base_model in PRESET_HUB_IDS:
         hub_id, note = PRESET_HUB_IDS[base_model]
     elif _looks_like_hub_id(base_model):
@@ -57,6 +56,7 @@ def base_identity(base_model: str) -> dict[str, str]:
 
 def _write_dir(out: Path, write: Any, overwrite: bool) -> Path:
     """``write(tmp)`` fills a fresh directory that then replaces ``out`` in one rename."""
+    # torch and safetensors load only where weights are written, not with polytinker.client.
     from polytinker.engine.learner.state import write_atomic_dir
 
     out = Path(out).expanduser()
@@ -99,8 +99,8 @@ def _adapter_files(reply: ExportWeightsReply, path: str, merged: bool) -> dict[s
 def _peft_config(lora: dict[str, Any], base_model: str) -> dict[str, Any]:
     """``adapter_config.json`` of an adapter of shape ``lora`` (a checkpoint's ``meta.json``
     ``lora``), written as the learner's exports write it."""
+    # torch and safetensors load only where weights are written, not with polytinker.client.
     from polytinker.engine.inference.adapter_io import peft_config_dict
-    from polytinker.engine.types import LoraConfig
 
     shape = LoraConfig(**{**lora, "target_modules": tuple(lora["target_modules"])})
     return peft_config_dict(shape, base_model)
@@ -126,8 +126,6 @@ def export_weights(
 
     def write_merged(d: Path) -> None:
         from peft import PeftModel
-
-        from polytinker.engine.models import load_model
 
         with tempfile.TemporaryDirectory(prefix="polytinker-adapter-") as adapter:
             write_adapter(Path(adapter))
@@ -165,8 +163,8 @@ def _save_model_dir(d: Path, model: Any, tokenizer: Any, base_model: str, manife
 def _write_full(d: Path, reply: ExportWeightsReply, path: str) -> None:
     """A full-parameter version as a whole Hugging Face model directory: the base model's config
     and tokenizer with the version's weights (read back as the engines read them)."""
+    # torch and safetensors load only where weights are written, not with polytinker.client.
     from polytinker.engine.learner.state import META_FILE, WEIGHTS_FILE, load_full_weights
-    from polytinker.engine.models import load_model
 
     model, tokenizer = load_model(reply.base_model)
     with tempfile.TemporaryDirectory(prefix="polytinker-full-") as ckpt:

@@ -16,6 +16,7 @@ from typing import Any, TypeVar, cast
 from polytinker.client._connection import Connection
 from polytinker.client._convert import prompt_tokens, samples_nothing, to_sampling_params
 from polytinker.client._future import APIFuture, ReadyClient, submit
+from polytinker.engine.models import load_tokenizer
 from polytinker.engine.types import check_top_k
 from polytinker.errors import AuthError, ConfigError
 from polytinker.scheduler.service.messages import ComputeLogprobs, Sample
@@ -154,8 +155,6 @@ class SamplingClient(ReadyClient):
     def get_tokenizer(self) -> Any:
         """The base model's tokenizer (``polytinker.engine.models.load_tokenizer``; loaded once)."""
         if self._tokenizer is None:
-            from polytinker.engine.models import load_tokenizer
-
             self._tokenizer = load_tokenizer(self.base_model)
         return self._tokenizer
 

@@ -27,6 +27,7 @@ from typing import Any
 
 from polytinker.client._connection import Connection
 from polytinker.client._future import APIFuture, submit
+from polytinker.client.export import adapter_files, export_weights
 from polytinker.client.sampling_client import SamplingClient
 from polytinker.client.training_client import TrainingClient
 from polytinker.engine.types import ATTN_MODULES, DEFAULT_TARGET_MODULES, MLP_MODULES, UNEMBED_MODULE
@@ -35,6 +36,9 @@ from polytinker.model_path import CKPT_PREFIX, CheckpointPath
 from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service import replies as r
 from polytinker.scheduler.service.config import RuntimeConfig
+from polytinker.scheduler.service.home import StateDirInUse, default_state_dir, running_holder
+from polytinker.scheduler.service.inproc import InprocRuntime
+from polytinker.scheduler.service.runtime import LocalRuntime
 from polytinker.scheduler.types import JobKind, JobState
 from polytinker.transport import ClientCurve
 from polytinker.types import GetServerCapabilitiesResponse, SupportedModel
@@ -129,10 +133,6 @@ class ServiceClient:
     def _start_runtime(self, base_model: str | None) -> Connection:
         """A runtime for this client: the default one (persistent, shared with this user's other
         scripts: attach to it when it runs) without a runtime config, else one of its own."""
-        from polytinker.scheduler.service.home import StateDirInUse, default_state_dir, running_holder
-        from polytinker.scheduler.service.inproc import InprocRuntime
-        from polytinker.scheduler.service.runtime import LocalRuntime
-
         cfg = self._runtime_config or RuntimeConfig()
         if base_model:
             cfg = dataclasses.replace(cfg, model=base_model)
@@ -360,14 +360,10 @@ class ServiceClient:
         ``save_state`` checkpoint (``polytinker-ckpt://JOB/NAME`` or ``tinker://JOB/weights/NAME``:
         its weights) as a peft adapter directory, or with ``merged`` as a whole Hugging Face model
         directory (``polytinker.client.export``); the tenant's own, or published ones."""
-        from polytinker.client.export import export_weights
-
         return export_weights(self._connection(), model_path, out_dir, merged=merged, overwrite=overwrite)
 
     def export_files(self, model_path: str) -> dict[str, bytes]:
         """The peft adapter directory ``export_weights`` writes, as ``{file name: bytes}``."""
-        from polytinker.client.export import adapter_files
-
         return adapter_files(self._connection(), model_path)[0]
 
     def delete_checkpoint(self, job_id: str, name: str) -> bool:

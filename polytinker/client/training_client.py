@@ -28,6 +28,7 @@ from polytinker.client._connection import Connection
 from polytinker.client._convert import fb_output, to_datum
 from polytinker.client._future import APIFuture, ReadyClient, submit
 from polytinker.client.sampling_client import SamplingClient
+from polytinker.engine.models import load_tokenizer
 from polytinker.errors import ConfigError, GradientLost, NotBuiltError
 from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service import replies as r
@@ -243,8 +244,6 @@ class TrainingClient(ReadyClient):
     def get_tokenizer(self) -> Any:
         """The base model's tokenizer (``polytinker.engine.models.load_tokenizer``; loaded once)."""
         if self._tokenizer is None:
-            from polytinker.engine.models import load_tokenizer
-
             self._tokenizer = load_tokenizer(self.base_model)
         return self._tokenizer
 

@@ -6,12 +6,16 @@ import argparse
 import sys
 from typing import Any
 
+from polytinker.envs.checker import check_env, format_findings
+from polytinker.envs.config import EnvServerConfig
+from polytinker.envs.play import play
+from polytinker.envs.registry import env_specs
+from polytinker.envs.remote.server import EnvServer
 from polytinker.errors import ConfigError
+from polytinker.transport.auth import ServerCurve, load_keypair, load_public_keys
 
 
 def _list(args: argparse.Namespace) -> int:
-    from polytinker.envs.registry import env_specs
-
     specs = env_specs()
     width = max(len(i) for i in specs)
     for env_id, spec in sorted(specs.items()):
@@ -21,8 +25,6 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from polytinker.envs.checker import check_env, format_findings
-
     findings = check_env(args.target, seed=args.seed, address=args.env_address)
     shown = f"{args.target} at {args.env_address}" if args.env_address else args.target
     print(format_findings(shown, findings))
@@ -30,8 +32,6 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _play(args: argparse.Namespace) -> int:
-    from polytinker.envs.play import play
-
     result = play(args.env_id, agent=args.agent, opponent=args.opponent, seed=args.seed, address=args.env_address)
     if result is not None and result.aborted:
         print(f"polytinker env play: error: the env failed: {result.aborted}", file=sys.stderr)
@@ -40,13 +40,8 @@ def _play(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from polytinker.envs.config import EnvServerConfig
-    from polytinker.envs.remote.server import EnvServer
-
     curve = None
     if args.curve_key:
-        from polytinker.transport.auth import ServerCurve, load_keypair, load_public_keys
-
         if not args.allow:
             raise ConfigError("--curve-key needs --allow DIR (the public keys of the clients to admit)")
         public, secret = load_keypair(args.curve_key)

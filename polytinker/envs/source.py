@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from polytinker.envs.config import EnvConfig, RemoteEnvConfig
+from polytinker.envs.registry import make
+from polytinker.envs.remote.client import RemoteEnv
 from polytinker.errors import ConfigError
 
 ADDRESS_SCHEMES = ("tcp://", "ipc://", "inproc://")
@@ -75,13 +77,10 @@ class EnvSource:
     def make(self) -> Any:
         """A new env (an opened remote episode, for a remote env): the caller closes it."""
         if self.address:
-            from polytinker.envs.remote.client import RemoteEnv
-
             return RemoteEnv(
                 self.address, self.env_id, config=self.remote, env_kwargs=dict(self.kwargs),
                 env_config=self.config, curve=self.curve,
             )  # fmt: skip
-        from polytinker.envs.registry import make
 
         return make(self.env_id, **self._config_kwargs(), **self.kwargs)
 
@@ -90,7 +89,6 @@ class EnvSource:
         of its opening (so that opens do not block the event loop)."""
         if not self.address:
             return self.make
-        from polytinker.envs.remote.client import RemoteEnv
 
         def open_remote() -> Any:
             return RemoteEnv.aopen(

@@ -46,6 +46,7 @@ from typing import Any, ClassVar, Literal
 from polytinker.envs.base import TextAECEnv
 from polytinker.envs.config import EnvConfig
 from polytinker.envs.opponents import ScriptedPolicy
+from polytinker.envs.registry import env_specs, register
 from polytinker.envs.types import AgentID, PolicyInput
 from polytinker.errors import ConfigError
 
@@ -334,8 +335,6 @@ def textarena_env(env_id: str, **kwargs: Any) -> TextArenaEnv:
 def register_textarena(games: Iterable[str] | None = None) -> list[str]:
     """Register ``textarena/<Game>`` for each game (default: ``OFFLINE_GAMES``); returns the ids,
     those already registered included. Needs the textarena package (the ``textarena`` extra)."""
-    from polytinker.envs.registry import env_specs, register
-
     ta = _textarena()
     known = ta.envs.registration.ENV_REGISTRY
     ids = []

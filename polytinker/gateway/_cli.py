@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from polytinker.scheduler._cli import add_config_args, client_curve, runtime_config, wait_for_signal
+from polytinker.scheduler.service.http_config import HttpConfig
+from polytinker.scheduler.service.runtime import check_servable
 
 
 def gateway_config(args: argparse.Namespace) -> Any:
     """``--config``'s ``[http]`` table (defaults without one), served at ``--http``; ``--tokenizer-id``
     and ``--session-timeout-s`` over it (HttpConfig checks them)."""
-    from polytinker.scheduler.service.http_config import HttpConfig
-
     config = HttpConfig.from_toml(args.config) if args.config else HttpConfig()
     flags = {"tokenizer_id": args.tokenizer_id or None, "session_timeout_s": args.session_timeout_s}
     return dataclasses.replace(config, address=args.http, **{k: v for k, v in flags.items() if v is not None})
@@ -28,7 +28,6 @@ def gateway_config(args: argparse.Namespace) -> Any:
 
 def _serve(args: argparse.Namespace) -> int:
     from polytinker.gateway.runtime import HttpRuntime  # the runtime and FastAPI load when it runs, not for --help
-    from polytinker.scheduler.service.runtime import check_servable
 
     cfg = runtime_config(args)
     if not cfg.state_dir:

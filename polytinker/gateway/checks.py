@@ -18,6 +18,8 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from polytinker.engine.learner.config import LossConfig
+from polytinker.engine.models import ModelConfig, resolve_model, served_name
 from polytinker.engine.types import LOSS_FNS, MAX_SAMPLES, MAX_TOP_K
 from polytinker.errors import ConfigError, NotBuiltError
 from polytinker.gateway.wire import MAX_INT32
@@ -226,8 +228,6 @@ _ANY_NUMBER = number(-math.inf)
 def check_loss(loss_fn: str, config: dict[str, Any]) -> dict[str, float] | None:
     """``loss_fn`` one of polytinker's losses and ``config`` (the SDK's ``loss_fn_config``) one the
     learner takes: known names, finite numbers, in range; the config as the learner reads it."""
-    from polytinker.engine.learner.config import LossConfig
-
     if loss_fn not in LOSS_FNS:
         _fail("loss_fn", f"one of {', '.join(LOSS_FNS)}", loss_fn)
     for key in config:
@@ -245,8 +245,6 @@ def served_base_model(served: tuple[str, ...], name: Any) -> str:
     """The served base model ``name`` names, by its own name or its hub id (``models.model_names``:
     ``HuggingFaceTB/SmolLM2-135M-Instruct`` is ``smollm2-135m-instruct``); a ConfigError for a model
     not served. With nothing listed as served (a gateway told no model), ``name`` as it is."""
-    from polytinker.engine.models import served_name
-
     if not isinstance(name, str) or not name:
         raise ConfigError("base_model must be named")
     found = next((m for m in served if served_name(m, name)), None)
@@ -259,8 +257,6 @@ def served_base_model(served: tuple[str, ...], name: Any) -> str:
 def vocab_size(base_model: str) -> int | None:
     """The number of token ids ``base_model``'s embedding holds, from its config.json where this
     machine has the model; None where it has not (nothing is fetched for it)."""
-    from polytinker.engine.models import ModelConfig, resolve_model
-
     try:
         config = json.loads((resolve_model(base_model, ModelConfig(offline=True)) / "config.json").read_text())
     except Exception:  # not on this machine (a gateway in front of a remote scheduler): ids in int32

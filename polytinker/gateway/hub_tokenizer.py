@@ -26,6 +26,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from polytinker.engine.models import hub_id, resolve_model
+
 log = logging.getLogger("polytinker.http")
 
 # What AutoTokenizer reads (whichever of them a model has): the model's config.json too (it looks
@@ -103,8 +105,6 @@ def tokenizer_id(model: str) -> str:
     """What ``get_info`` answers as the tokenizer of ``model`` (a preset, hub id or directory, as the
     runtime serves it): its hub id once the hub cache here holds that id's tokenizer, else the
     model's directory on this machine."""
-    from polytinker.engine.models import hub_id, resolve_model
-
     model_dir = resolve_model(model)
     hub = hub_id(model)
     if not hub:

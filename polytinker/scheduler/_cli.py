@@ -14,7 +14,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from polytinker.engine.worker.server import WorkerServer, build_worker, set_worker_threads
 from polytinker.errors import ConfigError
+from polytinker.scheduler.service.config import RuntimeConfig
+from polytinker.transport import ClientCurve, load_keypair
 
 
 def wait_for_signal(dead: threading.Event | None = None) -> None:
@@ -32,7 +35,6 @@ def client_curve(args: argparse.Namespace) -> Any:
     command that dials a scheduler serving with Curve as a client (``jobs``, ``gateway``, ...)."""
     if not args.curve_secret:
         return None
-    from polytinker.transport import ClientCurve
 
     if not args.scheduler_key:
         raise ConfigError("--curve-secret needs --scheduler-key (the scheduler's .key file)")
@@ -40,8 +42,6 @@ def client_curve(args: argparse.Namespace) -> Any:
 
 
 def runtime_config(args: argparse.Namespace) -> Any:
-    from polytinker.scheduler.service.config import RuntimeConfig
-
     cfg = RuntimeConfig.from_toml(args.config) if args.config else RuntimeConfig()
     changes: dict[str, Any] = {}
     if getattr(args, "model", None):
@@ -91,9 +91,6 @@ def _placed(cfg: Any, args: argparse.Namespace, role: str) -> Any:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from polytinker.engine.worker.server import WorkerServer, build_worker, set_worker_threads
-    from polytinker.transport import ClientCurve, load_keypair
-
     os.umask(0o077)  # the checkpoints and exports it writes hold a tenant's weights
     cfg = runtime_config(args)
     if not cfg.state_dir:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from polytinker.transport.auth import generate_keypair
+
 
 def _generate(args: argparse.Namespace) -> int:
-    from polytinker.transport.auth import generate_keypair
-
     public_file, secret_file = generate_keypair(args.dir, args.name)
     print(f"public key: {public_file}  (give this to the peers that must trust it)")
     print(f"secret key: {secret_file}  (mode 0600; keep it on this machine)")

@@ -25,6 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from polytinker.engine.inference.config import HFBackendConfig
+from polytinker.engine.inference.engine import InferenceEngine
+from polytinker.engine.inference.hf import HFBackend
+from polytinker.engine.learner.state import load_full_weights
+from polytinker.engine.models import load_model
 from polytinker.errors import ConfigError
 
 log = logging.getLogger("polytinker.engine.inference.full_weights")
@@ -49,12 +54,6 @@ class FullWeightEngines:
         self._build = threading.Lock()  # one model built at a time: a second request for it waits
 
     def _make(self, checkpoint: str) -> Any:
-        from polytinker.engine.inference.config import HFBackendConfig
-        from polytinker.engine.inference.engine import InferenceEngine
-        from polytinker.engine.inference.hf import HFBackend
-        from polytinker.engine.learner.state import load_full_weights
-        from polytinker.engine.models import load_model
-
         if not checkpoint or not Path(checkpoint).is_dir():
             raise ConfigError(f"full-parameter weights: no checkpoint at {checkpoint!r}")
         model, tokenizer = load_model(self.model)

@@ -27,9 +27,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from polytinker.engine.device import resolve_device, resolve_dtype
 from polytinker.engine.inference._resends import Resends
+from polytinker.engine.inference.config import EngineConfig, HFBackendConfig
+from polytinker.engine.inference.engine import InferenceEngine
 from polytinker.engine.inference.full_weights import FullWeightEngines
-from polytinker.engine.types import MAX_SAMPLES, SampleRequest, SamplingParams
+from polytinker.engine.inference.hf import HFBackend
+from polytinker.engine.inference.vllm_backend import VllmBackend
+from polytinker.engine.models import ModelConfig
+from polytinker.engine.types import MAX_SAMPLES, AdapterRef, SampleRequest, SamplingParams
 from polytinker.engine.worker.config import EngineWorkerConfig
 from polytinker.engine.worker.layout import under
 from polytinker.engine.worker.messages import (
@@ -49,13 +55,7 @@ log = logging.getLogger("polytinker.engine.inference.worker")
 
 def make_backend(model: str, cfg: EngineWorkerConfig) -> Any:
     if cfg.backend == "vllm":
-        from polytinker.engine.inference.vllm_backend import VllmBackend
-
         return VllmBackend(cfg.vllm_config(model))
-    from polytinker.engine.device import resolve_device, resolve_dtype
-    from polytinker.engine.inference.config import HFBackendConfig
-    from polytinker.engine.inference.hf import HFBackend
-    from polytinker.engine.models import ModelConfig
 
     device = resolve_device(cfg.device)  # ConfigError before the model loads
     dtype = resolve_dtype(cfg.dtype, device)
@@ -83,9 +83,6 @@ class EngineWorker:
     """Handlers for the scheduler: ``sched.w.sample``, ``sched.w.logprobs``, ``sched.w.stats``."""
 
     def __init__(self, model: str, cfg: EngineWorkerConfig, root: str | os.PathLike[str], backend: Any = None) -> None:
-        from polytinker.engine.inference.config import EngineConfig
-        from polytinker.engine.inference.engine import InferenceEngine
-
         self.cfg = cfg
         self.root = Path(root)  # the weights this worker loads are under it (the learners write there)
         engine_cfg = EngineConfig(
@@ -140,8 +137,6 @@ class EngineWorker:
 
     def _ref(self, adapter: str, version: int, weights: WeightsRef | None) -> Any:
         """The engine's ref for the version, registered (loaded lazily by the engine) if it is new."""
-        from polytinker.engine.types import AdapterRef
-
         if not adapter:
             return None
         ref = AdapterRef(adapter, version)
@@ -156,8 +151,6 @@ class EngineWorker:
 
     def has_weights(self, msg: EngineHasWeights) -> bool:
         """Whether a request naming this export can be served without its tensors being sent."""
-        from polytinker.engine.types import AdapterRef
-
         w = msg.weights
         with self._lock:
             if self._dirs.get(AdapterRef(w.adapter, w.version)) == w:
@@ -167,8 +160,6 @@ class EngineWorker:
     def put_adapter(self, msg: EnginePutAdapter) -> bool:
         """A version's tensors, sent over the transport: registered in the engine's host cache
         (loaded into a slot when a request needs it), as if read from the export they name."""
-        from polytinker.engine.types import AdapterRef
-
         w = msg.weights
         # Kept as received (the message's frame, one flat buffer) in the host cache: nothing
         # writes it, the frame lives as long as the tensor does, and a slot copies it.

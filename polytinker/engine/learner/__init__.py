@@ -62,6 +62,8 @@ def make_learner(
     model: nn.Module, config: LearnerConfig | None = None, dist: DistInfo | None = None, pad_token_id: int = 0
 ) -> MultiAdapterLearner | FullParamLearner:
     """The learner ``config.mode`` names, over ``model`` (moved to ``dist.device``; default: one CPU process)."""
+    # torch, transformers and peft load when a learner is made: the package's names (configs, the
+    # worker) are read by the scheduler and the client too.
     from polytinker.engine.learner.distributed import SINGLE
     from polytinker.engine.learner.full_param import FullParamLearner
     from polytinker.engine.learner.multi_adapter import MultiAdapterLearner

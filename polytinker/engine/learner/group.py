@@ -32,13 +32,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from polytinker.engine.device import rank_device
+from polytinker.engine.learner import make_learner
 from polytinker.engine.learner._base import ForwardBackwardResult, filler_datum
 from polytinker.engine.learner.checks import check_data
 from polytinker.engine.learner.config import AdamParams, LearnerConfig, LossConfig
 from polytinker.engine.learner.distributed import DistInfo, free_port, init_distributed
 from polytinker.engine.learner.full_param import FullParamLearner
 from polytinker.engine.learner.multi_adapter import MultiAdapterLearner
-from polytinker.engine.models import DType
+from polytinker.engine.models import DType, ModelConfig, load_model
 from polytinker.engine.types import AdapterName, AdapterRef, Datum, LoraConfig, LossFnName
 from polytinker.errors import ConfigError
 
@@ -393,9 +394,6 @@ def _build(
     device: str,
     dtype: DType = "float32",
 ) -> tuple[AnyLearner, DistInfo]:
-    from polytinker.engine.learner import make_learner
-    from polytinker.engine.models import ModelConfig, load_model
-
     if addr is not None:
         dev = rank_device(torch.device(device), rank)
         backend = "nccl" if dev.type == "cuda" else "gloo"

@@ -49,6 +49,8 @@ from typing import Any
 
 from polytinker.engine.device import resolve_device, resolve_dtype
 from polytinker.engine.learner.checks import NonFinite
+from polytinker.engine.models import ModelConfig, load_model
+from polytinker.engine.types import DEFAULT_TARGET_MODULES, AdapterRef, LoraConfig
 from polytinker.engine.worker.config import LearnerWorkerConfig
 from polytinker.engine.worker.layout import under
 from polytinker.engine.worker.messages import (
@@ -130,9 +132,9 @@ class LearnerWorker:
     # --- slots -------------------------------------------------------------------------------------
     def _start(self, mode: str) -> Any:
         """A learner group of ``world_size`` replicas in ``mode`` (one process: no followers)."""
+        # torch, transformers and peft load when the group starts: the scheduler reads this module.
         from polytinker.engine.learner import DistInfo, LearnerConfig, make_learner
         from polytinker.engine.learner.group import LearnerGroup
-        from polytinker.engine.models import ModelConfig, load_model
 
         lcfg = LearnerConfig(
             mode=mode,  # type: ignore[arg-type]
@@ -225,7 +227,6 @@ class LearnerWorker:
             raise ConfigError(f"adapter {msg.adapter} v{msg.version} has no checkpoint to load")
         if have is not None:
             lora.remove_adapter(msg.adapter)
-        from polytinker.engine.types import DEFAULT_TARGET_MODULES, LoraConfig
 
         shape = LoraConfig(
             rank=msg.rank, alpha=msg.alpha, target_modules=tuple(msg.target_modules) or DEFAULT_TARGET_MODULES
@@ -432,8 +433,8 @@ class LearnerWorker:
     def adapter_weights(self, msg: LearnerAdapterWeights) -> AdapterTensors:
         """An export's tensors for an engine that cannot read them: the resident version from
         memory (no disk), an older one from this learner's own copy."""
+        # safetensors loads only where an older export is read back.
         from polytinker.engine.inference.adapter_io import read_adapter_dir
-        from polytinker.engine.types import AdapterRef
 
         w = msg.weights
         if not w.name and self._versions().get(w.adapter) == w.version:

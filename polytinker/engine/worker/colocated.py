@@ -44,7 +44,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from polytinker.actors import Actor
+from polytinker.engine.device import release_free_host_memory, resolve_device, resolve_dtype
 from polytinker.engine.learner.worker import LearnerWorker
+from polytinker.engine.models import ModelConfig, load_model
 from polytinker.engine.worker.config import EngineWorkerConfig, LearnerWorkerConfig
 from polytinker.engine.worker.messages import EngineLogprobs, EngineSample, WeightsRef, WorkerStats
 from polytinker.engine.worker.server import WorkerPlan, WorkerServer, set_worker_threads
@@ -221,10 +223,9 @@ class ColocatedLearnerWorker(LearnerWorker):
     def _start(self, mode: str) -> Any:
         if mode != "lora":
             raise ConfigError(FULL_REFUSED)
-        from polytinker.engine.device import resolve_device, resolve_dtype
+        # torch, transformers and peft load when the worker starts: the runtime reads this module.
         from polytinker.engine.learner import DistInfo, LearnerConfig, make_learner
         from polytinker.engine.learner.group import LearnerGroup
-        from polytinker.engine.models import ModelConfig, load_model
 
         lcfg = LearnerConfig(
             mode="lora", micro_batch_size=self.cfg.micro_batch_size, max_tokens_per_pass=self.cfg.max_tokens_per_pass
@@ -262,7 +263,7 @@ class ColocatedWorker:
             raise ConfigError(
                 f"engine {engine.engine_id}: a colocated engine uses the hf backend, not {engine.backend}"
             )
-        from polytinker.engine.device import release_free_host_memory, resolve_device
+        # torch and transformers load when the worker starts: the runtime reads this module.
         from polytinker.engine.inference.config import HFBackendConfig
         from polytinker.engine.inference.hf import HFBackend
         from polytinker.engine.inference.worker import EngineWorker

@@ -81,6 +81,7 @@ class EngineWorkerConfig:
         a vllm engine is configured or built, not on every config read)."""
         import dataclasses as dc
 
+        # torch: see the docstring.
         from polytinker.engine.inference._vllm_config import VllmBackendConfig
 
         allowed = {f.name for f in dc.fields(VllmBackendConfig)} - {"model", "model_config"}

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from polytinker.actors import Actor
+from polytinker.engine.learner.worker import LearnerWorker
 from polytinker.engine.models import model_limits
 from polytinker.engine.worker.auth import register_proof, worker_server_curve
 from polytinker.engine.worker.config import EngineWorkerConfig, LearnerWorkerConfig
@@ -214,10 +215,10 @@ def build_worker(plan: WorkerPlan) -> Any:
         raise ConfigError(f"{plan.role} {plan.worker_id}: no state directory to keep weights in")
     root = Path(plan.state_dir).expanduser()
     if isinstance(plan.worker, EngineWorkerConfig):
+        # torch loads in an engine's process only: the scheduler and the client read this module.
         from polytinker.engine.inference.worker import EngineWorker
 
         return EngineWorker(plan.model, plan.worker, root)
-    from polytinker.engine.learner.worker import LearnerWorker
 
     return LearnerWorker(plan.model, plan.worker, root)
 

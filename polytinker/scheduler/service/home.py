@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from polytinker.engine.models import ModelConfig
 from polytinker.errors import StateDirInUse
 
 log = logging.getLogger("polytinker.scheduler.state")
@@ -47,8 +48,6 @@ class Holder:
 
 def default_state_dir(model: str) -> Path:
     """The persistent state directory of the default runtime of ``model``."""
-    from polytinker.engine.models import ModelConfig
-
     env = os.environ.get(STATE_ENV)
     root = Path(env).expanduser() if env else ModelConfig().cache_dir / "runtime"
     return root / (re.sub(r"[^A-Za-z0-9_.-]", "_", model).lstrip(".")[:100] or "model")

@@ -38,6 +38,7 @@ from polytinker.engine.worker.server import WorkerPlan, WorkerServer, build_work
 from polytinker.errors import ConfigError, RequestTimeout
 from polytinker.scheduler.service.cluster import RAY_EXTRA_HINT
 from polytinker.scheduler.service.config import RuntimeConfig
+from polytinker.transport import ClientCurve, load_keypair
 
 log = logging.getLogger("polytinker.scheduler.ray")
 POLL_S = 0.5  # how often the monitor reads the actors' records from Ray's control store
@@ -59,8 +60,6 @@ class RayWorker:
 
     def __init__(self, plan: dict[str, Any], scheduler: str, token: str, env: dict[str, str], curve: Any) -> None:
         import ray
-
-        from polytinker.transport import ClientCurve
 
         os.umask(0o077)  # checkpoints and adapter exports hold a tenant's weights
         os.environ.update(env)  # before torch loads in this process: its threads, OpenMP's wait policy
@@ -187,7 +186,6 @@ class RayPlacement:
         cfg = self.config
         if not cfg.curve_secret_file:
             return None
-        from polytinker.transport import load_keypair
 
         public, secret = load_keypair(cfg.cluster.worker_curve_secret_file)
         if secret is None:

@@ -46,12 +46,14 @@ from typing import Any
 from polytinker.actors import ActorConfig, ActorRef, ChildReport, RestartPolicy, Supervisor
 from polytinker.engine.device import resolve_device
 from polytinker.engine.worker.auth import launcher_credential
+from polytinker.engine.worker.colocated import ColocatedActor
 from polytinker.engine.worker.messages import ActorsReport, ActorState, WorkersQuery
 from polytinker.engine.worker.server import EngineActor, LearnerActor, worker_env
 from polytinker.errors import ConfigError, RequestTimeout, RuntimeDead
 from polytinker.scheduler.service.config import RuntimeConfig, TenantConfig
 from polytinker.scheduler.service.home import Holder, StateLock, private_state_dir
 from polytinker.scheduler.service.messages import RuntimeStatus
+from polytinker.scheduler.service.ray_placement import RayPlacement
 from polytinker.scheduler.service.scheduler import SchedulerActor
 from polytinker.scheduler.service.tenants import new_api_key
 from polytinker.transport import RpcClient, ask
@@ -137,8 +139,6 @@ class LocalRuntime:
         cfg = self.config
         on_ray = cfg.cluster.backend == "ray"
         if on_ray:  # no ray installed, or a worker Ray cannot place: fails here, before anything starts
-            from polytinker.scheduler.service.ray_placement import RayPlacement
-
             for wid in [e.engine_id for e in cfg.engines if e.local] + [g.learner_id for g in cfg.learners if g.local]:
                 cfg.cluster.bundles_of(cfg.worker_plan(wid))
             self.placement = RayPlacement(cfg, lambda: self._report_now.set(), self._ray_gave_up)
@@ -208,8 +208,6 @@ class LocalRuntime:
     def _spawn_colocated(self) -> None:
         """One ``ColocatedActor`` per engine and learner pair (``RuntimeConfig.colocated_pairs``):
         it registers as both, so each worker id names the one process."""
-        from polytinker.engine.worker.colocated import ColocatedActor
-
         assert self.supervisor is not None
         cfg = self.config
         for engine, learner in cfg.colocated_pairs():
