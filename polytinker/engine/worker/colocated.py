@@ -81,6 +81,7 @@ class PhaseRunner:
         self._work: queue.SimpleQueue[tuple[str, Callable[[], Any], Future[Any], float] | None] = queue.SimpleQueue()
         self._on_switch = on_switch
         self._closed = False
+        self._closing = threading.Lock()
         self.phase = ""  # the phase that ran last
         self.switches = 0
         self.switch_s = 0.0
@@ -94,10 +95,11 @@ class PhaseRunner:
         Called from the runner's own thread (a version handed over during a step), it runs at once."""
         if threading.current_thread() is self._thread:
             return fn()
-        if self._closed:
-            raise RuntimeError("the colocated worker is closed")
         future: Future[T] = Future()
-        self._work.put((phase, fn, future, time.perf_counter()))
+        with self._closing:  # nothing is queued behind the thread's stop
+            if self._closed:
+                raise RuntimeError("the colocated worker is closed")
+            self._work.put((phase, fn, future, time.perf_counter()))
         return future.result()
 
     def _loop(self) -> None:
@@ -119,9 +121,10 @@ class PhaseRunner:
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Run what was asked already, then stop the thread; idempotent."""
-        if not self._closed:
-            self._closed = True
-            self._work.put(None)
+        with self._closing:
+            if not self._closed:
+                self._closed = True
+                self._work.put(None)
         self._thread.join(timeout_s)
 
 
