@@ -122,6 +122,31 @@ def test_the_same_numbers_as_separate_workers_from_one_copy_of_the_base(colocate
 
 
 @pytest.mark.timeout(60)
+def test_every_pass_over_the_model_runs_on_the_runner_thread(colocated: Any) -> None:
+    """Sampling and training on one thread: torch's OpenMP runtime keeps a pool of helper threads
+    for each thread that runs parallel work, and two pools on a machine's cores slow both."""
+    threads: dict[str, set[int]] = {"sample": set(), "train": set()}
+    hooks = [
+        model.get_input_embeddings().register_forward_pre_hook(
+            lambda *_, phase=phase: threads[phase].add(threading.get_ident())
+        )
+        for phase, model in (("sample", colocated.engine_model), ("train", colocated.learner_model))
+    ]
+    try:
+        h = colocated.engine_handlers() | colocated.learner_handlers()
+        adapter = "t/job-e/erin"
+        _call(h, wm.EnsureAdapter(adapter, 0, rank=4, alpha=8, seed=5))
+        _call(h, wm.LearnerExport(adapter, 0))
+        data = (Datum(list(PROMPT[:-1]), list(PROMPT[1:]), [1.0] * (len(PROMPT) - 1)),)
+        _call(h, wm.LearnerForwardBackward(adapter, data, "cross_entropy"))
+        _sample(h, adapter, 0, seed=6)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert threads["sample"] == threads["train"] == {colocated.runner._thread.ident}
+
+
+@pytest.mark.timeout(60)
 def test_a_handed_over_version_is_served_with_its_export_gone(colocated: Any, tmp_path: Path) -> None:
     h = colocated.engine_handlers() | colocated.learner_handlers()
     adapter = "t/job-c/carol"
