@@ -21,8 +21,6 @@ Printed (``name: value``):
   first answered sample of the new version (``save_weights_and_get_sampling_client`` and a
   one-token sample), the mean over agents and steps; ``colocated_hand_over_ms``: the part of a
   colocated step spent handing the version to the engine in memory (snapshot and register);
-  ``colocated_phase_switch_ms``: the mean time a switch between sampling and training spends
-  giving the freed memory of the phase before back to the system;
 - the figures behind them (``*_peak_rss_mb``, ``*_step_s``).
 """
 
@@ -141,7 +139,6 @@ def run_mode(model: str, colocate: bool, steps: int, prompt: list[int]) -> dict[
         stats = service.runtime_status()["stats"]
     learner = stats["learner-0"]
     hand_over_ms = 1e3 * learner.get("hand_over_s", 0.0) / max(1, learner.get("handed_over", 0))
-    switch_ms = 1e3 * learner.get("phase_switch_s", 0.0) / max(1, learner.get("phase_switches", 0))
     sync = [s for a in agents for s in a.sync_s]
     return {
         "processes": float(len(pids)),
@@ -149,7 +146,6 @@ def run_mode(model: str, colocate: bool, steps: int, prompt: list[int]) -> dict[
         "step_s": step_s / steps,
         "sync_ms": 1e3 * statistics.mean(sync),
         "hand_over_ms": hand_over_ms,
-        "switch_ms": switch_ms,
     }
 
 
@@ -180,7 +176,6 @@ def main() -> None:
         print(f"{name}_step_s: {result['step_s']:.2f}")
         print(f"{name}_sync_ms: {result['sync_ms']:.1f}")
     print(f"colocated_hand_over_ms: {colocated['hand_over_ms']:.1f}")
-    print(f"colocated_phase_switch_ms: {colocated['switch_ms']:.1f}")
     print(f"colocated_memory_ratio: {colocated['peak_rss_mb'] / separate['peak_rss_mb']:.3f}")
     print(f"colocated_pss_ratio: {colocated['pss_mb'] / separate['pss_mb']:.3f}")
     print(f"colocated_step_time_ratio: {colocated['step_s'] / separate['step_s']:.3f}")

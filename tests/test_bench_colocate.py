@@ -23,7 +23,6 @@ LINES = (
     "colocated_step_s",
     "colocated_sync_ms",
     "colocated_hand_over_ms",
-    "colocated_phase_switch_ms",
     "colocated_memory_ratio",
     "colocated_pss_ratio",
     "colocated_step_time_ratio",

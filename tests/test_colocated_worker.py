@@ -212,7 +212,7 @@ def test_a_training_call_waits_for_the_decode_step_in_flight_not_the_batch(coloc
 def test_the_phase_runner_runs_every_pass_on_one_thread_in_the_order_asked() -> None:
     order: list[str] = []
     threads_seen: set[int] = set()
-    runner = PhaseRunner(on_switch=lambda: order.append("switch"))
+    runner = PhaseRunner()
     gate = threading.Event()
 
     def work(name: str) -> str:
@@ -238,7 +238,7 @@ def test_the_phase_runner_runs_every_pass_on_one_thread_in_the_order_asked() -> 
         gate.set()
         for t in callers:
             t.join(5)
-        assert order == ["step-0", "switch", "train-1", "switch", "step-2", "switch", "train-3"]
+        assert order == ["step-0", "train-1", "step-2", "train-3"]
         assert runner.switches == 3 and runner.phase == "train"
         assert len(threads_seen) == 1 and threading.get_ident() not in threads_seen
         assert runner.run("train", lambda: "again") == "again" and runner.switches == 3  # same phase: no switch

@@ -4,14 +4,13 @@ loads). The CUDA side itself is in tests/test_gpu_learner.py, run by scripts/gpu
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from polytinker import cli
-from polytinker.engine.device import rank_device, release_free_host_memory, resolve_device, resolve_dtype
+from polytinker.engine.device import rank_device, resolve_device, resolve_dtype
 from polytinker.errors import ConfigError
 from polytinker.scheduler.service import LearnerWorkerConfig, LocalRuntime, RuntimeConfig
 
@@ -94,30 +93,3 @@ def test_the_shipped_gpu_runtime_configs_read(path: Path) -> None:
     assert all(g.device.startswith("cuda") for g in config.learners)
     for engine in config.engines:  # and each vllm engine's settings make a VllmBackendConfig
         assert engine.backend == "vllm" and engine.vllm_config(config.model).max_lora_rank == engine.max_lora_rank()
-
-
-def _rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
-
-
-@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the RSS from /proc")
-def test_memory_one_thread_freed_is_given_back_to_the_system() -> None:
-    """What a colocated worker's phase switch relies on: memory a thread frees in the middle of
-    its arena stays resident until it is released (the engine's thread frees KV caches there while
-    the learner's allocates elsewhere)."""
-    kept: list[bytearray] = []
-
-    def allocate_and_free_every_other() -> None:
-        chunks = [bytearray(b"x" * 65536) for _ in range(2048)]  # 128 MiB, under the mmap threshold
-        kept.extend(chunks[1::2])  # the freed half are holes between chunks still in use
-
-    thread = threading.Thread(target=allocate_and_free_every_other)
-    thread.start()
-    thread.join()
-    before = _rss_mb()
-    assert release_free_host_memory()
-    assert before - _rss_mb() > 40  # of the 64 MiB of holes
-    assert len(kept) == 1024

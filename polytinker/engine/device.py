@@ -15,10 +15,7 @@ checks the machine, where the worker starts: asking for CUDA where torch sees no
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import re
-from collections.abc import Callable
 from typing import Any
 
 from polytinker.engine.models import DType
@@ -77,24 +74,3 @@ def resolve_dtype(spec: str, device: Any) -> DType:
 
 
 __all__ = ["DTYPES", "check_device", "check_dtype", "rank_device", "resolve_device", "resolve_dtype"]
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return getattr(ctypes.CDLL(None), "malloc_trim", None)
-    except OSError:
-        return None
-
-
-def release_free_host_memory() -> bool:
-    """Give the free pages of the C heap back to the system (the C library's ``malloc_trim``, in
-    glibc; False where there is none). Each thread allocates from an arena of its own, and what one
-    thread frees stays with its arena: in a colocated worker the KV caches the engine's thread
-    freed would stay resident while the learner's thread allocates its activations elsewhere, and
-    the process's peak would be both phases' peaks added."""
-    trim = _malloc_trim()
-    if trim is None:
-        return False
-    trim(0)
-    return True

@@ -13,8 +13,7 @@ Phases. A training call and a sampling step never run at the same time: ``PhaseR
 thread that runs every learner call and every backend step of the engine (a decode step, a
 prefill, a whole batch or a scoring pass), first come first served; the model is loaded there
 too. A training call that arrives while a batch is decoding waits for the decode step in
-flight, not the whole batch, and the batch goes on after it. At each switch between phases the
-freed memory of the phase before is given back to the system (on the CPU).
+flight, not the whole batch, and the batch goes on after it.
 
 Versions. After a step (or an export) the learner hands the new version's tensors to the engine
 in the same process (``EngineWorker.register_weights``): the version is registered under the
@@ -44,7 +43,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from polytinker.actors import Actor
-from polytinker.engine.device import release_free_host_memory, resolve_device, resolve_dtype
+from polytinker.engine.device import resolve_device, resolve_dtype
 from polytinker.engine.learner.worker import LearnerWorker
 from polytinker.engine.models import ModelConfig, load_model
 from polytinker.engine.worker.config import EngineWorkerConfig, LearnerWorkerConfig
@@ -64,27 +63,25 @@ FULL_REFUSED = (
 class PhaseRunner:
     """Every pass over the shared model, run on one thread, in the order asked: a training call
     waiting behind a decode step goes next, not after every step the engine's thread could ask for
-    first. Counts the switches between phases and the seconds each phase waited. ``on_switch``
-    runs when the phase changes (the worker gives the freed memory of one phase back before the
-    other allocates its own); ``switch_s`` is the seconds it took.
+    first. Counts the switches between phases and the seconds each phase waited.
 
     One thread, not a lock between the engine's thread and the learner's: torch's OpenMP runtime
     (libgomp) keeps a pool of helper threads for each thread that has run parallel work, and once
     a process holds more of them than it has cores, every pool sleeps between parallel regions
     instead of spinning. A learner thread that had trained once, idle beside the engine's, made
     the engine's decode 1.4x slower (192 -> 135 tokens/s, 16 rows of SmolLM2-135M on 2 cores). On
-    one thread both phases share one pool."""
+    one thread both phases share one pool, and one arena of the C heap: what a phase freed is
+    reused by the next (with a thread each, the engine's freed KV caches stayed resident in its
+    thread's arena while the learner's activations were allocated in another's)."""
 
     PHASES = ("sample", "train")
 
-    def __init__(self, on_switch: Callable[[], object] | None = None) -> None:
+    def __init__(self) -> None:
         self._work: queue.SimpleQueue[tuple[str, Callable[[], Any], Future[Any], float] | None] = queue.SimpleQueue()
-        self._on_switch = on_switch
         self._closed = False
         self._closing = threading.Lock()
         self.phase = ""  # the phase that ran last
         self.switches = 0
-        self.switch_s = 0.0
         self.waited_s = dict.fromkeys(self.PHASES, 0.0)
         self._thread = threading.Thread(target=self._loop, name="polytinker-colocated", daemon=True)
         self._thread.start()
@@ -107,12 +104,7 @@ class PhaseRunner:
             phase, fn, future, asked = item
             if phase:
                 self.waited_s[phase] += time.perf_counter() - asked
-                if self.phase and self.phase != phase:
-                    self.switches += 1
-                    if self._on_switch is not None:
-                        t0 = time.perf_counter()
-                        self._on_switch()
-                        self.switch_s += time.perf_counter() - t0
+                self.switches += bool(self.phase) and self.phase != phase
                 self.phase = phase
             try:
                 future.set_result(fn())
@@ -272,10 +264,7 @@ class ColocatedWorker:
         from polytinker.engine.inference.worker import EngineWorker
 
         device = str(resolve_device(learner.device))
-        # On the CPU, memory freed in one phase stays with the C heap, out of the other's reach
-        # where its allocations go elsewhere (release_free_host_memory): given back at each
-        # switch, the process peaks at the larger phase, not at their sum.
-        self.runner = PhaseRunner(release_free_host_memory if device == "cpu" else None)
+        self.runner = PhaseRunner()
 
         def load() -> HFBackend:  # on the runner's thread, as every later pass over the model
             self.learner = ColocatedLearnerWorker(model, learner, root, hand_over=self._hand_over)
@@ -337,14 +326,15 @@ class ColocatedWorker:
     def phase_stats(self) -> dict[str, Any]:
         return {
             "phase_switches": self.runner.switches,
-            "phase_switch_s": self.runner.switch_s,
             "phase_waited_s": dict(self.runner.waited_s),
         }
 
     def close(self) -> None:
-        self.engine.close()
-        self.runner.run("", self.learner.close)
-        self.runner.close()
+        try:
+            self.engine.close()
+            self.runner.run("", self.learner.close)
+        finally:
+            self.runner.close()
 
 
 class ColocatedActor(Actor):
