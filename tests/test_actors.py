@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from fixtures.actors import Counter, Crashy, FailsOnStart, Nest, Overlap, Scale, StubbornStop
+from fixtures.actors import BreaksInBackground, Counter, Crashy, FailsOnStart, Nest, Overlap, Scale, StubbornStop
 
 from polytinker.actors import (
     EXIT_FAILED,
@@ -149,6 +149,22 @@ def test_failed_tell_stops_the_actor_with_its_traceback(tmp_path):
     assert "KeyError" in traceback_text and "lost key" in traceback_text
     with pytest.raises(ActorDeadError, match="exited with code 1"):
         ref.ask("ok")
+
+
+def test_an_actor_broken_by_its_own_thread_fails_with_its_traceback(tmp_path):
+    """fail_self from a background thread: exit code 1, the traceback kept, on_stop not run, even
+    with tell_failure='log' (that policy is about a sender's tells, not the actor's own failure)."""
+    ref = spawn(BreaksInBackground, name="breaks", run_dir=tmp_path, config=ActorConfig(tell_failure="log"))
+    pid = ref.pid
+    assert ref.ask("ok") == "ok"
+    ref.tell("break", None)
+    deadline = time.monotonic() + 10
+    while ref.alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ref.exit_code == EXIT_FAILED
+    traceback_text = (tmp_path / "actors" / f"breaks.{pid}.traceback").read_text()
+    assert "OSError: the child this actor needs is gone" in traceback_text
+    assert not any(r["message"] == "on_stop ran" for r in read_log(tmp_path, "breaks"))
 
 
 def test_failed_tell_with_log_policy_keeps_serving(tmp_path):

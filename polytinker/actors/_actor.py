@@ -93,8 +93,8 @@ class Actor:
       makes :func:`spawn` raise ActorError carrying this process's traceback.
     - ``on_stop()``: on a graceful stop, after the message being handled finishes.
     - ``on_failure(exc)``: after an exception that no asker receives (in a handler reached by
-      ``tell``, or a failed ``on_start``); the process then exits with code 1 unless the
-      config says ``tell_failure="log"``.
+      ``tell``, a failed ``on_start``, or one passed to ``fail_self``); the process then exits
+      with code 1 unless the config says ``tell_failure="log"`` (``fail_self`` always exits).
     """
 
     handler_table: ClassVar[Mapping[str, str]] = {}
@@ -110,12 +110,14 @@ class Actor:
         self._context = ctx
         self._mailbox_lock = threading.RLock()
         self._stop_requested = threading.Event()
+        self._failure = None
         return self
 
     # Attributes set in __new__; declared for type checkers.
     _context: ActorContext
     _mailbox_lock: threading.RLock
     _stop_requested: threading.Event
+    _failure: BaseException | None
 
     @property
     def name(self) -> str:
@@ -143,6 +145,15 @@ class Actor:
 
     def stop_self(self) -> None:
         """Ask for a graceful stop from inside the actor; the current handler finishes first."""
+        self._stop_requested.set()
+
+    def fail_self(self, exc: BaseException) -> None:
+        """End this actor as failed, from any thread: its own work broke it (a child process it
+        depends on died, a background thread crashed) and no asker is waiting to hear. The
+        process runs ``on_failure(exc)``, not ``on_stop``, keeps the traceback for its
+        supervisor's report and exits with code 1, so a supervisor restarts it."""
+        if self._failure is None:
+            self._failure = exc
         self._stop_requested.set()
 
     @classmethod

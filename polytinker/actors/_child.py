@@ -151,14 +151,25 @@ class _Runner:
             self.fail_no_asker(exc, f"tell {message['kind']!r} failed")
 
     def fail_no_asker(self, exc: BaseException, what: str) -> None:
+        if self.spec.tell_failure == "stop":
+            self.fail(exc, what)
+            return
         log.error("%s: %s: %s", what, type(exc).__name__, exc, exc_info=exc)
         with contextlib.suppress(Exception):
             self.actor.on_failure(exc)
-        if self.spec.tell_failure == "stop":
+
+    def fail(self, exc: BaseException, what: str) -> None:
+        """End the actor with code 1, leaving the traceback for its supervisor (on_stop does not run)."""
+        with self.actor._mailbox_lock:  # after the message being handled, as a stop
+            if self.failed:
+                return
+            log.error("%s: %s: %s", what, type(exc).__name__, exc, exc_info=exc)
+            with contextlib.suppress(Exception):
+                self.actor.on_failure(exc)
             _write_traceback(self.spec, exc)
             self.failed = self.stopped = True
             self.exit_code = _protocol.EXIT_FAILED
-            self.actor.stop_self()
+        self.actor.stop_self()
 
     def stop(self) -> None:
         """Run on_stop once, after the message being handled (the mailbox lock), then let main exit."""
@@ -241,6 +252,8 @@ def _serve(spec: _protocol.ChildSpec, runner: _Runner) -> int:
     # Wake up now and then so signal handlers run promptly in the main thread.
     while not actor._stop_requested.wait(0.2):
         pass
+    if actor._failure is not None:
+        runner.fail(actor._failure, "the actor failed itself")
     runner.stop()
     for server in runner.servers:
         with contextlib.suppress(Exception):
@@ -256,6 +269,7 @@ def main() -> int:
     # Ctrl-C in a terminal reaches the whole process group; the parent decides how its actors stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _setup_logging(spec)
+    os.environ["POLYTINKER_RUN_DIR"] = spec.run_dir  # this actor's own actors log beside it
     faulthandler.enable()  # a hard crash (segfault) still leaves a stack on stderr, which the parent logs
     try:
         return _serve(spec, _start(spec))

@@ -118,7 +118,9 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def default_run_dir() -> Path:
-    """``$POLYTINKER_RUN_DIR``, else one temporary folder per parent process."""
+    """``$POLYTINKER_RUN_DIR``, else one temporary folder per parent process. In an actor's process
+    it is that actor's run directory (the child sets the variable), so the actors an actor starts
+    log beside it."""
     global _default_run_dir
     env = os.environ.get("POLYTINKER_RUN_DIR")
     if env:
