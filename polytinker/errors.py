@@ -16,7 +16,7 @@ do not know polytinker.
   ``ActorStartError``: an actor process failed to start; ``RuntimeDead``: an actor a runtime
   cannot do without stayed down, and the runtime stopped.
 - ``OverloadedError``, ``JobNotRunning``: the scheduler refused a call for now (retry later).
-- ``WorkerUnavailable``, ``NotResident``, ``GradientLost``: between the scheduler and its workers.
+- ``WorkerUnavailable``, ``WorkerFailed``, ``NotResident``, ``GradientLost``: between the scheduler and its workers.
 - ``ModelError``: a model could not be found, fetched or loaded.
 - ``EnvError``: an environment broke its contract or raised; ``EnvHookError``: a game's hook
   returned what the contract does not allow (also ``TypeError``; it names the hook and the line
@@ -183,6 +183,14 @@ class WorkerUnavailable(TransportError):
     code = "worker_unavailable"
 
 
+class WorkerFailed(PolytinkerError):
+    """A worker's answer: its process failed as a whole (a learner group lost one of its ranks) and
+    is going away; whatever supervises it starts a new incarnation. The scheduler sends the request
+    to that one, as when a worker dies under a call: a tenant never sees this error."""
+
+    code = "worker_failed"
+
+
 class NotResident(PolytinkerError):
     """A worker's answer: what the request names (an adapter, a full-parameter model) is not loaded
     there, never prepared or dropped since; the scheduler prepares it again and resends."""
@@ -267,6 +275,7 @@ __all__ = [
     "SimulationError",
     "StateDirInUse",
     "TransportError",
+    "WorkerFailed",
     "WorkerUnavailable",
     "error_class",
 ]

@@ -10,11 +10,12 @@ import argparse
 import dataclasses
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 from typing import Any
 
-from polytinker.engine.worker.server import WorkerServer, build_worker, set_worker_threads
+from polytinker.engine.worker.server import WorkerProcess
 from polytinker.errors import ConfigError
 from polytinker.scheduler.service.config import RuntimeConfig
 from polytinker.transport import ClientCurve, load_keypair
@@ -112,29 +113,27 @@ def _worker(args: argparse.Namespace) -> int:
             raise ConfigError(f"{args.curve_secret} holds no secret key: pass the .key_secret file")
         keypair = (public, secret)
         client_curve = ClientCurve(public, secret, load_keypair(args.scheduler_key)[0])
-    plan = cfg.worker_plan(args.id)
-    set_worker_threads(plan)
-    worker = build_worker(plan)
-    server = WorkerServer(
-        worker_id=args.id,
-        role=roles[args.id],
-        base_model=cfg.model,
-        handlers=worker.handlers(),
+    failed = threading.Event()
+
+    def fatal(reason: str) -> None:
+        print(f"{args.id} failed: {reason}; exiting for its launcher to start it again", file=sys.stderr, flush=True)
+        failed.set()
+
+    process = WorkerProcess(
+        cfg.worker_plan(args.id),
         scheduler=args.scheduler,
         token=token,
+        on_fatal=fatal,
         bind=args.bind,
-        heartbeat_s=cfg.worker_heartbeat_s,
-        handler_threads=256 if roles[args.id] == "engine" else 1,
         keypair=keypair,
         client_curve=client_curve,
     )
-    print(f"{args.id} serving at {server.server.address}, registering with {args.scheduler}", flush=True)
+    print(f"{args.id} serving at {process.server.server.address}, registering with {args.scheduler}", flush=True)
     try:
-        wait_for_signal()
+        wait_for_signal(dead=failed)
     finally:
-        server.close()
-        worker.close()
-    return 0
+        process.close()
+    return 1 if failed.is_set() else 0
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:

@@ -10,7 +10,11 @@ is sharded with FSDP2 (``sharding``): its ranks run each call's passes in lockst
 
 Two ways to start one:
 
-- :meth:`LearnerGroup.start` (the runtime): the calling process becomes rank 0 and spawns K-1 followers.
+- :meth:`LearnerGroup.start` (the runtime): the calling process becomes rank 0 and starts K-1
+  followers as supervised process actors (``follower.LearnerFollower``, ``FollowerSet``). They die
+  with rank 0; when one exits, the group is broken for good (a process group cannot take a rank
+  back): rank 0's calls answer ``WorkerFailed`` from then on, and ``on_broken`` tells the group's
+  owner, whose process ends so that its own supervisor starts the group anew.
 - ``torchrun`` (or any launcher that sets ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``):
   every rank calls :func:`run_rank`, which returns the group on rank 0 and serves until
   ``close()`` on the others.
@@ -23,13 +27,13 @@ import datetime
 import functools
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
 import msgpack
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from polytinker.engine.device import rank_device
 from polytinker.engine.learner import make_learner
@@ -37,11 +41,12 @@ from polytinker.engine.learner._base import ForwardBackwardResult, filler_datum
 from polytinker.engine.learner.checks import check_data
 from polytinker.engine.learner.config import AdamParams, LearnerConfig, LossConfig
 from polytinker.engine.learner.distributed import DistInfo, free_port, init_distributed
+from polytinker.engine.learner.follower import FollowerSet
 from polytinker.engine.learner.full_param import FullParamLearner
 from polytinker.engine.learner.multi_adapter import MultiAdapterLearner
 from polytinker.engine.models import DType, ModelConfig, load_model
 from polytinker.engine.types import AdapterName, AdapterRef, Datum, LoraConfig, LossFnName
-from polytinker.errors import ConfigError
+from polytinker.errors import ConfigError, WorkerFailed
 
 log = logging.getLogger(__name__)
 AnyLearner = MultiAdapterLearner | FullParamLearner
@@ -202,8 +207,8 @@ def _merge(parts: list[dict[str, Any]]) -> ForwardBackwardResult:
 class LearnerGroup:
     """Rank 0's handle on K learner replicas; in-process calls, collective underneath."""
 
-    def __init__(self, learner: AnyLearner, info: DistInfo, processes: Any = None):
-        self.learner, self.info, self._processes = learner, info, processes
+    def __init__(self, learner: AnyLearner, info: DistInfo, followers: FollowerSet | None = None):
+        self.learner, self.info, self.followers = learner, info, followers
         self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         if self._group is not None:
             _voting(learner, self._group)
@@ -216,33 +221,43 @@ class LearnerGroup:
         config: LearnerConfig | None = None,
         device: str = "cpu",
         dtype: DType = "float32",
+        *,
+        name: str = "learner",
+        on_broken: Callable[[str], None] | None = None,
     ) -> LearnerGroup:
-        """Make this process rank 0 of a fresh group of ``world_size`` and spawn the followers.
-        ``device``: rank 0's (``cuda:N``: rank r on ``cuda:N+r``, NCCL; else the CPU, gloo)."""
+        """Make this process rank 0 of a fresh group of ``world_size`` and start the followers
+        (actors named ``<name>-rank<r>``). ``device``: rank 0's (``cuda:N``: rank r on
+        ``cuda:N+r``, NCCL; else the CPU, gloo). ``on_broken(reason)``: called (on a background
+        thread) when a follower exits before ``close``."""
         if dist.is_initialized():
             raise ConfigError("this process already belongs to a torch.distributed group; start the group elsewhere")
         config = config or LearnerConfig()
         addr = f"tcp://127.0.0.1:{free_port()}"
-        ctx = mp.get_context("spawn")
-        procs = [
-            ctx.Process(
-                target=_follower_main,
-                args=(r, world_size, addr, model_spec, config, device, dtype, torch.get_num_threads()),
-                daemon=True,
-            )
-            for r in range(1, world_size)
-        ]
-        for p in procs:
-            p.start()
-        learner, info = _build(0, world_size, addr, model_spec, config, device, dtype)
-        return cls(learner, info, procs)
+        args = (addr, model_spec, asdict(config), device, dtype, torch.get_num_threads())
+        followers = FollowerSet(name, world_size, args, on_broken)
+        try:
+            learner, info = _build(0, world_size, addr, model_spec, config, device, dtype)
+        except BaseException:
+            followers.close()
+            raise
+        return cls(learner, info, followers)
 
     # -- the learner API ------------------------------------------------------------------------
     def _call(self, op: str, **args: Any) -> Any:
-        if self._group is not None:
+        if self._group is None:
+            return None
+        if self.followers is None:  # ranks started by a launcher (torchrun): it watches them
             _send({"op": op, **args}, self._group)
             return _execute(self.learner, self.info, self._group, op, args)
-        return None
+        self.followers.check()
+        try:
+            _send({"op": op, **args}, self._group)
+            return _execute(self.learner, self.info, self._group, op, args)
+        except Exception as exc:
+            if not self.followers.died_under(exc):
+                raise
+            log.warning("learner group op %r failed as a rank died: %s", op, exc)
+            raise WorkerFailed(self.followers.broken) from None  # the collective's error names torch's source files
 
     def _check(
         self,
@@ -376,11 +391,14 @@ class LearnerGroup:
 
     def close(self) -> None:
         """Stop the followers and leave the group."""
-        if self._group is not None:
-            _send({"op": "stop"}, self._group)
-            self._group = None
-        for p in self._processes or []:
-            p.join(timeout=30)
+        if self._group is not None and not (self.followers and self.followers.broken):
+            try:
+                _send({"op": "stop"}, self._group)
+            except Exception as exc:  # a rank died as the group closed: no one is left to stop
+                log.warning("learner group: the stop did not reach every rank: %s", exc)
+        self._group = None
+        if self.followers is not None:
+            self.followers.close()  # each leaves the process group and exits; one that does not is killed
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -424,18 +442,19 @@ def serve(learner: AnyLearner, info: DistInfo, group: Any) -> None:
             log.exception("rank %d: learner group op %r failed", info.rank, op)
 
 
-def _follower_main(
+def follow(
     rank: int,
     world: int,
     addr: str,
     model_spec: str,
-    config: LearnerConfig,
+    config: dict[str, Any],
     device: str,
     dtype: DType,
     threads: int,
 ) -> None:
+    """A follower's life (``LearnerFollower``): build the replica, serve until rank 0 says stop."""
     torch.set_num_threads(threads)  # as many as rank 0 uses: replicas share the machine evenly
-    learner, info = _build(rank, world, addr, model_spec, config, device, dtype)
+    learner, info = _build(rank, world, addr, model_spec, LearnerConfig(**config), device, dtype)
     try:
         serve(learner, info, dist.new_group(backend="gloo"))
     finally:
@@ -453,4 +472,4 @@ def run_rank(model_spec: str, config: LearnerConfig | None = None, device: str =
     return None
 
 
-__all__ = ["LearnerGroup", "run_rank", "serve", "shard_bounds"]
+__all__ = ["LearnerGroup", "follow", "run_rank", "serve", "shard_bounds"]

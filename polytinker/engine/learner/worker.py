@@ -8,7 +8,10 @@ the adapters or one full-parameter job's model: a full-parameter job's first cal
 replicas into its model, and the next LoRA call turns them back (the adapters reload from their
 checkpoints; a gradient held across the switch is gone, and the step that needed it is refused
 with ``GradientLost``). Requests arrive one at a time (one handler thread), so two jobs' calls
-never interleave inside the model.
+never interleave inside the model. A group whose follower exits is broken for good: its calls
+answer ``WorkerFailed`` and ``on_broken`` tells whoever runs this worker (``WorkerProcess``), which
+ends the process so that its supervisor starts the worker anew; the scheduler then treats it as
+a restarted learner (above and below).
 
 ``sched.w.step`` steps and then writes the new version's checkpoint (and the peft directory the
 engines load) before it answers: the scheduler records the version only once it is on disk.
@@ -89,8 +92,15 @@ MAX_REMEMBERED = 1024  # keyed results kept in memory (the newest)
 class LearnerWorker:
     """Handlers for the scheduler: ensure, fb, forward, step, save, load, export, stats."""
 
-    def __init__(self, model: str, cfg: LearnerWorkerConfig, root: str | os.PathLike[str]) -> None:
+    def __init__(
+        self,
+        model: str,
+        cfg: LearnerWorkerConfig,
+        root: str | os.PathLike[str],
+        on_broken: Callable[[str], None] | None = None,
+    ) -> None:
         self.model, self.cfg = model, cfg
+        self._on_broken = on_broken  # a group of K > 1 lost a rank (LearnerGroup.start): the process should end
         self.root = Path(root)  # every checkpoint and export this worker writes or reads is under it
         self._lora: Any = None  # the LearnerGroup of every LoRA adapter (None while a full model holds the replicas)
         self._full: dict[str, Any] = {}  # the full-parameter job served -> its own model's LearnerGroup (one)
@@ -145,7 +155,15 @@ class LearnerWorker:
         device = resolve_device(self.cfg.device, self.cfg.world_size)  # ConfigError before any model loads
         dtype = resolve_dtype(self.cfg.dtype, device)
         if self.cfg.world_size > 1:
-            return LearnerGroup.start(self.model, self.cfg.world_size, lcfg, device=str(device), dtype=dtype)
+            return LearnerGroup.start(
+                self.model,
+                self.cfg.world_size,
+                lcfg,
+                device=str(device),
+                dtype=dtype,
+                name=self.cfg.learner_id,
+                on_broken=self._on_broken,
+            )
         base, tokenizer = load_model(self.model, ModelConfig(dtype=dtype))
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)

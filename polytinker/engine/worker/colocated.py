@@ -358,11 +358,7 @@ class ColocatedActor(Actor):
         if not plan.state_dir:
             raise ConfigError(f"colocated worker {plan.worker_id}: no state directory to keep weights in")
         self._worker = worker = ColocatedWorker(plan.model, engine_cfg, learner_cfg, Path(plan.state_dir).expanduser())
-        # Engines take many concurrent sample requests (the batcher joins them); learners one at a time.
-        for p, handlers, threads in (
-            (self._engine_plan, worker.engine_handlers(), 256),
-            (plan, worker.learner_handlers(), 1),
-        ):
+        for p, handlers in ((self._engine_plan, worker.engine_handlers()), (plan, worker.learner_handlers())):
             server = WorkerServer(
                 worker_id=p.worker_id,
                 role=p.role,
@@ -371,7 +367,6 @@ class ColocatedActor(Actor):
                 scheduler=self._scheduler,
                 token=self._token,
                 heartbeat_s=p.heartbeat_s,
-                handler_threads=threads,
             )
             self._servers.append(server)
         for server in self._servers:

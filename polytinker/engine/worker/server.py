@@ -10,10 +10,13 @@ checkpoints and exports live under the state root it is built with (``build_work
 
 A ``WorkerPlan`` is what one worker is built from: its engine or learner config, the base model
 and the state root (the scheduler's runtime config makes one per worker: ``RuntimeConfig.worker_plan``).
-``EngineActor`` and ``LearnerActor`` are the process actors the runtime supervises: each builds
-its worker from its plan in ``on_start`` (so ``spawn`` returns once the model is loaded and it is
-registered) and tears it down in ``on_stop``. ``polytinker worker`` runs the same ``WorkerServer``
-in the foreground on another machine.
+``WorkerProcess`` is a worker process's one way in, whoever launched it: the worker built from
+its plan and served by its ``WorkerServer``. ``EngineActor`` and ``LearnerActor`` are the process
+actors the runtime supervises: each makes its ``WorkerProcess`` in ``on_start`` (so ``spawn``
+returns once the model is loaded and it is registered) and closes it in ``on_stop``;
+``polytinker worker`` runs one in the foreground on another machine, and a Ray actor one on a Ray
+node. A worker that breaks as a whole (a learner group that lost a rank) ends its process, each
+launcher in its way, so that what supervises it starts it anew.
 """
 
 from __future__ import annotations
@@ -34,10 +37,15 @@ from polytinker.engine.models import model_limits
 from polytinker.engine.worker.auth import register_proof, worker_server_curve
 from polytinker.engine.worker.config import EngineWorkerConfig, LearnerWorkerConfig
 from polytinker.engine.worker.messages import Register
-from polytinker.errors import ConfigError
+from polytinker.errors import ConfigError, WorkerFailed
 from polytinker.transport import ClientCurve, RpcClient, RpcServer, TransportConfig, ask
 
 log = logging.getLogger("polytinker.engine.worker")
+
+
+# Engines take many concurrent sample requests (their batcher joins them); a learner group one at
+# a time (its calls must not interleave inside the model).
+HANDLER_THREADS = {"engine": 256, "learner": 1}
 
 
 class WorkerServer:
@@ -57,13 +65,12 @@ class WorkerServer:
         token: str,
         bind: str = "tcp://127.0.0.1:0",
         heartbeat_s: float = 0.5,
-        handler_threads: int = 1,
         keypair: tuple[bytes, bytes] | None = None,
         client_curve: ClientCurve | None = None,
     ) -> None:
         self.worker_id, self.role, self.base_model = worker_id, role, base_model
         self.incarnation = uuid.uuid4().hex[:12]
-        cfg = TransportConfig(handler_threads=handler_threads, request_timeout_s=10.0)
+        cfg = TransportConfig(handler_threads=HANDLER_THREADS[role], request_timeout_s=10.0)
         curve = worker_server_curve(token, worker_id, keypair)
         self.server = RpcServer(bind, handlers, config=cfg, curve=curve).start()
         self._public = curve.public_key.decode()
@@ -207,10 +214,10 @@ def set_worker_threads(plan: WorkerPlan) -> None:
     torch.set_num_threads(worker_threads(plan.ranks))
 
 
-def build_worker(plan: WorkerPlan) -> Any:
+def build_worker(plan: WorkerPlan, on_broken: Callable[[str], None] | None = None) -> Any:
     """The EngineWorker or LearnerWorker of ``plan``, keeping its checkpoints and exports under
     ``plan.state_dir`` (a local runtime's, or ``polytinker worker --state-dir``): no message
-    names a path."""
+    names a path. ``on_broken(reason)``: the worker broke as a whole (``WorkerProcess``)."""
     if not plan.state_dir:
         raise ConfigError(f"{plan.role} {plan.worker_id}: no state directory to keep weights in")
     root = Path(plan.state_dir).expanduser()
@@ -220,7 +227,53 @@ def build_worker(plan: WorkerPlan) -> Any:
 
         return EngineWorker(plan.model, plan.worker, root)
 
-    return LearnerWorker(plan.model, plan.worker, root)
+    return LearnerWorker(plan.model, plan.worker, root, on_broken)
+
+
+class WorkerProcess:
+    """One worker process's body, whoever launched it (see the module docstring): the worker of
+    ``plan`` served at ``bind`` and kept registered with ``scheduler``. ``on_fatal(reason)`` is
+    called (on a background thread) when the worker breaks as a whole; it answers ``WorkerFailed``
+    from then on, and the launcher ends the process. ``keypair``, ``client_curve``: as
+    ``WorkerServer``'s."""
+
+    def __init__(
+        self,
+        plan: WorkerPlan,
+        *,
+        scheduler: str,
+        token: str,
+        on_fatal: Callable[[str], None],
+        bind: str = "tcp://127.0.0.1:0",
+        keypair: tuple[bytes, bytes] | None = None,
+        client_curve: ClientCurve | None = None,
+    ) -> None:
+        os.umask(0o077)  # checkpoints and adapter exports hold a tenant's weights: this user's alone
+        set_worker_threads(plan)
+        self.plan = plan
+        self.worker = build_worker(plan, on_broken=on_fatal)
+        try:
+            self.server = WorkerServer(
+                worker_id=plan.worker_id,
+                role=plan.role,
+                base_model=plan.model,
+                handlers=self.worker.handlers(),
+                scheduler=scheduler,
+                token=token,
+                bind=bind,
+                heartbeat_s=plan.heartbeat_s,
+                keypair=keypair,
+                client_curve=client_curve,
+            )
+        except BaseException:
+            self.worker.close()
+            raise
+
+    def close(self) -> None:
+        try:
+            self.server.close()
+        finally:
+            self.worker.close()
 
 
 class _WorkerActor(Actor):
@@ -231,33 +284,19 @@ class _WorkerActor(Actor):
         if self._plan.role != self.role:
             raise ConfigError(f"a {self.role} actor was given the plan of a {self._plan.role}")
         self._scheduler, self._token = scheduler, token
-        self._worker: Any = None
-        self._server: WorkerServer | None = None
+        self._process: WorkerProcess | None = None
 
     def on_start(self) -> None:
-        os.umask(0o077)  # checkpoints and adapter exports hold a tenant's weights: this user's alone
+        self._process = WorkerProcess(self._plan, scheduler=self._scheduler, token=self._token, on_fatal=self._broken)
+        self._process.server.registered.wait(30.0)
 
-        set_worker_threads(self._plan)
-        self._worker = build_worker(self._plan)
-        # Engines take many concurrent sample requests (the batcher joins them); learners one at a time.
-        threads = 256 if self.role == "engine" else 1
-        self._server = WorkerServer(
-            worker_id=self._plan.worker_id,
-            role=self.role,
-            base_model=self._plan.model,
-            handlers=self._worker.handlers(),
-            scheduler=self._scheduler,
-            token=self._token,
-            heartbeat_s=self._plan.heartbeat_s,
-            handler_threads=threads,
-        )
-        self._server.registered.wait(30.0)
+    def _broken(self, reason: str) -> None:
+        # The supervisor restarts a failed actor: a new incarnation, with a whole learner group.
+        self.fail_self(WorkerFailed(reason))
 
     def on_stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        if self._worker is not None:
-            self._worker.close()
+        if self._process is not None:
+            self._process.close()
 
 
 class EngineActor(_WorkerActor):
@@ -273,9 +312,11 @@ class LearnerActor(_WorkerActor):
 
 
 __all__ = [
+    "HANDLER_THREADS",
     "EngineActor",
     "LearnerActor",
     "WorkerPlan",
+    "WorkerProcess",
     "WorkerServer",
     "available_cores",
     "build_worker",

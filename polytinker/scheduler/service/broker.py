@@ -23,6 +23,9 @@
   connection closes or, still open, stays silent for ``worker_silence_s``: slow is not dead. A worker that
   answers ``NotResident`` dropped what ``prepare`` loaded (a learner group whose replicas switched
   between LoRA adapters and a full-parameter model): ``prepare`` runs again, then the request.
+  One that answers ``WorkerFailed`` broke as a whole (a learner group lost a rank) and its process
+  is ending: that incarnation counts as exited, and the request goes to the next one, as after a
+  death (a keyed request with its attempt counted up).
 - A local runtime's supervisor sees a worker process exit before any heartbeat can: its
   ``ActorsReport`` (``supervised``) marks that incarnation exited and closes its connection, so
   the calls in flight to it fail over at once (to wait for the restarted worker), not a heartbeat
@@ -73,6 +76,7 @@ from polytinker.errors import (
     ProtocolError,
     RemoteError,
     TransportError,
+    WorkerFailed,
     WorkerUnavailable,
 )
 from polytinker.scheduler.placement import next_learner_job
@@ -286,9 +290,7 @@ class Broker:
         worker_id: str,
         payload: Request[R],
         *,
-        prepare: tuple[str, Callable[[WorkerHandle], None]]
-        | list[tuple[str, Callable[[WorkerHandle], None]]]
-        | None = None,
+        prepare: Prepare | list[Prepare] | None = None,
         timeout_s: float | None = None,
         retry: bool = True,
         keyed: bool = False,
@@ -311,35 +313,44 @@ class Broker:
         while True:
             h = self.wait_for(worker_id, max(0.0, deadline - time.monotonic()), not_incarnation=avoid)
             try:
-                for key, fn in prepares:
-                    if key not in h.prepared:
-                        fn(h)
-                        h.prepared.add(key)
+                self._prepare(h, prepares)
                 return ask(h.client, payload, timeout_s=timeout_s or self.config.request_timeout_s)
             except RemoteError as exc:
-                if exc.code != NotResident.code or not prepares or reprepared:
-                    raise
-                log.info("%s on %s: %s; preparing it again", kind, worker_id, exc)
-                h.prepared.difference_update(key for key, _ in prepares)
-                reprepared = True
+                if exc.code != WorkerFailed.code:
+                    if exc.code != NotResident.code or not prepares or reprepared:
+                        raise
+                    log.info("%s on %s: %s; preparing it again", kind, worker_id, exc)
+                    h.prepared.difference_update(key for key, _ in prepares)
+                    reprepared = True
+                    continue
+                self._exited(worker_id, time.time())  # its process is ending: it answers nothing more
+                lost: Exception = exc
             except (PeerDeadError, TransportError) as exc:
                 if isinstance(exc, ProtocolError):
                     raise
                 with self._cv:
                     h.dead = True
-                other = self._elsewhere(elsewhere, worker_id) if type(payload) in REPEATABLE else None
-                if other is not None and time.monotonic() < deadline:
-                    log.warning("%s to %s failed (%s); sending it to %s", kind, worker_id, exc, other)
-                    worker_id, avoid = other, ""
-                    continue
-                log.warning("%s to %s failed (%s); waiting for it to come back", kind, worker_id, exc)
-                if keyed:  # a keyed message is a dataclass with an attempt count (the docstring's)
-                    sent: Any = payload
-                    payload = dataclasses.replace(sent, attempt=sent.attempt + 1)
-                elif type(payload) not in REPEATABLE:
-                    avoid = h.incarnation
-                if not retry or time.monotonic() >= deadline:
-                    raise WorkerUnavailable(f"worker {worker_id} died and did not come back: {exc}") from exc
+                lost = exc
+            other = self._elsewhere(elsewhere, worker_id) if type(payload) in REPEATABLE else None
+            if other is not None and time.monotonic() < deadline:
+                log.warning("%s to %s failed (%s); sending it to %s", kind, worker_id, lost, other)
+                worker_id, avoid = other, ""
+                continue
+            log.warning("%s to %s failed (%s); waiting for it to come back", kind, worker_id, lost)
+            if keyed:  # a keyed message is a dataclass with an attempt count (the docstring's)
+                sent: Any = payload
+                payload = dataclasses.replace(sent, attempt=sent.attempt + 1)
+            elif type(payload) not in REPEATABLE:
+                avoid = h.incarnation
+            if not retry or time.monotonic() >= deadline:
+                raise WorkerUnavailable(f"worker {worker_id} died and did not come back: {lost}") from lost
+
+    @staticmethod
+    def _prepare(h: WorkerHandle, prepares: list[Prepare]) -> None:
+        for key, fn in prepares:
+            if key not in h.prepared:
+                fn(h)
+                h.prepared.add(key)
 
     def _elsewhere(self, choose: Callable[[], str] | None, dead: str) -> str | None:
         """The worker ``choose`` names now, when it is another one and alive; else None."""

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from polytinker.engine.worker.messages import ActorState
-from polytinker.engine.worker.server import WorkerPlan, WorkerServer, build_worker, omp_wait_env, set_worker_threads
+from polytinker.engine.worker.server import WorkerPlan, WorkerProcess, omp_wait_env
 from polytinker.errors import ConfigError, RequestTimeout
 from polytinker.scheduler.service.cluster import RAY_EXTRA_HINT
 from polytinker.scheduler.service.config import RuntimeConfig
@@ -61,31 +61,29 @@ class RayWorker:
     def __init__(self, plan: dict[str, Any], scheduler: str, token: str, env: dict[str, str], curve: Any) -> None:
         import ray
 
-        os.umask(0o077)  # checkpoints and adapter exports hold a tenant's weights
         os.environ.update(env)  # before torch loads in this process: its threads, OpenMP's wait policy
-        self._plan = WorkerPlan.from_dict(plan)
-        set_worker_threads(self._plan)
-        self._worker = build_worker(self._plan)
-        ip = ray.util.get_node_ip_address()
-        self._server = WorkerServer(
-            worker_id=self._plan.worker_id,
-            role=self._plan.role,
-            base_model=self._plan.model,
-            handlers=self._worker.handlers(),
+        self._process = WorkerProcess(
+            WorkerPlan.from_dict(plan),
             scheduler=scheduler,
             token=token,
-            bind=f"tcp://{ip}:0",  # the scheduler may be on another node
-            heartbeat_s=self._plan.heartbeat_s,
-            handler_threads=256 if self._plan.role == "engine" else 1,
+            on_fatal=self._broken,
+            bind=f"tcp://{ray.util.get_node_ip_address()}:0",  # the scheduler may be on another node
             client_curve=ClientCurve(*curve) if curve else None,
         )
-        self._server.registered.wait(30.0)
+        self._process.server.registered.wait(30.0)
+
+    @staticmethod
+    def _broken(reason: str) -> None:
+        # An actor process that exits abnormally is one Ray restarts (its max_restarts): a new
+        # incarnation, with a whole learner group. exit_actor would be a wanted exit, not restarted.
+        log.error("%s; ending this worker's process for Ray to start it again", reason)
+        os._exit(1)
 
     def where(self) -> dict[str, Any]:
         import ray
 
         ctx = ray.get_runtime_context()
-        return {"node_id": ctx.get_node_id(), "pid": os.getpid(), "incarnation": self._server.incarnation}
+        return {"node_id": ctx.get_node_id(), "pid": os.getpid(), "incarnation": self._process.server.incarnation}
 
 
 @dataclass
