@@ -45,6 +45,7 @@ from polytinker.errors import (
     SimulationError,
     StateDirInUse,
     TransportError,
+    WorkerFailed,
     WorkerUnavailable,
 )
 
@@ -192,6 +193,7 @@ __all__ = [
     "TrainConfig",
     "TrainingClient",
     "TransportError",
+    "WorkerFailed",
     "WorkerUnavailable",
     "__version__",
     "types",
