@@ -22,6 +22,8 @@ from polytinker.scheduler.service import (
     StateStore,
 )
 from polytinker.scheduler.service import messages as m
+from polytinker.scheduler.service.jobs import adapter_key
+from polytinker.scheduler.service.policy_view import policy_job
 from polytinker.scheduler.service.tenants import Tenants
 
 
@@ -160,7 +162,8 @@ def test_an_async_rl_job_tells_the_policy_how_far_it_samples_ahead(tmp_path: Pat
     job = create(mgr, "alice", KEY_A, max_staleness=2)
     row = mgr.get("alice", job)
     assert row.max_staleness == 2 and row.public()["max_staleness"] == 2
-    assert mgr._policy_job(row, "p.1", 0).max_staleness == 2  # what the policy plans the job with
+    adapter = adapter_key(row.tenant, row.job_id, row.agent)
+    assert policy_job(mgr.config, row, "p.1", 0, 0.0, adapter).max_staleness == 2  # what the policy plans the job with
     assert mgr.store.job(job) == row  # stored, so a restarted scheduler plans it the same way
     with pytest.raises(ConfigError, match="max_staleness is for RL jobs"):
         create(mgr, "alice", KEY_A, "sft", max_staleness=1)

@@ -129,6 +129,19 @@ class ClusterState:
                 return f"no engine of {job.base_model} with enough memory has an adapter slot"
         return None
 
+    def add(self, spec: EngineSpec | LearnerSpec) -> None:
+        """An engine or learner group that joined at run time: placed on from now on, as a declared one."""
+        rid = spec.engine_id if isinstance(spec, EngineSpec) else spec.group_id
+        if rid in self.engines or rid in self.learners:
+            raise ConfigError(f"resource id {rid!r} is already in the cluster")
+        if isinstance(spec, EngineSpec):
+            self.adapters.add_engine(spec)
+            self.engines[rid] = _Engine(spec, spec.memory_gb)
+            self.total_engine_gb += spec.memory_gb
+        else:
+            self.learners[rid] = _Learner(spec, spec.host_memory_gb)
+            self.total_learner_gb += spec.memory_gb
+
     # --- fitting ---------------------------------------------------------------------------------
     def set_presence(self, present: Callable[[ResourceID], bool]) -> None:
         """Which workers are there now (a scheduler's: registered and alive). Jobs and adapters

@@ -52,10 +52,10 @@ class AdapterPlacement:
     ) -> None:
         if hot_requests_per_s <= 0 or max_replicas < 1 or half_life_s <= 0:
             raise ConfigError("AdapterPlacement: hot_requests_per_s > 0, max_replicas >= 1, half_life_s > 0")
-        self._engines = {e.engine_id: _Engine(e) for e in engines}
+        self._engines: dict[ResourceID, _Engine] = {}
         self._by_base: dict[BaseModelID, list[ResourceID]] = {}
-        for e in self._engines.values():
-            self._by_base.setdefault(e.spec.base_model, []).append(e.spec.engine_id)
+        for spec in engines:
+            self.add_engine(spec)
         self._where: dict[AdapterID, set[ResourceID]] = {}
         self._user_pinned: set[AdapterID] = set()
         self._rate: dict[AdapterID, tuple[float, float]] = {}  # adapter -> (rate at time, time)
@@ -66,6 +66,13 @@ class AdapterPlacement:
         # Which engines are there now (registered and alive; ClusterState.present): routing
         # prefers them, and uses the others only when none of them will do.
         self.present: Callable[[ResourceID], bool] = lambda _: True
+
+    def add_engine(self, spec: EngineSpec) -> None:
+        """One more engine, empty (one that joined at run time; ``ClusterState.add_engine``)."""
+        if spec.engine_id in self._engines:
+            raise ConfigError(f"engine {spec.engine_id!r} is already placed on")
+        self._engines[spec.engine_id] = _Engine(spec)
+        self._by_base.setdefault(spec.base_model, []).append(spec.engine_id)
 
     # --- queries ---------------------------------------------------------------------------------
     def engines_of(self, base_model: BaseModelID) -> list[ResourceID]:

@@ -55,9 +55,8 @@ def worker_server_curve(token: str, worker_id: str, keypair: tuple[bytes, bytes]
     return ServerCurve(public, secret, frozenset({scheduler_client_keypair(token)[0]}))
 
 
-def register_proof(token: str, *fields: str | int) -> str:
-    """The MAC of a ``Register``'s fields, in its order (worker id, role, address, incarnation,
-    base model, Curve key, model limits)."""
+def register_proof(token: str, *fields: str | int | float) -> str:
+    """The MAC of a ``Register``'s fields, in its order (``Register.signed_fields``)."""
     joined = "\n".join(map(str, fields))
     return hmac.new(_mac(token, "register"), joined.encode("utf-8"), hashlib.sha256).hexdigest()
 

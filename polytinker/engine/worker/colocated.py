@@ -367,6 +367,7 @@ class ColocatedActor(Actor):
                 scheduler=self._scheduler,
                 token=self._token,
                 heartbeat_s=p.heartbeat_s,
+                capacity=p.capacity,
             )
             self._servers.append(server)
         for server in self._servers:

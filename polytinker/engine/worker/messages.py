@@ -16,18 +16,23 @@ and the checks are shared with the client requests in ``messages``. This module 
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from polytinker.engine.learner.config import AdamParams
 from polytinker.engine.types import Datum, SamplingParams, check_top_k, need
 from polytinker.engine.worker import replies as r
+from polytinker.engine.worker.auth import register_proof
 from polytinker.engine.worker.layout import KINDS, check_adapter_key, check_name, relative_path
 from polytinker.engine.worker.replies import AdapterTensors
 from polytinker.transport.messages import message
 from polytinker.transport.requests import Request
 
 MAX_REQUEST_KEY = 64  # characters of a call's request key (the scheduler checks the client's at its door)
+MAX_WORKER_GB = 1 << 20  # a worker's declared memory (GB), as it registers
+MAX_WORKER_SLOTS = 1 << 16  # an engine's adapter slots, a learner group's jobs, as it registers
 
 
 @message("sched.w.register")
@@ -42,11 +47,31 @@ class Register(Request[r.Registered]):
     curve_public_key: str  # the Curve key the worker serves with (every worker serves with Curve)
     vocab_size: int = 0  # the base model's ModelLimits, read from its config (0: unknown)
     max_positions: int = 0
+    # Its capacity, as its own config declares it: what the scheduler's policy places on a worker
+    # its config does not declare ([cluster] join_undeclared). An engine's memory_gb and adapter
+    # slots, a learner group's memory_gb and max_jobs.
+    memory_gb: float = 0.0
+    slots: int = 0
 
     def __post_init__(self) -> None:
         need(0 <= self.vocab_size < 1 << 31 and 0 <= self.max_positions < 1 << 31, "model limits out of range")
         need(self.role in ("engine", "learner"), f"role must be 'engine' or 'learner', got {self.role!r}")
         need(len(self.curve_public_key) == 40, "curve_public_key must be the worker's 40-character Z85 key")
+        need(math.isfinite(self.memory_gb) and 0 <= self.memory_gb <= MAX_WORKER_GB, "memory_gb out of range")
+        need(0 <= self.slots <= MAX_WORKER_SLOTS, "slots out of range")
+
+    def signed_fields(self) -> tuple[str | int | float, ...]:
+        """What ``proof`` is the MAC of (``auth.register_proof``), in this order."""
+        return (
+            *(self.worker_id, self.role, self.address, self.incarnation, self.base_model, self.curve_public_key),
+            *(self.vocab_size, self.max_positions, self.memory_gb, self.slots),
+        )
+
+    @classmethod
+    def signed(cls, token: str, **fields: Any) -> Register:
+        """A ``Register`` of ``fields`` with its proof made with the worker ``token``."""
+        unsigned = cls(proof="", **fields)
+        return dataclasses.replace(unsigned, proof=register_proof(token, *unsigned.signed_fields()))
 
 
 @message("sched.w.workers")

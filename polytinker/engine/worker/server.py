@@ -34,7 +34,7 @@ from typing import Any
 from polytinker.actors import Actor
 from polytinker.engine.learner.worker import LearnerWorker
 from polytinker.engine.models import model_limits
-from polytinker.engine.worker.auth import register_proof, worker_server_curve
+from polytinker.engine.worker.auth import worker_server_curve
 from polytinker.engine.worker.config import EngineWorkerConfig, LearnerWorkerConfig
 from polytinker.engine.worker.messages import Register
 from polytinker.errors import ConfigError, WorkerFailed
@@ -67,8 +67,10 @@ class WorkerServer:
         heartbeat_s: float = 0.5,
         keypair: tuple[bytes, bytes] | None = None,
         client_curve: ClientCurve | None = None,
+        capacity: tuple[float, int] = (0.0, 0),
     ) -> None:
         self.worker_id, self.role, self.base_model = worker_id, role, base_model
+        self.capacity = capacity  # (memory_gb, slots) as its config declares them (Register)
         self.incarnation = uuid.uuid4().hex[:12]
         cfg = TransportConfig(handler_threads=HANDLER_THREADS[role], request_timeout_s=10.0)
         curve = worker_server_curve(token, worker_id, keypair)
@@ -86,11 +88,19 @@ class WorkerServer:
         self._thread.start()
 
     def _message(self) -> Register:
-        fields = (
-            *(self.worker_id, self.role, self.server.address, self.incarnation, self.base_model, self._public),
-            *(self.limits.vocab_size, self.limits.max_positions),
+        return Register.signed(
+            self._token,
+            worker_id=self.worker_id,
+            role=self.role,
+            address=self.server.address,
+            incarnation=self.incarnation,
+            base_model=self.base_model,
+            curve_public_key=self._public,
+            vocab_size=self.limits.vocab_size,
+            max_positions=self.limits.max_positions,
+            memory_gb=self.capacity[0],
+            slots=self.capacity[1],
         )
-        return Register(register_proof(self._token, *fields), *fields)
 
     def _loop(self) -> None:
         failing = False
@@ -191,6 +201,12 @@ class WorkerPlan:
         return self.worker.world_size if isinstance(self.worker, LearnerWorkerConfig) else 1
 
     @property
+    def capacity(self) -> tuple[float, int]:
+        """(memory_gb, slots) as the config declares them: an engine's adapter slots, a group's max_jobs."""
+        w = self.worker
+        return (w.memory_gb, w.adapter_slots if isinstance(w, EngineWorkerConfig) else w.max_jobs)
+
+    @property
     def worker_id(self) -> str:
         w = self.worker
         return w.engine_id if isinstance(w, EngineWorkerConfig) else w.learner_id
@@ -264,6 +280,7 @@ class WorkerProcess:
                 heartbeat_s=plan.heartbeat_s,
                 keypair=keypair,
                 client_curve=client_curve,
+                capacity=plan.capacity,
             )
         except BaseException:
             self.worker.close()

@@ -26,6 +26,9 @@
   One that answers ``WorkerFailed`` broke as a whole (a learner group lost a rank) and its process
   is ending: that incarnation counts as exited, and the request goes to the next one, as after a
   death (a keyed request with its attempt counted up).
+- A worker the config does not declare registers only with ``[cluster] join_undeclared``; its
+  ``Register`` carries the capacity its own config declares, and ``on_join`` hands that to the
+  scheduler's policy, which places on it from the next scheduling pass.
 - A local runtime's supervisor sees a worker process exit before any heartbeat can: its
   ``ActorsReport`` (``supervised``) marks that incarnation exited and closes its connection, so
   the calls in flight to it fail over at once (to wait for the restarted worker), not a heartbeat
@@ -127,6 +130,7 @@ class Broker:
         self._workers: dict[str, WorkerHandle] = {}
         self._actors: tuple[ActorState, ...] = ()  # the local runtime's last ActorsReport
         self._cv = threading.Condition()
+        self._join_lock = threading.Lock()
         self.model_limits = ModelLimits()  # until a worker registers: ids are checked >= 0 only
         hb = config.worker_heartbeat_s
         self._transport = TransportConfig(
@@ -135,12 +139,14 @@ class Broker:
             heartbeat_liveness=max(2, math.ceil(config.worker_silence_s / hb)),
         )
         self.slicers = {g.learner_id: LearnerSlicer(config.learner_slice_idle_s) for g in config.learners}
-        self.batchers = {
-            g.learner_id: FbBatcher(
-                self._keyed_sender(g.learner_id), config.learner_batch_window_s, config.learner_batch_max
-            )
-            for g in config.learners
-        }
+        self.batchers = {g.learner_id: self._batcher(g.learner_id) for g in config.learners}
+        # A worker the config does not declare joined (its Register): the scheduler's policy places on it.
+        self.on_join: Callable[[Register], None] = lambda _msg: None
+
+    def _batcher(self, learner_id: str) -> FbBatcher:
+        return FbBatcher(
+            self._keyed_sender(learner_id), self.config.learner_batch_window_s, self.config.learner_batch_max
+        )
 
     def _keyed_sender(self, learner_id: str) -> Send:
         def send(_kind: str, payload: Any, prepares: list[Prepare]) -> Any:
@@ -150,20 +156,15 @@ class Broker:
 
     # --- registration ------------------------------------------------------------------------------
     def register(self, msg: Register) -> Registered:
-        fields = (
-            *(msg.worker_id, msg.role, msg.address, msg.incarnation, msg.base_model, msg.curve_public_key),
-            *(msg.vocab_size, msg.max_positions),
-        )
-        if not same(msg.proof, register_proof(self._token, *fields)):
+        if not same(msg.proof, register_proof(self._token, *msg.signed_fields())):
             raise AuthError("worker token rejected: start the worker with the runtime's --token")
         role = self._declared.get(msg.worker_id)
         if role is None:
-            raise ConfigError(
-                f"no worker {msg.worker_id!r} in this runtime's config; declared: {sorted(self._declared)}"
-            )
+            role = self._join(msg)
         if role != msg.role or msg.base_model != self.config.model:
             raise ConfigError(
-                f"{msg.worker_id} is declared as a {role} of {self.config.model}, not a {msg.role} of {msg.base_model}"
+                f"{msg.worker_id} is this runtime's {role} of {self.config.model}; it registered as "
+                f"{msg.role} of {msg.base_model}"
             )
         self._note_limits(msg)
         now = time.monotonic()
@@ -187,6 +188,30 @@ class Broker:
             "worker %s (%s) registered at %s, incarnation %s", msg.worker_id, msg.role, msg.address, msg.incarnation
         )
         return Registered(known=False)
+
+    def _join(self, msg: Register) -> str:
+        """Admit a worker the config does not declare ([cluster] join_undeclared): a learner group
+        gets its slicer and batcher, and ``on_join`` gives its capacity to the policy."""
+        if not self.config.cluster.join_undeclared:
+            raise ConfigError(
+                f"no worker {msg.worker_id!r} in this runtime's config; declared: {sorted(self._declared)} "
+                "(set [cluster] join_undeclared = true for workers to join at run time)"
+            )
+        if msg.base_model != self.config.model:
+            raise ConfigError(f"{msg.worker_id} serves {msg.base_model}; this runtime serves {self.config.model}")
+        if msg.memory_gb <= 0 or msg.slots < 1:
+            raise ConfigError(f"{msg.worker_id} registered no capacity (memory_gb and slots): update that worker")
+        # Not under _cv: on_join takes the job manager's lock, under which the policy asks alive().
+        with self._join_lock:
+            if msg.worker_id in self._declared:  # another thread admitted it first
+                return self._declared[msg.worker_id]
+            if msg.role == "learner":
+                self.slicers[msg.worker_id] = LearnerSlicer(self.config.learner_slice_idle_s)
+                self.batchers[msg.worker_id] = self._batcher(msg.worker_id)
+            self.on_join(msg)
+            self._declared[msg.worker_id] = msg.role
+        log.info("worker %s (%s, %g GB, %d slots) joined", msg.worker_id, msg.role, msg.memory_gb, msg.slots)
+        return msg.role
 
     def _note_limits(self, msg: Register) -> None:
         """The base model's limits as its workers read them (the smallest where two disagree):

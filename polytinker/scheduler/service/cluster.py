@@ -46,6 +46,11 @@ class ClusterConfig:
     # dial the scheduler with (its `.key` in curve_clients_dir). Read by serve, handed to the actors.
     placement_timeout_s: float = 300.0
     # How long serve waits for Ray to reserve a placement group before it fails.
+    join_undeclared: bool = False
+    # true: an engine or learner group this config does not declare may register (with the worker
+    # token: `polytinker worker --config its.toml --id ...`, its own config declaring it) and is
+    # placed on from then on, with the memory and slots its config declares. false: only declared
+    # ids register (a mistyped --id fails loudly instead of joining as a new worker).
 
     def __post_init__(self) -> None:
         if self.backend not in ("local", "ray"):

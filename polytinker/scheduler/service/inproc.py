@@ -31,7 +31,7 @@ import uuid
 from typing import Any
 
 from polytinker.engine.models import model_limits
-from polytinker.engine.worker.auth import register_proof, worker_server_curve
+from polytinker.engine.worker.auth import worker_server_curve
 from polytinker.engine.worker.messages import Register
 from polytinker.engine.worker.server import build_worker
 from polytinker.errors import ConfigError
@@ -119,11 +119,20 @@ class InprocRuntime:
         token = self.config.worker_token
         curve_key = worker_server_curve(token, worker_id, None).public_key.decode()  # what a WorkerServer sends
         limits = model_limits(self.config.model)  # build_worker built the model: this reads its config.json
-        fields = (
-            *(worker_id, role, f"direct://{worker_id}", uuid.uuid4().hex[:12], self.config.model, curve_key),
-            *(limits.vocab_size, limits.max_positions),
+        memory_gb, slots = self.config.worker_plan(worker_id).capacity
+        return Register.signed(
+            token,
+            worker_id=worker_id,
+            role=role,
+            address=f"direct://{worker_id}",
+            incarnation=uuid.uuid4().hex[:12],
+            base_model=self.config.model,
+            curve_public_key=curve_key,
+            vocab_size=limits.vocab_size,
+            max_positions=limits.max_positions,
+            memory_gb=memory_gb,
+            slots=slots,
         )
-        return Register(register_proof(token, *fields), *fields)
 
     def _heartbeat(self, register: Register) -> None:
         while not self._stop.wait(self.config.worker_heartbeat_s):

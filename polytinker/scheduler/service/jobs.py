@@ -33,9 +33,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from polytinker.engine.models import model_names, served_name
+from polytinker.engine.worker.messages import Register
 from polytinker.errors import AuthError, ConfigError, JobNotRunning, OverloadedError
 from polytinker.scheduler.config import SchedulerPolicyConfig
 from polytinker.scheduler.policy import FairSharePolicy
+from polytinker.scheduler.service.broker import Broker
 from polytinker.scheduler.service.config import RuntimeConfig
 from polytinker.scheduler.service.idle import (
     IDLE_REASON,
@@ -46,19 +48,16 @@ from polytinker.scheduler.service.idle import (
     reclaim_pause_reason,
 )
 from polytinker.scheduler.service.messages import CreateJob
+from polytinker.scheduler.service.policy_view import cluster_spec, policy_job, worker_spec
 from polytinker.scheduler.service.request_keys import repeated_job, request_digest
 from polytinker.scheduler.service.state import JobRow, StateStore
 from polytinker.scheduler.service.waits import WaitNotes
 from polytinker.scheduler.types import (
     Accepted,
-    ClusterSpec,
     Decision,
     DecisionKind,
-    EngineSpec,
-    Job,
     JobKind,
     JobState,
-    LearnerSpec,
     Overloaded,
     Placement,
 )
@@ -74,12 +73,6 @@ _ACTION_STATES = {"cancel": JobState.CANCELLED, "pause": JobState.PAUSED, "finis
 def adapter_key(tenant: str, job_id: str, agent: str) -> str:
     """The runtime-wide adapter name: unique per (tenant, job, agent); tenants never share one."""
     return f"{tenant}/{job_id}/{agent}"
-
-
-def cluster_spec(config: RuntimeConfig) -> ClusterSpec:
-    engines = tuple(EngineSpec(e.engine_id, config.model, e.memory_gb, e.adapter_slots) for e in config.engines)
-    learners = tuple(LearnerSpec(g.learner_id, config.model, g.memory_gb, g.max_jobs) for g in config.learners)
-    return ClusterSpec(engines, learners)
 
 
 @dataclass
@@ -152,6 +145,17 @@ class JobManager:
         a = self.store.adapter(adapter_key(row.tenant, row.job_id, row.agent))
         return a.version if a is not None else 0
 
+    def follow_workers(self, broker: Broker) -> None:
+        """Place new jobs and adapters on the workers registered and alive now first, before
+        declared ones that are not (not started yet, or gone: those get work only when nothing
+        else will do); and on the workers that join at run time (``Broker.on_join``)."""
+        self.policy.cluster.set_presence(broker.alive)
+        broker.on_join = self._joined
+
+    def _joined(self, msg: Register) -> None:
+        with self._lock:  # the policy places on it from the next scheduling pass
+            self.policy.cluster.add(worker_spec(self.config.model, msg.role, msg.worker_id, msg.memory_gb, msg.slots))
+
     # --- submission --------------------------------------------------------------------------------
     def create(self, tenant: str, msg: CreateJob) -> JobRow:
         """A new job of the tenant's, or the one an earlier copy of this call made (``request_keys.py``)."""
@@ -182,29 +186,11 @@ class JobManager:
         assert got is not None
         return got
 
-    def _policy_job(self, row: JobRow, policy_id: str, steps_done: int) -> Job:
-        d = self.config.jobs
-        kind = row.kind
-        full = kind is JobKind.FULL_RL
-        return Job(
-            job_id=policy_id,
-            tenant=row.tenant,
-            kind=kind,
-            base_model=row.base_model,
-            priority=row.priority,
-            steps=max(1, row.steps - min(steps_done, row.steps - 1)),
-            step_s=d.step_s if kind.needs_learner else 0.0,
-            sample_s=d.sample_s if kind.needs_engine else 0.0,
-            learner_mem_gb=(d.full_learner_mem_gb if full else d.learner_mem_gb) if kind.needs_learner else 0.0,
-            engine_mem_gb=d.engine_mem_gb if kind.needs_engine else 0.0,
-            arrival_s=self.now(),
-            adapter=adapter_key(row.tenant, row.job_id, row.agent) if kind is JobKind.LORA_RL else None,
-            max_staleness=row.max_staleness,
-        )
-
     def _submit(self, row: JobRow, *, steps_done: int, new: bool = False) -> Accepted | Overloaded | None:
         policy_id = f"{row.job_id}.{next(self._attempts)}"
-        result = self.policy.submit(self._policy_job(row, policy_id, steps_done), self.now())
+        adapter = adapter_key(row.tenant, row.job_id, row.agent)
+        job = policy_job(self.config, row, policy_id, steps_done, self.now(), adapter)
+        result = self.policy.submit(job, self.now())
         if isinstance(result, Overloaded):
             self._log(result.decision)
             if not new:
@@ -490,4 +476,4 @@ class JobManager:
         self.store.log_event(job_id, str(d.kind), d.reason)
 
 
-__all__ = ["FINAL_STATES", "LIVE_STATES", "JobManager", "adapter_key", "cluster_spec", "idle_verdict"]
+__all__ = ["FINAL_STATES", "LIVE_STATES", "JobManager", "adapter_key", "idle_verdict"]

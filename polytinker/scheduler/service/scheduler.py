@@ -80,9 +80,7 @@ class SchedulerService:
             self.tenants.add(t)
         self.broker = Broker(config, token)
         self.jobs = JobManager(config, self.store, self.tenants.weights())
-        # New jobs and adapters go to the workers registered and alive now, before declared ones
-        # that are not (not started yet, or gone); those still get work when nothing else will do.
-        self.jobs.policy.cluster.set_presence(self.broker.alive)
+        self.jobs.follow_workers(self.broker)
         self.push = WeightPush(config, self.broker, self.jobs)  # versions to engines that cannot read them
         self.audit = AuditLog(self.store, self._tenant)
         self.meter = UsageMeter(self.store, self._tenant)

@@ -1,0 +1,119 @@
+"""Workers the config does not declare join at run time ([cluster] join_undeclared): the broker
+admits one that proves the worker token and registers its capacity, and the policy places on it
+from then on. The policy and the broker are real; the joining worker's link is a direct one."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from _scheduler_helpers import config
+
+from polytinker.engine.worker.messages import Register
+from polytinker.errors import AuthError, ConfigError
+from polytinker.scheduler import ClusterSpec, EngineSpec, FairSharePolicy, Job, JobKind, JobState, LearnerSpec
+from polytinker.scheduler.service.broker import Broker
+from polytinker.scheduler.service.cluster import ClusterConfig
+from polytinker.scheduler.service.jobs import JobManager
+from polytinker.scheduler.service.state import StateStore
+from polytinker.transport.direct import DirectClient
+
+TOKEN = "worker-token-0123456789"
+KEY = "k" * 40
+
+
+def rl_job(job_id: str) -> Job:
+    return Job(job_id, "t", JobKind.LORA_RL, "base", 0, 5, 1.0, 1.0, 1.0, 1.0, adapter=f"t/{job_id}/a")
+
+
+def test_a_job_waiting_for_an_adapter_slot_runs_on_an_engine_that_joins() -> None:
+    spec = ClusterSpec((EngineSpec("e0", "base", 40.0, adapter_slots=1),), (LearnerSpec("g0", "base", 80.0),))
+    policy = FairSharePolicy(spec)
+    for job_id in ("first", "second"):
+        policy.submit(rl_job(job_id), 0.0)
+    policy.schedule(0.0)
+    assert policy.state("first") == JobState.RUNNING and policy.state("second") == JobState.QUEUED
+    policy.cluster.add(EngineSpec("joined", "base", 40.0, adapter_slots=2))
+    policy.schedule(1.0)
+    placement = policy.placement("second")
+    assert policy.state("second") == JobState.RUNNING and placement is not None and placement.engine == "joined"
+    with pytest.raises(ConfigError, match="already in the cluster"):
+        policy.cluster.add(LearnerSpec("joined", "base", 80.0))
+
+
+def register(worker_id: str, role: str = "engine", *, token: str = TOKEN, **fields: object) -> Register:
+    base: dict[str, object] = {
+        "worker_id": worker_id,
+        "role": role,
+        "address": f"direct://{worker_id}",
+        "incarnation": "i1",
+        "base_model": "tiny-random",
+        "curve_public_key": KEY,
+        "memory_gb": 24.0,
+        "slots": 4,
+    }
+    return Register.signed(token, **(base | fields))
+
+
+def broker(tmp_path: Path, join: bool) -> tuple[Broker, list[Register]]:
+    cfg = config(tmp_path, cluster=ClusterConfig(join_undeclared=join))
+    b = Broker(cfg, TOKEN)
+    b.connect = lambda msg: DirectClient(msg.worker_id, {})
+    joined: list[Register] = []
+    b.on_join = joined.append
+    return b, joined
+
+
+def test_an_undeclared_worker_is_refused_unless_the_config_lets_workers_join(tmp_path: Path) -> None:
+    closed, _ = broker(tmp_path / "closed", join=False)
+    with pytest.raises(ConfigError, match=r"join_undeclared = true"):
+        closed.register(register("engine-9"))
+    assert closed.workers() == []
+
+    opened, joined = broker(tmp_path / "open", join=True)
+    assert opened.register(register("engine-9")).known is False
+    assert opened.register(register("learner-9", "learner", slots=8)).known is False
+    assert [(m.worker_id, m.role, m.memory_gb, m.slots) for m in joined] == [
+        ("engine-9", "engine", 24.0, 4),
+        ("learner-9", "learner", 24.0, 8),
+    ]
+    assert "learner-9" in opened.slicers and "learner-9" in opened.batchers  # its jobs' turns and batches
+    assert opened.register(dataclasses.replace(register("engine-9"), incarnation="i1")).known is True
+    assert len(joined) == 2  # a heartbeat is not a second join
+    assert {w["worker_id"] for w in opened.workers()} == {"engine-9", "learner-9"}
+
+
+def test_a_joining_worker_proves_the_token_and_its_capacity_and_keeps_its_role(tmp_path: Path) -> None:
+    b, joined = broker(tmp_path, join=True)
+    with pytest.raises(AuthError):
+        b.register(register("engine-9", token="another-token-0123456789"))
+    tampered = dataclasses.replace(register("engine-9"), slots=4096)  # more slots than it signed for
+    with pytest.raises(AuthError):
+        b.register(tampered)
+    with pytest.raises(ConfigError, match="no capacity"):
+        b.register(register("engine-9", memory_gb=0.0, slots=0))
+    with pytest.raises(ConfigError, match="serves other-model"):
+        b.register(register("engine-9", base_model="other-model"))
+    with pytest.raises(ConfigError, match="is this runtime's engine of tiny-random; it registered as learner"):
+        b.register(register("engine-0", "learner"))  # a declared id keeps its declared role
+    assert joined == []
+    b.register(register("engine-9"))
+    with pytest.raises(ConfigError, match="is this runtime's engine of tiny-random; it registered as learner"):
+        b.register(register("engine-9", "learner", incarnation="i2"))  # nor does a joined one change role
+
+
+def test_the_job_manager_places_on_a_worker_that_joined(tmp_path: Path) -> None:
+    cfg = config(tmp_path, cluster=ClusterConfig(join_undeclared=True))
+    b = Broker(cfg, TOKEN)
+    b.connect = lambda msg: DirectClient(msg.worker_id, {})
+    store = StateStore(tmp_path / "s.sqlite3")
+    try:
+        jobs = JobManager(cfg, store, (("alice", 1.0),))
+        jobs.follow_workers(b)
+        b.register(register("engine-9", slots=3))
+        assert "engine-9" in jobs.policy.cluster.engines
+        assert jobs.policy.cluster.engines["engine-9"].spec == EngineSpec("engine-9", cfg.model, 24.0, 3)
+        assert jobs.policy.cluster.present("engine-9")  # registered and alive: placed on first
+    finally:
+        store.close()
