@@ -8,14 +8,16 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from _scheduler_helpers import config
+from _scheduler_helpers import KEY_A, config
 
 from polytinker.engine.worker.messages import Register
 from polytinker.errors import AuthError, ConfigError
 from polytinker.scheduler import ClusterSpec, EngineSpec, FairSharePolicy, Job, JobKind, JobState, LearnerSpec
+from polytinker.scheduler.service import LearnerWorkerConfig
 from polytinker.scheduler.service.broker import Broker
 from polytinker.scheduler.service.cluster import ClusterConfig
 from polytinker.scheduler.service.jobs import JobManager
+from polytinker.scheduler.service.messages import CreateJob
 from polytinker.scheduler.service.state import StateStore
 from polytinker.transport.direct import DirectClient
 
@@ -115,5 +117,44 @@ def test_the_job_manager_places_on_a_worker_that_joined(tmp_path: Path) -> None:
         assert "engine-9" in jobs.policy.cluster.engines
         assert jobs.policy.cluster.engines["engine-9"].spec == EngineSpec("engine-9", cfg.model, 24.0, 3)
         assert jobs.policy.cluster.present("engine-9")  # registered and alive: placed on first
+    finally:
+        store.close()
+
+
+def manager(tmp_path: Path, **kw: object) -> tuple[JobManager, Broker, StateStore]:
+    cfg = config(tmp_path, **kw)
+    b = Broker(cfg, TOKEN)
+    b.connect = lambda msg: DirectClient(msg.worker_id, {})
+    store = StateStore(tmp_path / "s.sqlite3")
+    jobs = JobManager(cfg, store, (("alice", 1.0),))
+    jobs.follow_workers(b)
+    return jobs, b, store
+
+
+def test_a_job_no_worker_can_run_waits_for_one_to_join_when_workers_may_join(tmp_path: Path) -> None:
+    """A runtime of learners only, whose engines join: a sampling job waits queued (and is
+    recovered queued after a restart) instead of being rejected, and runs once an engine joins."""
+    learners_only = {"engines": (), "learners": (LearnerWorkerConfig(),)}
+    closed, _, store = manager(tmp_path / "closed", **learners_only)
+    try:
+        job = closed.create("alice", CreateJob(KEY_A, "lora_rl", "tiny-random"))
+        assert job.state == JobState.REJECTED and "no engine serves base model" in job.reason
+    finally:
+        store.close()
+
+    root = tmp_path / "open"
+    jobs, b, store = manager(root, cluster=ClusterConfig(join_undeclared=True), **learners_only)
+    try:
+        job = jobs.create("alice", CreateJob(KEY_A, "lora_rl", "tiny-random"))
+        assert job.state == JobState.QUEUED
+        assert job.reason == "waiting for a worker that can run it to join: no engine serves base model tiny-random"
+        again = JobManager(jobs.config, store, (("alice", 1.0),))  # a restarted scheduler recovers it queued
+        again.recover()
+        assert store.job(job.job_id).state == JobState.QUEUED  # type: ignore[union-attr]
+
+        b.register(register("engine-9"))
+        jobs.schedule()
+        row, placement = jobs.running("alice", job.job_id)
+        assert row.state == JobState.RUNNING and placement.engine == "engine-9"
     finally:
         store.close()

@@ -49,8 +49,9 @@ class ClusterConfig:
     join_undeclared: bool = False
     # true: an engine or learner group this config does not declare may register (with the worker
     # token: `polytinker worker --config its.toml --id ...`, its own config declaring it) and is
-    # placed on from then on, with the memory and slots its config declares. false: only declared
-    # ids register (a mistyped --id fails loudly instead of joining as a new worker).
+    # placed on from then on, with the memory and slots its config declares; a job no worker there
+    # can run waits queued for one to join instead of being rejected. false: only declared ids
+    # register (a mistyped --id fails loudly instead of joining as a new worker).
 
     def __post_init__(self) -> None:
         if self.backend not in ("local", "ray"):

@@ -111,6 +111,8 @@ class JobManager:
         self._t0 = self._clock()
         self._live: dict[str, _Live] = {}
         self._touched: dict[str, float] = {}  # monotonic time of each job's last call
+        # Jobs no worker there could run, kept queued for one that joins ([cluster] join_undeclared).
+        self._awaiting_worker: set[str] = set()
         self._busy: Counter[str] = Counter()  # calls in flight per job
         self._served: Counter[str] = Counter()  # calls completed per live job since this process started
         self._idle_paused: set[str] = set()  # inference jobs paused for idleness (finished if it lasts)
@@ -155,6 +157,11 @@ class JobManager:
     def _joined(self, msg: Register) -> None:
         with self._lock:  # the policy places on it from the next scheduling pass
             self.policy.cluster.add(worker_spec(self.config.model, msg.role, msg.worker_id, msg.memory_gb, msg.slots))
+            waiting, self._awaiting_worker = sorted(self._awaiting_worker), set()
+            for job_id in waiting:  # the jobs no worker could run: this one may
+                row = self.store.job(job_id)
+                if row is not None and row.state == JobState.QUEUED:
+                    self._submit(row, steps_done=self._steps_of(row))
 
     # --- submission --------------------------------------------------------------------------------
     def create(self, tenant: str, msg: CreateJob) -> JobRow:
@@ -205,6 +212,11 @@ class JobManager:
             self._by_policy_id[policy_id] = row.job_id
             self._set_state(row.job_id, JobState.QUEUED, result.decision.reason)
             return result
+        if self.config.cluster.join_undeclared:  # no worker can run it yet, but one may join
+            self._awaiting_worker.add(row.job_id)
+            why = result.decision.reason.removeprefix("can never run here: ")
+            self._set_state(row.job_id, JobState.QUEUED, f"waiting for a worker that can run it to join: {why}")
+            return None
         self._set_state(row.job_id, JobState.REJECTED, result.decision.reason)
         return None
 
