@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from fixtures.actors import BreaksInBackground, Counter, Crashy, FailsOnStart, Nest, Overlap, Scale, StubbornStop
+from fixtures.actors import BreaksInBackground, Counter, Crashy, FailsOnStart, Nest, Overlap, Quiet, Scale, StubbornStop
 
 from polytinker.actors import (
     EXIT_FAILED,
@@ -165,6 +165,18 @@ def test_an_actor_broken_by_its_own_thread_fails_with_its_traceback(tmp_path):
     traceback_text = (tmp_path / "actors" / f"breaks.{pid}.traceback").read_text()
     assert "OSError: the child this actor needs is gone" in traceback_text
     assert not any(r["message"] == "on_stop ran" for r in read_log(tmp_path, "breaks"))
+
+
+def test_an_actor_without_handlers_binds_no_mailbox_and_still_stops_gracefully(tmp_path):
+    """One way into a worker's process: its own RPC server, not a second socket for the supervisor."""
+    ref = spawn(Quiet, str(tmp_path / "quiet.stopped"), name="quiet", run_dir=tmp_path, config=ActorConfig())
+    assert ref.alive and ref.address == ""
+    assert not list((tmp_path / "actors").glob("quiet*.sock"))
+    assert not [c for c in psutil.Process(ref.pid).net_connections(kind="unix") if c.laddr]
+    with pytest.raises(ProtocolError, match="declares no handlers, so it has no mailbox"):
+        ref.ask("anything")
+    assert ref.stop() == 0  # SIGTERM: on_stop runs as after a stop message
+    assert (tmp_path / "quiet.stopped").read_text() == "stopped"
 
 
 def test_failed_tell_with_log_policy_keeps_serving(tmp_path):

@@ -94,7 +94,8 @@ class _Runner:
 
     The main mailbox runs one handler thread, so messages are handled one at a time and in the
     order they arrived (actor semantics; a pool of threads racing for a lock would reorder them).
-    Kinds declared ``concurrent=True`` get a second mailbox with several threads.
+    Kinds declared ``concurrent=True`` get a second mailbox with several threads. An actor with no
+    handlers gets no mailbox (see ``__init__``).
     """
 
     def __init__(self, spec: _protocol.ChildSpec, actor: _actor.Actor) -> None:
@@ -110,7 +111,10 @@ class _Runner:
         serial[_protocol.TELL_KIND] = self.tell
         serial[_protocol.PING_KIND] = lambda _payload: {"name": spec.name, "pid": os.getpid()}
         serial[_protocol.STOP_KIND] = lambda _payload: self.stop()
-        self.main = MailboxServer(spec.address, serial, threads=1)
+        # An actor that declares no handlers takes its work another way (a worker's own RPC server):
+        # it binds no mailbox, and its supervisor stops it with SIGTERM, which runs on_stop as a
+        # stop message would. One way into the process.
+        self.main = MailboxServer(spec.address, serial, threads=1) if specs else None
         self.concurrent: MailboxServer | None = None
         if self.concurrent_kinds:
             table = {k: self._wrap(k) for k in self.concurrent_kinds}
@@ -242,7 +246,7 @@ def _serve(spec: _protocol.ChildSpec, runner: _Runner) -> int:
     ready = _protocol.ReadyReport(
         ok=True,
         pid=os.getpid(),
-        address=runner.main.address,
+        address=runner.main.address if runner.main is not None else "",
         concurrent_address=runner.concurrent.address if runner.concurrent else "",
         concurrent_kinds=runner.concurrent_kinds,
         kinds=sorted(actor.handler_specs()),

@@ -163,7 +163,7 @@ class ActorRef:
     # -- incarnations -------------------------------------------------------------------------
 
     def _attach(self, child: ChildProcess) -> None:
-        client = MailboxClient(child.address)
+        client = MailboxClient(child.address) if child.address else None  # "": no mailbox (no handlers)
         concurrent = MailboxClient(child.concurrent_address) if child.concurrent_address else None
         with self._lock:
             old = (self._client, self._concurrent_client)
@@ -213,6 +213,11 @@ class ActorRef:
             if child is not None and kind in child.concurrent_kinds:
                 client = self._concurrent_client
             down = self._down_reason
+        if child is not None and not child.address and not down and child.poll() is None:
+            raise ProtocolError(
+                f"actor {self._name!r} declares no handlers, so it has no mailbox: it takes no messages "
+                "(stop and kill it through its ref)"
+            )
         if client is None or child is None or down:
             raise self._dead()
         if child.poll() is not None:
