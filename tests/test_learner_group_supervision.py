@@ -141,3 +141,28 @@ def test_followers_die_with_rank_0(tmp_path: Path) -> None:
     finally:
         rank0.kill()
         rank0.wait()
+
+
+def test_polytinker_worker_exits_1_when_its_group_loses_a_rank(tmp_path: Path) -> None:
+    """What a launcher (Slurm, Kubernetes) sees: the worker's process ends with code 1 and says why,
+    so that it is started again with a whole group. No scheduler is needed for it."""
+    toml = tmp_path / "learner.toml"
+    toml.write_text(f'model = "{TINY_RANDOM}"\n\n[[learners]]\nlearner_id = "learner-0"\nworld_size = 2\n')
+    command = [sys.executable, "-m", "polytinker.cli", "worker", "--config", str(toml), "--id", "learner-0"]
+    command += ["--scheduler", "tcp://127.0.0.1:9", "--token", "worker-token-0123456789"]
+    command += ["--state-dir", str(tmp_path / "state")]
+    env = {**os.environ, "POLYTINKER_RUN_DIR": str(tmp_path)}
+    worker = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    try:
+        assert worker.stdout is not None
+        for line in worker.stdout:
+            if "serving at" in line:
+                break
+        (follower,) = [c for c in psutil.Process(worker.pid).children() if "polytinker.actors._child" in c.cmdline()]
+        follower.kill()
+        output, _ = worker.communicate(timeout=60)
+    finally:
+        worker.kill()
+        worker.wait()
+    assert worker.returncode == 1, output
+    assert "learner-0 failed: learner group rank learner-0-rank1 exited with code -9" in output
