@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import pytest
 from _serve import KEY, KEY_BOB, Serve
+from fixtures.busy import Busy
 
 from polytinker.client import ServiceClient
 
@@ -153,23 +154,6 @@ def _job_of(serve: Serve, model_id: str) -> str:
     with contextlib.closing(sqlite3.connect(serve.root / "state" / "gateway.sqlite")) as db:
         (job_id,) = db.execute("SELECT job_id FROM models WHERE model_id = ?", (model_id,)).fetchone()
     return str(job_id)
-
-
-class Busy:
-    """Busy processes, two per core this process may use: every core saturated, as on a machine
-    that also runs envs, tokenizers and data loading beside the runtime."""
-
-    def __init__(self) -> None:
-        n = 2 * len(os.sched_getaffinity(0))
-        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
-
-    def __enter__(self) -> Busy:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for p in self.procs:
-            p.kill()
-            p.wait(10)
 
 
 def _train_config(serve: Serve, root: Path, steps: int = 1) -> Path:

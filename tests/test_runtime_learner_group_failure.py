@@ -1,6 +1,6 @@
 """A local runtime's learner group of two processes loses its follower: the learner actor fails as
-a whole, its supervisor starts it anew, and the job's training goes on with no step lost or made
-twice (the call in flight is resent to the new incarnation). A real runtime: the scheduler, an
+a whole, its supervisor starts it anew, and its jobs' training goes on with no step lost or made
+twice (the calls in flight are resent to the new incarnation). A real runtime: the scheduler, an
 engine and a learner group in their own processes, the tiny-random model."""
 
 from __future__ import annotations
@@ -12,16 +12,25 @@ from typing import Any
 
 import psutil
 import pytest
+from fixtures.busy import Busy
 from fixtures.client import data
 
 from polytinker.client import ServiceClient
 from polytinker.engine.learner.config import AdamParams
 from polytinker.engine.models import TINY_RANDOM
 from polytinker.engine.types import SamplingParams
-from polytinker.scheduler.service.config import EngineWorkerConfig, LearnerWorkerConfig, RuntimeConfig
+from polytinker.scheduler.service import (
+    EngineWorkerConfig,
+    LearnerWorkerConfig,
+    LocalRuntime,
+    RuntimeConfig,
+    TenantConfig,
+)
 
 pytestmark = pytest.mark.timeout(420)
 ADAM = AdamParams(learning_rate=1e-2)
+KEY_A = "tenant-a-key-0123456789"
+KEY_B = "tenant-b-key-0123456789"
 
 
 def learner_actor(service: ServiceClient) -> dict[str, Any]:
@@ -36,37 +45,48 @@ def follower_pid(learner_pid: int) -> int:
 
 
 def test_a_group_that_loses_a_rank_is_restarted_whole_and_training_goes_on(tmp_path) -> None:
+    """Two tenants train on the group, every core busy; the follower dies under both tenants'
+    forward_backward calls: each call is answered by the restarted group, each step once."""
     cfg = RuntimeConfig(
         model=TINY_RANDOM,
         state_dir=str(tmp_path / "state"),
+        tenants=(TenantConfig("a", api_key=KEY_A), TenantConfig("b", api_key=KEY_B)),
         engines=(EngineWorkerConfig(adapter_slots=2),),
         learners=(LearnerWorkerConfig(world_size=2, micro_batch_size=4),),
         start_timeout_s=240.0,
         worker_retry_s=180.0,
     )
-    with ServiceClient(runtime_config=cfg) as service:
-        trainer = service.create_lora_training_client(TINY_RANDOM, rank=4, agent="a")
-        trainer.forward_backward(data(1)).result()
-        assert trainer.optim_step(ADAM).result().version == 1
-        first = learner_actor(service)
+    with (
+        LocalRuntime(cfg) as runtime,
+        ServiceClient(runtime.address, api_key=KEY_A) as tenant_a,
+        ServiceClient(runtime.address, api_key=KEY_B) as tenant_b,
+    ):
+        trainers = [t.create_lora_training_client(TINY_RANDOM, rank=4) for t in (tenant_a, tenant_b)]
+        for i, trainer in enumerate(trainers):
+            trainer.forward_backward(data(1 + i)).result()
+            assert trainer.optim_step(ADAM).result().version == 1
+        first = learner_actor(tenant_a)
         rank1 = follower_pid(first["pid"])
 
-        # The follower stops (busy, not dead) while the step's call waits for it in a collective,
-        # then dies under that call: the learner answers WorkerFailed and exits; the scheduler
-        # resends the call to the restarted group.
-        os.kill(rank1, signal.SIGSTOP)
-        future = trainer.forward_backward(data(2))
-        time.sleep(2.0)
-        os.kill(rank1, signal.SIGKILL)
-        assert future.result(timeout=300).loss > 0
-        assert trainer.optim_step(ADAM).result(timeout=300).version == 2  # the step's one call, once
+        with Busy():
+            # The follower stops (busy, not dead) while the calls wait for it in a collective, then
+            # dies under them: the learner answers WorkerFailed and exits; the scheduler resends
+            # each call to the restarted group.
+            os.kill(rank1, signal.SIGSTOP)
+            futures = [trainer.forward_backward(data(3 + i)) for i, trainer in enumerate(trainers)]
+            time.sleep(2.0)
+            os.kill(rank1, signal.SIGKILL)
+            assert all(f.result(timeout=300).loss > 0 for f in futures)
+            for trainer in trainers:  # the step's one call, once: no gradient lost or applied twice
+                assert trainer.optim_step(ADAM).result(timeout=300).version == 2
 
-        after = learner_actor(service)
+        after = learner_actor(tenant_a)
         assert after["restarts"] == 1 and after["pid"] != first["pid"] and after["alive"]
         assert after["last_exit_code"] == 1  # it failed itself (a SIGKILL of its own would read -9)
         (traceback,) = (tmp_path / "state").rglob(f"learner-0.{first['pid']}.traceback")
         assert "WorkerFailed: learner group rank learner-0-rank1 exited with code -9" in traceback.read_text()
-        # The adapter came back from its checkpoint at version 1 and went on from there: it serves.
-        sampler = trainer.save_weights_and_get_sampling_client()
+        # The adapters came back from their checkpoints at version 1 and went on from there: they serve.
         params = SamplingParams(max_tokens=4, seed=1)
-        assert sampler.sample([3, 4, 5], num_samples=1, sampling_params=params).result(timeout=120).sequences
+        for trainer in trainers:
+            sampler = trainer.save_weights_and_get_sampling_client()
+            assert sampler.sample([3, 4, 5], num_samples=1, sampling_params=params).result(timeout=120).sequences

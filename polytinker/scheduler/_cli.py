@@ -92,7 +92,6 @@ def _placed(cfg: Any, args: argparse.Namespace, role: str) -> Any:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    os.umask(0o077)  # the checkpoints and exports it writes hold a tenant's weights
     cfg = runtime_config(args)
     if not cfg.state_dir:
         cfg = dataclasses.replace(cfg, state_dir=str(Path("polytinker-runtime").resolve()))

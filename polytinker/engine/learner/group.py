@@ -246,15 +246,13 @@ class LearnerGroup:
     def _call(self, op: str, **args: Any) -> Any:
         if self._group is None:
             return None
-        if self.followers is None:  # ranks started by a launcher (torchrun): it watches them
-            _send({"op": op, **args}, self._group)
-            return _execute(self.learner, self.info, self._group, op, args)
-        self.followers.check()
+        if self.followers is not None:  # None: ranks started by a launcher (torchrun), which watches them
+            self.followers.check()
         try:
             _send({"op": op, **args}, self._group)
             return _execute(self.learner, self.info, self._group, op, args)
         except Exception as exc:
-            if not self.followers.died_under(exc):
+            if self.followers is None or not self.followers.died_under(exc):
                 raise
             log.warning("learner group op %r failed as a rank died: %s", op, exc)
             raise WorkerFailed(self.followers.broken) from None  # the collective's error names torch's source files

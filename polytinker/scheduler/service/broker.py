@@ -254,11 +254,18 @@ class Broker:
         """The process of ``worker_id`` that registered before ``at`` exited: fail its calls now."""
         with self._cv:
             h = self._workers.get(worker_id)
-            if h is None or h.exited or h.since > at:  # a later incarnation registered since
+            if h is None or h.since > at:  # a later incarnation registered since
+                return
+        self._mark_exited(h)
+
+    def _mark_exited(self, h: WorkerHandle) -> None:
+        """The incarnation ``h`` is gone for good (a stale heartbeat of it cannot bring it back)."""
+        with self._cv:
+            if h.exited:
                 return
             h.dead = h.exited = True
             self._cv.notify_all()
-        log.warning("worker %s (incarnation %s) exited; failing its calls in flight", worker_id, h.incarnation)
+        log.warning("worker %s (incarnation %s) exited; failing its calls in flight", h.worker_id, h.incarnation)
         h.client.close()  # its pending calls raise TransportError: Broker.call waits for the restart
 
     def _client_for(self, msg: Register) -> RpcClient:
@@ -348,7 +355,7 @@ class Broker:
                     h.prepared.difference_update(key for key, _ in prepares)
                     reprepared = True
                     continue
-                self._exited(worker_id, time.time())  # its process is ending: it answers nothing more
+                self._mark_exited(h)  # this incarnation is ending (not a later one): it answers nothing more
                 lost: Exception = exc
             except (PeerDeadError, TransportError) as exc:
                 if isinstance(exc, ProtocolError):
