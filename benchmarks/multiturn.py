@@ -181,8 +181,8 @@ def main_openai(quick: bool) -> None:
         "openai_multiturn_learner_time_ratio": statistics.median(times[True]) / statistics.median(times[False]),
         "openai_learner_s_per_step_merged": statistics.median(times[True]),
         "openai_learner_s_per_step_per_call": statistics.median(times[False]),
-        "openai_learner_tokens_merged": sum(len(d.input_tokens) for d in batches[True]),
-        "openai_learner_tokens_per_call": sum(len(d.input_tokens) for d in batches[False]),
+        "openai_learner_tokens_merged": sum(d.model_input.length for d in batches[True]),
+        "openai_learner_tokens_per_call": sum(d.model_input.length for d in batches[False]),
         "openai_datums_merged": len(batches[True]),
         "openai_datums_per_call": len(batches[False]),
         "openai_calls_per_episode": turns,
@@ -220,7 +220,7 @@ def main() -> None:
     times, first_loss = time_learner(batches, steps)
 
     def tokens(merge: bool) -> int:
-        return sum(len(d.input_tokens) for d in batches[merge])
+        return sum(d.model_input.length for d in batches[merge])
 
     figures = {
         "multiturn_learner_time_ratio": statistics.median(times[True]) / statistics.median(times[False]),

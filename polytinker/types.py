@@ -11,6 +11,7 @@ Code written for Tinker runs on polytinker's own client with the import changed
 - ``LossFnType``: the built-in losses.
 - ``SamplingParams``: how to sample, with Tinker's defaults (``max_tokens=None``, ``top_k=-1``, ...).
 - ``AdamParams``: the AdamW hyperparameters of one ``optim_step`` (the learner's own class).
+- ``DEFAULT_TARGET_MODULES``: the linear layers a LoRA adapter trains unless told otherwise.
 - ``StopReason``; ``SampledSequence``, ``SampleResponse``: what ``sample`` answers.
 - ``ForwardBackwardOutput``, ``OptimStepResponse``, ``SaveWeightsResponse``,
   ``SaveWeightsForSamplerResponse``, ``LoadWeightsResponse``, ``ModelData``, ``GetInfoResponse``,
@@ -34,7 +35,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 from polytinker.engine.learner.config import AdamParams
-from polytinker.engine.types import LossFnName
+from polytinker.engine.types import DEFAULT_TARGET_MODULES, LossFnName
 from polytinker.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -345,7 +346,12 @@ class SamplingParams:
 
     ``max_tokens``: None takes the client's default (256); ``top_k=-1``: no top-k; ``stop``: a
     string, a list of strings, or a list of token ids; ``None`` stops at EOS only, and ``[]``
-    does not stop even at EOS (sampling runs to ``max_tokens``)."""
+    does not stop even at EOS (sampling runs to ``max_tokens``).
+
+    Beyond Tinker's fields, ``choices`` (polytinker's constrained sampling): the completion is
+    exactly one of these token sequences (none a prefix of another, each at most ``max_tokens``
+    long), drawn with probability proportional to the model's probability of the whole sequence
+    to the power 1 / temperature; top_k and top_p do not apply. Empty: unconstrained."""
 
     max_tokens: int | None = None
     seed: int | None = None
@@ -353,6 +359,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
+    choices: Sequence[Sequence[int]] = ()
 
     def __post_init__(self) -> None:
         check_seed(self.seed)
@@ -365,6 +372,8 @@ class SamplingParams:
         if self.top_k < -1:
             raise ConfigError(f"SamplingParams.top_k must be -1 (no limit) or >= 0, got {self.top_k}")
         split_stop(self.stop)
+        choices = tuple(tuple(_ints(c, "SamplingParams.choices")) for c in self.choices)
+        object.__setattr__(self, "choices", choices)  # hashable, as the engine's checks expect
 
 
 def split_stop(stop: Any) -> tuple[tuple[str, ...], tuple[int, ...], bool]:
@@ -401,6 +410,7 @@ class SampleResponse:
 
 
 __all__ = [
+    "DEFAULT_TARGET_MODULES",
     "MAX_SEED",
     "AdamParams",
     "Datum",

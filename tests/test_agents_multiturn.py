@@ -10,6 +10,7 @@ from polytinker.agents.algorithms.base import turn_chains
 from polytinker.agents.render import Renderer
 from polytinker.agents.spec import AlgorithmConfig, RendererConfig
 from polytinker.agents.types import TurnSample
+from polytinker.client._convert import to_datum
 from polytinker.engine.models import load_tokenizer
 from polytinker.envs.types import ModelSample, PolicyInput, TextObservation, Turn
 
@@ -83,7 +84,7 @@ def _episode(renderer: Renderer, answers: list[str], episode: str, rewards: list
 def _positions(datums):
     """Every weighted position: (the input up to it, its target, weight, advantage, logprob)."""
     out = []
-    for d in datums:
+    for d in map(to_datum, datums):  # as the learner reads them
         for j, w in enumerate(d.weights_T):
             if w:
                 context = tuple(d.input_tokens[: j + 1])
@@ -106,9 +107,9 @@ def test_merged_datums_weigh_the_same_positions_as_one_datum_per_turn(tokenizer)
         (batch[merge],) = algo.minibatches(samples, advantages, seed=0)
     assert len(batch[True]) == 2 and len(batch[False]) == 6  # the zero-advantage episode drops out
     assert _positions(batch[True]) == _positions(batch[False])
-    merged_tokens = sum(len(d.input_tokens) for d in batch[True])
-    assert merged_tokens < sum(len(d.input_tokens) for d in batch[False])
-    assert sum(sum(d.weights_T) for d in batch[True]) == pytest.approx(1.0)
+    merged_tokens = sum(len(d.input_tokens) for d in map(to_datum, batch[True]))
+    assert merged_tokens < sum(len(d.input_tokens) for d in map(to_datum, batch[False]))
+    assert sum(sum(d.weights_T) for d in map(to_datum, batch[True])) == pytest.approx(1.0)
 
 
 def test_a_chain_is_cut_where_a_prompt_does_not_extend_the_last(tokenizer):
@@ -122,7 +123,9 @@ def test_a_chain_is_cut_where_a_prompt_does_not_extend_the_last(tokenizer):
 def test_tool_result_tokens_inside_a_completion_carry_no_weight(tokenizer):
     from polytinker.agents.render import turn_datum
 
-    d = turn_datum([1, 2], [3, 4, 5, 6], [-0.1, 0.0, 0.0, -0.4], 2.0, 0.5, sampled_T=(True, False, False, True))
+    d = to_datum(
+        turn_datum([1, 2], [3, 4, 5, 6], [-0.1, 0.0, 0.0, -0.4], 2.0, 0.5, sampled_T=(True, False, False, True))
+    )
     assert d.weights_T == [0.0, 0.5, 0.0, 0.0, 0.5]
     assert d.advantages_T == [0.0, 2.0, 0.0, 0.0, 2.0]
     assert np.allclose(d.sampling_logprobs_T, [0.0, -0.1, 0.0, 0.0, -0.4])
@@ -203,7 +206,7 @@ def test_calls_past_the_limit_are_not_run(tokenizer):
     inp = PolicyInput("player_0", "ep", "m", "Compute.", TextObservation("?"), seed=7, tools=("calculator",))
     action = asyncio.run(_players(tokenizer, sampler, max_calls=1)("player_0", inp))
     assert action.meta["tool_calls"] == 1
-    assert sampler.calls[1][1].stop == ()  # no call left: the second sample must answer
+    assert sampler.calls[1][1].stop is None  # no call left: the second sample must answer (EOS alone stops)
     assert action.text == "<calculator>2+2</calculator>"  # what the env is given to parse
 
 
@@ -226,7 +229,7 @@ def test_a_minibatch_reaches_the_learner_in_calls_of_the_configured_size():
             from types import SimpleNamespace
 
             self.sizes.append(len(data))
-            weights = sum(sum(d.weights_T) for d in data)
+            weights = sum(sum(d.weights_T) for d in map(to_datum, data))
             return SimpleNamespace(loss=weights, metrics={"loss/tokens": float(len(data)), "kl/base": 0.5})
 
     config = ExperimentConfig("c", EnvSetup(), (AgentSpec("a"),), train=TrainConfig(max_datums_per_call=4))

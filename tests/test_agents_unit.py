@@ -27,6 +27,7 @@ from polytinker.agents import (
 from polytinker.agents.algorithms import turn_scores
 from polytinker.agents.checkpoint import RunState
 from polytinker.agents.loop import step_seeds
+from polytinker.client._convert import to_datum
 from polytinker.envs.types import PolicyInput, TextObservation, Turn
 from polytinker.errors import ConfigError
 
@@ -169,7 +170,7 @@ def test_minibatch_weights_make_a_per_token_mean_and_mask_the_prompt():
     samples = [sample(group="g", reward=r, n=n) for r, n in ((1.0, 2), (0.0, 3), (1.0, 1), (0.0, 4))]
     batches = algo.minibatches(samples, algo.advantages(samples), seed=0)
     assert len(batches) == 4  # 2 epochs x 2 minibatches
-    for batch in batches:
+    for batch in ([to_datum(d) for d in b] for b in batches):  # as the learner reads them
         assert sum(sum(d.weights_T) for d in batch) == pytest.approx(1.0)
         for d in batch:
             assert d.weights_T[:2] == [0.0, 0.0]  # prompt (1, 2, 3) predicts nothing we train
@@ -177,7 +178,7 @@ def test_minibatch_weights_make_a_per_token_mean_and_mask_the_prompt():
 
 
 def test_turn_datum_aligns_targets_logprobs_and_advantages():
-    d = turn_datum([5, 6, 7], [8, 9], [-0.1, -0.2], advantage=2.0, weight=0.5)
+    d = to_datum(turn_datum([5, 6, 7], [8, 9], [-0.1, -0.2], advantage=2.0, weight=0.5))
     assert d.input_tokens == [5, 6, 7, 8] and d.target_tokens_T == [6, 7, 8, 9]
     assert d.weights_T == [0, 0, 0.5, 0.5] and d.advantages_T == [0, 0, 2.0, 2.0]
     assert d.sampling_logprobs_T == [0, 0, -0.1, -0.2]
@@ -213,7 +214,7 @@ def test_conversation_datum_trains_only_assistant_tokens(tokenizer):
         {"role": "user", "content": "Pick one."},
         {"role": "assistant", "content": "7"},
     ]
-    d = r.conversation_datum(messages)
+    d = to_datum(r.conversation_datum(messages))
     trained = [t for t, w in zip(d.target_tokens_T, d.weights_T, strict=True) if w]
     assert tokenizer.decode(trained).startswith("7<|im_end|>")
     assert sum(d.weights_T) == len(trained) <= 3

@@ -55,6 +55,7 @@ def test_first_reaching_and_linear_lr():
 def test_turn_samples_feed_the_agents_grpo():
     from polytinker.agents.algorithms import GRPO
     from polytinker.agents.spec import AlgorithmConfig
+    from polytinker.client._convert import to_datum
 
     prompt = [1, 2, 3]
     seqs = [SimpleNamespace(tokens=[7, 2], logprobs=[-0.5, -0.1]), SimpleNamespace(tokens=[9], logprobs=[-2.0])]
@@ -63,7 +64,7 @@ def test_turn_samples_feed_the_agents_grpo():
     adv = algorithm.advantages(samples)
     assert adv[0] > 0 > adv[1]
     (batch,) = algorithm.minibatches(samples, adv, seed=0)
-    first = batch[0]
+    first = to_datum(batch[0])  # as the learner reads it
     assert first.input_tokens == [1, 2, 3, 7]
     assert first.target_tokens_T == [2, 3, 7, 2]
     assert first.weights_T[:2] == [0.0, 0.0] and first.weights_T[2] > 0

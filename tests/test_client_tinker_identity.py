@@ -86,6 +86,21 @@ def test_tinkers_sampling_params_mean_what_they_mean_in_tinker() -> None:
         types.SamplingParams(stop=["a", 1])  # type: ignore[list-item]
 
 
+def test_constrained_sampling_travels_in_the_public_sampling_params() -> None:
+    """``choices`` (polytinker's, beyond Tinker's fields) reaches the engine's params whole; the
+    SDK's objects, which have none, sample unconstrained; the engine's rules refuse bad choices."""
+    params = to_sampling_params(types.SamplingParams(max_tokens=4, choices=[[5, 6], [7]]))
+    assert params.choices == ((5, 6), (7,)) and params.max_tokens == 4
+    assert to_sampling_params({"max_tokens": 4, "choices": [[5, 6], [7]]}).choices == ((5, 6), (7,))
+    assert to_sampling_params(types.SamplingParams(max_tokens=4)).choices == ()
+    with pytest.raises(ConfigError, match=r"SamplingParams\.choices"):
+        to_sampling_params(types.SamplingParams(max_tokens=4, choices=[[5], [5, 6]]))  # a prefix of another
+    with pytest.raises(ConfigError, match=r"SamplingParams\.choices"):
+        types.SamplingParams(choices=[[1.5]])  # type: ignore[list-item]
+    sdk = pytest.importorskip("tinker")
+    assert to_sampling_params(sdk.types.SamplingParams(max_tokens=4)).choices == ()
+
+
 def test_rl_datums_without_weights_count_the_positions_with_an_advantage() -> None:
     rl = types.Datum(
         model_input=types.ModelInput.from_ints([1, 2, 3, 4]),
@@ -225,6 +240,13 @@ def test_a_tinker_rl_step_samples_scores_and_trains_with_async_futures() -> None
             assert len(first.tokens) <= 2 and first.stop_reason == "stop"
             with pytest.raises(ConfigError, match="seed"):
                 sampler.sample(prompt, 1, {"max_tokens": 4, "seed": -1})  # refused at the call
+            # polytinker's constrained sampling in the public params: each answer is one of the choices
+            choices = [
+                tokenizer.encode(" yes", add_special_tokens=False),
+                tokenizer.encode(" no", add_special_tokens=False),
+            ]
+            constrained = await sampler.sample(prompt, 4, types.SamplingParams(max_tokens=4, choices=choices, seed=1))
+            assert all(s.tokens in choices for s in constrained.sequences)
 
             # compute_logprobs on a ModelInput, and the same scores as prompt logprobs
             seq = res.sequences[0]

@@ -1,6 +1,7 @@
 """Which package may import which: transport <- actors <- engine <- scheduler <- client <- gateway,
-envs on transport only. Read from the source (every import statement, module-level or in a
-function), so a lazy import that crosses a layer the wrong way fails here too."""
+envs on transport only, agents on the client and envs (and the public vocabulary,
+polytinker.types). Read from the source (every import statement, module-level or in a function),
+so a lazy import that crosses a layer the wrong way fails here too."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ MAY_IMPORT = {
     "scheduler": {"transport", "actors", "engine", "types"},
     "client": {"transport", "actors", "engine", "scheduler", "types"},
     "gateway": {"transport", "actors", "engine", "scheduler", "client", "types"},
+    "agents": {"client", "envs", "types"},
 }
 
 

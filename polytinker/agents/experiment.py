@@ -34,7 +34,6 @@ from polytinker.agents.protocols import ServiceClientLike, TrainingClientLike
 from polytinker.agents.render import Renderer
 from polytinker.agents.rollout import Players
 from polytinker.agents.types import AlgorithmName, LoopMode, MappingKind, StepRecord
-from polytinker.engine.models import load_tokenizer
 from polytinker.envs import scripted_policy
 from polytinker.errors import ConfigError, NotBuiltError, PolytinkerError
 from polytinker.model_path import ModelPath
@@ -109,11 +108,11 @@ class Experiment:
     def _service(self) -> ServiceClientLike:
         # The client and the runtime's config load when an experiment starts its runtime, not with
         # polytinker.agents (which env authors import too): 0.35 s of start-up on 2 CPU cores.
-        from polytinker.client import ServiceClient
-        from polytinker.scheduler.service.config import (
+        from polytinker.client import (
             EngineWorkerConfig,
             LearnerWorkerConfig,
             RuntimeConfig,
+            ServiceClient,
             TenantConfig,
         )
 
@@ -180,6 +179,9 @@ class Experiment:
             )
 
     def _players(self, probe_env: Any) -> Players:
+        # The client loads here, not with polytinker.agents (see _service).
+        from polytinker.client import load_tokenizer
+
         tokenizer = load_tokenizer(self.config.base_model)
         specs = {a.name: a for a in self.config.agents}
         renderers = {

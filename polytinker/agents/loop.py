@@ -35,11 +35,10 @@ from polytinker.agents.metrics import transcript
 from polytinker.agents.protocols import RunHooks, TrainingClientLike
 from polytinker.agents.rollout import Players, SlotsBySeed, collect_samples, rollout_metrics
 from polytinker.agents.types import LoopMode, TurnSample
-from polytinker.engine.types import Datum
 from polytinker.envs import Coordinator, CoordinatorConfig
 from polytinker.envs.coordinator import EnvFactory
 from polytinker.envs.types import EpisodeResult
-from polytinker.types import AdamParams
+from polytinker.types import AdamParams, Datum
 
 log = logging.getLogger("polytinker.agents")
 

@@ -27,9 +27,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from polytinker.agents.spec import RendererConfig
-from polytinker.engine.types import Datum
 from polytinker.envs.types import PolicyInput
 from polytinker.errors import ConfigError
+from polytinker.types import Datum, ModelInput, TensorData
 
 _FIRST_NUMBER = re.compile(r"\d{1,4}")
 # Stands for an assistant message's content when the template is asked what follows one.
@@ -195,7 +195,10 @@ class Renderer:
             else:
                 weights += [0.0] * (len(upto) - len(tokens))
             tokens = upto
-        return Datum(input_tokens=tokens[:-1], target_tokens_T=tokens[1:], weights_T=weights[1:])
+        return Datum(
+            ModelInput.from_ints(tokens[:-1]),
+            {"target_tokens": TensorData(tokens[1:], "int64"), "weights": TensorData(weights[1:], "float32")},
+        )
 
 
 class DatumBuilder:
@@ -234,11 +237,13 @@ class DatumBuilder:
 
     def datum(self) -> Datum:
         return Datum(
-            input_tokens=self.tokens[:-1],
-            target_tokens_T=self.tokens[1:],
-            weights_T=self.weights_T,
-            advantages_T=self.advantages_T,
-            sampling_logprobs_T=self.logprobs_T,
+            ModelInput.from_ints(self.tokens[:-1]),
+            {
+                "target_tokens": TensorData(self.tokens[1:], "int64"),
+                "weights": TensorData(self.weights_T, "float32"),
+                "advantages": TensorData(self.advantages_T, "float32"),
+                "logprobs": TensorData(self.logprobs_T, "float32"),  # the sampler's, for the importance ratio
+            },
         )
 
 

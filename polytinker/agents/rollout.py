@@ -29,10 +29,10 @@ from polytinker.agents.protocols import SamplingClientLike
 from polytinker.agents.render import Renderer
 from polytinker.agents.spec import AgentSpec
 from polytinker.agents.types import Slot, SlotKind, TurnSample
-from polytinker.engine.types import SamplingParams
 from polytinker.envs.tools import Tool, ToolLimits, make_tool, run_tool_call, tool_format
 from polytinker.envs.types import AgentAction, EpisodeResult, ModelSample, PolicyInput, Trajectory
 from polytinker.errors import ConfigError
+from polytinker.types import SamplingParams
 
 SlotsBySeed = Mapping[int, Mapping[str, Slot]]
 # What counts as a win: more reward than every other role, a positive reward, or a reward of at
@@ -159,13 +159,14 @@ class _ModelTurn:
 
     def _params(self, evaluation: bool, seed: int, may_call: bool) -> SamplingParams:
         sampling = self.spec.sampling
+        stops = self.format.stop_strings(self.tools) if may_call and self.format is not None else ()
         return SamplingParams(
             # A constrained answer may be as long as its longest choice.
             max_tokens=max([sampling.max_tokens, *map(len, self.choices)]),
             temperature=sampling.eval_temperature if evaluation else sampling.temperature,
             top_p=sampling.top_p,
             seed=seed,
-            stop=tuple(self.format.stop_strings(self.tools)) if may_call and self.format is not None else (),
+            stop=tuple(stops) or None,  # None: EOS alone ends the answer ([] would not stop even at EOS)
             choices=self.choices,
         )
 

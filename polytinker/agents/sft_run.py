@@ -8,7 +8,6 @@ from polytinker.agents.protocols import ServiceClientLike, TrainingClientLike
 from polytinker.agents.render import Renderer
 from polytinker.agents.spec import AgentSpec
 from polytinker.agents.types import AlgorithmName
-from polytinker.engine.models import load_tokenizer
 from polytinker.errors import ConfigError
 from polytinker.types import AdamParams
 
@@ -20,6 +19,9 @@ def train_sft(
     training client (to sample from or keep training with RL) and the loss of each step."""
     if spec.algorithm.name is not AlgorithmName.SFT:
         raise ConfigError(f"agent {spec.name}: train_sft needs algorithm.name = 'sft'")
+
+    # The client loads when a run starts, not with polytinker.agents (which env authors import too).
+    from polytinker.client import load_tokenizer
 
     renderer = Renderer(load_tokenizer(spec.base_model), spec.renderer)
     batches = sft_batches(renderer, read_conversations(spec.algorithm.sft_data), batch_size)

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from polytinker.agents.types import AlgorithmName
-from polytinker.engine.types import DEFAULT_TARGET_MODULES
 from polytinker.envs.tools import FORMATS
 from polytinker.errors import ConfigError
 from polytinker.tables import check_keys, from_table
+from polytinker.types import DEFAULT_TARGET_MODULES
 
 DEFAULT_BASE_MODEL = "smollm2-135m-instruct"
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")

@@ -8,6 +8,9 @@
 - ``APIFuture``: what the calls return at once; ``.result()``, or ``await`` it.
 - ``merge_calls``, ``RecordedCall``, ``call_datum``: an agent's recorded ``/v1`` calls as
   training datums, one per episode where the calls continue each other (docs/openai.md).
+- ``RuntimeConfig``, ``EngineWorkerConfig``, ``LearnerWorkerConfig``, ``TenantConfig``: the
+  runtime a ``ServiceClient(runtime_config=...)`` starts for its script (the scheduler's config).
+- ``load_tokenizer``: a base model's tokenizer, what ``get_tokenizer`` answers, before any client.
 - Results (``polytinker.types``): ``ForwardBackwardOutput``, ``OptimStepResponse`` (also
   ``OptimStepResult``), ``SampleResponse``, ``SampledSequence``.
 
@@ -28,18 +31,25 @@ from polytinker.client.recorded import RecordedCall, call_datum, merge_calls
 from polytinker.client.sampling_client import SamplingClient
 from polytinker.client.service_client import ServiceClient
 from polytinker.client.training_client import TrainingClient
+from polytinker.engine.models import load_tokenizer
+from polytinker.scheduler.service.config import EngineWorkerConfig, LearnerWorkerConfig, RuntimeConfig, TenantConfig
 
 __all__ = [
     "APIFuture",
+    "EngineWorkerConfig",
     "ForwardBackwardOutput",
+    "LearnerWorkerConfig",
     "OptimStepResponse",
     "OptimStepResult",
     "RecordedCall",
+    "RuntimeConfig",
     "SampleResponse",
     "SampledSequence",
     "SamplingClient",
     "ServiceClient",
+    "TenantConfig",
     "TrainingClient",
     "call_datum",
+    "load_tokenizer",
     "merge_calls",
 ]

@@ -6,8 +6,8 @@
   position counts where its advantage is non-zero.
 - ``prompt_tokens``: the token ids of a prompt (a list, or a ``ModelInput``).
 - ``to_sampling_params``: the stack's ``polytinker.engine.types.SamplingParams`` from
-  ``polytinker.types.SamplingParams`` (Tinker's defaults and meanings; the SDK's own objects too),
-  from an engine ``SamplingParams`` or a dict of its fields (polytinker's).
+  ``polytinker.types.SamplingParams`` (Tinker's defaults and meanings, and polytinker's
+  ``choices``; the SDK's own objects too), from an engine ``SamplingParams`` or a dict of its fields (polytinker's).
 - ``fb_output``: a ``ForwardBackwardOutput`` from the scheduler's answer.
 """
 
@@ -117,6 +117,7 @@ def to_sampling_params(params: Any, default_max_tokens: int = DEFAULT_MAX_TOKENS
         stop_token_ids=stop_ids,
         seed=check_seed(params.seed),
         ignore_eos=ignore_eos,  # stop=[]: not even EOS stops
+        choices=tuple(tuple(c) for c in getattr(params, "choices", ())),  # the SDK's objects have none
     )
 
 
@@ -134,6 +135,7 @@ def _engine_sampling(params: Any) -> SamplingParams:
         stop_token_ids=tuple(get("stop_token_ids", ()) or ()),
         seed=check_seed(get("seed", None)),
         ignore_eos=bool(get("ignore_eos", False)),
+        choices=tuple(tuple(c) for c in get("choices", ()) or ()),
     )
 
 

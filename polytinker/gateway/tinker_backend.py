@@ -451,7 +451,8 @@ class TinkerBackend:
         prompt in one prefill."""
         if not isinstance(p, dict):
             raise ConfigError("sampling_params must be an object")
-        known = {f.name for f in dataclasses.fields(TinkerSamplingParams)}
+        # Tinker's fields only: ``choices`` is polytinker's client's own, not part of the HTTP API.
+        known = {f.name for f in dataclasses.fields(TinkerSamplingParams)} - {"choices"}
         try:
             params = TinkerSamplingParams(**{k: v for k, v in p.items() if k in known})
         except TypeError as exc:  # a value of the wrong type where the checks compare numbers

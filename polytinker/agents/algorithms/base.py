@@ -23,7 +23,7 @@ import numpy as np
 from polytinker.agents.render import DatumBuilder
 from polytinker.agents.spec import AlgorithmConfig
 from polytinker.agents.types import TurnSample
-from polytinker.engine.types import Datum
+from polytinker.types import Datum
 
 
 def turn_scores(samples: Sequence[TurnSample], config: AlgorithmConfig) -> np.ndarray:

@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 
 from polytinker.agents.render import Renderer
-from polytinker.engine.types import Datum
 from polytinker.errors import ConfigError
+from polytinker.types import Datum, TensorData
 
 
 def read_conversations(path: str | Path) -> list[list[dict[str, str]]]:
@@ -43,9 +43,14 @@ def sft_batches(renderer: Renderer, conversations: list[list[dict[str, str]]], b
     batches = []
     for start in range(0, len(datums), batch_size):
         part = datums[start : start + batch_size]
-        total = sum(sum(1 for w in d.weights_T if w) for d in part) or 1
-        batches.append([Datum(d.input_tokens, d.target_tokens_T, [w / total for w in d.weights_T]) for d in part])
+        total = sum(sum(1 for w in d.loss_fn_inputs["weights"].data if w) for d in part) or 1
+        batches.append([_scaled(d, 1 / total) for d in part])
     return batches
+
+
+def _scaled(d: Datum, factor: float) -> Datum:
+    weights = [w * factor for w in d.loss_fn_inputs["weights"].data]
+    return Datum(d.model_input, {**d.loss_fn_inputs, "weights": TensorData(weights, "float32")})
 
 
 __all__ = ["read_conversations", "sft_batches"]
