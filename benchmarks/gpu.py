@@ -96,8 +96,9 @@ def engine_figures(shape: str, device: str, dtype: torch.dtype, quick: bool) -> 
 
 
 def learner_figures(shape: str, device: str, dtype: torch.dtype, quick: bool, engine: Any) -> dict[str, float]:
+    from polytinker.engine.adapter_weights import AdapterWeights
     from polytinker.engine.learner import AdamParams, DistInfo, LearnerConfig, MultiAdapterLearner
-    from polytinker.engine.types import AdapterRef, AdapterWeights, Datum, LoraConfig
+    from polytinker.engine.types import AdapterRef, Datum, LoraConfig
 
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device(device))
     learner = MultiAdapterLearner(random_model(shape, device, dtype), LearnerConfig(micro_batch_size=32), info)

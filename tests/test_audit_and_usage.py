@@ -17,7 +17,7 @@ from polytinker.cli import main as cli_main
 from polytinker.errors import ConfigError
 from polytinker.model_path import CheckpointPath
 from polytinker.scheduler.service.audit import saved_path
-from polytinker.scheduler.service.state import JobRow
+from polytinker.scheduler.service.state_rows import JobRow
 
 SEQUENCE = [5, 17, 230, 1400, 9]
 

@@ -17,7 +17,7 @@ import polytinker as tinker
 from polytinker import types
 from polytinker.client._convert import to_datum, to_sampling_params
 from polytinker.client._future import APIFuture, submit
-from polytinker.client.service_client import lora_modules
+from polytinker.client._lora import lora_modules
 from polytinker.errors import ConfigError
 
 # --- the vocabulary, no runtime -----------------------------------------------------------------

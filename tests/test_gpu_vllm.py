@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 
+from polytinker.engine.adapter_weights import AdapterWeights
 from polytinker.engine.inference.adapter_io import random_adapter
 from polytinker.engine.models import TINY_RANDOM, load_model
-from polytinker.engine.types import AdapterRef, AdapterWeights, SampleRequest, SamplingParams
+from polytinker.engine.types import AdapterRef, SampleRequest, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 

@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 
+from polytinker.engine.adapter_weights import AdapterWeights
 from polytinker.engine.inference.adapter_io import random_adapter
 from polytinker.engine.inference.base import InferenceBackend
 from polytinker.engine.models import TINY_RANDOM, load_model
-from polytinker.engine.types import AdapterRef, AdapterWeights, FinishReason, SampleRequest, SamplingParams
+from polytinker.engine.types import AdapterRef, FinishReason, SampleRequest, SamplingParams
 from polytinker.errors import ConfigError
 
 # Largest gap allowed between a sampled token's logprob and compute_logprobs for the same token.

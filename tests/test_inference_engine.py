@@ -12,12 +12,13 @@ import pytest
 import torch
 from _worker import worker_process
 
+from polytinker.engine.adapter_weights import AdapterWeights
 from polytinker.engine.inference import random_adapter, write_adapter_dir
 from polytinker.engine.inference.config import EngineConfig, HFBackendConfig
 from polytinker.engine.inference.engine import InferenceEngine
 from polytinker.engine.inference.hf import HFBackend
 from polytinker.engine.models import TINY_RANDOM
-from polytinker.engine.types import AdapterRef, AdapterWeights, SampleRequest, SampleResult, SamplingParams
+from polytinker.engine.types import AdapterRef, SampleRequest, SampleResult, SamplingParams
 from polytinker.engine.worker import messages as wm
 from polytinker.errors import ConfigError, ModelError, RemoteError
 from polytinker.scheduler.service.config import EngineWorkerConfig

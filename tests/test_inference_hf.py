@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from polytinker.engine.adapter_weights import AdapterWeights
 from polytinker.engine.inference import random_adapter, render_prompt, write_adapter_dir
 from polytinker.engine.inference.config import HFBackendConfig
 from polytinker.engine.inference.hf import HFBackend
 from polytinker.engine.models import DEFAULT_MODEL, TINY_RANDOM, load_model
-from polytinker.engine.types import AdapterRef, AdapterWeights, FinishReason, LoraConfig, SampleRequest, SamplingParams
+from polytinker.engine.types import AdapterRef, FinishReason, LoraConfig, SampleRequest, SamplingParams
 from polytinker.errors import ConfigError, ModelError
 
 CHAT = ({"role": "user", "content": "What is the capital of France?"},)

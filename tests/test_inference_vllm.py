@@ -15,10 +15,11 @@ from typing import Any
 import pytest
 import torch
 
+from polytinker.engine.adapter_weights import AdapterWeights
 from polytinker.engine.inference._vllm_config import VllmBackendConfig
 from polytinker.engine.inference.adapter_io import random_adapter, write_adapter_dir
 from polytinker.engine.models import TINY_RANDOM, load_model
-from polytinker.engine.types import AdapterRef, AdapterWeights, LoraConfig, SampleRequest, SamplingParams
+from polytinker.engine.types import AdapterRef, LoraConfig, SampleRequest, SamplingParams
 from polytinker.errors import ConfigError, ModelError
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)

@@ -262,7 +262,7 @@ def test_fuzzed_requests_of_every_kind_get_no_unexpected_error_and_the_state_rea
 def test_an_unreadable_job_row_is_quarantined_and_the_rest_are_served(tmp_path: Path) -> None:
     """Defence in depth: a row no request can write any more (an older version's, or one edited
     by hand) is moved aside at start-up instead of failing the scheduler for every tenant."""
-    from polytinker.scheduler.service.state import JobRow
+    from polytinker.scheduler.service.state_rows import JobRow
     from polytinker.scheduler.types import JobKind, JobState
 
     path = tmp_path / "scheduler.sqlite3"

@@ -13,7 +13,8 @@ from pathlib import Path
 from polytinker.client._connection import backoff_s
 from polytinker.scheduler.service import RuntimeConfig, TenantConfig
 from polytinker.scheduler.service import messages as m
-from polytinker.scheduler.service.jobs import JobManager, idle_verdict
+from polytinker.scheduler.service.idle import idle_verdict
+from polytinker.scheduler.service.jobs import JobManager
 from polytinker.scheduler.service.state import StateStore
 from polytinker.scheduler.service.tenants import Tenants
 
@@ -68,7 +69,7 @@ def test_an_idle_pause_is_a_pause_in_the_history_and_any_call_keeps_a_job_live(t
     release, started = threading.Event(), threading.Event()
 
     def long_call() -> None:  # one call that outlasts the idle limit
-        with mgr.activity():
+        with mgr.activity.calls():
             mgr.running("alice", trainer)
             started.set()
             release.wait()
@@ -78,7 +79,7 @@ def test_an_idle_pause_is_a_pause_in_the_history_and_any_call_keeps_a_job_live(t
     started.wait()
     time.sleep(0.4)
     assert mgr.pause_idle() == [sampler]  # the trainer's call is in flight; the sampler went quiet
-    assert mgr.job_stats()[trainer]["in_flight"] == 1
+    assert mgr.activity.stats()[trainer]["in_flight"] == 1
     row = mgr.get("alice", sampler)
     assert row.state == "paused" and row.reason.startswith("idle:")
     assert kinds(mgr, sampler)[-1] == "pause" and "cancel" not in kinds(mgr, sampler)
@@ -87,7 +88,7 @@ def test_an_idle_pause_is_a_pause_in_the_history_and_any_call_keeps_a_job_live(t
     assert kinds(mgr, sampler)[-1] == "finish" and "cancel" not in kinds(mgr, sampler)
     release.set()
     th.join()
-    assert mgr.job_stats()[trainer] | {"idle_s": 0} == {"calls": 1, "in_flight": 0, "idle_s": 0}
+    assert mgr.activity.stats()[trainer] | {"idle_s": 0} == {"calls": 1, "in_flight": 0, "idle_s": 0}
     time.sleep(0.35)  # idle time counts from the end of its last call
     assert mgr.pause_idle() == [trainer]
     row = mgr.get("alice", trainer)

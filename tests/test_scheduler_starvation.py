@@ -61,7 +61,7 @@ def create(mgr: JobManager, tenant: str) -> str:
 
 def call(mgr: JobManager, tenant: str, job_id: str) -> str:
     """One call naming the job, as a handler makes it: "placed", or the state of the "waiting" answer."""
-    with mgr.activity():
+    with mgr.activity.calls():
         try:
             mgr.running(tenant, job_id)
         except JobNotRunning as exc:
@@ -129,7 +129,7 @@ def test_an_idle_tenant_holding_every_slot_gives_one_to_a_waiting_tenant_within_
     assert "alice" not in victim.reason and alice not in victim.reason  # bob learns nothing of alice
     assert all(mgr.get("bob", j).state == "running" for j in bob[1:])
     assert kinds(mgr, alice)[-2:] == ["reclaim", "start"]
-    assert mgr.job_stats()[alice]["calls"] >= 1
+    assert mgr.activity.stats()[alice]["calls"] >= 1
 
 
 def test_an_evicted_job_comes_back_on_its_next_call_with_its_version(tmp_path: Path) -> None:
@@ -199,7 +199,7 @@ def test_a_call_in_flight_keeps_a_job_from_being_taken(tmp_path: Path) -> None:
     started, release = threading.Event(), threading.Event()
 
     def long_call() -> None:  # one call of bob's that outlasts the limit several times
-        with mgr.activity():
+        with mgr.activity.calls():
             mgr.running("bob", bob)
             started.set()
             release.wait()

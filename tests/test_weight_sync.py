@@ -11,10 +11,11 @@ import gc
 import pytest
 import torch
 
+from polytinker.engine.adapter_weights import MAX_LAYOUT_TENSORS, AdapterWeights, TensorLayout
 from polytinker.engine.inference.hf import HFBackend
 from polytinker.engine.learner import AdamParams, MultiAdapterLearner
 from polytinker.engine.models import TINY_RANDOM, load_model
-from polytinker.engine.types import MAX_LAYOUT_TENSORS, AdapterRef, AdapterWeights, Datum, LoraConfig, TensorLayout
+from polytinker.engine.types import AdapterRef, Datum, LoraConfig
 from polytinker.errors import ProtocolError
 from polytinker.scheduler.service.replies import AdapterTensors
 from polytinker.transport.codec import decode, encode

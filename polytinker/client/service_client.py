@@ -3,10 +3,8 @@
 ``ServiceClient(address)`` (or Tinker's ``base_url=``, a ``tcp://`` or ``ipc://`` address) talks to
 a running scheduler (``polytinker serve``); ``ServiceClient()`` with no address (and no
 ``$POLYTINKER_SCHEDULER``) starts a ``LocalRuntime`` for the script on first use, with the base
-model the first ``create_*`` call names, and stops it at ``close()``; if it stops by itself (an
-actor stayed down), calls raise its ``RuntimeDead``. Without ``runtime_config`` that runtime keeps
-its state in a persistent directory of this user's (``home.default_state_dir``: paths stay valid
-for later scripts), and a client whose directory another script's runtime holds uses that one.
+model the first ``create_*`` call names, and stops it at ``close()`` (``_local_runtime.py``:
+without ``runtime_config``, the persistent default runtime this user's scripts share).
 ``ServiceClient(inproc=True)`` starts an ``InprocRuntime`` instead: the same scheduler, engine and
 learner as objects in this process, no sockets (one process to step through with a debugger).
 The API key comes from ``api_key=`` or ``$POLYTINKER_API_KEY`` (a local runtime makes its own).
@@ -16,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import datetime
 import os
 import threading
@@ -27,25 +24,22 @@ from typing import Any
 
 from polytinker.client._connection import Connection
 from polytinker.client._future import APIFuture, submit
+from polytinker.client._local_runtime import connect_local_runtime
+from polytinker.client._lora import LORA_KINDS, lora_fields, lora_modules, lora_options
 from polytinker.client.export import adapter_files, export_weights
 from polytinker.client.sampling_client import SamplingClient
 from polytinker.client.training_client import TrainingClient
-from polytinker.engine.types import ATTN_MODULES, DEFAULT_TARGET_MODULES, MLP_MODULES, UNEMBED_MODULE
 from polytinker.errors import ConfigError, PolytinkerError, TransportError
 from polytinker.model_path import CKPT_PREFIX, CheckpointPath
 from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service import replies as r
 from polytinker.scheduler.service.config import RuntimeConfig
-from polytinker.scheduler.service.home import StateDirInUse, default_state_dir, running_holder
-from polytinker.scheduler.service.inproc import InprocRuntime
-from polytinker.scheduler.service.runtime import LocalRuntime
 from polytinker.scheduler.types import JobKind, JobState
 from polytinker.transport import ClientCurve
 from polytinker.types import GetServerCapabilitiesResponse, SupportedModel
 
 ADDRESS_ENV = "POLYTINKER_SCHEDULER"
 API_KEY_ENV = "POLYTINKER_API_KEY"
-_LORA_KINDS = (JobKind.LORA_RL, JobKind.SFT)  # the kinds a LoRA training client makes
 
 
 def scheduler_address(address: str | None, base_url: str | None) -> str | None:
@@ -61,22 +55,6 @@ def scheduler_address(address: str | None, base_url: str | None) -> str | None:
     if address and base_url and address != base_url:
         raise ConfigError(f"address {address!r} and base_url {base_url!r} differ: pass one")
     return address or base_url
-
-
-def lora_modules(
-    train_mlp: bool, train_attn: bool, train_unembed: bool, target_modules: tuple[str, ...] = ()
-) -> tuple[str, ...]:
-    """The LoRA target modules: ``target_modules`` when given, else Tinker's switches (attention and
-    MLP without the unembedding: ``()``, the learner's default of every linear projection)."""
-    if target_modules:
-        return tuple(target_modules)
-    if train_mlp and train_attn and not train_unembed:
-        return ()
-    modules = (ATTN_MODULES if train_attn else ()) + (MLP_MODULES if train_mlp else ())
-    modules += (UNEMBED_MODULE,) if train_unembed else ()
-    if not modules:
-        raise ConfigError("train_attn, train_mlp and train_unembed are all False: LoRA would train nothing")
-    return modules
 
 
 class ServiceClient:
@@ -127,41 +105,11 @@ class ServiceClient:
             if self._closed:
                 raise TransportError("this ServiceClient is closed")
             if self._conn is None:
-                self._conn = self._start_runtime(base_model)
+                self._conn, self._runtime = connect_local_runtime(
+                    self._runtime_config, base_model, self._inproc, self._timeout_s, self._job_wait_s
+                )
+                self._api_key = self._conn.api_key
             return self._conn
-
-    def _start_runtime(self, base_model: str | None) -> Connection:
-        """A runtime for this client: the default one (persistent, shared with this user's other
-        scripts: attach to it when it runs) without a runtime config, else one of its own."""
-        cfg = self._runtime_config or RuntimeConfig()
-        if base_model:
-            cfg = dataclasses.replace(cfg, model=base_model)
-        shared = self._runtime_config is None and not self._inproc
-        if shared:
-            cfg = dataclasses.replace(cfg, state_dir=str(default_state_dir(cfg.model)))
-        for _ in range(2):  # a second try: another script may take the directory between look and start
-            holder = running_holder(cfg.state_path) if shared else None
-            if holder is not None and holder.api_key:
-                self._api_key = holder.api_key
-                wait = self._job_wait_s
-                return Connection(holder.address, holder.api_key, timeout_s=self._timeout_s, job_wait_s=wait)
-            try:
-                self._runtime = (InprocRuntime if self._inproc else LocalRuntime)(cfg).start()
-                break
-            except StateDirInUse:
-                if not shared:
-                    raise
-        else:
-            raise StateDirInUse(f"{cfg.state_dir}: held by a runtime this client could not reach")
-        self._api_key = self._runtime.api_key
-        return Connection(
-            self._runtime.local_address,
-            self._api_key,
-            timeout_s=self._timeout_s,
-            job_wait_s=self._job_wait_s,
-            check=self._runtime.check,
-            rpc=self._runtime.client() if self._inproc else None,
-        )
 
     def _create(self, kind: str, base_model: str, request_key: str = "", **fields: Any) -> dict[str, Any]:
         """A job; its ``request_key`` (one made here if none is given) is the same on each resend
@@ -207,14 +155,9 @@ class ServiceClient:
         script samples ahead of training (0: sync), which the scheduler's policy plans with.
         ``request_key``: this creation's key (one is made if none is given): a creation repeated
         with the same key and arguments gets the job the first made, not another one."""
-        if kind not in _LORA_KINDS:
+        if kind not in LORA_KINDS:
             raise ConfigError(f"kind must be 'lora_rl' or 'sft' for a LoRA training client, got {kind!r}")
-        lora = {
-            "rank": rank,
-            "alpha": alpha or rank,
-            "seed": 0 if seed is None else int(seed),
-            "target_modules": lora_modules(train_mlp, train_attn, train_unembed, tuple(target_modules)),
-        }
+        lora = lora_fields(rank, alpha, seed, lora_modules(train_mlp, train_attn, train_unembed, tuple(target_modules)))
         fields = {"agent": agent, "priority": priority, "steps": steps, "max_staleness": max_staleness}
         job = self._create(kind, base_model, request_key, **fields, **lora)
         return TrainingClient(self._connection(), self._admitted(job), lora)
@@ -250,17 +193,12 @@ class ServiceClient:
         if checkpoint is None or not checkpoint.job_id:
             raise ConfigError(f"pass a path that save_state gave ({CKPT_PREFIX}JOB/NAME), got {path!r}")
         source = self.weights_info(path)  # the tenant's own checkpoint, or a published one
-        lora = source.lora or {}
         kw.setdefault("agent", source.agent)
         if source.kind == JobKind.FULL_RL:
             tc = self.create_training_client(source.base_model, **kw)
         else:
-            kind = source.kind if source.kind in _LORA_KINDS else JobKind.LORA_RL
-            rank, alpha = int(lora.get("rank", 32)), int(lora.get("alpha") or 0) or None
-            # None named: the learner's default then (every projection, not the unembedding).
-            modules = tuple(lora.get("target_modules") or DEFAULT_TARGET_MODULES)
             tc = self.create_lora_training_client(
-                source.base_model, rank, lora.get("seed"), alpha=alpha, target_modules=modules, kind=kind, **kw
+                source.base_model, **lora_options(source.kind, source.lora or {}), **kw
             )
         (tc.load_state_with_optimizer(path) if optimizer else tc.load_state(path)).result()
         return tc

@@ -1,7 +1,8 @@
 """polytinker.gateway: the HTTP front door, a client of the scheduler like any other.
 
-It serves the Tinker HTTP API (what the official ``tinker`` SDK and tinker-cookbook speak:
-``tinker_api.py``, ``tinker_backend.py``) and OpenAI's ``/v1`` (``openai_api.py``) through
+It serves the Tinker HTTP API (what the official ``tinker`` SDK and tinker-cookbook speak: routes in
+``tinker_api.py`` and ``tinker_api_runs.py``, the calls in ``tinker_backend.py`` and
+``tinker_weights.py``) and OpenAI's ``/v1`` (``openai_api.py``) through
 :mod:`polytinker.client`, on a FastAPI app (``app.Gateway``). ``HttpRuntime`` (``runtime.py``) is a
 local runtime with its gateway, what ``polytinker serve --http`` runs; ``polytinker gateway`` runs
 one alone in front of a scheduler elsewhere (``_cli.py``). docs/tinker.md and docs/openai.md.

@@ -6,7 +6,8 @@ then polls ``/api/v1/retrieve_future``, which waits up to ``long_poll_s`` and an
 ``{"type": "try_again"}``, or ``{"error": ..., "category": "user" | "server"}``.
 ``forward_backward`` arrives as protobuf (or as JSON, from SDK releases before 0.25: ``fb_json``),
 and its result (and a sample's) goes back as protobuf, which every release from 0.22 on reads;
-everything else is JSON.
+everything else is JSON. The routes over training runs, their checkpoints and the admin reads are
+tinker_api_runs.py's.
 """
 
 from __future__ import annotations
@@ -29,12 +30,13 @@ from polytinker.gateway.errors import HttpError, error_body
 from polytinker.gateway.futures import FutureTable
 from polytinker.gateway.limits import InFlight
 from polytinker.gateway.seq_ids import SeqIds, body_digest
-from polytinker.gateway.tinker_admin import TinkerAdmin
+from polytinker.gateway.tinker_api_runs import add_admin_routes, add_checkpoint_routes, add_run_routes
 from polytinker.gateway.tinker_backend import Tenant, TinkerBackend
 from polytinker.gateway.tinker_names import owner_of, to_tinker_path
 from polytinker.gateway.tinker_render import failed, fb_render, sample_render
 from polytinker.gateway.tinker_runs import TinkerRuns
-from polytinker.gateway.wire import api_key, read_body, read_json, ttl_of
+from polytinker.gateway.tinker_weights import TinkerWeights
+from polytinker.gateway.wire import api_key, read_body, read_json
 from polytinker.scheduler.service.http_config import HttpConfig
 
 PROTO = "application/x-protobuf"
@@ -61,12 +63,14 @@ log = logging.getLogger("polytinker.http")
 
 
 @dataclass(frozen=True)
-class _Api:
-    """What the routes share: the backend, the table of pending calls, and the limits."""
+class TinkerApi:
+    """What the routes share (tinker_api_runs.py's too): the backend and what reads and saves
+    through it (runs, weights), the table of pending calls, and the limits."""
 
     backend: TinkerBackend
     futures: FutureTable
     runs: TinkerRuns
+    weights: TinkerWeights
     long_poll_s: float
     max_body_bytes: int
     # Telemetry is accepted from any key of the runtime and dropped: small bodies, few at a time.
@@ -124,10 +128,11 @@ def tinker_router(
 ) -> APIRouter:
     """The Tinker API's routes, with the limits of ``config``; ``downloads`` holds the signed URLs."""
     r = APIRouter(prefix="/api/v1")
-    api = _Api(
+    api = TinkerApi(
         backend,
         futures,
         TinkerRuns(backend, downloads),
+        TinkerWeights(backend),
         config.long_poll_s,
         config.max_body_bytes,
         config.max_telemetry_bytes,
@@ -138,15 +143,15 @@ def tinker_router(
     _add_model_routes(r, api)
     _add_training_routes(r, api)
     _add_weights_routes(r, api)
-    _add_run_routes(r, api)
-    _add_checkpoint_routes(r, api)
-    _add_admin_routes(r, api, TinkerAdmin(backend))
+    add_run_routes(r, api)  # these three: tinker_api_runs.py
+    add_checkpoint_routes(r, api)
+    add_admin_routes(r, api)
     _add_sampling_routes(r, api)
     _add_future_routes(r, api)
     return r
 
 
-def _add_service_routes(r: APIRouter, api: _Api) -> None:
+def _add_service_routes(r: APIRouter, api: TinkerApi) -> None:
     """Health, the client's configuration, sessions and telemetry."""
 
     @r.get("/healthz")
@@ -206,7 +211,7 @@ def _add_service_routes(r: APIRouter, api: _Api) -> None:
         return {"status": "accepted"}
 
 
-def _add_model_routes(r: APIRouter, api: _Api) -> None:
+def _add_model_routes(r: APIRouter, api: TinkerApi) -> None:
     """Creating a training model, its info, and unloading it."""
 
     @r.post("/create_model")
@@ -236,7 +241,7 @@ def _add_model_routes(r: APIRouter, api: _Api) -> None:
         return await api.submit(t, fut, lambda out: out, model_id)
 
 
-def _add_training_routes(r: APIRouter, api: _Api) -> None:
+def _add_training_routes(r: APIRouter, api: TinkerApi) -> None:
     """``forward_backward`` and ``forward`` (a protobuf or JSON body) and ``optim_step``."""
 
     async def fb(request: Request, forward: bool) -> dict[str, Any]:
@@ -271,128 +276,35 @@ def _add_training_routes(r: APIRouter, api: _Api) -> None:
         return await api.call(request, api.backend.optim_step, render, checks.OPTIM_STEP)
 
 
-def _add_weights_routes(r: APIRouter, api: _Api) -> None:
+def _add_weights_routes(r: APIRouter, api: TinkerApi) -> None:
     """Saving and loading state, weights for a sampler, and what a checkpoint holds."""
 
     @r.post("/save_weights")
     async def save_weights(request: Request) -> dict[str, Any]:
         render = lambda path: {"type": "save_weights", "path": to_tinker_path(path)}  # noqa: E731
-        return await api.call(request, api.backend.save_state, render, checks.SAVE)
+        return await api.call(request, api.weights.save_state, render, checks.SAVE)
 
     @r.post("/save_weights_for_sampler")
     async def save_for_sampler(request: Request) -> dict[str, Any]:
-        return await api.call(request, api.backend.save_for_sampler, _as_is, checks.SAVE)
+        return await api.call(request, api.weights.save_for_sampler, _as_is, checks.SAVE)
 
     @r.post("/save_weights_external")
     async def save_weights_external(request: Request) -> dict[str, Any]:
-        return await api.call(request, api.backend.save_external, _as_is, checks.SAVE_EXTERNAL)
+        return await api.call(request, api.weights.save_external, _as_is, checks.SAVE_EXTERNAL)
 
     @r.post("/load_weights")
     async def load_weights(request: Request) -> dict[str, Any]:
-        return await api.call(request, api.backend.load_state, _as_is, checks.LOAD)
+        return await api.call(request, api.weights.load_state, _as_is, checks.LOAD)
 
     @r.get("/weights_info")
     @r.post("/weights_info")
     async def weights_info(request: Request) -> dict[str, Any]:
         t = await api.tenant_of(request)
         body = await api.json(request, checks.WEIGHTS_INFO) if request.method == "POST" else dict(request.query_params)
-        return await asyncio.to_thread(api.backend.weights_info, t, str(body.get("tinker_path") or ""))
+        return await asyncio.to_thread(api.weights.weights_info, t, str(body.get("tinker_path") or ""))
 
 
-def _add_run_routes(r: APIRouter, api: _Api) -> None:
-    """Training runs, checkpoints and sessions, as the SDK's RestClient reads them. Plain functions:
-    FastAPI runs them on its thread pool, as they wait on the scheduler."""
-    runs = api.runs
-
-    @r.get("/training_runs")
-    def list_training_runs(request: Request, limit: int = 20, offset: int = 0) -> dict[str, Any]:
-        return runs.training_runs(api.tenant(request), _page(limit), _page(offset))
-
-    @r.get("/training_runs/{run_id}")
-    def get_training_run(run_id: str, request: Request) -> dict[str, Any]:
-        return runs.training_run(api.tenant(request), run_id)
-
-    @r.get("/training_runs/{run_id}/checkpoints")
-    def list_checkpoints(run_id: str, request: Request) -> dict[str, Any]:
-        return {"checkpoints": runs.checkpoints(api.tenant(request), run_id), "cursor": None}
-
-    @r.get("/downloads/{token}/{file_name}")
-    def download(token: str, file_name: str) -> Response:
-        # A signed URL: the token is the capability, no key (downloads.py).
-        data = runs.downloads.get(token, file_name)
-        if data is None:
-            return JSONResponse(error_body("unknown or expired download URL", "not_found"), status_code=404)
-        return Response(data, media_type="application/octet-stream")
-
-    @r.get("/checkpoints")
-    def list_user_checkpoints(request: Request, limit: int = 100, offset: int = 0) -> dict[str, Any]:
-        return runs.user_checkpoints(api.tenant(request), _page(limit), _page(offset))
-
-    @r.get("/sessions")
-    def list_sessions(request: Request, limit: int = 20, offset: int = 0) -> dict[str, Any]:
-        return runs.sessions(api.tenant(request), _page(limit), _page(offset))
-
-    @r.get("/sessions/{session_id}")
-    def get_session(session_id: str, request: Request) -> dict[str, Any]:
-        return runs.session(api.tenant(request), session_id)
-
-
-def _add_checkpoint_routes(r: APIRouter, api: _Api) -> None:
-    """What the SDK does to a run's checkpoints: copy, publish, delete, TTL, download URLs."""
-    runs = api.runs
-
-    @r.post("/copy_weights")
-    async def copy_weights(request: Request) -> dict[str, Any]:
-        t = await api.tenant_of(request)
-        body = await api.json(request, checks.COPY)
-        token = request.headers.get("x-tinker-weights-access-token")
-        return await asyncio.to_thread(runs.copy_weights, t, body, token)
-
-    # Before the delete route below: its {checkpoint_id:path} would take ".../publish" too.
-    @r.post("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
-    def publish_checkpoint(run_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
-        runs.publish(api.tenant(request), run_id, checkpoint_id, True)
-        return {}
-
-    @r.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
-    def unpublish_checkpoint(run_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
-        runs.publish(api.tenant(request), run_id, checkpoint_id, False)
-        return {}
-
-    @r.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
-    def delete_checkpoint(run_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
-        runs.delete_checkpoint(api.tenant(request), run_id, checkpoint_id)
-        return {}
-
-    @r.put("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl")
-    async def set_checkpoint_ttl(run_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
-        t = await api.tenant_of(request)
-        ttl = ttl_of(await api.json(request, checks.SET_TTL))
-        await asyncio.to_thread(runs.set_ttl, t, run_id, checkpoint_id, ttl)
-        return {}
-
-    @r.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
-    def external_weights_urls(run_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
-        return runs.external_urls(api.tenant(request), run_id, checkpoint_id, str(request.base_url))
-
-
-def _add_admin_routes(r: APIRouter, api: _Api, admin: TinkerAdmin) -> None:
-    """What the SDK's AdminClient reads: each tenant's own audit log, usage and storage."""
-
-    @r.get("/audit")
-    def audit_log(request: Request, event_type: str = "all", day: str | None = None) -> dict[str, Any]:
-        return admin.audit_log(api.tenant(request), event_type, day)
-
-    @r.get("/billing/usage/events")
-    def usage_events(request: Request, starting_on: str, ending_before: str) -> dict[str, Any]:
-        return admin.usage(api.tenant(request), starting_on, ending_before)
-
-    @r.get("/billing/usage/checkpoints/current")
-    def storage_usage(request: Request) -> dict[str, Any]:
-        return admin.storage(api.tenant(request))
-
-
-def _add_sampling_routes(r: APIRouter, api: _Api) -> None:
+def _add_sampling_routes(r: APIRouter, api: TinkerApi) -> None:
     """Sampling sessions, a sampler's description, and ``asample``."""
 
     @r.post("/create_sampling_session")
@@ -424,7 +336,7 @@ def _add_sampling_routes(r: APIRouter, api: _Api) -> None:
         return out
 
 
-def _add_future_routes(r: APIRouter, api: _Api) -> None:
+def _add_future_routes(r: APIRouter, api: TinkerApi) -> None:
     """The long poll for a call's result (``retrieve_future``), and cancelling a call."""
 
     @r.post("/retrieve_future")
@@ -453,7 +365,7 @@ def _add_future_routes(r: APIRouter, api: _Api) -> None:
         return {"cancelled": api.futures.cancel(t.owner, body["request_id"])}
 
 
-def _try_again(api: _Api, t: Tenant, model_id: str | None, request_id: str) -> dict[str, Any]:
+def _try_again(api: TinkerApi, t: Tenant, model_id: str | None, request_id: str) -> dict[str, Any]:
     """``try_again`` with the queue state the SDK reads (``TryAgainResponse``): ``paused_capacity``
     and the run's reason while the call waits for its job to run (``TinkerRuns.queue_state``),
     which the SDK logs as "paused. Reason: ..."; ``active`` otherwise."""
@@ -463,7 +375,7 @@ def _try_again(api: _Api, t: Tenant, model_id: str | None, request_id: str) -> d
     return out
 
 
-def _unknown_request(api: _Api, t: Tenant, request_id: str) -> Response:
+def _unknown_request(api: TinkerApi, t: Tenant, request_id: str) -> Response:
     """The answer for an id this gateway process does not hold. A call an earlier process filed
     and never answered (``serve`` restarted while it ran): a sample answers 410, on which the SDK
     sends it again (sampling has no side effects); any other call fails with what is known, since
@@ -490,11 +402,4 @@ def _as_is(out: Any) -> Any:
     return out
 
 
-def _page(n: int) -> int:
-    """A pagination bound from the query string: at least 0, at most 10000."""
-    if n < 0:
-        raise ConfigError("limit and offset must not be negative")
-    return min(n, 10_000)
-
-
-__all__ = ["CLIENT_CONFIG", "tinker_router"]
+__all__ = ["CLIENT_CONFIG", "TinkerApi", "tinker_router"]

@@ -4,7 +4,8 @@ The gateway is a client of the scheduler like any other: for each API key it hol
 ``ServiceClient`` to the scheduler (which authenticates the key and stays the one authority on
 tenants, jobs and priorities), and it turns each Tinker call into the polytinker call that does
 the same thing. A Tinker training run (model id) is a polytinker job; ``tinker://`` paths name
-the job and a checkpoint or sampler version in it, so they stay valid across gateway restarts:
+the job and a checkpoint or sampler version in it, so they stay valid across gateway restarts
+(the calls that save and load weights are tinker_weights.py's):
 
     tinker://JOB/weights/NAME           <->  polytinker-ckpt://JOB/NAME   (save_state / load_state)
     tinker://JOB/sampler_weights/A@V    <->  polytinker://JOB/A@V         (save_weights_for_sampler)
@@ -18,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,25 +30,14 @@ from polytinker.client._convert import to_datum
 from polytinker.client.sampling_client import SamplingClient
 from polytinker.client.service_client import ServiceClient
 from polytinker.client.training_client import TrainingClient
-from polytinker.engine.types import ATTN_MODULES, DEFAULT_TARGET_MODULES, MLP_MODULES, UNEMBED_MODULE, Datum
-from polytinker.engine.worker.layout import check_name
+from polytinker.engine.types import Datum
 from polytinker.errors import AuthError, ConfigError, NotBuiltError
 from polytinker.gateway.checks import check_tokens, served_base_model, vocab_size
-from polytinker.gateway.downloads import age_recipients
 from polytinker.gateway.errors import HttpError
 from polytinker.gateway.sessions import Sessions
-from polytinker.gateway.store import GatewayStore, ModelRow, SamplerRow, SavedRow
-from polytinker.gateway.tinker_names import (
-    EXTERNAL_NAME_PREFIX,
-    external_path,
-    from_tinker_path,
-    named_sampler,
-    named_sampler_path,
-    owner_of,
-    run_request_key,
-    to_tinker_path,
-)
-from polytinker.gateway.wire import prompt_ints, ttl_of
+from polytinker.gateway.store import GatewayStore, ModelRow, SamplerRow
+from polytinker.gateway.tinker_names import from_tinker_path, named_sampler, owner_of, run_request_key, to_tinker_path
+from polytinker.gateway.wire import prompt_ints
 from polytinker.model_path import TINKER_PREFIX, from_tinker
 from polytinker.scheduler.service.replies import WeightsInfoReply
 from polytinker.transport import ClientCurve
@@ -93,9 +82,9 @@ class TinkerBackend:
         self.default_max_tokens = default_max_tokens
         self.tokenizer_ids = dict(tokenizer_ids or {})
         self.store = GatewayStore(Path(state_dir) / "gateway.sqlite")
-        # Calls made of several client calls run here; bounded, so a burst of requests queues
-        # rather than starting a thread each.
-        self._pool = ThreadPoolExecutor(32, thread_name_prefix="polytinker-http")
+        # Calls made of several client calls run here (tinker_weights.py's too); bounded, so a
+        # burst of requests queues rather than starting a thread each.
+        self.pool = ThreadPoolExecutor(32, thread_name_prefix="polytinker-http")
         self._tenants: dict[str, Tenant] = {}
         self._lock = threading.Lock()
         self.sessions = Sessions(self.store, self.known_tenant, session_timeout_s)  # started by the Gateway
@@ -106,7 +95,7 @@ class TinkerBackend:
             tenants, self._tenants = list(self._tenants.values()), {}
         for t in tenants:
             t.service.close(keep_jobs=True)  # the jobs outlive the gateway: a restarted one serves them
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown(wait=False, cancel_futures=True)
         self.store.close()
 
     # --- tenants -------------------------------------------------------------------------------------
@@ -202,14 +191,19 @@ class TinkerBackend:
                 tc = t.service.create_lora_training_client(
                     base_model, rank, seed, train_mlp=mlp, train_attn=attn, train_unembed=unembed, request_key=key
                 )
-            self.store.add_model(ModelRow(model_id, t.owner, tc.job_id, base_model, rank))
-            if req.get("user_metadata"):
-                self.store.set_metadata(model_id, _str_dict(req["user_metadata"]))
-            with t.lock:
-                t.training[tc.job_id] = tc
+            self.add_run(t, model_id, tc, base_model, rank, req.get("user_metadata"))
             return {"model_id": model_id, "type": "create_model"}
 
-        return self._pool.submit(run)
+        return self.pool.submit(run)
+
+    def add_run(self, t: Tenant, model_id: str, tc: TrainingClient, base_model: str, rank: int, metadata: Any) -> None:
+        """File a new run (``create_model``, or ``load_state`` into a new run): its model id and
+        job, the user metadata the SDK sent with it, and its training client."""
+        self.store.add_model(ModelRow(model_id, t.owner, tc.job_id, base_model, rank))
+        if metadata:
+            self.store.set_metadata(model_id, _str_dict(metadata))
+        with t.lock:
+            t.training[tc.job_id] = tc
 
     def _base_model(self, name: Any) -> str:
         return served_base_model(self.base_models, name)
@@ -245,117 +239,7 @@ class TinkerBackend:
             raise NotBuiltError("only the Adam optimizer is built (optimizer_params of another kind was sent)")
         return tc.optim_step(params)
 
-    def save_state(self, t: Tenant, req: dict[str, Any]) -> Future[str]:
-        """Save the run's weights and optimizer state as ``path`` (a name); the future answers the
-        polytinker path. The gateway notes when, for the run's checkpoint listing."""
-        tc = self.training_client(t, str(req.get("model_id", "")))
-        name = str(req.get("path") or f"state-{uuid.uuid4().hex[:8]}")
-        saved = tc.save_state(name, ttl_seconds=ttl_of(req))
-
-        def note(f: Future[str]) -> None:
-            if f.exception() is None:
-                path = f.result()
-                self.store.add_saved(SavedRow(tc.job_id, "training", name, to_tinker_path(path), time.time()))
-
-        saved.add_done_callback(note)
-        return saved
-
-    def save_for_sampler(self, t: Tenant, req: dict[str, Any]) -> Future[dict[str, Any]]:
-        """Make the current version sampleable. Named (``path``): answer ``tinker://JOB/sampler_weights/NAME``,
-        which samples that version; unnamed (``save_weights_and_get_sampling_client``): also open a
-        sampling session on it, whose session holds the version (it is not pruned while the session lives)."""
-        row = self.model(t, str(req.get("model_id", "")))
-        tc = self.training_client(t, row.model_id)
-        name = str(req.get("path") or "")
-        if name.startswith(EXTERNAL_NAME_PREFIX):
-            raise ConfigError(f"sampler names starting with {EXTERNAL_NAME_PREFIX!r} are save_weights_external's")
-        saved = tc.save_weights_for_sampler(name, ttl_seconds=ttl_of(req))
-        fut: Future[dict[str, Any]] = Future()
-
-        def done(f: Future[str]) -> None:
-            try:
-                path = to_tinker_path(f.result())
-                out: dict[str, Any] = {"type": "save_weights_for_sampler", "path": path}
-                if name:
-                    out["path"] = path = named_sampler_path(row.job_id, name)
-                    self.store.add_sampler_name(row.job_id, name, f.result())
-                    self.store.add_saved(SavedRow(row.job_id, "sampler", name, path, time.time()))
-                else:
-                    session_id, _, _ = row.model_id.partition(":")
-                    if self.store.session_owner(session_id) == t.owner:  # a run made in a session
-                        t.service.hold_weights(session_id, f.result())
-                    sampler_id = f"sampler-{uuid.uuid4().hex[:16]}"
-                    self.store.add_sampler(SamplerRow(sampler_id, t.owner, row.base_model, f.result()))
-                    self.store.add_sampler_session(sampler_id, session_id)
-                    out["sampling_session_id"] = sampler_id
-                fut.set_result(out)
-            except BaseException as exc:
-                fut.set_exception(exc)
-
-        saved.add_done_callback(done)
-        return fut
-
-    def save_external(self, t: Tenant, req: dict[str, Any]) -> Future[dict[str, Any]]:
-        """``save_weights_external(NAME)``: keep the current version as a named sampler save
-        (``external.NAME``) and answer ``tinker://JOB/external_weights/NAME``, whose files
-        ``get_external_weights_urls`` serves: the peft adapter directory ``export_weights`` writes."""
-        recipients: list[str] = req.get("age_encryption_recipients") or []
-        age_recipients(recipients)  # refused here, before anything is saved, when one is not a key
-        row = self.model(t, str(req.get("model_id", "")))
-        if row.lora_rank == 0:
-            raise NotBuiltError("save_weights_external of a full-parameter run is not built (LoRA runs only)")
-        name = check_name("external weights name", req.get("path"))
-        tc = self.training_client(t, row.model_id)
-        saved = tc.save_weights_for_sampler(EXTERNAL_NAME_PREFIX + name, ttl_seconds=ttl_of(req))
-        fut: Future[dict[str, Any]] = Future()
-
-        def done(f: Future[str]) -> None:
-            try:
-                sampler_path = to_tinker_path(f.result())
-                self.store.set_recipients(row.job_id, name, recipients)
-                self.store.add_saved(SavedRow(row.job_id, "external", name, sampler_path, time.time()))
-                path = external_path(row.job_id, name)
-                fut.set_result({"type": "save_weights_external", "path": path, "size_bytes": None})
-            except BaseException as exc:
-                fut.set_exception(exc)
-
-        saved.add_done_callback(done)
-        return fut
-
-    def load_state(self, t: Tenant, req: dict[str, Any]) -> Future[dict[str, Any]]:
-        """Load a checkpoint's weights (``optimizer``: and its optimizer state, as
-        ``load_state_with_optimizer`` asks) into the request's model, or, without a ``model_id``
-        (``create_training_client_from_state``), into a new run shaped like the one that saved it."""
-        path = from_tinker_path(str(req.get("path", "")), "weights")
-        optimizer = bool(req.get("optimizer"))
-        if req.get("model_id"):
-            model_id = str(req["model_id"])
-            tc = self.training_client(t, model_id)
-
-            def run() -> None:
-                (tc.load_state_with_optimizer(path) if optimizer else tc.load_state(path)).result()
-        else:
-            session_id = str(req.get("session_id", ""))
-            self.check_session(t, session_id)
-            model_id = f"{session_id}:train:{int(req.get('model_seq_id', 0))}"
-            key = run_request_key(session_id, req.get("model_seq_id"))  # a resend: the same job
-            source = self.source(t, path)
-
-            def run() -> None:
-                made = t.service.create_training_client_from_state(path, optimizer=optimizer, request_key=key)
-                rank = int((source.lora or {}).get("rank", 0))
-                self.store.add_model(ModelRow(model_id, t.owner, made.job_id, source.base_model, rank))
-                if req.get("user_metadata"):
-                    self.store.set_metadata(model_id, _str_dict(req["user_metadata"]))
-                with t.lock:
-                    t.training[made.job_id] = made
-
-        def loaded() -> dict[str, Any]:
-            run()
-            return {"type": "load_weights", "path": req.get("path"), "model_id": model_id}
-
-        return self._pool.submit(loaded)
-
+    # --- saved weights (tinker_weights.py saves and loads them) --------------------------------------
     def source(self, t: Tenant, path: str) -> WeightsInfoReply:
         """What the scheduler says of saved weights the tenant names (its own, or published ones);
         404 for weights it may not read, as for ones that do not exist (the key itself is good)."""
@@ -364,20 +248,20 @@ class TinkerBackend:
         except AuthError as exc:
             raise HttpError(404, str(exc), "not_found") from None
 
-    def weights_info(self, t: Tenant, tinker_path: str) -> dict[str, Any]:
-        """``weights_info``: the saved weights' base model and LoRA shape, as the scheduler knows
-        them (the tenant's own, or published ones)."""
-        source = self.source(t, self.polytinker_path(tinker_path))
-        lora = source.lora or {}
-        modules = set(lora.get("target_modules") or DEFAULT_TARGET_MODULES)  # none named: the learner's default
-        return {
-            "base_model": source.base_model,
-            "is_lora": source.lora is not None,
-            "lora_rank": lora.get("rank"),
-            "train_unembed": UNEMBED_MODULE in modules,
-            "train_mlp": bool(modules & set(MLP_MODULES)),
-            "train_attn": bool(modules & set(ATTN_MODULES)),
-        }
+    def sampler_path(self, tinker_path: str) -> str:
+        """The ``polytinker://`` path of a sampler path: ``tinker://JOB/sampler_weights/AGENT@V``,
+        or a named save's ``tinker://JOB/sampler_weights/NAME`` (ConfigError if the job has none)."""
+        named = named_sampler(tinker_path)
+        if named is None:
+            return from_tinker_path(tinker_path, "sampler_weights")
+        found = self.store.sampler_name(*named)
+        if found is None:
+            raise ConfigError(f"no sampler weights {tinker_path!r}: save_weights_for_sampler(name) makes them")
+        return found
+
+    def polytinker_path(self, tinker_path: str) -> str:
+        """The polytinker path of a ``tinker://`` path of saved weights (named sampler saves too)."""
+        return self.sampler_path(tinker_path) if named_sampler(tinker_path) else from_tinker(tinker_path)
 
     # --- sampling ------------------------------------------------------------------------------------
     def create_sampler(self, t: Tenant, req: dict[str, Any]) -> str:
@@ -394,21 +278,6 @@ class TinkerBackend:
         self.store.add_sampler(SamplerRow(sampler_id, t.owner, base_model, path))
         self.store.add_sampler_session(sampler_id, session_id)
         return sampler_id
-
-    def sampler_path(self, tinker_path: str) -> str:
-        """The ``polytinker://`` path of a sampler path: ``tinker://JOB/sampler_weights/AGENT@V``,
-        or a named save's ``tinker://JOB/sampler_weights/NAME`` (ConfigError if the job has none)."""
-        named = named_sampler(tinker_path)
-        if named is None:
-            return from_tinker_path(tinker_path, "sampler_weights")
-        found = self.store.sampler_name(*named)
-        if found is None:
-            raise ConfigError(f"no sampler weights {tinker_path!r}: save_weights_for_sampler(name) makes them")
-        return found
-
-    def polytinker_path(self, tinker_path: str) -> str:
-        """The polytinker path of a ``tinker://`` path of saved weights (named sampler saves too)."""
-        return self.sampler_path(tinker_path) if named_sampler(tinker_path) else from_tinker(tinker_path)
 
     def sampler_row(self, t: Tenant, sampler_id: str) -> SamplerRow:
         row = self.store.sampler(t.owner, sampler_id)

@@ -16,7 +16,8 @@ from polytinker.scheduler.cluster import ClusterState
 from polytinker.scheduler.config import SchedulerPolicyConfig, SimulatorConfig
 from polytinker.scheduler.fifo import FifoPolicy
 from polytinker.scheduler.placement import AdapterLoad, AdapterPlacement, next_learner_job
-from polytinker.scheduler.policy import FairSharePolicy, SchedulingPolicy
+from polytinker.scheduler.policy import FairSharePolicy
+from polytinker.scheduler.policy_base import SchedulingPolicy
 from polytinker.scheduler.sim_result import JobOutcome, SimResult
 from polytinker.scheduler.simulator import Simulator, simulate
 from polytinker.scheduler.trace import TraceConfig, default_cluster, generate_trace, load_trace, save_trace

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from polytinker.errors import SimulationError
 from polytinker.scheduler._sim_state import GroupState, HybridPhase, JobRun
 from polytinker.scheduler.config import SimulatorConfig
-from polytinker.scheduler.policy import SchedulingPolicy
+from polytinker.scheduler.policy_base import SchedulingPolicy
 from polytinker.scheduler.types import ClusterSpec, EngineSpec, Job, JobID, LearnerSpec, ResourceID
 
 

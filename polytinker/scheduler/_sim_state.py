@@ -1,5 +1,6 @@
 """The simulator's mutable records: a job's life (``JobRun``), a learner group's turn-taking
-(``GroupState``) and a hybrid worker's phase (``HybridPhase``). Used by ``simulator`` only."""
+(``GroupState``) and a hybrid worker's phase (``HybridPhase``). Used by ``simulator`` and its parts
+(``_sim_hybrid``, ``_sim_metrics``) only."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ nothing behind it runs (head-of-line blocking); no priorities, no preemption."""
 from __future__ import annotations
 
 from polytinker.scheduler.config import SchedulerPolicyConfig
-from polytinker.scheduler.policy import PolicyEntry, SchedulingPolicy
+from polytinker.scheduler.policy_base import PolicyEntry, SchedulingPolicy
 from polytinker.scheduler.queue import FifoQueue
 from polytinker.scheduler.types import ClusterSpec, Decision
 

@@ -5,7 +5,7 @@ over available resource-time, counting for each engine or learner group only the
 queued job needed that kind of resource of that base model, and for a hybrid worker when some queued
 job of its base model waited) and where learner and engine time went;
 its methods give JCT statistics (JCT = finish - arrival). ``polytinker.scheduler.simulator``
-produces it.
+produces it (``_sim_metrics`` counts the time and builds it).
 """
 
 from __future__ import annotations

@@ -27,10 +27,8 @@ scheduler service is to run) and acts out its decisions:
   finishes discards nothing. An Overloaded submission is retried after the ``retry_after_s`` it
   was given.
 
-Outputs (a ``SimResult``, in ``polytinker.scheduler.sim_result``): per-job completion times
-(JCT = finish - arrival); utilization: busy resource-time over available resource-time, counting
-for each engine or learner group only the time when some queued job needed that kind of resource
-of that base model (idle capacity then had work it could have been given); the full decision log.
+Outputs: a ``SimResult`` (in ``polytinker.scheduler.sim_result``) with per-job completion times,
+utilization and the full decision log, measured as ``polytinker.scheduler._sim_metrics`` describes.
 There is no randomness here: the same trace and policy give the same result.
 """
 
@@ -39,16 +37,16 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 from polytinker.errors import SimulationError
 from polytinker.scheduler._sim_hybrid import HybridWorkers, _check_engine, _check_group
+from polytinker.scheduler._sim_metrics import SimMetrics
 from polytinker.scheduler._sim_state import GroupState, JobRun
 from polytinker.scheduler.config import SchedulerPolicyConfig, SimulatorConfig
 from polytinker.scheduler.placement import next_learner_job
-from polytinker.scheduler.policy import SchedulingPolicy
-from polytinker.scheduler.sim_result import JobOutcome, SimResult, time_shares
+from polytinker.scheduler.policy_base import SchedulingPolicy
+from polytinker.scheduler.sim_result import SimResult
 from polytinker.scheduler.types import (
     ClusterSpec,
     Decision,
@@ -61,7 +59,7 @@ from polytinker.scheduler.types import (
 )
 
 
-class Simulator(HybridWorkers):
+class Simulator(SimMetrics, HybridWorkers):
     def __init__(
         self,
         cluster: ClusterSpec,
@@ -82,14 +80,9 @@ class Simulator(HybridWorkers):
         # when it was last brought up to date.
         self._sampling: dict[ResourceID, dict[JobID, float]] = {e.engine_id: {} for e in cluster.engines}
         self._sampled_at: dict[ResourceID, float] = dict.fromkeys(self._sampling, 0.0)
-        self._busy_s: dict[ResourceID, float] = dict.fromkeys([*self._learners, *self._sampling], 0.0)
-        self._pending_s = dict.fromkeys(self._busy_s, 0.0)  # per resource: time work for it was queued
-        self._holders: dict[ResourceID, set[JobID]] = {rid: set() for rid in self._busy_s}
-        self._learner_time: defaultdict[str, float] = defaultdict(float)
-        self._engine_time: defaultdict[str, float] = defaultdict(float)
-        self._needs = {g.group_id: (g.base_model, "learner") for g in cluster.learners}
-        self._needs.update({e.engine_id: (e.base_model, "engine") for e in cluster.engines})
+        self._holders: dict[ResourceID, set[JobID]] = {rid: set() for rid in [*self._learners, *self._sampling]}
         self._log: list[Decision] = []
+        self._init_metrics()
         self._init_hybrids()  # a hybrid worker joins _learners and _sampling; not in _needs
 
     # --- driver ----------------------------------------------------------------------------------
@@ -118,46 +111,9 @@ class Simulator(HybridWorkers):
     def _advance(self, t: float) -> None:
         dt = t - self.now_s
         if dt > 0 and self.policy.queued_count:
-            # Only time when a queued job could have used the resource counts: idle capacity that no
-            # waiting job can use (another base model, another kind of machine) is not a policy's fault.
-            for rid, (base, kind) in self._needs.items():
-                if not self.policy.queued_needing(base, kind):
-                    continue
-                self._pending_s[rid] += dt
-                if kind == "learner":
-                    self._busy_s[rid] += dt if self._learners[rid].training else 0.0
-                    self._learner_time[self._learner_state(rid)] += dt
-                else:
-                    busy = self._sampling_busy(rid, dt)
-                    self._busy_s[rid] += busy
-                    self._engine_time["sampling"] += busy
-                    self._engine_time["idle_with_jobs" if self._holders[rid] else "idle_empty"] += dt - busy
+            self._count_time(dt)
             self._advance_hybrids(dt)
         self.now_s = max(self.now_s, t)
-
-    def _sampling_busy(self, rid: ResourceID, dt: float) -> float:
-        """Busy seconds of engine (or hybrid worker) ``rid`` over ``dt`` from the jobs sampling there,
-        shared out to each async job's sample in flight (what a preemption would throw away)."""
-        active = self._sampling[rid]
-        busy = dt * min(1.0, len(active) / self.config.engine_full_speed_jobs)
-        for job_id in active:
-            r = self._runs[job_id]
-            if r.job.is_async:
-                r.inflight_busy_s += busy / len(active)
-        return busy
-
-    def _learner_state(self, gid: ResourceID) -> str:
-        g = self._learners[gid]
-        if g.training:
-            return "train"
-        if g.busy is not None:
-            return "swap"
-        holders = self._holders[gid]
-        if not holders:
-            return "empty"
-        if any(self._runs[j].job.kind.exclusive_learner for j in holders):
-            return "full_rl_sampling"
-        return "shared_sampling"
 
     def _vacate(self, r: JobRun) -> None:
         for rid in r.placement.resources() if r.placement else ():
@@ -393,7 +349,7 @@ class Simulator(HybridWorkers):
             if g.last == r.job.job_id:
                 g.last = None  # its optimizer state left with it (done, or saved): nothing to swap out
 
-    # --- checks and results ----------------------------------------------------------------------
+    # --- checks ----------------------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Recount every resource from the simulator's own view of what runs where, and check that
         no job samples further ahead of its training than its ``max_staleness`` allows (and that no
@@ -422,49 +378,6 @@ class Simulator(HybridWorkers):
             asked = r.job.job_id in held or any(r.job.job_id in active for active in self._sampling.values())
             if r.sampling != asked:
                 raise SimulationError(f"job {r.job.job_id}: its sampling state and its engine's disagree")
-
-    def _result(self) -> SimResult:
-        outcomes = tuple(
-            JobOutcome(
-                r.job.job_id,
-                r.job.tenant,
-                r.job.kind,
-                r.job.priority,
-                r.job.arrival_s,
-                r.first_start_s,
-                r.finish_s,
-                r.preemptions,
-                r.retries,
-                r.rejected,
-                r.discarded,
-                r.staleness,
-            )
-            for r in self._runs.values()
-        )
-
-        def util(ids: Sequence[ResourceID]) -> float:
-            avail = sum(self._pending_s[i] for i in ids)
-            return sum(self._busy_s[i] for i in ids) / avail if avail else math.nan
-
-        learners = [g for g in self._learners if g not in self._hybrid]
-        engines = [e for e in self._sampling if e not in self._hybrid]
-        hybrids = list(self._hybrid)
-        counted = sum(self._pending_s.values())
-        return SimResult(
-            policy=self.policy.name,
-            outcomes=outcomes,
-            decisions=tuple(self._log),
-            utilization=util(learners + engines + hybrids),
-            learner_utilization=util(learners),
-            engine_utilization=util(engines),
-            end_s=self.now_s,
-            learner_time=time_shares(self._learner_time),
-            engine_time=time_shares(self._engine_time),
-            hybrid_utilization=util(hybrids),
-            hybrid_time=time_shares(self._hybrid_time),
-            phase_switches=sum(h.switches for h in self._hybrid.values()),
-            counted_share=counted / (len(self._pending_s) * self.now_s) if self.now_s else math.nan,
-        )
 
 
 def simulate(

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from polytinker.engine.types import AdapterWeights, TensorLayout
+from polytinker.engine.adapter_weights import AdapterWeights, TensorLayout
 from polytinker.errors import ModelError
 
 _PREFIX = "base_model.model."

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from polytinker.engine.types import AdapterRef, AdapterWeights, LoraConfig
+from polytinker.engine.adapter_weights import AdapterWeights
+from polytinker.engine.types import AdapterRef, LoraConfig
 from polytinker.errors import ModelError
 
 BASE_ADAPTER_NAME = "polytinker-base-model"

@@ -2,8 +2,8 @@
 
 A peft adapter directory holds ``adapter_config.json`` and ``adapter_model.safetensors`` whose
 keys look like ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``: the layout
-:class:`~polytinker.engine.types.AdapterWeights` uses in memory, so both directions are a copy
-of a dict. vLLM loads adapters from such directories; the hf backend loads either.
+:class:`~polytinker.engine.adapter_weights.AdapterWeights` uses in memory, so both directions are
+a copy of a dict. vLLM loads adapters from such directories; the hf backend loads either.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from polytinker.engine.types import AdapterRef, AdapterWeights, LoraConfig
+from polytinker.engine.adapter_weights import AdapterWeights
+from polytinker.engine.types import AdapterRef, LoraConfig
 from polytinker.errors import ModelError
 
 CONFIG_FILE = "adapter_config.json"

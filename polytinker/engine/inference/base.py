@@ -35,7 +35,8 @@ from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from polytinker.engine.types import AdapterRef, AdapterWeights, SampleRequest, SampleResult, ScoredTopK
+from polytinker.engine.adapter_weights import AdapterWeights
+from polytinker.engine.types import AdapterRef, SampleRequest, SampleResult, ScoredTopK
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from polytinker.engine.adapter_weights import AdapterWeights
 from polytinker.engine.inference._queue import FairQueue, Joining, Pending
 from polytinker.engine.inference._requests import (
     check_answer,
@@ -54,7 +55,7 @@ from polytinker.engine.inference._requests import (
 from polytinker.engine.inference.base import InferenceBackend, StepBatch, SteppingBackend
 from polytinker.engine.inference.config import EngineConfig
 from polytinker.engine.inference.slots import AdapterSlots
-from polytinker.engine.types import AdapterName, AdapterRef, AdapterWeights, SampleRequest, SampleResult, ScoredTopK
+from polytinker.engine.types import AdapterName, AdapterRef, SampleRequest, SampleResult, ScoredTopK
 from polytinker.errors import ModelError
 
 log = logging.getLogger(__name__)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from polytinker.engine.adapter_weights import AdapterWeights
 from polytinker.engine.device import resolve_device
 from polytinker.engine.inference._decode import DecodeBatch, Row
 from polytinker.engine.inference._multilora import MultiLora
@@ -32,7 +33,6 @@ from polytinker.engine.inference.config import HFBackendConfig
 from polytinker.engine.models import load_model
 from polytinker.engine.types import (
     AdapterRef,
-    AdapterWeights,
     FinishReason,
     SampledSequence,
     SampleRequest,

@@ -21,8 +21,9 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
 
+from polytinker.engine.adapter_weights import AdapterWeights
 from polytinker.engine.inference.base import InferenceBackend
-from polytinker.engine.types import AdapterName, AdapterRef, AdapterWeights
+from polytinker.engine.types import AdapterName, AdapterRef
 from polytinker.errors import ConfigError
 
 Source = AdapterWeights | Path

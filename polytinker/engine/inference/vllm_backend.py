@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from polytinker.engine.adapter_weights import AdapterWeights
 from polytinker.engine.inference._vllm_adapters import BASE_ADAPTER_NAME, check_adapter, linear_shapes, zero_adapter
 from polytinker.engine.inference._vllm_config import INSTALL_HINT, VllmBackendConfig
 from polytinker.engine.inference._vllm_steps import VllmBatch, _Entry, _Stepper
@@ -38,7 +39,6 @@ from polytinker.engine.inference.base import cut_at_stop, render_prompt, sample_
 from polytinker.engine.models import load_tokenizer, resolve_model
 from polytinker.engine.types import (
     AdapterRef,
-    AdapterWeights,
     FinishReason,
     SampledSequence,
     SampleRequest,

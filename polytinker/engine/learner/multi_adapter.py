@@ -23,6 +23,7 @@ from peft.tuners.lora import LoraLayer
 from safetensors.torch import save_file
 from torch import nn
 
+from polytinker.engine.adapter_weights import AdapterWeights, TensorLayout
 from polytinker.engine.learner._base import ForwardBackwardResult, Learner, Slot, _metrics, _Sums, new_adamw
 from polytinker.engine.learner.checks import check_data
 from polytinker.engine.learner.config import LearnerConfig, LossConfig
@@ -31,15 +32,7 @@ from polytinker.engine.learner.losses import collate, kl_to_reference, policy_lo
 from polytinker.engine.learner.scoring import plan_micro_batches
 from polytinker.engine.learner.snapshots import SnapshotBuffers
 from polytinker.engine.learner.state import Checkpoint, load_checkpoint, save_checkpoint, write_atomic_dir
-from polytinker.engine.types import (
-    AdapterName,
-    AdapterRef,
-    AdapterWeights,
-    Datum,
-    LoraConfig,
-    LossFnName,
-    TensorLayout,
-)
+from polytinker.engine.types import AdapterName, AdapterRef, Datum, LoraConfig, LossFnName
 from polytinker.errors import ConfigError
 
 

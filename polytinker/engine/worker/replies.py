@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from polytinker.engine.types import AdapterRef, AdapterWeights, LoraConfig, TensorLayout
+from polytinker.engine.adapter_weights import AdapterWeights, TensorLayout
+from polytinker.engine.types import AdapterRef, LoraConfig
 from polytinker.errors import ProtocolError
 from polytinker.transport.messages import message, register_message
 

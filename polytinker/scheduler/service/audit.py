@@ -26,7 +26,8 @@ from typing import Any
 from polytinker.model_path import SAMPLER_NAME_PREFIX, CheckpointPath, ModelPath
 from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service import replies as r
-from polytinker.scheduler.service.state import JobRow, StateStore
+from polytinker.scheduler.service.state import StateStore
+from polytinker.scheduler.service.state_rows import JobRow
 
 MAX_ENTRIES = 10_000  # rows in one answer: a day with more says so (truncated)
 EXPIRY_ACTOR = "scheduler"  # who acts when a TTL runs out

@@ -27,7 +27,8 @@ from polytinker.scheduler.service import replies as r
 from polytinker.scheduler.service.audit import AuditLog
 from polytinker.scheduler.service.jobs import JobManager
 from polytinker.scheduler.service.request_keys import repeated_job, request_digest
-from polytinker.scheduler.service.state import JobRow, StateStore
+from polytinker.scheduler.service.state import StateStore
+from polytinker.scheduler.service.state_rows import JobRow
 from polytinker.scheduler.service.weights import WeightsCatalog, expiry
 from polytinker.scheduler.types import JobState
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from polytinker.scheduler.service.config import RuntimeConfig
-from polytinker.scheduler.service.state import JobRow
+from polytinker.scheduler.service.state_rows import JobRow
 from polytinker.scheduler.types import JobKind, JobState
 
 IDLE_REASON = "idle:"

@@ -9,9 +9,8 @@ with its reason.
 States a tenant sees: queued (its reason says where in the queue and for what: ``waits.py``),
 running, preempting (told to stop at its next step boundary), paused, done, cancelled, rejected.
 
-Activity: every call that names a job (training calls, and sampling: a base-model sampler names
-its inference job, an adapter's model path names its training job) marks the job active while it
-runs and when it ends (``activity``, ``running``, ``touch``); ``pause_idle`` applies the idle
+Activity: every call that names a job marks it active while it runs and when it ends
+(``running``, ``touch``; kept by ``JobActivity``, ``activity.py``); ``pause_idle`` applies the idle
 rules of ``idle_verdict`` (``idle.py``) to the rest, and pauses placed jobs idle for
 ``slot_reclaim_idle_s`` whose resources a queued job someone waits on needs (the policy picks
 which: ``FairSharePolicy.reclaim_idle``). A job's history (the events table) records what happened:
@@ -22,14 +21,12 @@ deletes finished inference jobs beyond ``keep_finished_inference`` per tenant or
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import threading
 import time
 import uuid
-from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from polytinker.engine.models import model_names, served_name
@@ -37,6 +34,7 @@ from polytinker.engine.worker.messages import Register
 from polytinker.errors import AuthError, ConfigError, JobNotRunning, OverloadedError
 from polytinker.scheduler.config import SchedulerPolicyConfig
 from polytinker.scheduler.policy import FairSharePolicy
+from polytinker.scheduler.service.activity import JobActivity
 from polytinker.scheduler.service.broker import Broker
 from polytinker.scheduler.service.config import RuntimeConfig
 from polytinker.scheduler.service.idle import (
@@ -44,13 +42,13 @@ from polytinker.scheduler.service.idle import (
     asked_for,
     finished_to_prune,
     idle_actions,
-    idle_verdict,
     reclaim_pause_reason,
 )
 from polytinker.scheduler.service.messages import CreateJob
 from polytinker.scheduler.service.policy_view import cluster_spec, policy_job, worker_spec
 from polytinker.scheduler.service.request_keys import repeated_job, request_digest
-from polytinker.scheduler.service.state import JobRow, StateStore
+from polytinker.scheduler.service.state import StateStore
+from polytinker.scheduler.service.state_rows import JobRow
 from polytinker.scheduler.service.waits import WaitNotes
 from polytinker.scheduler.types import (
     Accepted,
@@ -85,9 +83,6 @@ class _Live:
     kind: JobKind = JobKind.LORA_RL
 
 
-_calls = threading.local()  # the jobs the current handler thread's call named (see JobManager.activity)
-
-
 class JobManager:
     """Jobs of every tenant; thread-safe (one lock around the policy and the job table)."""
 
@@ -110,11 +105,9 @@ class JobManager:
         self._lock = threading.RLock()
         self._t0 = self._clock()
         self._live: dict[str, _Live] = {}
-        self._touched: dict[str, float] = {}  # monotonic time of each job's last call
+        self.activity = JobActivity(self._clock, self._lock)  # the calls that named each job
         # Jobs no worker there could run, kept queued for one that joins ([cluster] join_undeclared).
         self._awaiting_worker: set[str] = set()
-        self._busy: Counter[str] = Counter()  # calls in flight per job
-        self._served: Counter[str] = Counter()  # calls completed per live job since this process started
         self._idle_paused: set[str] = set()  # inference jobs paused for idleness (finished if it lasts)
         self._by_policy_id: dict[str, str] = {}
         self._waits = WaitNotes()
@@ -139,7 +132,7 @@ class JobManager:
                     and row.reason.startswith(IDLE_REASON)
                 ):
                     self._idle_paused.add(row.job_id)  # its idle time counts again from now
-                    self._touched[row.job_id] = self._clock()
+                    self.activity.restart(row.job_id)
             self.schedule()
         return n
 
@@ -208,7 +201,7 @@ class JobManager:
         self._log(result.decision)
         if isinstance(result, Accepted):
             self._live[row.job_id] = _Live(policy_id, start_version=steps_done, kind=row.kind)
-            self._touched[row.job_id] = self._clock()
+            self.activity.restart(row.job_id)
             self._by_policy_id[policy_id] = row.job_id
             self._set_state(row.job_id, JobState.QUEUED, result.decision.reason)
             return result
@@ -231,7 +224,7 @@ class JobManager:
                 self._log(d)
                 if d.kind is DecisionKind.START:
                     self._live[job_id].placement = d.placement
-                    self._touched[job_id] = self._clock()  # idle time counts from its start
+                    self.activity.restart(job_id)  # idle time counts from its start
                     self._set_state(job_id, JobState.RUNNING, d.reason)
                 elif d.kind is DecisionKind.PREEMPT:
                     self._set_state(job_id, JobState.PREEMPTING, d.reason)
@@ -249,11 +242,8 @@ class JobManager:
         now = self._clock()
         changed = []
         with self._lock:
-            live = [
-                (j, x.kind, x.placement is not None, now - self._touched.get(j, now), self._busy[j])
-                for j, x in self._live.items()
-            ]
-            paused = [(j, now - self._touched.get(j, now), self._busy[j]) for j in self._idle_paused]
+            live = [(j, x.kind, x.placement is not None, *self.activity.idle(j, now)) for j, x in self._live.items()]
+            paused = [(j, *self.activity.idle(j, now)) for j in self._idle_paused]
             for job_id, verdict, reason in idle_actions(self.config, live, paused):
                 if verdict == "pause":
                     self._pause_for_idle(job_id, self._live[job_id].kind, reason)
@@ -276,12 +266,12 @@ class JobManager:
         next call queues it again. The waiting job's history gets a ``reclaim`` event."""
         idle: dict[str, float] = {}
         for job_id, live in self._live.items():
-            idle_s = now - self._touched.get(job_id, now)
-            if live.placement is not None and not self._busy[job_id] and idle_s >= self.config.slot_reclaim_idle_s:
+            idle_s, busy = self.activity.idle(job_id, now)
+            if live.placement is not None and not busy and idle_s >= self.config.slot_reclaim_idle_s:
                 idle[live.policy_id] = idle_s
 
         def wanted(policy_id: str) -> bool:
-            return asked_for(now, self._touched.get(self._by_policy_id.get(policy_id, "")))
+            return asked_for(now, self.activity.last_call(self._by_policy_id.get(policy_id, "")))
 
         paused = []
         for r in self.policy.reclaim_idle(self.now(), idle, wanted):
@@ -335,7 +325,7 @@ class JobManager:
             idle_done = row.kind == JobKind.INFERENCE and row.state == JobState.DONE
             resume = row.reason.startswith(IDLE_REASON) and (row.state == JobState.PAUSED or idle_done)
             if row.state not in FINAL_STATES or resume:
-                self._mark(job_id)
+                self.activity.mark(job_id)
             if resume:
                 self._idle_paused.discard(job_id)
                 self._submit(row, steps_done=self._steps_of(row))
@@ -353,50 +343,7 @@ class JobManager:
         caller has checked that the job is the tenant's own."""
         with self._lock:
             if job_id in self._live:
-                self._mark(job_id)
-
-    def _mark(self, job_id: str) -> None:
-        """The job is active now; inside ``activity`` it also counts as busy until the call ends."""
-        self._touched[job_id] = self._clock()
-        named = getattr(_calls, "jobs", None)
-        if named is not None and job_id not in named:
-            named.append(job_id)
-            self._busy[job_id] += 1
-
-    @contextlib.contextmanager
-    def activity(self) -> Iterator[None]:
-        """Around one handler call: the jobs it names (``running``, ``touch``) are busy while it
-        runs, so a long call never looks idle, and their idle time restarts when it ends. The
-        handler names them after checking the caller's tenant, hence the thread-local list."""
-        _calls.jobs = []
-        ok = False
-        try:
-            yield
-            ok = True
-        finally:
-            named, _calls.jobs = _calls.jobs, None
-            if named:
-                self._end_calls(named, ok)
-
-    def _end_calls(self, named: list[str], ok: bool) -> None:
-        with self._lock:
-            now = self._clock()
-            for job_id in named:
-                self._busy[job_id] -= 1
-                if self._busy[job_id] <= 0:
-                    del self._busy[job_id]
-                if job_id in self._touched:  # not finished meanwhile
-                    self._touched[job_id] = now
-                    self._served[job_id] += ok
-
-    def job_stats(self) -> dict[str, dict[str, float]]:
-        """Per job known to this process: calls served, calls in flight, seconds since its last call."""
-        now = self._clock()
-        with self._lock:
-            return {
-                job_id: {"calls": self._served[job_id], "in_flight": self._busy[job_id], "idle_s": now - t}
-                for job_id, t in self._touched.items()
-            }
+                self.activity.mark(job_id)
 
     def prune_finished(self) -> list[str]:
         """Delete finished inference jobs (and their events) from the job table: per tenant all
@@ -453,8 +400,7 @@ class JobManager:
 
     def _forget(self, job_id: str) -> None:
         """A finished job's in-memory activity (bounded memory under many short-lived jobs)."""
-        self._touched.pop(job_id, None)
-        self._served.pop(job_id, None)
+        self.activity.forget(job_id)
         self._idle_paused.discard(job_id)
 
     def learner_of(self, job_id: str) -> str | None:
@@ -488,4 +434,4 @@ class JobManager:
         self.store.log_event(job_id, str(d.kind), d.reason)
 
 
-__all__ = ["FINAL_STATES", "LIVE_STATES", "JobManager", "adapter_key", "idle_verdict"]
+__all__ = ["FINAL_STATES", "LIVE_STATES", "JobManager", "adapter_key"]

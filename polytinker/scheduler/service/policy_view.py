@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from polytinker.scheduler.service.config import RuntimeConfig
-from polytinker.scheduler.service.state import JobRow
+from polytinker.scheduler.service.state_rows import JobRow
 from polytinker.scheduler.types import ClusterSpec, EngineSpec, Job, JobKind, LearnerSpec
 
 

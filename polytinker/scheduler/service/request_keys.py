@@ -26,7 +26,8 @@ import json
 
 from polytinker.errors import RequestKeyReused
 from polytinker.scheduler.service.messages import CopyCheckpoint, CreateJob
-from polytinker.scheduler.service.state import JobRow, StateStore
+from polytinker.scheduler.service.state import StateStore
+from polytinker.scheduler.service.state_rows import JobRow
 
 _NOT_FIELDS = ("api_key", "request_key")  # what the digest leaves out: who asks, and the key itself
 

@@ -50,11 +50,11 @@ from polytinker.engine.worker.colocated import ColocatedActor
 from polytinker.engine.worker.messages import ActorsReport, ActorState, WorkersQuery
 from polytinker.engine.worker.server import EngineActor, LearnerActor, worker_env
 from polytinker.errors import ConfigError, RequestTimeout, RuntimeDead
+from polytinker.scheduler.service.actor import SchedulerActor
 from polytinker.scheduler.service.config import RuntimeConfig, TenantConfig
 from polytinker.scheduler.service.home import Holder, StateLock, private_state_dir
 from polytinker.scheduler.service.messages import RuntimeStatus
 from polytinker.scheduler.service.ray_placement import RayPlacement
-from polytinker.scheduler.service.scheduler import SchedulerActor
 from polytinker.scheduler.service.tenants import new_api_key
 from polytinker.transport import RpcClient, ask
 

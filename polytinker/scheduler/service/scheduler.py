@@ -3,7 +3,10 @@
 ``SchedulerService`` serves the client requests (``polytinker.scheduler.service.messages``) on
 one RPC server, authenticates each by its API key, checks that the job or adapter it names is the
 tenant's own, bounds what is in flight (an overloaded answer says when to retry), and forwards the
-work to the learner group or engine the job was placed on (through the ``Broker``).
+work to the learner group or engine the job was placed on (through the ``Broker``). Its handlers
+are the job and training calls; the sampling calls are ``SamplingCalls`` (``sampling.py``), those
+on kept checkpoints ``CheckpointCalls`` (``checkpoints.py``). ``SchedulerActor`` (``actor.py``) runs
+it as the runtime's scheduler process.
 
 Durability: ``optim_step`` answers only after the learner wrote the new version's checkpoint and
 this process committed the version to SQLite. A scheduler killed at any moment restarts with every
@@ -28,14 +31,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import threading
 import time
 import uuid
 from collections import Counter
-from typing import Any, TypeVar
+from typing import Any
 
-from polytinker.actors import Actor
 from polytinker.engine.worker import messages as wm
 from polytinker.engine.worker.layout import check_name
 from polytinker.errors import (
@@ -52,20 +53,19 @@ from polytinker.scheduler.service.audit import AuditLog
 from polytinker.scheduler.service.broker import Broker, WorkerHandle
 from polytinker.scheduler.service.checkpoints import CheckpointCalls
 from polytinker.scheduler.service.config import RuntimeConfig
-from polytinker.scheduler.service.fb_batcher import Prepare
 from polytinker.scheduler.service.jobs import FINAL_STATES, LIVE_STATES, JobManager, adapter_key
 from polytinker.scheduler.service.load import Admission
-from polytinker.scheduler.service.state import HISTORY_RETENTION_S, AdapterRow, JobRow, StateStore
+from polytinker.scheduler.service.sampling import SamplingCalls
+from polytinker.scheduler.service.state import HISTORY_RETENTION_S, StateStore
+from polytinker.scheduler.service.state_rows import AdapterRow, JobRow
 from polytinker.scheduler.service.tenants import Tenants
 from polytinker.scheduler.service.usage import UsageMeter
-from polytinker.scheduler.service.weight_push import WeightPush
 from polytinker.scheduler.service.weights import WeightsCatalog, expiry
 from polytinker.scheduler.types import JobKind, JobState
-from polytinker.transport import Request, RpcServer, ServerCurve, TransportConfig, ask, handler_table
+from polytinker.transport import RpcServer, ServerCurve, TransportConfig, ask, handler_table
 from polytinker.transport.server import peer_user_id
 
 log = logging.getLogger("polytinker.scheduler.service")
-R = TypeVar("R")
 
 
 class SchedulerService:
@@ -81,7 +81,6 @@ class SchedulerService:
         self.broker = Broker(config, token)
         self.jobs = JobManager(config, self.store, self.tenants.weights())
         self.jobs.follow_workers(self.broker)
-        self.push = WeightPush(config, self.broker, self.jobs)  # versions to engines that cannot read them
         self.audit = AuditLog(self.store, self._tenant)
         self.meter = UsageMeter(self.store, self._tenant)
         self.weights = WeightsCatalog(self.root, self.store, self.jobs, config, self.audit)
@@ -91,6 +90,9 @@ class SchedulerService:
         # of stepping on part of its gradient. No entry (restarted, or a step failed): only resent steps are checked.
         self._fb_ids: dict[str, set[str]] = {}
         self.admission = Admission(config, weights=dict(self.tenants.weights()))
+        self.sampling = SamplingCalls(
+            config, self.broker, self.jobs, self.weights, self.admission, self.meter, self.audit, self._tenant
+        )
         self._stop = threading.Event()
         self.server: RpcServer | None = None
         self.local_server: RpcServer | None = None
@@ -153,11 +155,9 @@ class SchedulerService:
             m.SaveState: self.save_state,
             m.LoadState: self.load_state,
             m.SaveWeights: self.save_weights,
-            m.Sample: self.sample,
-            m.ComputeLogprobs: self.compute_logprobs,
             m.RuntimeStatus: self.runtime_status,
         }
-        h |= self.checkpoints.handlers() | self.audit.handlers() | self.meter.handlers()
+        h |= self.sampling.handlers() | self.checkpoints.handlers() | self.audit.handlers() | self.meter.handlers()
         workers = {wm.Register: self.broker.register, wm.WorkersQuery: self.broker.workers_query}
         workers[wm.ActorsReport] = self.broker.supervised
         return handler_table({cls: self._guard(fn) for cls, fn in h.items()} | workers)
@@ -171,7 +171,7 @@ class SchedulerService:
             if (check_model := getattr(msg, "check_model", None)) is not None:
                 check_model(self.broker.model_limits)
             try:
-                with self.jobs.activity():  # the job the call names is busy until it ends
+                with self.jobs.activity.calls():  # the job the call names is busy until it ends
                     return fn(msg)
             except OverloadedError as exc:
                 return r.OverloadedReply(exc.retry_after_s, str(exc))
@@ -229,7 +229,7 @@ class SchedulerService:
         rows = self.store.jobs(tenant)
         if not msg.include_finished:
             rows = [row for row in rows if row.state not in FINAL_STATES]
-        activity = self.jobs.job_stats()
+        activity = self.jobs.activity.stats()
         jobs = [row.public() | activity.get(row.job_id, {}) for row in rows]
         return r.JobListReply(jobs, self._load(tenant))
 
@@ -398,7 +398,6 @@ class SchedulerService:
         self._fb_ids[a.adapter_key] = set()  # loading replaced the adapter's state, gradient included
         return r.LoadStateReply(out.version)
 
-    # --- sampling --------------------------------------------------------------------------------
     def save_weights(self, msg: m.SaveWeights) -> r.SaveWeightsReply:
         row, a, learner = self._training(msg.api_key, msg.job_id)
         name = check_name("sampler name", f"{SAMPLER_NAME_PREFIX}{msg.name}") if msg.name else ""
@@ -422,77 +421,5 @@ class SchedulerService:
         self.audit.checkpoint("checkpoint_create", row.tenant, row, name, version)
         self.meter.add(row.tenant, "checkpoint", 1, row.base_model, row.job_id)
 
-    def sample(self, msg: m.Sample) -> r.SampleReply:
-        tenant = self._tenant(msg.api_key)
-        key, version, export, full = self.weights.resolve(tenant, msg.model_path)
-        self._sampling_job(tenant, msg)
-        with self.admission.admit(tenant, "sample"):
-            req = wm.EngineSample(
-                key, version, export, msg.prompt_token_ids, msg.num_samples, msg.params, tenant, full, msg.request_key
-            )
-            out: r.SampleReply = self._read_on_an_engine(key, msg.base_model, req, self.push.prepare(key, export, full))
-        self._sampled(tenant, msg, [msg.prompt_token_ids], [q.tokens for q in out.sequences])
-        return out  # the engine's answer goes on to the client as it is
 
-    def compute_logprobs(self, msg: m.ComputeLogprobs) -> r.LogprobsReply:
-        tenant = self._tenant(msg.api_key)
-        key, version, export, full = self.weights.resolve(tenant, msg.model_path)
-        self._sampling_job(tenant, msg)
-        with self.admission.admit(tenant, "sample"):
-            req = wm.EngineLogprobs(key, version, export, msg.sequences, full=full, top_k=msg.top_k, tag=tenant)
-            prepare = self.push.prepare(key, export, full)
-            out: r.LogprobsReply = self._read_on_an_engine(key, msg.base_model, req, prepare)
-        self._sampled(tenant, msg, msg.sequences, ())
-        return out
-
-    def _read_on_an_engine(self, key: str, base_model: str, req: Request[R], prepare: Prepare | None) -> R:
-        """Send a sampling read to the engine routing picks; if that engine dies under it, at once to
-        the one routing picks then (one that is there, which loads the adapter first)."""
-        route = functools.partial(self.jobs.route, key or None, base_model)
-        return self.broker.call(route(), req, prepare=prepare, elsewhere=route)
-
-    def _sampled(self, tenant: str, msg: m.Sample | m.ComputeLogprobs, read: Any, sampled: Any) -> None:
-        """A sampling call answered: the tokens it read and sampled counted against its job, and a
-        saved version's read audited."""
-        job_id = ModelPath.parse(msg.model_path).job_id if msg.model_path else msg.job_id
-        self.meter.tokens(tenant, "sampling_prefill", read, msg.base_model, job_id)
-        self.meter.tokens(tenant, "sampling_sample", sampled, msg.base_model, job_id)
-        if msg.model_path:
-            self.audit.sampled(tenant, msg.model_path)
-
-    def _sampling_job(self, tenant: str, msg: m.Sample | m.ComputeLogprobs) -> None:
-        """The job a sampling call belongs to, which the call counts as activity of. A base-model
-        call names its inference job, which the policy admits and gates: queued or paused, the
-        call is answered "waiting" (paused for idleness, the call resumes it). A model path names
-        its training job (``WeightsCatalog.resolve`` checked it is the tenant's)."""
-        if msg.model_path:
-            self.jobs.touch(ModelPath.parse(msg.model_path).job_id)
-            return
-        if not msg.job_id:
-            raise ConfigError(
-                "a base-model call names its inference job: ServiceClient.create_sampling_client(base_model=...) "
-                "makes one"
-            )
-        row, _ = self.jobs.running(tenant, msg.job_id)
-        if row.kind != JobKind.INFERENCE:
-            raise ConfigError(f"job {msg.job_id} is a {row.kind} job; a base-model call names an inference job")
-
-
-class SchedulerActor(Actor):
-    """The scheduler as a supervised process actor (the runtime restarts it if it dies)."""
-
-    def __init__(self, config: dict[str, Any], address: str, token: str) -> None:
-        self._config = RuntimeConfig.from_dict(config)
-        self._address, self._token = address, token
-        self._service: SchedulerService | None = None
-
-    def on_start(self) -> None:
-        os.umask(0o077)  # the database and everything else it writes: for this user alone
-        self._service = SchedulerService(self._config, self._token).start(self._address)
-
-    def on_stop(self) -> None:
-        if self._service is not None:
-            self._service.stop()
-
-
-__all__ = ["SchedulerActor", "SchedulerService"]
+__all__ = ["SchedulerService"]

@@ -17,6 +17,8 @@ Tables:
   more, written by an older version or by hand): moved here whole, with the reason, so the
   scheduler serves every other job instead of failing to start.
 
+The rows it hands out (``JobRow``, ``AdapterRow``) and how each is read back: ``state_rows.py``.
+
 Privacy: the state directory holds every tenant's weights and the job table, so
 ``home.private_state_dir`` keeps it 0700 (tightening a looser one, with a warning) and the database
 file is created 0600 (SQLite gives its -wal and -shm files the database file's mode).
@@ -36,10 +38,10 @@ import threading
 import time
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from polytinker.scheduler.service.state_rows import AdapterRow, JobRow, adapter_from_row, job_from_row
 from polytinker.scheduler.types import JobKind, JobState
 
 log = logging.getLogger("polytinker.scheduler.state")
@@ -88,57 +90,6 @@ _ADDED_COLUMNS = (
     ("jobs", "request_key", "TEXT NOT NULL DEFAULT ''"),
     ("jobs", "request_digest", "TEXT NOT NULL DEFAULT ''"),
 )
-
-
-@dataclass(frozen=True)
-class JobRow:
-    job_id: str
-    tenant: str
-    kind: JobKind  # stored as its string value, as is ``state``
-    base_model: str
-    agent: str
-    lora: dict[str, Any]
-    state: JobState
-    priority: int
-    steps: int
-    reason: str
-    created_s: float
-    updated_s: float
-    max_staleness: int = 0  # RL jobs: how many steps the client's sampling may run ahead of training
-    request_key: str = ""  # the create_job call's key, with a digest of its fields (request_keys.py)
-    request_digest: str = ""
-
-    def lora_shape(self) -> dict[str, Any] | None:
-        """A LoRA job's adapter shape (rank, alpha, target_modules, seed): what a new job resuming
-        one of its checkpoints needs; None for the other kinds."""
-        return dict(self.lora) if self.kind in (JobKind.LORA_RL, JobKind.SFT) else None
-
-    def public(self) -> dict[str, Any]:
-        """What a tenant sees of its job."""
-        return {
-            "job_id": self.job_id,
-            "kind": str(self.kind),  # plain strings, whichever transport carries the map
-            "base_model": self.base_model,
-            "agent": self.agent,
-            "state": str(self.state),
-            "priority": self.priority,
-            "steps": self.steps,
-            "max_staleness": self.max_staleness,
-            "reason": self.reason,
-            "created_s": self.created_s,
-            "updated_s": self.updated_s,
-        }
-
-
-@dataclass(frozen=True)
-class AdapterRow:
-    adapter_key: str
-    tenant: str
-    job_id: str
-    agent: str
-    version: int
-    checkpoint: str  # "" until the first optimizer step
-    export_dir: str  # "" until the first export
 
 
 class StateStore:
@@ -249,7 +200,7 @@ class StateStore:
         out = []
         for r in rows:
             try:
-                out.append(_job(r))
+                out.append(job_from_row(r))
             except (ValueError, TypeError, OverflowError, KeyError) as exc:
                 self._quarantine(r, f"{type(exc).__name__}: {exc}")
         return out
@@ -289,10 +240,7 @@ class StateStore:
         rows = self._query("SELECT * FROM adapters WHERE adapter_key = ?", (key,))
         if not rows:
             return None
-        r = rows[0]
-        return AdapterRow(
-            r["adapter_key"], r["tenant"], r["job_id"], r["agent"], int(r["version"]), r["checkpoint"], r["export_dir"]
-        )
+        return adapter_from_row(rows[0])
 
     def adapters(self, tenant: str) -> list[AdapterRow]:
         rows = self._query("SELECT adapter_key FROM adapters WHERE tenant = ? ORDER BY adapter_key", (tenant,))
@@ -474,27 +422,4 @@ class StateStore:
         return [dict(r) for r in rows]
 
 
-def _job(r: sqlite3.Row) -> JobRow:
-    lora = json.loads(r["lora"])
-    if not isinstance(lora, dict) or not isinstance(r["job_id"], str) or not isinstance(r["tenant"], str):
-        raise TypeError("job_id and tenant must be text, lora a JSON object")
-    return JobRow(
-        job_id=r["job_id"],
-        tenant=r["tenant"],
-        kind=JobKind(r["kind"]),
-        base_model=r["base_model"],
-        agent=r["agent"],
-        lora=lora,
-        state=JobState(r["state"]),
-        priority=int(r["priority"]),
-        steps=int(r["steps"]),
-        reason=r["reason"],
-        created_s=float(r["created_s"]),
-        updated_s=float(r["updated_s"]),
-        max_staleness=int(r["max_staleness"]),
-        request_key=str(r["request_key"]),
-        request_digest=str(r["request_digest"]),
-    )
-
-
-__all__ = ["HISTORY_RETENTION_S", "AdapterRow", "JobRow", "StateStore"]
+__all__ = ["HISTORY_RETENTION_S", "StateStore"]

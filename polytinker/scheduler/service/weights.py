@@ -32,7 +32,8 @@ from polytinker.scheduler.service.audit import EXPIRY_ACTOR, AuditLog
 from polytinker.scheduler.service.config import RuntimeConfig
 from polytinker.scheduler.service.holds import WeightHolds
 from polytinker.scheduler.service.jobs import JobManager, adapter_key
-from polytinker.scheduler.service.state import AdapterRow, JobRow, StateStore
+from polytinker.scheduler.service.state import StateStore
+from polytinker.scheduler.service.state_rows import AdapterRow, JobRow
 from polytinker.scheduler.types import JobKind
 
 log = logging.getLogger("polytinker.scheduler.weights")
