@@ -23,28 +23,12 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from polytinker.errors import SimulationError
-from polytinker.scheduler._sim_state import GroupState, HybridPhase, JobRun
-from polytinker.scheduler.config import SimulatorConfig
-from polytinker.scheduler.policy_base import SchedulingPolicy
-from polytinker.scheduler.types import ClusterSpec, EngineSpec, Job, JobID, LearnerSpec, ResourceID
+from polytinker.scheduler._sim_state import GroupState, HybridPhase, SimulatorParts
+from polytinker.scheduler.types import EngineSpec, Job, JobID, LearnerSpec, ResourceID
 
 
-class HybridWorkers:
-    """The hybrid-worker part of ``Simulator`` (a mixin: the attributes below are the simulator's)."""
-
-    cluster: ClusterSpec
-    config: SimulatorConfig
-    policy: SchedulingPolicy
-    now_s: float
-    _runs: dict[JobID, JobRun]
-    _learners: dict[ResourceID, GroupState]
-    _sampling: dict[ResourceID, dict[JobID, float]]
-    _sampled_at: dict[ResourceID, float]
-    _busy_s: dict[ResourceID, float]
-    _pending_s: dict[ResourceID, float]
-    _holders: dict[ResourceID, set[JobID]]
-    _hybrid: dict[ResourceID, HybridPhase]
-    _hybrid_time: defaultdict[str, float]
+class HybridWorkers(SimulatorParts):
+    """The hybrid-worker part of ``Simulator`` (a mixin on the simulator's attributes)."""
 
     def _init_hybrids(self) -> None:
         self._hybrid = {h.worker_id: HybridPhase(h) for h in self.cluster.hybrids}

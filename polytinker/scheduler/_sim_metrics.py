@@ -21,31 +21,16 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 
-from polytinker.scheduler._sim_state import GroupState, HybridPhase, JobRun
-from polytinker.scheduler.config import SimulatorConfig
-from polytinker.scheduler.policy_base import SchedulingPolicy
+from polytinker.scheduler._sim_state import SimulatorParts
 from polytinker.scheduler.sim_result import JobOutcome, SimResult, time_shares
-from polytinker.scheduler.types import ClusterSpec, Decision, JobID, ResourceID
+from polytinker.scheduler.types import ResourceID
 
 
-class SimMetrics:
-    """The measuring part of ``Simulator`` (a mixin: the attributes up to ``_log`` are the simulator's)."""
+class SimMetrics(SimulatorParts):
+    """The measuring part of ``Simulator`` (a mixin on the simulator's attributes)."""
 
-    cluster: ClusterSpec
-    config: SimulatorConfig
-    policy: SchedulingPolicy
-    now_s: float
-    _runs: dict[JobID, JobRun]
-    _learners: dict[ResourceID, GroupState]
-    _sampling: dict[ResourceID, dict[JobID, float]]
-    _holders: dict[ResourceID, set[JobID]]
-    _hybrid: dict[ResourceID, HybridPhase]
-    _hybrid_time: defaultdict[str, float]
-    _log: list[Decision]
-    # Its own: per resource, busy time and time work for it was queued; time per state; what each
-    # engine or group is needed for (base model, "engine" or "learner").
-    _busy_s: dict[ResourceID, float]
-    _pending_s: dict[ResourceID, float]
+    # Its own: time per state; what each engine or group is needed for (base model, "engine" or
+    # "learner").
     _learner_time: defaultdict[str, float]
     _engine_time: defaultdict[str, float]
     _needs: dict[ResourceID, tuple[str, str]]

@@ -1,14 +1,17 @@
 """The simulator's mutable records: a job's life (``JobRun``), a learner group's turn-taking
-(``GroupState``) and a hybrid worker's phase (``HybridPhase``). Used by ``simulator`` and its parts
-(``_sim_hybrid``, ``_sim_metrics``) only."""
+(``GroupState``) and a hybrid worker's phase (``HybridPhase``); and ``SimulatorParts``, the
+simulator's attributes that its parts (the mixins in ``_sim_hybrid`` and ``_sim_metrics``) read.
+Used by ``simulator`` and those parts only."""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Literal
 
-from polytinker.scheduler.types import HybridSpec, Job, JobID, Placement
+from polytinker.scheduler.config import SimulatorConfig
+from polytinker.scheduler.policy_base import SchedulingPolicy
+from polytinker.scheduler.types import ClusterSpec, Decision, HybridSpec, Job, JobID, Placement, ResourceID
 
 
 @dataclass
@@ -62,4 +65,25 @@ class HybridPhase:
     switches: int = 0
 
 
-__all__ = ["GroupState", "HybridPhase", "JobRun"]
+class SimulatorParts:
+    """The attributes of ``Simulator`` that its parts read and update (declared once here; the
+    simulator sets them in ``__init__``)."""
+
+    cluster: ClusterSpec
+    config: SimulatorConfig
+    policy: SchedulingPolicy
+    now_s: float
+    _runs: dict[JobID, JobRun]
+    _learners: dict[ResourceID, GroupState]
+    _sampling: dict[ResourceID, dict[JobID, float]]
+    _sampled_at: dict[ResourceID, float]
+    _holders: dict[ResourceID, set[JobID]]
+    _hybrid: dict[ResourceID, HybridPhase]
+    _hybrid_time: defaultdict[str, float]
+    _log: list[Decision]
+    # Per resource: its busy time, and the time work for it was queued (the measurements').
+    _busy_s: dict[ResourceID, float]
+    _pending_s: dict[ResourceID, float]
+
+
+__all__ = ["GroupState", "HybridPhase", "JobRun", "SimulatorParts"]
