@@ -24,6 +24,7 @@ from polytinker.engine.types import Datum, SamplingParams
 from polytinker.errors import ConfigError
 from polytinker.scheduler.service import EngineWorkerConfig, LearnerWorkerConfig, LocalRuntime, RuntimeConfig
 from polytinker.scheduler.service.cluster import ClusterConfig
+from polytinker.scheduler.service.ray_placement import actor_options
 from polytinker.transport.auth import generate_keypair
 
 MODEL = "tiny-random"
@@ -46,7 +47,7 @@ def _config(state: Path, address: str) -> RuntimeConfig:
         model=MODEL,
         state_dir=str(state),
         engines=(EngineWorkerConfig(adapter_slots=2, batch_window_s=0.0),),
-        # Two ranks: two bundles, which STRICT_PACK keeps on one node (rank 0 starts the other).
+        # Two ranks: one bundle of both ranks' resources, on one node (rank 0 starts the other).
         learners=(LearnerWorkerConfig(world_size=2, micro_batch_size=4),),
         cluster=ClusterConfig(backend="ray", address=address, bundles=BUNDLES, placement_timeout_s=60.0),
         worker_heartbeat_s=0.5,
@@ -200,9 +201,53 @@ def test_cluster_table_is_checked_when_read() -> None:
         RuntimeConfig.from_dict({"cluster": {"backend": "slurm"}})
     cfg = RuntimeConfig.from_dict({"cluster": {"backend": "ray", "bundles": {"engine-0": {"GPU": 1, "CPU": 2}}}})
     assert cfg.cluster.bundles_of(cfg.worker_plan("engine-0")) == [{"GPU": 1.0, "CPU": 2.0}]
+    # A learner group's one bundle holds all its ranks (they are rank 0's child processes).
     learners = (LearnerWorkerConfig(world_size=3, device="cuda"),)
     gpu = RuntimeConfig(learners=learners, cluster=ClusterConfig(backend="ray"))
-    with pytest.raises(ConfigError, match="world size 3 on GPUs"):
-        gpu.cluster.bundles_of(gpu.worker_plan("learner-0"))
+    assert gpu.cluster.bundles_of(gpu.worker_plan("learner-0")) == [{"CPU": 3.0, "GPU": 3.0}]
     cpu = RuntimeConfig(learners=(LearnerWorkerConfig(world_size=3),), cluster=ClusterConfig(backend="ray"))
-    assert cpu.cluster.bundles_of(cpu.worker_plan("learner-0")) == [{"CPU": 1.0}] * 3
+    assert cpu.cluster.bundles_of(cpu.worker_plan("learner-0")) == [{"CPU": 3.0}]
+    assert actor_options({"CPU": 2.0, "GPU": 2.0, "memory": 1e9, "accel": 2.0}) == (
+        {"num_cpus": 2.0, "num_gpus": 2.0, "resources": {"accel": 2.0}, "memory": 1e9},
+        2.0,
+    )
+
+
+@pytest.mark.timeout(180)
+def test_a_learner_groups_actor_holds_every_gpu_its_ranks_use(cluster: Any) -> None:
+    """Ray's own GPU accounting, on a node that declares two GPUs (none need exist): a learner
+    group of world size 2 on ``cuda`` is one bundle of two GPUs, and an actor started with the
+    options serve gives its worker sees both, as does a child process of it (what the group's
+    follower is), so rank r takes the r-th."""
+    ray = pytest.importorskip("ray")
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    cfg = RuntimeConfig(learners=(LearnerWorkerConfig(world_size=2, device="cuda"),), cluster=ClusterConfig("ray"))
+    bundles = cfg.cluster.bundles_of(cfg.worker_plan("learner-0"))
+    assert bundles == [{"CPU": 2.0, "GPU": 2.0}]
+    node = cluster.add_node(**{**NODE, "num_cpus": 2}, num_gpus=2)
+    if not ray.is_initialized():
+        ray.init(address=cluster.address, namespace="polytinker-test")
+
+    class Probe:  # defined here so Ray ships it by value (the test module is not importable there)
+        def visible(self) -> tuple[list[Any], str, str]:
+            import os
+            import subprocess
+
+            code = "import os; print(os.environ.get('CUDA_VISIBLE_DEVICES', ''))"
+            child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+            return ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES", ""), child.stdout.strip()
+
+    group = placement_group(bundles)
+    try:
+        assert group.wait(60), "Ray reserved no node for the group's bundle"
+        options, _ = actor_options(group.bundle_specs[0])
+        strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
+        probe = ray.remote(Probe).options(**options, scheduling_strategy=strategy).remote()
+        ids, visible, in_child = ray.get(probe.visible.remote(), timeout=90)
+        assert len(ids) == 2 and len(visible.split(",")) == 2 and in_child == visible, (ids, visible, in_child)
+        ray.kill(probe)
+    finally:
+        remove_placement_group(group)
+        cluster.remove_node(node)

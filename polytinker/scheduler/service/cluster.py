@@ -8,9 +8,11 @@ engines and learner groups the runtime starts (those declared ``local = true``).
   child process of ``serve`` on this machine, the one authority; a Ray actor runs the same worker
   code as a local worker, dials the scheduler and registers over ZeroMQ with the worker token.
 
-``bundle(plan)`` is the Ray resources one bundle of a worker asks for: ``[cluster.bundles]`` when
-it names the worker, else ``{"CPU": cpus_per_bundle}`` plus one ``GPU`` for a worker whose device
-is ``cuda``. A learner group of world size K asks for K such bundles on one node.
+``bundle(plan)`` is the Ray resources of one worker, or of one rank of a learner group:
+``[cluster.bundles]`` when it names the worker, else ``{"CPU": cpus_per_bundle}`` plus one ``GPU``
+for a worker whose device is ``cuda``. A learner group of world size K asks for one bundle of K
+times that, on one node: its ranks 1..K-1 are child processes of rank 0's actor, which holds the
+whole bundle, so they run where it does and see the GPUs Ray gave it (rank r uses the r-th).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class ClusterConfig:
     cpus_per_bundle: float = 1.0
     # CPUs a bundle asks for when [cluster.bundles] does not name the worker.
     bundles: dict[str, dict[str, float]] = field(default_factory=dict)
-    # Per worker id, the resources of one bundle (a learner group's: one per rank), e.g.
+    # Per worker id, the resources of one worker (a learner group's: of one rank), e.g.
     # engine-0 = { CPU = 2, GPU = 1 } or a custom resource a node declares (ray start --resources).
     worker_curve_secret_file: str = ""
     # With curve_secret_file (a scheduler that serves with Curve): the `.key_secret` the Ray workers
@@ -88,22 +90,20 @@ class ClusterConfig:
         return resources
 
     def bundles_of(self, plan: WorkerPlan) -> list[dict[str, float]]:
-        """The placement group of ``plan``'s worker: one bundle, or one per rank of a learner group."""
+        """The placement group of ``plan``'s worker: one bundle, a learner group's holding all its
+        ranks (``bundle`` times the world size: see the module docstring)."""
         if plan.worker.device.startswith("cuda:"):
             raise ConfigError(
                 f"{plan.worker_id}: device {plan.worker.device!r}, but on Ray a worker sees only the GPUs of "
                 "its own bundle: use device = 'cuda' (or 'auto')"
             )
-        one = self.bundle(plan)
-        ranks = plan.worker.world_size if isinstance(plan.worker, LearnerWorkerConfig) else 1
-        if ranks > 1 and one.get("GPU"):
-            # A group's followers are child processes of rank 0 (LearnerGroup.start), and Ray shows
-            # an actor only the GPUs of the bundle it runs in.
-            raise ConfigError(
-                f"{plan.worker_id}: a learner group of world size {ranks} on GPUs is not placed through Ray yet "
-                "(its ranks would see one bundle's GPU); use world_size = 1 per group, or the local backend"
-            )
-        return [dict(one) for _ in range(ranks)]
+        ranks = ranks_of(plan)
+        return [{k: v * ranks for k, v in self.bundle(plan).items()}]
 
 
-__all__ = ["RAY_EXTRA_HINT", "ClusterBackend", "ClusterConfig"]
+def ranks_of(plan: WorkerPlan) -> int:
+    """How many processes ``plan``'s worker runs: a learner group's world size, else 1."""
+    return plan.worker.world_size if isinstance(plan.worker, LearnerWorkerConfig) else 1
+
+
+__all__ = ["RAY_EXTRA_HINT", "ClusterBackend", "ClusterConfig", "ranks_of"]

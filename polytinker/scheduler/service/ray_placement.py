@@ -2,12 +2,13 @@
 
 Ray only places processes and keeps them alive; ZeroMQ stays the data plane and the scheduler
 the one authority. ``RayPlacement.start`` asks Ray for one placement group per worker the config
-marks ``local`` (``ClusterConfig.bundles_of``: one bundle, or K for a learner group of world size K,
-``STRICT_PACK``: a group's followers are child processes of its rank 0, so its K bundles must be
-on one node), waits until every group is reserved, then starts each worker as a Ray actor
-(``RayWorker``) in bundle 0 of its group. The actor runs the same code as a local worker process
-(``build_worker`` and ``WorkerServer``): it binds on its node's IP, dials the scheduler and
-registers over ZeroMQ with the worker token, Curve keys derived from it.
+marks ``local`` (``ClusterConfig.bundles_of``: one bundle, a learner group of world size K's
+holding K ranks' resources: its followers are child processes of its rank 0, so the group runs
+on one node and its ranks see the GPUs Ray gave rank 0's actor), waits until every group is
+reserved, then starts each worker as a Ray actor (``RayWorker``) that holds its whole bundle.
+The actor runs the same code as a local worker process (``WorkerProcess``): it binds on its
+node's IP, dials the scheduler and registers over ZeroMQ with the worker token, Curve keys
+derived from it.
 
 Ray restarts an actor that dies, its node's loss included, up to ``RuntimeConfig.max_restarts``
 times (over the actor's life, not within a window as the local supervisor counts), in its
@@ -36,7 +37,7 @@ from typing import Any
 from polytinker.engine.worker.messages import ActorState
 from polytinker.engine.worker.server import WorkerPlan, WorkerProcess, omp_wait_env
 from polytinker.errors import ConfigError, RequestTimeout
-from polytinker.scheduler.service.cluster import RAY_EXTRA_HINT
+from polytinker.scheduler.service.cluster import RAY_EXTRA_HINT, ranks_of
 from polytinker.scheduler.service.config import RuntimeConfig
 from polytinker.transport import ClientCurve, load_keypair
 
@@ -86,6 +87,17 @@ class RayWorker:
         return {"node_id": ctx.get_node_id(), "pid": os.getpid(), "incarnation": self._process.server.incarnation}
 
 
+def actor_options(bundle: dict[str, float]) -> tuple[dict[str, Any], float]:
+    """The Ray resource options of an actor that holds the whole ``bundle`` (so Ray shows it every
+    GPU the bundle reserved, for a learner group's ranks to share out), and the bundle's CPUs."""
+    rest = dict(bundle)
+    cpus, gpus, memory = rest.pop("CPU", 0.0), rest.pop("GPU", 0.0), rest.pop("memory", None)
+    options: dict[str, Any] = {"num_cpus": cpus, "num_gpus": gpus, "resources": rest}
+    if memory is not None:
+        options["memory"] = memory
+    return options, cpus
+
+
 @dataclass
 class _Placed:
     """One worker's placement group and actor, and what the monitor last read of it."""
@@ -132,7 +144,7 @@ class RayPlacement:
 
         plans = [self.config.worker_plan(w) for w in worker_ids]
         t0 = time.monotonic()
-        groups = {p.worker_id: placement_group(cluster.bundles_of(p), strategy="STRICT_PACK") for p in plans}
+        groups = {p.worker_id: placement_group(cluster.bundles_of(p)) for p in plans}
         for wid, group in groups.items():
             left = cluster.placement_timeout_s - (time.monotonic() - t0)
             if not group.wait(max(1.0, left)):
@@ -152,23 +164,18 @@ class RayPlacement:
     def _actor(self, plan: WorkerPlan, group: Any, scheduler: str, curve: Any) -> Any:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        bundle = dict(group.bundle_specs[0])
-        cpus, gpus = bundle.pop("CPU", 0.0), bundle.pop("GPU", 0.0)
         cfg = self.config
-        threads = cfg.worker_threads or max(1, int(cpus))  # the CPUs its bundle reserved for each rank
+        options, cpus = actor_options(group.bundle_specs[0])
+        threads = cfg.worker_threads or max(1, int(cpus / ranks_of(plan)))  # each rank's share of the CPUs
         env = {"OMP_NUM_THREADS": str(threads), **omp_wait_env(os.environ)}
         env |= {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if os.environ.get(k)}
-        options = {
+        options |= {
             "name": f"polytinker-{plan.worker_id}-{self._run}",  # unique per runtime: two may share a cluster
-            "num_cpus": cpus,
-            "num_gpus": gpus,
-            "resources": {k: v for k, v in bundle.items() if k != "memory"},
-            "memory": bundle.get("memory"),
             "max_restarts": cfg.max_restarts,
             "max_concurrency": 2,  # where() answers while nothing else runs on the actor's thread
             "scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
         }
-        remote = self._ray.remote(RayWorker).options(**{k: v for k, v in options.items() if v is not None})
+        remote = self._ray.remote(RayWorker).options(**options)
         return remote.remote(plan.to_dict(), scheduler, cfg.worker_token, env, curve)
 
     def _scheduler_address(self) -> str:
@@ -288,4 +295,4 @@ class RayPlacement:
             ray.shutdown()
 
 
-__all__ = ["RayPlacement", "RayWorker", "import_ray"]
+__all__ = ["RayPlacement", "RayWorker", "actor_options", "import_ray"]
