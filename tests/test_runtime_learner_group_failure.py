@@ -85,7 +85,13 @@ def test_a_group_that_loses_a_rank_is_restarted_whole_and_training_goes_on(tmp_p
         assert after["last_exit_code"] == 1  # it failed itself (a SIGKILL of its own would read -9)
         (traceback,) = (tmp_path / "state").rglob(f"learner-0.{first['pid']}.traceback")
         assert "WorkerFailed: learner group rank learner-0-rank1 exited with code -9" in traceback.read_text()
-        # The adapters came back from their checkpoints at version 1 and went on from there: they serve.
+        # The adapters came back from their checkpoints at version 1 and went on from there: each
+        # job's events say so, to its own tenant; and they serve.
+        for service, trainer in zip((tenant_a, tenant_b), trainers, strict=True):
+            restores = [e["reason"] for e in service.get_job(trainer.job_id)["events"] if e["kind"] == "restore"]
+            assert restores == [
+                "learner-0 restarted (a new process) and loaded it at version 1, from that version's checkpoint"
+            ]
         params = SamplingParams(max_tokens=4, seed=1)
         for trainer in trainers:
             sampler = trainer.save_weights_and_get_sampling_client()

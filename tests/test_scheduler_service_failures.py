@@ -67,6 +67,11 @@ def test_engine_and_learner_killed_mid_run_work_is_retried_and_the_job_goes_on()
         replayed = trainer.optim_step(ADAM).result(timeout=240)
         assert learner.pid != restarted
         assert replayed.version == 2 and replayed.metrics["optim/tokens"] == unbroken.metrics["optim/tokens"]
+        # The job's events tell its tenant what was lost and what came back, and from where.
+        told = [(e["kind"], e["reason"]) for e in service.get_job(trainer.job_id)["events"]]
+        restored = "learner-0 restarted (a new process) and loaded it at version 1, from that version's checkpoint"
+        lost = "step 2's gradient died with learner-0's process; its calls are sent again"
+        assert [t for t in told if t[0] in ("restore", "lost")] == [("restore", restored)] * 2 + [("lost", lost)]
         # The job goes on: another step, and the new version samples on the new engine.
         trainer.forward_backward(batch)
         assert trainer.optim_step(ADAM).result().version == 3

@@ -231,6 +231,7 @@ class LearnerWorker:
                 group.load_state(self._path(msg.checkpoint), None)
                 self._gradient_gone(msg.adapter)
                 self.stats["loads"] += 1
+                return WorkerVersion(self._version(msg.adapter, True), loaded=True)
             return WorkerVersion(self._version(msg.adapter, True))
         lora = self._lora_group()
         have = self._versions().get(msg.adapter)
@@ -240,7 +241,7 @@ class LearnerWorker:
         if msg.checkpoint:
             ref = lora.load_state(self._path(msg.checkpoint), msg.adapter)
             self.stats["loads"] += 1
-            return WorkerVersion(ref.version)
+            return WorkerVersion(ref.version, loaded=True)
         if msg.version != 0:
             raise ConfigError(f"adapter {msg.adapter} v{msg.version} has no checkpoint to load")
         if have is not None:

@@ -119,9 +119,11 @@ class LogprobsReply:
 @message("sched.wr.version")
 @dataclass(frozen=True)
 class WorkerVersion:
-    """``ensure`` and ``load``: the adapter's (or full-parameter model's) version now resident."""
+    """``ensure`` and ``load``: the adapter's (or full-parameter model's) version now resident;
+    ``loaded``: ``ensure`` read it from its checkpoint now (it was not resident at that version)."""
 
     version: int | None
+    loaded: bool = False
 
 
 @message("sched.wr.step")

@@ -89,6 +89,9 @@ class SchedulerService:
         # many it must hold, so a learner restarted between a step's calls refuses the step (GradientLost) instead
         # of stepping on part of its gradient. No entry (restarted, or a step failed): only resent steps are checked.
         self._fb_ids: dict[str, set[str]] = {}
+        # Per adapter, the learner process that last loaded it (worker id, incarnation): a load by
+        # another one is a restore from the checkpoint, which the job's events tell its tenant.
+        self._held_by: dict[str, tuple[str, str]] = {}
         self.admission = Admission(config, weights=dict(self.tenants.weights()))
         self.sampling = SamplingCalls(
             config, self.broker, self.jobs, self.weights, self.admission, self.meter, self.audit, self._tenant
@@ -286,9 +289,27 @@ class SchedulerService:
                 lora["seed"],
                 full,
             )
-            ask(h.client, msg, timeout_s=self.config.request_timeout_s)
+            out = ask(h.client, msg, timeout_s=self.config.request_timeout_s)
+            self._note_restored(row.job_id, current, h, out.loaded)
 
         return f"ensure:{a.adapter_key}", ensure
+
+    def _note_restored(self, job_id: str, a: AdapterRow, h: WorkerHandle, loaded: bool) -> None:
+        """Say where a trained adapter came back from, in the job's events (``restore``) and the
+        log, when a learner process that did not hold it loaded its last version's checkpoint."""
+        before = self._held_by.get(a.adapter_key)
+        self._held_by[a.adapter_key] = (h.worker_id, h.incarnation)
+        if not loaded or before == (h.worker_id, h.incarnation):
+            return  # it held the version already, or the same process reloaded it (models switched)
+        if before is None:
+            how = f"{h.worker_id} loaded it"
+        elif before[0] == h.worker_id:
+            how = f"{h.worker_id} restarted (a new process) and loaded it"
+        else:
+            how = f"it moved from {before[0]} to {h.worker_id}, which loaded it"
+        reason = f"{how} at version {a.version}, from that version's checkpoint"
+        self.store.log_event(job_id, "restore", reason)
+        log.info("job %s: %s", job_id, reason)
 
     def _turn(self, learner: str, row: JobRow, ends_step: bool = False) -> Any:
         """The job's turn on its learner group: LoRA jobs share it, a full-parameter job holds it alone."""
@@ -349,6 +370,9 @@ class SchedulerService:
                 # calls from nothing. Any other failure leaves the count unknown.
                 if isinstance(exc, RemoteError) and exc.code == GradientLost.code:
                     self._fb_ids[a.adapter_key] = set()
+                    lost = f"step {a.version + 1}'s gradient died with {learner}'s process; its calls are sent again"
+                    self.store.log_event(row.job_id, "lost", lost)
+                    log.warning("job %s: %s", row.job_id, lost)
                 else:
                     self._fb_ids.pop(a.adapter_key, None)
                 raise
