@@ -5,13 +5,14 @@ from then on. The policy and the broker are real; the joining worker's link is a
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 
 import pytest
 from _scheduler_helpers import KEY_A, config
 
 from polytinker.engine.worker.messages import Register
-from polytinker.errors import AuthError, ConfigError
+from polytinker.errors import AuthError, ConfigError, WorkerUnavailable
 from polytinker.scheduler import ClusterSpec, EngineSpec, FairSharePolicy, Job, JobKind, JobState, LearnerSpec
 from polytinker.scheduler.service import LearnerWorkerConfig
 from polytinker.scheduler.service.broker import Broker
@@ -156,5 +157,64 @@ def test_a_job_no_worker_can_run_waits_for_one_to_join_when_workers_may_join(tmp
         jobs.schedule()
         row, placement = jobs.running("alice", job.job_id)
         assert row.state == JobState.RUNNING and placement.engine == "engine-9"
+    finally:
+        store.close()
+
+
+def test_a_worker_that_left_is_placed_on_no_more_and_may_join_again() -> None:
+    spec = ClusterSpec((EngineSpec("e0", "base", 40.0, adapter_slots=2),), ())
+    policy = FairSharePolicy(spec)
+    policy.cluster.add(LearnerSpec("g9", "base", 80.0))
+    policy.cluster.add(EngineSpec("e9", "base", 40.0, adapter_slots=2))
+    policy.submit(rl_job("one"), 0.0)
+    policy.schedule(0.0)
+    assert policy.placement("one") is not None and policy.placement("one").learner == "g9"  # type: ignore[union-attr]
+    with pytest.raises(ConfigError, match="still holds jobs"):
+        policy.worker_left("g9")  # its jobs leave first
+    policy.cancel("one", 1.0)
+    policy.worker_left("g9")
+    policy.worker_left("e9")
+    assert "g9" not in policy.cluster.learners and "e9" not in policy.cluster.engines
+    assert policy.cluster.adapters.engines_of("base") == ["e0"]
+    with pytest.raises(ConfigError, match="not a joined engine or learner group"):
+        policy.worker_left("g9")
+    assert policy.cluster.impossible(rl_job("two")) is not None  # no learner group is left
+    policy.cluster.add(LearnerSpec("g9", "base", 80.0))  # it comes back: it joins anew
+    policy.submit(rl_job("two"), 2.0)
+    policy.schedule(2.0)
+    assert policy.state("two") == JobState.RUNNING
+
+
+def test_a_joined_learner_gone_for_long_enough_has_left_and_its_jobs_are_queued_again(tmp_path: Path) -> None:
+    """A joined learner group not there for ``joined_gone_s``: the broker forgets it, its job goes
+    back to the queue (waiting for a worker to join: none is left), its history says why, and
+    the same worker registering again joins anew and runs it. A declared worker that never came
+    is never forgotten."""
+    cluster = ClusterConfig(join_undeclared=True, joined_gone_s=0.2)
+    jobs, b, store = manager(tmp_path, cluster=cluster, learners=(), worker_heartbeat_s=0.05, worker_silence_s=0.1)
+    try:
+        b.register(register("learner-9", "learner"))
+        job = jobs.create("alice", CreateJob(KEY_A, "lora_rl", "tiny-random"))
+        jobs.schedule()
+        _, placement = jobs.running("alice", job.job_id)
+        assert placement.learner == "learner-9"
+        assert b.forget_gone() == []  # there: heartbeats count from its registration
+        time.sleep(0.5)  # no heartbeat: not there for longer than joined_gone_s
+        assert b.forget_gone() == ["learner-9"]
+        row = store.job(job.job_id)
+        assert row is not None and row.state == JobState.QUEUED
+        assert (
+            row.reason == "waiting for a worker that can run it to join: no learner group serves base model tiny-random"
+        )
+        events = [(e["kind"], e["reason"]) for e in store.events(job.job_id)]
+        assert ("requeue", "learner-9 left the runtime; queued again at version 0") in events
+        assert "learner-9" not in jobs.policy.cluster.learners and "learner-9" not in b.slicers
+        with pytest.raises(WorkerUnavailable, match="left the runtime"):
+            b.wait_for("learner-9", timeout_s=5.0)  # a call waiting for it fails over at once
+        b.register(register("learner-9", "learner", incarnation="i2"))  # back: it joins anew
+        jobs.schedule()
+        row, placement = jobs.running("alice", job.job_id)
+        assert row.state == JobState.RUNNING and placement.learner == "learner-9"
+        assert "engine-0" not in b.forget_gone()  # declared, never registered: waited for, not forgotten
     finally:
         store.close()

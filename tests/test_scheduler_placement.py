@@ -20,6 +20,7 @@ from polytinker.scheduler import (
 )
 from polytinker.scheduler.placement import AdapterLoad
 from polytinker.scheduler.queue import TenantQueue, iter_heap
+from polytinker.scheduler.victims import find_victims
 
 
 def some(load: AdapterLoad | None) -> AdapterLoad:
@@ -131,11 +132,11 @@ def test_victims_are_taken_lowest_rank_first():
     for name in rank:
         job = lora(name, 12.0)
         state.allocate(job, fitted(state, job), 0.0)
-    found = state.victims(lora("new", 10.0), lambda j: rank[j] < 2, lambda j: (rank[j.job_id],))
+    found = find_victims(state, lora("new", 10.0), lambda j: rank[j] < 2, lambda j: (rank[j.job_id],))
     assert found is not None and found[1] == ["lo"]
-    found = state.victims(lora("new", 20.0), lambda j: rank[j] < 2, lambda j: (rank[j.job_id],))
+    found = find_victims(state, lora("new", 20.0), lambda j: rank[j] < 2, lambda j: (rank[j.job_id],))
     assert found is not None and found[1] == ["lo", "mid"]
-    assert state.victims(lora("new", 40.0), lambda j: rank[j] < 2, lambda j: (rank[j.job_id],)) is None
+    assert find_victims(state, lora("new", 40.0), lambda j: rank[j] < 2, lambda j: (rank[j.job_id],)) is None
 
 
 def test_learner_takes_turns_by_priority_then_longest_wait():

@@ -1,8 +1,10 @@
 """What is allocated where: memory of engines and learner groups, adapter slots, exclusive groups.
 
 ``ClusterState`` answers the questions the policy asks: can this job ever run here (and if not,
-why), where does it fit now, which running jobs would have to stop for it to fit. It never
-over-commits: ``allocate`` raises if a placement does not fit.
+why), where does it fit now (which running jobs would have to stop for it to fit is
+``victims.py``'s). It never over-commits: ``allocate`` raises if a placement does not fit.
+Engines and learner groups that join at run time are ``add``ed, and ``remove``d when they leave
+for good.
 
 A hybrid worker (``HybridSpec``) is kept as a learner side and an engine side under its one id (in
 ``learners`` and ``engines``, with the memory of each phase), so memory, host memory, adapter slots
@@ -31,11 +33,11 @@ from polytinker.scheduler.types import (
     ResourceID,
 )
 
-_EPS = 1e-9  # memory sums in floats: tolerate rounding, never real over-commit
+MEMORY_EPS = 1e-9  # memory sums in floats: tolerate rounding, never real over-commit
 
 
 @dataclass
-class _Learner:
+class LearnerState:
     spec: LearnerSpec
     host_free_gb: float  # for the states of shared jobs
     jobs: dict[JobID, Job] = field(default_factory=dict)
@@ -43,7 +45,7 @@ class _Learner:
 
 
 @dataclass
-class _Engine:
+class EngineState:
     spec: EngineSpec
     free_gb: float
     jobs: dict[JobID, Job] = field(default_factory=dict)
@@ -59,8 +61,8 @@ class ClusterState:
         self.hybrids: dict[ResourceID, HybridSpec] = {h.worker_id: h for h in spec.hybrids}
         learner_specs = [*spec.learners, *(h.learner_spec() for h in spec.hybrids)]
         engine_specs = [*spec.engines, *(h.engine_spec() for h in spec.hybrids)]
-        self.learners = {g.group_id: _Learner(g, g.host_memory_gb) for g in learner_specs}
-        self.engines = {e.engine_id: _Engine(e, e.memory_gb) for e in engine_specs}
+        self.learners = {g.group_id: LearnerState(g, g.host_memory_gb) for g in learner_specs}
+        self.engines = {e.engine_id: EngineState(e, e.memory_gb) for e in engine_specs}
         self.adapters = AdapterPlacement(engine_specs)
         self.placed: dict[JobID, tuple[Job, Placement]] = {}
         self.total_learner_gb = sum(g.memory_gb for g in learner_specs)
@@ -91,13 +93,13 @@ class ClusterState:
         hybrids = [h for h in self.hybrids.values() if h.base_model == job.base_model]
         if not hybrids:
             return f"no hybrid worker serves base model {job.base_model}"
-        if any(_could_host(h, job) for h in hybrids):
+        if any(could_host(h, job) for h in hybrids):
             return None
         biggest = max(h.memory_gb for h in hybrids)
-        if job.kind.needs_learner and job.learner_mem_gb > biggest + _EPS:
+        if job.kind.needs_learner and job.learner_mem_gb > biggest + MEMORY_EPS:
             return f"needs {job.learner_mem_gb:g} GB of learner memory; the largest hybrid worker has {biggest:g} GB"
         biggest = max(h.kv_memory_gb for h in hybrids)
-        if job.kind.needs_engine and job.engine_mem_gb > biggest + _EPS:
+        if job.kind.needs_engine and job.engine_mem_gb > biggest + MEMORY_EPS:
             return f"needs {job.engine_mem_gb:g} GB of engine memory; the largest hybrid worker has {biggest:g} GB"
         return f"no hybrid worker of {job.base_model} has the memory and the adapter slot it needs"
 
@@ -111,7 +113,7 @@ class ClusterState:
             if not groups:
                 return f"no learner group serves base model {job.base_model}"
             biggest = max(g.memory_gb for g in groups)
-            if job.learner_mem_gb > biggest + _EPS:
+            if job.learner_mem_gb > biggest + MEMORY_EPS:
                 return f"needs {job.learner_mem_gb:g} GB of learner memory; the largest group has {biggest:g} GB"
         if job.kind.needs_engine:
             engines = [
@@ -121,7 +123,7 @@ class ClusterState:
             ]
             if not engines:
                 return f"no engine serves base model {job.base_model}"
-            fits = [e for e in engines if e.memory_gb + _EPS >= job.engine_mem_gb]
+            fits = [e for e in engines if e.memory_gb + MEMORY_EPS >= job.engine_mem_gb]
             if not fits:
                 biggest = max(e.memory_gb for e in engines)
                 return f"needs {job.engine_mem_gb:g} GB of engine memory; the largest engine has {biggest:g} GB"
@@ -136,11 +138,24 @@ class ClusterState:
             raise ConfigError(f"resource id {rid!r} is already in the cluster")
         if isinstance(spec, EngineSpec):
             self.adapters.add_engine(spec)
-            self.engines[rid] = _Engine(spec, spec.memory_gb)
+            self.engines[rid] = EngineState(spec, spec.memory_gb)
             self.total_engine_gb += spec.memory_gb
         else:
-            self.learners[rid] = _Learner(spec, spec.host_memory_gb)
+            self.learners[rid] = LearnerState(spec, spec.host_memory_gb)
             self.total_learner_gb += spec.memory_gb
+
+    def remove(self, rid: ResourceID) -> None:
+        """An engine or learner group that joined and left for good: placed on no more. The jobs
+        on it must have left it first (a scheduler queues them again)."""
+        if rid in self.hybrids or (rid not in self.engines and rid not in self.learners):
+            raise ConfigError(f"resource id {rid!r} is not a joined engine or learner group")
+        if self.jobs_on(rid):
+            raise ConfigError(f"{rid} still holds jobs {sorted(self.jobs_on(rid))}: take them off it first")
+        if rid in self.engines:
+            self.adapters.remove_engine(rid)
+            self.total_engine_gb -= self.engines.pop(rid).spec.memory_gb
+        else:
+            self.total_learner_gb -= self.learners.pop(rid).spec.memory_gb
 
     # --- fitting ---------------------------------------------------------------------------------
     def set_presence(self, present: Callable[[ResourceID], bool]) -> None:
@@ -188,11 +203,11 @@ class ClusterState:
                 continue
             if gid in self.hybrids:
                 continue
-            ok = g.spec.memory_gb + _EPS >= job.learner_mem_gb
+            ok = g.spec.memory_gb + MEMORY_EPS >= job.learner_mem_gb
             if job.kind.exclusive_learner:
                 ok = ok and not g.jobs
             else:
-                ok = ok and len(g.jobs) < g.spec.max_jobs and g.host_free_gb + _EPS >= job.learner_mem_gb
+                ok = ok and len(g.jobs) < g.spec.max_jobs and g.host_free_gb + MEMORY_EPS >= job.learner_mem_gb
             # Spread shared jobs: the group with the fewest jobs takes turns least often.
             key = (len(g.jobs), -g.host_free_gb, gid)
             if ok and (best is None or key < best):
@@ -203,7 +218,7 @@ class ClusterState:
         candidates = [
             eid
             for eid, e in self.engines.items()
-            if e.spec.base_model == job.base_model and allowed(eid) and e.free_gb + _EPS >= job.engine_mem_gb
+            if e.spec.base_model == job.base_model and allowed(eid) and e.free_gb + MEMORY_EPS >= job.engine_mem_gb
             if eid not in self.hybrids
         ]
         adapter = job.adapter if job.needs_slot else None
@@ -219,15 +234,15 @@ class ClusterState:
             g, e = self.learners[hid], self.engines[hid]
             if h.base_model != job.base_model or not allowed(hid) or g.exclusive is not None:
                 continue
-            if not _could_host(h, job):
+            if not could_host(h, job):
                 continue
             if job.kind.exclusive_learner:
                 ok = not g.jobs and not e.jobs
             else:
                 ok = not job.kind.needs_learner or (
-                    len(g.jobs) < h.max_jobs and g.host_free_gb + _EPS >= job.learner_mem_gb
+                    len(g.jobs) < h.max_jobs and g.host_free_gb + MEMORY_EPS >= job.learner_mem_gb
                 )
-                ok = ok and (not job.kind.needs_engine or e.free_gb + _EPS >= job.engine_mem_gb)
+                ok = ok and (not job.kind.needs_engine or e.free_gb + MEMORY_EPS >= job.engine_mem_gb)
             if ok:
                 candidates.append(hid)
         adapter = job.adapter if job.needs_slot else None
@@ -309,160 +324,14 @@ class ClusterState:
                 assert job.adapter is not None
                 self.adapters.release(placement.engine, job.adapter, now_s)
 
-    # --- preemption ------------------------------------------------------------------------------
-    def victims(
-        self,
-        job: Job,
-        preemptible: Callable[[JobID], bool],
-        order: Callable[[Job], tuple[float, ...]],
-    ) -> tuple[Placement, list[JobID]] | None:
-        """The cheapest set of running jobs whose removal lets ``job`` fit, taking victims in ``order``
-        (lowest priority first) and only those ``preemptible`` allows; ``None`` if no such set exists.
-        On separate machines or on one hybrid worker, whichever costs least (separate on a tie)."""
-        options = []
-        separate = self._separate_victims(job, preemptible, order)
-        if separate is not None:
-            options.append(separate)
-        for hid in self.hybrids:
-            found = self._hybrid_victims(job, hid, preemptible, order)
-            if found is not None:
-                options.append(found)
-        if not options:
-            return None
-        placement, taken = min(options, key=lambda o: _cost(o[1], order))
-        return placement, [j.job_id for j in sorted(taken, key=order)]
 
-    def _separate_victims(
-        self,
-        job: Job,
-        preemptible: Callable[[JobID], bool],
-        order: Callable[[Job], tuple[float, ...]],
-    ) -> tuple[Placement, list[Job]] | None:
-        learner: tuple[ResourceID | None, list[Job]] = (None, [])
-        engine: tuple[ResourceID | None, list[Job]] = (None, [])
-        if job.kind.needs_learner:
-            opts = [self._learner_victims(job, g, preemptible, order) for g in self.learners.values()]
-            found = [o for o in opts if o is not None]
-            if not found:
-                return None
-            learner = min(found, key=lambda o: (_cost(o[1], order), o[0] or ""))
-        if job.kind.needs_engine:
-            eopts = [self._engine_victims(job, e, preemptible, order) for e in self.engines.values()]
-            efound = [o for o in eopts if o is not None]
-            if not efound:
-                return None
-            engine = min(efound, key=lambda o: (_cost(o[1], order), o[0] or ""))
-        chosen = {j.job_id: j for j in learner[1] + engine[1]}
-        return Placement(learner=learner[0], engine=engine[0]), list(chosen.values())
-
-    def _hybrid_victims(
-        self, job: Job, hid: ResourceID, preemptible: Callable[[JobID], bool], order: Callable[[Job], tuple[float, ...]]
-    ) -> tuple[Placement, list[Job]] | None:
-        h, g, e = self.hybrids[hid], self.learners[hid], self.engines[hid]
-        if h.base_model != job.base_model or not _could_host(h, job):
-            return None
-        placement = Placement(hid if job.kind.needs_learner else None, hid if job.kind.needs_engine else None)
-        running = sorted(self.jobs_on(hid).values(), key=order)
-        if job.kind.exclusive_learner or g.exclusive is not None:
-            return (placement, running) if all(preemptible(j.job_id) for j in running) else None
-
-        def enough(taken: list[Job]) -> bool:
-            ids = {j.job_id for j in taken}
-            if job.kind.needs_learner:
-                host_gb = g.host_free_gb + sum(j.learner_mem_gb for j in taken if j.job_id in g.jobs)
-                if len(g.jobs.keys() - ids) >= h.max_jobs or host_gb + _EPS < job.learner_mem_gb:
-                    return False
-            kv_gb = e.free_gb + sum(j.engine_mem_gb for j in taken if j.job_id in e.jobs)
-            if job.kind.needs_engine and kv_gb + _EPS < job.engine_mem_gb:
-                return False
-            if not job.needs_slot or self.adapters.can_host(hid, job.adapter or ""):
-                return True
-            # A slot frees when every job pinning some adapter here stops (and no person pinned it).
-            pinned_by = {k.adapter for k in e.jobs.values() if k.needs_slot and k.job_id not in ids}
-            return any(
-                j.needs_slot and j.adapter not in pinned_by and not self.adapters.is_user_pinned(j.adapter)
-                for j in taken
-            )
-
-        found = _take_until(hid, running, preemptible, enough)
-        return None if found is None else (placement, found[1])
-
-    def _learner_victims(
-        self, job: Job, g: _Learner, preemptible: Callable[[JobID], bool], order: Callable[[Job], tuple[float, ...]]
-    ) -> tuple[ResourceID, list[Job]] | None:
-        if g.spec.base_model != job.base_model or g.spec.memory_gb + _EPS < job.learner_mem_gb:
-            return None
-        if g.spec.group_id in self.hybrids:
-            return None  # both sides of a hybrid worker go together: _hybrid_victims
-        running = sorted(g.jobs.values(), key=order)
-        if job.kind.exclusive_learner or g.exclusive is not None:
-            return (g.spec.group_id, running) if all(preemptible(j.job_id) for j in running) else None
-
-        def enough(taken: list[Job]) -> bool:
-            host_gb = g.host_free_gb + sum(j.learner_mem_gb for j in taken)
-            return len(g.jobs) - len(taken) < g.spec.max_jobs and host_gb + _EPS >= job.learner_mem_gb
-
-        return _take_until(g.spec.group_id, running, preemptible, enough)
-
-    def _engine_victims(
-        self, job: Job, e: _Engine, preemptible: Callable[[JobID], bool], order: Callable[[Job], tuple[float, ...]]
-    ) -> tuple[ResourceID, list[Job]] | None:
-        if e.spec.base_model != job.base_model or e.spec.memory_gb + _EPS < job.engine_mem_gb:
-            return None
-        if e.spec.engine_id in self.hybrids:
-            return None
-        if job.needs_slot and e.spec.adapter_slots == 0:
-            return None
-        running = sorted(e.jobs.values(), key=order)
-
-        def enough(taken: list[Job]) -> bool:
-            return e.free_gb + sum(j.engine_mem_gb for j in taken) + _EPS >= job.engine_mem_gb
-
-        found = _take_until(e.spec.engine_id, running, preemptible, enough)
-        if found is None or not job.needs_slot:
-            return found
-        assert job.adapter is not None
-        eid, taken = found
-        if self.adapters.can_host(eid, job.adapter):
-            return found
-        # A slot frees when the last job pinning some adapter stops: add the cheapest such job.
-        for j in running:
-            if j in taken or not preemptible(j.job_id) or not j.needs_slot or self.adapters.is_user_pinned(j.adapter):
-                continue
-            if sum(1 for k in e.jobs.values() if k.adapter == j.adapter and k not in taken) == 1:
-                return eid, [*taken, j]
-        return None
-
-
-def _could_host(h: HybridSpec, job: Job) -> bool:
+def could_host(h: HybridSpec, job: Job) -> bool:
     """Whether the empty worker ``h`` has the memory (each phase) and the adapter slot ``job`` needs."""
-    if job.kind.needs_learner and job.learner_mem_gb > h.memory_gb + _EPS:
+    if job.kind.needs_learner and job.learner_mem_gb > h.memory_gb + MEMORY_EPS:
         return False
-    if job.kind.needs_engine and job.engine_mem_gb > h.kv_memory_gb + _EPS:
+    if job.kind.needs_engine and job.engine_mem_gb > h.kv_memory_gb + MEMORY_EPS:
         return False
     return not job.needs_slot or h.adapter_slots > 0
 
 
-def _take_until(
-    rid: ResourceID,
-    running: list[Job],
-    preemptible: Callable[[JobID], bool],
-    enough: Callable[[list[Job]], bool],
-) -> tuple[ResourceID, list[Job]] | None:
-    """The fewest victims from ``running``, taken in order, that make ``enough`` true; None if none do."""
-    taken: list[Job] = []
-    for j in running:
-        if enough(taken):
-            break
-        if preemptible(j.job_id):
-            taken.append(j)
-    return (rid, taken) if enough(taken) else None
-
-
-def _cost(victims: list[Job], order: Callable[[Job], tuple[float, ...]]) -> tuple[object, ...]:
-    # Prefer stopping only the lowest-ranked jobs, then as few as possible.
-    worst: tuple[float, ...] = max((order(j) for j in victims), default=())
-    return (worst, len(victims))
-
-
-__all__ = ["ClusterState"]
+__all__ = ["MEMORY_EPS", "ClusterState", "EngineState", "LearnerState", "could_host"]

@@ -74,6 +74,18 @@ class AdapterPlacement:
         self._engines[spec.engine_id] = _Engine(spec)
         self._by_base.setdefault(spec.base_model, []).append(spec.engine_id)
 
+    def remove_engine(self, engine_id: ResourceID) -> None:
+        """An engine gone for good (one that joined and left): its adapters are resident nowhere
+        else on its account; routing places them on the engines that are left."""
+        e = self._engines.pop(engine_id)
+        self._by_base[e.spec.base_model].remove(engine_id)
+        for adapter in e.resident:
+            holders = self._where.get(adapter, set())
+            holders.discard(engine_id)
+            if not holders:
+                self._where.pop(adapter, None)
+        self._engine_rate.pop(engine_id, None)
+
     # --- queries ---------------------------------------------------------------------------------
     def engines_of(self, base_model: BaseModelID) -> list[ResourceID]:
         return list(self._by_base.get(base_model, ()))

@@ -36,6 +36,7 @@ from polytinker.scheduler.types import (
     ResourceID,
     TenantID,
 )
+from polytinker.scheduler.victims import find_victims
 
 
 class FairSharePolicy(SchedulingPolicy):
@@ -107,6 +108,10 @@ class FairSharePolicy(SchedulingPolicy):
         if was_running:
             self._running_prio[e.job.priority] -= 1
         self._drop_claims(e.job.job_id)
+
+    def _on_worker_left(self, rid: ResourceID) -> None:
+        self._reserved.pop(rid, None)  # its owner looks for room again on what is left
+        self._reserved_until.pop(rid, None)
 
     def _drop_claims(self, job_id: JobID) -> None:
         """The job started or left: its reservations and pending preemptions lapse."""
@@ -227,7 +232,7 @@ class FairSharePolicy(SchedulingPolicy):
             v = self._entries[jid]
             return v.state is JobState.RUNNING and v.job.priority < job.priority
 
-        found = self.cluster.victims(job, preemptible, lambda j: (j.priority, -self._entries[j.job_id].started_s))
+        found = find_victims(self.cluster, job, preemptible, lambda j: (j.priority, -self._entries[j.job_id].started_s))
         if found is None or not found[1]:
             return []
         placement, victims = found
@@ -293,7 +298,7 @@ class FairSharePolicy(SchedulingPolicy):
         def free(jid: JobID) -> bool:
             return not any(self._reserved.get(r) for r in self.cluster.placed[jid][1].resources())
 
-        found = self.cluster.victims(e.job, free, lambda j: (self._entries[j.job_id].remaining_span_s,))
+        found = find_victims(self.cluster, e.job, free, lambda j: (self._entries[j.job_id].remaining_span_s,))
         if found is None:
             return []
         self._aged = e.job.job_id

@@ -40,6 +40,7 @@ from polytinker.scheduler.types import (
     Overloaded,
     Placement,
     Rejected,
+    ResourceID,
     SubmitResult,
     TenantID,
 )
@@ -169,6 +170,12 @@ class SchedulingPolicy(ABC):
         self._on_gone(e, was_running)
         return Decision(DecisionKind.CANCEL, now_s, job_id, "cancelled by its tenant", e.job.tenant)
 
+    def worker_left(self, rid: ResourceID) -> None:
+        """An engine or learner group that joined left for good: placed on no more. Its jobs must
+        have left the policy first (the service submits them again)."""
+        self.cluster.remove(rid)
+        self._on_worker_left(rid)
+
     # --- shared machinery ------------------------------------------------------------------------
     def _enqueue(self, e: PolicyEntry, now_s: float, *, new: bool) -> None:
         e.state = JobState.QUEUED
@@ -218,6 +225,10 @@ class SchedulingPolicy(ABC):
 
     def _on_gone(self, e: PolicyEntry, was_running: bool) -> None:
         """Hook: a job finished or was cancelled (``was_running``: it held resources)."""
+        return None
+
+    def _on_worker_left(self, rid: ResourceID) -> None:
+        """Hook: resource ``rid`` is gone (``worker_left``)."""
         return None
 
 

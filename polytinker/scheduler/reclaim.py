@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from polytinker.scheduler.cluster import ClusterState
 from polytinker.scheduler.types import Job, JobID, Placement, TenantID
+from polytinker.scheduler.victims import find_victims
 
 MAX_RECLAIMS_PER_PASS = 4  # waiting jobs per pass that look for idle victims (each look scans the running jobs)
 _EPS = 1e-9
@@ -110,7 +111,7 @@ def idle_victims(
                 victim.tenant == job.tenant or victim.tenant in over or job.tenant not in over
             )
 
-        found = cluster.victims(job, eligible, order)
+        found = find_victims(cluster, job, eligible, order)
         if found is None or not found[1]:
             continue
         taken.update(found[1])

@@ -19,7 +19,7 @@ See docs/scheduler-service.md.
 from __future__ import annotations
 
 from polytinker.errors import AuthError, JobNotRunning, OverloadedError, RuntimeDead, WorkerUnavailable
-from polytinker.scheduler.service.broker import Broker, LearnerSlicer
+from polytinker.scheduler.service.broker import Broker
 from polytinker.scheduler.service.config import (
     ClusterConfig,
     EngineWorkerConfig,
@@ -32,6 +32,7 @@ from polytinker.scheduler.service.inproc import InprocRuntime
 from polytinker.scheduler.service.jobs import JobManager
 from polytinker.scheduler.service.runtime import LocalRuntime
 from polytinker.scheduler.service.scheduler import SchedulerService
+from polytinker.scheduler.service.slicer import LearnerSlicer
 from polytinker.scheduler.service.state import StateStore
 from polytinker.scheduler.service.tenants import new_api_key
 

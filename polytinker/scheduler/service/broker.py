@@ -33,22 +33,18 @@
   ``ActorsReport`` (``supervised``) marks that incarnation exited and closes its connection, so
   the calls in flight to it fail over at once (to wait for the restarted worker), not a heartbeat
   liveness later. A stale heartbeat of an exited incarnation cannot bring it back.
-- ``LearnerSlicer``: many jobs share a learner group; a job holds it from its first
-  ``forward_backward`` to its ``optim_step`` (a step boundary) and then hands it to the waiting job
-  that ``next_learner_job`` (the decision core) picks: highest priority, then longest waiting.
-  LoRA jobs hold it together (their calls that meet run as one batched pass); a full-parameter
-  job holds it alone.
+- Each learner group has a ``LearnerSlicer`` (``slicer.py``: whose turn it is on the group) and
+  an ``FbBatcher`` (``fb_batcher.py``: the LoRA calls that meet run as one pass).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -82,10 +78,10 @@ from polytinker.errors import (
     WorkerFailed,
     WorkerUnavailable,
 )
-from polytinker.scheduler.placement import next_learner_job
 from polytinker.scheduler.service.config import RuntimeConfig
 from polytinker.scheduler.service.fb_batcher import FbBatcher, Prepare, Send
 from polytinker.scheduler.service.replies import ActorsNoted, Registered, WorkersReply
+from polytinker.scheduler.service.slicer import LearnerSlicer
 from polytinker.transport import ClientCurve, Request, RpcClient, TransportConfig, ask, kind_of
 from polytinker.transport.direct import Link
 
@@ -142,6 +138,9 @@ class Broker:
         self.batchers = {g.learner_id: self._batcher(g.learner_id) for g in config.learners}
         # A worker the config does not declare joined (its Register): the scheduler's policy places on it.
         self.on_join: Callable[[Register], None] = lambda _msg: None
+        # A joined worker left for good (``forget_gone``): its jobs go back to the queue.
+        self.on_leave: Callable[[str], None] = lambda _worker_id: None
+        self._joined: dict[str, float] = {}  # joined worker id -> monotonic time it joined
 
     def _batcher(self, learner_id: str) -> FbBatcher:
         return FbBatcher(
@@ -210,6 +209,7 @@ class Broker:
                 self.batchers[msg.worker_id] = self._batcher(msg.worker_id)
             self.on_join(msg)
             self._declared[msg.worker_id] = msg.role
+            self._joined[msg.worker_id] = time.monotonic()
         log.info("worker %s (%s, %g GB, %d slots) joined", msg.worker_id, msg.role, msg.memory_gb, msg.slots)
         return msg.role
 
@@ -306,9 +306,39 @@ class Broker:
                 now = time.monotonic()
                 if h is not None and self._alive(h, now) and h.incarnation != not_incarnation:
                     return h
+                if worker_id not in self._declared:
+                    raise WorkerUnavailable(f"worker {worker_id} left the runtime")
                 if now >= deadline:
                     raise WorkerUnavailable(f"worker {worker_id} is not available (waited {timeout_s:.0f} s)")
                 self._cv.wait(min(0.1, deadline - now))
+
+    def forget_gone(self) -> list[str]:
+        """The joined workers not there (registered and alive) for ``[cluster] joined_gone_s``:
+        gone for good. Each is forgotten (a later Register joins anew), its calls in flight fail
+        over, and ``on_leave`` takes its jobs back to the queue. Declared workers are never
+        forgotten: their jobs wait for them, as for a restart."""
+        gone_s, now = self.config.cluster.joined_gone_s, time.monotonic()
+        with self._cv:
+            gone = []
+            for worker_id, joined_at in self._joined.items():
+                h = self._workers.get(worker_id)
+                last = joined_at if h is None else h.last_seen
+                if now - last > gone_s and (h is None or not self._alive(h, now)):
+                    gone.append(worker_id)
+        for worker_id in gone:
+            with self._join_lock:  # as _join: a Register of this id waits for the leave to finish
+                self._declared.pop(worker_id, None)
+                self._joined.pop(worker_id, None)
+                self.slicers.pop(worker_id, None)
+                self.batchers.pop(worker_id, None)
+                with self._cv:
+                    h = self._workers.pop(worker_id, None)
+                    self._cv.notify_all()
+                if h is not None:
+                    h.client.close()  # its calls in flight fail: they wait no more for it (wait_for)
+                self.on_leave(worker_id)
+            log.warning("worker %s has not been there for %g s: it left the runtime", worker_id, gone_s)
+        return gone
 
     def close(self) -> None:
         with self._cv:
@@ -396,76 +426,4 @@ class Broker:
         return other if other != dead and self.alive(other) else None
 
 
-class LearnerSlicer:
-    """Time-slices one learner group between jobs at step boundaries (see the module docstring).
-
-    LoRA jobs (``shared``) hold the group together: their adapters live side by side, and their
-    ``forward_backward`` calls that meet are batched into one pass (``FbBatcher``). A
-    full-parameter job holds it alone. A shared job joins the holders only while no waiting job
-    has a higher priority and no exclusive job waits (so a full-parameter job is not starved).
-    """
-
-    def __init__(self, idle_s: float) -> None:
-        self._cv = threading.Condition()
-        self._idle_s = idle_s
-        self._holders: dict[str, bool] = {}  # job -> shared
-        self._busy: dict[str, int] = {}  # calls in progress per holder
-        self._last_use: dict[str, float] = {}
-        self._waiting: dict[str, tuple[int, bool]] = {}  # job -> (priority, shared)
-        self._last_run: dict[str, float] = {}
-        self._last_joined: str | None = None
-        self.switches = 0
-
-    def _expire(self, now: float) -> None:
-        for job in [j for j in self._holders if not self._busy.get(j) and now - self._last_use[j] > self._idle_s]:
-            del self._holders[job]
-
-    def _may_run(self, job_id: str, shared: bool, now: float) -> bool:
-        if job_id in self._holders:
-            return True
-        self._expire(now)
-        if self._holders:
-            priority = self._waiting[job_id][0]
-            return (
-                shared
-                and all(self._holders.values())
-                and not any(p > priority or not sh for j, (p, sh) in self._waiting.items() if j != job_id)
-            )
-        ready = [(j, p, self._last_run.get(j, 0.0)) for j, (p, _) in self._waiting.items()]
-        return next_learner_job(ready) == job_id
-
-    @contextlib.contextmanager
-    def turn(self, job_id: str, priority: int, *, ends_step: bool = False, shared: bool = False) -> Iterator[None]:
-        """Run the body while ``job_id`` holds the group; ``ends_step`` hands it on afterwards."""
-        with self._cv:
-            self._waiting[job_id] = (priority, shared)
-            try:
-                while not self._may_run(job_id, shared, time.monotonic()):
-                    self._cv.wait(0.05)
-            finally:
-                self._waiting.pop(job_id, None)
-            if job_id not in self._holders and self._last_joined != job_id:
-                self.switches += 1
-            self._holders[job_id] = shared
-            self._last_joined = job_id
-            self._busy[job_id] = self._busy.get(job_id, 0) + 1
-        try:
-            yield
-        finally:
-            with self._cv:
-                self._busy[job_id] -= 1
-                self._last_use[job_id] = self._last_run[job_id] = time.monotonic()
-                if ends_step and self._busy[job_id] == 0:
-                    self._holders.pop(job_id, None)
-                self._cv.notify_all()
-
-    def release(self, job_id: str) -> None:
-        """The job left (finished, paused, cancelled): it holds nothing any more."""
-        with self._cv:
-            if not self._busy.get(job_id):
-                self._holders.pop(job_id, None)
-            self._last_run.pop(job_id, None)
-            self._cv.notify_all()
-
-
-__all__ = ["Broker", "LearnerSlicer", "WorkerHandle"]
+__all__ = ["Broker", "WorkerHandle"]

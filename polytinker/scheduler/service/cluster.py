@@ -54,14 +54,19 @@ class ClusterConfig:
     # placed on from then on, with the memory and slots its config declares; a job no worker there
     # can run waits queued for one to join instead of being rejected. false: only declared ids
     # register (a mistyped --id fails loudly instead of joining as a new worker).
+    joined_gone_s: float = 600.0
+    # A worker that joined and has not been there (alive and registered) for this long has left
+    # for good: its jobs are queued again for the workers that are left (from their last
+    # version's checkpoint) and nothing is placed on it any more; it joins anew if it comes back.
+    # Declared workers are never forgotten (their jobs wait for them, as for a restart).
 
     def __post_init__(self) -> None:
         if self.backend not in ("local", "ray"):
             raise ConfigError(f"[cluster] backend must be 'local' or 'ray', got {self.backend!r}")
         if not self.address:
             raise ConfigError("[cluster] address: 'local', 'auto', HOST:PORT or ray://HOST:PORT")
-        if not self.cpus_per_bundle >= 0 or not self.placement_timeout_s > 0:
-            raise ConfigError("[cluster] cpus_per_bundle must be >= 0 and placement_timeout_s > 0")
+        if not self.cpus_per_bundle >= 0 or not self.placement_timeout_s > 0 or not self.joined_gone_s > 0:
+            raise ConfigError("[cluster] cpus_per_bundle must be >= 0, placement_timeout_s and joined_gone_s > 0")
         for worker, resources in self.bundles.items():
             if not resources or any(not v >= 0 for v in resources.values()) or not any(resources.values()):
                 raise ConfigError(

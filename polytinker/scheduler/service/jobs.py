@@ -145,7 +145,7 @@ class JobManager:
         declared ones that are not (not started yet, or gone: those get work only when nothing
         else will do); and on the workers that join at run time (``Broker.on_join``)."""
         self.policy.cluster.set_presence(broker.alive)
-        broker.on_join = self._joined
+        broker.on_join, broker.on_leave = self._joined, self._left
 
     def _joined(self, msg: Register) -> None:
         with self._lock:  # the policy places on it from the next scheduling pass
@@ -155,6 +155,22 @@ class JobManager:
                 row = self.store.job(job_id)
                 if row is not None and row.state == JobState.QUEUED:
                     self._submit(row, steps_done=self._steps_of(row))
+
+    def _left(self, worker_id: str) -> None:
+        """A joined worker left for good (``Broker.forget_gone``): its jobs are queued again, to
+        go on from their last version on the workers that are left, and it is placed on no more."""
+        with self._lock:
+            on_it = [j for j, x in self._live.items() if x.placement and worker_id in x.placement.resources()]
+            rows = [row for row in map(self.store.job, on_it) if row is not None]
+            for job_id in on_it:
+                self._leave_policy(job_id, "requeue")
+            self.policy.worker_left(worker_id)  # before they are submitted again: not there for them
+            for row in rows:
+                steps = self._steps_of(row)
+                why = f"{worker_id} left the runtime; queued again at version {steps}"
+                self.store.log_event(row.job_id, "requeue", why)
+                self._submit(row, steps_done=steps)
+            self.schedule()
 
     # --- submission --------------------------------------------------------------------------------
     def create(self, tenant: str, msg: CreateJob) -> JobRow:

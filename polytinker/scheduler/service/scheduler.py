@@ -127,6 +127,7 @@ class SchedulerService:
         while not self._stop.wait(0.5):
             passes += 1
             try:
+                self.broker.forget_gone()
                 self.jobs.pause_idle()
                 self.jobs.schedule()
                 if passes % 10 == 0:  # every 5 s: a query over the finished jobs, one over expiries
