@@ -1,7 +1,7 @@
 """A learner worker (``LearnerWorker``) in this process, on the jobs the scheduler sends it: a
 replacement learner answering a resent step its predecessor took, a step refused when a restart
 lost its forward_backward calls, a data-parallel worker running a full-parameter job then LoRA
-again, and one full-parameter model held at a time."""
+again, one full-parameter model held at a time, and a checkpoint missing from its disk."""
 
 from __future__ import annotations
 
@@ -185,5 +185,21 @@ def test_a_learner_worker_holds_one_full_parameter_model_at_a_time(tmp_path: Pat
             worker.forward(wm.LearnerForward("a/1/x", batch, full=True))
         worker.ensure(wm.EnsureAdapter("a/1/x", 1, wm.WeightsRef("a/1/x", stepped.version), full=True))
         assert worker.forward(wm.LearnerForward("a/1/x", batch, full=True)) == trained
+    finally:
+        worker.close()
+
+
+def test_a_checkpoint_missing_from_this_learners_disk_is_named_as_such(tmp_path: Path) -> None:
+    """A learner started where its predecessor's state_dir is not (another machine, no shared
+    disk) says what is missing and why, with no path, instead of a file error."""
+    from polytinker.engine.learner.worker import LearnerWorker
+    from polytinker.errors import ModelError
+
+    worker = LearnerWorker("tiny-random", LearnerWorkerConfig(micro_batch_size=8), tmp_path)
+    try:
+        missing = wm.WeightsRef("alice/job/agent", 3)
+        with pytest.raises(ModelError, match="v3: its checkpoint is not on this learner's disk") as caught:
+            worker.ensure(wm.EnsureAdapter("alice/job/agent", 3, missing, rank=4))
+        assert str(tmp_path) not in str(caught.value)
     finally:
         worker.close()

@@ -79,7 +79,7 @@ from polytinker.engine.worker.replies import (
     StepResult,
     WorkerVersion,
 )
-from polytinker.errors import ConfigError, GradientLost, NotResident
+from polytinker.errors import ConfigError, GradientLost, ModelError, NotResident
 from polytinker.transport.messages import to_fields
 from polytinker.transport.requests import handler_table
 
@@ -217,6 +217,17 @@ class LearnerWorker:
     def _path(self, weights: WeightsRef) -> Path:
         return under(self.root, weights.relative_path)
 
+    def _checkpoint(self, weights: WeightsRef) -> Path:
+        """Where the checkpoint ``ensure`` loads is; ModelError when it is not on this disk."""
+        path = self._path(weights)
+        if not path.is_dir():
+            raise ModelError(
+                f"adapter {weights.adapter} v{weights.version}: its checkpoint is not on this learner's disk "
+                "(a learner started on another machine reads the checkpoints of the one before it only from "
+                "a state_dir they share)"
+            )
+        return path
+
     def _versions(self) -> dict[str, int]:
         """LoRA adapters resident, with their versions."""
         return {} if self._lora is None else {r.name: r.version for r in self._lora.adapters()}
@@ -228,7 +239,7 @@ class LearnerWorker:
             if self._version(msg.adapter, True) != msg.version:
                 if not msg.checkpoint:
                     raise ConfigError(f"full-parameter slot {msg.adapter} needs a checkpoint for v{msg.version}")
-                group.load_state(self._path(msg.checkpoint), None)
+                group.load_state(self._checkpoint(msg.checkpoint), None)
                 self._gradient_gone(msg.adapter)
                 self.stats["loads"] += 1
                 return WorkerVersion(self._version(msg.adapter, True), loaded=True)
@@ -239,7 +250,7 @@ class LearnerWorker:
             return WorkerVersion(have)
         self._gradient_gone(msg.adapter)
         if msg.checkpoint:
-            ref = lora.load_state(self._path(msg.checkpoint), msg.adapter)
+            ref = lora.load_state(self._checkpoint(msg.checkpoint), msg.adapter)
             self.stats["loads"] += 1
             return WorkerVersion(ref.version, loaded=True)
         if msg.version != 0:
