@@ -49,7 +49,7 @@ def test_a_job_waiting_for_a_slot_runs_on_an_engine_that_joins(tmp_path: Path) -
         tenants=(TenantConfig("t", api_key=KEY),),
         engines=(EngineWorkerConfig(adapter_slots=1),),  # one job's adapter at a time
         learners=(LearnerWorkerConfig(),),
-        cluster=ClusterConfig(join_undeclared=True),
+        cluster=ClusterConfig(join_undeclared=True, joined_gone_s=3.0),
         slot_reclaim_idle_s=600.0,  # the first job keeps its slot however long it idles
         start_timeout_s=240.0,
     )
@@ -79,3 +79,13 @@ def test_a_job_waiting_for_a_slot_runs_on_an_engine_that_joins(tmp_path: Path) -
             worker.terminate()
             output, _ = worker.communicate(timeout=60)
         assert worker.returncode == 0, output
+        # Gone for good once joined_gone_s has passed: forgotten, and the second job queued again.
+        workers = lambda: {w["worker_id"] for w in service.runtime_status()["workers"]}  # noqa: E731
+        wait_for(lambda: "engine-joined" not in workers(), 60, "the engine that left to be forgotten")
+        told = [(e["kind"], e["reason"]) for e in service.get_job(second.job_id)["events"]]
+        assert ("requeue", "engine-joined left the runtime; queued again at version 0") in told
+        assert service.get_job(second.job_id)["job"]["state"] == "queued"  # engine-0's slot is still taken
+        service.finish_job(first.job_id)  # frees it: the second job goes on on the engine that is left
+        wait_for(lambda: service.get_job(second.job_id)["job"]["state"] == "running", 60, "the job to run again")
+        sampler = second.save_weights_and_get_sampling_client()
+        assert len(sampler.sample(prompt, 1, params).result(timeout=60).sequences[0].tokens) == 2
