@@ -49,7 +49,10 @@ def test_a_job_waiting_for_a_slot_runs_on_an_engine_that_joins(tmp_path: Path) -
         tenants=(TenantConfig("t", api_key=KEY),),
         engines=(EngineWorkerConfig(adapter_slots=1),),  # one job's adapter at a time
         learners=(LearnerWorkerConfig(),),
+        # A worker that stopped counts as not there once its heartbeats are missing for
+        # worker_silence_s; gone for good joined_gone_s later.
         cluster=ClusterConfig(join_undeclared=True, joined_gone_s=3.0),
+        worker_silence_s=15.0,
         slot_reclaim_idle_s=600.0,  # the first job keeps its slot however long it idles
         start_timeout_s=240.0,
     )
