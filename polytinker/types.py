@@ -372,8 +372,16 @@ class SamplingParams:
         if self.top_k < -1:
             raise ConfigError(f"SamplingParams.top_k must be -1 (no limit) or >= 0, got {self.top_k}")
         split_stop(self.stop)
-        choices = tuple(tuple(_ints(c, "SamplingParams.choices")) for c in self.choices)
-        object.__setattr__(self, "choices", choices)  # hashable, as the engine's checks expect
+        object.__setattr__(self, "choices", choice_tokens(self.choices))  # hashable, as the engine's checks expect
+
+
+def choice_tokens(choices: Any) -> tuple[tuple[int, ...], ...]:
+    """``SamplingParams.choices`` (any sequence of token-id sequences, or None) as tuples of ints;
+    ConfigError naming the field for anything else. The engine checks their sizes and prefixes."""
+    try:
+        return tuple(tuple(_ints(c, "SamplingParams.choices")) for c in choices or ())
+    except TypeError:
+        raise ConfigError(f"SamplingParams.choices must be a list of token-id lists, got {choices!r:.80}") from None
 
 
 def split_stop(stop: Any) -> tuple[tuple[str, ...], tuple[int, ...], bool]:

@@ -97,6 +97,10 @@ def test_constrained_sampling_travels_in_the_public_sampling_params() -> None:
         to_sampling_params(types.SamplingParams(max_tokens=4, choices=[[5], [5, 6]]))  # a prefix of another
     with pytest.raises(ConfigError, match=r"SamplingParams\.choices"):
         types.SamplingParams(choices=[[1.5]])  # type: ignore[list-item]
+    with pytest.raises(ConfigError, match=r"SamplingParams\.choices must be a list of token-id lists"):
+        types.SamplingParams(choices=5)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"SamplingParams\.choices must be a list of token-id lists"):
+        to_sampling_params({"max_tokens": 4, "choices": [5, 6]})  # ids, not lists of them
     sdk = pytest.importorskip("tinker")
     assert to_sampling_params(sdk.types.SamplingParams(max_tokens=4)).choices == ()
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from polytinker.engine.types import Datum, SamplingParams
 from polytinker.errors import ConfigError
-from polytinker.types import ForwardBackwardOutput, TensorData, check_seed, split_stop, tinker_metrics
+from polytinker.types import ForwardBackwardOutput, TensorData, check_seed, choice_tokens, split_stop, tinker_metrics
 
 DEFAULT_MAX_TOKENS = 256  # Tinker's max_tokens=None: as many as the HTTP front door gives by default
 OUTPUT_TYPE = "ArrayRecord"  # Tinker's loss_fn_output_type for per-datum arrays
@@ -117,7 +117,7 @@ def to_sampling_params(params: Any, default_max_tokens: int = DEFAULT_MAX_TOKENS
         stop_token_ids=stop_ids,
         seed=check_seed(params.seed),
         ignore_eos=ignore_eos,  # stop=[]: not even EOS stops
-        choices=tuple(tuple(c) for c in getattr(params, "choices", ())),  # the SDK's objects have none
+        choices=choice_tokens(getattr(params, "choices", ())),  # the SDK's objects have none
     )
 
 
@@ -135,7 +135,7 @@ def _engine_sampling(params: Any) -> SamplingParams:
         stop_token_ids=tuple(get("stop_token_ids", ()) or ()),
         seed=check_seed(get("seed", None)),
         ignore_eos=bool(get("ignore_eos", False)),
-        choices=tuple(tuple(c) for c in get("choices", ()) or ()),
+        choices=choice_tokens(get("choices", ())),
     )
 
 
