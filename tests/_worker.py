@@ -20,6 +20,7 @@ from pathlib import Path
 from polytinker.actors import Actor, ActorConfig, spawn
 from polytinker.engine.worker import messages as wm
 from polytinker.engine.worker.auth import scheduler_client_keypair
+from polytinker.engine.worker.replies import Registered
 from polytinker.engine.worker.server import EngineActor, LearnerActor
 from polytinker.scheduler.service.config import EngineWorkerConfig, LearnerWorkerConfig, RuntimeConfig
 from polytinker.transport import ClientCurve, RpcClient, RpcServer, TransportConfig
@@ -54,9 +55,11 @@ def worker_process(
     )
     registered: queue.Queue[wm.Register] = queue.Queue()
 
-    def register(msg: wm.Register) -> dict[str, str]:
+    def register(msg: wm.Register) -> Registered:
+        # The typed answer the worker declares: anything else is a failed registration, and the
+        # worker then reports ready only after its 30 s wait for one.
         registered.put(msg)
-        return {}
+        return Registered(known=False)
 
     actor_config = ActorConfig(start_timeout_s=timeout_s, stop_timeout_s=60.0, env=(("OMP_NUM_THREADS", "1"),))
     with RpcServer("tcp://127.0.0.1:0", {"sched.w.register": register}) as scheduler:
