@@ -70,8 +70,8 @@ def test_the_scheduler_files_its_handlers_under_their_messages_kinds(tmp_path: P
     svc = SchedulerService(cfg, cfg.worker_token)
     try:
         handlers = svc.handlers()
-        assert {"sched.create_job", "sched.sample", "sched.usage", "sched.w.register"} <= set(handlers)
-        assert len(handlers) == 26
+        assert {"sched.create_job", "sched.sample", "sched.usage", "sched.w.register", "sched.w.leave"} <= set(handlers)
+        assert len(handlers) == 27
         assert _table_errors(handlers) == []
     finally:
         svc.stop()

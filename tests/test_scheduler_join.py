@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from _scheduler_helpers import KEY_A, config
 
-from polytinker.engine.worker.messages import Register
+from polytinker.engine.worker.messages import Leave, Register
+from polytinker.engine.worker.replies import Left
 from polytinker.errors import AuthError, ConfigError, WorkerUnavailable
 from polytinker.scheduler import ClusterSpec, EngineSpec, FairSharePolicy, Job, JobKind, JobState, LearnerSpec
 from polytinker.scheduler.service import LearnerWorkerConfig
@@ -216,5 +217,44 @@ def test_a_joined_learner_gone_for_long_enough_has_left_and_its_jobs_are_queued_
         row, placement = jobs.running("alice", job.job_id)
         assert row.state == JobState.RUNNING and placement.learner == "learner-9"
         assert "engine-0" not in b.forget_gone()  # declared, never registered: waited for, not forgotten
+    finally:
+        store.close()
+
+
+def test_a_worker_that_says_it_leaves_is_forgotten_at_once_and_only_with_the_token(tmp_path: Path) -> None:
+    """``Leave`` (a worker stopping on purpose): a joined learner group is forgotten at once, long
+    before ``joined_gone_s``, and its job queued again; a Leave without the token, of another
+    incarnation or said twice changes nothing; a declared worker that leaves counts as exited
+    (calls to it wait for the next incarnation) and stays declared."""
+    cluster = ClusterConfig(join_undeclared=True)  # joined_gone_s: 600 s
+    jobs, b, store = manager(tmp_path, cluster=cluster, learners=())
+    try:
+        b.register(register("learner-9", "learner"))
+        job = jobs.create("alice", CreateJob(KEY_A, "lora_rl", "tiny-random"))
+        jobs.schedule()
+        assert jobs.running("alice", job.job_id)[1].learner == "learner-9"
+        with pytest.raises(AuthError):
+            b.leave(Leave.signed("another-token-0123456789", "learner-9", "i1"))
+        forged = dataclasses.replace(Leave.signed(TOKEN, "learner-9", "i1"), incarnation="i2")
+        with pytest.raises(AuthError):
+            b.leave(forged)  # the proof covers the incarnation
+        assert b.leave(Leave.signed(TOKEN, "learner-9", "i0")) == Left(known=False)  # an earlier process's
+        assert b.alive("learner-9")
+        assert b.leave(Leave.signed(TOKEN, "learner-9", "i1")) == Left(known=True)
+        assert "learner-9" not in {w["worker_id"] for w in b.workers()} and "learner-9" not in b.slicers
+        row = store.job(job.job_id)
+        assert row is not None and row.state == JobState.QUEUED
+        events = [(e["kind"], e["reason"]) for e in store.events(job.job_id)]
+        assert ("requeue", "learner-9 left the runtime; queued again at version 0") in events
+        assert b.leave(Leave.signed(TOKEN, "learner-9", "i1")) == Left(known=False)  # said twice
+        assert b.forget_gone() == []  # forgotten once, not twice
+
+        b.register(register("engine-0", incarnation="e1"))  # declared
+        assert b.leave(Leave.signed(TOKEN, "engine-0", "e1")) == Left(known=True)
+        assert not b.alive("engine-0") and "engine-0" in {w["worker_id"] for w in b.workers()}
+        b.register(register("engine-0", incarnation="e1"))  # a stale heartbeat does not bring it back
+        assert not b.alive("engine-0")
+        b.register(register("engine-0", incarnation="e2"))  # its next process does
+        assert b.wait_for("engine-0", timeout_s=1.0, not_incarnation="e1").incarnation == "e2"
     finally:
         store.close()

@@ -61,6 +61,12 @@ def register_proof(token: str, *fields: str | int | float) -> str:
     return hmac.new(_mac(token, "register"), joined.encode("utf-8"), hashlib.sha256).hexdigest()
 
 
+def leave_proof(token: str, worker_id: str, incarnation: str) -> str:
+    """The MAC of a ``Leave``: a key of its own, so no ``Register``'s proof reads as one."""
+    joined = f"{worker_id}\n{incarnation}"
+    return hmac.new(_mac(token, "leave"), joined.encode("utf-8"), hashlib.sha256).hexdigest()
+
+
 def launcher_credential(token: str) -> str:
     """What the runtime that launched the workers shows the scheduler (list workers, report actors)."""
     return _mac(token, "launcher").hex()
@@ -74,6 +80,7 @@ def same(a: str, b: str) -> bool:
 __all__ = [
     "derive_keypair",
     "launcher_credential",
+    "leave_proof",
     "register_proof",
     "same",
     "scheduler_client_keypair",

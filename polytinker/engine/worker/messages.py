@@ -1,6 +1,6 @@
 """Typed messages between the scheduler and its workers: one frozen dataclass per request kind.
 
-Worker -> scheduler: ``Register``; the launcher's ``WorkersQuery``; ``ActorsReport`` of
+Worker -> scheduler: ``Register``, ``Leave``; the launcher's ``WorkersQuery``; ``ActorsReport`` of
 ``ActorState`` (the local runtime's supervisor -> scheduler). Scheduler -> workers:
 ``EnsureAdapter``, ``LearnerForwardBackward``, ``LearnerForward``, ``LearnerStep``, ``LearnerSave``,
 ``LearnerLoad``, ``LearnerExport``, ``EngineSample``, ``EngineLogprobs``, ``WorkerStats``.
@@ -24,7 +24,7 @@ from typing import Any
 from polytinker.engine.learner.config import AdamParams
 from polytinker.engine.types import Datum, SamplingParams, check_top_k, need
 from polytinker.engine.worker import replies as r
-from polytinker.engine.worker.auth import register_proof
+from polytinker.engine.worker.auth import leave_proof, register_proof
 from polytinker.engine.worker.layout import KINDS, check_adapter_key, check_name, relative_path
 from polytinker.engine.worker.replies import AdapterTensors
 from polytinker.transport.messages import message
@@ -72,6 +72,22 @@ class Register(Request[r.Registered]):
         """A ``Register`` of ``fields`` with its proof made with the worker ``token``."""
         unsigned = cls(proof="", **fields)
         return dataclasses.replace(unsigned, proof=register_proof(token, *unsigned.signed_fields()))
+
+
+@message("sched.w.leave")
+@dataclass(frozen=True)
+class Leave(Request[r.Left]):
+    """A worker that stops on purpose (``polytinker worker`` on SIGTERM, a runtime shutting down)
+    says so: its calls in flight fail over at once, and a worker that joined at run time is
+    forgotten and its jobs queued again, instead of after ``worker_silence_s`` and ``joined_gone_s``."""
+
+    proof: str  # auth.leave_proof(worker token, worker_id, incarnation)
+    worker_id: str
+    incarnation: str  # the process that leaves: a later incarnation of the same id stays
+
+    @classmethod
+    def signed(cls, token: str, worker_id: str, incarnation: str) -> Leave:
+        return cls(leave_proof(token, worker_id, incarnation), worker_id, incarnation)
 
 
 @message("sched.w.workers")
@@ -374,6 +390,7 @@ __all__ = [
     "LearnerLoad",
     "LearnerSave",
     "LearnerStep",
+    "Leave",
     "Register",
     "WeightsRef",
     "WorkerStats",

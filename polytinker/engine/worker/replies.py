@@ -6,7 +6,8 @@ The learner answers ``WorkerVersion`` (``sched.w.ensure``, ``sched.w.load``), ``
 ``StepResult`` (``sched.w.step``), ``SavedCheckpoint`` (``sched.w.save``), ``ExportedWeights``
 (``sched.w.export``) and ``AdapterTensors`` (``sched.w.adapter_weights``); the engine ``SampleReply``
 (of ``SequenceReply``, ``sched.w.sample``) and ``LogprobsReply`` (``sched.w.logprobs``). The
-scheduler answers a worker's ``sched.w.register`` with ``Registered``, and the local runtime's
+scheduler answers a worker's ``sched.w.register`` with ``Registered``, its ``sched.w.leave`` with
+``Left``, and the local runtime's
 ``sched.w.workers`` and ``sched.w.actors`` with ``WorkersReply`` and ``ActorsNoted``. The
 scheduler's own replies (``polytinker.scheduler.service.replies``) re-export these. No torch here.
 """
@@ -159,6 +160,12 @@ class Registered:
     known: bool  # this incarnation at this address was registered already (a re-registration)
 
 
+@message("sched.wr.left")
+@dataclass(frozen=True)
+class Left:
+    known: bool  # the incarnation that left was the one registered (False: a stale or repeated Leave)
+
+
 @message("sched.wr.workers")
 @dataclass(frozen=True)
 class WorkersReply:
@@ -178,6 +185,7 @@ __all__ = [
     "ForwardBackwardManyReply",
     "ForwardBackwardReply",
     "ForwardReply",
+    "Left",
     "LogprobsReply",
     "Registered",
     "SampleReply",

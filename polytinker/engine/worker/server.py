@@ -3,7 +3,8 @@
 ``WorkerServer`` serves a worker's handlers on its own RPC server and re-registers with the
 scheduler every ``heartbeat_s`` from a background thread, and at once when its connection to the
 scheduler closes: a restarted scheduler learns about it as soon as it is up, and a restarted
-worker (new incarnation) is picked up the same way. It always
+worker (new incarnation) is picked up the same way; closed, it tells the scheduler it leaves
+(``Leave``), so that its calls fail over and a worker that joined is forgotten now. It always
 serves with Curve and admits only the scheduler (keys derived from the worker token, see
 ``polytinker.engine.worker.auth``): no other process on the host, tenant or not, gets an answer from it. Its
 checkpoints and exports live under the state root it is built with (``build_worker``).
@@ -36,7 +37,7 @@ from polytinker.engine.learner.worker import LearnerWorker
 from polytinker.engine.models import model_limits
 from polytinker.engine.worker.auth import worker_server_curve
 from polytinker.engine.worker.config import EngineWorkerConfig, LearnerWorkerConfig
-from polytinker.engine.worker.messages import Register
+from polytinker.engine.worker.messages import Leave, Register
 from polytinker.errors import ConfigError, WorkerFailed
 from polytinker.transport import ClientCurve, RpcClient, RpcServer, TransportConfig, ask
 
@@ -46,6 +47,7 @@ log = logging.getLogger("polytinker.engine.worker")
 # Engines take many concurrent sample requests (their batcher joins them); a learner group one at
 # a time (its calls must not interleave inside the model).
 HANDLER_THREADS = {"engine": 256, "learner": 1}
+LEAVE_TIMEOUT_S = 1.0  # how long a stopping worker waits for the scheduler to take its Leave
 
 
 class WorkerServer:
@@ -84,6 +86,7 @@ class WorkerServer:
         self._token, self._heartbeat_s = token, heartbeat_s
         self._stop = threading.Event()
         self.registered = threading.Event()
+        self._failing = False  # the last registration failed (the scheduler restarting or gone)
         self._thread = threading.Thread(target=self._loop, name=f"register-{worker_id}", daemon=True)
         self._thread.start()
 
@@ -103,18 +106,17 @@ class WorkerServer:
         )
 
     def _loop(self) -> None:
-        failing = False
         while not self._stop.is_set():
             try:
                 ask(self._client, self._message(), timeout_s=max(2.0, 4 * self._heartbeat_s))
-                if failing or not self.registered.is_set():
+                if self._failing or not self.registered.is_set():
                     log.info("%s registered with the scheduler at %s", self.worker_id, self._client.address)
-                failing = False
+                self._failing = False
                 self.registered.set()
             except Exception as exc:  # the scheduler may be restarting: keep trying
-                if not failing:
+                if not self._failing:
                     log.warning("%s cannot register with %s: %s", self.worker_id, self._client.address, exc)
-                failing = True
+                self._failing = True
             self._wake.wait(self._heartbeat_s)
             self._wake.clear()
 
@@ -122,8 +124,20 @@ class WorkerServer:
         self._stop.set()
         self._wake.set()
         self._thread.join(5.0)
+        self._leave()
         self._client.close()
         self.server.stop()
+
+    def _leave(self) -> None:
+        """Tell the scheduler this process stops (``Leave``), so that it fails its calls over and
+        forgets a joined worker now rather than after its silence. Best effort, and brief: a
+        scheduler that is gone or not answering does not hold the stop up."""
+        if not self.registered.is_set() or self._failing:
+            return
+        try:
+            ask(self._client, Leave.signed(self._token, self.worker_id, self.incarnation), timeout_s=LEAVE_TIMEOUT_S)
+        except Exception as exc:  # the scheduler stopped first, or is restarting: it learns from the silence
+            log.info("%s could not say it leaves: %s", self.worker_id, exc)
 
 
 def available_cores() -> int:

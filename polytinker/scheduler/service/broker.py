@@ -51,6 +51,7 @@ from typing import Any, TypeVar
 from polytinker.engine.types import ModelLimits
 from polytinker.engine.worker.auth import (
     launcher_credential,
+    leave_proof,
     register_proof,
     same,
     scheduler_client_keypair,
@@ -62,6 +63,7 @@ from polytinker.engine.worker.messages import (
     EngineSample,
     LearnerAdapterWeights,
     LearnerForward,
+    Leave,
     Register,
     WorkersQuery,
     WorkerStats,
@@ -80,7 +82,7 @@ from polytinker.errors import (
 )
 from polytinker.scheduler.service.config import RuntimeConfig
 from polytinker.scheduler.service.fb_batcher import FbBatcher, Prepare, Send
-from polytinker.scheduler.service.replies import ActorsNoted, Registered, WorkersReply
+from polytinker.scheduler.service.replies import ActorsNoted, Left, Registered, WorkersReply
 from polytinker.scheduler.service.slicer import LearnerSlicer
 from polytinker.transport import ClientCurve, Request, RpcClient, TransportConfig, ask, kind_of
 from polytinker.transport.direct import Link
@@ -187,6 +189,23 @@ class Broker:
             "worker %s (%s) registered at %s, incarnation %s", msg.worker_id, msg.role, msg.address, msg.incarnation
         )
         return Registered(known=False)
+
+    def leave(self, msg: Leave) -> Left:
+        """A worker stopping on purpose (``Leave``): that incarnation counts as exited at once, so
+        its calls in flight fail over now; a worker that joined at run time is also forgotten at
+        once (its jobs queued again), as ``forget_gone`` does after ``joined_gone_s``. A declared
+        worker stays declared: its jobs wait for it to come back, as for a restart."""
+        if not same(msg.proof, leave_proof(self._token, msg.worker_id, msg.incarnation)):
+            raise AuthError("worker token rejected")
+        with self._cv:
+            h = self._workers.get(msg.worker_id)
+        if h is None or h.incarnation != msg.incarnation:
+            return Left(known=False)  # an earlier incarnation's, or said twice: the one there stays
+        log.info("worker %s (incarnation %s) is stopping: it leaves", msg.worker_id, msg.incarnation)
+        self._mark_exited(h)
+        if msg.worker_id in self._joined:
+            self._forget(msg.worker_id)
+        return Left(known=True)
 
     def _join(self, msg: Register) -> str:
         """Admit a worker the config does not declare ([cluster] join_undeclared): a learner group
@@ -326,19 +345,25 @@ class Broker:
                 if now - last > gone_s and (h is None or not self._alive(h, now)):
                     gone.append(worker_id)
         for worker_id in gone:
-            with self._join_lock:  # as _join: a Register of this id waits for the leave to finish
-                self._declared.pop(worker_id, None)
-                self._joined.pop(worker_id, None)
-                self.slicers.pop(worker_id, None)
-                self.batchers.pop(worker_id, None)
-                with self._cv:
-                    h = self._workers.pop(worker_id, None)
-                    self._cv.notify_all()
-                if h is not None:
-                    h.client.close()  # its calls in flight fail: they wait no more for it (wait_for)
-                self.on_leave(worker_id)
+            self._forget(worker_id)
             log.warning("worker %s has not been there for %g s: it left the runtime", worker_id, gone_s)
         return gone
+
+    def _forget(self, worker_id: str) -> None:
+        """The joined ``worker_id`` left the runtime: forgotten (a later Register joins anew), its
+        calls in flight fail over, and ``on_leave`` takes its jobs back to the queue."""
+        with self._join_lock:  # as _join: a Register of this id waits for the leave to finish
+            if self._joined.pop(worker_id, None) is None:
+                return  # forgotten already (a Leave and forget_gone at once)
+            self._declared.pop(worker_id, None)
+            self.slicers.pop(worker_id, None)
+            self.batchers.pop(worker_id, None)
+            with self._cv:
+                h = self._workers.pop(worker_id, None)
+                self._cv.notify_all()
+            if h is not None:
+                h.client.close()  # its calls in flight fail: they wait no more for it (wait_for)
+            self.on_leave(worker_id)
 
     def close(self) -> None:
         with self._cv:

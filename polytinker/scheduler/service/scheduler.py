@@ -162,8 +162,8 @@ class SchedulerService:
             m.RuntimeStatus: self.runtime_status,
         }
         h |= self.sampling.handlers() | self.checkpoints.handlers() | self.audit.handlers() | self.meter.handlers()
-        workers = {wm.Register: self.broker.register, wm.WorkersQuery: self.broker.workers_query}
-        workers[wm.ActorsReport] = self.broker.supervised
+        workers = {wm.Register: self.broker.register, wm.Leave: self.broker.leave}
+        workers |= {wm.WorkersQuery: self.broker.workers_query, wm.ActorsReport: self.broker.supervised}
         return handler_table({cls: self._guard(fn) for cls, fn in h.items()} | workers)
 
     def _guard(self, fn: Any) -> Any:
