@@ -1,9 +1,12 @@
 """``[cluster] backend = "ray"``: a runtime's engine and learner group placed on the nodes of a Ray
 cluster that declare the resources their bundles ask for (custom resources stand in for GPUs),
-a short training run through the client, and a lost node whose worker Ray places again.
+the learner group's two ranks on two nodes (no node has room for both), a short training run
+through the client, and lost nodes (the engine's, then the learner follower's) whose workers
+Ray places again.
 
-The cluster is ``ray.cluster_utils.Cluster``: three Ray nodes (raylets) on this machine, each
-with its own resources; ``remove_node`` kills one with its processes, as a lost machine."""
+The cluster is ``ray.cluster_utils.Cluster``: a head and three Ray nodes (raylets) on this
+machine, each with its own resources; ``remove_node`` kills one with its processes, as a lost
+machine."""
 
 from __future__ import annotations
 
@@ -20,11 +23,11 @@ import pytest
 from polytinker.cli import main as cli_main
 from polytinker.client import ServiceClient
 from polytinker.engine.learner.config import AdamParams
+from polytinker.engine.learner.ray_followers import actor_options
 from polytinker.engine.types import Datum, SamplingParams
 from polytinker.errors import ConfigError
 from polytinker.scheduler.service import EngineWorkerConfig, LearnerWorkerConfig, LocalRuntime, RuntimeConfig
 from polytinker.scheduler.service.cluster import ClusterConfig
-from polytinker.scheduler.service.ray_placement import actor_options
 from polytinker.transport.auth import generate_keypair
 
 MODEL = "tiny-random"
@@ -47,7 +50,7 @@ def _config(state: Path, address: str) -> RuntimeConfig:
         model=MODEL,
         state_dir=str(state),
         engines=(EngineWorkerConfig(adapter_slots=2, batch_window_s=0.0),),
-        # Two ranks: one bundle of both ranks' resources, on one node (rank 0 starts the other).
+        # Two ranks, a bundle each: one accel_b a node, so they run on two nodes.
         learners=(LearnerWorkerConfig(world_size=2, micro_batch_size=4),),
         cluster=ClusterConfig(backend="ray", address=address, bundles=BUNDLES, placement_timeout_s=60.0),
         worker_heartbeat_s=0.5,
@@ -64,7 +67,8 @@ def cluster() -> Iterator[Any]:
     try:
         c.nodes_by_resource = {
             "accel_a": c.add_node(**NODE, resources={"accel_a": 1}),
-            "accel_b": c.add_node(**{**NODE, "num_cpus": 1}, resources={"accel_b": 2}),
+            "accel_b": c.add_node(**NODE, resources={"accel_b": 1}),
+            "accel_b2": c.add_node(**NODE, resources={"accel_b": 1}),
         }
         yield c
     finally:
@@ -98,10 +102,10 @@ def test_serve_places_the_engine_and_learner_on_the_nodes_with_their_resources(
     cluster: Any, runtime: LocalRuntime, capsys: pytest.CaptureFixture[str]
 ) -> None:
     placed = runtime.placement.placements()
-    assert placed == {
-        "engine-0": cluster.nodes_by_resource["accel_a"].node_id,
-        "learner-0": cluster.nodes_by_resource["accel_b"].node_id,
-    }
+    accel_b = {cluster.nodes_by_resource[k].node_id for k in ("accel_b", "accel_b2")}
+    assert placed["engine-0"] == cluster.nodes_by_resource["accel_a"].node_id
+    ranks = runtime.placement.rank_nodes("learner-0")
+    assert ranks[0] == placed["learner-0"] and set(ranks) == accel_b  # rank 1 on the other node
     status = runtime.status()
     rows = {a["name"]: a for a in status["actors"]}
     assert rows["engine-0"]["alive"] and rows["engine-0"]["node"].endswith(placed["engine-0"])
@@ -134,14 +138,19 @@ def test_lost_nodes_workers_are_placed_again_and_the_run_goes_on(cluster: Any, r
         rows = {a["name"]: a for a in runtime.status()["actors"]}
         assert rows["engine-0"]["restarts"] == 1 and rows["engine-0"]["last_exit_time"] > 0
         assert service.runtime_status()["stats"]["engine-0"]["adapter_loads"] >= 1
-        # The learner group's node goes between steps: the group is placed again and reloads
-        # the adapter from its step-1 checkpoint; no step is lost or repeated.
+        # The node of the learner group's rank 1 goes between steps: the group is broken (a
+        # process group cannot take a rank back), rank 0's actor starts again and its new rank 1
+        # runs where Ray re-placed that bundle; the group reloads the adapter from its step-1
+        # checkpoint; no step is lost or repeated.
         before = trainer.forward(DATA).result()
-        cluster.remove_node(cluster.nodes_by_resource["accel_b"])
-        replacement = cluster.add_node(**NODE, resources={"accel_b": 2})
+        rank0, rank1 = runtime.placement.rank_nodes("learner-0")
+        (lost,) = [n for n in cluster.list_all_nodes() if n.node_id == rank1]
+        cluster.remove_node(lost)
+        replacement = cluster.add_node(**NODE, resources={"accel_b": 1})
         after = trainer.forward(DATA).result(timeout=180)
         assert max(abs(a - b) for ra, rb in zip(after, before, strict=True) for a, b in zip(ra, rb, strict=True)) < 1e-4
-        _wait_placed(runtime, "learner-0", replacement.node_id)
+        assert runtime.placement.rank_nodes("learner-0") == [rank0, replacement.node_id]
+        assert {a["name"]: a for a in runtime.status()["actors"]}["learner-0"]["restarts"] == 1
         trainer.forward_backward(DATA, "cross_entropy").result()
         assert trainer.optim_step(AdamParams(learning_rate=1e-2)).result().version == 2
         assert trainer.save_weights_and_get_sampling_client().sample([3], 1, SHORT).result().sequences
@@ -201,12 +210,12 @@ def test_cluster_table_is_checked_when_read() -> None:
         RuntimeConfig.from_dict({"cluster": {"backend": "slurm"}})
     cfg = RuntimeConfig.from_dict({"cluster": {"backend": "ray", "bundles": {"engine-0": {"GPU": 1, "CPU": 2}}}})
     assert cfg.cluster.bundles_of(cfg.worker_plan("engine-0")) == [{"GPU": 1.0, "CPU": 2.0}]
-    # A learner group's one bundle holds all its ranks (they are rank 0's child processes).
+    # A learner group asks for a bundle per rank (Ray packs them on as few nodes as it can).
     learners = (LearnerWorkerConfig(world_size=3, device="cuda"),)
     gpu = RuntimeConfig(learners=learners, cluster=ClusterConfig(backend="ray"))
-    assert gpu.cluster.bundles_of(gpu.worker_plan("learner-0")) == [{"CPU": 3.0, "GPU": 3.0}]
+    assert gpu.cluster.bundles_of(gpu.worker_plan("learner-0")) == [{"CPU": 1.0, "GPU": 1.0}] * 3
     cpu = RuntimeConfig(learners=(LearnerWorkerConfig(world_size=3),), cluster=ClusterConfig(backend="ray"))
-    assert cpu.cluster.bundles_of(cpu.worker_plan("learner-0")) == [{"CPU": 3.0}]
+    assert cpu.cluster.bundles_of(cpu.worker_plan("learner-0")) == [{"CPU": 1.0}] * 3
     assert actor_options({"CPU": 2.0, "GPU": 2.0, "memory": 1e9, "accel": 2.0}) == (
         {"num_cpus": 2.0, "num_gpus": 2.0, "resources": {"accel": 2.0}, "memory": 1e9},
         2.0,
@@ -214,40 +223,41 @@ def test_cluster_table_is_checked_when_read() -> None:
 
 
 @pytest.mark.timeout(180)
-def test_a_learner_groups_actor_holds_every_gpu_its_ranks_use(cluster: Any) -> None:
+def test_each_rank_of_a_learner_group_sees_its_own_bundles_gpu(cluster: Any) -> None:
     """Ray's own GPU accounting, on a node that declares two GPUs (none need exist): a learner
-    group of world size 2 on ``cuda`` is one bundle of two GPUs, and an actor started with the
-    options serve gives its worker sees both, as does a child process of it (what the group's
-    follower is), so rank r takes the r-th."""
+    group of world size 2 on ``cuda`` is two bundles of one GPU, and an actor started in each
+    bundle with the options its rank gets sees one GPU, not the other's, so each rank takes the
+    first device it sees."""
     ray = pytest.importorskip("ray")
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     cfg = RuntimeConfig(learners=(LearnerWorkerConfig(world_size=2, device="cuda"),), cluster=ClusterConfig("ray"))
     bundles = cfg.cluster.bundles_of(cfg.worker_plan("learner-0"))
-    assert bundles == [{"CPU": 2.0, "GPU": 2.0}]
+    assert bundles == [{"CPU": 1.0, "GPU": 1.0}] * 2
     node = cluster.add_node(**{**NODE, "num_cpus": 2}, num_gpus=2)
     if not ray.is_initialized():
         ray.init(address=cluster.address, namespace="polytinker-test")
 
     class Probe:  # defined here so Ray ships it by value (the test module is not importable there)
-        def visible(self) -> tuple[list[Any], str, str]:
+        def visible(self) -> tuple[list[Any], str]:
             import os
-            import subprocess
 
-            code = "import os; print(os.environ.get('CUDA_VISIBLE_DEVICES', ''))"
-            child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-            return ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES", ""), child.stdout.strip()
+            return ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES", "")
 
     group = placement_group(bundles)
     try:
-        assert group.wait(60), "Ray reserved no node for the group's bundle"
-        options, _ = actor_options(group.bundle_specs[0])
-        strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
-        probe = ray.remote(Probe).options(**options, scheduling_strategy=strategy).remote()
-        ids, visible, in_child = ray.get(probe.visible.remote(), timeout=90)
-        assert len(ids) == 2 and len(visible.split(",")) == 2 and in_child == visible, (ids, visible, in_child)
-        ray.kill(probe)
+        assert group.wait(60), "Ray reserved no node for the group's bundles"
+        seen = []
+        for rank in range(2):
+            options, _ = actor_options(group.bundle_specs[rank])
+            strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank)
+            probe = ray.remote(Probe).options(**options, scheduling_strategy=strategy).remote()
+            seen.append(ray.get(probe.visible.remote(), timeout=90))
+            ray.kill(probe)
+        (ids0, visible0), (ids1, visible1) = seen
+        assert len(ids0) == len(ids1) == 1 and ids0 != ids1, seen
+        assert visible0 == str(ids0[0]) and visible1 == str(ids1[0]), seen
     finally:
         remove_placement_group(group)
         cluster.remove_node(node)

@@ -16,13 +16,15 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from polytinker.actors import Actor, ActorConfig, ChildReport, RestartPolicy, Supervisor
 from polytinker.errors import PolytinkerError, WorkerFailed
 
 log = logging.getLogger("polytinker.engine.learner.group")
 JOIN_GRACE_S = 30.0  # a graceful stop waits this long for the rank to leave the process group
+# How rank 0 starts its followers: process actors on its machine, or Ray actors (ray_followers).
+FollowersKind = Literal["local", "ray"]
 BROKEN_GRACE_S = 3.0  # how long a call that failed in a collective waits to hear that a rank died
 
 
@@ -39,8 +41,9 @@ class LearnerFollower(Actor):
         device: str,
         dtype: str,
         threads: int,
+        own_device: bool = False,
     ) -> None:
-        self._args: tuple[Any, ...] = (rank, world, addr, model, config, device, dtype, threads)
+        self._args: tuple[Any, ...] = (rank, world, addr, model, config, device, dtype, threads, own_device)
         self._thread = threading.Thread(target=self._run, name=f"rank-{rank}", daemon=True)
 
     def on_start(self) -> None:
@@ -61,37 +64,26 @@ class LearnerFollower(Actor):
         self._thread.join(JOIN_GRACE_S)
 
 
-class FollowerSet:
-    """Ranks 1..K-1 of a group that rank 0 started: process actors under a supervisor of rank 0's
-    that restarts none of them (see the module docstring). ``broken``: why the group can run no
-    more collectives ('' while every rank is there)."""
+class Followers:
+    """Ranks 1..K-1 of a group that rank 0 started, however they were launched: ``broken`` says
+    why the group can run no more collectives ('' while every rank is there)."""
 
-    def __init__(self, name: str, world_size: int, args: tuple[Any, ...], on_broken: Callable[[str], None] | None):
+    def __init__(self, on_broken: Callable[[str], None] | None) -> None:
         self.broken = ""
         self._broken = threading.Event()
         self._closing = False
         self._on_broken = on_broken
-        self._supervisor = Supervisor(name=f"{name}-followers", on_change=self._changed)
-        config = ActorConfig(restart=RestartPolicy(mode="temporary"), stop_timeout_s=JOIN_GRACE_S + 5.0)
-        try:
-            for rank in range(1, world_size):
-                self._supervisor.spawn(
-                    LearnerFollower, rank, world_size, *args, name=f"{name}-rank{rank}", config=config
-                )
-        except BaseException:
-            self.close()
-            raise
 
-    def _changed(self, report: ChildReport) -> None:
-        if report.alive or self._closing or self._broken.is_set():
+    def _lost(self, reason: str, detail: str) -> None:
+        """A rank is gone (``reason``, which travels: no traceback line, no path; ``detail`` goes to
+        the log only): the group is broken for good, and its owner is told once."""
+        if self._closing or self._broken.is_set():
             return
-        # Its error stays in the log: a traceback's line may name server paths, and this reason
-        # travels (WorkerFailed, a worker's exit).
-        self.broken = f"learner group rank {report.name} exited with code {report.last_exit_code}"
+        self.broken = reason
         self._broken.set()
-        log.error("%s (%s); the group is broken", self.broken, report.last_error or "no traceback")
+        log.error("%s (%s); the group is broken", reason, detail)
         if self._on_broken is not None:
-            self._on_broken(self.broken)
+            self._on_broken(reason)
 
     def check(self) -> None:
         if self.broken:
@@ -104,6 +96,34 @@ class FollowerSet:
             return bool(self.broken)
         return self._broken.wait(BROKEN_GRACE_S)
 
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class FollowerSet(Followers):
+    """Ranks 1..K-1 as process actors on this machine, under a supervisor of rank 0's that
+    restarts none of them (see the module docstring)."""
+
+    def __init__(self, name: str, world_size: int, args: tuple[Any, ...], on_broken: Callable[[str], None] | None):
+        super().__init__(on_broken)
+        self._supervisor = Supervisor(name=f"{name}-followers", on_change=self._changed)
+        config = ActorConfig(restart=RestartPolicy(mode="temporary"), stop_timeout_s=JOIN_GRACE_S + 5.0)
+        try:
+            for rank in range(1, world_size):
+                self._supervisor.spawn(
+                    LearnerFollower, rank, world_size, *args, name=f"{name}-rank{rank}", config=config
+                )
+        except BaseException:
+            self.close()
+            raise
+
+    def _changed(self, report: ChildReport) -> None:
+        if not report.alive:
+            # Its error stays in the log: a traceback's line may name server paths, and the
+            # reason travels (WorkerFailed, a worker's exit).
+            why = f"learner group rank {report.name} exited with code {report.last_exit_code}"
+            self._lost(why, report.last_error or "no traceback")
+
     def pids(self) -> list[int]:
         return [r.pid for r in self._supervisor.children().values() if r.pid is not None]
 
@@ -112,4 +132,4 @@ class FollowerSet:
         self._supervisor.stop()
 
 
-__all__ = ["FollowerSet", "LearnerFollower"]
+__all__ = ["FollowerSet", "Followers", "FollowersKind", "LearnerFollower"]

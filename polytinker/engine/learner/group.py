@@ -11,7 +11,9 @@ is sharded with FSDP2 (``sharding``): its ranks run each call's passes in lockst
 Two ways to start one:
 
 - :meth:`LearnerGroup.start` (the runtime): the calling process becomes rank 0 and starts K-1
-  followers as supervised process actors (``follower.LearnerFollower``, ``FollowerSet``). They die
+  followers as supervised process actors (``follower.LearnerFollower``, ``FollowerSet``), or, in a
+  Ray actor, as Ray actors in the other bundles of its placement group, on other nodes where
+  they do not fit on its own (``ray_followers.RayFollowerSet``). They die
   with rank 0; when one exits, the group is broken for good (a process group cannot take a rank
   back): rank 0's calls answer ``WorkerFailed`` from then on, and ``on_broken`` tells the group's
   owner, whose process ends so that its own supervisor starts the group anew.
@@ -41,7 +43,7 @@ from polytinker.engine.learner._base import ForwardBackwardResult, filler_datum
 from polytinker.engine.learner.checks import check_data
 from polytinker.engine.learner.config import AdamParams, LearnerConfig, LossConfig
 from polytinker.engine.learner.distributed import DistInfo, free_port, init_distributed
-from polytinker.engine.learner.follower import FollowerSet
+from polytinker.engine.learner.follower import Followers, FollowerSet, FollowersKind
 from polytinker.engine.learner.full_param import FullParamLearner
 from polytinker.engine.learner.multi_adapter import MultiAdapterLearner
 from polytinker.engine.models import DType, ModelConfig, load_model
@@ -207,7 +209,7 @@ def _merge(parts: list[dict[str, Any]]) -> ForwardBackwardResult:
 class LearnerGroup:
     """Rank 0's handle on K learner replicas; in-process calls, collective underneath."""
 
-    def __init__(self, learner: AnyLearner, info: DistInfo, followers: FollowerSet | None = None):
+    def __init__(self, learner: AnyLearner, info: DistInfo, followers: Followers | None = None):
         self.learner, self.info, self.followers = learner, info, followers
         self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         if self._group is not None:
@@ -224,23 +226,34 @@ class LearnerGroup:
         *,
         name: str = "learner",
         on_broken: Callable[[str], None] | None = None,
+        followers: FollowersKind = "local",
     ) -> LearnerGroup:
         """Make this process rank 0 of a fresh group of ``world_size`` and start the followers
-        (actors named ``<name>-rank<r>``). ``device``: rank 0's (``cuda:N``: rank r on
-        ``cuda:N+r``, NCCL; else the CPU, gloo). ``on_broken(reason)``: called (on a background
-        thread) when a follower exits before ``close``."""
+        (named ``<name>-rank<r>``): ``followers = "local"``, process actors on this machine;
+        ``"ray"``, Ray actors in the other bundles of this Ray actor's placement group, on
+        whichever nodes hold them (``ray_followers``). ``device``: rank 0's (``cuda:N``: locally,
+        rank r on ``cuda:N+r``; on Ray, each rank on its own bundle's GPU; NCCL; else the CPU,
+        gloo). ``on_broken(reason)``: called (on a background thread) when a follower ends
+        before ``close``."""
         if dist.is_initialized():
             raise ConfigError("this process already belongs to a torch.distributed group; start the group elsewhere")
         config = config or LearnerConfig()
-        addr = f"tcp://127.0.0.1:{free_port()}"
-        args = (addr, model_spec, asdict(config), device, dtype, torch.get_num_threads())
-        followers = FollowerSet(name, world_size, args, on_broken)
+        own_device = followers == "ray"
+        addr = f"tcp://{_rendezvous_host(followers)}:{free_port()}"
+        args = (addr, model_spec, asdict(config), device, dtype, torch.get_num_threads(), own_device)
+        ranks: Followers
+        if followers == "ray":
+            from polytinker.engine.learner.ray_followers import RayFollowerSet  # ray: only in a Ray actor
+
+            ranks = RayFollowerSet(name, world_size, args, on_broken)
+        else:
+            ranks = FollowerSet(name, world_size, args, on_broken)
         try:
-            learner, info = _build(0, world_size, addr, model_spec, config, device, dtype)
+            learner, info = _build(0, world_size, addr, model_spec, config, device, dtype, own_device)
         except BaseException:
-            followers.close()
+            ranks.close()
             raise
-        return cls(learner, info, followers)
+        return cls(learner, info, ranks)
 
     # -- the learner API ------------------------------------------------------------------------
     def _call(self, op: str, **args: Any) -> Any:
@@ -409,9 +422,11 @@ def _build(
     config: LearnerConfig,
     device: str,
     dtype: DType = "float32",
+    own_device: bool = False,
 ) -> tuple[AnyLearner, DistInfo]:
     if addr is not None:
-        dev = rank_device(torch.device(device), rank)
+        # own_device: the rank sees its own GPUs only (a Ray bundle's), and takes the first.
+        dev = torch.device(device) if own_device else rank_device(torch.device(device), rank)
         backend = "nccl" if dev.type == "cuda" else "gloo"
         # A bounded wait: a follower that fails to start makes rank 0 raise instead of hanging.
         timeout = datetime.timedelta(seconds=JOIN_TIMEOUT_S)
@@ -422,6 +437,16 @@ def _build(
     model, tokenizer = load_model(model_spec, ModelConfig(dtype=dtype))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return make_learner(model, config, info, pad_token_id=int(pad)), info
+
+
+def _rendezvous_host(followers: FollowersKind) -> str:
+    """Where rank 0 listens for its followers: this machine only, or its Ray node's IP (the
+    followers may run on other nodes)."""
+    if followers == "ray":
+        from polytinker.engine.learner.ray_followers import node_ip  # ray: only in a Ray actor
+
+        return node_ip()
+    return "127.0.0.1"
 
 
 def serve(learner: AnyLearner, info: DistInfo, group: Any) -> None:
@@ -449,10 +474,12 @@ def follow(
     device: str,
     dtype: DType,
     threads: int,
+    own_device: bool = False,
 ) -> None:
-    """A follower's life (``LearnerFollower``): build the replica, serve until rank 0 says stop."""
+    """A follower's life (``LearnerFollower``, ``RayFollower``): build the replica, serve until
+    rank 0 says stop."""
     torch.set_num_threads(threads)  # as many as rank 0 uses: replicas share the machine evenly
-    learner, info = _build(rank, world, addr, model_spec, LearnerConfig(**config), device, dtype)
+    learner, info = _build(rank, world, addr, model_spec, LearnerConfig(**config), device, dtype, own_device)
     try:
         serve(learner, info, dist.new_group(backend="gloo"))
     finally:

@@ -52,6 +52,7 @@ from typing import Any
 
 from polytinker.engine.device import resolve_device, resolve_dtype
 from polytinker.engine.learner.checks import NonFinite
+from polytinker.engine.learner.follower import FollowersKind
 from polytinker.engine.models import ModelConfig, load_model
 from polytinker.engine.types import DEFAULT_TARGET_MODULES, AdapterRef, LoraConfig
 from polytinker.engine.worker.config import LearnerWorkerConfig
@@ -98,9 +99,11 @@ class LearnerWorker:
         cfg: LearnerWorkerConfig,
         root: str | os.PathLike[str],
         on_broken: Callable[[str], None] | None = None,
+        followers: FollowersKind = "local",
     ) -> None:
         self.model, self.cfg = model, cfg
         self._on_broken = on_broken  # a group of K > 1 lost a rank (LearnerGroup.start): the process should end
+        self._followers = followers  # how its group's ranks 1..K-1 start: "local" processes or "ray" actors
         self.root = Path(root)  # every checkpoint and export this worker writes or reads is under it
         self._lora: Any = None  # the LearnerGroup of every LoRA adapter (None while a full model holds the replicas)
         self._full: dict[str, Any] = {}  # the full-parameter job served -> its own model's LearnerGroup (one)
@@ -152,7 +155,8 @@ class LearnerWorker:
             max_tokens_per_pass=self.cfg.max_tokens_per_pass,
             full_sharding=self.cfg.full_sharding,  # type: ignore[arg-type]
         )
-        device = resolve_device(self.cfg.device, self.cfg.world_size)  # ConfigError before any model loads
+        # ConfigError before any model loads. On Ray each rank sees its own bundle's GPUs only.
+        device = resolve_device(self.cfg.device, 1 if self._followers == "ray" else self.cfg.world_size)
         dtype = resolve_dtype(self.cfg.dtype, device)
         if self.cfg.world_size > 1:
             return LearnerGroup.start(
@@ -163,6 +167,7 @@ class LearnerWorker:
                 dtype=dtype,
                 name=self.cfg.learner_id,
                 on_broken=self._on_broken,
+                followers=self._followers,
             )
         base, tokenizer = load_model(self.model, ModelConfig(dtype=dtype))
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

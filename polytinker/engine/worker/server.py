@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from polytinker.actors import Actor
+from polytinker.engine.learner.follower import FollowersKind
 from polytinker.engine.learner.worker import LearnerWorker
 from polytinker.engine.models import model_limits
 from polytinker.engine.worker.auth import worker_server_curve
@@ -204,6 +205,9 @@ class WorkerPlan:
     state_dir: str
     worker: EngineWorkerConfig | LearnerWorkerConfig
     heartbeat_s: float = 10.0
+    # How a learner group's ranks 1..K-1 start: "local", child processes of rank 0 on its machine;
+    # "ray", Ray actors in the other bundles of rank 0's placement group (RayPlacement sets it).
+    followers: FollowersKind = "local"
 
     @property
     def role(self) -> str:
@@ -232,7 +236,10 @@ class WorkerPlan:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> WorkerPlan:
         config = EngineWorkerConfig if d["role"] == "engine" else LearnerWorkerConfig
-        return cls(d["model"], d["state_dir"], config(**d["worker"]), float(d["heartbeat_s"]))
+        followers = d.get("followers", "local")
+        if followers not in ("local", "ray"):
+            raise ConfigError(f"a worker plan's followers must be 'local' or 'ray', got {followers!r}")
+        return cls(d["model"], d["state_dir"], config(**d["worker"]), float(d["heartbeat_s"]), followers)
 
 
 def set_worker_threads(plan: WorkerPlan) -> None:
@@ -257,7 +264,7 @@ def build_worker(plan: WorkerPlan, on_broken: Callable[[str], None] | None = Non
 
         return EngineWorker(plan.model, plan.worker, root)
 
-    return LearnerWorker(plan.model, plan.worker, root, on_broken)
+    return LearnerWorker(plan.model, plan.worker, root, on_broken, plan.followers)
 
 
 class WorkerProcess:

@@ -10,9 +10,10 @@ engines and learner groups the runtime starts (those declared ``local = true``).
 
 ``bundle(plan)`` is the Ray resources of one worker, or of one rank of a learner group:
 ``[cluster.bundles]`` when it names the worker, else ``{"CPU": cpus_per_bundle}`` plus one ``GPU``
-for a worker whose device is ``cuda``. A learner group of world size K asks for one bundle of K
-times that, on one node: its ranks 1..K-1 are child processes of rank 0's actor, which holds the
-whole bundle, so they run where it does and see the GPUs Ray gave it (rank r uses the r-th).
+for a worker whose device is ``cuda``. A learner group of world size K asks for K such bundles,
+which Ray packs on as few nodes as it can (one node when one has room for all): rank 0's actor
+holds bundle 0 and starts rank r as a Ray actor in bundle r (``engine.learner.ray_followers``),
+each rank on its own bundle's GPU, NCCL (gloo on CPUs) between the nodes.
 """
 
 from __future__ import annotations
@@ -95,15 +96,14 @@ class ClusterConfig:
         return resources
 
     def bundles_of(self, plan: WorkerPlan) -> list[dict[str, float]]:
-        """The placement group of ``plan``'s worker: one bundle, a learner group's holding all its
-        ranks (``bundle`` times the world size: see the module docstring)."""
+        """The placement group of ``plan``'s worker: a bundle per process, a learner group's one
+        per rank (see the module docstring)."""
         if plan.worker.device.startswith("cuda:"):
             raise ConfigError(
                 f"{plan.worker_id}: device {plan.worker.device!r}, but on Ray a worker sees only the GPUs of "
                 "its own bundle: use device = 'cuda' (or 'auto')"
             )
-        ranks = ranks_of(plan)
-        return [{k: v * ranks for k, v in self.bundle(plan).items()}]
+        return [self.bundle(plan) for _ in range(ranks_of(plan))]
 
 
 def ranks_of(plan: WorkerPlan) -> int:

@@ -2,10 +2,11 @@
 
 Ray only places processes and keeps them alive; ZeroMQ stays the data plane and the scheduler
 the one authority. ``RayPlacement.start`` asks Ray for one placement group per worker the config
-marks ``local`` (``ClusterConfig.bundles_of``: one bundle, a learner group of world size K's
-holding K ranks' resources: its followers are child processes of its rank 0, so the group runs
-on one node and its ranks see the GPUs Ray gave rank 0's actor), waits until every group is
-reserved, then starts each worker as a Ray actor (``RayWorker``) that holds its whole bundle.
+marks ``local`` (``ClusterConfig.bundles_of``: one bundle, a learner group of world size K's K
+bundles, one per rank, packed on as few nodes as Ray can), waits until every group is reserved,
+then starts each worker as a Ray actor (``RayWorker``) that holds bundle 0. A learner group's
+rank 0 starts its ranks 1..K-1 as Ray actors in the other bundles, on whichever nodes hold them
+(``engine.learner.ray_followers``); ``rank_nodes`` says where each rank landed.
 The actor runs the same code as a local worker process (``WorkerProcess``): it binds on its
 node's IP, dials the scheduler and registers over ZeroMQ with the worker token, Curve keys
 derived from it.
@@ -25,6 +26,7 @@ to ``on_give_up``: the runtime stops, as when its supervisor gives up on a local
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
@@ -34,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from polytinker.engine.learner.ray_followers import actor_options, node_ip
 from polytinker.engine.worker.messages import ActorState
 from polytinker.engine.worker.server import WorkerPlan, WorkerProcess, omp_wait_env
 from polytinker.errors import ConfigError, RequestTimeout
@@ -60,15 +63,13 @@ class RayWorker:
     ``LearnerActor``), built in ``__init__`` so Ray counts the actor alive once it is registered."""
 
     def __init__(self, plan: dict[str, Any], scheduler: str, token: str, env: dict[str, str], curve: Any) -> None:
-        import ray
-
         os.environ.update(env)  # before torch loads in this process: its threads, OpenMP's wait policy
         self._process = WorkerProcess(
             WorkerPlan.from_dict(plan),
             scheduler=scheduler,
             token=token,
             on_fatal=self._broken,
-            bind=f"tcp://{ray.util.get_node_ip_address()}:0",  # the scheduler may be on another node
+            bind=f"tcp://{node_ip()}:0",  # the scheduler may be on another node
             client_curve=ClientCurve(*curve) if curve else None,
         )
         self._process.server.registered.wait(30.0)
@@ -85,17 +86,6 @@ class RayWorker:
 
         ctx = ray.get_runtime_context()
         return {"node_id": ctx.get_node_id(), "pid": os.getpid(), "incarnation": self._process.server.incarnation}
-
-
-def actor_options(bundle: dict[str, float]) -> tuple[dict[str, Any], float]:
-    """The Ray resource options of an actor that holds the whole ``bundle`` (so Ray shows it every
-    GPU the bundle reserved, for a learner group's ranks to share out), and the bundle's CPUs."""
-    rest = dict(bundle)
-    cpus, gpus, memory = rest.pop("CPU", 0.0), rest.pop("GPU", 0.0), rest.pop("memory", None)
-    options: dict[str, Any] = {"num_cpus": cpus, "num_gpus": gpus, "resources": rest}
-    if memory is not None:
-        options["memory"] = memory
-    return options, cpus
 
 
 @dataclass
@@ -166,7 +156,7 @@ class RayPlacement:
 
         cfg = self.config
         options, cpus = actor_options(group.bundle_specs[0])
-        threads = cfg.worker_threads or max(1, int(cpus / ranks_of(plan)))  # each rank's share of the CPUs
+        threads = cfg.worker_threads or max(1, int(cpus))  # rank 0's bundle's CPUs (each rank has its own)
         env = {"OMP_NUM_THREADS": str(threads), **omp_wait_env(os.environ)}
         env |= {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if os.environ.get(k)}
         options |= {
@@ -176,6 +166,8 @@ class RayPlacement:
             "scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
         }
         remote = self._ray.remote(RayWorker).options(**options)
+        if ranks_of(plan) > 1:
+            plan = dataclasses.replace(plan, followers="ray")  # its ranks in the group's other bundles
         return remote.remote(plan.to_dict(), scheduler, cfg.worker_token, env, curve)
 
     def _scheduler_address(self) -> str:
@@ -275,6 +267,15 @@ class RayPlacement:
         with self._lock:
             return {w: p.node.rpartition("/")[2] if p.state == "ALIVE" else "" for w, p in self._placed.items()}
 
+    def rank_nodes(self, worker_id: str) -> list[str]:
+        """The Ray node id of each bundle of ``worker_id``'s placement group, rank 0 first: where
+        each of a learner group's ranks runs ("" for a bundle Ray holds on no node now)."""
+        from ray.util.placement_group import placement_group_table
+
+        table = placement_group_table(self._placed[worker_id].group)
+        where = table.get("bundles_to_node_id", {})
+        return [str(where.get(i, "")) for i in range(len(table.get("bundles", {})))]
+
     def stop(self) -> None:
         self._stop.set()
         if self._monitor is not None and self._monitor is not threading.current_thread():
@@ -295,4 +296,4 @@ class RayPlacement:
             ray.shutdown()
 
 
-__all__ = ["RayPlacement", "RayWorker", "actor_options", "import_ray"]
+__all__ = ["RayPlacement", "RayWorker", "import_ray"]
