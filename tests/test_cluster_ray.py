@@ -109,7 +109,8 @@ def test_serve_places_the_engine_and_learner_on_the_nodes_with_their_resources(
     status = runtime.status()
     rows = {a["name"]: a for a in status["actors"]}
     assert rows["engine-0"]["alive"] and rows["engine-0"]["node"].endswith(placed["engine-0"])
-    assert rows["learner-0"]["node"].endswith(placed["learner-0"])
+    rank1 = ranks[1]
+    assert rows["learner-0"]["node"].endswith(f"{placed['learner-0']} (rank 1 on {rank1})")
     assert rows["scheduler"]["node"] == ""  # a child process of serve, on this machine
     workers = {w["worker_id"]: w for w in status["workers"]}
     assert workers.keys() == {"engine-0", "learner-0"} and all(w["alive"] for w in workers.values())

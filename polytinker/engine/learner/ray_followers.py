@@ -60,11 +60,6 @@ class RayFollower:
 
         follow(*args)
 
-    def node(self) -> str:
-        import ray
-
-        return str(ray.get_runtime_context().get_node_id())
-
 
 class RayFollowerSet(Followers):
     """Ranks 1..K-1 of the group whose rank 0 runs in this Ray actor (see the module docstring).
@@ -104,12 +99,6 @@ class RayFollowerSet(Followers):
                 except Exception as exc:  # its process or its node was lost, or follow() raised
                     detail = f"{type(exc).__name__}"
                 self._lost(f"learner group rank {self._runs[ref]} ended (its process or node lost)", detail)
-
-    def nodes(self) -> list[str]:
-        """The Ray node id of each follower, rank 1 first."""
-        import ray
-
-        return [str(n) for n in ray.get([a.node.remote() for a in self._actors], timeout=30)]
 
     def close(self) -> None:
         import ray

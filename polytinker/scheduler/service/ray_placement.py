@@ -97,6 +97,8 @@ class _Placed:
     actor: Any
     state: str = "PENDING_CREATION"
     node: str = ""  # "IP/NODE_ID" of the node it last ran on
+    ranks: int = 1  # a learner group's world size: its placement group's bundles
+    others: str = ""  # where a group's ranks 1..K-1 run when not on rank 0's node ("rank 1 on NODE_ID")
     pid: int = 0
     restarts: int = 0
     last_exit_time: float = 0.0
@@ -146,7 +148,7 @@ class RayPlacement:
         scheduler, curve = self._scheduler_address(), self._worker_curve()
         for plan in plans:
             actor = self._actor(plan, groups[plan.worker_id], scheduler, curve)
-            self._placed[plan.worker_id] = _Placed(plan.worker_id, groups[plan.worker_id], actor)
+            self._placed[plan.worker_id] = _Placed(plan.worker_id, groups[plan.worker_id], actor, ranks=ranks_of(plan))
         self._monitor = threading.Thread(target=self._watch, name="ray-placement", daemon=True)
         self._monitor.start()
         return self
@@ -210,7 +212,7 @@ class RayPlacement:
             except Exception as exc:  # the head may be gone for a moment
                 log.debug("reading %s's actor record: %s", placed.worker_id, exc)
                 continue
-            changed |= self._note(placed, record)
+            changed |= self._note(placed, record) | self._note_ranks(placed)
             if placed.state == "DEAD":
                 gave_up.append(placed)
         if changed:
@@ -243,6 +245,21 @@ class RayPlacement:
                     log.warning("%s re-placed on node %s", placed.worker_id, placed.node)
             return before != (placed.state, placed.restarts, placed.node, placed.pid)
 
+    def _note_ranks(self, placed: _Placed) -> bool:
+        """Take in where a learner group's other ranks run; True when that changed."""
+        if placed.ranks == 1 or placed.state != "ALIVE":
+            return False
+        try:
+            nodes = self.rank_nodes(placed.worker_id)
+        except Exception as exc:  # the head may be gone for a moment
+            log.debug("reading %s's placement group: %s", placed.worker_id, exc)
+            return False
+        rank0 = placed.node.rpartition("/")[2]
+        others = "; ".join(f"rank {r} on {n or 'no node'}" for r, n in enumerate(nodes) if r and n != rank0)
+        with self._lock:
+            before, placed.others = placed.others, others
+        return before != others
+
     def _actor_state(self, placed: _Placed) -> ActorState:
         alive = placed.state == "ALIVE"
         return ActorState(
@@ -254,11 +271,12 @@ class RayPlacement:
             None,  # Ray does not say how a process ended
             placed.last_exit_time,
             "",
-            placed.node,
+            f"{placed.node} ({placed.others})" if placed.node and placed.others else placed.node,
         )
 
     def actors(self) -> tuple[ActorState, ...]:
-        """Each placed worker as ``polytinker status`` shows it (its node: ``IP/NODE_ID``)."""
+        """Each placed worker as ``polytinker status`` shows it (its node: ``IP/NODE_ID``; a
+        learner group's rank 0's, then where its other ranks run when elsewhere)."""
         with self._lock:
             return tuple(self._actor_state(p) for p in self._placed.values())
 
