@@ -78,6 +78,8 @@ def test_a_job_waiting_for_a_slot_runs_on_an_engine_that_joins(tmp_path: Path) -
             status = service.runtime_status()
             workers = {w["worker_id"]: (w["role"], w["alive"]) for w in status["workers"]}
             assert workers["engine-joined"] == ("engine", True)
+            # Started with the runtime's state_dir (--state-dir), each worker reads the runtime's state-id.
+            assert all(w["shares_state"] for w in status["workers"]), status["workers"]
             assert status["stats"]["engine-joined"]["sequences"] >= 1  # the second job's sample ran there
         finally:
             worker.terminate()

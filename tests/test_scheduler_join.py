@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from _scheduler_helpers import KEY_A, config
 
+from polytinker.engine.worker.layout import read_state_id
 from polytinker.engine.worker.messages import Leave, Register
 from polytinker.engine.worker.replies import Left
 from polytinker.errors import AuthError, ConfigError, WorkerUnavailable
@@ -258,3 +259,28 @@ def test_a_worker_that_says_it_leaves_is_forgotten_at_once_and_only_with_the_tok
         assert b.wait_for("engine-0", timeout_s=1.0, not_incarnation="e1").incarnation == "e2"
     finally:
         store.close()
+
+
+def test_a_learner_that_does_not_see_the_runtimes_state_is_named_as_such(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The state root's ``state-id`` (written once by the scheduler's broker) read back by a
+    worker whose state root is the same directory: it shares the state. A learner whose root is
+    another directory (another machine's disk) is named in the log and in the workers' rows,
+    since its checkpoints are not where another learner would resume its jobs from."""
+    (tmp_path / "state").mkdir()
+    b = Broker(config(tmp_path / "state", cluster=ClusterConfig(join_undeclared=True)), TOKEN)
+    b.connect = lambda msg: DirectClient(msg.worker_id, {})
+    assert b.state_id and read_state_id(tmp_path / "state") == b.state_id
+    assert Broker(config(tmp_path / "state"), TOKEN).state_id == b.state_id  # made once, kept after a restart
+    (tmp_path / "elsewhere").mkdir()
+    assert read_state_id(tmp_path / "elsewhere") == ""
+    b.register(register("learner-7", "learner", state_id=read_state_id(tmp_path / "state")))
+    with caplog.at_level("WARNING", logger="polytinker.scheduler"):
+        b.register(register("learner-8", "learner", state_id=read_state_id(tmp_path / "elsewhere")))
+    assert "learner learner-8 does not see this runtime's state_dir" in caplog.text
+    assert "learner-7" not in caplog.text
+    rows = {w["worker_id"]: w["shares_state"] for w in b.workers()}
+    assert rows == {"learner-7": True, "learner-8": False}
+    with pytest.raises(AuthError):  # the id is signed with the rest
+        b.register(dataclasses.replace(register("learner-8", "learner", incarnation="i2"), state_id=b.state_id))

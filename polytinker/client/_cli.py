@@ -165,7 +165,9 @@ def _status(args: argparse.Namespace) -> int:
     print(f"{'WORKER':<20} {'ROLE':<8} {'ALIVE':<6} {'SEEN':>6}  ADDRESS")
     for w in status.get("workers") or []:
         alive = "yes" if w["alive"] else "no"
-        print(f"{w['worker_id']:<20} {w['role']:<8} {alive:<6} {w['seen_s_ago']:>5.1f}s  {w['address']}")
+        # A learner that does not see the runtime's state_dir: its checkpoints stay on its machine.
+        own = "  (own state_dir)" if w["role"] == "learner" and not w.get("shares_state", True) else ""
+        print(f"{w['worker_id']:<20} {w['role']:<8} {alive:<6} {w['seen_s_ago']:>5.1f}s  {w['address']}{own}")
     return 0
 
 

@@ -9,6 +9,11 @@ each worker turns them into a path under the state root it was started with (the
     checkpoints/TENANT/JOB/AGENT/named/<NAME>        a save_state checkpoint
     adapters/TENANT/JOB/AGENT/v<N>                   a step's peft export (what engines load)
     adapters/TENANT/JOB/AGENT/v<N>-loaded-<NAME>     the export made after load_state of <NAME>
+    state-id                                         the runtime's state: written once by its scheduler
+
+``state-id`` lets a worker started elsewhere (another node, ``polytinker worker --state-dir``)
+tell the scheduler whether it sees the same state root (``Register.state_id``): a learner that
+does not keeps its checkpoints where no other learner finds them.
 
 Every part is checked against ``NAME_PATTERN`` (letters, digits, ``_ - .``, not starting with a
 dot), so no id can name ``..`` or a separator and no path leaves the root. The relative path is
@@ -17,7 +22,9 @@ also the text the scheduler stores in its database for a version's checkpoint an
 
 from __future__ import annotations
 
+import os
 import re
+import secrets
 from pathlib import Path
 
 from polytinker.errors import ConfigError
@@ -25,6 +32,7 @@ from polytinker.errors import ConfigError
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
 KINDS = ("checkpoint", "export")
 _TOP = {"checkpoint": "checkpoints", "export": "adapters"}
+STATE_ID = "state-id"
 _LEAF = re.compile(rf"v(\d+)(?:-loaded-({NAME_PATTERN.pattern}))?|named/({NAME_PATTERN.pattern})")
 
 
@@ -77,4 +85,37 @@ def under(root: Path, relative: str) -> Path:
     return root.expanduser() / relative
 
 
-__all__ = ["KINDS", "NAME_PATTERN", "check_adapter_key", "check_name", "parse_relative", "relative_path", "under"]
+def read_state_id(root: str | os.PathLike[str]) -> str:
+    """The id of the runtime state at ``root`` ('' where there is none: not this runtime's, or
+    a directory not shared with its scheduler)."""
+    try:
+        text = (Path(root).expanduser() / STATE_ID).read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
+    return text if re.fullmatch(r"[0-9a-f]{32}", text) else ""
+
+
+def ensure_state_id(root: str | os.PathLike[str]) -> str:
+    """The id of the runtime state at ``root``, made the first time ('' where ``root`` does not
+    exist yet)."""
+    root = Path(root).expanduser()
+    if (known := read_state_id(root)) or not root.is_dir():
+        return known
+    tmp = root / f".{STATE_ID}.{os.getpid()}"
+    tmp.write_text(secrets.token_hex(16), encoding="ascii")
+    os.replace(tmp, root / STATE_ID)
+    return read_state_id(root)
+
+
+__all__ = [
+    "KINDS",
+    "NAME_PATTERN",
+    "STATE_ID",
+    "check_adapter_key",
+    "check_name",
+    "ensure_state_id",
+    "parse_relative",
+    "read_state_id",
+    "relative_path",
+    "under",
+]

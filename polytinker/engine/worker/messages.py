@@ -52,6 +52,9 @@ class Register(Request[r.Registered]):
     # slots, a learner group's memory_gb and max_jobs.
     memory_gb: float = 0.0
     slots: int = 0
+    # layout.read_state_id of the worker's state root: the scheduler's own when it sees the same
+    # state (a learner's checkpoints then outlive its node); '' where there is none.
+    state_id: str = ""
 
     def __post_init__(self) -> None:
         need(0 <= self.vocab_size < 1 << 31 and 0 <= self.max_positions < 1 << 31, "model limits out of range")
@@ -59,12 +62,13 @@ class Register(Request[r.Registered]):
         need(len(self.curve_public_key) == 40, "curve_public_key must be the worker's 40-character Z85 key")
         need(math.isfinite(self.memory_gb) and 0 <= self.memory_gb <= MAX_WORKER_GB, "memory_gb out of range")
         need(0 <= self.slots <= MAX_WORKER_SLOTS, "slots out of range")
+        need(len(self.state_id) <= 64, "state_id out of range")
 
     def signed_fields(self) -> tuple[str | int | float, ...]:
         """What ``proof`` is the MAC of (``auth.register_proof``), in this order."""
         return (
             *(self.worker_id, self.role, self.address, self.incarnation, self.base_model, self.curve_public_key),
-            *(self.vocab_size, self.max_positions, self.memory_gb, self.slots),
+            *(self.vocab_size, self.max_positions, self.memory_gb, self.slots, self.state_id),
         )
 
     @classmethod

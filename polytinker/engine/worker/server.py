@@ -38,6 +38,7 @@ from polytinker.engine.learner.worker import LearnerWorker
 from polytinker.engine.models import model_limits
 from polytinker.engine.worker.auth import worker_server_curve
 from polytinker.engine.worker.config import EngineWorkerConfig, LearnerWorkerConfig
+from polytinker.engine.worker.layout import read_state_id
 from polytinker.engine.worker.messages import Leave, Register
 from polytinker.errors import ConfigError, WorkerFailed
 from polytinker.transport import ClientCurve, RpcClient, RpcServer, TransportConfig, ask
@@ -71,8 +72,10 @@ class WorkerServer:
         keypair: tuple[bytes, bytes] | None = None,
         client_curve: ClientCurve | None = None,
         capacity: tuple[float, int] = (0.0, 0),
+        state_root: str = "",
     ) -> None:
         self.worker_id, self.role, self.base_model = worker_id, role, base_model
+        self._state_root = state_root  # read at each registration: the scheduler may write its id after
         self.capacity = capacity  # (memory_gb, slots) as its config declares them (Register)
         self.incarnation = uuid.uuid4().hex[:12]
         cfg = TransportConfig(handler_threads=HANDLER_THREADS[role], request_timeout_s=10.0)
@@ -104,6 +107,7 @@ class WorkerServer:
             max_positions=self.limits.max_positions,
             memory_gb=self.capacity[0],
             slots=self.capacity[1],
+            state_id=read_state_id(self._state_root) if self._state_root else "",
         )
 
     def _loop(self) -> None:
@@ -302,6 +306,7 @@ class WorkerProcess:
                 keypair=keypair,
                 client_curve=client_curve,
                 capacity=plan.capacity,
+                state_root=plan.state_dir,
             )
         except BaseException:
             self.worker.close()

@@ -56,6 +56,7 @@ from polytinker.engine.worker.auth import (
     same,
     scheduler_client_keypair,
 )
+from polytinker.engine.worker.layout import ensure_state_id
 from polytinker.engine.worker.messages import (
     ActorsReport,
     ActorState,
@@ -109,6 +110,7 @@ class WorkerHandle:
     dead: bool = False
     since: float = field(default_factory=time.time)  # Unix time of its first registration
     exited: bool = False  # its supervisor saw the process exit: it never answers again
+    shares_state: bool = True  # it sees the scheduler's state_dir (Register.state_id)
 
 
 class Broker:
@@ -143,6 +145,7 @@ class Broker:
         # A joined worker left for good (``forget_gone``): its jobs go back to the queue.
         self.on_leave: Callable[[str], None] = lambda _worker_id: None
         self._joined: dict[str, float] = {}  # joined worker id -> monotonic time it joined
+        self.state_id = ensure_state_id(config.state_path)  # what a worker that sees this state reads
 
     def _batcher(self, learner_id: str) -> FbBatcher:
         return FbBatcher(
@@ -177,10 +180,18 @@ class Broker:
                 old.last_seen, old.dead = now, False
                 return Registered(known=True)
         client = self.connect(msg)
+        shares = msg.state_id == self.state_id
+        if msg.role == "learner" and not shares:
+            log.warning(
+                "learner %s does not see this runtime's state_dir (%s is not shared with its machine): the "
+                "checkpoints it writes are not where another learner would resume its jobs from",
+                msg.worker_id,
+                self.config.state_dir,
+            )
         with self._cv:
             old = self._workers.get(msg.worker_id)
             self._workers[msg.worker_id] = WorkerHandle(
-                msg.worker_id, msg.role, msg.address, msg.incarnation, client, now
+                msg.worker_id, msg.role, msg.address, msg.incarnation, client, now, shares_state=shares
             )
             self._cv.notify_all()
         if old is not None:
@@ -302,6 +313,7 @@ class Broker:
                     "incarnation": h.incarnation,
                     "alive": self._alive(h, now),
                     "seen_s_ago": round(now - h.last_seen, 3),
+                    "shares_state": h.shares_state,
                 }
                 for h in self._workers.values()
             ]

@@ -32,6 +32,7 @@ from typing import Any
 
 from polytinker.engine.models import model_limits
 from polytinker.engine.worker.auth import worker_server_curve
+from polytinker.engine.worker.layout import read_state_id
 from polytinker.engine.worker.messages import Register
 from polytinker.engine.worker.server import build_worker
 from polytinker.errors import ConfigError
@@ -132,6 +133,7 @@ class InprocRuntime:
             max_positions=limits.max_positions,
             memory_gb=memory_gb,
             slots=slots,
+            state_id=read_state_id(self.config.state_path),  # its workers' root is the scheduler's
         )
 
     def _heartbeat(self, register: Register) -> None:
