@@ -212,8 +212,7 @@ class Broker:
             h = self._workers.get(msg.worker_id)
         if h is None or h.incarnation != msg.incarnation:
             return Left(known=False)  # an earlier incarnation's, or said twice: the one there stays
-        log.info("worker %s (incarnation %s) is stopping: it leaves", msg.worker_id, msg.incarnation)
-        self._mark_exited(h)
+        self._mark_exited(h, "left")
         if msg.worker_id in self._joined:
             self._forget(msg.worker_id)
         return Left(known=True)
@@ -288,14 +287,15 @@ class Broker:
                 return
         self._mark_exited(h)
 
-    def _mark_exited(self, h: WorkerHandle) -> None:
+    def _mark_exited(self, h: WorkerHandle, how: str = "exited") -> None:
         """The incarnation ``h`` is gone for good (a stale heartbeat of it cannot bring it back)."""
         with self._cv:
             if h.exited:
                 return
             h.dead = h.exited = True
             self._cv.notify_all()
-        log.warning("worker %s (incarnation %s) exited; failing its calls in flight", h.worker_id, h.incarnation)
+        level = logging.INFO if how == "left" else logging.WARNING  # a stop on purpose is no alarm
+        log.log(level, "worker %s (incarnation %s) %s; failing its calls in flight", h.worker_id, h.incarnation, how)
         h.client.close()  # its pending calls raise TransportError: Broker.call waits for the restart
 
     def _client_for(self, msg: Register) -> RpcClient:
