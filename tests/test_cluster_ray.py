@@ -15,6 +15,7 @@ import socket
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -114,8 +115,10 @@ def test_serve_places_the_engine_and_learner_on_the_nodes_with_their_resources(
     assert rows["scheduler"]["node"] == ""  # a child process of serve, on this machine
     workers = {w["worker_id"]: w for w in status["workers"]}
     assert workers.keys() == {"engine-0", "learner-0"} and all(w["alive"] for w in workers.values())
-    with ServiceClient(runtime.address, api_key=runtime.api_key) as service:
-        _train_and_sample(service, "placed")
+    with ServiceClient(runtime.address, api_key=runtime.api_key) as service, ThreadPoolExecutor(2) as pool:
+        # Two agents at once: their calls meet on the group whose ranks are on two nodes.
+        for done in [pool.submit(_train_and_sample, service, agent) for agent in ("alice", "bob")]:
+            done.result(timeout=180)
     assert cli_main(["status", "--scheduler", runtime.address, "--api-key", runtime.api_key]) == 0
     actors_table = capsys.readouterr().out.split("\nWORKER")[0]  # the actors' rows, before the workers'
     table = {line.split()[0]: line for line in actors_table.splitlines()}
