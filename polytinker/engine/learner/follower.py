@@ -13,6 +13,7 @@ so rank 0 builds its replica while the followers build theirs.
 
 from __future__ import annotations
 
+import abc
 import logging
 import threading
 from collections.abc import Callable
@@ -64,7 +65,7 @@ class LearnerFollower(Actor):
         self._thread.join(JOIN_GRACE_S)
 
 
-class Followers:
+class Followers(abc.ABC):
     """Ranks 1..K-1 of a group that rank 0 started, however they were launched: ``broken`` says
     why the group can run no more collectives ('' while every rank is there)."""
 
@@ -96,8 +97,9 @@ class Followers:
             return bool(self.broken)
         return self._broken.wait(BROKEN_GRACE_S)
 
+    @abc.abstractmethod
     def close(self) -> None:
-        raise NotImplementedError
+        """Stop every follower (each leaves the process group); one that does not is ended."""
 
 
 class FollowerSet(Followers):

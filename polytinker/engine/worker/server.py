@@ -75,7 +75,8 @@ class WorkerServer:
         state_root: str = "",
     ) -> None:
         self.worker_id, self.role, self.base_model = worker_id, role, base_model
-        self._state_root = state_root  # read at each registration: the scheduler may write its id after
+        self._state_root = state_root
+        self._state_id = ""  # its state root's state-id, read until found (the scheduler may write it after)
         self.capacity = capacity  # (memory_gb, slots) as its config declares them (Register)
         self.incarnation = uuid.uuid4().hex[:12]
         cfg = TransportConfig(handler_threads=HANDLER_THREADS[role], request_timeout_s=10.0)
@@ -95,6 +96,8 @@ class WorkerServer:
         self._thread.start()
 
     def _message(self) -> Register:
+        if not self._state_id and self._state_root:
+            self._state_id = read_state_id(self._state_root)
         return Register.signed(
             self._token,
             worker_id=self.worker_id,
@@ -107,7 +110,7 @@ class WorkerServer:
             max_positions=self.limits.max_positions,
             memory_gb=self.capacity[0],
             slots=self.capacity[1],
-            state_id=read_state_id(self._state_root) if self._state_root else "",
+            state_id=self._state_id,
         )
 
     def _loop(self) -> None:
