@@ -21,10 +21,11 @@ from typing import Any
 
 import pytest
 from fixtures.client import data
+from fixtures.hostile import hostile_calls, refusal, train_and_sample
 
 from polytinker.client import ServiceClient
-from polytinker.engine.types import Datum, SamplingParams
-from polytinker.errors import ConfigError, ProtocolError, RemoteError, RequestTimeout
+from polytinker.engine.types import SamplingParams
+from polytinker.errors import ProtocolError, RemoteError, RequestTimeout
 from polytinker.scheduler.service import (
     EngineWorkerConfig,
     LearnerWorkerConfig,
@@ -78,64 +79,10 @@ def _forged(cls: type, base: Any, **fields: Any) -> Any:
     return msg
 
 
-def _refusal(call: Any) -> str:
-    """The message of the refusal ``call`` raises; fails the test unless it is a caller's-mistake
-    error (a ConfigError at the door, or the edge's ProtocolError)."""
-    try:
-        call()
-    except (ConfigError, ProtocolError) as exc:
-        return str(exc)
-    except RemoteError as exc:
-        assert exc.code in ("config", "protocol"), f"unexpected {exc.code} error: {exc}"
-        return str(exc)
-    raise AssertionError("accepted")
-
-
-def _train_and_sample(svc: ServiceClient, batch: list[Datum], steps: int = 3) -> tuple[list[float], list[tuple]]:
-    """A fresh job (seed 0): ``steps`` steps on ``batch``, then 8 concurrent greedy samples of the
-    last version; its losses and the sampled tokens."""
-    trainer = svc.create_lora_training_client(MODEL, rank=4, seed=0)
-    losses = []
-    for _ in range(steps):
-        out = trainer.forward_backward(batch, "cross_entropy").result()
-        losses.append(out.loss)
-        trainer.optim_step().result()
-    sampler = trainer.save_weights_and_get_sampling_client("v")
-    greedy = SamplingParams(max_tokens=6, temperature=0.0)
-    futures = [sampler.sample([3 + i, 40, 41, 42], 1, greedy) for i in range(8)]
-    tokens = [tuple(f.result().sequences[0].tokens) for f in futures]
-    trainer.finish()  # its adapter slot goes back for the next run
-    return losses, tokens
-
-
-def _hostile_calls(svc: ServiceClient, sampler: Any, trainer: Any) -> list[tuple[str, Any]]:
-    """Every bad input the hostile tenant sends, with the field its refusal must name."""
-    good = data(7, n=2)
-    nan_adv = Datum(good[0].input_tokens, good[0].target_tokens_T, good[0].weights_T, [math.nan] * 12, [-1.0] * 12)
-    inf_w = Datum(good[0].input_tokens, good[0].target_tokens_T, [math.inf] * 12)
-    big_id = Datum([10**6] * 12, good[0].target_tokens_T, good[0].weights_T)
-    neg_target = Datum(good[0].input_tokens, [-5] * 12, good[0].weights_T)
-    no_logprobs = Datum(good[0].input_tokens, good[0].target_tokens_T, good[0].weights_T, [1.0] * 12)
-    fb = trainer.forward_backward
-    return [
-        ("prompt_token_ids", lambda: sampler.sample([1, 10**6, 3], 1).result()),
-        ("prompt_token_ids", lambda: sampler.sample([-5, 2, 3], 1).result()),
-        ("data[1].input_tokens", lambda: fb([good[1], big_id], "cross_entropy").result()),
-        ("data[0].target_tokens", lambda: fb([neg_target], "cross_entropy").result()),
-        ("data[0].advantages", lambda: fb([nan_adv], "importance_sampling").result()),
-        ("data[0].weights", lambda: fb([inf_w], "cross_entropy").result()),
-        ("data[0]", lambda: fb([no_logprobs], "importance_sampling").result()),
-        ("steps", lambda: svc.create_lora_training_client(MODEL, rank=4, steps=math.inf)),  # type: ignore[arg-type]
-        ("rank", lambda: svc.create_lora_training_client(MODEL, rank=5000)),
-        ("num_samples", lambda: sampler.sample([1, 2, 3], 2**64 - 1).result()),
-        ("context", lambda: sampler.sample(list(range(1, 2048)), 1, SamplingParams(max_tokens=8)).result()),
-    ]
-
-
 def test_a_hostile_tenant_is_refused_field_by_field_and_the_good_one_loses_nothing(runtime: LocalRuntime) -> None:
     batch = data(3, n=4)
     with ServiceClient(runtime.address, api_key=KEY_A) as good:
-        alone = _train_and_sample(good, batch)
+        alone = train_and_sample(good, batch)
     refusals: list[tuple[str, str]] = []
     shared: list[Any] = []
     with ServiceClient(runtime.address, api_key=KEY_A) as good, ServiceClient(runtime.address, api_key=KEY_B) as bad:
@@ -143,12 +90,12 @@ def test_a_hostile_tenant_is_refused_field_by_field_and_the_good_one_loses_nothi
         sampler = trainer.save_weights_and_get_sampling_client("b")
 
         def neighbour() -> None:
-            for field, call in _hostile_calls(bad, sampler, trainer):
-                refusals.append((field, _refusal(call)))
+            for field, call in hostile_calls(bad, sampler, trainer):
+                refusals.append((field, refusal(call)))
 
         thread = threading.Thread(target=neighbour)
         thread.start()
-        shared.append(_train_and_sample(good, batch))
+        shared.append(train_and_sample(good, batch))
         thread.join(300)
     assert not thread.is_alive()
     assert len(refusals) == 11
