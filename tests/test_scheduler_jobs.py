@@ -24,6 +24,7 @@ from polytinker.scheduler.service import (
 from polytinker.scheduler.service import messages as m
 from polytinker.scheduler.service.jobs import adapter_key
 from polytinker.scheduler.service.policy_view import policy_job
+from polytinker.scheduler.service.scheduler import SchedulerService
 from polytinker.scheduler.service.tenants import Tenants
 
 
@@ -89,6 +90,35 @@ def test_job_lifecycle_and_tenant_isolation(tmp_path: Path) -> None:
     assert kinds[:2] == ["admit", "start"] and "pause" in kinds and kinds[-1] == "cancel"
     with pytest.raises(ConfigError, match="serves base model"):
         mgr.create("alice", m.CreateJob(KEY_A, "lora_rl", "other-model"))
+
+
+def test_a_job_that_ends_is_let_go_of_and_the_services_per_adapter_maps_stay_bounded(tmp_path: Path) -> None:
+    mgr = manager(tmp_path)
+    ended: list[str] = []
+    mgr.when_final(ended.append)
+    jobs = [create(mgr, "alice", KEY_A) for _ in range(3)]
+    mgr.action("alice", jobs[0], "pause")  # paused is not an end: it may resume
+    assert ended == []
+    mgr.action("alice", jobs[1], "cancel")
+    mgr.action("alice", jobs[2], "finish")
+    assert ended == jobs[1:]
+
+    # The service keeps, per adapter, the forward_backward ids of the step under way and the learner
+    # that holds it: a scheduler that serves run after run must not keep them for runs that ended.
+    svc = SchedulerService(config(tmp_path / "svc"), "worker-token-0123456789")
+    try:
+        handlers = svc.handlers()
+        made = [
+            handlers["sched.create_job"](m.CreateJob(KEY_B, "lora_rl", "tiny-random", rank=4)).job for _ in range(4)
+        ]
+        keys = {adapter_key("bob", j["job_id"], j["agent"]) for j in made}
+        assert keys <= set(svc._fb_ids)
+        for job, action in zip(made, ("finish", "cancel", "finish", "pause"), strict=True):
+            handlers["sched.job_action"](m.JobAction(KEY_B, job["job_id"], action))
+        paused = adapter_key("bob", made[3]["job_id"], made[3]["agent"])
+        assert set(svc._fb_ids) & keys == {paused}
+    finally:
+        svc.stop()
 
 
 def test_full_parameter_job_gets_the_learner_to_itself_and_queues_the_rest(tmp_path: Path) -> None:

@@ -110,12 +110,19 @@ class JobManager:
         self._awaiting_worker: set[str] = set()
         self._idle_paused: set[str] = set()  # inference jobs paused for idleness (finished if it lasts)
         self._by_policy_id: dict[str, str] = {}
+        # Called with a job's id when it reaches a final state: what other parts keep per job lets go.
+        self._on_final: list[Callable[[str], None]] = []
         self._waits = WaitNotes()
         self._attempts = itertools.count(1)
         self._rr = itertools.count()
 
     def now(self) -> float:
         return self._clock() - self._t0
+
+    def when_final(self, hook: Callable[[str], None]) -> None:
+        """Call ``hook(job_id)`` each time a job becomes done, cancelled or rejected (under this
+        manager's lock: it must not call back into it)."""
+        self._on_final.append(hook)
 
     # --- recovery ----------------------------------------------------------------------------------
     def recover(self) -> int:
@@ -443,6 +450,9 @@ class JobManager:
 
     def _set_state(self, job_id: str, state: JobState, reason: str) -> None:
         self.store.set_job_state(job_id, state, reason)
+        if state in FINAL_STATES:
+            for hook in self._on_final:
+                hook(job_id)
 
     def _log(self, d: Decision) -> None:
         job_id = self._by_policy_id.get(d.job_id, d.job_id.rsplit(".", 1)[0])

@@ -92,6 +92,7 @@ class SchedulerService:
         # Per adapter, the learner process that last loaded it (worker id, incarnation): a load by
         # another one is a restore from the checkpoint, which the job's events tell its tenant.
         self._held_by: dict[str, tuple[str, str]] = {}
+        self.jobs.when_final(self._job_final)  # both maps let go of a job that ended: bounded by the live jobs
         self.admission = Admission(config, weights=dict(self.tenants.weights()))
         self.sampling = SamplingCalls(
             config, self.broker, self.jobs, self.weights, self.admission, self.meter, self.audit, self._tenant
@@ -197,7 +198,8 @@ class SchedulerService:
         if row.kind != JobKind.INFERENCE:
             key = adapter_key(tenant, row.job_id, row.agent)
             self.store.ensure_adapter(key, tenant, row.job_id, row.agent)  # a resend's job may lack it (killed)
-            self._fb_ids.setdefault(key, set())  # a resend's job: the ids its calls made stay
+            if row.state not in FINAL_STATES:  # a rejected job makes no calls
+                self._fb_ids.setdefault(key, set())  # a resend's job: the ids its calls made stay
         return r.JobReply(row.public())
 
     def job_query(self, msg: m.JobQuery) -> r.JobQueryReply:
@@ -294,6 +296,13 @@ class SchedulerService:
             self._note_restored(row.job_id, current, h, out.loaded)
 
         return f"ensure:{a.adapter_key}", ensure
+
+    def _job_final(self, job_id: str) -> None:
+        row = self.store.job(job_id)
+        if row is not None:
+            key = adapter_key(row.tenant, row.job_id, row.agent)
+            self._fb_ids.pop(key, None)
+            self._held_by.pop(key, None)
 
     def _note_restored(self, job_id: str, a: AdapterRow, h: WorkerHandle, loaded: bool) -> None:
         """Say where a trained adapter came back from, in the job's events (``restore``) and the
