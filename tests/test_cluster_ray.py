@@ -11,9 +11,13 @@ machine."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 import socket
 import sys
+import threading
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,6 +33,7 @@ from polytinker.engine.types import Datum, SamplingParams
 from polytinker.errors import ConfigError
 from polytinker.scheduler.service import EngineWorkerConfig, LearnerWorkerConfig, LocalRuntime, RuntimeConfig
 from polytinker.scheduler.service.cluster import ClusterConfig
+from polytinker.scheduler.service.ray_placement import RayPlacement, _Placed
 from polytinker.transport.auth import generate_keypair
 
 MODEL = "tiny-random"
@@ -154,10 +159,20 @@ def test_lost_nodes_workers_are_placed_again_and_the_run_goes_on(cluster: Any, r
         after = trainer.forward(DATA).result(timeout=180)
         assert max(abs(a - b) for ra, rb in zip(after, before, strict=True) for a, b in zip(ra, rb, strict=True)) < 1e-4
         assert runtime.placement.rank_nodes("learner-0") == [rank0, replacement.node_id]
-        assert {a["name"]: a for a in runtime.status()["actors"]}["learner-0"]["restarts"] == 1
+        _wait_restarted(runtime, "learner-0", 1)
         trainer.forward_backward(DATA, "cross_entropy").result()
         assert trainer.optim_step(AdamParams(learning_rate=1e-2)).result().version == 2
         assert trainer.save_weights_and_get_sampling_client().sample([3], 1, SHORT).result().sequences
+
+
+def _wait_restarted(runtime: LocalRuntime, worker_id: str, restarts: int) -> None:
+    """The restarted worker serves from its actor's constructor, a moment before its monitor's
+    call through the restart is answered (Ray retries it while the actor restarts)."""
+    deadline = time.monotonic() + 30
+    while (row := {a["name"]: a for a in runtime.status()["actors"]}[worker_id])["restarts"] != restarts:
+        assert time.monotonic() < deadline, row
+        time.sleep(0.2)
+    assert row["alive"]
 
 
 def _wait_placed(runtime: LocalRuntime, worker_id: str, node_id: str) -> None:
@@ -265,3 +280,44 @@ def test_each_rank_of_a_learner_group_sees_its_own_bundles_gpu(cluster: Any) -> 
     finally:
         remove_placement_group(group)
         cluster.remove_node(node)
+
+
+@pytest.mark.timeout(120)
+def test_the_monitor_counts_a_restart_and_hands_on_an_actor_ray_gave_up_on(runtime: LocalRuntime) -> None:
+    import ray
+
+    class Stand:
+        """A Ray actor the placement's monitor follows as it follows a worker's (``where``,
+        ``life``): each incarnation answers with its own id. (Defined here: Ray ships it by value.)"""
+
+        def __init__(self) -> None:
+            self.incarnation = uuid.uuid4().hex
+
+        def where(self) -> dict[str, Any]:
+            node = ray.get_runtime_context().get_node_id()
+            return {"node": f"here/{node}", "pid": os.getpid(), "incarnation": self.incarnation}
+
+        def life(self) -> None:
+            threading.Event().wait()
+
+    placement = RayPlacement(runtime.config)  # its monitor driven by hand (_poll), no thread
+    actor = ray.remote(Stand).options(max_restarts=1, max_concurrency=2, num_cpus=0).remote()
+    placed = _Placed("stand-0", None, actor)
+    placed.call = placement._ask_where(actor)
+    placement._placed[placed.worker_id] = placed
+
+    def poll_until(done: Any) -> list[Any]:
+        deadline, gave_up = time.monotonic() + 60, []
+        while not done():
+            assert time.monotonic() < deadline, placed
+            gave_up = placement._poll()
+        return gave_up
+
+    poll_until(lambda: placed.state == "ALIVE")
+    first = placed.pid
+    os.kill(first, signal.SIGKILL)  # its process lost: Ray starts it again, a restart counted
+    poll_until(lambda: placed.state == "ALIVE" and placed.pid != first)
+    assert placed.restarts == 1 and placed.last_exit_time > 0
+    os.kill(placed.pid, signal.SIGKILL)  # no restart left: Ray gives up, and so does the runtime
+    gave_up = poll_until(lambda: placed.state == "DEAD")
+    assert gave_up == [placed] and not placement.actors()[0].alive and placement.actors()[0].gave_up

@@ -15,11 +15,15 @@ Ray restarts an actor that dies, its node's loss included, up to ``RuntimeConfig
 times (over the actor's life, not within a window as the local supervisor counts), in its
 placement group, which Ray moves to a node that has the resources. The restarted worker is a new
 incarnation and registers as a restarted local worker does: the scheduler reloads what it held
-from the checkpoints. A monitor thread reads each actor's record from Ray's control store (state,
-restarts, node, pid) every ``POLL_S`` and reports a change at once (``on_change``): the runtime
-sends it to the scheduler (``ActorsReport``), so the calls in flight to a lost worker fail over
-without waiting for its connection to go silent. An actor Ray gives up on (``DEAD``) is handed
-to ``on_give_up``: the runtime stops, as when its supervisor gives up on a local worker.
+from the checkpoints. A monitor thread follows each actor through Ray's public task API alone
+(no dashboard needed, no internal table read): a call to ``life``, which never returns, fails
+the moment the actor's process or node is lost; a call to ``where``, retried by Ray through the
+restart, answers once the new incarnation is registered (its node, pid and incarnation: one
+restart counted), or fails once Ray gives up on the actor. Each change is reported at once
+(``on_change``): the runtime sends it to the scheduler (``ActorsReport``), so the calls in flight
+to a lost worker fail over without waiting for its connection to go silent. An actor Ray gives up
+on (``DEAD``) is handed to ``on_give_up``: the runtime stops, as when its supervisor gives up on
+a local worker.
 
 ``ray`` is an optional dependency (the ``ray`` extra); this module imports it only when placing.
 """
@@ -45,7 +49,7 @@ from polytinker.scheduler.service.config import RuntimeConfig
 from polytinker.transport import ClientCurve, load_keypair
 
 log = logging.getLogger("polytinker.scheduler.ray")
-POLL_S = 0.5  # how often the monitor reads the actors' records from Ray's control store
+POLL_S = 0.5  # how long the monitor waits for an actor's call before it reads the placement groups again
 NAMESPACE = "polytinker"
 
 
@@ -85,7 +89,13 @@ class RayWorker:
         import ray
 
         ctx = ray.get_runtime_context()
-        return {"node_id": ctx.get_node_id(), "pid": os.getpid(), "incarnation": self._process.server.incarnation}
+        node = f"{node_ip()}/{ctx.get_node_id()}"
+        return {"node": node, "pid": os.getpid(), "incarnation": self._process.server.incarnation}
+
+    def life(self) -> None:
+        """Never returns: the call fails when this actor's process or node is lost (the monitor's
+        sign that it left), and a new one waits on its next incarnation."""
+        threading.Event().wait()
 
 
 @dataclass
@@ -100,8 +110,13 @@ class _Placed:
     ranks: int = 1  # a learner group's world size: its placement group's bundles
     others: str = ""  # where a group's ranks 1..K-1 run when not on rank 0's node ("rank 1 on NODE_ID")
     pid: int = 0
+    incarnation: str = ""
     restarts: int = 0
     last_exit_time: float = 0.0
+    # The monitor's call in flight: ``where`` (retried through restarts) until the actor answers,
+    # then ``life`` until its process ends.
+    call: Any = None
+    waiting_for: str = "where"
 
 
 class RayPlacement:
@@ -148,7 +163,9 @@ class RayPlacement:
         scheduler, curve = self._scheduler_address(), self._worker_curve()
         for plan in plans:
             actor = self._actor(plan, groups[plan.worker_id], scheduler, curve)
-            self._placed[plan.worker_id] = _Placed(plan.worker_id, groups[plan.worker_id], actor, ranks=ranks_of(plan))
+            placed = _Placed(plan.worker_id, groups[plan.worker_id], actor, ranks=ranks_of(plan))
+            placed.call = self._ask_where(actor)
+            self._placed[plan.worker_id] = placed
         self._monitor = threading.Thread(target=self._watch, name="ray-placement", daemon=True)
         self._monitor.start()
         return self
@@ -164,7 +181,7 @@ class RayPlacement:
         options |= {
             "name": f"polytinker-{plan.worker_id}-{self._run}",  # unique per runtime: two may share a cluster
             "max_restarts": cfg.max_restarts,
-            "max_concurrency": 2,  # where() answers while nothing else runs on the actor's thread
+            "max_concurrency": 2,  # where() answers while life() holds the actor's other thread
             "scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
         }
         remote = self._ray.remote(RayWorker).options(**options)
@@ -194,55 +211,84 @@ class RayPlacement:
         return public, secret, load_keypair(cfg.curve_secret_file)[0]
 
     # --- monitoring ---------------------------------------------------------------------------------
+    @staticmethod
+    def _ask_where(actor: Any) -> Any:
+        # Retried by Ray while the actor restarts: it fails only once Ray gives up on the actor.
+        return actor.where.options(max_task_retries=-1).remote()
+
     def _watch(self) -> None:
-        while not self._stop.wait(POLL_S):
+        while not self._stop.is_set():
             gave_up = self._poll()
             for placed in gave_up:
                 self._on_give_up(self._actor_state(placed))
                 return
 
     def _poll(self) -> list[_Placed]:
-        """Read every actor's record once; report a change; the actors Ray gave up on."""
-        from ray._private import state  # the actor table of Ray's control store; no dashboard needed
-
+        """Wait up to ``POLL_S`` for the actors' calls; take in those that ended and where each
+        learner group's ranks run; report a change; the actors Ray gave up on."""
+        ray = self._ray
+        calls = {p.call: p for p in list(self._placed.values()) if p.call is not None}
+        done: list[Any] = []
+        if calls:
+            done, _ = ray.wait(list(calls), num_returns=len(calls), timeout=POLL_S, fetch_local=False)
+        else:
+            self._stop.wait(POLL_S)
         changed, gave_up = False, []
-        for placed in list(self._placed.values()):
+        for ref in done:
+            placed = calls[ref]
             try:
-                record = state.actors(actor_id=placed.actor._actor_id.hex())
-            except Exception as exc:  # the head may be gone for a moment
-                log.debug("reading %s's actor record: %s", placed.worker_id, exc)
-                continue
-            changed |= self._note(placed, record) | self._note_ranks(placed)
+                answer = ray.get(ref)
+                failure = None
+            except Exception as exc:  # the actor's process or node was lost, or Ray gave up on it
+                answer, failure = None, exc
+            changed |= self._note(placed, answer, failure)
             if placed.state == "DEAD":
                 gave_up.append(placed)
+        for placed in list(self._placed.values()):
+            changed |= self._note_ranks(placed)
         if changed:
             self._on_change()
         return gave_up
 
     def wait_alive(self, timeout_s: float) -> None:
-        """Until Ray counts every actor alive (a worker registers from its actor's constructor,
-        a moment before): ``placements()`` then names every node."""
+        """Until every actor answered (a worker registers from its actor's constructor, a moment
+        before): ``placements()`` then names every node."""
         deadline = time.monotonic() + timeout_s
-        while not all(p.state == "ALIVE" for p in self._placed.values()):
-            if self._poll() or time.monotonic() > deadline:
-                raise RequestTimeout(f"Ray did not count the workers' actors alive: {self.placements()}")
+        while True:
+            with self._lock:
+                states = [p.state for p in self._placed.values()]
+            if all(state == "ALIVE" for state in states):
+                return
+            if "DEAD" in states or time.monotonic() > deadline:
+                raise RequestTimeout(f"Ray did not start every worker's actor: {self.placements()}")
             time.sleep(0.1)
 
-    def _note(self, placed: _Placed, record: dict[str, Any]) -> bool:
-        """Take in an actor's record; True when something ``polytinker status`` shows changed."""
-        address = record.get("Address") or {}
-        state, restarts = str(record.get("State", "")), int(record.get("NumRestarts", 0))
+    def _note(self, placed: _Placed, answer: dict[str, Any] | None, failure: Exception | None) -> bool:
+        """Take in how the monitor's call to ``placed`` ended (``where``'s answer, or its failure
+        or ``life``'s) and make the next call; True when something ``polytinker status`` shows
+        changed."""
         with self._lock:
             before = (placed.state, placed.restarts, placed.node, placed.pid)
-            if placed.state == "ALIVE" and state != "ALIVE":  # it left its process (or its node)
-                placed.last_exit_time = time.time()
-                log.warning("%s's Ray actor is %s (restarts %d)", placed.worker_id, state, restarts)
-            placed.state, placed.restarts = state, restarts
-            if state == "ALIVE":
-                placed.node = f"{address.get('IPAddress', '')}/{address.get('NodeID', '')}"
-                placed.pid = int(record.get("Pid") or 0)
-                if before[2] and before[2] != placed.node:
-                    log.warning("%s re-placed on node %s", placed.worker_id, placed.node)
+            if self._stop.is_set():
+                placed.call = None
+            elif placed.waiting_for == "life":  # it left its process (or its node): Ray restarts it
+                placed.state, placed.last_exit_time = "RESTARTING", time.time()
+                placed.call, placed.waiting_for = self._ask_where(placed.actor), "where"
+                log.warning("%s's Ray actor left its process (%s)", placed.worker_id, type(failure).__name__)
+            elif isinstance(failure, self._ray.exceptions.RayActorError):  # Ray stopped retrying: no restart left
+                placed.state, placed.call = "DEAD", None
+                log.error("Ray gave up on %s's actor: %s", placed.worker_id, failure)
+            elif answer is None:  # where() itself raised: the actor lives; ask again
+                placed.call = self._ask_where(placed.actor)
+                log.warning("%s's actor did not say where it runs: %s", placed.worker_id, failure)
+            else:
+                if placed.incarnation and answer["incarnation"] != placed.incarnation:
+                    placed.restarts += 1
+                if placed.node and placed.node != answer["node"]:
+                    log.warning("%s re-placed on node %s", placed.worker_id, answer["node"])
+                placed.state, placed.node, placed.pid = "ALIVE", str(answer["node"]), int(answer["pid"])
+                placed.incarnation = str(answer["incarnation"])
+                placed.call, placed.waiting_for = placed.actor.life.remote(), "life"
             return before != (placed.state, placed.restarts, placed.node, placed.pid)
 
     def _note_ranks(self, placed: _Placed) -> bool:
