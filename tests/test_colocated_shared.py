@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fixtures.busy import Busy
 from fixtures.client import data
-from fixtures.hostile import MODEL, hostile_calls, refusal, train_and_sample
+from fixtures.hostile import MODEL, beside_a_hostile_tenant
 
 from polytinker.client import ServiceClient
 from polytinker.engine.learner.config import AdamParams
@@ -56,34 +55,7 @@ def test_a_hostile_neighbour_and_a_killed_worker_cost_the_good_tenant_nothing(tm
     )
     batch = data(3, n=4)
     with LocalRuntime(cfg) as runtime:
-        with ServiceClient(runtime.address, api_key=KEY_GOOD) as good:
-            alone = train_and_sample(good, batch)
-
-        refusals: list[tuple[str, str]] = []
-        with (
-            ServiceClient(runtime.address, api_key=KEY_GOOD) as good,
-            ServiceClient(runtime.address, api_key=KEY_BAD) as bad,
-            Busy(),
-        ):
-            trainer = bad.create_lora_training_client(MODEL, rank=4)
-            sampler = trainer.save_weights_and_get_sampling_client("b")
-
-            def neighbour() -> None:
-                for field, call in hostile_calls(bad, sampler, trainer):
-                    refusals.append((field, refusal(call)))
-
-            thread = threading.Thread(target=neighbour)
-            thread.start()
-            losses, tokens = train_and_sample(good, batch)
-            thread.join(300)
-        assert not thread.is_alive()
-        assert len(refusals) == 11
-        for field, message in refusals:
-            assert field in message, f"{field}: {message}"
-            assert "Traceback" not in message and str(state) not in message
-        close = [abs(a - b) <= 1e-4 * max(1.0, abs(a)) for a, b in zip(alone[0], losses, strict=True)]
-        assert all(close), (alone, losses)
-        assert tokens == alone[1]
+        beside_a_hostile_tenant(runtime.address, KEY_GOOD, KEY_BAD, str(state), during=Busy)
 
         with ServiceClient(runtime.address, api_key=KEY_GOOD) as good:
             trainer = good.create_lora_training_client(MODEL, rank=4, seed=0)

@@ -13,7 +13,6 @@ import math
 import os
 import signal
 import sqlite3
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any
 
 import pytest
 from fixtures.client import data
-from fixtures.hostile import hostile_calls, refusal, train_and_sample
+from fixtures.hostile import beside_a_hostile_tenant
 
 from polytinker.client import ServiceClient
 from polytinker.engine.types import SamplingParams
@@ -80,31 +79,7 @@ def _forged(cls: type, base: Any, **fields: Any) -> Any:
 
 
 def test_a_hostile_tenant_is_refused_field_by_field_and_the_good_one_loses_nothing(runtime: LocalRuntime) -> None:
-    batch = data(3, n=4)
-    with ServiceClient(runtime.address, api_key=KEY_A) as good:
-        alone = train_and_sample(good, batch)
-    refusals: list[tuple[str, str]] = []
-    shared: list[Any] = []
-    with ServiceClient(runtime.address, api_key=KEY_A) as good, ServiceClient(runtime.address, api_key=KEY_B) as bad:
-        trainer = bad.create_lora_training_client(MODEL, rank=4)
-        sampler = trainer.save_weights_and_get_sampling_client("b")
-
-        def neighbour() -> None:
-            for field, call in hostile_calls(bad, sampler, trainer):
-                refusals.append((field, refusal(call)))
-
-        thread = threading.Thread(target=neighbour)
-        thread.start()
-        shared.append(train_and_sample(good, batch))
-        thread.join(300)
-    assert not thread.is_alive()
-    assert len(refusals) == 11
-    for field, message in refusals:
-        assert field in message, f"{field}: {message}"
-        assert "Traceback" not in message and str(runtime.config.state_path) not in message
-    losses, tokens = shared[0]
-    assert all(abs(a - b) <= 1e-4 * max(1.0, abs(a)) for a, b in zip(alone[0], losses, strict=True)), (alone, losses)
-    assert tokens == alone[1]
+    beside_a_hostile_tenant(runtime.address, KEY_A, KEY_B, str(runtime.config.state_path))
 
 
 # --- fuzz ----------------------------------------------------------------------------------------------
