@@ -117,6 +117,7 @@ class _Placed:
     # then ``life`` until its process ends.
     call: Any = None
     waiting_for: str = "where"
+    ask_again_at: float = 0.0  # after a where() that raised: not before then (monotonic seconds)
 
 
 class RayPlacement:
@@ -226,7 +227,10 @@ class RayPlacement:
     def _poll(self) -> list[_Placed]:
         """Wait up to ``POLL_S`` for the actors' calls; take in those that ended and where each
         learner group's ranks run; report a change; the actors Ray gave up on."""
-        ray = self._ray
+        ray, now = self._ray, time.monotonic()
+        for placed in list(self._placed.values()):
+            if placed.call is None and placed.state != "DEAD" and 0 < placed.ask_again_at <= now:
+                placed.call, placed.ask_again_at = self._ask_where(placed.actor), 0.0
         calls = {p.call: p for p in list(self._placed.values()) if p.call is not None}
         done: list[Any] = []
         if calls:
@@ -278,8 +282,8 @@ class RayPlacement:
             elif isinstance(failure, self._ray.exceptions.RayActorError):  # Ray stopped retrying: no restart left
                 placed.state, placed.call = "DEAD", None
                 log.error("Ray gave up on %s's actor: %s", placed.worker_id, failure)
-            elif answer is None:  # where() itself raised: the actor lives; ask again
-                placed.call = self._ask_where(placed.actor)
+            elif answer is None:  # where() itself raised: the actor lives; ask again a poll later
+                placed.call, placed.ask_again_at = None, time.monotonic() + POLL_S
                 log.warning("%s's actor did not say where it runs: %s", placed.worker_id, failure)
             else:
                 if placed.incarnation and answer["incarnation"] != placed.incarnation:
