@@ -110,7 +110,7 @@ class JobManager:
         self._awaiting_worker: set[str] = set()
         self._idle_paused: set[str] = set()  # inference jobs paused for idleness (finished if it lasts)
         self._by_policy_id: dict[str, str] = {}
-        # Called with a job's id when it reaches a final state: what other parts keep per job lets go.
+        # Called with a job's id when it reaches a final state (``_forget``): what other parts keep per job lets go.
         self._on_final: list[Callable[[str], None]] = []
         self._waits = WaitNotes()
         self._attempts = itertools.count(1)
@@ -271,9 +271,8 @@ class JobManager:
                 if verdict == "pause":
                     self._pause_for_idle(job_id, self._live[job_id].kind, reason)
                 else:
-                    self._set_state(job_id, JobState.DONE, reason)
+                    self._set_state(job_id, JobState.DONE, reason)  # forgotten with it
                     self.store.log_event(job_id, "finish", reason)
-                    self._forget(job_id)
                 changed.append(job_id)
             if changed:  # what they freed may be enough: take nothing more from idle jobs than needed
                 self.schedule()
@@ -399,8 +398,6 @@ class JobManager:
                 self._set_state(job_id, new_state, f"{action} requested by its tenant")
                 self.store.log_event(job_id, action, f"{action} requested by its tenant")
                 self._idle_paused.discard(job_id)
-                if new_state in FINAL_STATES:
-                    self._forget(job_id)
                 self.schedule()
         got = self.store.job(job_id)
         assert got is not None
@@ -422,9 +419,12 @@ class JobManager:
         log.info("%s of %s takes it out of the policy: %s", action, job_id, decision)
 
     def _forget(self, job_id: str) -> None:
-        """A finished job's in-memory activity (bounded memory under many short-lived jobs)."""
+        """What is kept in memory for a job that ended (done, cancelled, rejected): its activity
+        here and whatever the ``when_final`` hooks keep (bounded memory under many short-lived jobs)."""
         self.activity.forget(job_id)
         self._idle_paused.discard(job_id)
+        for hook in self._on_final:
+            hook(job_id)
 
     def learner_of(self, job_id: str) -> str | None:
         """The learner group a job is placed on now (None: it is not). Changes nothing."""
@@ -451,8 +451,7 @@ class JobManager:
     def _set_state(self, job_id: str, state: JobState, reason: str) -> None:
         self.store.set_job_state(job_id, state, reason)
         if state in FINAL_STATES:
-            for hook in self._on_final:
-                hook(job_id)
+            self._forget(job_id)
 
     def _log(self, d: Decision) -> None:
         job_id = self._by_policy_id.get(d.job_id, d.job_id.rsplit(".", 1)[0])

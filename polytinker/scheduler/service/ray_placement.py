@@ -113,10 +113,9 @@ class _Placed:
     incarnation: str = ""
     restarts: int = 0
     last_exit_time: float = 0.0
-    # The monitor's call in flight: ``where`` (retried through restarts) until the actor answers,
-    # then ``life`` until its process ends.
+    # The monitor's call in flight: ``life`` while the actor is ALIVE (until its process ends),
+    # else ``where`` (retried through restarts) until the actor answers.
     call: Any = None
-    waiting_for: str = "where"
     ask_again_at: float = 0.0  # after a where() that raised: not before then (monotonic seconds)
 
 
@@ -275,9 +274,9 @@ class RayPlacement:
             before = (placed.state, placed.restarts, placed.node, placed.pid)
             if self._stop.is_set():
                 placed.call = None
-            elif placed.waiting_for == "life":  # it left its process (or its node): Ray restarts it
+            elif placed.state == "ALIVE":  # its life() ended: it left its process (or its node); Ray restarts it
                 placed.state, placed.last_exit_time = "RESTARTING", time.time()
-                placed.call, placed.waiting_for = self._ask_where(placed.actor), "where"
+                placed.call = self._ask_where(placed.actor)
                 log.warning("%s's Ray actor left its process (%s)", placed.worker_id, type(failure).__name__)
             elif isinstance(failure, self._ray.exceptions.RayActorError):  # Ray stopped retrying: no restart left
                 placed.state, placed.call = "DEAD", None
@@ -292,7 +291,7 @@ class RayPlacement:
                     log.warning("%s re-placed on node %s", placed.worker_id, answer["node"])
                 placed.state, placed.node, placed.pid = "ALIVE", str(answer["node"]), int(answer["pid"])
                 placed.incarnation = str(answer["incarnation"])
-                placed.call, placed.waiting_for = placed.actor.life.remote(), "life"
+                placed.call = placed.actor.life.remote()
             return before != (placed.state, placed.restarts, placed.node, placed.pid)
 
     def _note_ranks(self, placed: _Placed) -> bool:
